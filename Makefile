@@ -1,0 +1,32 @@
+# Every target builds its own virtual environment first. The pinned CPU build of torch is
+# installed before the package, so the package's "torch>=2.1" is already met and pip never
+# pulls the multi-gigabyte CUDA build. Override for other hardware, e.g.
+#   make test TORCH_SPEC=torch==2.13.0 TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+BIN := $(VENV)/bin
+
+.PHONY: setup test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/commlab bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

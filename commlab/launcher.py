@@ -1,0 +1,94 @@
+"""The embedded default: N workers (and any servers their regime needs) on loopback.
+
+Workers are started as processes by module name (``python -m workers``) with
+torchrun's environment variables, so a worker cannot tell this launcher from
+torchrun. The launcher watches them: the first process to fail is named, the
+rest are stopped, and nothing is left behind, also on Ctrl-C.
+
+A regime whose workers need servers (``ps://``) exposes
+``plan_local(url, workers) -> (url_for_workers, [server argv, ...])``; the
+launcher starts those first and stops them last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from commlab.config import ExchangerURL
+from commlab.registry import regime_class
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str  # "rank 1", "server shard 0/2"
+    popen: subprocess.Popen
+
+
+def stop_all(procs: list[Proc], grace: float = 5.0) -> None:
+    """SIGTERM everything still running, then SIGKILL what did not stop within ``grace``."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait()
+
+
+def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
+           poll_s: float = 0.05, quiet_ranks: bool = True) -> int:
+    """Run the job; return 0, or non-zero after naming the process that failed first."""
+    if workers < 1:
+        print("commlab train: --workers must be >= 1", file=sys.stderr)
+        return 2
+    parsed = ExchangerURL.parse(url)
+    cls = regime_class(parsed.scheme)
+    server_argvs: list[list[str]] = []
+    if hasattr(cls, "plan_local"):
+        url, server_argvs = cls.plan_local(parsed, workers)
+    base = dict(os.environ if env is None else env)
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
+                LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1")
+    procs: list[Proc] = []
+    try:
+        for i, argv in enumerate(server_argvs):
+            procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv], env=base)))
+        for r in range(workers):
+            env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            args = [sys.executable, "-m", "workers", "--exchanger", url, *worker_args]
+            if r > 0 and quiet_ranks:
+                args.append("--no-progress")
+            procs.append(Proc(f"rank {r}", subprocess.Popen(args, env=env_r)))
+        ranks = [p for p in procs if p.name.startswith("rank")]
+        while True:
+            for p in procs:
+                code = p.popen.poll()
+                if code not in (None, 0) or (code == 0 and not p.name.startswith("rank")):
+                    others = [q for q in procs if q is not p]
+                    stop_all(others)
+                    how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+                    print(f"commlab train: {p.name} failed first ({how}); stopped the others", file=sys.stderr)
+                    return code if code > 0 else 1
+            if all(p.popen.poll() == 0 for p in ranks):
+                return 0
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        print("commlab train: interrupted; stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        stop_all(procs)

@@ -1,0 +1,98 @@
+"""``allreduce://?backend=gloo|nccl``: gradients averaged by torch.distributed.
+
+Each bucket is all-reduced (sum) as soon as backward fills it; ``step()``
+waits for the last one, divides by the world size and steps the worker's own
+optimizer, exactly like single-process SGD on the combined batch. gloo runs on
+CPU tensors; NCCL needs CUDA tensors and a GPU per rank, and moves data with
+GPUDirect RDMA where the hardware offers it (``commlab doctor`` records
+whether it did). Nothing falls back: asking for NCCL without CUDA raises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from commlab import rendezvous
+from commlab.config import CommonOptions, option
+from commlab.errors import BackendUnavailable, ConfigError
+from commlab.exchanger import BucketedExchanger
+from commlab.handles import Handle, WorkHandle
+from commlab.peers import agree_on_model
+
+
+@dataclass(frozen=True)
+class AllReduceOptions(CommonOptions):
+    backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
+
+
+class AllReduceExchanger(BucketedExchanger):
+    scheme = "allreduce"
+    Options = AllReduceOptions
+
+    def __init__(self, options, rank):
+        super().__init__(options, rank)
+        self.store = None
+        self.group = None
+
+    def _connect(self, model, optim):
+        backend = self.options.backend
+        params = [p for b in self.buckets for p in b.params]
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise BackendUnavailable("allreduce://?backend=nccl needs CUDA, and torch sees no CUDA device here; "
+                                         "use backend=gloo for CPU tensors")
+            if not dist.is_nccl_available():
+                raise BackendUnavailable("this torch build has no NCCL")
+        want_cuda = backend == "nccl"
+        if any(p.is_cuda != want_cuda for p in params):
+            raise ConfigError(f"backend={backend} needs {'CUDA' if want_cuda else 'CPU'} parameters; "
+                              f"move the model with .to() before setup()")
+        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        agree_on_model(self.store, self.rank_info, model, self.options.timeout)
+        self.group = self._init_group(backend)
+        with torch.no_grad():  # every rank starts from rank 0's parameters
+            for p in params:
+                dist.broadcast(p.data, src=0, group=self.group)
+        self.optimizer = optim.build(params)
+
+    def _init_group(self, backend):
+        if backend == "nccl":
+            torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+        return dist.group.WORLD
+
+    def _stalled(self) -> str:
+        return rendezvous.stall_report(self.store, self.world_size, self._step, skip=self.rank)
+
+    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
+        """Sum ``tensor`` in place over all ranks. Collective; don't touch ``tensor`` until the handle is done."""
+        n = self.world_size
+        self.stats.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        work = dist.all_reduce(tensor, async_op=True, group=self.group)
+        return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
+
+    def _start_bucket(self, bucket):
+        if bucket.index == 0:
+            rendezvous.heartbeat(self.store, self.rank, self._step)
+        return self.allreduce_async(bucket.buffer, f"all-reduce of bucket {bucket.index} ({bucket.names[0]}...) "
+                                                   f"at step {self._step}")
+
+    def _apply(self):
+        self._apply_averaged_grads(self.optimizer)
+
+    def facts(self) -> dict:
+        facts = {"scheme": self.scheme, "backend": self.options.backend}
+        if self.options.backend == "nccl" and torch.cuda.is_available():
+            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        return facts
+
+    def close(self):
+        super().close()
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+            self.group = None

@@ -1,0 +1,38 @@
+"""``local://``: one worker, no exchange (the reference); ``noop://``: N workers that never talk.
+
+``local://`` is the single-process large-batch step that every synchronous
+regime must reproduce. ``noop://`` runs the same hooks and buckets as the real
+regimes but moves nothing: the floor a benchmark measures communication
+against.
+"""
+
+from __future__ import annotations
+
+from commlab.errors import ConfigError
+from commlab.exchanger import BucketedExchanger
+from commlab.handles import DoneHandle
+
+
+class LocalExchanger(BucketedExchanger):
+    scheme = "local"
+    carry_presence = False
+
+    def _connect(self, model, optim):
+        if self.world_size != 1 and self.scheme == "local":
+            raise ConfigError(f"local:// runs one worker, but the launcher started {self.world_size} "
+                              f"(rank {self.rank}); use noop:// for independent workers")
+        self.optimizer = optim.build([p for b in self.buckets for p in b.params])
+
+    def _start_bucket(self, bucket):
+        return DoneHandle(what=f"bucket {bucket.index}")
+
+    def _apply(self):
+        for b in self.buckets:
+            for p, present in zip(b.params, b.present):
+                if not present:
+                    p.grad = None
+        self.optimizer.step()
+
+
+class NoopExchanger(LocalExchanger):
+    scheme = "noop"

@@ -1,0 +1,5 @@
+import sys
+
+from workers.loop import main
+
+sys.exit(main())
