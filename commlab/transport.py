@@ -1,0 +1,168 @@
+"""The only place sockets are made: pyzmq with limits, deadlines, loopback-by-default and CURVE.
+
+Regimes ask for a socket of a kind bound or connected to an endpoint, and for
+"send these frames" / "receive one message within T seconds from WHO". Below
+this line: linger 0 (a dead peer never blocks close), inbound frame size
+limits enforced by libzmq itself (``MAXMSGSIZE``, per frame), zero-copy sends
+for big frames and copies for small ones, and errors translated into the
+:mod:`commlab.errors` hierarchy naming the peer.
+
+Security: binding to anything but loopback (127.0.0.0/8, ::1, localhost) or an
+``ipc://`` path requires CURVE keys, or ``insecure=True`` said in so many words.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlsplit
+
+import zmq
+
+from commlab import wire
+from commlab.errors import CommError, CommTimeout, ConfigError, PeerLost
+
+# libzmq drops (disconnects) a peer that sends a frame larger than this.
+DEFAULT_MAX_FRAME = wire.MAX_FRAME + 2**16
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE identity: our key pair, and for a client the server's public key (z85 bytes)."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+    @classmethod
+    def load(cls, secret_file: str | os.PathLike, server_public_file: str | os.PathLike | None = None) -> "CurveKeys":
+        import zmq.auth
+        public, secret = zmq.auth.load_certificate(str(secret_file))
+        if secret is None:
+            raise ConfigError(f"{secret_file} holds no secret key (pass the .key_secret file)")
+        server = zmq.auth.load_certificate(str(server_public_file))[0] if server_public_file else None
+        return cls(public, secret, server)
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ipc://, inproc:// and tcp:// on 127.0.0.0/8, ::1 or localhost."""
+    scheme = endpoint.split("://", 1)[0]
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = host_of(endpoint)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(endpoint: str) -> str:
+    return urlsplit(endpoint).hostname or ""
+
+
+def tcp_endpoint(address: str) -> str:
+    """``host:port`` or a full endpoint -> a zmq endpoint."""
+    return address if "://" in address else f"tcp://{address}"
+
+
+class Transport:
+    """A zmq context plus the rules every socket follows. One per process side (client or server).
+
+    Thread-safety: the context is thread-safe; each socket belongs to one thread.
+    """
+
+    def __init__(self, io_threads: int = 1, max_frame: int = DEFAULT_MAX_FRAME, curve: CurveKeys | None = None):
+        self.ctx = zmq.Context(io_threads=io_threads)
+        self.max_frame = max_frame
+        self.curve = curve
+        self._auth = None
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        return sock
+
+    def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None) -> zmq.Socket:
+        """A server socket. Non-loopback needs CURVE keys (``authorized``: a folder of client
+        ``*.key`` files; every client key there may connect) or ``insecure=True``."""
+        if not is_loopback(endpoint) and self.curve is None and not insecure:
+            raise ConfigError(f"refusing to bind {endpoint} without authentication: it is reachable from other "
+                              f"machines. Create keys with 'commlab keys', or pass --insecure to accept anyone")
+        sock = self.socket(kind)
+        if self.curve is not None:
+            self._start_auth(authorized)
+            sock.curve_secretkey = self.curve.secret
+            sock.curve_publickey = self.curve.public
+            sock.curve_server = True
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise CommError(f"cannot bind {endpoint}: {exc}") from exc
+        return sock
+
+    def connect(self, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
+        sock = self.socket(kind)
+        if identity is not None:
+            sock.identity = identity
+        if self.curve is not None:
+            if self.curve.server_public is None:
+                raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
+            sock.curve_secretkey = self.curve.secret
+            sock.curve_publickey = self.curve.public
+            sock.curve_serverkey = self.curve.server_public
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise CommError(f"cannot connect to {endpoint}: {exc}") from exc
+        return sock
+
+    def _start_auth(self, authorized) -> None:
+        if self._auth is not None:
+            return
+        from zmq.auth.thread import ThreadAuthenticator
+        if authorized is None or not Path(authorized).is_dir():
+            raise ConfigError("a CURVE server needs a folder of authorised client public keys")
+        self._auth = ThreadAuthenticator(self.ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(authorized))
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.destroy(linger=0)
+
+
+def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer") -> int:
+    """Send one multipart message; small frames copied, large ones zero-copy. Returns data bytes."""
+    last = len(frames) - 1
+    total = 0
+    try:
+        for i, f in enumerate(frames):
+            n = memoryview(f).nbytes
+            total += n
+            flags = zmq.SNDMORE if i < last else 0
+            if timeout is not None and not sock.poll(int(timeout * 1000), zmq.POLLOUT):
+                raise CommTimeout(f"sending to {who} blocked for {timeout:g}s (its queue is full: is it alive?)")
+            sock.send(f, flags, copy=n <= wire.COPY_THRESHOLD)
+    except zmq.ZMQError as exc:
+        raise PeerLost(f"send to {who} failed: {exc}") from exc
+    return total
+
+
+def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
+    """Receive one multipart message within ``timeout`` seconds or raise naming ``who``."""
+    try:
+        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+            raise CommTimeout(f"no message from {who} within {timeout:g}s")
+        return sock.recv_multipart(copy=False)
+    except zmq.ZMQError as exc:
+        raise PeerLost(f"receive from {who} failed: {exc}") from exc

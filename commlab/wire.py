@@ -1,0 +1,183 @@
+"""The wire protocol of the pyzmq regimes: one msgpack header frame, then raw tensor frames.
+
+::
+
+    frame 0   msgpack header  {"v": 1, "op": "push", "from": "rank1", "step": 7,
+                               "frames": [[key, dtype, offset, count], ...], "meta": {...}}
+    frame 1   raw bytes of frames[0]: count elements of dtype, little-endian
+    frame 2   raw bytes of frames[1]
+    ...
+
+Every data frame is a 1-D run ``[offset, offset+count)`` of the flat tensor
+named ``key``. A tensor larger than ``MAX_FRAME`` bytes travels as several
+frames, because pyzmq messages above 32 MiB fall to about a third of the speed
+on this machine (a fresh mapping per message). Nothing is ever pickled:
+msgpack carries only the header, tensors travel as their own bytes.
+
+A receiver calls :func:`decode` before it touches any tensor bytes: version,
+op, types, dtypes, frame count and every frame's length are checked against
+the header and the limits, and a lying header is a :class:`ProtocolError`,
+never an allocation. :func:`frame_tensor` then views a frame's bytes as a
+tensor without copying (the caller adds it into its own reused buffer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import torch
+
+from commlab.errors import ProtocolError
+
+VERSION = 1
+MAX_FRAME = 16 * 2**20  # bytes per data frame
+MAX_HEADER = 4 * 2**20  # bytes of msgpack header
+COPY_THRESHOLD = 2**20  # frames up to this size are copied into the message; larger ones go zero-copy
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot travel on the wire; supported: {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class FrameSpec:
+    key: str
+    dtype: str
+    offset: int  # in elements of the flat tensor ``key``
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class Header:
+    op: str
+    sender: str
+    step: int
+    frames: tuple[FrameSpec, ...] = ()
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.nbytes for f in self.frames)
+
+
+def split(key: str, flat: torch.Tensor, offset: int = 0, max_frame: int = MAX_FRAME) -> list[tuple[FrameSpec, torch.Tensor]]:
+    """Cut a 1-D contiguous tensor into frames of at most ``max_frame`` bytes.
+
+    ``offset`` is where ``flat`` starts inside the tensor ``key`` (for shards
+    and ring chunks). A tensor of zero elements gives no frames.
+    """
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"{key}: only flat contiguous tensors travel, got shape {list(flat.shape)}")
+    name = dtype_name(flat.dtype)
+    per = max(1, max_frame // flat.element_size())
+    return [(FrameSpec(key, name, offset + s, min(per, flat.numel() - s)), flat[s:s + per])
+            for s in range(0, flat.numel(), per)]
+
+
+def encode(op: str, sender: str, step: int, parts: Sequence[tuple[FrameSpec, torch.Tensor]] = (),
+           meta: dict | None = None) -> list:
+    """The frames of one message: header bytes, then each part's raw bytes (no copy here)."""
+    header = {"v": VERSION, "op": op, "from": sender, "step": step,
+              "frames": [[s.key, s.dtype, s.offset, s.count] for s, _ in parts], "meta": meta or {}}
+    out: list = [msgpack.packb(header, use_bin_type=True)]
+    for spec, t in parts:
+        if t.numel() != spec.count or t.is_cuda:
+            raise ValueError(f"{spec.key}: frame holds {t.numel()} elements on {t.device}, header says {spec.count} on cpu")
+        out.append(memoryview(t.numpy()).cast("B") if t.dtype != torch.bfloat16 else memoryview(t.view(torch.int16).numpy()).cast("B"))
+    return out
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise ProtocolError(what)
+
+
+def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = MAX_FRAME,
+           max_bytes: int | None = None) -> Header:
+    """Validate a received message's header against its frames; raise :class:`ProtocolError` on any lie.
+
+    ``frames`` are bytes or zmq Frames, header first. ``ops`` restricts the op;
+    ``max_bytes`` bounds the total data the message may carry.
+    """
+    _expect(len(frames) >= 1, "empty message")
+    raw = _bytes(frames[0])
+    _expect(len(raw) <= MAX_HEADER, f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
+    try:
+        h = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"header is not msgpack: {type(exc).__name__}") from None
+    _expect(isinstance(h, dict), f"header is a {type(h).__name__}, not a map")
+    version = h.get("v")
+    _expect(version == VERSION, f"protocol version {version!r}; this build speaks {VERSION}")
+    op, sender, step, specs, meta = h.get("op"), h.get("from"), h.get("step"), h.get("frames"), h.get("meta", {})
+    _expect(isinstance(op, str), "header has no op")
+    if ops is not None:
+        known = sorted(ops)
+        _expect(op in known, f"unknown op {op!r}; known: {known}")
+    _expect(isinstance(sender, (str, int)) and not isinstance(sender, bool), "header has no sender")
+    _expect(isinstance(step, int) and not isinstance(step, bool) and step >= -1, f"bad step {step!r}")
+    _expect(isinstance(specs, list), "header 'frames' is not a list")
+    _expect(isinstance(meta, dict), "header 'meta' is not a map")
+    _expect(len(frames) == len(specs) + 1,
+            f"header declares {len(specs)} data frame(s) but {len(frames) - 1} arrived")
+    out, total = [], 0
+    for i, s in enumerate(specs):
+        _expect(isinstance(s, list) and len(s) == 4, f"frame spec {i} is not [key, dtype, offset, count]")
+        key, dt, off, cnt = s
+        _expect(isinstance(key, str) and 0 < len(key) <= 256, f"frame {i}: bad key {key!r}")
+        _expect(dt in DTYPES, f"frame {i} ({key}): unknown dtype {dt!r}")
+        _expect(all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (off, cnt)),
+                f"frame {i} ({key}): offset/count must be non-negative integers")
+        spec = FrameSpec(key, dt, off, cnt)
+        _expect(spec.nbytes <= max_frame, f"frame {i} ({key}) declares {spec.nbytes} bytes, limit {max_frame}")
+        got = _nbytes(frames[i + 1])
+        _expect(got == spec.nbytes, f"frame {i} ({key}) has {got} bytes, header declares {spec.nbytes}")
+        total += got
+        out.append(spec)
+    if max_bytes is not None:
+        _expect(total <= max_bytes, f"message carries {total} bytes, limit {max_bytes}")
+    return Header(op, str(sender), step, tuple(out), meta)
+
+
+def frame_tensor(spec: FrameSpec, frame) -> torch.Tensor:
+    """A 1-D tensor viewing the frame's bytes (no copy). Valid while the frame lives."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if spec.count == 0:
+        return torch.empty(0, dtype=DTYPES[spec.dtype])
+    return torch.frombuffer(buf, dtype=DTYPES[spec.dtype], count=spec.count)
+
+
+def describe(header: Header | Any) -> str:
+    """One line for logs: ``push from rank1 step 7: 3 frames, 4.0 MiB [w:float32[0:1048576] ...]``."""
+    if not isinstance(header, Header):
+        return f"<undecoded message: {type(header).__name__}>"
+    shown = " ".join(f"{f.key}:{f.dtype}[{f.offset}:{f.offset + f.count}]" for f in header.frames[:4])
+    more = f" +{len(header.frames) - 4} more" if len(header.frames) > 4 else ""
+    meta = f" meta={sorted(header.meta)}" if header.meta else ""
+    return (f"{header.op} from {header.sender} step {header.step}: {len(header.frames)} frames, "
+            f"{header.data_bytes / 2**20:.1f} MiB [{shown}{more}]{meta}")
+
+
+def _bytes(frame) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)
+
+
+def _nbytes(frame) -> int:
+    if hasattr(frame, "buffer"):
+        return frame.buffer.nbytes
+    return memoryview(frame).nbytes
