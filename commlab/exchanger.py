@@ -121,6 +121,10 @@ class Exchanger:
         """Zero every gradient in place (views into the buckets stay views)."""
         raise NotImplementedError
 
+    # Collective regimes (allreduce://, ring://) also offer, for benchmarks and tests:
+    #   join()                          meet the peers without a model (collective, idempotent)
+    #   allreduce_async(tensor) -> Handle   sum a flat tensor in place over all ranks (collective)
+
     def step_async(self) -> Handle:
         """Finish this step's exchange in the background; the handle's ``wait``
         returns a :class:`StepReport` once the parameters are consistent.

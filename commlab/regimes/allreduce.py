@@ -41,36 +41,41 @@ class AllReduceExchanger(BucketedExchanger):
     def _connect(self, model, optim):
         backend = self.options.backend
         params = [p for b in self.buckets for p in b.params]
-        if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise BackendUnavailable("allreduce://?backend=nccl needs CUDA, and torch sees no CUDA device here; "
-                                         "use backend=gloo for CPU tensors")
-            if not dist.is_nccl_available():
-                raise BackendUnavailable("this torch build has no NCCL")
         want_cuda = backend == "nccl"
         if any(p.is_cuda != want_cuda for p in params):
             raise ConfigError(f"backend={backend} needs {'CUDA' if want_cuda else 'CPU'} parameters; "
                               f"move the model with .to() before setup()")
-        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        self.join()
         agree_on_model(self.store, self.rank_info, model, self.options.timeout)
-        self.group = self._init_group(backend)
         with torch.no_grad():  # every rank starts from rank 0's parameters
             for p in params:
                 dist.broadcast(p.data, src=0, group=self.group)
         self.optimizer = optim.build(params)
 
-    def _init_group(self, backend):
+    def join(self) -> None:
+        """Meet the other ranks (store + process group). Collective; idempotent; setup() calls it.
+        Call it directly to use :meth:`allreduce_async` without a model (benchmarks)."""
+        if self.group is not None:
+            return
+        backend = self.options.backend
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BackendUnavailable("allreduce://?backend=nccl needs CUDA, and torch sees no CUDA device here; "
+                                     "use backend=gloo for CPU tensors")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise BackendUnavailable("allreduce://?backend=nccl: this torch build has no NCCL")
+        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
-        return dist.group.WORLD
+        self.group = dist.group.WORLD
 
     def _stalled(self) -> str:
         return rendezvous.stall_report(self.store, self.world_size, self._step, skip=self.rank)
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
-        """Sum ``tensor`` in place over all ranks. Collective; don't touch ``tensor`` until the handle is done."""
+        """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); don't touch
+        ``tensor`` until the handle is done. Needs :meth:`join` (or setup) first."""
         n = self.world_size
         self.stats.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
