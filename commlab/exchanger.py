@@ -295,7 +295,7 @@ class BucketedExchanger(Exchanger):
         # during backward; start them now, in order.
         self._launch_until(len(self.buckets))
         started = time.perf_counter()
-        sent0, recv0 = self.stats.bytes_sent, self.stats.bytes_received
+        sent0, recv0 = self._bytes_at_start
         handles = self._handles
         step = self._step
 
@@ -317,6 +317,8 @@ class BucketedExchanger(Exchanger):
 
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        # buckets start during backward, before step_async: count this step's bytes from here
+        self._bytes_at_start = (self.stats.bytes_sent, self.stats.bytes_received)
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
