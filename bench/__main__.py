@@ -76,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.workers < 2:
             raise ValueError("--workers must be >= 2 (a comparison of exchanges needs peers)")
-        bw_names = _names(a.bw_regimes if a.what == "all" else a.regimes, R.DEFAULT_BANDWIDTH, R.BANDWIDTH, "bandwidth")
-        cv_names = _names(a.conv_regimes if a.what == "all" else a.regimes, R.DEFAULT_CONVERGENCE, R.CONVERGENCE,
-                          "convergence")
+        if a.what == "all" and a.regimes:
+            raise ValueError("with both phases, name regimes with --bw-regimes and --conv-regimes")
+        bw_names = _names(a.bw_regimes or a.regimes, R.DEFAULT_BANDWIDTH, R.BANDWIDTH, "bandwidth") \
+            if a.what in ("all", "bandwidth") else []
+        cv_names = _names(a.conv_regimes or a.regimes, R.DEFAULT_CONVERGENCE, R.CONVERGENCE, "convergence") \
+            if a.what in ("all", "convergence") else []
         sizes = parse_sizes(a.sizes)
         ceilings = tuple(c for c in a.ceilings.split(",") if c)
         bad = [c for c in ceilings if c not in R.CEILINGS]

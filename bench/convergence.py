@@ -18,6 +18,7 @@ step for step. From the lines this module derives:
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,22 +57,49 @@ def read_metrics(path: Path, workers: int) -> list[list[dict]]:
     return out
 
 
-def read_staleness(stats_dir: Path, ranks: list[list[dict]]) -> list[int] | None:
+SERVER_STATS = re.compile(r"^commlab server (?P<name>[^:]+): (?P<json>\{.*\})\s*$")
+
+
+def server_stats_from_log(log: Path) -> list[dict]:
+    """The last stats line each PS server printed (``commlab server NAME: {json}``, at exit)."""
+    last: dict[str, dict] = {}
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    for line in text.splitlines():
+        m = SERVER_STATS.match(line.strip())
+        if m:
+            try:
+                last[m.group("name")] = json.loads(m.group("json"))
+            except ValueError:
+                continue
+    return list(last.values())
+
+
+def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = None) -> list[int] | None:
     """The staleness of every applied update, or None if the regime did not report it.
 
     The seam, in order of preference:
       1. files ``*.json`` in ``stats_dir`` (the job's ``COMMLAB_STATS_DIR``), each a JSON object
          with ``"staleness"``: either a list of per-update staleness values, or a histogram
-         ``{"0": count, "1": count, ...}`` (what a PS server may write at shutdown);
-      2. a ``"staleness"`` field (int or list of ints) in the workers' per-step lines.
+         ``{"0": count, "1": count, ...}``;
+      2. the stats line each PS server prints when it stops (``commlab server NAME: {json}`` with a
+         ``"staleness"`` histogram), read from the job's log; shards' histograms are added up;
+      3. a ``"staleness"`` field (int or list of ints) in the workers' per-step lines.
     """
     values: list[int] = []
     found = False
+    docs = []
     for p in sorted(stats_dir.glob("*.json")) if stats_dir.exists() else []:
         try:
-            st = json.loads(p.read_text()).get("staleness")
-        except (OSError, ValueError, AttributeError):
+            docs.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
             continue
+    if not any(isinstance(d, dict) and "staleness" in d for d in docs) and log is not None:
+        docs = server_stats_from_log(log)
+    for doc in docs:
+        st = doc.get("staleness") if isinstance(doc, dict) else None
         if isinstance(st, dict):
             found = True
             for k, n in st.items():
@@ -160,7 +188,7 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
                              "log": str(res.log.relative_to(run_dir))})
         else:
             s = summarize(name, e, ranks, cfg.target_acc)
-            s["staleness"] = read_staleness(stats_dir, ranks)
+            s["staleness"] = read_staleness(stats_dir, ranks, res.log)
             summaries.append(s)
             curves[name] = ranks[0]
         bar and bar.update(1)

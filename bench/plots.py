@@ -99,7 +99,7 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
 
 
 def staleness(summaries: list[dict], path: Path) -> Path | None:
-    have = [s for s in summaries if s.get("staleness")]
+    have = [s for s in summaries if s.get("staleness") and s["kind"] == "async"]
     if not have:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
