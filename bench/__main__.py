@@ -32,6 +32,17 @@ def _names(text: str | None, default: list[str], table: dict, what: str) -> list
     return R.pick(table, names, what)
 
 
+def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
+    """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
+    from commlab.config import ExchangerURL
+    most = 0
+    for url in [R.BANDWIDTH[n].url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
+        query = dict(ExchangerURL.parse(url).query)
+        if url.startswith("ps://"):
+            most = max(most, int(query.get("shards", 1)))
+    return most
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
     try:
         if a.link and not link_note:
-            links = Links(max(a.workers, 2), a.link).__enter__()
+            links = Links(a.workers + servers_needed(bw_names, cv_names), a.link).__enter__()
         if bw_cfg:
             records, f, facts = bandwidth.run(bw_cfg, run_dir, budget, links, progress=tqdm)
             failures += f
