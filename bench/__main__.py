@@ -24,7 +24,7 @@ from bench.links import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-DEFAULT_BUDGET_S = 300.0
+DEFAULT_BUDGET_S = 270.0  # jobs stop starting after this; the report follows within seconds
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"commlab bench: {link_note}; running on loopback instead", file=sys.stderr)
     # SIGTERM behaves like Ctrl-C: jobs are stopped and namespaces deleted on the way out
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     budget = bandwidth.Budget.of(a.budget_s)
     t0 = time.monotonic()
     records, failures, facts, summaries, curves = [], [], {}, [], {}
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             records, f, facts = bandwidth.run(bw_cfg, run_dir, budget, links, progress=tqdm)
             failures += f
             (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
-        if cv_cfg:
+        if cv_cfg and not any(f["status"] == "interrupted" for f in failures):
             summaries, f, curves = convergence.run(cv_cfg, run_dir, budget, links, progress=tqdm)
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(

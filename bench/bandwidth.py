@@ -26,6 +26,7 @@ float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -157,6 +158,23 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
             jobs.append((c, "noop://", "ceiling", c, cfg.sizes))
     bar = progress(total=len(jobs) + ("memcpy" in cfg.ceilings), desc="bandwidth", unit="job") if progress else None
     failed_names: set[str] = set()
+    try:
+        _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names)
+    except KeyboardInterrupt:
+        failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
+        if bar:
+            bar.close()
+        return records, failures, facts
+    if "memcpy" in cfg.ceilings:
+        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
+        bar and bar.update(1)
+    if bar:
+        bar.close()
+    return records, failures, facts
+
+
+def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names) -> None:
     for name, url, kind, method, sizes in jobs:
         if bar:
             bar.set_postfix_str(name)
@@ -186,25 +204,27 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
             import os
             env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
-        if res.ok:
-            rows, times, wrong, f = combine_ranks(out, workers)
+        try:
+            parsed = combine_ranks(out, workers) if res.ok else None
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            res, parsed = dataclasses.replace(res, returncode=1), None
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
+                             "error": f"its ranks' results could not be read: {type(exc).__name__}: {exc}",
+                             "log": str(res.log.relative_to(run_dir))})
+            failed_names.add(name)
+        if parsed is not None:
+            rows, times, wrong, f = parsed
             if f:
                 facts[name] = f
             if "nccl" in url:
                 facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
             for row, t, w in zip(rows, times, wrong):
                 records.append(summarize(name, url, kind, method, workers, row, t, w, link))
-        else:
+        elif name not in failed_names:
             failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
                              "error": res.error(), "log": str(res.log.relative_to(run_dir))})
             failed_names.add(name)
         bar and bar.update(1)
-    if "memcpy" in cfg.ceilings:
-        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
-        bar and bar.update(1)
-    if bar:
-        bar.close()
-    return records, failures, facts
 
 
 def nccl_transport_facts(log: Path) -> dict:

@@ -158,6 +158,18 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
         else:
             todo.append(name)
     bar = progress(total=len(todo), desc="convergence", unit="run") if progress else None
+    try:
+        _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves)
+    except KeyboardInterrupt:
+        failures.append({"phase": "convergence", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
+    if bar:
+        bar.close()
+    compare_with_reference(summaries)
+    return summaries, failures, curves
+
+
+def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves) -> None:
     for name in todo:
         e = R.CONVERGENCE[name]
         bar and bar.set_postfix_str(name)
@@ -192,10 +204,6 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
             summaries.append(s)
             curves[name] = ranks[0]
         bar and bar.update(1)
-    if bar:
-        bar.close()
-    compare_with_reference(summaries)
-    return summaries, failures, curves
 
 
 def compare_with_reference(summaries: list[dict]) -> None:

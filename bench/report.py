@@ -199,7 +199,11 @@ def staleness_verdict(summaries: list[dict]) -> list[str]:
         if base:
             text += f" against {base['step_s_median'] * 1e3:.1f} ms"
         if s.get("staleness"):
-            text += f". Staleness: {_stale_stats(s['staleness'])}."
+            text += f". Staleness: {_stale_stats(s['staleness'])}"
+            if base and base.get("staleness"):
+                text += (f"; the servers applied {len(s['staleness'])} updates (one per worker push) against "
+                         f"{base['regime']}'s {len(base['staleness'])} (one per step, of the combined gradient)")
+            text += "."
         else:
             text += (". Staleness: not reported by this regime (seam: the PS server writes "
                      "`{\"staleness\": {...}}` into `$COMMLAB_STATS_DIR/*.json`).")
