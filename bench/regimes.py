@@ -47,6 +47,8 @@ BANDWIDTH: dict[str, BandwidthEntry] = {
     "nccl": BandwidthEntry("allreduce://?backend=nccl", "allreduce", "torch.distributed NCCL all_reduce", needs_cuda=True),
     "ring-tcp": BandwidthEntry("ring://?transport=tcp", "allreduce", "pyzmq ring all-reduce over tcp", loopback_only=True),
     "ring-ipc": BandwidthEntry("ring://?transport=ipc", "allreduce", "pyzmq ring all-reduce over ipc", loopback_only=True),
+    "ring-torch": BandwidthEntry("ring://?transport=torch", "allreduce", "ring all-reduce over torch send/recv",
+                                 loopback_only=True),
     "ps-1": BandwidthEntry("ps://?shards=1&mode=sync", "pushpull", "parameter server, 1 shard, sync",
                            one_size_per_job=True),
     "ps-2": BandwidthEntry("ps://?shards=2&mode=sync", "pushpull", "parameter server, 2 shards, sync",
