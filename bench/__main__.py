@@ -24,6 +24,7 @@ from bench.links import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
+BANDWIDTH_SHARE = 0.5
 DEFAULT_BUDGET_S = 270.0  # jobs stop starting after this; the report follows within seconds
 
 
@@ -52,11 +53,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="bandwidth regimes: " + ", ".join(R.BANDWIDTH) +
                                 "\nconvergence regimes: " + ", ".join(R.CONVERGENCE))
-    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"))
+    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"),
+                   help="which comparison (default: both, then the report)")
     p.add_argument("--regimes", help="comma-separated regime names for the chosen phase (see below)")
     p.add_argument("--bw-regimes", help="with 'all': bandwidth regimes")
     p.add_argument("--conv-regimes", help="with 'all': convergence regimes")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="N ranks per job (local:// runs one with N x the batch)")
     p.add_argument("--out", help="run folder (default runs/<UTC timestamp>)")
     p.add_argument("--json", help="also write this phase's records to FILE")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
@@ -126,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.link and not link_note:
             links = Links(a.workers + servers_needed(bw_names, cv_names), a.link).__enter__()
         if bw_cfg:
-            records, f, facts = bandwidth.run(bw_cfg, run_dir, budget, links, progress=tqdm)
+            # with both phases, bandwidth may use at most BANDWIDTH_SHARE of the budget
+            bw_budget = bandwidth.Budget(min(budget.deadline, time.monotonic() + BANDWIDTH_SHARE * a.budget_s)) \
+                if cv_cfg else budget
+            records, f, facts = bandwidth.run(bw_cfg, run_dir, bw_budget, links, progress=tqdm)
             failures += f
             (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
         if cv_cfg and not any(f["status"] == "interrupted" for f in failures):

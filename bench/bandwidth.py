@@ -139,7 +139,7 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
     (run_dir / "raw").mkdir(parents=True, exist_ok=True)
     link = f"{links.rate} veth+tbf" if links else "loopback"
     iters = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in cfg.sizes]
-    jobs = []  # (name, url, kind, method, sizes)
+    jobs, late = [], []  # (name, url, kind, method, sizes)
     for name in cfg.regimes:
         e = R.BANDWIDTH[name]
         why = R.unavailable(e.url)
@@ -152,10 +152,10 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
             failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
             continue
         groups = [[s] for s in cfg.sizes] if e.one_size_per_job else [cfg.sizes]
-        jobs += [(name, e.url, "regime", e.method, g) for g in groups]
-    for c in cfg.ceilings:
-        if c.startswith("tcp"):
-            jobs.append((c, "noop://", "ceiling", c, cfg.sizes))
+        (late if e.one_size_per_job else jobs).extend((name, e.url, "regime", e.method, g) for g in groups)
+    # cheap jobs first (one each), then the ceilings, then regimes that need a job per size:
+    # if the time budget runs out, it is the last of those that are skipped
+    jobs += [(c, "noop://", "ceiling", c, cfg.sizes) for c in cfg.ceilings if c.startswith("tcp")] + late
     bar = progress(total=len(jobs) + ("memcpy" in cfg.ceilings), desc="bandwidth", unit="job") if progress else None
     failed_names: set[str] = set()
     try:

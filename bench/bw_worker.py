@@ -102,21 +102,32 @@ def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], w
         if not hasattr(ex, "join") or not hasattr(ex, "allreduce_async"):
             raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method allreduce")
         ex.join()
+    # NCCL all-reduces CUDA tensors (join() picked this rank's device); its wait() only orders
+    # streams, so the timing waits for the device too
+    cuda = method == "allreduce" and getattr(ex.options, "backend", "") == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    settle = torch.cuda.synchronize if cuda else (lambda: None)
     try:
         for size, n_iter in zip(sizes, iters):
             count = size // 4
-            buf = torch.empty(count, dtype=torch.float32)
+            buf = torch.empty(count, dtype=torch.float32, device=device)
             src = torch.empty(count, dtype=torch.float32)
             fill_input(src, rank)
+            src = src.to(device)
             if method == "allreduce":
                 ref = allreduce_reference(count, world)
 
                 def op(prepare, buf=buf, src=src):
                     buf.copy_(src)
-                    return lambda: ex.allreduce_async(buf).wait(timeout)
+                    settle()
+
+                    def go():
+                        ex.allreduce_async(buf).wait(timeout)
+                        settle()
+                    return go
                 result = lambda: buf
             elif method == "noop":
-                ref = src.clone()
+                ref = src.clone().cpu()
 
                 def op(prepare, buf=buf, src=src):
                     buf.copy_(src)

@@ -75,7 +75,8 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
 }
 
 DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring-tcp", "ps-1", "ps-2"]
-DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-sync-2", "ps-async", "ps-ssp-1", "ps-ssp-4", "noop"]
+# in order of importance: if the time budget runs out, the last are skipped
+DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-ssp-1", "ps-sync-2", "ps-ssp-4", "noop"]
 
 
 def unavailable(url: str) -> str | None:
