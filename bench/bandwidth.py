@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -201,7 +202,6 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
             argv.append("--corrupt")
         env = None
         if "nccl" in url:
-            import os
             env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
         try:

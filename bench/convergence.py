@@ -18,6 +18,7 @@ step for step. From the lines this module derives:
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -190,7 +191,6 @@ def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curve
         else:
             argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(workers), "--module", "workers",
                     "--link", links.rate, "--link-tag", links.tag, "--", *train_args]
-        import os
         env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
         res = run_job(argv, run_dir / "logs" / f"conv-{name}.log", min(cfg.job_timeout, budget.left()), env=env)
         ranks = read_metrics(metrics, workers)
