@@ -31,7 +31,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,9 +44,11 @@ DTYPE = "float32"
 
 @dataclass
 class Budget:
-    """Seconds left for the whole benchmark; jobs get at most what is left."""
+    """Seconds left for the benchmark. A job starts only if one like those before it still fits,
+    and gets at most what is left; a job stopped for the budget is reported as cut, not failed."""
 
     deadline: float
+    durations: list = field(default_factory=list)
 
     @classmethod
     def of(cls, seconds: float) -> "Budget":
@@ -54,6 +56,19 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def fits(self, floor: float = 5.0) -> bool:
+        typical = statistics.median(self.durations) if self.durations else 0.0
+        return self.left() > max(floor, 1.2 * typical)
+
+    def note(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def outcome(self, res) -> tuple[str, str]:
+        """(status, error) of a job that did not succeed: cut by the budget, or failed."""
+        if res.timed_out and self.left() <= 1.0:
+            return "skipped", f"stopped after {res.seconds:.0f}s when the benchmark's time budget ran out"
+        return "failed", res.error()
 
 
 def iters_for(size: int, repeat_bytes: int, min_iters: int, max_iters: int) -> int:
@@ -182,7 +197,7 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
         if name in failed_names:
             bar and bar.update(1)
             continue
-        if budget.left() < 5:
+        if not budget.fits():
             failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "skipped",
                              "error": "the benchmark's time budget ran out before this job"})
             failed_names.add(name)
@@ -204,6 +219,7 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
         if "nccl" in url:
             env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+        budget.note(res.seconds)
         try:
             parsed = combine_ranks(out, workers) if res.ok else None
         except (OSError, ValueError, KeyError, IndexError) as exc:
@@ -221,8 +237,9 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
             for row, t, w in zip(rows, times, wrong):
                 records.append(summarize(name, url, kind, method, workers, row, t, w, link))
         elif name not in failed_names:
-            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
-                             "error": res.error(), "log": str(res.log.relative_to(run_dir))})
+            status, error = budget.outcome(res)
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": status,
+                             "error": error, "log": str(res.log.relative_to(run_dir))})
             failed_names.add(name)
         bar and bar.update(1)
 

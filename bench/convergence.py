@@ -174,7 +174,7 @@ def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curve
     for name in todo:
         e = R.CONVERGENCE[name]
         bar and bar.set_postfix_str(name)
-        if budget.left() < 8:
+        if not budget.fits(8.0):
             failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "skipped",
                              "error": "the benchmark's time budget ran out before this run"})
             bar and bar.update(1)
@@ -193,10 +193,12 @@ def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curve
                     "--link", links.rate, "--link-tag", links.tag, "--", *train_args]
         env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
         res = run_job(argv, run_dir / "logs" / f"conv-{name}.log", min(cfg.job_timeout, budget.left()), env=env)
+        budget.note(res.seconds)
         ranks = read_metrics(metrics, workers)
         if not res.ok or len(ranks[0]) < cfg.steps:
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "failed",
-                             "error": res.error() or f"rank 0 wrote {len(ranks[0])} of {cfg.steps} steps",
+            status, error = budget.outcome(res) if not res.ok else ("failed", "")
+            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": status,
+                             "error": error or f"rank 0 wrote {len(ranks[0])} of {cfg.steps} steps",
                              "log": str(res.log.relative_to(run_dir))})
         else:
             s = summarize(name, e, ranks, cfg.target_acc)
