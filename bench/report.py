@@ -239,10 +239,13 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            f"the machine may be shared with other work: quote ratios from one run, not absolute figures.",
            f"- Transport: {t['link']}; CUDA {'yes' if t['cuda'] else 'no'}; NCCL {t['nccl_version'] or '—'}; "
            f"GPUDirect RDMA: {t['gpudirect_rdma']}.",
+           *([f"- Asked for `--link {manifest['config']['link']}`, but {t['link_note']}: ran on loopback instead."]
+             if t.get("link_note") else []),
            f"- Code: git {manifest['git']['revision'][:12]}{' (uncommitted changes)' if manifest['git']['dirty'] else ''}; "
            f"torch {env['packages'].get('torch')}, pyzmq {env['packages'].get('pyzmq')}.",
-           f"- Took {manifest.get('seconds', 0):.0f} s. Every figure below comes from this run: `bandwidth.json`, "
-           f"`convergence.json`, `raw/`, `manifest.json`.", ""]
+           f"- Took {manifest.get('seconds', 0):.0f} s. Every figure below comes from this run: "
+           + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json") if (run_dir / n).exists())
+           + ", `raw/`, `manifest.json`.", ""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]
