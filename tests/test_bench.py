@@ -183,3 +183,16 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
     (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
     assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
     assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a regime that fails here: NCCL without CUDA")
+def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_path, monkeypatch):
+    from bench import convergence
+    monkeypatch.setitem(R.CONVERGENCE, "nccl", R.ConvergenceEntry("allreduce://?backend=nccl", "sync"))
+    cfg = convergence.ConvergenceConfig(["nccl", "local"], model="tiny", steps=4, eval_every=2, job_timeout=60)
+    summaries, failures, curves = convergence.run(cfg, tmp_path, bandwidth.Budget.of(120))
+    assert [f["regime"] for f in failures] == ["nccl"]
+    assert failures[0]["status"] == "failed" and "CUDA" in failures[0]["error"]
+    assert [s["regime"] for s in summaries] == ["local"] and summaries[0]["steps"] == 4
+    assert len(curves["local"]) == 4
