@@ -85,6 +85,12 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
         floor = next((r for r in at if r["method"] == "noop"), None)
         if floor:
             text += f"; noop floor {fmt_us(floor['time_us'])}"
+        ar = next((r for r in real if r["method"] == "allreduce"), None)
+        ps = next((r for r in real if r["method"] == "pushpull"), None)
+        if ar and ps:  # the same axis: bytes per worker per direction per second
+            text += (f". Side by side: the best parameter server ({ps['regime']}) moves {ps['busbw_gbps']:.3g} GB/s per "
+                     f"worker each way, the best all-reduce ({ar['regime']}) {ar['busbw_gbps']:.3g} GB/s "
+                     f"({ps['busbw_gbps'] / ar['busbw_gbps']:.2f}x)")
         lines.append(text + ".")
     return lines or ["- No regime produced a result."]
 
