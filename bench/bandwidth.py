@@ -167,7 +167,9 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
         if why:
             failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
             continue
-        groups = [[s] for s in cfg.sizes] if e.one_size_per_job else [cfg.sizes]
+        # one_size_per_job: on loopback the job's rank 0 restarts the servers per size (bench.bw_worker);
+        # over --link, where servers must be placed in namespaces, each size is a job of its own
+        groups = [[s] for s in cfg.sizes] if e.one_size_per_job and links is not None else [cfg.sizes]
         (late if e.one_size_per_job else jobs).extend((name, e.url, "regime", e.method, g) for g in groups)
     # cheap jobs first (one each), then the ceilings, then regimes that need a job per size:
     # if the time budget runs out, it is the last of those that are skipped
@@ -207,12 +209,15 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
         tag = f"{name}-{sizes[0]}" if len(sizes) == 1 and len(cfg.sizes) > 1 else name
         out = run_dir / "raw" / f"bw-{tag}.json"
         workers = cfg.workers if not method.startswith("tcp") else 2
-        argv = [python(), "-m", "bench.launch_job", "--url", url, "--workers", str(workers),
-                "--module", "bench.bw_worker"]
+        servers_in_job = R.BANDWIDTH[name].one_size_per_job if kind == "regime" and links is None else False
+        argv = [python(), "-m", "bench.launch_job", "--url", "noop://" if servers_in_job else url,
+                "--workers", str(workers), "--module", "bench.bw_worker"]
         if links is not None:
             argv += ["--link", links.rate, "--link-tag", links.tag]
         argv += ["--", "--method", method, "--sizes", ",".join(map(str, sizes)), "--iters", ",".join(map(str, its)),
                  "--warmup", str(cfg.warmup), "--out", str(out), "--timeout", str(min(cfg.job_timeout, 60.0))]
+        if servers_in_job:
+            argv += ["--regime-url", url]
         if cfg.corrupt:
             argv.append("--corrupt")
         env = None

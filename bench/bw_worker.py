@@ -30,14 +30,18 @@ import json
 import os
 import select
 import socket
+import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import torch
 from torch import nn
 
 import commlab
-from commlab import rendezvous
+from commlab import launcher, rendezvous
+from commlab.config import ExchangerURL
+from commlab.registry import regime_class
 from commlab.handles import DoneHandle
 from commlab.optim import OptimizerSpec
 
@@ -179,11 +183,61 @@ def measure(x: Exchange, iters: int, warmup: int) -> tuple[list[float], int]:
     return times, wrong
 
 
+class ServersPerSize:
+    """Fresh servers for every size, for a regime whose ``setup()`` binds one model (``ps://``).
+
+    Rank 0 starts the servers the regime's ``plan_local`` asks for, as its own children, and
+    publishes the workers' URL in the job's store; when every rank has closed its client,
+    rank 0 stops them. Cheaper than a job per size: the ranks stay up, only servers restart.
+    """
+
+    def __init__(self, cls, url: str, info, timeout: float):
+        self.cls, self.url, self.info, self.timeout = cls, ExchangerURL.parse(url), info, timeout
+        self.store = rendezvous.connect_store(info, timeout)
+        self.procs: list[launcher.Proc] = []
+
+    def start(self, size: int) -> str:
+        key = f"bench/servers/{size}"
+        if self.info.rank == 0:
+            url, argvs = self.cls.plan_local(self.url, self.info.world_size)
+            self.procs = [launcher.Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv]))
+                          for i, argv in enumerate(argvs)]
+            self.store.set(key, url)
+            return url
+        try:
+            self.store.wait([key], timedelta(seconds=self.timeout))
+        except Exception as exc:  # torch raises its own timeout types
+            raise commlab.CommTimeout(f"rank {self.info.rank}: rank 0 did not start the servers for "
+                                      f"{size} bytes within {self.timeout:g}s") from exc
+        return self.store.get(key).decode()
+
+    def stop(self, size: int) -> None:
+        key = f"bench/servers/{size}/closed"
+        self.store.add(key, 1)
+        if self.info.rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout
+        while int(self.store.add(key, 0)) < self.info.world_size:
+            if time.monotonic() > deadline:
+                raise commlab.CommTimeout(f"rank 0: not every rank closed its client for {size} bytes "
+                                          f"within {self.timeout:g}s")
+            time.sleep(0.01)
+        launcher.stop_all(self.procs)
+        self.procs = []
+
+    def close(self) -> None:
+        launcher.stop_all(self.procs)
+
+
 def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float,
               corrupt_ref: bool) -> list[dict]:
     rank, world = info.rank, info.world_size
     out, facts = [], {}
-    ex, device = None, torch.device("cpu")
+    ex, device, servers = None, torch.device("cpu"), None
+    if method == "pushpull":
+        cls = regime_class(ExchangerURL.parse(url).scheme)
+        if hasattr(cls, "plan_local"):  # servers the launcher would start: started here, per size
+            servers = ServersPerSize(cls, url, info, timeout)
     if method == "allreduce":
         ex = commlab.connect(url, info)
         if not hasattr(ex, "join") or not hasattr(ex, "allreduce_async"):
@@ -198,8 +252,8 @@ def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], w
                 x = AllReduce(ex, timeout, *common)
             elif method == "noop":
                 x = Noop(*common)
-            elif method == "pushpull":  # setup() binds one model: a fresh client per size
-                x = PushPull(url, info, timeout, *common)
+            elif method == "pushpull":  # setup() binds one model: a fresh client (and servers) per size
+                x = PushPull(servers.start(size) if servers else url, info, timeout, *common)
             else:
                 raise ValueError(f"unknown method {method!r}")
             try:
@@ -208,12 +262,16 @@ def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], w
                     facts = x.ex.facts()
             finally:
                 x.close()
+            if servers:
+                servers.stop(size)
             out.append({"size_bytes": size, "count": size // 4, "iters": n_iter, "warmup": warmup, "times_s": times,
                         "wrong": wrong})
     finally:
         if ex is not None:
             facts = ex.facts()
             ex.close()
+        if servers:
+            servers.close()
     return out + ([{"facts": facts}] if facts else [])
 
 
@@ -299,6 +357,8 @@ def run_tcp(method: str, info, sizes: list[int], iters: list[int], warmup: int, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bw_worker")
     p.add_argument("--exchanger", required=True)
+    p.add_argument("--regime-url", help="the regime to measure, when the launcher is given noop:// so that it starts "
+                                        "no servers (servers are then started per size, see ServersPerSize)")
     p.add_argument("--method", required=True, choices=("allreduce", "pushpull", "noop", "tcp-oneway", "tcp-duplex"))
     p.add_argument("--sizes", required=True, help="bytes, comma-separated")
     p.add_argument("--iters", required=True, help="timed iterations per size, comma-separated")
@@ -318,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise commlab.ConfigError(f"{a.method} needs 2 ranks, got {info.world_size}")
             rows = run_tcp(a.method, info, sizes, iters, a.warmup, a.timeout)
         else:
-            rows = run_sizes(a.method, a.exchanger, info, sizes, iters, a.warmup, a.timeout, a.corrupt)
+            rows = run_sizes(a.method, a.regime_url or a.exchanger, info, sizes, iters, a.warmup, a.timeout, a.corrupt)
     except (commlab.CommError, commlab.ConfigError) as exc:
         print(f"commlab worker rank {info.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
