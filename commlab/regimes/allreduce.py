@@ -99,5 +99,6 @@ class AllReduceExchanger(BucketedExchanger):
     def close(self):
         super().close()
         if self.group is not None and dist.is_initialized():
+            rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
             dist.destroy_process_group()
             self.group = None
