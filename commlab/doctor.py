@@ -257,12 +257,13 @@ def transport_facts(run_nccl_probe: bool, probe_timeout: float = 90.0) -> dict:
                    "rdma_devices": rdma_devices(), "peer_memory_modules": peer_memory_modules()}
     probe = nccl_probe(probe_timeout) if run_nccl_probe else {"ran": False, "reason": "not asked for (--no-probe)"}
     facts["nccl_probe"] = probe
-    facts["gpudirect_rdma"] = gpudirect_verdict(probe, facts["rdma_devices"], facts["peer_memory_modules"])
+    facts["gpudirect_rdma"] = gpudirect_verdict(probe, facts["rdma_devices"], facts["peer_memory_modules"],
+                                                cuda["cuda_available"])
     facts["zmq_regimes"] = ZMQ_DATA_PATH
     return facts
 
 
-def gpudirect_verdict(probe: dict, rdma: list, modules: list) -> dict:
+def gpudirect_verdict(probe: dict, rdma: list, modules: list, cuda_available: bool) -> dict:
     """``used``: True only on NCCL's word (a GDRDMA channel line); None when the probe did not run."""
     if probe.get("ran") and probe.get("ok"):
         used: bool | None = probe["gdrdma_used"]
@@ -273,7 +274,7 @@ def gpudirect_verdict(probe: dict, rdma: list, modules: list) -> dict:
                    + "), so GPUDirect RDMA did not come into play")
         else:
             why = "NCCL's network channels do not say GDRDMA: data went through host memory"
-    elif not torch.cuda.is_available():
+    elif not cuda_available:
         used, why = False, "no CUDA here"
     else:
         used = None
