@@ -153,7 +153,9 @@ def parse_nccl_log(text: str) -> dict:
     """
     transports: set[str] = set()
     kinds: set[str] = set()
-    gdr_lines, enabled, disabled = [], [], []
+    gdr_lines: list[str] = []
+    enabled: list[str] = []
+    disabled: list[str] = []
     networks: set[str] = set()
     version = None
     for line in text.splitlines():
@@ -228,10 +230,11 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
 
 def _probe_worker(numel: int, timeout: float) -> int:
     """One rank of :func:`nccl_probe` (run as ``python -m commlab.doctor --probe-worker``)."""
-    from commlab import registry, rendezvous
+    from commlab import rendezvous
+    from commlab.regimes.allreduce import AllReduceExchanger, AllReduceOptions
 
     info = rendezvous.from_env()
-    ex = registry.connect(f"allreduce://?backend=nccl&timeout={timeout:g}", info)
+    ex = AllReduceExchanger(AllReduceOptions(timeout=timeout, backend="nccl"), info)
     try:
         ex.join()
         t = torch.full((numel,), float(info.rank + 1), device=torch.device("cuda", torch.cuda.current_device()))
@@ -255,7 +258,7 @@ def transport_facts(run_nccl_probe: bool, probe_timeout: float = 90.0) -> dict:
     facts: dict = {"host": socket.gethostname(), "kernel": platform.release(), "python": platform.python_version(),
                    "cuda": cuda, "topology": gpu_topology(), "nccl_version": nccl_version(),
                    "rdma_devices": rdma_devices(), "peer_memory_modules": peer_memory_modules()}
-    probe = nccl_probe(probe_timeout) if run_nccl_probe else {"ran": False, "reason": "not asked for (--no-probe)"}
+    probe = nccl_probe(probe_timeout) if run_nccl_probe else {"ran": False, "reason": "not asked for"}
     facts["nccl_probe"] = probe
     facts["gpudirect_rdma"] = gpudirect_verdict(probe, facts["rdma_devices"], facts["peer_memory_modules"],
                                                 cuda["cuda_available"])
