@@ -97,9 +97,13 @@ def nccl_version() -> str | None:
     if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
         return None
     try:
-        return ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
     except (RuntimeError, AttributeError):
         return None
+    if isinstance(v, int):  # older torch: one integer, e.g. 2708 or 21803
+        major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
+        return f"{major}.{rest // 100}.{rest % 100}"
+    return ".".join(map(str, v))
 
 
 def rdma_devices(root: str | os.PathLike = "/sys/class/infiniband") -> list[dict]:
@@ -215,17 +219,30 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
         text = "\n".join(log.read_text(errors="replace") for log in logs)
     result: dict = {"ran": True, "world_size": world, "numel": numel, "env": dict(NCCL_DEBUG_ENV)}
     result.update(parse_nccl_log(text))
-    answers = [json.loads(line[len(PROBE_MARK):]) for line in text.splitlines() if line.startswith(PROBE_MARK)]
+    answers = probe_answers(text)
     result["ok"] = len(answers) == world and all(a["correct"] for a in answers) and not stuck
     if stuck:
         result["error"] = f"{', '.join(stuck)} did not finish the probe within {timeout:g}s"
     elif not result["ok"]:
         bad = [p.name for p in procs if p.popen.returncode != 0]
         wrong = [f"rank {a['rank']}" for a in answers if not a["correct"]]
-        tail = [line for line in text.splitlines() if not line.startswith(PROBE_MARK)][-6:]
+        tail = [line for line in text.splitlines() if PROBE_MARK not in line][-6:]
         result["error"] = ("wrong all-reduce result on " + ", ".join(wrong) if wrong else
                            f"{', '.join(bad) or 'a rank'} failed") + ": " + " | ".join(tail)
     return result
+
+
+def probe_answers(text: str) -> list[dict]:
+    """The probe workers' result lines. NCCL writes to the same stdout, so a marker may sit
+    anywhere in a line, and a line NCCL broke into is skipped (the probe then counts it missing)."""
+    answers = []
+    for line in text.splitlines():
+        if PROBE_MARK in line:
+            try:
+                answers.append(json.loads(line[line.index(PROBE_MARK) + len(PROBE_MARK):]))
+            except ValueError:
+                continue
+    return answers
 
 
 def _probe_worker(numel: int, timeout: float) -> int:

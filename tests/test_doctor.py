@@ -233,3 +233,11 @@ def test_gpu_sweep_skips_plainly_without_cuda(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "gpu_sweep: skipped: no CUDA" in out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_probe_answers_survive_nccl_lines_around_them():
+    text = ('h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n'
+            'COMMLAB_PROBE {"rank": 0, "correct": true}\n'
+            'h:1:2 [1] NCCL INFO Connected all rings COMMLAB_PROBE {"rank": 1, "correct": false}\n'
+            'COMMLAB_PROBE {"rank": 2, "corr\n')
+    assert doctor.probe_answers(text) == [{"rank": 0, "correct": True}, {"rank": 1, "correct": False}]

@@ -92,7 +92,8 @@ class AllReduceExchanger(BucketedExchanger):
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "backend": self.options.backend}
         if self.options.backend == "nccl" and torch.cuda.is_available():
-            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+            from commlab.doctor import nccl_version
+            facts["nccl_version"] = nccl_version()
             facts["data_path"] = "GPU memory, moved by NCCL (transport and GPUDirect RDMA: see commlab doctor's probe)"
         elif any(b.buffer.is_cuda for b in self.buckets):
             facts["data_path"] = "gloo copies CUDA tensors through host memory itself; no GPUDirect"
