@@ -26,6 +26,10 @@ for every such regime::
   overtake its previous host->device copy.
 * The comm thread blocks in :meth:`HostStaging.wait` (with a deadline; CUDA
   events themselves have none) before it touches the host buffer.
+* Copies go in chunks (4 MiB by default), each with its event, so a regime
+  that sends in chunks may send the first one while the rest is still
+  crossing PCIe (``wait(i, timeout, upto=end)``), and may copy a finished
+  range back while it still works on the next (``to_device(i, start=, stop=)``).
 * CPU buckets pass through: :meth:`HostStaging.host` is the bucket's own
   buffer, nothing is copied and nothing waits, so a regime calls the same
   three methods whatever the device.
@@ -54,7 +58,7 @@ staging CPU buckets needs no GPU.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
@@ -102,7 +106,8 @@ class _Slot:
 
     device_buf: torch.Tensor
     host: torch.Tensor  # pinned mirror, or device_buf itself for a CPU tensor
-    to_host_done: "torch.cuda.Event | None" = None
+    # (end element, event) per chunk of the last device->host copy, in stream order
+    to_host_done: list = field(default_factory=list)
     started: bool = False
 
     @property
@@ -122,7 +127,10 @@ class HostStaging:
     have left the process by then.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]):
+    def __init__(self, tensors: Sequence[torch.Tensor], chunk_bytes: int = 4 * 2**20):
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
         self._slots: list[_Slot] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._consumers: dict[torch.device, torch.cuda.Stream] = {}
@@ -141,12 +149,12 @@ class HostStaging:
             self._slots.append(_Slot(t, host))
 
     @classmethod
-    def for_buckets(cls, buckets: Iterable["Bucket"]) -> "HostStaging":
+    def for_buckets(cls, buckets: Iterable["Bucket"], chunk_bytes: int = 4 * 2**20) -> "HostStaging":
         """Stage each bucket's whole buffer (gradients and presence flags), indexed by ``bucket.index``."""
         buckets = list(buckets)
         if [b.index for b in buckets] != list(range(len(buckets))):
             raise ValueError("buckets must be given in index order 0..n-1")
-        return cls([b.buffer for b in buckets])
+        return cls([b.buffer for b in buckets], chunk_bytes)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -167,7 +175,7 @@ class HostStaging:
         """Start copying slot ``i`` to its host mirror, after the work already queued on the
         calling thread's current stream (the kernels that wrote the gradient). Does not block.
 
-        Returns the host tensor and the event that marks the copy done (None for CPU)."""
+        Returns the host tensor and the event that marks the whole copy done (None for CPU)."""
         slot = self._slot(i)
         slot.started = True
         if not slot.staged:
@@ -176,37 +184,48 @@ class HostStaging:
         stream = self._streams[dev]
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(dev))
-        done = torch.cuda.Event()
+        n, step = slot.host.numel(), max(1, self.chunk_bytes // slot.host.element_size())
+        events = []
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            slot.host.copy_(slot.device_buf, non_blocking=True)
-            done.record(stream)
-        slot.to_host_done = done
-        return slot.host, done
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                slot.host[start:stop].copy_(slot.device_buf[start:stop], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+                events.append((stop, done))
+        slot.to_host_done = events
+        return slot.host, events[-1][1] if events else None
 
-    def wait(self, i: int, timeout: float) -> torch.Tensor:
-        """Block until slot ``i``'s device->host copy finished; return the host tensor.
+    def wait(self, i: int, timeout: float, upto: int | None = None) -> torch.Tensor:
+        """Block until slot ``i``'s device->host copy finished (only elements ``[0, upto)`` if
+        ``upto`` is given); return the whole host tensor.
 
         Raises :class:`CommTimeout` naming the slot after ``timeout`` seconds (a copy stuck
         behind a hung kernel), ``ValueError`` if :meth:`to_host_async` was not called."""
         slot = self._slot(i)
         if not slot.started:
             raise ValueError(f"staging slot {i}: wait() before to_host_async()")
-        event = slot.to_host_done
+        need = slot.host.numel() if upto is None else upto
+        if not 0 <= need <= slot.host.numel():
+            raise ValueError(f"staging slot {i}: upto={need} is outside [0, {slot.host.numel()}]")
+        # chunks complete in stream order: the first chunk ending at or after `need` covers it
+        event = next((e for end, e in slot.to_host_done if end >= need), None)
         if event is None or event.query():
             return slot.host
         deadline = time.monotonic() + timeout
         pause = 0.0
         while not event.query():  # polled: cudaEventSynchronize has no deadline
             if time.monotonic() > deadline:
-                raise CommTimeout(f"device->host copy of bucket {i} ({slot.host.numel()} elements on "
+                raise CommTimeout(f"device->host copy of bucket {i} (first {need} of {slot.host.numel()} elements on "
                                   f"{slot.device_buf.device}) did not finish within {timeout:g}s")
             time.sleep(pause)
             pause = min(1e-3, pause * 2 + 2e-5)
         return slot.host
 
-    def to_device(self, i: int, dst: torch.Tensor | None = None) -> None:
-        """Copy slot ``i``'s host tensor into ``dst`` (default: the staged tensor itself).
+    def to_device(self, i: int, dst: torch.Tensor | None = None, start: int = 0, stop: int | None = None) -> None:
+        """Copy slot ``i``'s host tensor (elements ``[start, stop)``) into ``dst`` (default: the
+        staged tensor itself; the same elements of it).
 
         Does not block: the copy runs on the copy stream, and the consumer stream (the one
         current when this staging was built) waits for it, so work queued there afterwards
@@ -218,16 +237,20 @@ class HostStaging:
         if target.numel() != slot.host.numel() or target.dtype != slot.host.dtype:
             raise ValueError(f"staging slot {i}: destination is {target.dtype}[{target.numel()}], "
                              f"slot is {slot.host.dtype}[{slot.host.numel()}]")
+        stop = slot.host.numel() if stop is None else stop
+        if not 0 <= start <= stop <= slot.host.numel():
+            raise ValueError(f"staging slot {i}: range [{start}, {stop}) is outside [0, {slot.host.numel()})")
+        src, out = slot.host[start:stop], target.view(-1)[start:stop]
         if not target.is_cuda:
             if target.data_ptr() != slot.host.data_ptr():
-                target.view(-1).copy_(slot.host)
+                out.copy_(src)
             return
         stream = self._streams.get(target.device)
         if stream is None:
             raise ValueError(f"staging slot {i}: destination on {target.device}, which this staging has no stream for")
         done = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            target.view(-1).copy_(slot.host, non_blocking=True)
+            out.copy_(src, non_blocking=True)
             done.record(stream)
         self._consumers[target.device].wait_event(done)
 

@@ -182,8 +182,8 @@ def test_staging_passes_cpu_buckets_through():
         stage.to_device(b.index)  # ...and the result is already in place
         assert torch.equal(b.buffer, 3 * torch.arange(b.buffer.numel(), dtype=b.buffer.dtype))
         other = torch.zeros(b.buffer.numel())
-        stage.to_device(b.index, dst=other)
-        assert torch.equal(other, b.buffer)
+        stage.to_device(b.index, dst=other, start=1)
+        assert other[0] == 0 and torch.equal(other[1:], b.buffer[1:])
     facts = stage.facts()
     assert facts["data_path"] == CPU_RESIDENT and facts["staged_buckets"] == 0 and facts["devices"] == ["cpu"]
 
@@ -196,6 +196,13 @@ def test_staging_refuses_misuse_with_the_slot_named():
         stage.host(2)
     with pytest.raises(ValueError, match=r"staging slot 0: destination is torch.float32\[5\]"):
         stage.to_device(0, dst=torch.zeros(5))
+    stage.to_host_async(0)
+    with pytest.raises(ValueError, match=r"staging slot 0: upto=5 is outside \[0, 4\]"):
+        stage.wait(0, timeout=1.0, upto=5)
+    with pytest.raises(ValueError, match=r"staging slot 0: range \[3, 2\) is outside \[0, 4\)"):
+        stage.to_device(0, start=3, stop=2)
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1"):
+        HostStaging([torch.zeros(2)], chunk_bytes=0)
     with pytest.raises(ValueError, match="must be flat and contiguous"):
         HostStaging([torch.zeros(2, 3)])
     with pytest.raises(ValueError, match="index order"):

@@ -101,6 +101,24 @@ def test_staging_result_reaches_the_training_stream_from_a_comm_thread():
     assert ("pinned host memory" in facts["data_path"]) == ON_CUDA
 
 
+def test_staging_in_chunks_hands_out_the_first_chunk_and_copies_back_ranges():
+    dev = torch.device(DEVICE)
+    y = slow_result(dev)  # 2**20 floats
+    buf = torch.empty_like(y).copy_(y)
+    stage = HostStaging([buf], chunk_bytes=2**16)  # 64 chunks
+    stage.to_host_async(0)
+    head = stage.wait(0, timeout=60, upto=100)[:100].clone()
+    assert torch.equal(head, y[:100].cpu())
+    host = stage.wait(0, timeout=60)
+    assert torch.equal(host, y.cpu())
+    host[: 2**19].fill_(-1.0)
+    host[2**19:].fill_(-2.0)
+    stage.to_device(0, start=0, stop=2**19)  # as a ring would, a finished range at a time
+    stage.to_device(0, start=2**19)
+    want = torch.cat([torch.full((2**19,), -1.0), torch.full((2**19,), -2.0)])
+    assert torch.equal(buf.cpu(), want)
+
+
 class StagedDoubling(LocalExchanger):
     """A one-rank regime that sends every bucket through HostStaging and a comm thread, which
     doubles it in host memory: the model's step must equal a step on twice the loss."""
@@ -109,7 +127,7 @@ class StagedDoubling(LocalExchanger):
 
     def _connect(self, model, optim):
         super()._connect(model, optim)
-        self.staging = HostStaging.for_buckets(self.buckets)
+        self.staging = HostStaging.for_buckets(self.buckets, chunk_bytes=1024)  # several chunks per bucket
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="comm")
 
     def _start_bucket(self, bucket):  # on autograd's thread, in the backward hook
