@@ -370,7 +370,12 @@ class BucketedExchanger(Exchanger):
                 p.grad = view
             bucket.present.append(True)
         if self.carry_presence:
-            bucket.flags.copy_(torch.tensor(bucket.present, dtype=bucket.buffer.dtype))
+            # Scalar fills, not a copy from a host list: on CUDA a pageable host->device copy
+            # would wait for every kernel backward has queued, inside the hook, and kill the overlap.
+            bucket.flags.fill_(1)
+            for i, present in enumerate(bucket.present):
+                if not present:
+                    bucket.flags[i].fill_(0)
 
     def _apply_averaged_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """For all-reduce regimes: buffers hold sums over ranks; average, drop absent grads, step."""
