@@ -218,6 +218,7 @@ CASES = [
     ("ring://", 3, False),
     ("ring://?transport=torch", "gpus", True),
     ("ps://", 2, False),
+    ("ps://?shards=2", 3, False),
 ]
 
 
