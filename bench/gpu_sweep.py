@@ -90,7 +90,7 @@ def worker(url: str, device_spec: str, numel: int, steps: int, warmup: int, resu
             n = ex.stats.steps
             Path(result).write_text(json.dumps({"step_s": times, "bytes_sent_per_step": ex.stats.bytes_sent / n,
                                                 "bytes_received_per_step": ex.stats.bytes_received / n,
-                                                "facts": ex.facts()}))
+                                                "facts": ex.facts()}, default=str))
     finally:
         ex.close()
     return 0

@@ -198,8 +198,10 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
     if nccl_version() is None:
         return {"ran": False, "reason": f"torch {torch.__version__} has no NCCL"}
     world = 2 if torch.cuda.device_count() >= 2 else 1
+    here = str(Path(__file__).resolve().parents[1])  # the probe imports this very commlab
     base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1", **NCCL_DEBUG_ENV)
+                LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1", **NCCL_DEBUG_ENV,
+                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     procs: list[Proc] = []
     with tempfile.TemporaryDirectory(prefix="commlab-doctor-") as tmp:
         logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]

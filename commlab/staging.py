@@ -224,8 +224,10 @@ class HostStaging:
         return slot.host
 
     def to_device(self, i: int, dst: torch.Tensor | None = None, start: int = 0, stop: int | None = None) -> None:
-        """Copy slot ``i``'s host tensor (elements ``[start, stop)``) into ``dst`` (default: the
-        staged tensor itself; the same elements of it).
+        """Copy elements ``[start, stop)`` of slot ``i``'s host tensor to the same elements of the
+        staged tensor, or, given ``dst`` (contiguous, ``stop - start`` elements), into all of
+        ``dst``: e.g. a parameter pulled into its bucket's layout,
+        ``to_device(b.index, dst=p.data, start=b.offsets[j], stop=b.offsets[j] + p.numel())``.
 
         Does not block: the copy runs on the copy stream, and the consumer stream (the one
         current when this staging was built) waits for it, so work queued there afterwards
@@ -233,16 +235,20 @@ class HostStaging:
         slot's next :meth:`to_host_async`. For a CPU slot: a plain copy, or nothing if ``dst``
         is the tensor itself."""
         slot = self._slot(i)
-        target = slot.device_buf if dst is None else dst
-        if target.numel() != slot.host.numel() or target.dtype != slot.host.dtype:
-            raise ValueError(f"staging slot {i}: destination is {target.dtype}[{target.numel()}], "
-                             f"slot is {slot.host.dtype}[{slot.host.numel()}]")
         stop = slot.host.numel() if stop is None else stop
         if not 0 <= start <= stop <= slot.host.numel():
             raise ValueError(f"staging slot {i}: range [{start}, {stop}) is outside [0, {slot.host.numel()})")
-        src, out = slot.host[start:stop], target.view(-1)[start:stop]
+        src = slot.host[start:stop]
+        if dst is None:
+            target, out = slot.device_buf, slot.device_buf[start:stop]
+        else:
+            if dst.numel() != stop - start or dst.dtype != src.dtype or not dst.is_contiguous():
+                raise ValueError(f"staging slot {i}: destination is {dst.dtype}[{dst.numel()}]"
+                                 f"{'' if dst.is_contiguous() else ' (not contiguous)'}, "
+                                 f"range [{start}, {stop}) is {src.dtype}[{stop - start}]")
+            target, out = dst, dst.view(-1)
         if not target.is_cuda:
-            if target.data_ptr() != slot.host.data_ptr():
+            if out.data_ptr() != src.data_ptr():
                 out.copy_(src)
             return
         stream = self._streams.get(target.device)

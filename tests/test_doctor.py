@@ -181,9 +181,10 @@ def test_staging_passes_cpu_buckets_through():
         got.mul_(3)  # what a regime does: reduce in the host tensor...
         stage.to_device(b.index)  # ...and the result is already in place
         assert torch.equal(b.buffer, 3 * torch.arange(b.buffer.numel(), dtype=b.buffer.dtype))
-        other = torch.zeros(b.buffer.numel())
-        stage.to_device(b.index, dst=other, start=1)
-        assert other[0] == 0 and torch.equal(other[1:], b.buffer[1:])
+        for j, p in enumerate(b.params):  # a parameter's elements, out of the bucket's layout
+            other = torch.zeros_like(p)
+            stage.to_device(b.index, dst=other, start=b.offsets[j], stop=b.offsets[j] + p.numel())
+            assert torch.equal(other, b.view(j))
     facts = stage.facts()
     assert facts["data_path"] == CPU_RESIDENT and facts["staged_buckets"] == 0 and facts["devices"] == ["cpu"]
 
@@ -194,8 +195,11 @@ def test_staging_refuses_misuse_with_the_slot_named():
         stage.wait(1, timeout=1.0)
     with pytest.raises(ValueError, match="staging slot 2 does not exist"):
         stage.host(2)
-    with pytest.raises(ValueError, match=r"staging slot 0: destination is torch.float32\[5\]"):
+    with pytest.raises(ValueError, match=r"staging slot 0: destination is torch.float32\[5\], "
+                                         r"range \[0, 4\) is torch.float32\[4\]"):
         stage.to_device(0, dst=torch.zeros(5))
+    with pytest.raises(ValueError, match=r"destination is torch.float32\[4\] \(not contiguous\)"):
+        stage.to_device(0, dst=torch.zeros(2, 2).t())
     stage.to_host_async(0)
     with pytest.raises(ValueError, match=r"staging slot 0: upto=5 is outside \[0, 4\]"):
         stage.wait(0, timeout=1.0, upto=5)

@@ -117,6 +117,9 @@ def test_staging_in_chunks_hands_out_the_first_chunk_and_copies_back_ranges():
     stage.to_device(0, start=2**19)
     want = torch.cat([torch.full((2**19,), -1.0), torch.full((2**19,), -2.0)])
     assert torch.equal(buf.cpu(), want)
+    param = torch.zeros(8, 16, device=dev)  # a parameter pulled in its bucket's layout
+    stage.to_device(0, dst=param, start=2**19 - 64, stop=2**19 + 64)
+    assert torch.equal(param.cpu().view(-1), want[2**19 - 64: 2**19 + 64])
 
 
 class StagedDoubling(LocalExchanger):
@@ -218,6 +221,7 @@ CASES = [
     ("ring://", 3, False),
     ("ring://?transport=torch", "gpus", True),
     ("ps://", 2, False),
+    ("ps://?shards=2", 3, False),
 ]
 
 
