@@ -17,7 +17,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -80,7 +80,7 @@ class Transport:
         self.ctx = zmq.Context(io_threads=io_threads)
         self.max_frame = max_frame
         self.curve = curve
-        self._auth = None
+        self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator once a CURVE server binds
 
     def socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)

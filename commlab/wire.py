@@ -98,7 +98,7 @@ def encode(op: str, sender: str, step: int, parts: Sequence[tuple[FrameSpec, tor
     for spec, t in parts:
         if t.numel() != spec.count or t.is_cuda:
             raise ValueError(f"{spec.key}: frame holds {t.numel()} elements on {t.device}, header says {spec.count} on cpu")
-        out.append(memoryview(t.numpy()).cast("B") if t.dtype != torch.bfloat16 else memoryview(t.view(torch.int16).numpy()).cast("B"))
+        out.append(t.view(torch.uint8).numpy().data)  # the tensor's own bytes, any dtype, no copy
     return out
 
 
