@@ -317,6 +317,7 @@ class BucketedExchanger(Exchanger):
 
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        # buckets start during backward, before step_async: count this step's bytes from here
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0

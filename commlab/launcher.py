@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from commlab.config import ExchangerURL
 from commlab.registry import regime_class
@@ -51,8 +52,15 @@ def stop_all(procs: list[Proc], grace: float = 5.0) -> None:
 
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
-           poll_s: float = 0.05, quiet_ranks: bool = True) -> int:
-    """Run the job; return 0, or non-zero after naming the process that failed first."""
+           poll_s: float = 0.05, quiet_ranks: bool = True, module: str = "workers",
+           master_addr: str = "127.0.0.1", rank_prefix: Callable[[int], list[str]] | None = None) -> int:
+    """Run the job; return 0, or non-zero after naming the process that failed first.
+
+    ``module`` is what each rank runs (``python -m MODULE``; benchmarks run their own
+    per-rank module). ``rank_prefix(r)`` is put before rank r's command line and
+    ``master_addr`` is where rank 0's store listens: together they place ranks in other
+    network namespaces (``ip netns exec NS ...``) for runs over capped links.
+    """
     if workers < 1:
         print("commlab train: --workers must be >= 1", file=sys.stderr)
         return 2
@@ -62,7 +70,7 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
     if hasattr(cls, "plan_local"):
         url, server_argvs = cls.plan_local(parsed, workers)
     base = dict(os.environ if env is None else env)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
+    base.update(MASTER_ADDR=master_addr, MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
                 LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1")
     procs: list[Proc] = []
     try:
@@ -70,7 +78,8 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
             procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv], env=base)))
         for r in range(workers):
             env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-            args = [sys.executable, "-m", "workers", "--exchanger", url, *worker_args]
+            prefix = rank_prefix(r) if rank_prefix else []
+            args = [*prefix, sys.executable, "-m", module, "--exchanger", url, *worker_args]
             if r > 0 and quiet_ranks:
                 args.append("--no-progress")
             procs.append(Proc(f"rank {r}", subprocess.Popen(args, env=env_r)))

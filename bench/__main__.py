@@ -1,0 +1,152 @@
+"""``commlab bench [bandwidth|convergence] ...``: compare the regimes; write a run folder with a report.
+
+With no subcommand, a default comparison of both, sized to finish in about four
+minutes on a 2-core machine. Every run writes ``runs/<UTC timestamp>/`` (or ``--out``)
+with ``report.md``, PNG plots, ``bandwidth.json``/``convergence.json`` and ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench import bandwidth, convergence, manifest, report
+from bench import regimes as R
+from bench.links import Links, link_unavailable_reason
+from bench.text import human_bytes, parse_sizes
+
+DEFAULT_SIZES = "4K,256K,4M,32M"
+DEFAULT_BUDGET_S = 300.0
+
+
+def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:
+    names = default if not text else [s.strip() for s in text.split(",") if s.strip()]
+    return R.pick(table, names, what)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="bandwidth regimes: " + ", ".join(R.BANDWIDTH) +
+                                "\nconvergence regimes: " + ", ".join(R.CONVERGENCE))
+    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"))
+    p.add_argument("--regimes", help="comma-separated regime names for the chosen phase (see below)")
+    p.add_argument("--bw-regimes", help="with 'all': bandwidth regimes")
+    p.add_argument("--conv-regimes", help="with 'all': convergence regimes")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", help="run folder (default runs/<UTC timestamp>)")
+    p.add_argument("--json", help="also write this phase's records to FILE")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="stop starting jobs after this many seconds; what did not run is reported as skipped")
+    p.add_argument("--link", metavar="RATE", help="as root: ranks in network namespaces joined by veth pairs "
+                                                  "capped with tc tbf at RATE (e.g. 1gbit)")
+    g = p.add_argument_group("bandwidth")
+    g.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes, e.g. 4K,1M,16M (float32)")
+    g.add_argument("--repeat-mb", type=float, default=256, help="repeats per size: about this many MiB moved")
+    g.add_argument("--min-iters", type=int, default=5)
+    g.add_argument("--max-iters", type=int, default=60)
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,memcpy")
+    g = p.add_argument_group("convergence")
+    g.add_argument("--model", default="mlp")
+    g.add_argument("--steps", type=int, default=120)
+    g.add_argument("--batch-size", type=int, default=32, help="per worker; local:// gets workers x this")
+    g.add_argument("--lr", type=float, default=0.1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eval-every", type=int, default=10)
+    g.add_argument("--target-acc", type=float, default=0.85)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    try:
+        if a.workers < 2:
+            raise ValueError("--workers must be >= 2 (a comparison of exchanges needs peers)")
+        if a.what == "all" and a.regimes:
+            raise ValueError("with both phases, name regimes with --bw-regimes and --conv-regimes")
+        bw_names = _names(a.bw_regimes or a.regimes, R.DEFAULT_BANDWIDTH, R.BANDWIDTH, "bandwidth") \
+            if a.what in ("all", "bandwidth") else []
+        cv_names = _names(a.conv_regimes or a.regimes, R.DEFAULT_CONVERGENCE, R.CONVERGENCE, "convergence") \
+            if a.what in ("all", "convergence") else []
+        sizes = parse_sizes(a.sizes)
+        ceilings = tuple(c for c in a.ceilings.split(",") if c)
+        bad = [c for c in ceilings if c not in R.CEILINGS]
+        if bad:
+            raise ValueError(f"unknown ceiling(s) {bad}; known: {', '.join(R.CEILINGS)}")
+    except ValueError as exc:
+        print(f"commlab bench: {exc}", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc)
+    run_dir = Path(a.out or Path("runs") / started.strftime("%Y%m%dT%H%M%SZ"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    bw_cfg = bandwidth.BandwidthConfig(bw_names, a.workers, sizes, int(a.repeat_mb * 2**20), a.min_iters, a.max_iters,
+                                       a.warmup, ceilings) if a.what in ("all", "bandwidth") else None
+    cv_cfg = convergence.ConvergenceConfig(cv_names, a.workers, a.model, a.steps, a.batch_size, a.lr, a.seed,
+                                           a.eval_every, a.target_acc) if a.what in ("all", "convergence") else None
+    link_note = None
+    if a.link:
+        link_note = link_unavailable_reason()
+        if link_note:
+            print(f"commlab bench: {link_note}; running on loopback instead", file=sys.stderr)
+    # SIGTERM behaves like Ctrl-C: jobs are stopped and namespaces deleted on the way out
+    signal.signal(signal.SIGTERM, _interrupt)
+    budget = bandwidth.Budget.of(a.budget_s)
+    t0 = time.monotonic()
+    records, failures, facts, summaries, curves = [], [], {}, [], {}
+    links = None
+    print(f"commlab bench: writing {run_dir}/ (N={a.workers}"
+          + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
+    try:
+        if a.link and not link_note:
+            links = Links(max(a.workers, 2), a.link).__enter__()
+        if bw_cfg:
+            records, f, facts = bandwidth.run(bw_cfg, run_dir, budget, links, progress=tqdm)
+            failures += f
+            (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
+        if cv_cfg:
+            summaries, f, curves = convergence.run(cv_cfg, run_dir, budget, links, progress=tqdm)
+            failures += f
+            (run_dir / "convergence.json").write_text(json.dumps(
+                {"summaries": summaries, "curves": curves}, indent=1))
+    except KeyboardInterrupt:
+        print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
+        failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers what finished"})
+    finally:
+        if links is not None:
+            links.close()
+    man = {"started_utc": started.isoformat(timespec="seconds"), "seconds": time.monotonic() - t0,
+           "command": "commlab bench " + " ".join(argv),
+           "config": {"bandwidth": dataclasses.asdict(bw_cfg) if bw_cfg else None,
+                      "convergence": dataclasses.asdict(cv_cfg) if cv_cfg else None,
+                      "budget_s": a.budget_s, "link": a.link,
+                      "seeds": {"model_and_data": a.seed, "bandwidth_inputs": "closed-form (no randomness)"}},
+           "regimes": {"bandwidth": {n: R.BANDWIDTH[n].url for n in bw_names} if bw_cfg else {},
+                       "convergence": {n: R.CONVERGENCE[n].url for n in cv_names} if cv_cfg else {}},
+           "regime_facts": facts, "git": manifest.git_facts(), "environment": manifest.environment(),
+           "transport": manifest.transport(links, link_note, facts), "failures": failures}
+    (run_dir / "manifest.json").write_text(json.dumps(man, indent=1))
+    if a.json:
+        data = {"bandwidth": records, "convergence": summaries, "all": {"bandwidth": records, "convergence": summaries}}
+        Path(a.json).write_text(json.dumps(data[a.what], indent=1))
+    path = report.write(run_dir, man, records, summaries, curves, failures)
+    print(f"commlab bench: report {path} ({man['seconds']:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Bandwidth: every regime and ceiling, every size, the nccl-tests columns.
+
+Per (regime, size, workers): the median time of one exchange of ``S`` bytes of
+float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
+
+- ``algbw = S / t``: how fast the application gets its ``S``-byte result, the same
+  definition for every regime;
+- ``busbw``: bytes each worker's link carries per second *in each direction*, so
+  figures from different algorithms read on one axis and against the link:
+
+  ====================  ======================  =====================================
+  regime                per worker, each way    busbw
+  ====================  ======================  =====================================
+  all-reduce (ring)     2(N-1)/N x S            algbw x 2(N-1)/N  (as nccl-tests)
+  parameter server      pushes S, pulls S       algbw x 1
+  raw TCP ceilings      S                       algbw x 1
+  memcpy                S read, S written       algbw x 1
+  noop                  0                       0
+  ====================  ======================  =====================================
+
+  A PS and a ring reaching the same busbw use their links equally well; the ring
+  needs fewer bytes per worker (2(N-1)/N against 2), so at equal busbw its algbw
+  is higher by N/(2(N-1)) -- and a PS's servers carry N x S / K each way per shard.
+- ``wrong``: elements that differed from the exact reference, over all timed iterations.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench import regimes as R
+from bench.jobs import python, run_job
+
+DTYPE = "float32"
+
+
+@dataclass
+class Budget:
+    """Seconds left for the whole benchmark; jobs get at most what is left."""
+
+    deadline: float
+
+    @classmethod
+    def of(cls, seconds: float) -> "Budget":
+        return cls(time.monotonic() + seconds)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def iters_for(size: int, repeat_bytes: int, min_iters: int, max_iters: int) -> int:
+    """Timed iterations for one size: about ``repeat_bytes`` moved, clamped. Same on every rank."""
+    return max(min_iters, min(max_iters, repeat_bytes // max(size, 1)))
+
+
+def bus_factor(method: str, workers: int) -> float:
+    if method == "allreduce":
+        return 2 * (workers - 1) / workers
+    if method == "noop":
+        return 0.0
+    return 1.0
+
+
+def summarize(regime: str, url: str, kind: str, method: str, workers: int, row: dict, times: list[float],
+              wrong: int, link: str) -> dict:
+    """One JSON record from per-iteration times (seconds)."""
+    s = row["size_bytes"]
+    ts = sorted(times)
+    med = statistics.median(ts)
+    p90 = ts[min(len(ts) - 1, int(round(0.9 * (len(ts) - 1))))]
+    f = bus_factor(method, workers)
+    gb = lambda t: s / t / 1e9 if t > 0 else float("inf")
+    return {"regime": regime, "url": url, "kind": kind, "method": method, "workers": workers, "link": link,
+            "size_bytes": s, "count": row["count"], "dtype": DTYPE, "iters": len(ts), "warmup": row.get("warmup", 0),
+            "time_us": med * 1e6, "time_us_min": ts[0] * 1e6, "time_us_p90": p90 * 1e6, "time_us_max": ts[-1] * 1e6,
+            "algbw_gbps": gb(med), "algbw_gbps_min": gb(ts[-1]), "algbw_gbps_max": gb(ts[0]),
+            "busbw_gbps": gb(med) * f, "busbw_gbps_min": gb(ts[-1]) * f, "busbw_gbps_max": gb(ts[0]) * f,
+            "wrong": wrong}
+
+
+def combine_ranks(out: Path, workers: int) -> tuple[list[dict], list[list[float]], list[int], dict]:
+    """Rows of rank 0, per-iteration slowest-rank times, wrong summed over ranks, regime facts."""
+    per_rank = []
+    for r in range(workers):
+        p = out if r == 0 else Path(f"{out}.rank{r}")
+        if p.exists():
+            per_rank.append(json.loads(p.read_text())["rows"])
+    facts = next((row["facts"] for row in per_rank[0] if "facts" in row), {}) if per_rank else {}
+    rows = [row for row in per_rank[0] if "size_bytes" in row] if per_rank else []
+    times, wrong = [], []
+    for i, row in enumerate(rows):
+        ranks = [[x for x in rr if "size_bytes" in x][i] for rr in per_rank if len([x for x in rr if "size_bytes" in x]) > i]
+        times.append([max(t) for t in zip(*(x["times_s"] for x in ranks))])
+        wrong.append(sum(x["wrong"] for x in ranks))
+    return rows, times, wrong, facts
+
+
+def memcpy_records(sizes: list[int], iters: list[int], warmup: int, link: str) -> list[dict]:
+    out = []
+    for size, n in zip(sizes, iters):
+        src = np.arange(size, dtype=np.uint8)
+        dst = np.empty_like(src)
+        times = []
+        for i in range(warmup + n):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        wrong = int((dst != src).sum())
+        row = {"size_bytes": size, "count": size // 4, "warmup": warmup}
+        out.append(summarize("memcpy", "", "ceiling", "memcpy", 1, row, times, wrong, link))
+    return out
+
+
+@dataclass
+class BandwidthConfig:
+    regimes: list[str]
+    workers: int
+    sizes: list[int]
+    repeat_bytes: int = 256 * 2**20
+    min_iters: int = 5
+    max_iters: int = 100
+    warmup: int = 2
+    ceilings: tuple[str, ...] = ("tcp-oneway", "tcp-duplex", "memcpy")
+    job_timeout: float = 90.0
+    corrupt: bool = False  # tests: shift one reference element, the wrong column must show it
+
+
+def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Measure; return (records, failures, facts per regime). Never raises for a regime's failure."""
+    records, failures, facts = [], [], {}
+    (run_dir / "raw").mkdir(parents=True, exist_ok=True)
+    link = f"{links.rate} veth+tbf" if links else "loopback"
+    iters = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in cfg.sizes]
+    jobs = []  # (name, url, kind, method, sizes)
+    for name in cfg.regimes:
+        e = R.BANDWIDTH[name]
+        why = R.unavailable(e.url)
+        if why is None and e.needs_cuda:
+            import torch
+            why = None if torch.cuda.is_available() else "BackendUnavailable: no CUDA device here (torch sees none)"
+        if why is None and links is not None and e.loopback_only:
+            why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
+        if why:
+            failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            continue
+        groups = [[s] for s in cfg.sizes] if e.one_size_per_job else [cfg.sizes]
+        jobs += [(name, e.url, "regime", e.method, g) for g in groups]
+    for c in cfg.ceilings:
+        if c.startswith("tcp"):
+            jobs.append((c, "noop://", "ceiling", c, cfg.sizes))
+    bar = progress(total=len(jobs) + ("memcpy" in cfg.ceilings), desc="bandwidth", unit="job") if progress else None
+    failed_names: set[str] = set()
+    for name, url, kind, method, sizes in jobs:
+        if bar:
+            bar.set_postfix_str(name)
+        if name in failed_names:
+            bar and bar.update(1)
+            continue
+        if budget.left() < 5:
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "skipped",
+                             "error": "the benchmark's time budget ran out before this job"})
+            failed_names.add(name)
+            bar and bar.update(1)
+            continue
+        its = [iters[cfg.sizes.index(s)] for s in sizes]
+        tag = f"{name}-{sizes[0]}" if len(sizes) == 1 and len(cfg.sizes) > 1 else name
+        out = run_dir / "raw" / f"bw-{tag}.json"
+        workers = cfg.workers if not method.startswith("tcp") else 2
+        argv = [python(), "-m", "bench.launch_job", "--url", url, "--workers", str(workers),
+                "--module", "bench.bw_worker"]
+        if links is not None:
+            argv += ["--link", links.rate, "--link-tag", links.tag]
+        argv += ["--", "--method", method, "--sizes", ",".join(map(str, sizes)), "--iters", ",".join(map(str, its)),
+                 "--warmup", str(cfg.warmup), "--out", str(out), "--timeout", str(min(cfg.job_timeout, 60.0))]
+        if cfg.corrupt:
+            argv.append("--corrupt")
+        env = None
+        if "nccl" in url:
+            import os
+            env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
+        res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+        if res.ok:
+            rows, times, wrong, f = combine_ranks(out, workers)
+            if f:
+                facts[name] = f
+            if "nccl" in url:
+                facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
+            for row, t, w in zip(rows, times, wrong):
+                records.append(summarize(name, url, kind, method, workers, row, t, w, link))
+        else:
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
+                             "error": res.error(), "log": str(res.log.relative_to(run_dir))})
+            failed_names.add(name)
+        bar and bar.update(1)
+    if "memcpy" in cfg.ceilings:
+        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
+        bar and bar.update(1)
+    if bar:
+        bar.close()
+    return records, failures, facts
+
+
+def nccl_transport_facts(log: Path) -> dict:
+    """What NCCL itself said (NCCL_DEBUG=INFO) about its transports; GPUDirect RDMA only on its word."""
+    text = log.read_text(errors="replace")
+    lines = [l.strip() for l in text.splitlines() if "NCCL INFO" in l]
+    gdr = [l for l in lines if "GDRDMA" in l or "GPU Direct RDMA" in l]
+    via = sorted({w for l in lines for w in ("NET/IB", "NET/Socket", "P2P/IPC", "P2P/CUMEM", "SHM", "P2P/direct")
+                  if w in l})
+    return {"gpudirect_rdma": bool(gdr), "gpudirect_rdma_evidence": gdr[:3], "transports_seen": via,
+            "version_line": next((l for l in lines if "NCCL version" in l), None)}

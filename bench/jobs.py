@@ -1,0 +1,97 @@
+"""Every benchmark job is a process group of its own, with a deadline, a log, and no survivors.
+
+A job (``commlab train ...`` or one bandwidth run) starts in a new session, so
+the job's launcher, its ranks and its servers share one process group. When the
+job ends, fails, runs past its deadline, or the benchmark is interrupted, the
+whole group is signalled (SIGTERM, then SIGKILL after a grace period): nothing a
+job started outlives it. Its stdout and stderr go to a log file; when a job
+fails, the last meaningful line of that log becomes the error the report shows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class JobResult:
+    returncode: int
+    seconds: float
+    log: Path
+    timed_out: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def error(self) -> str:
+        """Why the job failed, in one line (empty if it did not)."""
+        if self.ok:
+            return ""
+        if self.timed_out:
+            return f"ran past its deadline ({self.seconds:.0f}s) and was stopped; last output: {last_error_line(self.log)}"
+        return last_error_line(self.log) or f"exit code {self.returncode}"
+
+
+def last_error_line(log: Path) -> str:
+    """The most telling line of a failed job's log: a commlab error, else the last exception, else the last line."""
+    try:
+        lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return ""
+    for key in ("commlab worker rank", "Error:", "Error", "error:"):
+        hits = [l for l in lines if key in l and "Traceback" not in l]
+        if hits:
+            return hits[0][:400] if key == "commlab worker rank" else hits[-1][:400]
+    return lines[-1][:400] if lines else ""
+
+
+def kill_group(pgid: int, grace: float = 3.0) -> None:
+    """SIGTERM the process group we started, then SIGKILL whatever is still there after ``grace``."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None, cwd: str | None = None) -> JobResult:
+    """Run ``argv`` as a new process group; block at most ``timeout`` seconds; leave nothing running."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ if env is None else env)
+    root = str(Path(__file__).resolve().parent.parent)  # the checkout, so `python -m workers` resolves
+    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    started = time.monotonic()
+    with log.open("w") as fh:
+        fh.write("$ " + " ".join(argv) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=max(0.1, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also on KeyboardInterrupt: the group goes with us
+            kill_group(proc.pid)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return JobResult(proc.returncode, time.monotonic() - started, log, timed_out)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,145 @@
+"""PNG plots of one run (matplotlib, no display). Each function returns the file it wrote, or None."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.text import human_bytes  # noqa: E402
+
+CEILING_STYLE = {"linestyle": "--", "linewidth": 1.2, "alpha": 0.8}
+
+
+def _size_axis(ax, sizes):
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([human_bytes(s) for s in sizes])
+    ax.set_xlabel("message size S (float32)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def bandwidth(records: list[dict], path: Path, workers: int) -> Path | None:
+    if not records:
+        return None
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+    names = list(dict.fromkeys(r["regime"] for r in records))
+    sizes = sorted({r["size_bytes"] for r in records})
+    for name in names:
+        rs = sorted((r for r in records if r["regime"] == name), key=lambda r: r["size_bytes"])
+        x = [r["size_bytes"] for r in rs]
+        ceiling = rs[0]["kind"] == "ceiling"
+        style = CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}
+        label = f"{name} (ceiling)" if ceiling else name
+        if name != "memcpy":  # a copy in one process has no exchange time to compare
+            line, = ax_t.plot(x, [r["time_us"] for r in rs], label=label, **style)
+            ax_t.fill_between(x, [r["time_us_min"] for r in rs], [r["time_us_p90"] for r in rs],
+                              color=line.get_color(), alpha=0.10)
+        if any(r["busbw_gbps"] > 0 for r in rs):
+            line, = ax_b.plot(x, [r["busbw_gbps"] for r in rs], label=label, **style)
+            p90 = [r["size_bytes"] / r["time_us_p90"] / 1e3 * r["busbw_gbps"] / r["algbw_gbps"] for r in rs]
+            ax_b.fill_between(x, p90, [r["busbw_gbps_max"] for r in rs], color=line.get_color(), alpha=0.10)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("time per exchange (µs): median; band min-p90")
+    ax_t.set_title(f"Exchange time, {workers} workers (lower is better)")
+    _size_axis(ax_t, sizes)
+    ax_t.legend(fontsize=8)
+    ax_b.set_yscale("log")
+    ax_b.set_ylabel("busbw (GB/s): median; band from p90 time to min time")
+    ax_b.set_title("Bus bandwidth per worker, each direction (higher is better)")
+    _size_axis(ax_b, sizes)
+    ax_b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def convergence(summaries: list[dict], curves: dict, path: Path, target: float) -> Path | None:
+    if not summaries:
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    (ax_acc, ax_step), (ax_time, ax_bytes) = axes
+    no_bytes = []
+    for s in summaries:
+        ev = s["evals"]
+        if not ev:
+            continue
+        style = ({"linewidth": 6, "color": "black", "alpha": 0.25, "zorder": 1} if s["kind"] == "reference"
+                 else {"marker": ".", "linewidth": 1.3, "zorder": 2})
+        if s["kind"] == "floor":
+            style = {"linestyle": ":", "color": "grey"}
+        label = f"{s['regime']} ({s['kind']})"
+        steps = [e["step"] for e in ev]
+        ax_acc.plot(steps, [e["test_acc"] for e in ev], label=label, **style)
+        ax_step.plot(steps, [e["test_loss"] for e in ev], label=label, **style)
+        ax_time.plot([e["time_s"] for e in ev], [e["test_loss"] for e in ev], label=label, **style)
+        if ev[-1]["bytes"] > 0:
+            ax_bytes.plot([e["bytes"] / 2**20 for e in ev], [e["test_loss"] for e in ev], label=label, **style)
+        else:
+            no_bytes.append(s["regime"])
+    ax_acc.axhline(target, color="red", linewidth=0.8, linestyle="--", label=f"target {target:.0%}")
+    ax_acc.set(xlabel="step", ylabel="test accuracy (rank 0's model)", title="Accuracy against step")
+    ax_step.set(xlabel="step", ylabel="test loss", title="Loss against step (sync regimes should lie on local://)")
+    ax_time.set(xlabel="wall-clock seconds since setup (rank 0)", ylabel="test loss", title="Loss against time")
+    title = "Loss against bytes sent by rank 0"
+    if no_bytes:
+        title += f"\n(not shown, send nothing: {', '.join(no_bytes)})"
+    ax_bytes.set(xlabel="MiB sent by rank 0 (cumulative)", ylabel="test loss", title=title)
+    for ax in axes.flat:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def staleness(summaries: list[dict], path: Path) -> Path | None:
+    have = [s for s in summaries if s.get("staleness") and s["kind"] == "async"]
+    if not have:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = max(max(s["staleness"]) for s in have)
+    width = 0.8 / len(have)
+    for i, s in enumerate(have):
+        vals = s["staleness"]
+        counts = [vals.count(k) / len(vals) for k in range(top + 1)]
+        ax.bar([k + i * width - 0.4 + width / 2 for k in range(top + 1)], counts, width=width,
+               label=f"{s['regime']} (n={len(vals)})")
+    ax.set(xlabel="staleness of an applied update (server versions behind)", ylabel="fraction of updates",
+           title="Staleness distribution of the asynchronous regimes")
+    ax.set_xticks(range(top + 1))
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def step_split(summaries: list[dict], path: Path) -> Path | None:
+    if not summaries:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(summaries) + 1.6))
+    names = [s["regime"] for s in summaries]
+    comp = [s["compute_s_mean"] * 1e3 for s in summaries]
+    comm = [s["comm_s_mean"] * 1e3 for s in summaries]
+    other = [max(0.0, s["step_s_mean"] * 1e3 - c - m) for s, c, m in zip(summaries, comp, comm)]
+    y = range(len(names))
+    ax.barh(y, comp, label="compute (forward + backward)", color="tab:blue")
+    ax.barh(y, comm, left=comp, label="exposed communication (step() blocked)", color="tab:red")
+    ax.barh(y, other, left=[c + m for c, m in zip(comp, comm)], label="rest", color="tab:grey")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(names)
+    ax.invert_yaxis()
+    ax.set(xlabel="milliseconds per step (means over the steps, rank 0)", title="Where a training step's time goes")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,93 @@
+"""The regimes the benchmarks compare: one line each.
+
+A bandwidth entry names the regime's URL and how one exchange of a flat tensor
+is driven (``method``):
+
+- ``allreduce``: ``ex.join()`` once, then ``ex.allreduce_async(t).wait()`` (all-reduce regimes:
+  ``allreduce://``, ``ring://``); each rank ends with the sum.
+- ``pushpull``: ``ex.setup(model with one flat parameter)``, then ``ex.push_pull_async(g).wait()``
+  (``ps://``); each worker pushes its tensor and pulls the updated parameter.
+- ``noop``: nothing moves; the harness's own floor (fill, handle, check).
+
+A regime that is missing (no such scheme, an import fails, an option it does not
+know) or fails while running is reported as such, and the rest still run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commlab.config import ExchangerURL, parse_options
+from commlab.registry import regime_class
+
+
+@dataclass(frozen=True)
+class BandwidthEntry:
+    url: str
+    method: str  # "allreduce" | "pushpull" | "noop"
+    note: str = ""
+    one_size_per_job: bool = False  # setup() binds a model of one size: a fresh job per size
+    loopback_only: bool = False  # addresses chosen on loopback: cannot cross --link namespaces
+    needs_cuda: bool = False
+
+
+@dataclass(frozen=True)
+class ConvergenceEntry:
+    url: str
+    kind: str  # "reference" (one worker, combined batch) | "sync" | "async" | "floor"
+    note: str = ""
+    loopback_only: bool = False
+
+
+BANDWIDTH: dict[str, BandwidthEntry] = {
+    "noop": BandwidthEntry("noop://", "noop", "moves nothing: the harness floor"),
+    "gloo": BandwidthEntry("allreduce://?backend=gloo", "allreduce", "torch.distributed gloo all_reduce"),
+    "nccl": BandwidthEntry("allreduce://?backend=nccl", "allreduce", "torch.distributed NCCL all_reduce", needs_cuda=True),
+    "ring-tcp": BandwidthEntry("ring://?transport=tcp", "allreduce", "pyzmq ring all-reduce over tcp", loopback_only=True),
+    "ring-ipc": BandwidthEntry("ring://?transport=ipc", "allreduce", "pyzmq ring all-reduce over ipc", loopback_only=True),
+    "ps-1": BandwidthEntry("ps://?shards=1&mode=sync", "pushpull", "parameter server, 1 shard, sync",
+                           one_size_per_job=True, loopback_only=True),
+    "ps-2": BandwidthEntry("ps://?shards=2&mode=sync", "pushpull", "parameter server, 2 shards, sync",
+                           one_size_per_job=True, loopback_only=True),
+}
+
+# Ceilings measured in the same run, beside the regimes.
+CEILINGS = {
+    "tcp-oneway": "raw TCP, two processes, sendall -> recv_into a preallocated buffer, 1-byte ack",
+    "tcp-duplex": "raw TCP, two processes, both directions at once (what a ring meets)",
+    "memcpy": "numpy copy in one process (S bytes read + S written)",
+}
+
+CONVERGENCE: dict[str, ConvergenceEntry] = {
+    "local": ConvergenceEntry("local://", "reference", "one worker, the combined batch"),
+    "gloo": ConvergenceEntry("allreduce://?backend=gloo", "sync"),
+    "ring-tcp": ConvergenceEntry("ring://?transport=tcp", "sync", loopback_only=True),
+    "ps-sync": ConvergenceEntry("ps://?shards=1&mode=sync", "sync", loopback_only=True),
+    "ps-sync-2": ConvergenceEntry("ps://?shards=2&mode=sync", "sync", "sharded PS", loopback_only=True),
+    "ps-async": ConvergenceEntry("ps://?shards=1&mode=async", "async", loopback_only=True),
+    "ps-ssp-1": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1", loopback_only=True),
+    "ps-ssp-4": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=4", "async", "SSP, bound 4", loopback_only=True),
+    "noop": ConvergenceEntry("noop://", "floor", "workers never talk: the step-time floor"),
+}
+
+DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring-tcp", "ps-1", "ps-2"]
+DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-sync-2", "ps-async", "ps-ssp-1", "ps-ssp-4", "noop"]
+
+
+def unavailable(url: str) -> str | None:
+    """Why the regime ``url`` names cannot run in this checkout, or None if it can be tried."""
+    try:
+        parsed = ExchangerURL.parse(url)
+        cls = regime_class(parsed.scheme)
+        if not hasattr(cls, "from_url"):
+            parse_options(cls.Options, parsed)
+    except (ImportError, ValueError) as exc:  # ConfigError is a ValueError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def pick(table: dict, names: list[str], what: str) -> list[str]:
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown {what} regime(s) {unknown}; known: {', '.join(table)}")
+    return names

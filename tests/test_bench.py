@@ -1,0 +1,172 @@
+"""The benchmark harness: its wrong-count catches a wrong result, a failing regime is reported
+while the rest run, and a tiny end-to-end run writes every section of the report.
+
+Each job is real processes on loopback (the launcher, ranks, sockets); the tests assert
+counts and contents, never a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import bandwidth, bw_worker, links
+from bench import regimes as R
+from bench.report import SECTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_bw(regimes, **kw) -> bandwidth.BandwidthConfig:
+    return bandwidth.BandwidthConfig(regimes, workers=2, sizes=[4096, 12], repeat_bytes=0, min_iters=3, max_iters=3,
+                                     warmup=1, ceilings=(), job_timeout=60, **kw)
+
+
+# ----- one process: the check's arithmetic --------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 13, 1000])
+def test_allreduce_reference_is_the_float64_sum_of_the_inputs(world, count):
+    inputs = []
+    for r in range(world):
+        t = torch.empty(count)
+        bw_worker.fill_input(t, r)
+        inputs.append(t.double())
+    expected = torch.stack(inputs).sum(0) if count else torch.empty(0, dtype=torch.float64)
+    assert torch.equal(bw_worker.allreduce_reference(count, world).double(), expected)
+    assert torch.equal(bw_worker.mean_input(count, world).double(), expected / world)
+
+
+def test_count_wrong_counts_elements_and_nan():
+    ref = bw_worker.allreduce_reference(100, 2)
+    got = ref.clone()
+    assert bw_worker.count_wrong(got, ref) == 0
+    got[3] += 1e-3
+    got[50] = float("nan")
+    assert bw_worker.count_wrong(got, ref) == 2
+    assert bw_worker.count_wrong(ref, bw_worker.corrupt(ref)) == 1
+
+
+def test_busbw_factors_and_iterations():
+    assert bandwidth.bus_factor("allreduce", 2) == 1.0
+    assert bandwidth.bus_factor("allreduce", 4) == 1.5
+    assert bandwidth.bus_factor("pushpull", 4) == 1.0
+    assert bandwidth.bus_factor("noop", 4) == 0.0
+    assert bandwidth.iters_for(2**20, 2**24, 5, 100) == 16
+    assert bandwidth.iters_for(4, 2**24, 5, 100) == 100
+    assert bandwidth.iters_for(2**30, 2**24, 5, 100) == 5
+
+
+def test_rates_parse_in_tc_units():
+    assert links.parse_rate("1gbit") == 125e6
+    assert links.parse_rate("100mbps") == 100e6
+    with pytest.raises(ValueError, match="expected a tc rate"):
+        links.parse_rate("fast")
+
+
+# ----- several processes -----------------------------------------------------------------------------
+@pytest.mark.multiproc
+def test_a_corrupted_reference_counts_wrong_results(tmp_path):
+    recs, failures, _ = bandwidth.run(tiny_bw(["gloo"], corrupt=True), tmp_path, bandwidth.Budget.of(120))
+    assert failures == []
+    assert [r["size_bytes"] for r in recs] == [4096, 12]
+    # one shifted element per check, 3 timed checks per size, on each of the 2 ranks
+    assert [r["wrong"] for r in recs] == [6, 6]
+
+
+@pytest.mark.multiproc
+def test_a_failing_regime_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    # noop:// has no allreduce_async: the ranks start, then fail on their first exchange
+    monkeypatch.setitem(R.BANDWIDTH, "broken", R.BandwidthEntry("noop://", "allreduce"))
+    missing = [n for n in ("ring-tcp", "ps-1") if R.unavailable(R.BANDWIDTH[n].url)]  # until those regimes land
+    recs, failures, _ = bandwidth.run(tiny_bw(["broken", "nccl", *missing, "noop"]), tmp_path,
+                                      bandwidth.Budget.of(120))
+    by_name = {f["regime"]: f for f in failures}
+    for name in missing:
+        assert by_name[name]["status"] == "unavailable" and "unknown exchanger scheme" in by_name[name]["error"]
+    assert by_name["broken"]["status"] == "failed"
+    assert "allreduce_async" in by_name["broken"]["error"]
+    if not torch.cuda.is_available():
+        assert by_name["nccl"]["status"] == "unavailable" and "CUDA" in by_name["nccl"]["error"]
+    assert {r["regime"] for r in recs} == {"noop"}
+    assert all(r["wrong"] == 0 for r in recs)
+
+
+def _children_mentioning(text: str) -> list[str]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmd:
+                found.append(f"{p.name}: {cmd}")
+    return found
+
+
+@pytest.mark.multiproc
+def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
+            "--bw-regimes", "gloo,noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
+            "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
+            "--budget-s", "150"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = (out / "report.md").read_text()
+    for section in SECTIONS:
+        assert section in report, section
+    for what in ("N = 2 workers", "[min–max]", "p90", "Verdict: fastest exchange per size",
+                 "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://"):
+        assert what in report, what
+    for png in ("busbw.png", "convergence.png", "split.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    bw = json.loads((out / "bandwidth.json").read_text())
+    gloo = [r for r in bw if r["regime"] == "gloo"]
+    assert [r["size_bytes"] for r in gloo] == [4096, 65536] and all(r["wrong"] == 0 for r in gloo)
+    for key in ("regime", "workers", "size_bytes", "time_us", "time_us_min", "time_us_max", "algbw_gbps",
+                "busbw_gbps", "wrong"):
+        assert key in gloo[0]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["config"]["bandwidth"]["sizes"] == [4096, 65536]
+    assert {"revision", "dirty"} <= set(man["git"])
+    assert {"cuda", "nccl_version", "gpudirect_rdma", "link"} <= set(man["transport"])
+    assert _children_mentioning(str(out)) == []
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(links.link_unavailable_reason() is not None, reason="needs root and iproute2")
+def test_capped_links_carry_tcp_and_vanish(tmp_path):
+    def ours():
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [l for l in listed.splitlines() if l.startswith("cltest")]
+    with links.Links(2, "200mbit", tag="cltest") as ls:
+        assert len(ours()) == 3
+        cfg = bandwidth.BandwidthConfig(["gloo"], 2, [65536], 0, 3, 3, 1, ("tcp-oneway",), 60)
+        recs, failures, _ = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(120), links=ls)
+    assert ours() == []
+    assert failures == []
+    assert {r["regime"] for r in recs} == {"gloo", "tcp-oneway"}
+    assert all(r["wrong"] == 0 and r["link"] == "200mbit veth+tbf" for r in recs)
+
+
+def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
+    log = tmp_path / "job.log"
+    log.write_text('commlab server shard 0/2 mode=ssp listening on tcp://127.0.0.1:1\n'
+                   'commlab server shard 0/2: {"staleness": {"0": 5}, "updates": 5}\n'
+                   'commlab server shard 1/2: {"staleness": {"0": 1}}\n'
+                   'commlab server shard 0/2: {"staleness": {"0": 2, "3": 1}, "updates": 3}\n')
+    from bench.convergence import read_staleness
+    assert sorted(read_staleness(tmp_path / "none", [], log)) == [0, 0, 0, 3]
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
+    assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
+    assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
