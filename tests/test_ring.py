@@ -186,9 +186,12 @@ def _mismatch(rank, world):
 @pytest.mark.multiproc
 def test_ranks_with_different_sizes_raise_naming_the_sender():
     results = run_ranks(_mismatch, 2, timeout=60)
-    for rank, (kind, text) in results.items():
-        assert kind == "ProtocolError", text
-        assert f"rank {1 - rank} (left neighbour) sent chunk with" in text and "same size" in text, text
+    # rank 0 (8 elements) expects [4, 8) from rank 1 (9 elements), which sends [4, 9): rank 0 sees the lie
+    # first; rank 1 then sees rank 0 leave the ring and reads rank 0's report in the store.
+    kind, text = results[0]
+    assert kind == "ProtocolError" and "rank 1 (left neighbour) sent chunk with count 5 (expected 4)" in text, text
+    kind, text = results[1]
+    assert kind == "PeerLost" and "rank 0 reports" in text and "same size" in text, text
 
 
 # ----- several processes: a rank dies ------------------------------------------------------------------

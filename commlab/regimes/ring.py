@@ -305,7 +305,7 @@ class RingExchanger(BucketedExchanger):
 
     def _fail(self, exc: BaseException) -> BaseException:
         """Record the first failure for every rank to read, and close our sockets so neighbours stop too."""
-        if isinstance(exc, (PeerLost, CommTimeout)) and "the ring is broken" not in str(exc):
+        if isinstance(exc, CommError) and "the ring is broken" not in str(exc):
             try:
                 self.store.compare_set(self._ns + "fault", "", f"rank {self.rank} reports: {exc}")
             except Exception:
