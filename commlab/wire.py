@@ -193,6 +193,7 @@ def _nbytes(frame) -> int:
 # Validation stays strict: the receiver builds the header it expects and compares bytes; any
 # difference is a ProtocolError that says which field differs.
 
+INLINE_MAX = 64 * 2**10  # chunks up to this size travel in one frame with their header
 CHUNK_MAGIC = b"CR"
 CHUNK_HEADER = struct.Struct("<2sBBIIIQQQ")  # magic, version, dtype, sender, step, chunk, seq, offset, count
 DTYPE_CODES: dict[str, int] = {name: i for i, name in enumerate(DTYPES)}

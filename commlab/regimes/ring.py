@@ -122,6 +122,9 @@ class RingExchanger(BucketedExchanger):
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._broken: BaseException | None = None
+        self._ring_lock = threading.Lock()  # held by whichever thread runs a collective
+        self._order = threading.Lock()  # guards _pending: collectives submitted, not yet finished
+        self._pending = 0
         self._seq = 0
         self._transport: Transport | None = None
         self._ipc_dir: str | None = None
@@ -129,7 +132,8 @@ class RingExchanger(BucketedExchanger):
         self._outbox: Link | None = None  # PUSH to the right neighbour
         self._group = None
         self._own_group = False
-        self._scratch = torch.empty(wire.COPY_THRESHOLD, dtype=torch.uint8)  # small reduce-scatter chunks land here
+        # small reduce-scatter chunks land here (and one-frame messages, header first)
+        self._scratch = torch.empty(wire.COPY_THRESHOLD + wire.CHUNK_HEADER.size, dtype=torch.uint8)
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
 
@@ -157,7 +161,7 @@ class RingExchanger(BucketedExchanger):
         self._joined = True
         if self.world_size > 1 and opts.transport != "torch":
             # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
-            self.allreduce_async(torch.zeros(self.world_size), what="ring hello").wait(opts.timeout)
+            self.allreduce(torch.zeros(self.world_size), what="ring hello")
 
     def _join_zmq(self, ns: str) -> None:
         opts = self.options
@@ -206,7 +210,7 @@ class RingExchanger(BucketedExchanger):
                 flat = torch.cat([p.detach().reshape(-1) for p in b.params])
                 if self.rank != 0:
                     flat.zero_()
-                self.allreduce_async(flat, what=f"initial parameters of bucket {b.index}").wait(self.options.timeout)
+                self.allreduce(flat, what=f"initial parameters of bucket {b.index}")
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
         self.optimizer = optim.build(params)
@@ -216,20 +220,41 @@ class RingExchanger(BucketedExchanger):
         size and dtype, in the same order. Does not block: the ring runs on this exchanger's
         communication thread, one collective after another in call order. Don't touch ``tensor`` until
         the handle is done. Needs :meth:`join` (or setup) first. Thread-safe to call."""
+        flat = self._check(tensor, what)
+        future: cf.Future = cf.Future()
+        self._account(flat)
+        with self._order:
+            self._pending += 1
+            self._jobs.put((flat, future, what))
+        return FutureHandle(future, f"{what} on rank {self.rank}", on_timeout=self._stalled)
+
+    def allreduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
+        """Blocking form of :meth:`allreduce_async`. When nothing is queued for the communication thread it
+        runs on the calling thread instead: two thread switches fewer, which is most of a small all-reduce."""
+        flat = self._check(tensor, what)
+        with self._order:
+            inline = self._pending == 0
+            if inline:
+                self._pending += 1
+        if not inline:
+            return self.allreduce_async(tensor, what).wait(self.options.timeout)
+        self._account(flat)
+        self._run(flat, what)
+
+    def _check(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         if not self._joined:
             raise ConfigError("call join() or setup() before allreduce_async()")
         if not tensor.is_contiguous():
             raise ValueError(f"{what}: the ring sums contiguous tensors in place; got strides {tensor.stride()}")
         if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
             raise ValueError(f"{what}: cannot sum dtype {tensor.dtype} (floating types and int32/int64 only)")
-        flat = tensor.view(-1)
-        future: cf.Future = cf.Future()
+        return tensor.view(-1)
+
+    def _account(self, flat: torch.Tensor) -> None:
         sent, received = bytes_moved(flat.numel(), 4 if flat.dtype in HALF else flat.element_size(),
                                      self.rank, self.world_size)
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
-        self._jobs.put((flat, future, what))
-        return FutureHandle(future, f"{what} on rank {self.rank}", on_timeout=self._stalled)
 
     def _start_bucket(self, bucket):
         if bucket.index == 0:
@@ -326,18 +351,28 @@ class RingExchanger(BucketedExchanger):
             flat, future, what = job
             if not future.set_running_or_notify_cancel():
                 continue
-            if self._broken is not None:
-                future.set_exception(CommError(f"{what}: the ring broke earlier: {self._broken}"))
-                continue
             try:
-                self._allreduce(flat)
+                self._run(flat, what)
                 future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
-                if isinstance(exc, (CommError, ValueError)):
+                future.set_exception(exc)
+
+    def _run(self, flat: torch.Tensor, what: str) -> None:
+        """One collective, on whichever thread holds the ring; a failure breaks the ring for good."""
+        with self._ring_lock:
+            try:
+                if self._broken is not None:
+                    raise CommError(f"{what}: the ring broke earlier: {self._broken}")
+                self._allreduce(flat)
+            except (CommError, ValueError) as exc:
+                if self._broken is None:
                     exc = self._fail(exc)
                     exc = type(exc)(f"{what}: {exc}")
-                self._broken = exc
-                future.set_exception(exc)
+                    self._broken = exc
+                raise exc from None
+            finally:
+                with self._order:
+                    self._pending -= 1
 
     def _allreduce(self, flat: torch.Tensor) -> None:
         seq = self._seq
@@ -376,6 +411,7 @@ class RingExchanger(BucketedExchanger):
         raw = memoryview(work.numpy()).cast("B")
         scratch = memoryview(self._scratch.numpy())
         timeout, steps = self.options.timeout, 2 * N - 2
+        hsize = wire.CHUNK_HEADER.size
         trackers = []
 
         def send(t: int, j: int) -> None:
@@ -391,8 +427,24 @@ class RingExchanger(BucketedExchanger):
             for j in range(K):
                 lo, hi = self._chunk(bounds, ring_schedule(r, N, t)[1], j, K)
                 nbytes = (hi - lo) * isz
-                got = inbox.recv_header(timeout, watch=() if last else (outbox,), idle=self._check_reports)
-                wire.check_chunk_header(got, wire.chunk_header(left, seq, t, j, lo, hi - lo, dtype), inbox.who)
+                expected = wire.chunk_header(left, seq, t, j, lo, hi - lo, dtype)
+                watch = () if last else (outbox,)
+                if nbytes <= wire.INLINE_MAX:  # one frame: header then data, received into the scratch buffer
+                    size = inbox.recv_message_into(scratch, timeout, watch, self._check_reports)
+                    if size != hsize + nbytes or inbox.more():
+                        wire.check_chunk_header(bytes(scratch[:min(size, hsize)]), expected, inbox.who)
+                        raise ProtocolError(f"{inbox.who} sent a {size}-byte message for elements [{lo}, {hi}) of "
+                                            f"collective {seq} step {t}, expected {hsize + nbytes} in one frame")
+                    wire.check_chunk_header(bytes(scratch[:hsize]), expected, inbox.who)
+                    if t >= N - 1:
+                        raw[lo * isz:hi * isz] = scratch[hsize:hsize + nbytes]
+                    elif nbytes:
+                        work[lo:hi].add_(torch.frombuffer(scratch, dtype=dtype, count=hi - lo, offset=hsize))
+                    if not last:
+                        send(t + 1, j)
+                    continue
+                got = inbox.recv_header(timeout, watch, idle=self._check_reports)
+                wire.check_chunk_header(got, expected, inbox.who)
                 if not inbox.more():
                     raise ProtocolError(f"{inbox.who} sent a chunk header without its data frame")
                 if t >= N - 1:  # all-gather: the final sum, straight into the caller's tensor
