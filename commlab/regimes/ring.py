@@ -364,9 +364,10 @@ class RingExchanger(BucketedExchanger):
                 if self._broken is not None:
                     raise CommError(f"{what}: the ring broke earlier: {self._broken}")
                 self._allreduce(flat)
-            except (CommError, ValueError) as exc:
+            except (CommError, ValueError) as caught:
+                exc: BaseException = caught
                 if self._broken is None:
-                    exc = self._fail(exc)
+                    exc = self._fail(caught)
                     exc = type(exc)(f"{what}: {exc}")
                     self._broken = exc
                 raise exc from None
@@ -408,7 +409,7 @@ class RingExchanger(BucketedExchanger):
             raise CommError("the ring's sockets are closed")
         isz, dtype = work.element_size(), work.dtype
         bounds, K = self._chunks(work.numel(), isz)
-        raw = memoryview(work.numpy()).cast("B")
+        raw = work.view(torch.uint8).numpy().data
         scratch = memoryview(self._scratch.numpy())
         timeout, steps = self.options.timeout, 2 * N - 2
         hsize = wire.CHUNK_HEADER.size
