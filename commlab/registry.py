@@ -17,6 +17,7 @@ REGIMES: dict[str, str] = {
     "local": "commlab.regimes.local:LocalExchanger",
     "noop": "commlab.regimes.local:NoopExchanger",
     "allreduce": "commlab.regimes.allreduce:AllReduceExchanger",
+    "ps": "commlab.regimes.ps:PSExchanger",
 }
 
 
