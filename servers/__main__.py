@@ -20,7 +20,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0, help="updates between checkpoints (0: on stop only)")
     p.add_argument("--resume", help="continue from the checkpoint in this folder (and keep writing there)")
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between stats lines on stderr (0: off)")
-    p.add_argument("--io-threads", type=int, default=2)
+    p.add_argument("--io-threads", type=int, default=2, help="zmq I/O threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the optimizer")
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
     p.add_argument("--curve-secret", help="this server's CURVE secret key file (commlab keys)")
     p.add_argument("--authorized", help="folder of authorised client public keys (with --curve-secret)")
@@ -29,7 +30,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    import torch
+
     from servers.server import ParameterServer, ServerConfig  # torch import after --help
+
+    torch.set_num_threads(a.threads)  # the update is memory-bound; more threads only contend with zmq's
 
     try:
         i, _, k = a.shard.partition("/")

@@ -310,6 +310,16 @@ class ParameterServer:
             raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
         # -- validated: fold it in
         sync = self.cfg.mode == "sync"
+        whole = len(frames) + len(absent) == len(self.pieces) and not part.seen and not part.absent
+        if not sync and whole and all(len(parts) == 1 for parts in frames.values()):
+            # async/ssp, the worker's whole step in one message: the frames are the gradients
+            self._reply(ident, "ok", h.meta.get("id"), step=t)
+            del self.partial[rank]
+            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}
+            self._update(grads, staleness=[self.version - base])
+            self.last_step[rank] = t
+            self._serve_waiting()
+            return
         buffers = self.grads.setdefault(-1 if sync else rank, {})
         for key, parts in frames.items():
             buf = buffers.get(key)

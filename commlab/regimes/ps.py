@@ -79,12 +79,21 @@ class _Shard:
 
     # ----- on the shard's thread --------------------------------------------------------------
     def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> tuple:
+        """Send one request and wait for its reply: ``(header, data frames)``; raise its error."""
+        what = what or f"{op} of step {step}"
+        return self.answer(self.send(op, step, parts, meta, what), what)
+
+    def send(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> int:
+        """Send one request without waiting; returns its id for :meth:`answer`."""
         if self.sock is None:
             self.sock = self.tp.connect(zmq.DEALER, self.endpoint)
         rid, self.next_id = self.next_id, self.next_id + 1
-        what = what or f"{op} of step {step}"
         frames = wire.encode(op, self.sender, step, parts, dict(meta or {}, id=rid))
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name)
+        return rid
+
+    def answer(self, rid: int, what: str) -> tuple:
+        """Wait for the reply to request ``rid`` (replies come in request order)."""
         deadline = time.monotonic() + self.timeout
         while True:
             left = deadline - time.monotonic()
@@ -121,10 +130,15 @@ class _Shard:
                     raise
                 self.reconnect()
 
-    def pull(self, after_step: int) -> int:
-        """Fetch the parameters the mode allows after ``after_step``, copy them in; bytes received."""
-        h, data = self.request("pull", after_step, meta={"after_step": after_step},
-                               what=f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)")
+    def pull(self, after_step: int, pending: tuple | None = None) -> int:
+        """Fetch the parameters the mode allows after ``after_step``, copy them in; bytes received.
+
+        ``pending``: (id, what) of a push sent just before, whose acknowledgement comes first."""
+        what = f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)"
+        rid = self.send("pull", after_step, meta={"after_step": after_step}, what=what)
+        if pending is not None:
+            self.answer(*pending)
+        h, data = self.answer(rid, what)
         for spec, frame in zip(h.frames, data):
             target = self.targets.get(spec.key)
             if target is None or spec.offset + spec.count > target.numel():
@@ -135,8 +149,9 @@ class _Shard:
         return h.data_bytes
 
     def push_then_pull(self, step: int, parts: list, meta: dict, what: str) -> int:
-        self.push(step, parts, meta, what)
-        return self.pull(step)
+        """Push and pull back to back (the pull goes out before the push is acknowledged)."""
+        rid = self.send("push", step, parts, meta, what)
+        return self.pull(step, pending=(rid, what))
 
     def close(self, bye: bool) -> None:
         if self.sock is not None:
