@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,12 +124,16 @@ class ParameterServer:
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp); -1: sync sum
         self.present: Counter = Counter()  # sync: key -> workers that sent it this step
         self.complete: set[int] = set()  # sync: ranks whose step is in
+        self.contributed: Counter = Counter()  # sync: key -> workers that sent it or said it is absent
+        self.applied: set[str] = set()  # sync: keys already updated in this step
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._stop = False
         self._since_checkpoint = 0
         if cfg.resume:
             self._load(Path(cfg.resume) / self._checkpoint_name())
+        # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
+        OptimizerSpec().build([torch.zeros(1)])
 
     # ----- main loop -------------------------------------------------------------------------
     def serve(self) -> None:
@@ -183,6 +188,10 @@ class ParameterServer:
         except (ProtocolError, Refused) as exc:
             self.stats.refused += 1
             self._reply(ident, "error", req_id, {"reason": str(exc)})
+        except Exception as exc:  # a bug here must not take every worker's shard down with it
+            traceback.print_exc()
+            self.stats.refused += 1
+            self._reply(ident, "error", req_id, {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1) -> None:
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id))]
@@ -300,7 +309,7 @@ class ParameterServer:
             part = self.partial[rank] = Partial(t)
         frames = self._check_frames(h, data, require_all=False)
         absent = h.meta.get("absent", [])
-        if not isinstance(absent, list) or any(k not in self.pieces for k in absent):
+        if not isinstance(absent, list) or any(not isinstance(k, str) or k not in self.pieces for k in absent):
             raise Refused(f"push from {h.sender}: 'absent' names keys this shard does not hold")
         again = (set(frames) | set(absent)) & (part.seen | part.absent)
         if again or set(frames) & set(absent):
@@ -309,71 +318,98 @@ class ParameterServer:
         if not isinstance(base, int) or base > self.version:
             raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
         # -- validated: fold it in
-        sync = self.cfg.mode == "sync"
-        whole = len(frames) + len(absent) == len(self.pieces) and not part.seen and not part.absent
-        if not sync and whole and all(len(parts) == 1 for parts in frames.values()):
-            # async/ssp, the worker's whole step in one message: the frames are the gradients
-            self._reply(ident, "ok", h.meta.get("id"), step=t)
-            del self.partial[rank]
-            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}
-            self._update(grads, staleness=[self.version - base])
-            self.last_step[rank] = t
-            self._serve_waiting()
-            return
-        buffers = self.grads.setdefault(-1 if sync else rank, {})
-        for key, parts in frames.items():
-            buf = buffers.get(key)
-            if buf is None:
-                dtype, numel = self.pieces[key]
-                buf = buffers[key] = torch.empty(numel, dtype=wire.DTYPES[dtype])
-            first = not sync or self.present[key] == 0
-            for spec, frame in parts:
-                src = wire.frame_tensor(spec, frame)
-                dst = buf[spec.offset:spec.offset + spec.count]
-                dst.copy_(src) if first else dst.add_(src)
-            if sync:
-                self.present[key] += 1
-        part.seen |= set(frames)
-        part.absent |= set(absent)
-        part.base = base if part.base is None else min(part.base, base)
-        self._reply(ident, "ok", h.meta.get("id"), step=t)
-        if len(part.seen) + len(part.absent) < len(self.pieces):
-            return
-        # -- this worker's step is complete on this shard
-        del self.partial[rank]
-        if sync:
-            self.complete.add(rank)
-            if len(self.complete) == self.world:
-                grads = {}
-                for key in self.pieces:
-                    if self.present[key]:
-                        grads[key] = buffers[key].div_(self.world)
-                self._update(grads, staleness=[0])
-                for r in self.complete:
-                    self.last_step[r] = t
-                self.complete.clear()
-                self.present.clear()
-                self.sync_step = t + 1
+        self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
+        if self.cfg.mode == "sync":
+            self._fold_sync(rank, t, part, frames, absent)
         else:
-            grads = {k: buffers[k] for k in part.seen}
-            self._update(grads, staleness=[self.version - part.base])
-            self.last_step[rank] = t
+            self._fold_async(rank, t, part, frames, absent, base)
         self._serve_waiting()
 
-    def _update(self, grads: dict[str, torch.Tensor], staleness: list[int]) -> None:
-        """One optimizer step with ``grads`` (keys not in it get none, so torch skips them)."""
+    def _fold_sync(self, rank: int, t: int, part: Partial, frames: dict, absent: list) -> None:
+        """Add this push into the step's mean; a key whose N contributions are in is updated at once.
+
+        Each key's optimizer state is its own (SGD momentum, Adam moments and step count), so
+        updating keys one by one as their last gradient lands gives exactly the step that all
+        keys at once would, and the work overlaps with receiving the later buckets. The step
+        (version, pulls) completes when every key is done."""
+        buffers = self.grads.setdefault(-1, {})
+        scale = 1.0 / self.world
+        ready = []
+        for key in [*frames, *absent]:
+            if key in self.applied:  # updated before a restart (see checkpoint): nothing to add
+                continue
+            if key in frames:
+                buf = buffers.get(key)
+                if buf is None:
+                    dtype, numel = self.pieces[key]
+                    buf = buffers[key] = torch.empty(numel, dtype=wire.DTYPES[dtype])
+                first = self.present[key] == 0
+                for spec, frame in frames[key]:  # straight from the received frame into the mean
+                    src, dst = wire.frame_tensor(spec, frame), buf[spec.offset:spec.offset + spec.count]
+                    torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
+                self.present[key] += 1
+            self.contributed[key] += 1
+            if self.contributed[key] == self.world:
+                ready.append(key)
+        part.seen |= set(frames)
+        part.absent |= set(absent)
+        if ready:
+            self._step_optimizer({k: buffers[k] for k in ready if self.present[k]})
+            self.applied.update(ready)
+        if len(part.seen) + len(part.absent) == len(self.pieces):
+            del self.partial[rank]
+            self.complete.add(rank)
+        if len(self.complete) == self.world:
+            for r in self.complete:
+                self.last_step[r] = t
+            self.complete.clear()
+            self.present.clear()
+            self.contributed.clear()
+            self.applied.clear()
+            self.sync_step = t + 1
+            self._count_update([0])
+
+    def _fold_async(self, rank: int, t: int, part: Partial, frames: dict, absent: list, base: int) -> None:
+        """Keep this worker's gradients until its step is complete on this shard, then apply them."""
+        part.base = base if part.base is None else min(part.base, base)
+        whole = len(frames) + len(absent) == len(self.pieces) and not part.seen and not part.absent
+        if whole and all(len(parts) == 1 for parts in frames.values()):
+            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}  # no copy at all
+        else:
+            buffers = self.grads.setdefault(rank, {})
+            for key, parts in frames.items():
+                buf = buffers.get(key)
+                if buf is None:
+                    dtype, numel = self.pieces[key]
+                    buf = buffers[key] = torch.empty(numel, dtype=wire.DTYPES[dtype])
+                for spec, frame in parts:
+                    buf[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            part.seen |= set(frames)
+            part.absent |= set(absent)
+            if len(part.seen) + len(part.absent) < len(self.pieces):
+                return
+            grads = {k: buffers[k] for k in part.seen}
+        del self.partial[rank]
+        self._step_optimizer(grads)
+        self.last_step[rank] = t
+        self._count_update([self.version - part.base])
+
+    def _step_optimizer(self, grads: dict[str, torch.Tensor]) -> None:
+        """One optimizer step over the keys in ``grads`` (the others get no gradient: torch skips them)."""
         for key, p in self.params.items():
             g = grads.get(key)
             if g is not None:
-                pending = [tr for tr in self.trackers.get(key, ()) if not tr.done]
-                if pending:  # a pull still reads this buffer: give the parameter fresh storage
-                    p.data = p.data.clone()
+                if any(not tr.done for tr in self.trackers.get(key, ())):
+                    p.data = p.data.clone()  # a pull still reads this buffer: fresh storage for the new version
                     self.stats.copies_on_write += 1
                 self.trackers.pop(key, None)
             p.grad = g
-        self.optimizer.step()
+        if grads:
+            self.optimizer.step()
         for p in self.params.values():
             p.grad = None
+
+    def _count_update(self, staleness: list[int]) -> None:
         self.version += 1
         self.stats.updates += 1
         for s in staleness:
@@ -470,6 +506,7 @@ class ParameterServer:
         path = folder / self._checkpoint_name()
         state = {"format": 1, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
                  "version": self.version, "sync_step": self.sync_step, "last_step": dict(self.last_step),
+                 "applied": sorted(self.applied),
                  "world": self.world, "manifest": self.manifest, "pieces": self.pieces, "optim": self.optim_spec,
                  "params": {k: v.detach().clone() for k, v in self.params.items()},
                  "optimizer": self.optimizer.state_dict(), "updates": self.stats.updates,
@@ -487,6 +524,7 @@ class ParameterServer:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
         self.version, self.sync_step, self.world = state["version"], state["sync_step"], state["world"]
+        self.applied = set(state["applied"])
         self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}

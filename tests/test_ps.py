@@ -159,7 +159,7 @@ def sync_runs(tmp_path_factory):
     cmds, paths = [], {}
     for opt, k in CASES:
         paths[opt, k] = tmp / f"{opt}-{k}.pt"
-        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync",
+        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync&bucket_mb=0.004",
                      "--workers", "2", "--model", "tiny", "--steps", "20", "--batch-size", "16", "--no-progress",
                      "--save-params", str(paths[opt, k]), *OPTIMIZERS[opt]])
     run_all(cmds)

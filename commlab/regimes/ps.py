@@ -71,7 +71,7 @@ class _Shard:
         self.next_id = 0
         self.version = 0  # of the parameters last pulled from this shard
         self.hello_meta: dict = {}
-        self.targets: dict[str, torch.Tensor] = {}  # key -> where pulled values go
+        self.targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}  # key -> (param, start, count)
         self.max_reply = 0
 
     def submit(self, fn, *args) -> cf.Future:
@@ -140,11 +140,16 @@ class _Shard:
             self.answer(*pending)
         h, data = self.answer(rid, what)
         for spec, frame in zip(h.frames, data):
-            target = self.targets.get(spec.key)
-            if target is None or spec.offset + spec.count > target.numel():
+            param, start, count = self.targets.get(spec.key, (None, 0, 0))
+            if param is None or spec.offset + spec.count > count:
                 raise ModelMismatch(f"{self.name} sent {spec.key}[{spec.offset}:{spec.offset + spec.count}], "
                                     f"which this worker does not hold")
-            target[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            values = wire.frame_tensor(spec, frame)
+            if spec.count == param.numel():
+                # the whole parameter in one received frame: adopt its (writable) buffer, no copy
+                param.data = values.view(param.shape)
+            else:
+                param.data.view(-1)[start + spec.offset:start + spec.offset + spec.count].copy_(values)
         self.version = h.meta["version"]
         return h.data_bytes
 
@@ -233,7 +238,7 @@ class PSExchanger(BucketedExchanger):
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries)
                        for i, ep in enumerate(endpoints)]
         for shard, pieces in zip(self.shards, self._pieces):
-            shard.targets = {pc.key: params[pc.param].data.view(-1)[pc.start:pc.start + pc.count] for pc in pieces}
+            shard.targets = {pc.key: (params[pc.param], pc.start, pc.count) for pc in pieces}
             shard.max_reply = sum(pc.nbytes for pc in pieces)
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._plan = [{} for _ in self.buckets]
