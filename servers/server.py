@@ -312,6 +312,10 @@ class ParameterServer:
         if not isinstance(absent, list) or any(not isinstance(k, str) or k not in self.pieces for k in absent):
             raise Refused(f"push from {h.sender}: 'absent' names keys this shard does not hold")
         again = (set(frames) | set(absent)) & (part.seen | part.absent)
+        if again and again == set(frames) | set(absent):  # this push was sent again after a reconnect
+            self.stats.duplicates += 1
+            self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
+            return
         if again or set(frames) & set(absent):
             raise Refused(f"push of step {t} from {h.sender} repeats key(s) {sorted(again)[:3]}")
         base = h.meta.get("base")
@@ -445,9 +449,12 @@ class ParameterServer:
 
     def _op_pull(self, ident, h, _data):
         self._rank_of(h)
-        after = h.meta.get("after_step")
+        after, keys = h.meta.get("after_step"), h.meta.get("keys")
         if not isinstance(after, int):
             raise Refused(f"pull from {h.sender} without an integer after_step")
+        if keys is not None and (not isinstance(keys, list) or not keys or
+                                 any(not isinstance(k, str) or k not in self.pieces for k in keys)):
+            raise Refused(f"pull from {h.sender}: 'keys' must list keys {self.cfg.name} holds")
         if self._ready(h):
             self._send_params(ident, h)
         else:
@@ -460,7 +467,8 @@ class ParameterServer:
         if after < 0:
             return True
         if self.cfg.mode == "sync":
-            return self.sync_step > after
+            keys = h.meta.get("keys")  # some keys can be ready before the whole step
+            return self.sync_step > after or (self.sync_step == after and keys and self.applied.issuperset(keys))
         if self.last_step[rank] < after:
             return False
         if self.cfg.mode == "ssp":
@@ -479,7 +487,8 @@ class ParameterServer:
         self.waiting = still
 
     def _send_params(self, ident, h) -> None:
-        parts = [part for key, p in self.params.items() for part in wire.split(key, p.detach())]
+        keys = h.meta.get("keys") or self.params
+        parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
         self.stats.pulls += 1
         self._reply(ident, "params", h.meta.get("id"), {"version": self.version}, parts, step=h.step)
 

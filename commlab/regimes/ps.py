@@ -54,11 +54,25 @@ class PSOptions(CommonOptions):
         return [transport.tcp_endpoint(e) for e in self.endpoints.split(",") if e]
 
 
+@dataclass
+class _Request:
+    rid: int
+    op: str
+    step: int
+    parts: list
+    meta: dict
+    what: str
+
+
 class _Shard:
     """One server shard as a worker sees it: a DEALER socket owned by one thread.
 
     Every method but :meth:`submit` runs on that thread (a one-thread executor),
-    so requests to one shard are answered in order while shards run in parallel.
+    so each shard's requests go out in order while shards run in parallel.
+    Requests are *posted* (sent, reply awaited later) so that a step's pushes
+    and pulls stream out during backward; :meth:`collect` then waits for every
+    reply. Replies may come back out of order (a sync pull waits on the server
+    for the other workers): each is matched to its request by id.
     """
 
     def __init__(self, index: int, count: int, endpoint: str, tp: transport.Transport, sender: str,
@@ -69,6 +83,8 @@ class _Shard:
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
+        self.outstanding: list[_Request] = []  # posted, not yet answered, in order
+        self.inbox: dict[int, tuple] = {}  # replies that came before the one awaited
         self.version = 0  # of the parameters last pulled from this shard
         self.hello_meta: dict = {}
         self.targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}  # key -> (param, start, count)
@@ -78,67 +94,82 @@ class _Shard:
         return self.pool.submit(fn, *args)
 
     # ----- on the shard's thread --------------------------------------------------------------
-    def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> tuple:
-        """Send one request and wait for its reply: ``(header, data frames)``; raise its error."""
-        what = what or f"{op} of step {step}"
-        return self.answer(self.send(op, step, parts, meta, what), what)
+    def post(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> _Request:
+        """Send a request without waiting; :meth:`answer` or :meth:`collect` gets its reply.
+        Zero-copy: ``parts`` must not be written until the reply came."""
+        req = _Request(self.next_id, op, step, list(parts), dict(meta or {}), what or f"{op} of step {step}")
+        self.next_id += 1
+        self._transmit(req)
+        self.outstanding.append(req)
+        return req
 
-    def send(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> int:
-        """Send one request without waiting; returns its id for :meth:`answer`."""
+    def _transmit(self, req: _Request) -> None:
         if self.sock is None:
             self.sock = self.tp.connect(zmq.DEALER, self.endpoint)
-        rid, self.next_id = self.next_id, self.next_id + 1
-        frames = wire.encode(op, self.sender, step, parts, dict(meta or {}, id=rid))
+        frames = wire.encode(req.op, self.sender, req.step, req.parts, dict(req.meta, id=req.rid))
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name)
-        return rid
 
-    def answer(self, rid: int, what: str) -> tuple:
-        """Wait for the reply to request ``rid`` (replies come in request order)."""
+    def answer(self, req: _Request) -> tuple:
+        """Wait (at most ``timeout``) for ``req``'s reply: ``(header, data frames)``; raise its error."""
         deadline = time.monotonic() + self.timeout
-        while True:
+        while req.rid not in self.inbox:
             left = deadline - time.monotonic()
             try:
                 if left <= 0:
                     raise CommTimeout("")
                 msg = transport.recv(self.sock, left, self.name)
             except CommTimeout:
-                raise CommTimeout(f"{self.name} did not answer {what} within {self.timeout:g}s") from None
+                raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s") from None
             h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=self.max_reply)
-            if h.meta.get("id") != rid:
-                continue  # the answer to a request given up on before a reconnect
-            if h.op == "error":
-                raise RemoteError(f"{self.name} refused {what}: {h.meta.get('reason')}")
-            return h, msg[1:]
+            rid = h.meta.get("id")
+            if any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
+                self.inbox[rid] = (h, msg[1:])
+        h, data = self.inbox.pop(req.rid)
+        self.outstanding.remove(req)
+        if h.op == "error":
+            raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}")
+        return h, data
+
+    def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> tuple:
+        return self.answer(self.post(op, step, parts, meta, what))
 
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta
         return self.request("hello", -1, meta=meta, what="hello")[0].meta
 
-    def reconnect(self) -> None:
+    def collect(self) -> int:
+        """Wait for every posted request's reply, in order; copy pulled parameters in; bytes received.
+
+        A reply missing for ``timeout`` seconds: reconnect (hello again) and send every unanswered
+        request again, up to ``retries`` times; the server applies each (worker, step) push once."""
+        received, attempts = 0, 0
+        while self.outstanding:
+            req = self.outstanding[0]
+            try:
+                h, data = self.answer(req)
+            except CommTimeout:
+                if attempts >= self.retries:
+                    raise
+                attempts += 1
+                self._reconnect_and_resend()
+                continue
+            if req.op == "pull":
+                received += self._take(h, data)
+        return received
+
+    def _reconnect_and_resend(self) -> None:
+        pending, self.outstanding = self.outstanding, []
+        self.inbox.clear()
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
         self.hello(self.hello_meta)
+        for req in pending:
+            self._transmit(req)
+            self.outstanding.append(req)
 
-    def push(self, step: int, parts: list, meta: dict, what: str) -> None:
-        for attempt in range(self.retries + 1):
-            try:
-                self.request("push", step, parts, meta, what)
-                return
-            except CommTimeout:
-                if attempt == self.retries:
-                    raise
-                self.reconnect()
-
-    def pull(self, after_step: int, pending: tuple | None = None) -> int:
-        """Fetch the parameters the mode allows after ``after_step``, copy them in; bytes received.
-
-        ``pending``: (id, what) of a push sent just before, whose acknowledgement comes first."""
-        what = f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)"
-        rid = self.send("pull", after_step, meta={"after_step": after_step}, what=what)
-        if pending is not None:
-            self.answer(*pending)
-        h, data = self.answer(rid, what)
+    def _take(self, h: wire.Header, data) -> int:
+        """Put a pull reply's values into the parameters."""
         for spec, frame in zip(h.frames, data):
             param, start, count = self.targets.get(spec.key, (None, 0, 0))
             if param is None or spec.offset + spec.count > count:
@@ -150,13 +181,19 @@ class _Shard:
                 param.data = values.view(param.shape)
             else:
                 param.data.view(-1)[start + spec.offset:start + spec.offset + spec.count].copy_(values)
-        self.version = h.meta["version"]
+        self.version = max(self.version, h.meta["version"])
         return h.data_bytes
+
+    def pull(self, after_step: int) -> int:
+        """Fetch every key as the mode allows after ``after_step`` (and collect what is posted)."""
+        self.post("pull", after_step, meta={"after_step": after_step},
+                  what=f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)")
+        return self.collect()
 
     def push_then_pull(self, step: int, parts: list, meta: dict, what: str) -> int:
         """Push and pull back to back (the pull goes out before the push is acknowledged)."""
-        rid = self.send("push", step, parts, meta, what)
-        return self.pull(step, pending=(rid, what))
+        self.post("push", step, parts, meta, what)
+        return self.pull(step)
 
     def close(self, bye: bool) -> None:
         if self.sock is not None:
@@ -214,6 +251,7 @@ class PSExchanger(BucketedExchanger):
         self._base = 0  # wire step of this worker's step 0 (non-zero when servers resumed)
         self._plan: list[dict[int, list]] = []  # bucket -> shard -> [(piece, slot in bucket)]
         self._pieces: list[list[psproto.Piece]] = []
+        self.mode = ""  # the servers' (from hello)
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optim):
@@ -253,6 +291,7 @@ class PSExchanger(BucketedExchanger):
             "manifest": manifest_wire, "pieces": [[pc.key, pc.dtype, pc.count] for pc in self._pieces[s.index]],
             "shard": [s.index, k], "optim": optim.to_dict()}), "hello")
         self._base = max(r["next_step"] for r in replies)
+        self.mode = replies[0]["mode"]
         self._on_all(lambda s: None if replies[s.index]["initialized"] else
                      s.request("init", -1, self._parts(s.index, None), what="init"), "init")
         self._on_all(lambda s: s.pull(self._base - 1), "initial pull")
@@ -284,16 +323,29 @@ class PSExchanger(BucketedExchanger):
                     continue
                 parts += wire.split(pc.key, bucket.view(slot).view(-1)[pc.start:pc.start + pc.count])
             self.stats.bytes_sent += sum(spec.nbytes for spec, _ in parts)
-            what = f"push of bucket {bucket.index} at step {step} (keys {', '.join(pc.key for pc, _ in items[:3])})"
+            keys = [pc.key for pc, _ in items]
+            what = f"push of bucket {bucket.index} at step {step} (keys {', '.join(keys[:3])})"
             meta = {"base": shard.version, "absent": absent}
-            handles.append(FutureHandle(shard.submit(shard.push, step, parts, meta, what), what))
+            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, parts, meta, what, keys), what))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
 
+    def _post_bucket(self, shard: _Shard, step: int, parts: list, meta: dict, what: str, keys: list) -> None:
+        """On the shard's thread: send the push; in sync mode also ask at once for these keys' new
+        values, which the server sends as soon as every worker's gradient for them is in, while
+        backward is still busy with earlier layers."""
+        shard.post("push", step, parts, meta, what)
+        if self.mode == "sync":
+            shard.post("pull", step, meta={"after_step": step, "keys": keys},
+                       what=f"pull of {', '.join(keys[:3])} after step {step}")
+
     def _apply(self) -> None:
         step = self._base + self._step
-        received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
+        if self.mode == "sync":  # every key's pull is posted already
+            received = self._on_all(lambda s: s.collect(), f"pushes and pulls of step {step}")
+        else:
+            received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
         self.stats.bytes_received += sum(received)
 
     # ----- for benchmarks --------------------------------------------------------------------
