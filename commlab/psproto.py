@@ -76,22 +76,28 @@ class Piece:
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
-def assign_shards(manifest: list, shards: int) -> list[list[Piece]]:
+def assign_shards(manifest: list, shards: int, max_piece: int | None = None) -> list[list[Piece]]:
     """Spread parameters over ``shards`` servers so each carries about 1/K of the bytes.
 
     ``manifest`` is ``[(name, shape, dtype), ...]`` (see
     :func:`commlab.exchanger.model_manifest`). A tensor larger than the fair
-    share ``ceil(total / K)`` is cut into equal ranges no larger than the
-    share; then the pieces, largest first (ties in manifest order), each go to
-    the least-loaded shard (ties to the lowest index). Pure and deterministic:
-    every worker computes the same assignment from the same manifest.
-    Returns, per shard, its pieces in manifest order.
+    share ``ceil(total / K)``, or than ``max_piece`` bytes, is cut into equal
+    ranges no larger than that; then the pieces, largest first (ties in
+    manifest order), each go to the least-loaded shard (ties to the lowest
+    index). Pure and deterministic: every worker computes the same assignment
+    from the same manifest. Returns, per shard, its pieces in manifest order.
+
+    Why ``max_piece``: a piece is what a server reduces, updates and sends back
+    as a unit, so a 64 MiB tensor cut in four pipelines (the server updates and
+    returns the first quarter while the next one is still arriving).
     """
     if shards < 1:
         raise ValueError(f"need at least one shard, got {shards}")
-    items: list[tuple[int, int, Piece]] = []  # (order, -, piece)
+    items: list[tuple[int, int, Piece]] = []  # (order, start, piece)
     total = sum(math.prod(s) * _itemsize(d) for _, s, d in manifest)
     share = max(1, math.ceil(total / shards))
+    if max_piece is not None:
+        share = max(1, min(share, max_piece))
     for order, (name, shape, dtype) in enumerate(manifest):
         numel, size = math.prod(shape), _itemsize(dtype)
         parts = max(1, math.ceil(numel * size / share)) if numel else 1

@@ -133,6 +133,14 @@ def test_assignment_covers_every_element_once_and_balances_bytes(model, shards):
         assert max(loads) <= 1.02 * total / shards
 
 
+def test_pieces_are_capped_so_big_tensors_pipeline():
+    manifest = model_manifest(build_model("mlp-25m", 0)[0])
+    pieces = psproto.assign_shards(manifest, 1, max_piece=16 * 2**20)[0]
+    assert max(p.nbytes for p in pieces) <= 16 * 2**20
+    assert [p.key for p in pieces if p.param == "1.weight"] == [f"1.weight#{i * 2**22}" for i in range(4)]
+    assert sum(p.nbytes for p in pieces) == sum(math.prod(s) * 4 for _, s, _ in manifest)
+
+
 def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints():
     url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2)
     assert len(argvs) == 3 and all("--mode" in a and "ssp" in a for a in argvs)
@@ -150,6 +158,7 @@ def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints():
 OPTIMIZERS = {"sgd-momentum": ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"],
               "adam": ["--optimizer", "adam", "--lr", "0.01"]}
 CASES = [(opt, k) for opt in OPTIMIZERS for k in (1, 3)]
+PIECES = {1: "", 3: "&piece_mb=0.002"}  # K=3 also cuts the 8 KiB weight into 2 KiB pieces
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +168,7 @@ def sync_runs(tmp_path_factory):
     cmds, paths = [], {}
     for opt, k in CASES:
         paths[opt, k] = tmp / f"{opt}-{k}.pt"
-        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync&bucket_mb=0.004",
+        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync&bucket_mb=0.004{PIECES[k]}",
                      "--workers", "2", "--model", "tiny", "--steps", "20", "--batch-size", "16", "--no-progress",
                      "--save-params", str(paths[opt, k]), *OPTIMIZERS[opt]])
     run_all(cmds)

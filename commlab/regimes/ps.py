@@ -37,6 +37,8 @@ class PSOptions(CommonOptions):
     shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)")
     transport: str = option("tcp", "servers commlab train starts listen on tcp or ipc", choices=("tcp", "ipc"))
     endpoints: str = option("", "comma-separated zmq endpoints, instead of HOST:PORT in the URL (e.g. ipc://...)")
+    piece_mb: float = option(16.0, "parameters are cut into pieces of at most this many MiB, each reduced, "
+                                   "updated and returned on its own (pipelining); every worker must agree")
     retries: int = option(1, "a push not acknowledged within timeout is sent again this many times, "
                              "on a fresh connection (the server applies each (worker, step) once)")
     curve_secret: str = option("", "this worker's CURVE secret key file")
@@ -46,6 +48,8 @@ class PSOptions(CommonOptions):
         super().__post_init__()
         if self.shards < 0 or self.retries < 0:
             raise ConfigError("shards and retries must be >= 0")
+        if self.piece_mb <= 0:
+            raise ConfigError(f"piece_mb must be > 0, got {self.piece_mb}")
         if self.staleness < -1:
             raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
 
@@ -266,7 +270,7 @@ class PSExchanger(BucketedExchanger):
         for name, shape, dtype in manifest:
             if not params[name].is_contiguous() or params[name].is_cuda:
                 raise ConfigError(f"ps:// needs contiguous CPU parameters; {name} is not")
-        self._pieces = psproto.assign_shards(manifest, len(endpoints))
+        self._pieces = psproto.assign_shards(manifest, len(endpoints), max(1, int(self.options.piece_mb * 2**20)))
         curve = None
         if self.options.curve_secret:
             curve = transport.CurveKeys.load(self.options.curve_secret, self.options.server_key or None)
@@ -316,29 +320,37 @@ class PSExchanger(BucketedExchanger):
         handles = []
         for k, items in self._plan[bucket.index].items():
             shard = self.shards[k]
-            parts, absent = [], []
+            messages = []  # (parts, absent keys, keys): pieces grouped up to one frame's size per message
+            size = wire.MAX_FRAME
             for pc, slot in items:
+                if size + pc.nbytes > wire.MAX_FRAME:
+                    messages.append(([], [], []))
+                    size = 0
+                parts, absent, keys = messages[-1]
+                keys.append(pc.key)
+                size += pc.nbytes
                 if not bucket.present[slot]:
                     absent.append(pc.key)
                     continue
                 parts += wire.split(pc.key, bucket.view(slot).view(-1)[pc.start:pc.start + pc.count])
-            self.stats.bytes_sent += sum(spec.nbytes for spec, _ in parts)
-            keys = [pc.key for pc, _ in items]
-            what = f"push of bucket {bucket.index} at step {step} (keys {', '.join(keys[:3])})"
-            meta = {"base": shard.version, "absent": absent}
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, parts, meta, what, keys), what))
+                self.stats.bytes_sent += pc.nbytes
+            what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
+            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages), what))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
 
-    def _post_bucket(self, shard: _Shard, step: int, parts: list, meta: dict, what: str, keys: list) -> None:
-        """On the shard's thread: send the push; in sync mode also ask at once for these keys' new
+    def _post_bucket(self, shard: _Shard, step: int, messages: list) -> None:
+        """On the shard's thread: send the pushes; in sync mode also ask at once for those keys' new
         values, which the server sends as soon as every worker's gradient for them is in, while
         backward is still busy with earlier layers."""
-        shard.post("push", step, parts, meta, what)
-        if self.mode == "sync":
-            shard.post("pull", step, meta={"after_step": step, "keys": keys},
-                       what=f"pull of {', '.join(keys[:3])} after step {step}")
+        for parts, absent, keys in messages:
+            shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
+            shard.post("push", step, parts, {"base": shard.version, "absent": absent},
+                       f"push of {shown} at step {step}")
+            if self.mode == "sync":
+                shard.post("pull", step, meta={"after_step": step, "keys": keys},
+                           what=f"pull of {shown} after step {step}")
 
     def _apply(self) -> None:
         step = self._base + self._step
