@@ -18,6 +18,7 @@ REGIMES: dict[str, str] = {
     "noop": "commlab.regimes.local:NoopExchanger",
     "allreduce": "commlab.regimes.allreduce:AllReduceExchanger",
     "ring": "commlab.regimes.ring:RingExchanger",
+    "ps": "commlab.regimes.ps:PSExchanger",
 }
 
 

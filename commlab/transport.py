@@ -144,8 +144,23 @@ class Transport:
 
 def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer") -> int:
     """Send one multipart message; small frames copied, large ones zero-copy. Returns data bytes."""
+    return _send(sock, frames, timeout, who, track=False)[0]
+
+
+def send_tracked(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None,
+                 who: str = "peer") -> tuple[int, list]:
+    """:func:`send`, also returning, per frame in order, a ``zmq.MessageTracker`` for a frame
+    sent zero-copy or None for one that was copied.
+
+    libzmq reads a zero-copy frame's buffer after this returns: the caller must not write
+    that buffer until its tracker is ``done``."""
+    return _send(sock, frames, timeout, who, track=True)
+
+
+def _send(sock, frames, timeout, who, track):
     last = len(frames) - 1
     total = 0
+    trackers: list = []
     try:
         for i, f in enumerate(frames):
             n = memoryview(f).nbytes
@@ -153,10 +168,12 @@ def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, wh
             flags = zmq.SNDMORE if i < last else 0
             if timeout is not None and not sock.poll(int(timeout * 1000), zmq.POLLOUT):
                 raise CommTimeout(f"sending to {who} blocked for {timeout:g}s (its queue is full: is it alive?)")
-            sock.send(f, flags, copy=n <= wire.COPY_THRESHOLD)
+            copy = n <= wire.COPY_THRESHOLD
+            tracker = sock.send(f, flags, copy=copy, track=track and not copy)
+            trackers.append(tracker if track and not copy else None)
     except zmq.ZMQError as exc:
         raise PeerLost(f"send to {who} failed: {exc}") from exc
-    return total
+    return total, trackers
 
 
 def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
