@@ -20,6 +20,8 @@ from commlab.registry import REGIMES, regime_class
 SUBCOMMANDS = {
     "server": ("servers", "run one parameter-server shard"),
     "bench": ("bench", "compare regimes: bandwidth and convergence"),
+    "keys": ("commlab.keys", "create CURVE key pairs for servers and workers"),
+    "doctor": ("commlab.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }
 
 

@@ -295,7 +295,7 @@ class BucketedExchanger(Exchanger):
         # during backward; start them now, in order.
         self._launch_until(len(self.buckets))
         started = time.perf_counter()
-        sent0, recv0 = self._bytes_at_start
+        sent0, recv0 = self._counters_at_start
         handles = self._handles
         step = self._step
 
@@ -318,14 +318,16 @@ class BucketedExchanger(Exchanger):
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
         # buckets start during backward, before step_async: count this step's bytes from here
-        self._bytes_at_start = (self.stats.bytes_sent, self.stats.bytes_received)
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
+        self._arrived: set[int] = set()
+        self._counters_at_start = (self.stats.bytes_sent, self.stats.bytes_received)
         for b in self.buckets:
             b.pending = len(b.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        self._arrived.add(id(param))  # also inside no_sync: an accumulated gradient is present
         if not self._sync:
             return
         bi, _ = self._where[id(param)]
@@ -347,16 +349,21 @@ class BucketedExchanger(Exchanger):
             self._next += 1
 
     def _prepare(self, bucket: Bucket) -> None:
-        """Fill in grads that are not views (copy) and absent ones (zero), set presence."""
+        """Fill in grads that are not views (copy) and absent ones (zero), set presence.
+
+        A gradient is present if backward produced one since the last step, or if
+        the caller put a tensor of its own in ``p.grad``.
+        """
         bucket.present = []
         for i, p in enumerate(bucket.params):
             view = bucket.view(i)
             g = p.grad
-            if g is None:
+            is_view = g is not None and g.data_ptr() == view.data_ptr()
+            if g is None or (is_view and id(p) not in self._arrived):
                 view.zero_()
                 bucket.present.append(False)
                 continue
-            if g.data_ptr() != view.data_ptr():
+            if not is_view:
                 if g.shape != view.shape or g.dtype != view.dtype:
                     raise ModelMismatch(f"gradient of {bucket.names[i]!r} is {g.dtype}{list(g.shape)}, "
                                         f"parameter is {view.dtype}{list(view.shape)}")
@@ -364,7 +371,12 @@ class BucketedExchanger(Exchanger):
                 p.grad = view
             bucket.present.append(True)
         if self.carry_presence:
-            bucket.flags.copy_(torch.tensor(bucket.present, dtype=bucket.buffer.dtype))
+            # Scalar fills, not a copy from a host list: on CUDA a pageable host->device copy
+            # would wait for every kernel backward has queued, inside the hook, and kill the overlap.
+            bucket.flags.fill_(1)
+            for i, present in enumerate(bucket.present):
+                if not present:
+                    bucket.flags[i].fill_(0)
 
     def _apply_averaged_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """For all-reduce regimes: buffers hold sums over ranks; average, drop absent grads, step."""

@@ -17,6 +17,8 @@ REGIMES: dict[str, str] = {
     "local": "commlab.regimes.local:LocalExchanger",
     "noop": "commlab.regimes.local:NoopExchanger",
     "allreduce": "commlab.regimes.allreduce:AllReduceExchanger",
+    "ring": "commlab.regimes.ring:RingExchanger",
+    "ps": "commlab.regimes.ps:PSExchanger",
 }
 
 

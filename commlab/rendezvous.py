@@ -126,3 +126,18 @@ def stall_report(store, world_size: int, step: int, skip: int | None = None) -> 
         if seen < step:
             behind.append(f"rank {r} (last seen at step {seen})" if seen >= 0 else f"rank {r} (never seen)")
     return f" (waiting for {', '.join(behind)})" if behind else ""
+
+
+def leave(store, info: RankInfo, timeout: float, name: str = "leave") -> None:
+    """Orderly exit: every rank checks out, and nobody (above all rank 0, which hosts the
+    store) tears down before all have, so no rank loses the store or a peer mid-shutdown.
+    Best effort: a rank that already died must not turn a clean exit into a hang."""
+    import time
+
+    try:
+        store.add(name, 1)
+        deadline = time.monotonic() + timeout
+        while int(store.add(name, 0)) < info.world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # the store is gone: its host exited, nothing left to wait for
+        pass

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -80,7 +81,7 @@ class Transport:
         self.ctx = zmq.Context(io_threads=io_threads)
         self.max_frame = max_frame
         self.curve = curve
-        self._auth = None
+        self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator once a CURVE server binds
 
     def socket(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -143,8 +144,23 @@ class Transport:
 
 def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer") -> int:
     """Send one multipart message; small frames copied, large ones zero-copy. Returns data bytes."""
+    return _send(sock, frames, timeout, who, track=False)[0]
+
+
+def send_tracked(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None,
+                 who: str = "peer") -> tuple[int, list]:
+    """:func:`send`, also returning, per frame in order, a ``zmq.MessageTracker`` for a frame
+    sent zero-copy or None for one that was copied.
+
+    libzmq reads a zero-copy frame's buffer after this returns: the caller must not write
+    that buffer until its tracker is ``done``."""
+    return _send(sock, frames, timeout, who, track=True)
+
+
+def _send(sock, frames, timeout, who, track):
     last = len(frames) - 1
     total = 0
+    trackers: list = []
     try:
         for i, f in enumerate(frames):
             n = memoryview(f).nbytes
@@ -152,10 +168,12 @@ def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, wh
             flags = zmq.SNDMORE if i < last else 0
             if timeout is not None and not sock.poll(int(timeout * 1000), zmq.POLLOUT):
                 raise CommTimeout(f"sending to {who} blocked for {timeout:g}s (its queue is full: is it alive?)")
-            sock.send(f, flags, copy=n <= wire.COPY_THRESHOLD)
+            copy = n <= wire.COPY_THRESHOLD
+            tracker = sock.send(f, flags, copy=copy, track=track and not copy)
+            trackers.append(tracker if track and not copy else None)
     except zmq.ZMQError as exc:
         raise PeerLost(f"send to {who} failed: {exc}") from exc
-    return total
+    return total, trackers
 
 
 def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
@@ -166,3 +184,140 @@ def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
         return sock.recv_multipart(copy=False)
     except zmq.ZMQError as exc:
         raise PeerLost(f"receive from {who} failed: {exc}") from exc
+
+
+class Link:
+    """One direction of a point-to-point stream with one named peer: a PUSH that sends to it or a
+    PULL that receives from it, plus a monitor that notices at once when the peer's connection drops.
+
+    zmq reconnects silently and never tells a blocked caller that its peer died; the monitor's
+    ``DISCONNECTED`` event is what turns a SIGKILLed neighbour into :class:`PeerLost` within
+    milliseconds instead of a timeout. Messages already received stay readable after a drop, so a
+    peer that finished and closed normally is not mistaken for a lost one (see :meth:`wait`).
+
+    Thread-safety: a Link belongs to one thread (create it anywhere, then hand it over).
+    High-water marks are off: the caller bounds what is in flight (a ring has at most one
+    collective's chunks queued).
+    """
+
+    SLICE_S = 0.05  # longest a wait goes without looking at the monitors
+
+    def __init__(self, sock: zmq.Socket, who: str):
+        self.sock, self.who = sock, who
+        sock.sndhwm = 0
+        sock.rcvhwm = 0
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.dropped = False
+
+    def poll_drop(self) -> bool:
+        """Drain monitor events; True once the peer's connection has dropped."""
+        from zmq.utils.monitor import recv_monitor_message
+        while self.monitor.poll(0):
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self.dropped = True
+        return self.dropped
+
+    # ----- sending ----------------------------------------------------------------------------
+    def send(self, header: bytes, data: memoryview) -> "zmq.MessageTracker | None":
+        """Queue ``[header, data]`` without blocking. Data up to :data:`wire.INLINE_MAX` travels in
+        the header's frame (one frame: half the per-message calls); above :data:`wire.COPY_THRESHOLD`
+        it goes zero-copy and a tracker is returned: the caller must not write ``data`` until it is done."""
+        big = data.nbytes > wire.COPY_THRESHOLD
+        try:
+            if data.nbytes <= wire.INLINE_MAX:
+                self.sock.send(b"".join((header, data)), zmq.NOBLOCK)
+                return None
+            self.sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            if big:
+                return self.sock.send(data, zmq.NOBLOCK, copy=False, track=True)
+            self.sock.send(data, zmq.NOBLOCK)
+            return None
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"send to {self.who} failed: {exc}") from exc
+
+    # ----- receiving --------------------------------------------------------------------------
+    def wait(self, timeout: float, watch: "Sequence[Link]" = (), idle=None, idle_every: float = 1.0) -> None:
+        """Block until a message is readable, at most ``timeout`` seconds.
+
+        Raises :class:`PeerLost` when this link's peer (once nothing more is queued from it) or a
+        link in ``watch`` dropped, :class:`CommTimeout` naming the peer after ``timeout``.
+        ``idle()`` runs every ``idle_every`` seconds of waiting and may raise to end the wait
+        (used to read failure reports other ranks left in the rendezvous store).
+        """
+        deadline = time.monotonic() + timeout
+        next_idle = time.monotonic() + idle_every
+        while True:
+            # Poll the data socket alone, in slices: watching the monitors in the same poll costs
+            # more per message than checking them between slices, and a drop is still seen within one.
+            now = time.monotonic()
+            if now >= deadline:
+                raise CommTimeout(f"no message from {self.who} within {timeout:g}s")
+            try:
+                if self.sock.poll(int(1000 * min(self.SLICE_S, deadline - now)) + 1, zmq.POLLIN):
+                    return
+            except zmq.ZMQError as exc:
+                raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+            if self.poll_drop():
+                # The drop event can overtake the last messages on their way into the socket's queue.
+                if self.sock.poll(100, zmq.POLLIN):
+                    return
+                raise PeerLost(f"{self.who} disconnected")
+            for link in watch:
+                if link.poll_drop():
+                    raise PeerLost(f"{link.who} disconnected")
+            if idle is not None and time.monotonic() >= next_idle:
+                idle()
+                next_idle = time.monotonic() + idle_every
+
+    def recv_message_into(self, buf: memoryview, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> int:
+        """The next message's first frame written into ``buf`` (waiting as :meth:`wait` does); returns the
+        frame's full size (larger than ``buf`` means truncated: the caller compares with what it expects)."""
+        try:
+            return self.sock.recv_into(buf, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+        self.wait(timeout, watch, idle)
+        return self.recv_into(buf)
+
+    def recv_header(self, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> bytes:
+        """The first frame of the next message (small: copied), waiting as :meth:`wait` does."""
+        try:
+            return self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+        self.wait(timeout, watch, idle)
+        try:
+            return self.sock.recv(zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+
+    def recv_into(self, buf: memoryview) -> int:
+        """The next frame of the current message, written into ``buf``; returns the frame's full
+        size (larger than ``buf`` means it was truncated: the caller compares with what it expects)."""
+        try:
+            return self.sock.recv_into(buf, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}") from exc
+
+    def recv_frame(self) -> zmq.Frame:
+        """The next frame of the current message, zero-copy (read it with ``torch.frombuffer``)."""
+        try:
+            return self.sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}") from exc
+
+    def more(self) -> bool:
+        return bool(self.sock.rcvmore)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close; ``linger_s`` > 0 lets queued messages leave first (bounded)."""
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=int(linger_s * 1000))

@@ -23,6 +23,7 @@ tensor without copying (the caller adds it into its own reused buffer).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -98,7 +99,7 @@ def encode(op: str, sender: str, step: int, parts: Sequence[tuple[FrameSpec, tor
     for spec, t in parts:
         if t.numel() != spec.count or t.is_cuda:
             raise ValueError(f"{spec.key}: frame holds {t.numel()} elements on {t.device}, header says {spec.count} on cpu")
-        out.append(memoryview(t.numpy()).cast("B") if t.dtype != torch.bfloat16 else memoryview(t.view(torch.int16).numpy()).cast("B"))
+        out.append(t.view(torch.uint8).numpy().data)  # the tensor's own bytes, any dtype, no copy
     return out
 
 
@@ -181,3 +182,41 @@ def _nbytes(frame) -> int:
     if hasattr(frame, "buffer"):
         return frame.buffer.nbytes
     return memoryview(frame).nbytes
+
+
+# ----- the lean fast path: fixed-size chunk headers for collectives -----------------------------
+#
+# A ring all-reduce moves thousands of small messages whose every field the receiver can predict
+# (sender, collective number, step, offset, count, dtype). For those, a 40-byte struct replaces the
+# msgpack header: packing and checking it costs about 1 us instead of about 15 us for pack + decode
+# (bench/ring_bandwidth.py --header-cost measures both), which is a third of a 4 KiB all-reduce.
+# Validation stays strict: the receiver builds the header it expects and compares bytes; any
+# difference is a ProtocolError that says which field differs.
+
+INLINE_MAX = 64 * 2**10  # chunks up to this size travel in one frame with their header
+CHUNK_MAGIC = b"CR"
+CHUNK_HEADER = struct.Struct("<2sBBIIIQQQ")  # magic, version, dtype, sender, step, chunk, seq, offset, count
+DTYPE_CODES: dict[str, int] = {name: i for i, name in enumerate(DTYPES)}
+_CHUNK_FIELDS = ("magic", "version", "dtype", "sender", "step", "chunk", "collective", "offset", "count")
+
+
+def chunk_header(sender: int, seq: int, step: int, chunk: int, offset: int, count: int, dtype: torch.dtype) -> bytes:
+    """The fixed header of one chunk message: ``count`` elements from ``offset`` of collective ``seq``."""
+    return CHUNK_HEADER.pack(CHUNK_MAGIC, VERSION, DTYPE_CODES[dtype_name(dtype)], sender, step, chunk, seq,
+                             offset, count)
+
+
+def check_chunk_header(got: bytes, expected: bytes, who: str) -> None:
+    """Raise :class:`ProtocolError` naming ``who`` and the first differing field unless ``got == expected``."""
+    if got == expected:
+        return
+    if len(got) != CHUNK_HEADER.size:
+        raise ProtocolError(f"{who} sent a {len(got)}-byte chunk header, expected {CHUNK_HEADER.size}")
+    mine, theirs = CHUNK_HEADER.unpack(expected), CHUNK_HEADER.unpack(got)
+    diffs = [f"{name} {b!r} (expected {a!r})" for name, a, b in zip(_CHUNK_FIELDS, mine, theirs) if a != b]
+    hint = ""
+    if any(d.startswith(("count", "offset")) for d in diffs):
+        hint = ": do the ranks' tensors have the same size?"
+    elif any(d.startswith("dtype") for d in diffs):
+        hint = ": do the ranks' tensors have the same dtype?"
+    raise ProtocolError(f"{who} sent chunk with " + ", ".join(diffs) + hint)

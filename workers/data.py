@@ -32,7 +32,7 @@ class Dataset:
     def global_indices(self, step: int, global_batch: int) -> torch.Tensor:
         """Indices of the samples global step ``step`` trains on, in rank order."""
         n = len(self.train_y)
-        start, out = step * global_batch, []
+        start, out = step * global_batch, list[int]()
         while len(out) < global_batch:
             epoch, pos = divmod(start + len(out), n)
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import commlab
 from commlab import rendezvous
 from commlab.optim import OPTIMIZERS, OptimizerSpec
+from commlab.staging import resolve_device
 from workers.data import load_digits
 from workers.models import MODELS, build_model
 
@@ -33,6 +34,7 @@ class WorkerConfig:
     save_params: str | None
     metrics: str | None
     progress: bool
+    device: str = "cpu"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,6 +63,7 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-params", help="rank 0 writes the final state_dict here (torch.save)")
     p.add_argument("--metrics", help="JSON lines per step; rank r > 0 writes PATH.rank<r>")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--device", default="cpu", help="cpu, cuda (GPU LOCAL_RANK %% count) or cuda:K")
 
 
 def config_from_args(a: argparse.Namespace) -> WorkerConfig:
@@ -69,7 +72,7 @@ def config_from_args(a: argparse.Namespace) -> WorkerConfig:
             raise commlab.ConfigError(f"--{name.replace('_', '-')} must be >= 1")
     optim = OptimizerSpec(a.optimizer, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
     return WorkerConfig(a.exchanger, a.model, a.steps, a.batch_size, optim, a.seed, a.threads, a.eval_every,
-                        a.save_params, a.metrics, not a.no_progress)
+                        a.save_params, a.metrics, not a.no_progress, a.device)
 
 
 def metrics_path(base: str, rank: int) -> Path:
@@ -84,7 +87,9 @@ def evaluate(model, x, y) -> tuple[float, float]:
 
 def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
     torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device, rank_info.local_rank)
     model, side = build_model(cfg.model, cfg.seed)
+    model.to(device)
     data = load_digits(side, cfg.seed)
     rank, world = rank_info.rank, rank_info.world_size
     ex = commlab.connect(cfg.exchanger, rank_info)
@@ -98,7 +103,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
         t_start = time.perf_counter()
         record: dict = {}
         for step in range(cfg.steps):
-            x, y = data.batch(step, rank, world, cfg.batch_size)
+            x, y = (t.to(device) for t in data.batch(step, rank, world, cfg.batch_size))
             t0 = time.perf_counter()
             ex.zero_grad()
             logits = model(x)
@@ -114,7 +119,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
                       "time_s": t2 - t_start}
             last = step == cfg.steps - 1
             if rank == 0 and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
-                record["test_loss"], record["test_acc"] = evaluate(model, data.test_x, data.test_y)
+                record["test_loss"], record["test_acc"] = evaluate(model, data.test_x.to(device), data.test_y.to(device))
             if out:
                 out.write(json.dumps(record) + "\n")
             if bar is not None:

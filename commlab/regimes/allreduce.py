@@ -3,7 +3,8 @@
 Each bucket is all-reduced (sum) as soon as backward fills it; ``step()``
 waits for the last one, divides by the world size and steps the worker's own
 optimizer, exactly like single-process SGD on the combined batch. gloo runs on
-CPU tensors; NCCL needs CUDA tensors and a GPU per rank, and moves data with
+CPU tensors and on CUDA tensors (which it copies through host memory
+itself); NCCL needs CUDA tensors and a GPU per rank, and moves data with
 GPUDirect RDMA where the hardware offers it (``commlab doctor`` records
 whether it did). Nothing falls back: asking for NCCL without CUDA raises.
 """
@@ -41,10 +42,8 @@ class AllReduceExchanger(BucketedExchanger):
     def _connect(self, model, optim):
         backend = self.options.backend
         params = [p for b in self.buckets for p in b.params]
-        want_cuda = backend == "nccl"
-        if any(p.is_cuda != want_cuda for p in params):
-            raise ConfigError(f"backend={backend} needs {'CUDA' if want_cuda else 'CPU'} parameters; "
-                              f"move the model with .to() before setup()")
+        if backend == "nccl" and not all(p.is_cuda for p in params):
+            raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
         self.join()
         agree_on_model(self.store, self.rank_info, model, self.options.timeout)
         with torch.no_grad():  # every rank starts from rank 0's parameters
@@ -93,11 +92,16 @@ class AllReduceExchanger(BucketedExchanger):
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "backend": self.options.backend}
         if self.options.backend == "nccl" and torch.cuda.is_available():
-            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+            from commlab.doctor import nccl_version
+            facts["nccl_version"] = nccl_version()
+            facts["data_path"] = "GPU memory, moved by NCCL (transport and GPUDirect RDMA: see commlab doctor's probe)"
+        elif any(b.buffer.is_cuda for b in self.buckets):
+            facts["data_path"] = "gloo copies CUDA tensors through host memory itself; no GPUDirect"
         return facts
 
     def close(self):
         super().close()
         if self.group is not None and dist.is_initialized():
+            rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
             dist.destroy_process_group()
             self.group = None

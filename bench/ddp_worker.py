@@ -1,0 +1,51 @@
+"""The peer: torch DistributedDataParallel (gloo) running the same model, data, batch and optimizer
+as ``python -m workers``. Run by :mod:`bench.train_step` with torchrun's environment; rank 0
+writes one JSON line per step (step_s) to the metrics file, like a commlab worker does."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.data import load_digits
+from workers.models import build_model
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="mlp-25m")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    model, side = build_model(a.model, a.seed)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
+    data = load_digits(side, a.seed)
+    with open(a.metrics if rank == 0 else os.devnull, "w") as out:
+        for step in range(a.steps):
+            x, y = data.batch(step, rank, world, a.batch_size)
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            out.write(json.dumps({"step": step, "step_s": time.perf_counter() - t0}) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The parameter-server protocol: its ops, its consistency modes, and how parameters are sharded.
+
+Both sides import this module: the ``ps://`` client regime
+(:mod:`commlab.regimes.ps`) and the server process (:mod:`servers`). Neither
+imports the other.
+
+One DEALER socket per shard on each worker, one ROUTER socket per server.
+Every request carries ``meta["id"]``; every reply echoes it. Replies are
+``ok``, ``params`` (with data frames) or ``error`` (``meta["reason"]``, raised
+on the client as :class:`~commlab.errors.RemoteError`)::
+
+    worker                                   shard k (holds its pieces, an optimizer over them)
+      hello {rank, world, mode?, manifest,  ->  checks manifest/mode/shard/optimizer against the
+             pieces, shard, optim}          <-  first worker's; ok {initialized, next_step, version}
+      init  [frames: every piece]           ->  the first init sets the values; later ones ignored
+      pull  {after_step: -1}                <-  params [frames] {version}   (waits for init)
+      --- each step t ---
+      push  step=t {base, absent} [frames]  ->  acknowledged on arrival; applied once per (rank, t)
+      pull  {after_step: t}                 <-  params, once the mode allows (see below)
+      stats                                 <-  ok {updates, bytes_in, bytes_out, queue, staleness}
+      bye                                   ->  the rank stops counting for ssp's slowest worker
+
+Modes (the server's; a worker that names another one is refused):
+
+* ``sync`` (bulk-synchronous): step t's gradients from all N workers are
+  summed as they arrive and averaged; one optimizer step is applied when the
+  last arrives. ``pull(after_step=t)`` waits for it. Same result as one
+  process on the combined batch.
+* ``async``: each worker's step is applied as soon as all of its pieces for
+  this shard arrived. Staleness of an update = server version when it lands
+  minus the version the worker computed it on (``base``).
+* ``ssp`` (stale-synchronous, bound S): updates as in async, but
+  ``pull(after_step=t)`` blocks while ``t + 1 - slowest > S``, where
+  ``slowest`` is the number of steps the slowest attached worker completed.
+  A gradient can then miss at most ``2S + 1`` updates of each other worker
+  (the other worker may be S steps behind when it is pulled, and S ahead
+  when it lands), so its recorded staleness is at most ``(N - 1)(2S + 1)``;
+  see :func:`ssp_staleness_bound`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MODES = ("sync", "async", "ssp")
+REQUESTS = frozenset({"hello", "init", "push", "pull", "stats", "bye"})
+REPLIES = frozenset({"ok", "params", "error"})
+
+
+def ssp_staleness_bound(workers: int, staleness: int) -> int:
+    """The largest version gap an ssp server with bound ``staleness`` can record."""
+    return (workers - 1) * (2 * staleness + 1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous range ``[start, start + count)`` of the flattened parameter ``param``.
+
+    ``key`` is the name a server stores it under: the parameter's name when the
+    piece is the whole tensor, ``name#start`` when the tensor was split.
+    """
+
+    key: str
+    param: str
+    dtype: str
+    start: int
+    count: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.itemsize
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
+
+
+def assign_shards(manifest: list, shards: int, max_piece: int | None = None) -> list[list[Piece]]:
+    """Spread parameters over ``shards`` servers so each carries about 1/K of the bytes.
+
+    ``manifest`` is ``[(name, shape, dtype), ...]`` (see
+    :func:`commlab.exchanger.model_manifest`). A tensor larger than the fair
+    share ``ceil(total / K)``, or than ``max_piece`` bytes, is cut into equal
+    ranges no larger than that; then the pieces, largest first (ties in
+    manifest order), each go to the least-loaded shard (ties to the lowest
+    index). Pure and deterministic: every worker computes the same assignment
+    from the same manifest. Returns, per shard, its pieces in manifest order.
+
+    Why ``max_piece``: a piece is what a server reduces, updates and sends back
+    as a unit, so a 64 MiB tensor cut in four pipelines (the server updates and
+    returns the first quarter while the next one is still arriving).
+    """
+    if shards < 1:
+        raise ValueError(f"need at least one shard, got {shards}")
+    items: list[tuple[int, int, Piece]] = []  # (order, start, piece)
+    total = sum(math.prod(s) * _itemsize(d) for _, s, d in manifest)
+    share = max(1, math.ceil(total / shards))
+    if max_piece is not None:
+        share = max(1, min(share, max_piece))
+    for order, (name, shape, dtype) in enumerate(manifest):
+        numel, size = math.prod(shape), _itemsize(dtype)
+        parts = max(1, math.ceil(numel * size / share)) if numel else 1
+        per = math.ceil(numel / parts) if numel else 0
+        starts = range(0, numel, per) if numel else [0]
+        for start in starts:
+            count = min(per, numel - start)
+            key = name if parts == 1 else f"{name}#{start}"
+            items.append((order, start, Piece(key, name, dtype, start, count, size)))
+    loads = [0] * shards
+    out: list[list[tuple[int, int, Piece]]] = [[] for _ in range(shards)]
+    for item in sorted(items, key=lambda it: (-it[2].nbytes, it[0], it[1])):
+        k = min(range(shards), key=lambda i: (loads[i], i))
+        loads[k] += item[2].nbytes
+        out[k].append(item)
+    return [[p for _, _, p in sorted(pieces, key=lambda it: (it[0], it[1]))] for pieces in out]
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be served; supported: {sorted(_ITEMSIZE)}") from None

@@ -1,0 +1,1 @@
+"""Parameter-server processes: one shard per process (``python -m servers`` / ``commlab server``)."""

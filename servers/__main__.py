@@ -1,0 +1,60 @@
+"""``python -m servers --bind tcp://127.0.0.1:PORT --mode sync|async|ssp [--staleness S] [--shard I/K]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from commlab import psproto
+from commlab.errors import CommError, ConfigError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab server", description="Run one parameter-server shard.")
+    p.add_argument("--bind", default="tcp://127.0.0.1:0",
+                   help="zmq endpoint (port 0: any free port; the bound endpoint is printed on stdout)")
+    p.add_argument("--mode", default="sync", choices=psproto.MODES)
+    p.add_argument("--staleness", type=int, default=2, help="ssp: how many steps a worker may run ahead")
+    p.add_argument("--shard", default="0/1", help="I/K: this server holds shard I of K")
+    p.add_argument("--checkpoint-dir", help="write the shard here (atomically) every N updates and on SIGTERM")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="updates between checkpoints (0: on stop only)")
+    p.add_argument("--resume", help="continue from the checkpoint in this folder (and keep writing there)")
+    p.add_argument("--log-every", type=float, default=10.0, help="seconds between stats lines on stderr (0: off)")
+    p.add_argument("--io-threads", type=int, default=2, help="zmq I/O threads")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the optimizer")
+    p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
+    p.add_argument("--curve-secret", help="this server's CURVE secret key file (commlab keys)")
+    p.add_argument("--authorized", help="folder of authorised client public keys (with --curve-secret)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    import torch
+
+    from servers.server import ParameterServer, ServerConfig  # torch import after --help
+
+    torch.set_num_threads(a.threads)  # the update is memory-bound; more threads only contend with zmq's
+
+    try:
+        i, _, k = a.shard.partition("/")
+        shard, shards = int(i), int(k or 1)
+    except ValueError:
+        print(f"commlab server: --shard {a.shard!r} is not I/K", file=sys.stderr)
+        return 2
+    try:
+        cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
+                           a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized)
+        server = ParameterServer(cfg)
+    except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
+        print(f"commlab server: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server.serve()
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

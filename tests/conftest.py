@@ -1,0 +1,102 @@
+"""Fixtures shared by the test groups.
+
+``run_ranks`` is the multi-process harness: it writes a rank program to a file,
+starts N real processes with torchrun's environment on a free loopback port,
+waits with a deadline, kills every sibling when one fails, and hands back each
+rank's exit code and output so a failing child's traceback shows in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from commlab.launcher import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class RankResult:
+    rank: int
+    code: int | None
+    out: str
+    err: str
+
+    def json(self):
+        """The last line of stdout, parsed as JSON (rank programs print their result there)."""
+        lines = [l for l in self.out.splitlines() if l.strip()]
+        assert lines, f"rank {self.rank} printed nothing; stderr:\n{self.err}"
+        return json.loads(lines[-1])
+
+
+def child_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
+    path = tmp_path / f"rank_program_{time.monotonic_ns()}.py"
+    path.write_text(textwrap.dedent(program))
+    port = free_port()
+    procs = []
+    for r in range(n):
+        env = child_env(RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                        **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(path)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def collect(procs: list[subprocess.Popen], timeout: float, check: bool = True) -> list[RankResult]:
+    """Wait for every rank (deadline shared); on the first failure or the deadline, kill the rest."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if check and any(p.poll() not in (None, 0) for p in procs):
+            break
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    results = []
+    for r, p in enumerate(procs):
+        out, err = p.communicate()
+        results.append(RankResult(r, p.returncode, out, err))
+    if check:
+        bad = [x for x in results if x.code != 0]
+        if bad:
+            msg = "\n".join(f"--- rank {x.rank} exit {x.code}\n{x.err[-3000:]}" for x in bad)
+            pytest.fail(f"rank(s) failed:\n{msg}")
+    return results
+
+
+@pytest.fixture
+def run_ranks(tmp_path):
+    """``run_ranks(program, n, timeout=60, check=True, env=None) -> [RankResult]``."""
+
+    def run(program: str, n: int, timeout: float = 60, check: bool = True, env: dict | None = None):
+        return collect(start_ranks(program, n, tmp_path, env), timeout, check)
+
+    return run
+
+
+def commlab_train(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``commlab train ARGS`` as a user runs it, in a subprocess with a deadline."""
+    return subprocess.run([sys.executable, "-m", "commlab.cli", "train", "--no-progress", *args],
+                          env=child_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    """max over tensors of max|a-b| / max|b| (state_dicts with equal keys)."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)

@@ -1,0 +1,57 @@
+"""A worker for tests/test_ps.py whose gradients are known constants.
+
+``python tests/ps_driver.py URL --rank R --workers N --steps T --grad G [--sleep S] [--size n]``
+
+The model is one flat parameter of ``n`` zeros; every step the gradient is
+``G`` everywhere, set by hand (no backward), then ``exchanger.step()`` pushes it
+and pulls. Prints one JSON line: the final parameter values this worker holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+
+import commlab
+from commlab.rendezvous import RankInfo
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--grad", type=float, default=0.25)
+    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--size", type=int, default=5)
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step (a slow worker)")
+    p.add_argument("--barrier", action="store_true", help="start stepping once every worker is attached")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model = nn.ParameterList([nn.Parameter(torch.zeros(a.size))])
+    info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
+    with commlab.connect(a.url, info) as ex:
+        ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
+        deadline = time.monotonic() + 60
+        while a.barrier and any(len(s["workers"]) < a.workers for s in ex.server_stats()):
+            if time.monotonic() > deadline:
+                raise commlab.CommTimeout(f"rank {a.rank}: not every worker attached within 60s")
+            time.sleep(0.01)
+        for _ in range(a.steps):
+            ex.zero_grad()
+            if a.sleep:
+                time.sleep(a.sleep)
+            (model[0] * a.grad).sum().backward()  # d/dp = a.grad, exactly, in every element
+            ex.step()
+        print(json.dumps({"rank": a.rank, "param": model[0].detach().tolist()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

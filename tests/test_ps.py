@@ -1,0 +1,358 @@
+"""Parameter servers: real server processes on loopback, real workers, arithmetic checked exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+import commlab
+from commlab import psproto, transport, wire
+from commlab.errors import ConfigError, RemoteError
+from commlab.exchanger import model_manifest
+from commlab.regimes.ps import PSExchanger, server_stats
+from commlab.rendezvous import RankInfo
+from commlab.config import ExchangerURL
+from workers.models import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           PYTHONUNBUFFERED="1")
+DRIVER = str(REPO / "tests" / "ps_driver.py")
+START_TIMEOUT = 60.0
+RUN_TIMEOUT = 150.0
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path):
+        self.proc, self.endpoint, self.log = proc, endpoint, log
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.removeprefix("tcp://")
+
+    def stats(self) -> dict:
+        return server_stats(self.endpoint, timeout=20.0)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Start ``python -m servers`` on a free loopback port; every one is killed at the end."""
+    started: list[Server] = []
+
+    def start(*args: str) -> Server:
+        log = tmp_path / f"server{len(started)}.log"
+        proc = subprocess.Popen([sys.executable, "-m", "servers", "--bind", "tcp://127.0.0.1:0", "--log-every", "0",
+                                 *args], stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=ENV, cwd=REPO)
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(START_TIMEOUT)
+        sel.close()
+        line = proc.stdout.readline() if ready else ""
+        if "listening on" not in line:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"server did not start within {START_TIMEOUT}s: {line!r} {log.read_text()}")
+        server = Server(proc, line.split("listening on")[1].strip(), log)
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.proc.wait(10)
+
+
+def run_all(cmds: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[str]:
+    """Run processes concurrently; return their stdouts; kill all and raise if one fails or hangs."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
+             for c in cmds]
+    outs = []
+    try:
+        for cmd, p in zip(cmds, procs):
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise AssertionError(f"{' '.join(cmd[-8:])} exited {p.returncode}:\n{err[-3000:]}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def driver(url: str, rank: int, workers: int, steps: int, *extra: str) -> list[str]:
+    return [sys.executable, DRIVER, url, "--rank", str(rank), "--workers", str(workers), "--steps", str(steps), *extra]
+
+
+def attach(server_or_url, model: nn.Module, optim=None, rank: int = 0, world: int = 1) -> PSExchanger:
+    url = server_or_url if isinstance(server_or_url, str) else f"ps://{server_or_url.address}?timeout=20"
+    ex = commlab.connect(url, RankInfo(rank, world, rank, "127.0.0.1", 0, "flags"))
+    ex.setup(model, optim or commlab.OptimizerSpec("sgd", lr=0.5))
+    return ex
+
+
+# ----- sharding (one process) -------------------------------------------------------------------
+
+@pytest.mark.parametrize("model,shards", [("tiny", 1), ("tiny", 3), ("mlp", 2), ("mlp-25m", 3), ("tiny", 7)])
+def test_assignment_covers_every_element_once_and_balances_bytes(model, shards):
+    manifest = model_manifest(build_model(model, 0)[0])
+    pieces = psproto.assign_shards(manifest, shards)
+    assert pieces == psproto.assign_shards(manifest, shards)  # deterministic
+    for name, shape, _ in manifest:
+        ranges = sorted((p.start, p.count) for shard in pieces for p in shard if p.param == name)
+        at = 0
+        for start, count in ranges:
+            assert start == at
+            at += count
+        assert at == math.prod(shape)
+    keys = [p.key for shard in pieces for p in shard]
+    assert len(keys) == len(set(keys))
+    total = sum(math.prod(s) * 4 for _, s, _ in manifest)
+    loads = [sum(p.nbytes for p in shard) for shard in pieces]
+    biggest_unsplit = max(p.nbytes for shard in pieces for p in shard if p.count * p.itemsize <= total / shards)
+    assert max(loads) <= total / shards + biggest_unsplit
+    if model == "mlp-25m":  # one 64 MiB tensor among 100 MiB: split, and within 2% of a third
+        assert max(loads) <= 1.02 * total / shards
+
+
+def test_pieces_are_capped_so_big_tensors_pipeline():
+    manifest = model_manifest(build_model("mlp-25m", 0)[0])
+    pieces = psproto.assign_shards(manifest, 1, max_piece=16 * 2**20)[0]
+    assert max(p.nbytes for p in pieces) <= 16 * 2**20
+    assert [p.key for p in pieces if p.param == "1.weight"] == [f"1.weight#{i * 2**22}" for i in range(4)]
+    assert sum(p.nbytes for p in pieces) == sum(math.prod(s) * 4 for _, s, _ in manifest)
+
+
+def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints():
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2)
+    assert len(argvs) == 3 and all("--mode" in a and "ssp" in a for a in argvs)
+    assert [a[a.index("--shard") + 1] for a in argvs] == ["0/3", "1/3", "2/3"]
+    opts = PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options
+    assert opts.endpoint_list == [a[a.index("--bind") + 1] for a in argvs] and opts.mode == "ssp"
+    same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2)
+    assert none == [] and same == "ps://127.0.0.1:5000?mode=sync"
+    with pytest.raises(ConfigError, match="names no servers"):
+        attach("ps://?mode=sync", nn.Linear(2, 2))
+
+
+# ----- reference equivalence (commlab train, real servers) -----------------------------------------
+
+OPTIMIZERS = {"sgd-momentum": ["--optimizer", "sgd", "--lr", "0.05", "--momentum", "0.9"],
+              "adam": ["--optimizer", "adam", "--lr", "0.01"]}
+CASES = [(opt, k) for opt in OPTIMIZERS for k in (1, 3)]
+PIECES = {1: "", 3: "&piece_mb=0.002"}  # K=3 also cuts the 8 KiB weight into 2 KiB pieces
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):
+    """All four `commlab train` runs at once (2 workers each, K servers): their final state_dicts."""
+    tmp = tmp_path_factory.mktemp("sync")
+    cmds, paths = [], {}
+    for opt, k in CASES:
+        paths[opt, k] = tmp / f"{opt}-{k}.pt"
+        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync&bucket_mb=0.004{PIECES[k]}",
+                     "--workers", "2", "--model", "tiny", "--steps", "20", "--batch-size", "16", "--no-progress",
+                     "--save-params", str(paths[opt, k]), *OPTIMIZERS[opt]])
+    run_all(cmds)
+    return {case: torch.load(path) for case, path in paths.items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("opt,shards", CASES)
+def test_sync_matches_one_process_on_the_combined_batch(sync_runs, opt, shards, tmp_path):
+    from workers.loop import config_from_args, parser, train
+
+    ref_path = tmp_path / "local.pt"
+    a = parser().parse_args(["--exchanger", "local://", "--model", "tiny", "--steps", "20", "--batch-size", "32",
+                             "--no-progress", "--save-params", str(ref_path), *OPTIMIZERS[opt]])
+    train(config_from_args(a), RankInfo.single())
+    ref, got = torch.load(ref_path), sync_runs[opt, shards]
+    assert set(ref) == set(got)
+    start = build_model("tiny", 0)[0].state_dict()
+    for name in ref:
+        assert not torch.equal(ref[name], start[name])  # training moved it
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-5 * ref[name].abs().max().item())
+
+
+# ----- async and ssp (driver workers with constant gradients) ----------------------------------------
+
+@pytest.mark.multiproc
+def test_async_applies_every_push_exactly_once_and_ends_at_the_closed_form(start_server):
+    server = start_server("--mode", "async")
+    url = f"ps://{server.address}?mode=async&timeout=60"
+    run_all([driver(url, r, 4, 200, "--grad", "0.25", "--lr", "0.5") for r in range(4)])
+    stats = server.stats()
+    assert stats["updates"] == 800 and stats["version"] == 800 and stats["duplicates"] == 0
+    assert sum(stats["staleness"].values()) == 800
+    # 800 updates of -0.5 * 0.25, all exact in float32
+    final = json.loads(run_all([driver(url, 0, 4, 0)])[0])["param"]
+    assert final == [-100.0] * 5
+
+
+@pytest.mark.multiproc
+def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server):
+    s = 2
+    bound = psproto.ssp_staleness_bound(2, s)
+    ssp = start_server("--mode", "ssp", "--staleness", str(s))
+    asy = start_server("--mode", "async")
+    cmds = []
+    for server, mode in ((ssp, "ssp"), (asy, "async")):
+        url = f"ps://{server.address}?mode={mode}&timeout=60"
+        cmds += [driver(url, 0, 2, 20, "--sleep", "0.1", "--barrier"), driver(url, 1, 2, 20, "--barrier")]
+    run_all(cmds)
+    st_ssp, st_async = ssp.stats(), asy.stats()
+    assert st_ssp["updates"] == st_async["updates"] == 40
+    assert st_ssp["max_staleness"] <= bound
+    assert st_async["max_staleness"] > bound
+
+
+# ----- the protocol refuses bad input and keeps serving (raw DEALER) ---------------------------------
+
+class Raw:
+    """A bare DEALER speaking the wire protocol, to send what a correct client never would."""
+
+    def __init__(self, server: Server, sender: str = "rank0"):
+        self.tp = transport.Transport()
+        self.sock = self.tp.connect(zmq.DEALER, server.endpoint)
+        self.sender, self.id = sender, 100
+
+    def send_raw(self, frames) -> wire.Header:
+        transport.send(self.sock, frames, timeout=10)
+        msg = transport.recv(self.sock, 20, "server")
+        return wire.decode(msg, ops=psproto.REPLIES, max_bytes=2**20)
+
+    def request(self, op: str, step: int = -1, parts=(), **meta) -> wire.Header:
+        self.id += 1
+        return self.send_raw(wire.encode(op, self.sender, step, parts, dict(meta, id=self.id)))
+
+    def close(self):
+        self.sock.close()
+        self.tp.close()
+
+
+@pytest.mark.multiproc
+def test_bad_requests_get_reasons_and_change_nothing(start_server):
+    server = start_server("--mode", "sync")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ex = attach(server, model)
+    raw = Raw(server)
+    try:
+        assert raw.send_raw([b"\x93garbage"]).meta["reason"].startswith("header is not msgpack")
+        assert "unknown op 'steal'" in raw.request("steal").meta["reason"]
+        stranger = Raw(server, "rank9")
+        assert "rank9 sent push before hello" in stranger.request("push", 0).meta["reason"]
+        stranger.close()
+        w = torch.ones(6)
+        assert "holds no key 'nope'" in raw.request("push", 0, wire.split("nope", w), base=0).meta["reason"]
+        too_big = wire.split("weight", torch.ones(6, dtype=torch.float64))
+        assert "limit 32" in raw.request("push", 0, too_big, base=0).meta["reason"]  # bigger than the shard
+        bad_dtype = wire.split("weight", torch.ones(6, dtype=torch.float16))
+        assert "weight is float32 on shard 0/1, frame is float16" in raw.request("push", 0, bad_dtype,
+                                                                                 base=0).meta["reason"]
+        short = wire.split("weight", torch.ones(5))
+        assert "has 6 elements" in raw.request("push", 0, short, base=0).meta["reason"]
+        assert "expects step 0" in raw.request("push", 3, wire.split("weight", w), base=0).meta["reason"]
+        other = [["weight", [2, 4], "float32"], ["bias", [2], "float32"]]
+        reason = raw.request("hello", rank=0, world=1, mode="sync", manifest=other, pieces=[], shard=[0, 1],
+                             optim=commlab.OptimizerSpec("sgd", lr=0.5).to_dict()).meta["reason"]
+        assert "parameter 'weight' is float32[2, 3] here but float32[2, 4]" in reason
+        stats = server.stats()
+        assert stats["refused"] == 9 and stats["updates"] == 0 and stats["version"] == 0
+
+        # a correct push from "rank0", sent twice (as after a reconnect), is applied once
+        grads = {"weight": torch.full((6,), 0.5), "bias": torch.full((2,), -1.0)}
+        parts = [p for k, g in grads.items() for p in wire.split(k, g)]
+        assert raw.request("push", 0, parts, base=0).op == "ok"
+        assert raw.request("push", 0, parts, base=0).meta["duplicate"] is True
+        stats = server.stats()
+        assert stats["updates"] == 1 and stats["duplicates"] == 1
+        # the exchanger's own step 0 is that same (worker, step): a duplicate; its pull sees the update
+        ex.zero_grad()
+        model(torch.ones(1, 3)).sum().backward()
+        ex.step()
+        assert server.stats()["updates"] == 1
+        for k, g in grads.items():
+            torch.testing.assert_close(model.state_dict()[k].view(-1), start[k].view(-1) - 0.5 * g, rtol=0, atol=0)
+    finally:
+        raw.close()
+        ex.close()
+
+
+@pytest.mark.multiproc
+def test_a_worker_asking_for_another_mode_is_refused_by_name(start_server):
+    server = start_server("--mode", "sync")
+    with pytest.raises(RemoteError, match=r"shard 0/1 at tcp://.*refused hello: shard 0/1 runs mode 'sync', "
+                                          r"worker rank0 asked for 'async'"):
+        attach(f"ps://{server.address}?mode=async&timeout=20", nn.Linear(2, 2))
+
+
+@pytest.mark.multiproc
+def test_a_second_model_that_differs_is_refused_naming_the_parameter(start_server):
+    server = start_server("--mode", "async")
+    first = attach(server, nn.Linear(4, 3), rank=0, world=2)
+    try:
+        with pytest.raises(RemoteError, match=r"model mismatch on shard 0/1: parameter 'weight' is "
+                                              r"float32\[3, 4\] here but float32\[3, 5\] on worker rank1"):
+            attach(f"ps://{server.address}?timeout=20", nn.Linear(5, 3), rank=1, world=2)
+    finally:
+        first.close()
+
+
+# ----- durability ----------------------------------------------------------------------------------
+
+@pytest.mark.multiproc
+def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    server = start_server("--mode", "async", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
+    model = nn.Linear(3, 2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optim = commlab.OptimizerSpec("sgd", lr=0.25, momentum=0.5)
+    ex = attach(server, model, optim)
+
+    def step(ex, model):
+        ex.zero_grad()
+        sum(p.sum() for p in model.parameters()).backward()  # every gradient element is exactly 1
+        ex.step()
+
+    for _ in range(3):
+        step(ex, model)
+    ex.close()
+    assert server.stop() == 0
+    assert (ckpt / "shard-0-of-1.pt").exists() and not list(ckpt.glob("*.tmp*"))
+
+    resumed = start_server("--mode", "async", "--resume", str(ckpt))
+    fresh = nn.Linear(3, 2)  # other initial values: the server's win
+    ex2 = attach(resumed, fresh, optim)
+    try:
+        step(ex2, fresh)
+        assert resumed.stats()["updates"] == 4 and resumed.stats()["last_step"] == {"0": 3}
+        # momentum 0.5, grad 1: velocity 1, 1.5, 1.75, 1.875 -> moved by 0.25 * 6.125
+        for k, v in fresh.state_dict().items():
+            torch.testing.assert_close(v, start[k] - 0.25 * 6.125, rtol=0, atol=1e-6)
+        raw = Raw(resumed)
+        parts = [p for k, v in fresh.state_dict().items() for p in wire.split(k, torch.ones(v.numel()))]
+        assert raw.request("push", 2, parts, base=0).meta["duplicate"] is True
+        raw.close()
+        assert resumed.stats()["updates"] == 4
+    finally:
+        ex2.close()

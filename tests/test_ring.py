@@ -1,0 +1,264 @@
+"""ring://: sums equal a float64 reference, training equals local://, a killed rank is named.
+
+Multi-process tests spawn real ranks (torchrun's environment on a free loopback port), forward
+child tracebacks, kill the siblings on any failure and never wait without a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from commlab.errors import CommError, ConfigError, ProtocolError
+from commlab.launcher import free_port
+from commlab.regimes.ring import bytes_moved, ring_schedule, segment_bounds
+from commlab import wire
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+
+# ----- a small multi-process harness ----------------------------------------------------------------
+def _child(fn, rank, world, port, args, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> dict[int, object]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
+
+    A child's exception fails the test with its traceback; every child is killed on the way out.
+    ``on_start(procs, results_so_far)`` may act on the running children (the kill test uses it).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        if on_start is not None:
+            on_start(procs)
+        expected = world if on_start is None else world - sum(p.exitcode is not None and p.exitcode < 0 for p in procs)
+        while len(out) < expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(out))} did not finish within {timeout:g}s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: check for a child that died without reporting
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
+                        and not (on_start is not None and p.exitcode < 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited with {procs[dead[0]].exitcode} without a result")
+                continue
+            if status == "error":  # collect what the others say for a moment: the first failure may be elsewhere
+                errors = {rank: value}
+                try:
+                    while len(errors) < world:
+                        r, st, v = results.get(timeout=2.0)
+                        if st == "error":
+                            errors[r] = v
+                except Exception:
+                    pass
+                raise RuntimeError("\n".join(f"rank {r} failed:\n{v}" for r, v in sorted(errors.items())))
+            out[rank] = value
+        return out
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+
+
+# ----- single process: the schedule and the wire ------------------------------------------------------
+def test_schedule_visits_every_segment_and_moves_2_n_minus_1_over_n():
+    for world in (2, 3, 4, 5):
+        for r in range(world):
+            sent = [ring_schedule(r, world, t)[0] for t in range(2 * world - 2)]
+            got = [ring_schedule(r, world, t)[1] for t in range(2 * world - 2)]
+            assert sorted(sent[:world - 1]) == sorted(set(range(world)) - {(r + 1) % world})  # RS: all but the one it owns
+            assert got[world - 2] == (r + 1) % world  # the last reduce-scatter receive completes its own segment
+            # what r sends at step t is what its right neighbour receives at step t
+            assert sent == [ring_schedule((r + 1) % world, world, t)[1] for t in range(2 * world - 2)]
+        n = 1000 * world
+        assert bytes_moved(n, 4, 0, world) == (2 * (world - 1) * n * 4 // world,) * 2
+    assert segment_bounds(7, 3) == [0, 2, 4, 7]
+    assert bytes_moved(0, 4, 0, 3) == (0, 0)
+
+
+def test_chunk_header_checks_every_field():
+    good = wire.chunk_header(1, 5, 2, 0, 100, 7, torch.float32)
+    wire.check_chunk_header(good, good, "rank 1")
+    with pytest.raises(ProtocolError, match=r"rank 1 sent chunk with count 8 \(expected 7\).*same size"):
+        wire.check_chunk_header(wire.chunk_header(1, 5, 2, 0, 100, 8, torch.float32), good, "rank 1")
+    with pytest.raises(ProtocolError, match=r"collective 6 \(expected 5\)"):
+        wire.check_chunk_header(wire.chunk_header(1, 6, 2, 0, 100, 7, torch.float32), good, "rank 1")
+    with pytest.raises(ProtocolError, match="3-byte chunk header"):
+        wire.check_chunk_header(b"abc", good, "rank 1")
+
+
+def test_options_are_validated():
+    from commlab.registry import connect
+    from commlab.rendezvous import RankInfo
+    with pytest.raises(ConfigError, match="chunk_mb must be > 0"):
+        connect("ring://?chunk_mb=0", RankInfo.single())
+    with pytest.raises(ConfigError, match=r"'transport': 'udp' is not one of"):
+        connect("ring://?transport=udp", RankInfo.single())
+
+
+# ----- several processes: sums --------------------------------------------------------------------------
+def _data(seed: int, rank: int, n: int, dtype) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float64).to(dtype)
+
+
+def _sums(rank, world, big_transports):
+    import commlab
+    torch.manual_seed(0)
+    from commlab.rendezvous import connect_store, from_env
+    store = connect_store(from_env(), 30)  # one store per process, shared by the three exchangers
+    report = []
+    cases = [(n, torch.float32) for n in (0, 1, 7, MIB // 4 + 3)]
+    cases += [(7, torch.float64), (MIB // 4 + 3, torch.float64), (MIB // 4 + 3, torch.float16),
+              (MIB // 4 + 3, torch.bfloat16), (1000, torch.int64)]
+    tolerance = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2**-10, torch.bfloat16: 2**-7,
+                 torch.int64: 0.0}
+    for transport in ("tcp", "ipc", "torch"):
+        with commlab.connect(f"ring://?transport={transport}&timeout=30&chunk_mb=0.25") as ex:
+            ex.join(store)
+            for i, (n, dtype) in enumerate(cases):
+                x = _data(i, rank, n, dtype) if dtype.is_floating_point else torch.arange(n) * (rank + 1)
+                inputs = [_data(i, k, n, dtype).double() if dtype.is_floating_point else torch.arange(n) * (k + 1)
+                          for k in range(world)]
+                ref, scale = sum(inputs), sum(v.abs() for v in inputs)  # error relative to the summands' size
+                ex.allreduce_async(x, what=f"{n} x {dtype}").wait(30)
+                err = ((x.double() - ref).abs().max() / scale.max()).item() if n else 0.0
+                if not err <= tolerance[dtype]:
+                    raise AssertionError(f"{transport} {n} x {dtype} at N={world}: relative error {err:.3g}")
+                report.append((transport, n, str(dtype), err))
+            if transport in big_transports:  # 64 MiB, cheap to check: rank k holds (k+1) x the same vector
+                base = (torch.arange(16 * MIB) % 9973).float() * 0.37 - 1000.0
+                x = base * (rank + 1)
+                ex.allreduce_async(x, what="64 MiB").wait(60)
+                ref = sum((base * (k + 1)).double() for k in range(world))
+                err = ((x.double() - ref).abs().max() / ref.abs().max()).item()
+                if not err <= 1e-6:
+                    raise AssertionError(f"{transport} 64 MiB at N={world}: relative error {err:.3g}")
+                report.append((transport, 64 * MIB, "float32", err))
+    return report
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world,big", [(2, ("tcp", "ipc", "torch")), (3, ("ipc",)), (4, ("tcp",))])
+def test_sums_equal_float64_reference(world, big):
+    results = run_ranks(_sums, world, big, timeout=150)
+    assert all(len(r) == len(results[0]) for r in results.values())
+
+
+def _mismatch(rank, world):
+    import commlab
+    with commlab.connect("ring://?transport=tcp&timeout=20") as ex:
+        ex.join()
+        try:
+            ex.allreduce_async(torch.ones(8 + rank)).wait(20)
+        except CommError as exc:
+            result = type(exc).__name__, str(exc)
+        else:
+            result = None
+        ex.store.add("test/done", 1)  # rank 0 hosts the store: it stays until rank 1 has read the report
+        deadline = time.monotonic() + 20
+        while ex.store.add("test/done", 0) < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return result
+
+
+@pytest.mark.multiproc
+def test_ranks_with_different_sizes_raise_naming_the_sender():
+    results = run_ranks(_mismatch, 2, timeout=60)
+    # rank 0 (8 elements) expects [4, 8) from rank 1 (9 elements), which sends [4, 9): rank 0 sees the lie
+    # first; rank 1 then sees rank 0 leave the ring and reads rank 0's report in the store.
+    kind, text = results[0]
+    assert kind == "ProtocolError" and "rank 1 (left neighbour) sent chunk with count 5 (expected 4)" in text, text
+    kind, text = results[1]
+    assert kind == "PeerLost" and "rank 0 reports" in text and "same size" in text, text
+
+
+# ----- several processes: a rank dies ------------------------------------------------------------------
+def _until_killed(rank, world, ready_dir, timeout):
+    import commlab
+    ex = commlab.connect(f"ring://?transport=tcp&timeout={timeout}&chunk_mb=1")
+    ex.join()
+    x = torch.ones(4 * MIB)
+    for i in range(100000):
+        ex.allreduce_async(x.fill_(1.0)).wait(timeout)
+        if i == 2:
+            Path(ready_dir, str(rank)).touch()
+        if i > 2:
+            started = time.monotonic()
+            try:
+                while True:
+                    ex.allreduce_async(x.fill_(1.0)).wait(timeout)
+            except CommError as exc:
+                return type(exc).__name__, str(exc), time.monotonic() - started
+    return None
+
+
+@pytest.mark.multiproc
+def test_killed_rank_is_named_by_every_survivor(tmp_path):
+    world, victim, timeout = 4, 1, 20.0
+
+    def kill_when_ready(procs):
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < world:
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+                raise RuntimeError("the ranks never all reached the ring")
+            time.sleep(0.05)
+        time.sleep(0.2)  # well inside a collective by now
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        procs[victim].join(5)
+
+    results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=kill_when_ready)
+    assert sorted(results) == [r for r in range(world) if r != victim]
+    for rank, (kind, text, elapsed) in results.items():
+        assert f"rank {victim}" in text, f"rank {rank}: {kind}: {text}"
+        assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"  # noticed as a loss, not by running out the clock
+        assert elapsed < timeout, f"rank {rank} took {elapsed:.1f}s"
+
+
+# ----- training equals the single-process large-batch reference ------------------------------------------
+def _train(tmp_path: Path, url: str, workers: int, batch: int, name: str) -> dict:
+    out = tmp_path / f"{name}.pt"
+    cmd = [sys.executable, "-m", "commlab.cli", "train", "--exchanger", url, "--workers", str(workers),
+           "--batch-size", str(batch), "--model", "tiny", "--momentum", "0.9", "--steps", "20",
+           "--save-params", str(out), "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.multiproc
+def test_training_reproduces_local_large_batch(tmp_path):
+    # 3 buckets in flight on the communication thread, several chunks per segment
+    url, workers = "ring://?transport=tcp&bucket_mb=0.002&chunk_mb=0.001", 2
+    ref = _train(tmp_path, "local://", 1, 8 * workers, "local")
+    got = _train(tmp_path, url, workers, 8, "ring")
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

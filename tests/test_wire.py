@@ -1,0 +1,86 @@
+"""The wire: frames round-trip exactly, big tensors split at the frame limit, lying headers are refused."""
+
+import msgpack
+import pytest
+import torch
+
+from commlab import wire
+from commlab.errors import ProtocolError
+
+
+def roundtrip(parts, **kw):
+    frames = wire.encode("push", "rank0", 3, parts, {"note": 1})
+    as_bytes = [bytes(f) for f in frames]
+    h = wire.decode(as_bytes, **kw)
+    return h, [wire.frame_tensor(s, bytearray(f)) for s, f in zip(h.frames, as_bytes[1:])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_roundtrip_exact(dtype, n):
+    t = (torch.arange(n, dtype=torch.float64) * 1.5 - 3).to(dtype)
+    h, views = roundtrip(wire.split("w", t, max_frame=256))
+    assert h.op == "push" and h.sender == "rank0" and h.step == 3 and h.meta == {"note": 1}
+    got = torch.cat(views) if views else torch.empty(0, dtype=dtype)
+    assert torch.equal(got, t)
+    assert all(s.nbytes <= 256 for s in h.frames)
+    assert [s.offset for s in h.frames] == list(range(0, n, 256 // t.element_size()))
+
+
+def test_default_frames_at_most_16_mib():
+    t = torch.zeros(5 * 2**20)  # 20 MiB of float32
+    parts = wire.split("big", t)
+    assert [s.count for s, _ in parts] == [4 * 2**20, 2**20]
+    assert max(s.nbytes for s, _ in parts) == 16 * 2**20
+
+
+def test_split_with_offset_addresses_the_whole_tensor():
+    parts = wire.split("w", torch.ones(10), offset=100, max_frame=16)
+    assert [(s.offset, s.count) for s, _ in parts] == [(100, 4), (104, 4), (108, 2)]
+
+
+def header(**over):
+    h = {"v": 1, "op": "push", "from": "r", "step": 0, "frames": [["w", "float32", 0, 2]], "meta": {}}
+    h.update(over)
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize("frames, message", [
+    ([], "empty message"),
+    ([b"\xc1garbage"], "header is not msgpack"),
+    ([msgpack.packb([1, 2])], "not a map"),
+    ([header(v=2), bytes(8)], r"protocol version 2; this build speaks 1"),
+    ([header(op="explode"), bytes(8)], r"unknown op 'explode'; known: \['pull', 'push'\]"),
+    ([header(), bytes(8), bytes(8)], r"declares 1 data frame\(s\) but 2 arrived"),
+    ([header()], r"declares 1 data frame\(s\) but 0 arrived"),
+    ([header(), bytes(7)], r"frame 0 \(w\) has 7 bytes, header declares 8"),
+    ([header(frames=[["w", "complex64", 0, 2]]), bytes(8)], "unknown dtype 'complex64'"),
+    ([header(frames=[["w", "float32", -1, 2]]), bytes(8)], "non-negative"),
+    ([header(frames=[["w", "float32", 0, 2**40]]), bytes(8)], r"declares 4398046511104 bytes, limit"),
+    ([header(frames=[["w", "float32", 0]]), bytes(8)], r"not \[key, dtype, offset, count\]"),
+    ([header(frames=[["", "float32", 0, 2]]), bytes(8)], "bad key"),
+    ([header(step="x"), bytes(8)], "bad step"),
+    ([header(meta=[1]), bytes(8)], "'meta' is not a map"),
+])
+def test_lying_headers_are_refused(frames, message):
+    with pytest.raises(ProtocolError, match=message):
+        wire.decode(frames, ops={"push", "pull"})
+
+
+def test_total_size_limit():
+    frames = wire.encode("push", "r", 0, wire.split("w", torch.zeros(100)))
+    with pytest.raises(ProtocolError, match="carries 400 bytes, limit 399"):
+        wire.decode([bytes(f) for f in frames], max_bytes=399)
+
+
+def test_describe_is_one_line():
+    h, _ = roundtrip(wire.split("layer.weight", torch.zeros(2**20), max_frame=2**20))
+    text = wire.describe(h)
+    assert "\n" not in text
+    assert text.startswith("push from rank0 step 3: 4 frames, 4.0 MiB [layer.weight:float32[0:262144]")
+    assert wire.describe(b"junk") == "<undecoded message: bytes>"
+
+
+def test_unsupported_dtype_is_a_caller_error():
+    with pytest.raises(ValueError, match="cannot travel on the wire"):
+        wire.split("c", torch.zeros(2, dtype=torch.complex64))
