@@ -42,7 +42,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
 
     A child's exception fails the test with its traceback; every child is killed on the way out.
-    ``on_start(procs, results_so_far)`` may act on the running children (the kill test uses it).
+    ``on_start(procs)`` may act on the running children (kill or stop one) and returns the ranks
+    that will not report.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -52,10 +53,11 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
         p.start()
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    silent: set[int] = set()
     try:
         if on_start is not None:
-            on_start(procs)
-        expected = world if on_start is None else world - sum(p.exitcode is not None and p.exitcode < 0 for p in procs)
+            silent = set(on_start(procs))
+        expected = world - len(silent)
         while len(out) < expected:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -63,8 +65,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except Exception:  # queue.Empty: check for a child that died without reporting
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
-                        and not (on_start is not None and p.exitcode < 0)]
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out | silent]
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} exited with {procs[dead[0]].exitcode} without a result")
                 continue
@@ -206,18 +207,15 @@ def _until_killed(rank, world, ready_dir, timeout):
     ex = commlab.connect(f"ring://?transport=tcp&timeout={timeout}&chunk_mb=1")
     ex.join()
     x = torch.ones(4 * MIB)
-    for i in range(100000):
+    for _ in range(3):
         ex.allreduce_async(x.fill_(1.0)).wait(timeout)
-        if i == 2:
-            Path(ready_dir, str(rank)).touch()
-        if i > 2:
-            started = time.monotonic()
-            try:
-                while True:
-                    ex.allreduce_async(x.fill_(1.0)).wait(timeout)
-            except CommError as exc:
-                return type(exc).__name__, str(exc), time.monotonic() - started
-    return None
+    Path(ready_dir, str(rank)).touch()
+    started = time.monotonic()
+    try:  # wait longer than the ring's own timeout: its error, which names the culprit, comes first
+        while True:
+            ex.allreduce_async(x.fill_(1.0)).wait(3 * timeout)
+    except CommError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
 
 
 @pytest.mark.multiproc
@@ -233,6 +231,7 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path):
         time.sleep(0.2)  # well inside a collective by now
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].join(5)
+        return {victim}
 
     results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=kill_when_ready)
     assert sorted(results) == [r for r in range(world) if r != victim]
@@ -240,6 +239,26 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path):
         assert f"rank {victim}" in text, f"rank {rank}: {kind}: {text}"
         assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"  # noticed as a loss, not by running out the clock
         assert elapsed < timeout, f"rank {rank} took {elapsed:.1f}s"
+
+
+@pytest.mark.multiproc
+def test_stalled_rank_is_named_by_every_survivor(tmp_path):
+    world, victim, timeout = 3, 1, 3.0
+
+    def stop_when_ready(procs):
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < world:
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+                raise RuntimeError("the ranks never all reached the ring")
+            time.sleep(0.05)
+        os.kill(procs[victim].pid, signal.SIGSTOP)  # alive, connected, silent; killed by run_ranks at the end
+        return {victim}
+
+    results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=stop_when_ready)
+    for rank, (kind, text, elapsed) in results.items():
+        # its right neighbour times out naming it; the rest read that report (or see that neighbour leave)
+        assert f"rank {victim}" in text and kind in ("CommTimeout", "PeerLost"), f"rank {rank}: {kind}: {text}"
+        assert "did not complete" not in text, text  # the ring's own bounded wait answered, not the caller's
 
 
 # ----- training equals the single-process large-batch reference ------------------------------------------
