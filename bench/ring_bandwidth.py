@@ -137,9 +137,10 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
             elif regime == "raw-tcp":
                 op = None
             else:
-                ex = commlab.connect(REGIMES[regime] + f"&timeout={TIMEOUT:g}")
+                url = REGIMES.get(regime) or regime  # a name above, or any ring:// URL
+                ex = commlab.connect(url + ("&" if "?" in url else "?") + f"timeout={TIMEOUT:g}")
                 ex.join(store)
-                op = lambda x, ex=ex: ex.allreduce_async(x).wait(TIMEOUT)  # noqa: E731
+                op = ex.allreduce  # blocking, like dist.all_reduce
             for reg, size in cases:
                 if reg != regime:
                     continue
@@ -167,7 +168,7 @@ def run_cases(cases: list[tuple[str, int]], workers: int, quick: bool = False, t
 
     if any(r == "raw-tcp" for r, _ in cases) and workers != 2:
         raise ValueError("raw-tcp measures two processes: use workers=2")
-    unknown = sorted({r for r, _ in cases} - set(REGIMES))
+    unknown = sorted({r for r, _ in cases if not r.startswith("ring://")} - set(REGIMES))
     if unknown:
         raise ValueError(f"unknown regime(s) {unknown}; known: {sorted(REGIMES)}")
     ctx = mp.get_context("spawn")
@@ -231,7 +232,8 @@ def human(size: int) -> str:
 def table(records: list[dict]) -> str:
     gloo = {(r["workers"], r["size_bytes"]): r for r in records if r["regime"] == "gloo"}
     raw = {r["size_bytes"]: r for r in records if r["regime"] == "raw-tcp"}
-    lines = [f"{'N':>2} {'regime':<11}{'size':>6} {'time us (min-max)':>26} {'algbw':>7} {'busbw':>7} {'wrong':>6}"
+    width = max([11] + [len(r["regime"]) + 1 for r in records])
+    lines = [f"{'N':>2} {'regime':<{width}}{'size':>6} {'time us (min-max)':>26} {'algbw':>7} {'busbw':>7} {'wrong':>6}"
              f" {'x gloo':>7} {'of raw':>7}"]
     for r in sorted(records, key=lambda r: (r["workers"], r["regime"], r["size_bytes"])):
         g = gloo.get((r["workers"], r["size_bytes"]))
@@ -239,7 +241,7 @@ def table(records: list[dict]) -> str:
         rw = raw.get(r["size_bytes"]) if r["workers"] == 2 and r["regime"] != "raw-tcp" else None
         of = f"{r['busbw_gbps'] / rw['busbw_gbps']:6.0%}" if rw else ""
         span = f"{r['time_us']:.0f} ({r['time_min_us']:.0f}-{r['time_max_us']:.0f})"
-        lines.append(f"{r['workers']:>2} {r['regime']:<11}{human(r['size_bytes']):>6} {span:>26} "
+        lines.append(f"{r['workers']:>2} {r['regime']:<{width}}{human(r['size_bytes']):>6} {span:>26} "
                      f"{r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {r['wrong']:>6} {vs} {of:>7}")
     return "\n".join(lines)
 
@@ -265,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, fewer iterations")
     p.add_argument("--workers", default="2,3,4", help="comma-separated world sizes")
-    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp", help=f"from {','.join(REGIMES)}")
+    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp",
+                   help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
     p.add_argument("--sizes", help=f"comma-separated, from {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")
     p.add_argument("--header-cost", action="store_true", help="only measure the per-message header cost")
