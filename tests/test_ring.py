@@ -130,7 +130,7 @@ def _data(seed: int, rank: int, n: int, dtype) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float64).to(dtype)
 
 
-def _sums(rank, world, big_transports):
+def _sums(rank, world, transports, big_transports):
     import commlab
     torch.manual_seed(0)
     from commlab.rendezvous import connect_store, from_env
@@ -141,7 +141,7 @@ def _sums(rank, world, big_transports):
               (MIB // 4 + 3, torch.bfloat16), (1000, torch.int64)]
     tolerance = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2**-10, torch.bfloat16: 2**-7,
                  torch.int64: 0.0}
-    for transport in ("tcp", "ipc", "torch"):
+    for transport in transports:
         with commlab.connect(f"ring://?transport={transport}&timeout=30&chunk_mb=0.25") as ex:
             ex.join(store)
             for i, (n, dtype) in enumerate(cases):
@@ -167,9 +167,11 @@ def _sums(rank, world, big_transports):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,big", [(2, ("tcp", "ipc", "torch")), (3, ("ipc",)), (4, ("tcp",))])
-def test_sums_equal_float64_reference(world, big):
-    results = run_ranks(_sums, world, big, timeout=150)
+@pytest.mark.parametrize("world,transports,big", [(2, ("tcp", "ipc", "torch"), ("tcp", "ipc", "torch")),
+                                                   (3, ("ipc", "torch"), ("ipc",)), (4, ("tcp",), ("tcp",))])
+def test_sums_equal_float64_reference(world, transports, big):
+    """Sizes 0, 1, 7, 1 MiB + 3 elements (float32, float64, float16, bfloat16, int64) and 64 MiB."""
+    results = run_ranks(_sums, world, transports, big, timeout=150)
     assert all(len(r) == len(results[0]) for r in results.values())
 
 
