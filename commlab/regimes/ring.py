@@ -73,7 +73,7 @@ from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigErr
 from commlab.exchanger import BucketedExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.peers import agree_on_model
-from commlab.transport import Link, Transport
+from commlab.transport import Link, Transport, keep_freed_memory
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -165,6 +165,7 @@ class RingExchanger(BucketedExchanger):
 
     def _join_zmq(self, ns: str) -> None:
         opts = self.options
+        self._malloc_tuned = keep_freed_memory()  # received chunks reuse heap memory instead of faulting in fresh pages
         self._transport = Transport()
         if opts.transport == "tcp":
             where = f"tcp://{opts.host}:0"
@@ -275,6 +276,7 @@ class RingExchanger(BucketedExchanger):
                                 if o.backend == "nccl" else "CPU tensors only (gloo)")
         else:
             facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq)"
+            facts["malloc_keeps_freed_memory"] = getattr(self, "_malloc_tuned", None)
         return facts
 
     def close(self):
