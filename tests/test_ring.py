@@ -221,8 +221,9 @@ def _until_killed(rank, world, ready_dir, timeout):
 
 
 @pytest.mark.multiproc
-def test_killed_rank_is_named_by_every_survivor(tmp_path):
-    world, victim, timeout = 4, 1, 20.0
+@pytest.mark.parametrize("world,victim", [(4, 1), (3, 0)])  # rank 1: not every survivor is its neighbour;
+def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim):  # rank 0: hosts the store too
+    timeout = 20.0
 
     def kill_when_ready(procs):
         deadline = time.monotonic() + 60
