@@ -203,12 +203,13 @@ class Link:
     collective's chunks queued).
     """
 
-    SLICE_S = 0.05  # longest a wait goes without looking at the monitors
+    SLICE_S = 0.05  # longest a receive waits inside libzmq before the monitors are looked at
 
     def __init__(self, sock: zmq.Socket, who: str):
         self.sock, self.who = sock, who
         sock.sndhwm = 0
         sock.rcvhwm = 0
+        sock.rcvtimeo = int(self.SLICE_S * 1000)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.dropped = False
 
@@ -239,64 +240,48 @@ class Link:
             raise PeerLost(f"send to {self.who} failed: {exc}") from exc
 
     # ----- receiving --------------------------------------------------------------------------
-    def wait(self, timeout: float, watch: "Sequence[Link]" = (), idle=None, idle_every: float = 1.0) -> None:
-        """Block until a message is readable, at most ``timeout`` seconds.
+    def _first_frame(self, receive, timeout: float, watch: "Sequence[Link]", idle, idle_every: float = 1.0):
+        """``receive()`` the first frame of the next message, blocking at most ``timeout`` seconds.
 
+        The socket's receive timeout is one slice (``SLICE_S``): the receive itself waits inside
+        libzmq (no poll, no exception on the fast path), and between slices the monitors are read.
         Raises :class:`PeerLost` when this link's peer (once nothing more is queued from it) or a
         link in ``watch`` dropped, :class:`CommTimeout` naming the peer after ``timeout``.
         ``idle()`` runs every ``idle_every`` seconds of waiting and may raise to end the wait
-        (used to read failure reports other ranks left in the rendezvous store).
+        (the ring reads failure reports other ranks left in the rendezvous store with it).
         """
         deadline = time.monotonic() + timeout
         next_idle = time.monotonic() + idle_every
         while True:
-            # Poll the data socket alone, in slices: watching the monitors in the same poll costs
-            # more per message than checking them between slices, and a drop is still seen within one.
-            now = time.monotonic()
-            if now >= deadline:
-                raise CommTimeout(f"no message from {self.who} within {timeout:g}s")
             try:
-                if self.sock.poll(int(1000 * min(self.SLICE_S, deadline - now)) + 1, zmq.POLLIN):
-                    return
+                return receive()
+            except zmq.Again:
+                pass
             except zmq.ZMQError as exc:
                 raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
             if self.poll_drop():
                 # The drop event can overtake the last messages on their way into the socket's queue.
                 if self.sock.poll(100, zmq.POLLIN):
-                    return
+                    continue
                 raise PeerLost(f"{self.who} disconnected")
             for link in watch:
                 if link.poll_drop():
                     raise PeerLost(f"{link.who} disconnected")
-            if idle is not None and time.monotonic() >= next_idle:
+            now = time.monotonic()
+            if now >= deadline:
+                raise CommTimeout(f"no message from {self.who} within {timeout:g}s")
+            if idle is not None and now >= next_idle:
                 idle()
                 next_idle = time.monotonic() + idle_every
 
     def recv_message_into(self, buf: memoryview, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> int:
-        """The next message's first frame written into ``buf`` (waiting as :meth:`wait` does); returns the
-        frame's full size (larger than ``buf`` means truncated: the caller compares with what it expects)."""
-        try:
-            return self.sock.recv_into(buf, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as exc:
-            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
-        self.wait(timeout, watch, idle)
-        return self.recv_into(buf)
+        """The next message's first frame written into ``buf`` (waiting as :meth:`_first_frame` says);
+        returns the frame's full size (larger than ``buf`` means truncated: the caller compares)."""
+        return self._first_frame(lambda: self.sock.recv_into(buf), timeout, watch, idle)
 
     def recv_header(self, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> bytes:
-        """The first frame of the next message (small: copied), waiting as :meth:`wait` does."""
-        try:
-            return self.sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as exc:
-            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
-        self.wait(timeout, watch, idle)
-        try:
-            return self.sock.recv(zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+        """The first frame of the next message (small: copied), waiting as :meth:`_first_frame` says."""
+        return self._first_frame(self.sock.recv, timeout, watch, idle)
 
     def recv_into(self, buf: memoryview) -> int:
         """The next frame of the current message, written into ``buf``; returns the frame's full
@@ -314,7 +299,8 @@ class Link:
             raise PeerLost(f"receive from {self.who} failed mid-message: {exc}") from exc
 
     def more(self) -> bool:
-        return bool(self.sock.rcvmore)
+        """Whether the current message has another frame."""
+        return bool(self.sock.getsockopt(zmq.RCVMORE))
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close; ``linger_s`` > 0 lets queued messages leave first (bounded)."""
