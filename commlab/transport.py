@@ -194,11 +194,11 @@ class Link:
     PULL that receives from it, plus a monitor that notices at once when the peer's connection drops.
 
     zmq reconnects silently and never tells a blocked caller that its peer died; the monitor's
-    ``DISCONNECTED`` event is what turns a SIGKILLed neighbour into :class:`PeerLost` within
-    milliseconds instead of a timeout. Messages already received stay readable after a drop, so a
-    peer that finished and closed normally is not mistaken for a lost one (see :meth:`wait`).
+    ``DISCONNECTED`` event is what turns a SIGKILLed neighbour into :class:`PeerLost` within one
+    receive slice (``SLICE_S``) instead of a timeout. Messages already received stay readable after a drop, so a
+    peer that finished and closed normally is not mistaken for a lost one (see :meth:`_first_frame`).
 
-    Thread-safety: a Link belongs to one thread (create it anywhere, then hand it over).
+    Thread-safety: one thread at a time (hand it over under a lock, which is a memory barrier).
     High-water marks are off: the caller bounds what is in flight (a ring has at most one
     collective's chunks queued).
     """
