@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--barrier", action="store_true", help="start stepping once every worker is attached")
     p.add_argument("--lag-until-version", type=int, default=0,
                    help="a slow worker: before pushing its first step, wait until the servers applied this many "
-                        "updates (or --lag-timeout passed, as when the mode blocks the others)")
+                        "more updates (or --lag-timeout passed, as when the mode blocks the others)")
     p.add_argument("--lag-timeout", type=float, default=2.0)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -52,8 +52,9 @@ def main() -> int:
             if a.sleep:
                 time.sleep(a.sleep)
             lag_until = time.monotonic() + a.lag_timeout
+            pulled = min(shard.version for shard in ex.shards)  # the version this gradient is computed on
             while step == 0 and a.lag_until_version and time.monotonic() < lag_until:
-                if min(s["version"] for s in ex.server_stats()) >= a.lag_until_version:
+                if min(s["version"] for s in ex.server_stats()) >= pulled + a.lag_until_version:
                     break
                 time.sleep(0.01)
             model[0].grad.fill_(a.grad)
