@@ -271,6 +271,7 @@ class BucketedExchanger(Exchanger):
         self._connect(model, optim)
 
     def zero_grad(self) -> None:
+        self._got.clear()
         for b in self.buckets:
             b.buffer.zero_()
             for i, p in enumerate(b.params):
@@ -317,6 +318,7 @@ class BucketedExchanger(Exchanger):
 
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
+        self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since zero_grad
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
@@ -324,6 +326,7 @@ class BucketedExchanger(Exchanger):
             b.pending = len(b.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        self._got.add(id(param))
         if not self._sync:
             return
         bi, _ = self._where[id(param)]
@@ -345,11 +348,21 @@ class BucketedExchanger(Exchanger):
             self._next += 1
 
     def _prepare(self, bucket: Bucket) -> None:
-        """Fill in grads that are not views (copy) and absent ones (zero), set presence."""
+        """Fill in grads that are not views (copy) and absent ones (zero), set presence.
+
+        A parameter has a gradient this step if backward produced one since ``zero_grad``
+        (its hook fired), the caller assigned ``p.grad`` a tensor of its own, or wrote
+        non-zero values into the view. ``zero_grad`` leaves every ``p.grad`` a zeroed view,
+        so "not None" cannot tell: a parameter the loss did not reach would otherwise count
+        as a zero gradient, and weight decay or momentum would still move it, unlike torch's
+        optimizers, which skip ``grad=None``."""
         bucket.present = []
         for i, p in enumerate(bucket.params):
             view = bucket.view(i)
             g = p.grad
+            if (g is not None and g.data_ptr() == view.data_ptr() and id(p) not in self._got
+                    and not bool(view.any())):
+                g = None  # the untouched zero view: no gradient
             if g is None:
                 view.zero_()
                 bucket.present.append(False)

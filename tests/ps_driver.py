@@ -3,7 +3,7 @@
 ``python tests/ps_driver.py URL --rank R --workers N --steps T --grad G [--sleep S] [--size n] [...]``
 
 The model is one flat parameter of ``n`` zeros; every step the gradient is
-``G`` everywhere, set by hand (no backward), then ``exchanger.step()`` pushes it
+``G`` everywhere, assigned to ``p.grad`` by hand (no backward), then ``exchanger.step()`` pushes it
 and pulls. Prints one JSON line: the final parameter values this worker holds.
 """
 
@@ -57,7 +57,7 @@ def main() -> int:
                 if min(s["version"] for s in ex.server_stats()) >= pulled + a.lag_until_version:
                     break
                 time.sleep(0.01)
-            model[0].grad.fill_(a.grad)
+            model[0].grad = torch.full_like(model[0], a.grad)  # a gradient of our own (no backward)
             ex.step()
         print(json.dumps({"rank": a.rank, "param": model[0].detach().tolist()}), flush=True)
     return 0

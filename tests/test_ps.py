@@ -335,7 +335,7 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
     def step(ex, model):
         ex.zero_grad()
         for p in model.parameters():
-            p.grad.fill_(1.0)
+            p.grad = torch.ones_like(p)
         ex.step()
 
     for _ in range(3):
@@ -360,3 +360,30 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
         assert resumed.stats()["updates"] == 4
     finally:
         ex2.close()
+
+
+@pytest.mark.multiproc
+def test_a_parameter_no_worker_has_a_gradient_for_is_not_updated(start_server):
+    server = start_server("--mode", "sync")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    # weight decay would move a parameter whose gradient were taken as zero
+    ex = attach(server, model, commlab.OptimizerSpec("sgd", lr=0.5, momentum=0.9, weight_decay=0.1))
+    try:
+        for _ in range(2):
+            ex.zero_grad()
+            model["used"](torch.ones(4, 3)).sum().backward()
+            ex.step()
+        after = model.state_dict()
+        for k in start:
+            assert torch.equal(after[k], start[k]) == k.startswith("unused"), k
+    finally:
+        ex.close()
+
+
+def test_a_server_refuses_to_bind_beyond_loopback_without_keys():
+    out = subprocess.run([sys.executable, "-m", "servers", "--bind", "tcp://0.0.0.0:0", "--log-every", "0"],
+                         capture_output=True, text=True, timeout=START_TIMEOUT, env=ENV, cwd=REPO)
+    assert out.returncode == 2
+    assert "refusing to bind tcp://0.0.0.0:0 without authentication" in out.stderr
