@@ -296,7 +296,7 @@ class BucketedExchanger(Exchanger):
         # during backward; start them now, in order.
         self._launch_until(len(self.buckets))
         started = time.perf_counter()
-        sent0, recv0 = self.stats.bytes_sent, self.stats.bytes_received
+        sent0, recv0 = self._sent0, self._recv0  # buckets started during backward count too
         handles = self._handles
         step = self._step
 
@@ -319,6 +319,7 @@ class BucketedExchanger(Exchanger):
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
         self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since zero_grad
+        self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
