@@ -24,12 +24,24 @@ from bench.links import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-DEFAULT_BUDGET_S = 300.0
+BANDWIDTH_SHARE = 0.5
+DEFAULT_BUDGET_S = 270.0  # jobs stop starting after this; the report follows within seconds
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:
     names = default if not text else [s.strip() for s in text.split(",") if s.strip()]
     return R.pick(table, names, what)
+
+
+def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
+    """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
+    from commlab.config import ExchangerURL
+    most = 0
+    for url in [R.BANDWIDTH[n].url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
+        query = dict(ExchangerURL.parse(url).query)
+        if url.startswith("ps://"):
+            most = max(most, int(query.get("shards", 1)))
+    return most
 
 
 def _interrupt(signum, frame):
@@ -41,11 +53,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="bandwidth regimes: " + ", ".join(R.BANDWIDTH) +
                                 "\nconvergence regimes: " + ", ".join(R.CONVERGENCE))
-    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"))
+    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"),
+                   help="which comparison (default: both, then the report)")
     p.add_argument("--regimes", help="comma-separated regime names for the chosen phase (see below)")
     p.add_argument("--bw-regimes", help="with 'all': bandwidth regimes")
     p.add_argument("--conv-regimes", help="with 'all': convergence regimes")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="N ranks per job (local:// runs one with N x the batch)")
     p.add_argument("--out", help="run folder (default runs/<UTC timestamp>)")
     p.add_argument("--json", help="also write this phase's records to FILE")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
@@ -104,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"commlab bench: {link_note}; running on loopback instead", file=sys.stderr)
     # SIGTERM behaves like Ctrl-C: jobs are stopped and namespaces deleted on the way out
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     budget = bandwidth.Budget.of(a.budget_s)
     t0 = time.monotonic()
     records, failures, facts, summaries, curves = [], [], {}, [], {}
@@ -112,12 +126,15 @@ def main(argv: list[str] | None = None) -> int:
           + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
     try:
         if a.link and not link_note:
-            links = Links(max(a.workers, 2), a.link).__enter__()
+            links = Links(a.workers + servers_needed(bw_names, cv_names), a.link).__enter__()
         if bw_cfg:
-            records, f, facts = bandwidth.run(bw_cfg, run_dir, budget, links, progress=tqdm)
+            # with both phases, bandwidth may use at most BANDWIDTH_SHARE of the budget
+            bw_budget = bandwidth.Budget(min(budget.deadline, time.monotonic() + BANDWIDTH_SHARE * a.budget_s)) \
+                if cv_cfg else budget
+            records, f, facts = bandwidth.run(bw_cfg, run_dir, bw_budget, links, progress=tqdm)
             failures += f
             (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
-        if cv_cfg:
+        if cv_cfg and not any(f["status"] == "interrupted" for f in failures):
             summaries, f, curves = convergence.run(cv_cfg, run_dir, budget, links, progress=tqdm)
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(

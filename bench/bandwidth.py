@@ -26,10 +26,12 @@ float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +44,11 @@ DTYPE = "float32"
 
 @dataclass
 class Budget:
-    """Seconds left for the whole benchmark; jobs get at most what is left."""
+    """Seconds left for the benchmark. A job starts only if one like those before it still fits,
+    and gets at most what is left; a job stopped for the budget is reported as cut, not failed."""
 
     deadline: float
+    durations: list = field(default_factory=list)
 
     @classmethod
     def of(cls, seconds: float) -> "Budget":
@@ -52,6 +56,19 @@ class Budget:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
+
+    def fits(self, floor: float = 5.0) -> bool:
+        typical = statistics.median(self.durations) if self.durations else 0.0
+        return self.left() > max(floor, 1.2 * typical)
+
+    def note(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def outcome(self, res) -> tuple[str, str]:
+        """(status, error) of a job that did not succeed: cut by the budget, or failed."""
+        if res.timed_out and self.left() <= 1.0:
+            return "skipped", f"stopped after {res.seconds:.0f}s when the benchmark's time budget ran out"
+        return "failed", res.error()
 
 
 def iters_for(size: int, repeat_bytes: int, min_iters: int, max_iters: int) -> int:
@@ -138,7 +155,7 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
     (run_dir / "raw").mkdir(parents=True, exist_ok=True)
     link = f"{links.rate} veth+tbf" if links else "loopback"
     iters = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in cfg.sizes]
-    jobs = []  # (name, url, kind, method, sizes)
+    jobs, late = [], []  # (name, url, kind, method, sizes)
     for name in cfg.regimes:
         e = R.BANDWIDTH[name]
         why = R.unavailable(e.url)
@@ -151,19 +168,36 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
             failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
             continue
         groups = [[s] for s in cfg.sizes] if e.one_size_per_job else [cfg.sizes]
-        jobs += [(name, e.url, "regime", e.method, g) for g in groups]
-    for c in cfg.ceilings:
-        if c.startswith("tcp"):
-            jobs.append((c, "noop://", "ceiling", c, cfg.sizes))
+        (late if e.one_size_per_job else jobs).extend((name, e.url, "regime", e.method, g) for g in groups)
+    # cheap jobs first (one each), then the ceilings, then regimes that need a job per size:
+    # if the time budget runs out, it is the last of those that are skipped
+    jobs += [(c, "noop://", "ceiling", c, cfg.sizes) for c in cfg.ceilings if c.startswith("tcp")] + late
     bar = progress(total=len(jobs) + ("memcpy" in cfg.ceilings), desc="bandwidth", unit="job") if progress else None
     failed_names: set[str] = set()
+    try:
+        _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names)
+    except KeyboardInterrupt:
+        failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
+        if bar:
+            bar.close()
+        return records, failures, facts
+    if "memcpy" in cfg.ceilings:
+        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
+        bar and bar.update(1)
+    if bar:
+        bar.close()
+    return records, failures, facts
+
+
+def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names) -> None:
     for name, url, kind, method, sizes in jobs:
         if bar:
             bar.set_postfix_str(name)
         if name in failed_names:
             bar and bar.update(1)
             continue
-        if budget.left() < 5:
+        if not budget.fits():
             failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "skipped",
                              "error": "the benchmark's time budget ran out before this job"})
             failed_names.add(name)
@@ -183,28 +217,31 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
             argv.append("--corrupt")
         env = None
         if "nccl" in url:
-            import os
             env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
-        if res.ok:
-            rows, times, wrong, f = combine_ranks(out, workers)
+        budget.note(res.seconds)
+        try:
+            parsed = combine_ranks(out, workers) if res.ok else None
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            res, parsed = dataclasses.replace(res, returncode=1), None
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
+                             "error": f"its ranks' results could not be read: {type(exc).__name__}: {exc}",
+                             "log": str(res.log.relative_to(run_dir))})
+            failed_names.add(name)
+        if parsed is not None:
+            rows, times, wrong, f = parsed
             if f:
                 facts[name] = f
             if "nccl" in url:
                 facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
             for row, t, w in zip(rows, times, wrong):
                 records.append(summarize(name, url, kind, method, workers, row, t, w, link))
-        else:
-            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
-                             "error": res.error(), "log": str(res.log.relative_to(run_dir))})
+        elif name not in failed_names:
+            status, error = budget.outcome(res)
+            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": status,
+                             "error": error, "log": str(res.log.relative_to(run_dir))})
             failed_names.add(name)
         bar and bar.update(1)
-    if "memcpy" in cfg.ceilings:
-        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
-        bar and bar.update(1)
-    if bar:
-        bar.close()
-    return records, failures, facts
 
 
 def nccl_transport_facts(log: Path) -> dict:

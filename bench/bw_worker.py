@@ -76,94 +76,145 @@ class FlatParam(nn.Module):
         self.weight = nn.Parameter(torch.zeros(count))
 
 
-def measure(op, check, iters: int, warmup: int) -> tuple[list[float], int]:
-    """Run ``op()`` warmup + iters times; time each; ``check()`` after each timed one returns wrong elements."""
-    for _ in range(warmup):
-        prep = op(prepare=True)
-        prep()
-        check(timed=False)
+class Exchange:
+    """One size's exchange under one method: ``arm()`` (untimed: refill the input),
+    ``go()`` (timed: one exchange, returns when this rank has its result),
+    ``wrong()`` (untimed: elements of the result that differ from the exact reference)."""
+
+    def __init__(self, count: int, rank: int, world: int, device: torch.device, corrupt_ref: bool):
+        self.count, self.world, self.device, self.corrupt_ref = count, world, device, corrupt_ref
+        src = torch.empty(count, dtype=torch.float32)
+        fill_input(src, rank)
+        self.src = src.to(device)
+        self.buf = torch.empty(count, dtype=torch.float32, device=device)
+
+    def arm(self) -> None:
+        self.buf.copy_(self.src)
+
+    def go(self) -> None:
+        raise NotImplementedError
+
+    def result_and_reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def wrong(self) -> int:
+        got, ref = self.result_and_reference()
+        return count_wrong(got, corrupt(ref) if self.corrupt_ref else ref)
+
+    def close(self) -> None:
+        pass
+
+
+class AllReduce(Exchange):
+    """``allreduce_async`` in place; every rank must end with the sum of all inputs."""
+
+    def __init__(self, ex, timeout: float, *args):
+        super().__init__(*args)
+        self.ex, self.timeout = ex, timeout
+        self.ref = allreduce_reference(self.count, self.world)
+        # NCCL's wait() only orders streams: wait for the device, so the time is the exchange's
+        self.settle = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
+    def arm(self) -> None:
+        super().arm()
+        self.settle()
+
+    def go(self) -> None:
+        self.ex.allreduce_async(self.buf).wait(self.timeout)
+        self.settle()
+
+    def result_and_reference(self):
+        return self.buf, self.ref
+
+
+class Noop(Exchange):
+    """Nothing moves: the buffer must still hold the input."""
+
+    def go(self) -> None:
+        DoneHandle().wait(0)
+
+    def result_and_reference(self):
+        return self.buf, self.src.cpu()
+
+
+class PushPull(Exchange):
+    """A sync PS, SGD lr 1 on one flat parameter from zero: each pull is the previous one minus the mean push."""
+
+    def __init__(self, url: str, info, timeout: float, *args):
+        super().__init__(*args)
+        self.timeout = timeout
+        self.ex = commlab.connect(url, info)
+        self.model = FlatParam(self.count)
+        self.ex.setup(self.model, OptimizerSpec("sgd", lr=1.0))
+        self.mean = mean_input(self.count, self.world)
+        self.prev = torch.zeros(self.count)
+        self.pulled = self.prev
+
+    def go(self) -> None:
+        got = self.ex.push_pull_async(self.buf).wait(self.timeout)
+        # the client returns the pulled parameter (or leaves it in the model's parameter)
+        self.pulled = got if isinstance(got, torch.Tensor) else self.model.weight
+
+    def result_and_reference(self):
+        got, ref = self.pulled.detach().cpu().clone(), self.prev - self.mean
+        self.prev = got
+        return got, ref
+
+    def close(self) -> None:
+        self.ex.close()
+
+
+def measure(x: Exchange, iters: int, warmup: int) -> tuple[list[float], int]:
+    """``warmup`` + ``iters`` exchanges; the time of each timed one, and wrong elements over them."""
     times, wrong = [], 0
-    for _ in range(iters):
-        go = op(prepare=True)
+    for i in range(warmup + iters):
+        x.arm()
         t0 = time.perf_counter()
-        go()
-        times.append(time.perf_counter() - t0)
-        wrong += check(timed=True)
+        x.go()
+        t = time.perf_counter() - t0
+        w = x.wrong()  # also for warm-ups: a push-pull's reference follows the previous pull
+        if i >= warmup:
+            times.append(t)
+            wrong += w
     return times, wrong
 
 
 def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float,
               corrupt_ref: bool) -> list[dict]:
     rank, world = info.rank, info.world_size
-    out = []
-    ex = None
+    out, facts = [], {}
+    ex, device = None, torch.device("cpu")
     if method == "allreduce":
         ex = commlab.connect(url, info)
         if not hasattr(ex, "join") or not hasattr(ex, "allreduce_async"):
             raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method allreduce")
         ex.join()
+        if getattr(ex.options, "backend", "") == "nccl":  # join() picked this rank's GPU
+            device = torch.device("cuda", torch.cuda.current_device())
     try:
         for size, n_iter in zip(sizes, iters):
-            count = size // 4
-            buf = torch.empty(count, dtype=torch.float32)
-            src = torch.empty(count, dtype=torch.float32)
-            fill_input(src, rank)
+            common = (size // 4, rank, world, device, corrupt_ref)
             if method == "allreduce":
-                ref = allreduce_reference(count, world)
-
-                def op(prepare, buf=buf, src=src):
-                    buf.copy_(src)
-                    return lambda: ex.allreduce_async(buf).wait(timeout)
-                result = lambda: buf
+                x = AllReduce(ex, timeout, *common)
             elif method == "noop":
-                ref = src.clone()
-
-                def op(prepare, buf=buf, src=src):
-                    buf.copy_(src)
-                    return lambda: DoneHandle().wait(timeout)
-                result = lambda: buf
-            elif method == "pushpull":
-                ex = commlab.connect(url, info)
-                model = FlatParam(count)
-                ex.setup(model, OptimizerSpec("sgd", lr=1.0))
-                mean = mean_input(count, world)
-                state = {"prev": torch.zeros(count), "pulled": None}
-
-                def op(prepare, buf=buf, src=src):
-                    buf.copy_(src)
-
-                    def go():
-                        got = ex.push_pull_async(buf).wait(timeout)
-                        # the seam: the client may return the pulled tensor, or leave it in the parameter
-                        state["pulled"] = got if isinstance(got, torch.Tensor) else model.weight.detach()
-                    return go
-                result = lambda: state["pulled"]
-                ref = None
+                x = Noop(*common)
+            elif method == "pushpull":  # setup() binds one model: a fresh client per size
+                x = PushPull(url, info, timeout, *common)
             else:
                 raise ValueError(f"unknown method {method!r}")
-
-            def check(timed, result=result):
+            try:
+                times, wrong = measure(x, n_iter, warmup)
                 if method == "pushpull":
-                    expected = state["prev"] - mean
-                    state["prev"] = state["pulled"].detach().clone().cpu()
-                else:
-                    expected = ref
-                if not timed:
-                    return 0
-                return count_wrong(result(), corrupt(expected) if corrupt_ref else expected)
-
-            times, wrong = measure(op, check, n_iter, warmup)
-            out.append({"size_bytes": size, "count": count, "iters": n_iter, "warmup": warmup, "times_s": times,
+                    facts = x.ex.facts()
+            finally:
+                x.close()
+            out.append({"size_bytes": size, "count": size // 4, "iters": n_iter, "warmup": warmup, "times_s": times,
                         "wrong": wrong})
-            if method == "pushpull":
-                ex.close()
-                ex = None
     finally:
         if ex is not None:
             facts = ex.facts()
             ex.close()
-            out.append({"facts": facts})
-    return out
+    return out + ([{"facts": facts}] if facts else [])
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:

@@ -18,6 +18,7 @@ step for step. From the lines this module derives:
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -158,10 +159,22 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
         else:
             todo.append(name)
     bar = progress(total=len(todo), desc="convergence", unit="run") if progress else None
+    try:
+        _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves)
+    except KeyboardInterrupt:
+        failures.append({"phase": "convergence", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
+    if bar:
+        bar.close()
+    compare_with_reference(summaries)
+    return summaries, failures, curves
+
+
+def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves) -> None:
     for name in todo:
         e = R.CONVERGENCE[name]
         bar and bar.set_postfix_str(name)
-        if budget.left() < 8:
+        if not budget.fits(8.0):
             failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "skipped",
                              "error": "the benchmark's time budget ran out before this run"})
             bar and bar.update(1)
@@ -178,13 +191,14 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
         else:
             argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(workers), "--module", "workers",
                     "--link", links.rate, "--link-tag", links.tag, "--", *train_args]
-        import os
         env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
         res = run_job(argv, run_dir / "logs" / f"conv-{name}.log", min(cfg.job_timeout, budget.left()), env=env)
+        budget.note(res.seconds)
         ranks = read_metrics(metrics, workers)
         if not res.ok or len(ranks[0]) < cfg.steps:
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "failed",
-                             "error": res.error() or f"rank 0 wrote {len(ranks[0])} of {cfg.steps} steps",
+            status, error = budget.outcome(res) if not res.ok else ("failed", "")
+            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": status,
+                             "error": error or f"rank 0 wrote {len(ranks[0])} of {cfg.steps} steps",
                              "log": str(res.log.relative_to(run_dir))})
         else:
             s = summarize(name, e, ranks, cfg.target_acc)
@@ -192,10 +206,6 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
             summaries.append(s)
             curves[name] = ranks[0]
         bar and bar.update(1)
-    if bar:
-        bar.close()
-    compare_with_reference(summaries)
-    return summaries, failures, curves
 
 
 def compare_with_reference(summaries: list[dict]) -> None:

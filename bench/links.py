@@ -46,10 +46,9 @@ def link_unavailable_reason() -> str | None:
     """Why capped links cannot be built here, or None if they can."""
     if os.geteuid() != 0:
         return f"--link needs root to create network namespaces (running as uid {os.geteuid()})"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            raise_text = f"--link needs the '{tool}' command (iproute2), which is not installed"
-            return raise_text
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"--link needs the {' and '.join(missing)} command(s) (iproute2), not installed here"
     return None
 
 

@@ -27,12 +27,13 @@ def bandwidth(records: list[dict], path: Path, workers: int) -> Path | None:
         return None
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
     names = list(dict.fromkeys(r["regime"] for r in records))
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per regime in both panels
     sizes = sorted({r["size_bytes"] for r in records})
     for name in names:
         rs = sorted((r for r in records if r["regime"] == name), key=lambda r: r["size_bytes"])
         x = [r["size_bytes"] for r in rs]
         ceiling = rs[0]["kind"] == "ceiling"
-        style = CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}
+        style = dict(CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}, color=colors[name])
         label = f"{name} (ceiling)" if ceiling else name
         if name != "memcpy":  # a copy in one process has no exchange time to compare
             line, = ax_t.plot(x, [r["time_us"] for r in rs], label=label, **style)

@@ -85,6 +85,12 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
         floor = next((r for r in at if r["method"] == "noop"), None)
         if floor:
             text += f"; noop floor {fmt_us(floor['time_us'])}"
+        ar = next((r for r in real if r["method"] == "allreduce"), None)
+        ps = next((r for r in real if r["method"] == "pushpull"), None)
+        if ar and ps:  # the same axis: bytes per worker per direction per second
+            text += (f". Side by side: the best parameter server ({ps['regime']}) moves {ps['busbw_gbps']:.3g} GB/s per "
+                     f"worker each way, the best all-reduce ({ar['regime']}) {ar['busbw_gbps']:.3g} GB/s "
+                     f"({ps['busbw_gbps'] / ar['busbw_gbps']:.2f}x)")
         lines.append(text + ".")
     return lines or ["- No regime produced a result."]
 
@@ -199,7 +205,11 @@ def staleness_verdict(summaries: list[dict]) -> list[str]:
         if base:
             text += f" against {base['step_s_median'] * 1e3:.1f} ms"
         if s.get("staleness"):
-            text += f". Staleness: {_stale_stats(s['staleness'])}."
+            text += f". Staleness: {_stale_stats(s['staleness'])}"
+            if base and base.get("staleness"):
+                text += (f"; the servers applied {len(s['staleness'])} updates (one per worker push) against "
+                         f"{base['regime']}'s {len(base['staleness'])} (one per step, of the combined gradient)")
+            text += "."
         else:
             text += (". Staleness: not reported by this regime (seam: the PS server writes "
                      "`{\"staleness\": {...}}` into `$COMMLAB_STATS_DIR/*.json`).")
@@ -235,10 +245,13 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            f"the machine may be shared with other work: quote ratios from one run, not absolute figures.",
            f"- Transport: {t['link']}; CUDA {'yes' if t['cuda'] else 'no'}; NCCL {t['nccl_version'] or '—'}; "
            f"GPUDirect RDMA: {t['gpudirect_rdma']}.",
+           *([f"- Asked for `--link {manifest['config']['link']}`, but {t['link_note']}: ran on loopback instead."]
+             if t.get("link_note") else []),
            f"- Code: git {manifest['git']['revision'][:12]}{' (uncommitted changes)' if manifest['git']['dirty'] else ''}; "
            f"torch {env['packages'].get('torch')}, pyzmq {env['packages'].get('pyzmq')}.",
-           f"- Took {manifest.get('seconds', 0):.0f} s. Every figure below comes from this run: `bandwidth.json`, "
-           f"`convergence.json`, `raw/`, `manifest.json`.", ""]
+           f"- Took {manifest.get('seconds', 0):.0f} s. Every figure below comes from this run: "
+           + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json") if (run_dir / n).exists())
+           + ", `raw/`, `manifest.json`.", ""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]

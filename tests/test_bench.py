@@ -63,6 +63,18 @@ def test_busbw_factors_and_iterations():
     assert bandwidth.iters_for(2**30, 2**24, 5, 100) == 5
 
 
+def test_servers_planned_on_loopback_move_to_their_namespaces():
+    from bench.launch_job import place_servers
+    ls = links.Links(2, "1gbit", tag="clplan")  # not entered: nothing is created
+    url = "ps://?mode=sync&endpoints=tcp://127.0.0.1:4001,tcp://127.0.0.1:4002"
+    argvs = [["--bind", "tcp://127.0.0.1:4001", "--shard", "0/2"], ["--bind", "tcp://127.0.0.1:4002", "--shard", "1/2"]]
+    url2, argvs2 = place_servers(url, argvs, ls, first_host=2)
+    assert url2 == "ps://?mode=sync&endpoints=tcp://10.77.0.3:4001,tcp://10.77.0.4:4002"
+    assert argvs2[1] == ["--bind", "tcp://10.77.0.4:4002", "--shard", "1/2", "--insecure"]
+    with pytest.raises(ValueError, match="cannot place it"):
+        place_servers(url, [["--bind", "ipc:///tmp/x"]], ls, first_host=2)
+
+
 def test_rates_parse_in_tc_units():
     assert links.parse_rate("1gbit") == 125e6
     assert links.parse_rate("100mbps") == 100e6
@@ -115,7 +127,7 @@ def _children_mentioning(text: str) -> list[str]:
 def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
-            "--bw-regimes", "gloo,noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
+            "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
             "--budget-s", "150"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -126,15 +138,16 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
         assert section in report, section
     for what in ("N = 2 workers", "[min–max]", "p90", "Verdict: fastest exchange per size",
                  "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://"):
-        assert what in report, what
+        assert what in report, (what, report[report.index("## Failed"):report.index("## Bandwidth")],
+                                (out / "logs" / "conv-gloo.log").read_text()[-2000:])
     for png in ("busbw.png", "convergence.png", "split.png"):
         assert (out / png).stat().st_size > 10_000, png
     bw = json.loads((out / "bandwidth.json").read_text())
-    gloo = [r for r in bw if r["regime"] == "gloo"]
-    assert [r["size_bytes"] for r in gloo] == [4096, 65536] and all(r["wrong"] == 0 for r in gloo)
+    noop = [r for r in bw if r["regime"] == "noop"]
+    assert [r["size_bytes"] for r in noop] == [4096, 65536] and all(r["wrong"] == 0 for r in noop)
     for key in ("regime", "workers", "size_bytes", "time_us", "time_us_min", "time_us_max", "algbw_gbps",
                 "busbw_gbps", "wrong"):
-        assert key in gloo[0]
+        assert key in noop[0]
     man = json.loads((out / "manifest.json").read_text())
     assert man["config"]["bandwidth"]["sizes"] == [4096, 65536]
     assert {"revision", "dirty"} <= set(man["git"])
@@ -170,3 +183,16 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
     (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
     assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
     assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a regime that fails here: NCCL without CUDA")
+def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_path, monkeypatch):
+    from bench import convergence
+    monkeypatch.setitem(R.CONVERGENCE, "nccl", R.ConvergenceEntry("allreduce://?backend=nccl", "sync"))
+    cfg = convergence.ConvergenceConfig(["nccl", "local"], model="tiny", steps=4, eval_every=2, job_timeout=60)
+    summaries, failures, curves = convergence.run(cfg, tmp_path, bandwidth.Budget.of(120))
+    assert [f["regime"] for f in failures] == ["nccl"]
+    assert failures[0]["status"] == "failed" and "CUDA" in failures[0]["error"]
+    assert [s["regime"] for s in summaries] == ["local"] and summaries[0]["steps"] == 4
+    assert len(curves["local"]) == 4
