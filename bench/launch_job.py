@@ -2,7 +2,7 @@
 
 Runs ``commlab.launcher.launch`` with a per-rank module (the training worker or
 :mod:`bench.bw_worker`) and, for ``--link``, each rank inside its namespace of a
-:class:`bench.links.Links` topology the parent already built (found again by its tag).
+:class:`commlab.netns.Links` topology the parent already built (found again by its tag).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from commlab import launcher
-from bench.links import Links
+from commlab.netns import Links
 
 
 def main(argv: list[str] | None = None) -> int:
