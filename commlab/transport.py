@@ -94,7 +94,8 @@ class Transport:
         ``*.key`` files; every client key there may connect) or ``insecure=True``."""
         if not is_loopback(endpoint) and self.curve is None and not insecure:
             raise ConfigError(f"refusing to bind {endpoint} without authentication: it is reachable from other "
-                              f"machines. Create keys with 'commlab keys', or pass --insecure to accept anyone")
+                              f"machines. Create keys with 'commlab keys' and start with --keys DIR, or pass "
+                              f"--insecure to accept anyone")
         sock = self.socket(kind)
         if self.curve is not None:
             self._start_auth(authorized)
@@ -204,6 +205,21 @@ def keep_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2*
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def recv_bounded(sock: zmq.Socket, max_parts: int) -> tuple[list[zmq.Frame], int]:
+    """Receive the waiting multipart message (call after a poll said one is there), keeping at
+    most ``max_parts`` frames zero-copy. Returns ``(frames, count)``: ``count > len(frames)``
+    means the message was longer and the rest was read and dropped frame by frame, so a peer
+    cannot make us hold more than ``max_parts`` frames (each at most ``MAXMSGSIZE``)."""
+    frames = [sock.recv(copy=False)]
+    count = 1
+    while sock.rcvmore:
+        frame = sock.recv(copy=False)
+        count += 1
+        if count <= max_parts:
+            frames.append(frame)
+    return frames, count
 
 
 class Link:
