@@ -3,7 +3,7 @@
 ``commlab bench`` runs ``python -m bench``. Modules: :mod:`bench.regimes` (the table of
 regimes, one line each), :mod:`bench.bandwidth` and :mod:`bench.bw_worker` (nccl-tests
 style exchange times), :mod:`bench.convergence` (training through ``commlab train``),
-:mod:`bench.report` and :mod:`bench.plots` (the run folder), :mod:`bench.links`
+:mod:`bench.report` and :mod:`bench.plots` (the run folder), :mod:`commlab.netns`
 (capped links in network namespaces), :mod:`bench.jobs` (process groups with deadlines).
 Nothing imports ``bench``.
 """

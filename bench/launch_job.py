@@ -2,7 +2,7 @@
 
 Runs ``commlab.launcher.launch`` with a per-rank module (the training worker or
 :mod:`bench.bw_worker`). With ``--link-tag``, the parent already built a
-:class:`bench.links.Links` topology (found again by its tag): rank r runs in host r's
+:class:`commlab.netns.Links` topology (found again by its tag): rank r runs in host r's
 namespace, and servers a regime would start on loopback (``plan_local``, e.g. ``ps://``)
 run in hosts N, N+1, ... instead, bound to their namespace's address (``--insecure``:
 the address exists only inside namespaces this benchmark created).
@@ -18,7 +18,7 @@ import sys
 from commlab import launcher
 from commlab.config import ExchangerURL
 from commlab.registry import regime_class
-from bench.links import Links
+from commlab.netns import Links
 
 LOOPBACK_TCP = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
 

@@ -9,7 +9,9 @@ workers of rounds / seconds. Configurations, all on one host, in one run:
   rpc uv-basic   torch.distributed.rpc, TensorPipe forced onto TCP (transport uv, channel basic)
   rpc default    torch.distributed.rpc, TensorPipe's own choice (shared memory / cross-memory copies)
 
-Prints a table of rounds/s and the ratios the goals name, and writes JSON.
+Each configuration runs ``--repeats`` times, alternating with the others; the
+median is reported. Prints a table of rounds/s and the ratios the goals name,
+and writes JSON.
 
     python -m bench.ps_rounds [--rounds 200] [--json ps_rounds.json]
 
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import selectors
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,6 +120,7 @@ def worker(url: str, rank: int, workers: int, numel: int, rounds: int, warmup: i
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ps_rounds", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=200, help="timed rounds per worker")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (the median is reported)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--mib", type=float, default=4.0, help="vector size in MiB (float32)")
     p.add_argument("--workers", type=int, default=2)
@@ -138,20 +142,27 @@ def main(argv=None) -> int:
         "rpc-uv-basic": lambda: run_rpc("uv-basic", numel, a.rounds, a.warmup, a.workers, a.timeout),
         "rpc-default": lambda: run_rpc("default", numel, a.rounds, a.warmup, a.workers, a.timeout),
     }
-    results = {}
-    for name, run in configs.items():
-        if a.only and name not in a.only:
-            continue
-        per_worker = run()
-        results[name] = {"rounds_per_s": sum(w["rounds"] / w["seconds"] for w in per_worker), "workers": per_worker}
-        print(f"  {name:13} {results[name]['rounds_per_s']:8.1f} rounds/s", file=sys.stderr, flush=True)
+    results: dict = {}
+    for rep in range(a.repeats):  # configurations alternate, so drift on a shared machine hits all alike
+        for name, run in configs.items():
+            if a.only and name not in a.only:
+                continue
+            per_worker = run()
+            rate = sum(w["rounds"] / w["seconds"] for w in per_worker)
+            results.setdefault(name, {"samples": [], "workers": []})
+            results[name]["samples"].append(rate)
+            results[name]["workers"].append(per_worker)
+            print(f"  [{rep + 1}/{a.repeats}] {name:13} {rate:8.1f} rounds/s", file=sys.stderr, flush=True)
+    for r in results.values():
+        r["rounds_per_s"] = statistics.median(r["samples"])
     rate = {k: v["rounds_per_s"] for k, v in results.items()}
     goals = [("ps-tcp", "rpc-uv-basic", 1.5), ("ps-tcp", "rpc-default", 1.3), ("ps-ipc", "rpc-default", 2.0)]
     ratios = {f"{x} / {y}": {"ratio": rate[x] / rate[y], "goal": g} for x, y, g in goals if x in rate and y in rate}
     print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull")
-    print(f"{'configuration':15} {'rounds/s':>10} {'GB/s (in+out)':>14}")
+    print(f"{'configuration':15} {'rounds/s':>10} {'GB/s (in+out)':>14}   runs")
     for name, r in rate.items():
-        print(f"{name:15} {r:10.1f} {2 * r * numel * 4 / 1e9:14.2f}")
+        runs = " ".join(f"{x:.0f}" for x in results[name]["samples"])
+        print(f"{name:15} {r:10.1f} {2 * r * numel * 4 / 1e9:14.2f}   {runs}")
     for name, v in ratios.items():
         verdict = "meets" if v["ratio"] >= v["goal"] else "misses"
         print(f"{name:28} {v['ratio']:5.2f} x   (goal >= {v['goal']:g} x: {verdict})")
@@ -159,7 +170,8 @@ def main(argv=None) -> int:
     import zmq
     manifest = {"python": platform.python_version(), "torch": torch.__version__, "pyzmq": zmq.__version__,
                 "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                "mib": a.mib, "workers": a.workers, "rounds": a.rounds, "warmup": a.warmup,
+                "mib": a.mib, "workers": a.workers, "rounds": a.rounds, "warmup": a.warmup, "repeats": a.repeats,
+                "loadavg": os.getloadavg(),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(a.json).write_text(json.dumps({"manifest": manifest, "results": results, "ratios": ratios}, indent=2))
     print(f"wrote {a.json}")

@@ -7,7 +7,9 @@
 Columns (nccl-tests): size, time (median, with min-max over the timed iterations, measured on rank 0),
 algbw = S/t, busbw = S/t x 2(N-1)/N (what each rank's link carries, comparable across N), wrong =
 elements that differ from the exact expected sum after the last iteration (inputs are small integers,
-so any float sum order gives the exact result). ``raw-tcp`` (N = 2 only) is the ceiling: two processes
+so any float sum order gives the exact result), then the ratio to gloo's busbw, the share of the raw
+TCP ceiling, and the CPU time of rank 0's whole process per operation (steadier than the wall time
+on a shared machine). ``raw-tcp`` (N = 2 only) is the ceiling: two processes
 each sending S bytes to the other over one loopback TCP connection at the same time (1 MiB sendall /
 recv_into into a preallocated buffer); its busbw is S/t each way, what a two-rank ring would carry if
 adding were free.
@@ -56,29 +58,33 @@ def iterations(size: int, quick: bool) -> tuple[int, int]:
     return (1, 4) if quick else (1, 6)
 
 
-def record(regime: str, workers: int, size: int, times: list[float], wrong: int) -> dict:
+def record(regime: str, workers: int, size: int, times: list[float], wrong: int, cpu: list[float] | None = None) -> dict:
     t = statistics.median(times)
     algbw = size / t / 1e9
     factor = 1.0 if regime == "raw-tcp" else 2 * (workers - 1) / workers
     return {"regime": regime, "workers": workers, "size_bytes": size, "time_us": t * 1e6,
             "time_min_us": min(times) * 1e6, "time_max_us": max(times) * 1e6, "iterations": len(times),
-            "algbw_gbps": algbw, "busbw_gbps": algbw * factor, "wrong": wrong}
+            "algbw_gbps": algbw, "busbw_gbps": algbw * factor, "wrong": wrong,
+            # CPU seconds of the whole rank-0 process (all its threads) per operation: on a shared
+            # machine this is steadier than the wall time, and the cores are what a ring runs out of
+            "cpu_us": statistics.median(cpu) * 1e6 if cpu else None}
 
 
 # ----- what each rank runs --------------------------------------------------------------------------
-def _timed(op, x, base, rank, world, warm, timed) -> tuple[list[float], int]:
-    times = []
+def _timed(op, x, base, rank, world, warm, timed) -> tuple[list[float], list[float], int]:
+    times, cpu = [], []
     for i in range(warm + timed):
         torch.mul(base, rank + 1, out=x)  # refill (the op sums in place), not timed
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         op(x)
         if i >= warm:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     wrong = int((x != base * (world * (world + 1) // 2)).sum())
-    return times, wrong
+    return times, cpu, wrong
 
 
-def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> list[float]:
+def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> tuple[list[float], list[float]]:
     """Both ranks send ``size`` bytes to each other at once over one TCP connection; time per exchange."""
     piece = 1 << 20
     if rank == 0:
@@ -97,9 +103,9 @@ def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> list[float]:
         for s in range(0, size, piece):
             sock.sendall(outv[s:s + piece])
 
-    times = []
+    times, cpu = [], []
     for i in range(warm + timed):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         sender = threading.Thread(target=send_all)
         sender.start()
         got = 0
@@ -111,8 +117,9 @@ def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> list[float]:
         sender.join()
         if i >= warm:
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
     sock.close()
-    return times
+    return times, cpu
 
 
 def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick: bool, results) -> None:
@@ -137,19 +144,20 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
             elif regime == "raw-tcp":
                 op = None
             else:
-                ex = commlab.connect(REGIMES[regime] + f"&timeout={TIMEOUT:g}")
+                url = REGIMES.get(regime) or regime  # a name above, or any ring:// URL
+                ex = commlab.connect(url + ("&" if "?" in url else "?") + f"timeout={TIMEOUT:g}")
                 ex.join(store)
-                op = lambda x, ex=ex: ex.allreduce_async(x).wait(TIMEOUT)  # noqa: E731
+                op = ex.allreduce  # blocking, like dist.all_reduce
             for reg, size in cases:
                 if reg != regime:
                     continue
                 warm, timed = iterations(size, quick)
                 if regime == "raw-tcp":
-                    times, wrong = _raw_tcp(store, rank, size, warm, timed), 0
+                    (times, cpu), wrong = _raw_tcp(store, rank, size, warm, timed), 0
                 else:
                     base = (torch.arange(size // 4, dtype=torch.float32) % 5) + 1
-                    times, wrong = _timed(op, torch.empty_like(base), base, rank, world, warm, timed)
-                results.put((rank, "ok", record(regime, world, size, times, wrong)))
+                    times, cpu, wrong = _timed(op, torch.empty_like(base), base, rank, world, warm, timed)
+                results.put((rank, "ok", record(regime, world, size, times, wrong, cpu)))
             if ex is not None:
                 ex.close()
         if dist.is_initialized():
@@ -167,7 +175,7 @@ def run_cases(cases: list[tuple[str, int]], workers: int, quick: bool = False, t
 
     if any(r == "raw-tcp" for r, _ in cases) and workers != 2:
         raise ValueError("raw-tcp measures two processes: use workers=2")
-    unknown = sorted({r for r, _ in cases} - set(REGIMES))
+    unknown = sorted({r for r, _ in cases if not r.startswith("ring://")} - set(REGIMES))
     if unknown:
         raise ValueError(f"unknown regime(s) {unknown}; known: {sorted(REGIMES)}")
     ctx = mp.get_context("spawn")
@@ -231,16 +239,18 @@ def human(size: int) -> str:
 def table(records: list[dict]) -> str:
     gloo = {(r["workers"], r["size_bytes"]): r for r in records if r["regime"] == "gloo"}
     raw = {r["size_bytes"]: r for r in records if r["regime"] == "raw-tcp"}
-    lines = [f"{'N':>2} {'regime':<11}{'size':>6} {'time us (min-max)':>26} {'algbw':>7} {'busbw':>7} {'wrong':>6}"
-             f" {'x gloo':>7} {'of raw':>7}"]
+    width = max([11] + [len(r["regime"]) + 1 for r in records])
+    lines = [f"{'N':>2} {'regime':<{width}}{'size':>6} {'time us (min-max)':>26} {'algbw':>7} {'busbw':>7} {'wrong':>6}"
+             f" {'x gloo':>7} {'of raw':>7} {'cpu us':>9}"]
     for r in sorted(records, key=lambda r: (r["workers"], r["regime"], r["size_bytes"])):
         g = gloo.get((r["workers"], r["size_bytes"]))
         vs = f"{r['busbw_gbps'] / g['busbw_gbps']:7.2f}" if g and r["regime"] != "gloo" else " " * 7
         rw = raw.get(r["size_bytes"]) if r["workers"] == 2 and r["regime"] != "raw-tcp" else None
         of = f"{r['busbw_gbps'] / rw['busbw_gbps']:6.0%}" if rw else ""
         span = f"{r['time_us']:.0f} ({r['time_min_us']:.0f}-{r['time_max_us']:.0f})"
-        lines.append(f"{r['workers']:>2} {r['regime']:<11}{human(r['size_bytes']):>6} {span:>26} "
-                     f"{r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {r['wrong']:>6} {vs} {of:>7}")
+        lines.append(f"{r['workers']:>2} {r['regime']:<{width}}{human(r['size_bytes']):>6} {span:>26} "
+                     f"{r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {r['wrong']:>6} {vs} {of:>7} "
+                     f"{r['cpu_us'] or 0:9.0f}")
     return "\n".join(lines)
 
 
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, fewer iterations")
     p.add_argument("--workers", default="2,3,4", help="comma-separated world sizes")
-    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp", help=f"from {','.join(REGIMES)}")
+    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp",
+                   help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
     p.add_argument("--sizes", help=f"comma-separated, from {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")
     p.add_argument("--header-cost", action="store_true", help="only measure the per-message header cost")

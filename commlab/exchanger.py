@@ -271,6 +271,7 @@ class BucketedExchanger(Exchanger):
         self._connect(model, optim)
 
     def zero_grad(self) -> None:
+        self._got.clear()
         for b in self.buckets:
             b.buffer.zero_()
             for i, p in enumerate(b.params):
@@ -295,7 +296,7 @@ class BucketedExchanger(Exchanger):
         # during backward; start them now, in order.
         self._launch_until(len(self.buckets))
         started = time.perf_counter()
-        sent0, recv0 = self._counters_at_start
+        sent0, recv0 = self._sent0, self._recv0  # buckets started during backward count too
         handles = self._handles
         step = self._step
 
@@ -317,17 +318,16 @@ class BucketedExchanger(Exchanger):
 
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
-        # buckets start during backward, before step_async: count this step's bytes from here
+        self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since zero_grad
+        self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
-        self._arrived: set[int] = set()
-        self._counters_at_start = (self.stats.bytes_sent, self.stats.bytes_received)
         for b in self.buckets:
             b.pending = len(b.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        self._arrived.add(id(param))  # also inside no_sync: an accumulated gradient is present
+        self._got.add(id(param))
         if not self._sync:
             return
         bi, _ = self._where[id(param)]
@@ -351,19 +351,24 @@ class BucketedExchanger(Exchanger):
     def _prepare(self, bucket: Bucket) -> None:
         """Fill in grads that are not views (copy) and absent ones (zero), set presence.
 
-        A gradient is present if backward produced one since the last step, or if
-        the caller put a tensor of its own in ``p.grad``.
-        """
+        A parameter has a gradient this step if backward produced one since ``zero_grad``
+        (its hook fired), the caller assigned ``p.grad`` a tensor of its own, or wrote
+        non-zero values into the view. ``zero_grad`` leaves every ``p.grad`` a zeroed view,
+        so "not None" cannot tell: a parameter the loss did not reach would otherwise count
+        as a zero gradient, and weight decay or momentum would still move it, unlike torch's
+        optimizers, which skip ``grad=None``."""
         bucket.present = []
         for i, p in enumerate(bucket.params):
             view = bucket.view(i)
             g = p.grad
-            is_view = g is not None and g.data_ptr() == view.data_ptr()
-            if g is None or (is_view and id(p) not in self._arrived):
+            if (g is not None and g.data_ptr() == view.data_ptr() and id(p) not in self._got
+                    and not bool(view.any())):
+                g = None  # the untouched zero view: no gradient
+            if g is None:
                 view.zero_()
                 bucket.present.append(False)
                 continue
-            if not is_view:
+            if g.data_ptr() != view.data_ptr():
                 if g.shape != view.shape or g.dtype != view.dtype:
                     raise ModelMismatch(f"gradient of {bucket.names[i]!r} is {g.dtype}{list(g.shape)}, "
                                         f"parameter is {view.dtype}{list(view.shape)}")

@@ -22,6 +22,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=float, default=10.0, help="seconds between stats lines on stderr (0: off)")
     p.add_argument("--io-threads", type=int, default=2, help="zmq I/O threads")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads for the optimizer")
+    p.add_argument("--keys", help="folder made by 'commlab keys': CURVE with DIR/server.key_secret, admitting "
+                                  "exactly the clients in DIR/clients (needed to bind a non-loopback address)")
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
     p.add_argument("--curve-secret", help="this server's CURVE secret key file (commlab keys)")
     p.add_argument("--authorized", help="folder of authorised client public keys (with --curve-secret)")
@@ -43,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commlab server: --shard {a.shard!r} is not I/K", file=sys.stderr)
         return 2
     try:
+        if a.keys:
+            if a.curve_secret or a.authorized:
+                raise ConfigError("--keys DIR replaces --curve-secret and --authorized: give one or the other")
+            from commlab.keys import server_keys
+            _, clients = server_keys(a.keys)  # checks the folder; says how to create it
+            a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
         cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
                            a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized)
         server = ParameterServer(cfg)

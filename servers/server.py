@@ -14,6 +14,16 @@ pulls that were waiting. A request it cannot serve (garbage, unknown op or
 key, wrong dtype or length, a mismatched model, a push for the wrong step) is
 answered with ``error`` and changes nothing.
 
+Hostile input (see docs/faults.md): libzmq drops a peer that sends a frame
+above the transport's limit; a message of more frames than the shard can need
+is read frame by frame, discarded and refused; a header is checked against its
+frames before any byte is used, and sizes are checked against what the shard
+holds, so nothing is allocated because a header says so. A push carrying a NaN
+or an infinity (or finite values whose float32 sum overflows) is refused with
+an error and counted (``nonfinite``): one bad worker must not poison every
+worker's parameters. A pull may only ask for a step its worker could have
+pushed, and each worker has a bounded number of pulls waiting.
+
 Pulls go out zero-copy from the parameter tensors themselves. zmq tracks each
 such send; before the optimizer writes a tensor that a send still reads, the
 tensor gets fresh storage (``p.data = p.data.clone()``) and the old buffer is
@@ -41,6 +51,19 @@ from commlab import psproto, transport, wire
 from commlab.errors import ProtocolError
 from commlab.exchanger import manifest_difference
 from commlab.optim import OptimizerSpec
+
+
+_MIN_FRAMES = 16  # data frames a message may carry before any hello fixed the shard's pieces
+
+
+def _finite(spec: wire.FrameSpec, frame) -> bool:
+    """No NaN or Inf in a floating frame: one summing pass (a NaN or Inf makes the sum non-finite;
+    half types are summed in float32 so that large finite values do not overflow it)."""
+    t = wire.frame_tensor(spec, frame)
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+    return bool(torch.isfinite(total))
 
 
 class Refused(Exception):
@@ -83,6 +106,8 @@ class Stats:
     duplicates: int = 0
     pulls: int = 0
     refused: int = 0
+    dropped: int = 0  # messages with nothing to answer (an identity frame alone)
+    nonfinite: int = 0  # pushes refused for NaN/Inf
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -130,6 +155,8 @@ class ParameterServer:
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._stop = False
         self._since_checkpoint = 0
+        self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
+        self.max_parts = 2 + _MIN_FRAMES  # identity + header + data frames; grows with the pieces at hello
         if cfg.resume:
             self._load(Path(cfg.resume) / self._checkpoint_name())
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
@@ -144,8 +171,13 @@ class ParameterServer:
         next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
         while not self._stop:
             if self.sock.poll(100, zmq.POLLIN):
-                frames = self.sock.recv_multipart(copy=False)
-                self.handle(frames)
+                frames, count = transport.recv_bounded(self.sock, self.max_parts)
+                if count > len(frames):
+                    self.stats.refused += 1
+                    self._reply(frames[0].bytes, "error", None, {"reason": f"message of {count} frames; "
+                                                                           f"{self.cfg.name} takes at most {self.max_parts}"})
+                else:
+                    self.handle(frames)
             if time.monotonic() >= next_log:
                 self.log()
                 next_log = time.monotonic() + self.cfg.log_every
@@ -168,16 +200,30 @@ class ParameterServer:
         s = self.stats
         return {"shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "version": self.version,
                 "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates, "pulls": s.pulls,
-                "refused": s.refused, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
+                "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite, "boot": self.boot,
+                "sync_step": self.sync_step, "waiting_for": self._waiting_for(), "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "last_step": {str(r): t for r, t in sorted(self.last_step.items())},
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
                 "max_staleness": max(s.staleness, default=0)}
 
+    def _waiting_for(self) -> list[int]:
+        """The ranks that pulls waiting here wait for (sync: not yet in for this step; ssp: the slowest)."""
+        if not self.waiting or self.world is None:
+            return []
+        if self.cfg.mode == "sync":
+            return [r for r in range(self.world) if r not in self.complete]
+        if self.cfg.mode == "ssp":
+            active = {r: self.last_step.get(r, -1) for r in range(self.world) if r not in self.detached}
+            slowest = min(active.values(), default=0)
+            return [r for r, t in active.items() if t == slowest]
+        return []
+
     # ----- dispatch --------------------------------------------------------------------------
     def handle(self, frames: list) -> None:
         if len(frames) < 2:
-            return  # an identity with nothing after it: nothing to answer
+            self.stats.dropped += 1  # an identity with nothing after it: nothing to answer
+            return
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
         try:
@@ -243,6 +289,7 @@ class ParameterServer:
             if self.world is not None and world != self.world:  # resumed state fixes the world size
                 raise Refused(f"worker {h.sender} says {world} workers; the resumed shard had {self.world}")
             self.manifest, self.pieces, self.optim_spec, self.world = manifest, pieces, optim, world
+            self._fix_limits()
         else:
             diff = manifest_difference(self.manifest, manifest, f"worker {h.sender}")
             if diff:
@@ -258,8 +305,14 @@ class ParameterServer:
         self.last_step.setdefault(rank, self._resume_step() - 1)
         next_step = self.sync_step if self.cfg.mode == "sync" else self.last_step[rank] + 1
         self._reply(ident, "ok", m.get("id"), {"initialized": self.optimizer is not None, "next_step": next_step,
+                                                "boot": self.boot,
                                                 "version": self.version, "mode": self.cfg.mode,
                                                 "staleness": self.cfg.staleness})
+
+    def _fix_limits(self) -> None:
+        """Most frames a request can need: every piece of the shard in frames of at most MAX_FRAME."""
+        need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in self.pieces.values())
+        self.max_parts = 2 + max(_MIN_FRAMES, need)
 
     def _resume_step(self) -> int:
         """The step a rank the shard never saw starts at (0, or where a resumed job stood)."""
@@ -320,6 +373,10 @@ class ParameterServer:
         if part is None or part.step != t:
             part = self.partial[rank] = Partial(t)
         frames = self._check_frames(h, data, require_all=False)
+        bad = next((spec.key for parts in frames.values() for spec, frame in parts if not _finite(spec, frame)), None)
+        if bad is not None:
+            self.stats.nonfinite += 1
+            raise Refused(f"push of step {t} from {h.sender}: {bad} holds NaN or Inf; refused, nothing applied")
         absent = h.meta.get("absent", [])
         if not isinstance(absent, list) or any(not isinstance(k, str) or k not in self.pieces for k in absent):
             raise Refused(f"push from {h.sender}: 'absent' names keys this shard does not hold")
@@ -467,6 +524,15 @@ class ParameterServer:
         if keys is not None and (not isinstance(keys, list) or not keys or
                                  any(not isinstance(k, str) or k not in self.pieces for k in keys)):
             raise Refused(f"pull from {h.sender}: 'keys' must list keys {self.cfg.name} holds")
+        rank = self.senders[h.sender]
+        # A worker pulls after pushing on the same connection: the push is here already. A pull for a
+        # later step could only wait forever, so it is refused, and so is a flood of waiting pulls.
+        latest = self.sync_step if self.cfg.mode == "sync" else self.last_step[rank] + 1
+        if after > latest:
+            raise Refused(f"pull after step {after} from {h.sender}, which has not pushed it ({self.cfg.name} "
+                          f"is at step {latest} for it)")
+        if sum(1 for _, w in self.waiting if w.sender == h.sender) >= len(self.pieces) + 4:
+            raise Refused(f"pull from {h.sender}: {len(self.pieces) + 4} of its pulls wait already")
         if self._ready(h):
             self._send_params(ident, h)
         else:
@@ -531,7 +597,7 @@ class ParameterServer:
         state = {"format": 1, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
                  "version": self.version, "sync_step": self.sync_step, "last_step": dict(self.last_step),
                  "applied": sorted(self.applied),
-                 "world": self.world, "manifest": self.manifest, "pieces": self.pieces, "optim": self.optim_spec,
+                 "world": self.world, "senders": dict(self.senders), "manifest": self.manifest, "pieces": self.pieces, "optim": self.optim_spec,
                  "params": {k: v.detach().clone() for k, v in self.params.items()},
                  "optimizer": self.optimizer.state_dict(), "updates": self.stats.updates,
                  "staleness": dict(self.stats.staleness)}
@@ -552,6 +618,9 @@ class ParameterServer:
         self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
+        self._fix_limits()
+        # requests queued in workers' sockets while this shard was down arrive before their new hello
+        self.senders = {str(k): int(v) for k, v in state.get("senders", {}).items()}
         self.optim_spec = state["optim"]
         self.params = dict(state["params"])
         self._build_optimizer()

@@ -1,9 +1,9 @@
 """A worker for tests/test_ps.py whose gradients are known constants.
 
-``python tests/ps_driver.py URL --rank R --workers N --steps T --grad G [--sleep S] [--size n]``
+``python tests/ps_driver.py URL --rank R --workers N --steps T --grad G [--sleep S] [--size n] [...]``
 
 The model is one flat parameter of ``n`` zeros; every step the gradient is
-``G`` everywhere, set by hand (no backward), then ``exchanger.step()`` pushes it
+``G`` everywhere, assigned to ``p.grad`` by hand (no backward), then ``exchanger.step()`` pushes it
 and pulls. Prints one JSON line: the final parameter values this worker holds.
 """
 
@@ -32,6 +32,10 @@ def main() -> int:
     p.add_argument("--size", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step (a slow worker)")
     p.add_argument("--barrier", action="store_true", help="start stepping once every worker is attached")
+    p.add_argument("--lag-until-version", type=int, default=0,
+                   help="a slow worker: before pushing its first step, wait until the servers applied this many "
+                        "more updates (or --lag-timeout passed, as when the mode blocks the others)")
+    p.add_argument("--lag-timeout", type=float, default=2.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     model = nn.ParameterList([nn.Parameter(torch.zeros(a.size))])
@@ -43,11 +47,17 @@ def main() -> int:
             if time.monotonic() > deadline:
                 raise commlab.CommTimeout(f"rank {a.rank}: not every worker attached within 60s")
             time.sleep(0.01)
-        for _ in range(a.steps):
+        for step in range(a.steps):
             ex.zero_grad()
             if a.sleep:
                 time.sleep(a.sleep)
-            (model[0] * a.grad).sum().backward()  # d/dp = a.grad, exactly, in every element
+            lag_until = time.monotonic() + a.lag_timeout
+            pulled = min(shard.version for shard in ex.shards)  # the version this gradient is computed on
+            while step == 0 and a.lag_until_version and time.monotonic() < lag_until:
+                if min(s["version"] for s in ex.server_stats()) >= pulled + a.lag_until_version:
+                    break
+                time.sleep(0.01)
+            model[0].grad = torch.full_like(model[0], a.grad)  # a gradient of our own (no backward)
             ex.step()
         print(json.dumps({"rank": a.rank, "param": model[0].detach().tolist()}), flush=True)
     return 0

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import bandwidth, bw_worker, links
+from bench import bandwidth, bw_worker
+from commlab import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
 

@@ -216,12 +216,15 @@ def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server):
     cmds = []
     for server, mode in ((ssp, "ssp"), (asy, "async")):
         url = f"ps://{server.address}?mode={mode}&timeout=60"
-        cmds += [driver(url, 0, 2, 20, "--sleep", "0.1", "--barrier"), driver(url, 1, 2, 20, "--barrier")]
+        # rank 0 is slow: its first gradient waits until 10 more updates landed (async lets rank 1
+        # run that far ahead; ssp blocks it, so there the wait ends after 3 s), then 20 ms per step
+        slow = ["--sleep", "0.02", "--lag-until-version", "10", "--lag-timeout", "3", "--barrier"]
+        cmds += [driver(url, 0, 2, 20, *slow), driver(url, 1, 2, 20, "--barrier")]
     run_all(cmds)
     st_ssp, st_async = ssp.stats(), asy.stats()
     assert st_ssp["updates"] == st_async["updates"] == 40
-    assert st_ssp["max_staleness"] <= bound
-    assert st_async["max_staleness"] > bound
+    assert 0 < st_ssp["max_staleness"] <= bound, st_ssp["staleness"]
+    assert st_async["max_staleness"] >= 10 > bound, st_async["staleness"]
 
 
 # ----- the protocol refuses bad input and keeps serving (raw DEALER) ---------------------------------
@@ -331,7 +334,8 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
 
     def step(ex, model):
         ex.zero_grad()
-        sum(p.sum() for p in model.parameters()).backward()  # every gradient element is exactly 1
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
         ex.step()
 
     for _ in range(3):
@@ -356,3 +360,30 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
         assert resumed.stats()["updates"] == 4
     finally:
         ex2.close()
+
+
+@pytest.mark.multiproc
+def test_a_parameter_no_worker_has_a_gradient_for_is_not_updated(start_server):
+    server = start_server("--mode", "sync")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    # weight decay would move a parameter whose gradient were taken as zero
+    ex = attach(server, model, commlab.OptimizerSpec("sgd", lr=0.5, momentum=0.9, weight_decay=0.1))
+    try:
+        for _ in range(2):
+            ex.zero_grad()
+            model["used"](torch.ones(4, 3)).sum().backward()
+            ex.step()
+        after = model.state_dict()
+        for k in start:
+            assert torch.equal(after[k], start[k]) == k.startswith("unused"), k
+    finally:
+        ex.close()
+
+
+def test_a_server_refuses_to_bind_beyond_loopback_without_keys():
+    out = subprocess.run([sys.executable, "-m", "servers", "--bind", "tcp://0.0.0.0:0", "--log-every", "0"],
+                         capture_output=True, text=True, timeout=START_TIMEOUT, env=ENV, cwd=REPO)
+    assert out.returncode == 2
+    assert "refusing to bind tcp://0.0.0.0:0 without authentication" in out.stderr

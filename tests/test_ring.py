@@ -42,7 +42,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
 
     A child's exception fails the test with its traceback; every child is killed on the way out.
-    ``on_start(procs, results_so_far)`` may act on the running children (the kill test uses it).
+    ``on_start(procs)`` may act on the running children (kill or stop one) and returns the ranks
+    that will not report.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -52,10 +53,11 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
         p.start()
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    silent: set[int] = set()
     try:
         if on_start is not None:
-            on_start(procs)
-        expected = world if on_start is None else world - sum(p.exitcode is not None and p.exitcode < 0 for p in procs)
+            silent = set(on_start(procs))
+        expected = world - len(silent)
         while len(out) < expected:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -63,8 +65,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
             try:
                 rank, status, value = results.get(timeout=min(left, 1.0))
             except Exception:  # queue.Empty: check for a child that died without reporting
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out
-                        and not (on_start is not None and p.exitcode < 0)]
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out | silent]
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} exited with {procs[dead[0]].exitcode} without a result")
                 continue
@@ -129,7 +130,7 @@ def _data(seed: int, rank: int, n: int, dtype) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float64).to(dtype)
 
 
-def _sums(rank, world, big_transports):
+def _sums(rank, world, transports, big_transports):
     import commlab
     torch.manual_seed(0)
     from commlab.rendezvous import connect_store, from_env
@@ -140,7 +141,7 @@ def _sums(rank, world, big_transports):
               (MIB // 4 + 3, torch.bfloat16), (1000, torch.int64)]
     tolerance = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2**-10, torch.bfloat16: 2**-7,
                  torch.int64: 0.0}
-    for transport in ("tcp", "ipc", "torch"):
+    for transport in transports:
         with commlab.connect(f"ring://?transport={transport}&timeout=30&chunk_mb=0.25") as ex:
             ex.join(store)
             for i, (n, dtype) in enumerate(cases):
@@ -166,9 +167,11 @@ def _sums(rank, world, big_transports):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,big", [(2, ("tcp", "ipc", "torch")), (3, ("ipc",)), (4, ("tcp",))])
-def test_sums_equal_float64_reference(world, big):
-    results = run_ranks(_sums, world, big, timeout=150)
+@pytest.mark.parametrize("world,transports,big", [(2, ("tcp", "ipc", "torch"), ("tcp", "ipc", "torch")),
+                                                   (3, ("ipc", "torch"), ("ipc",)), (4, ("tcp",), ("tcp",))])
+def test_sums_equal_float64_reference(world, transports, big):
+    """Sizes 0, 1, 7, 1 MiB + 3 elements (float32, float64, float16, bfloat16, int64) and 64 MiB."""
+    results = run_ranks(_sums, world, transports, big, timeout=150)
     assert all(len(r) == len(results[0]) for r in results.values())
 
 
@@ -206,23 +209,21 @@ def _until_killed(rank, world, ready_dir, timeout):
     ex = commlab.connect(f"ring://?transport=tcp&timeout={timeout}&chunk_mb=1")
     ex.join()
     x = torch.ones(4 * MIB)
-    for i in range(100000):
+    for _ in range(3):
         ex.allreduce_async(x.fill_(1.0)).wait(timeout)
-        if i == 2:
-            Path(ready_dir, str(rank)).touch()
-        if i > 2:
-            started = time.monotonic()
-            try:
-                while True:
-                    ex.allreduce_async(x.fill_(1.0)).wait(timeout)
-            except CommError as exc:
-                return type(exc).__name__, str(exc), time.monotonic() - started
-    return None
+    Path(ready_dir, str(rank)).touch()
+    started = time.monotonic()
+    try:  # wait longer than the ring's own timeout: its error, which names the culprit, comes first
+        while True:
+            ex.allreduce_async(x.fill_(1.0)).wait(3 * timeout)
+    except CommError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
 
 
 @pytest.mark.multiproc
-def test_killed_rank_is_named_by_every_survivor(tmp_path):
-    world, victim, timeout = 4, 1, 20.0
+@pytest.mark.parametrize("world,victim", [(4, 1), (3, 0)])  # rank 1: not every survivor is its neighbour;
+def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim):  # rank 0: hosts the store too
+    timeout = 20.0
 
     def kill_when_ready(procs):
         deadline = time.monotonic() + 60
@@ -233,6 +234,7 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path):
         time.sleep(0.2)  # well inside a collective by now
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].join(5)
+        return {victim}
 
     results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=kill_when_ready)
     assert sorted(results) == [r for r in range(world) if r != victim]
@@ -240,6 +242,26 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path):
         assert f"rank {victim}" in text, f"rank {rank}: {kind}: {text}"
         assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"  # noticed as a loss, not by running out the clock
         assert elapsed < timeout, f"rank {rank} took {elapsed:.1f}s"
+
+
+@pytest.mark.multiproc
+def test_stalled_rank_is_named_by_every_survivor(tmp_path):
+    world, victim, timeout = 3, 1, 3.0
+
+    def stop_when_ready(procs):
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < world:
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+                raise RuntimeError("the ranks never all reached the ring")
+            time.sleep(0.05)
+        os.kill(procs[victim].pid, signal.SIGSTOP)  # alive, connected, silent; killed by run_ranks at the end
+        return {victim}
+
+    results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=stop_when_ready)
+    for rank, (kind, text, elapsed) in results.items():
+        # its right neighbour times out naming it; the rest read that report (or see that neighbour leave)
+        assert f"rank {victim}" in text and kind in ("CommTimeout", "PeerLost"), f"rank {rank}: {kind}: {text}"
+        assert "did not complete" not in text, text  # the ring's own bounded wait answered, not the caller's
 
 
 # ----- training equals the single-process large-batch reference ------------------------------------------

@@ -41,6 +41,8 @@ class PSOptions(CommonOptions):
                                    "updated and returned on its own (pipelining); every worker must agree")
     retries: int = option(1, "a push not acknowledged within timeout is sent again this many times, "
                              "on a fresh connection (the server applies each (worker, step) once)")
+    keys: str = option("", "folder made by 'commlab keys' (CURVE: server.key and KEY_NAME.key_secret)")
+    key_name: str = option("worker", "with keys=: which client key pair in that folder is this worker's")
     curve_secret: str = option("", "this worker's CURVE secret key file")
     server_key: str = option("", "the servers' CURVE public key file")
 
@@ -79,15 +81,19 @@ class _Shard:
     for the other workers): each is matched to its request by id.
     """
 
+    PROBE_S = 5.0  # longest a timed-out shard is given to answer "are you there, and who do you wait for?"
+
     def __init__(self, index: int, count: int, endpoint: str, tp: transport.Transport, sender: str,
-                 timeout: float, retries: int):
+                 timeout: float, retries: int, rank: int | None = None):
         self.index, self.count, self.endpoint = index, count, endpoint
         self.name = f"shard {index}/{count} at {endpoint}"
-        self.tp, self.sender, self.timeout, self.retries = tp, sender, timeout, retries
+        self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
         self.outstanding: list[_Request] = []  # posted, not yet answered, in order
+        self.unsettled: list[_Request] = []  # pushes since the last collect completed: resent after a restart
+        self.boot = ""  # the server process's incarnation, from hello
         self.inbox: dict[int, tuple] = {}  # replies that came before the one awaited
         self.version = 0  # of the parameters last pulled from this shard
         self.hello_meta: dict = {}
@@ -105,6 +111,8 @@ class _Shard:
         self.next_id += 1
         self._transmit(req)
         self.outstanding.append(req)
+        if op == "push":
+            self.unsettled.append(req)
         return req
 
     def _transmit(self, req: _Request) -> None:
@@ -141,38 +149,69 @@ class _Shard:
 
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta
-        return self.request("hello", -1, meta=meta, what="hello")[0].meta
+        reply = self.request("hello", -1, meta=meta, what="hello")[0].meta
+        self.boot = reply.get("boot", "")
+        return reply
 
     def collect(self) -> int:
         """Wait for every posted request's reply, in order; copy pulled parameters in; bytes received.
 
-        A reply missing for ``timeout`` seconds: reconnect (hello again) and send every unanswered
-        request again, up to ``retries`` times; the server applies each (worker, step) push once."""
+        A reply missing for ``timeout`` seconds: ask the shard (:meth:`probe`) what is going on.
+        Alive, the same process, and holding the pull back for other workers: raise now, naming
+        the ranks it waits for (a dead or stalled worker; resending would not help). Otherwise
+        (no answer, or a restarted shard): reconnect, hello again, and resend this step's pushes
+        and every unanswered request, up to ``retries`` times. The server applies each (worker,
+        step, key) once, so a push it had already folded in is acknowledged as a duplicate, and
+        a restarted shard (``--resume``, checkpointing every update) gets back what it lost."""
         received, attempts = 0, 0
         while self.outstanding:
             req = self.outstanding[0]
             try:
                 h, data = self.answer(req)
-            except CommTimeout:
+            except CommTimeout as exc:
+                state = self.probe()
+                if state is not None and state.get("boot") == self.boot:
+                    stalled = [r for r in state.get("waiting_for", []) if r != self.rank]
+                    if stalled:
+                        raise CommTimeout(f"{exc}: the shard is up and its step {state.get('sync_step')} waits for "
+                                          f"rank(s) {stalled} (dead or stalled?)") from None
                 if attempts >= self.retries:
-                    raise
+                    seen = "no answer to a probe either" if state is None else "the shard restarted"
+                    raise CommTimeout(f"{exc} ({seen}; gave up after {attempts} reconnect(s))") from None
                 attempts += 1
                 self._reconnect_and_resend()
                 continue
             if req.op == "pull":
                 received += self._take(h, data)
+        self.unsettled.clear()  # every pull of the step is in: its pushes are applied
         return received
 
+    def probe(self) -> dict | None:
+        """The shard's stats, or None when it does not answer within :attr:`PROBE_S` seconds."""
+        if self.sock is None:
+            return None
+        req = self.post("stats", -1, what="stats probe")
+        saved, self.timeout = self.timeout, min(self.timeout, self.PROBE_S)
+        try:
+            return self.answer(req)[0].meta.get("stats")
+        except (CommTimeout, RemoteError):
+            return None
+        finally:
+            self.timeout = saved
+            if req in self.outstanding:
+                self.outstanding.remove(req)
+
     def _reconnect_and_resend(self) -> None:
-        pending, self.outstanding = self.outstanding, []
+        pending = {r.rid: r for r in [*self.unsettled, *self.outstanding]}
+        self.outstanding = []
         self.inbox.clear()
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
         self.hello(self.hello_meta)
-        for req in pending:
-            self._transmit(req)
-            self.outstanding.append(req)
+        for rid in sorted(pending):  # in the order first sent: pushes before the pulls that need them
+            self._transmit(pending[rid])
+            self.outstanding.append(pending[rid])
 
     def _take(self, h: wire.Header, data) -> int:
         """Put a pull reply's values into the parameters."""
@@ -274,12 +313,17 @@ class PSExchanger(BucketedExchanger):
                 raise ConfigError(f"ps:// needs contiguous CPU parameters; {name} is not")
         self._pieces = psproto.assign_shards(manifest, len(endpoints), max(1, int(self.options.piece_mb * 2**20)))
         curve = None
-        if self.options.curve_secret:
+        if self.options.keys:
+            if self.options.curve_secret or self.options.server_key:
+                raise ConfigError("ps:// takes keys=DIR or curve_secret=/server_key=, not both")
+            from commlab.keys import client_keys
+            curve = client_keys(self.options.keys, self.options.key_name)
+        elif self.options.curve_secret:
             curve = transport.CurveKeys.load(self.options.curve_secret, self.options.server_key or None)
         self.transport = transport.Transport(io_threads=1, curve=curve)
         sender = f"rank{self.rank}"
         k = len(endpoints)
-        self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries)
+        self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
         for shard, pieces in zip(self.shards, self._pieces):
             shard.targets = {pc.key: (params[pc.param], pc.start, pc.count) for pc in pieces}
@@ -305,8 +349,9 @@ class PSExchanger(BucketedExchanger):
     def _on_all(self, fn, what: str) -> list:
         """Run ``fn(shard)`` on every shard's thread at once; wait for all (each has its own timeout)."""
         futures = [s.submit(fn, s) for s in self.shards]
-        return [FutureHandle(f, f"{what} on {s.name}").wait(self.options.timeout * (1 + self.options.retries) + 5)
-                for f, s in zip(futures, self.shards)]
+        # each attempt: a timeout, a probe, a hello on the fresh connection
+        bound = self.options.timeout * (1 + 2 * self.options.retries) + _Shard.PROBE_S * (1 + self.options.retries) + 5
+        return [FutureHandle(f, f"{what} on {s.name}").wait(bound) for f, s in zip(futures, self.shards)]
 
     def _parts(self, shard: int, flat: torch.Tensor | None) -> list:
         """Frames of a shard's pieces, read from the parameters (``flat`` None) or from ``flat``."""

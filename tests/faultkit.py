@@ -1,0 +1,138 @@
+"""Helpers for the fault tests (test_fuzz, test_faults, test_multihost): real server processes,
+a raw DEALER that speaks the wire protocol, the server's resident memory.
+
+Every process started here is registered with a :class:`Procs` that kills it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from commlab import psproto, transport, wire
+from commlab.regimes.ps import server_stats
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           PYTHONUNBUFFERED="1")
+DRIVER = str(REPO / "tests" / "ps_driver.py")
+START_TIMEOUT = 60.0
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path):
+        self.proc, self.endpoint, self.log = proc, endpoint, log
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.removeprefix("tcp://")
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    def stats(self, timeout: float = 20.0) -> dict:
+        return server_stats(self.endpoint, timeout=timeout)
+
+    def rss_kib(self) -> int:
+        """Resident set size of the server process (``VmRSS`` in /proc/PID/status), KiB."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no VmRSS for server pid {self.proc.pid}")
+
+
+class Procs:
+    """Starts servers and workers; :meth:`close` kills whatever still runs (by pid, never by name)."""
+
+    def __init__(self, tmp: Path):
+        self.tmp, self.procs = tmp, []
+
+    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, env=ENV, cwd=REPO, **kw)
+        self.procs.append(p)
+        return p
+
+    def server(self, *args: str, bind: str = "tcp://127.0.0.1:0", prefix: tuple[str, ...] = (),
+               expect_fail: bool = False) -> Server:
+        log = self.tmp / f"server{len(self.procs)}.log"
+        proc = self.popen([*prefix, sys.executable, "-m", "servers", "--bind", bind, "--log-every", "0", *args],
+                          stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(START_TIMEOUT)
+        sel.close()
+        line = proc.stdout.readline() if ready else ""
+        if "listening on" not in line:
+            proc.kill()
+            proc.wait(10)
+            raise RuntimeError(f"server did not start within {START_TIMEOUT}s: {line!r} {log.read_text()}")
+        return Server(proc, line.split("listening on")[1].strip(), log)
+
+    def worker(self, url: str, rank: int, workers: int, steps: int, *extra: str,
+               prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        cmd = [*prefix, sys.executable, DRIVER, url, "--rank", str(rank), "--workers", str(workers),
+               "--steps", str(steps), *extra]
+        return self.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for processes under one deadline; ``(returncode, stdout, stderr)`` each; kill what hangs."""
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+            e += f"\n[killed after {timeout}s]"
+        out.append((p.returncode, o, e))
+    return out
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+class Raw:
+    """A bare DEALER speaking the wire protocol, to send what a correct client never would."""
+
+    def __init__(self, endpoint: str, sender: str = "rank0", curve: transport.CurveKeys | None = None):
+        self.tp = transport.Transport(curve=curve)
+        self.sock = self.tp.connect(zmq.DEALER, endpoint)
+        self.sender, self.id = sender, 1000
+
+    def send(self, frames) -> None:
+        transport.send(self.sock, frames, timeout=10, who="server")
+
+    def reply(self, timeout: float = 20.0) -> wire.Header:
+        msg = transport.recv(self.sock, timeout, "server")
+        return wire.decode(msg, ops=psproto.REPLIES, max_bytes=2**24), msg[1:]
+
+    def request(self, op: str, step: int = -1, parts=(), **meta) -> wire.Header:
+        self.id += 1
+        self.send(wire.encode(op, self.sender, step, parts, dict(meta, id=self.id)))
+        return self.reply()[0]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.tp.close()

@@ -1,0 +1,321 @@
+"""Hostile input to a parameter server: thousands of crafted messages, and the server keeps serving.
+
+One sync server process (world 2) holds ``nn.Linear(3, 2)``'s weight and bias. A legitimate
+client attaches as rank 0; the fuzzer says a correct hello as rank 1, so its crafted requests
+reach the deep checks (keys, dtypes, coverage, NaN, steps, base versions), not only "who are you".
+Every crafted message has at least one defect and must get exactly one ``error`` reply, in
+order (the server is one thread). Afterwards: nothing was applied (version 0, parameters
+bit-identical to before), the server's counters match what was sent, and one valid sync step
+from both ranks lands exactly on its closed form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import threading
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import commlab
+from commlab import psproto, transport, wire
+from commlab.exchanger import model_manifest
+from commlab.rendezvous import RankInfo
+
+from faultkit import Procs, Raw
+
+pytestmark = pytest.mark.multiproc
+
+SEED = 20240601
+CASES = 6000  # crafted messages from the seeded generator
+BATCH = 200  # sent back to back, then their replies counted
+OPT = commlab.OptimizerSpec("sgd", lr=0.5)
+KEYS = {"weight": 6, "bias": 2}  # nn.Linear(3, 2): the shard's pieces, float32
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    """The server, rank 0 attached through the real client, rank 1 as a raw DEALER after hello."""
+    procs = Procs(tmp_path_factory.mktemp("fuzz"))
+    try:
+        server = procs.server("--mode", "sync")
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        ex = commlab.connect(f"ps://{server.address}?timeout=30", RankInfo(0, 2, 0, "127.0.0.1", 0, "flags"))
+        ex.setup(model, OPT)
+        raw = Raw(server.endpoint, "rank1")
+        manifest = [[n, list(s), d] for n, s, d in model_manifest(model)]
+        pieces = psproto.assign_shards(model_manifest(model), 1, 16 * 2**20)[0]
+        hello = raw.request("hello", rank=1, world=2, mode="sync", manifest=manifest, shard=[0, 1],
+                            pieces=[[p.key, p.dtype, p.count] for p in pieces], optim=OPT.to_dict())
+        assert hello.op == "ok", hello.meta
+        yield server, ex, model, raw, manifest
+        raw.close()
+        ex.close()
+    finally:
+        procs.close()
+
+
+def checksum(raw: Raw) -> str:
+    """SHA-256 of the shard's parameter bytes, pulled as rank 1 (after_step -1: served at once)."""
+    raw.id += 1
+    raw.send(wire.encode("pull", raw.sender, -1, (), {"id": raw.id, "after_step": -1}))
+    h, data = raw.reply()
+    assert h.op == "params" and [f.key for f in h.frames] == list(KEYS)
+    return hashlib.sha256(b"".join(bytes(f.buffer) for f in data)).hexdigest()
+
+
+# ----- the seeded generator of crafted cases ---------------------------------------------------------
+
+def _pack(header) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _header(op="push", step=0, frames=(), **meta) -> dict:
+    return {"v": 1, "op": op, "from": "rank1", "step": step, "frames": list(frames),
+            "meta": {"id": 7, "base": 0, "absent": [], **meta}}
+
+
+def _floats(n: int, rng: random.Random) -> bytes:
+    return torch.tensor([rng.uniform(-1, 1) for _ in range(n)], dtype=torch.float32).numpy().tobytes()
+
+
+def _full_push(rng: random.Random) -> tuple[list, list]:
+    """The frames of a correct full push of step 0 (callers then break it)."""
+    specs = [[k, "float32", 0, n] for k, n in KEYS.items()]
+    return specs, [_floats(n, rng) for n in KEYS.values()]
+
+
+def crafted(rng: random.Random):
+    """Yield ``(kind, frames, expected reason fragment or None)``; every case has a defect."""
+    kinds = ["bytes", "truncated", "trailing", "not_map", "version", "op", "sender", "step_type", "frames_type",
+             "spec_shape", "dtype_unknown", "dtype_lie", "count_lie", "huge", "offset", "fewer_frames",
+             "extra_frames", "many_frames", "key_unknown", "key_len", "wrong_step", "nonfinite", "coverage",
+             "absent_junk", "base", "meta_type", "pull_bad", "pull_future", "hello_bad", "stranger"]
+    while True:
+        kind = rng.choice(kinds)
+        specs, data = _full_push(rng)
+        if kind == "bytes":
+            yield kind, [rng.randbytes(rng.randrange(0, 80)) for _ in range(rng.randrange(1, 5))], None
+        elif kind == "truncated":
+            raw = _pack(_header(frames=specs))
+            yield kind, [raw[:rng.randrange(0, len(raw))], *data], "not msgpack"
+        elif kind == "trailing":
+            yield kind, [_pack(_header(frames=specs)) + rng.randbytes(rng.randrange(1, 9)), *data], "not msgpack"
+        elif kind == "not_map":
+            yield kind, [_pack(rng.choice([[1, 2], 3, "push", None, 1.5, b"x"]))], "not a map"
+        elif kind == "version":
+            h = _header(frames=specs)
+            h["v"] = rng.choice([0, 2, 99, "1", None, -1])
+            yield kind, [_pack(h), *data], "protocol version"
+        elif kind == "op":
+            h = _header(frames=specs)
+            h["op"] = rng.choice(["steal", "PUSH", "", "pushx", "ok", "error", "params"])
+            yield kind, [_pack(h), *data], "unknown op"
+        elif kind == "sender":
+            h = _header(frames=specs)
+            h["from"] = rng.choice([None, True, 1.5, [1], {"a": 1}])
+            yield kind, [_pack(h), *data], "no sender"
+        elif kind == "step_type":
+            h = _header(frames=specs)
+            h["step"] = rng.choice([-2, -10**9, True, "3", 1.5, None])
+            yield kind, [_pack(h), *data], "bad step"
+        elif kind == "frames_type":
+            h = _header()
+            h["frames"] = rng.choice([{"weight": 1}, 3, "weight", None])
+            yield kind, [_pack(h)], "'frames' is not a list"
+        elif kind == "spec_shape":
+            specs[0] = rng.choice([specs[0][:3], specs[0] + [1], "weight", 5])
+            yield kind, [_pack(_header(frames=specs)), *data], "is not \\[key, dtype, offset, count\\]"
+        elif kind == "dtype_unknown":
+            specs[0][1] = rng.choice(["complex64", "float8", "", "object"])
+            yield kind, [_pack(_header(frames=specs)), *data], "unknown dtype"
+        elif kind == "dtype_lie":  # a frame whose length matches the declared (wrong) dtype
+            dt = rng.choice(["float16", "float64", "int64", "uint8", "bfloat16"])
+            n = KEYS["weight"]
+            specs[0] = ["weight", dt, 0, n]
+            data[0] = rng.randbytes(n * wire.DTYPES[dt].itemsize)
+            yield kind, [_pack(_header(frames=specs)), *data], \
+                f"weight is float32 on shard 0/1, frame is {dt}|carries 56 bytes, limit 32"
+        elif kind == "count_lie":  # the header claims more or fewer elements than the frame holds
+            specs[0][3] += rng.choice([-5, -1, 1, 3, 1000])
+            yield kind, [_pack(_header(frames=specs)), *data], "has 24 bytes, header declares|limit"
+        elif kind == "huge":  # sizes no one should ever allocate
+            specs[rng.randrange(2)][3] = rng.choice([2**31, 2**40, 2**62, 2**64 - 1])
+            yield kind, [_pack(_header(frames=specs)), *data], "declares \\d+ bytes, limit"
+        elif kind == "offset":
+            specs[0][2] = rng.choice([1, 3, 2**40, 2**63])
+            yield kind, [_pack(_header(frames=specs)), *data], "do not cover|has 6 elements"
+        elif kind == "fewer_frames":
+            yield kind, [_pack(_header(frames=specs)), *data[:rng.randrange(0, 2)]], "data frame\\(s\\) but"
+        elif kind == "extra_frames":
+            extra = [rng.randbytes(rng.randrange(0, 30)) for _ in range(rng.randrange(1, 4))]
+            yield kind, [_pack(_header(frames=specs)), *data, *extra], "data frame\\(s\\) but"
+        elif kind == "many_frames":  # more frames than any request to this shard can need
+            n = rng.randrange(20, 400)
+            yield kind, [_pack(_header(frames=[["bias", "float32", 0, 0]] * n)), *([b""] * n)], "takes at most"
+        elif kind == "key_unknown":
+            specs[0][0] = rng.choice(["nope", "weight#0", "Weight", "bias "])
+            yield kind, [_pack(_header(frames=specs)), *data], "holds no key"
+        elif kind == "key_len":
+            specs[0][0] = rng.choice(["", "w" * 257, 5, None])
+            yield kind, [_pack(_header(frames=specs)), *data], "bad key"
+        elif kind == "wrong_step":  # a correct push for a step this shard does not gather
+            yield kind, [_pack(_header(step=rng.choice([1, 2, 7, 10**6, 2**62]), frames=specs)), *data], \
+                "expects step 0"
+        elif kind == "nonfinite":  # a correct push of step 0 but for one NaN or infinity
+            i = rng.randrange(2)
+            values = torch.frombuffer(bytearray(data[i]), dtype=torch.float32)
+            values[rng.randrange(values.numel())] = rng.choice([float("nan"), float("inf"), float("-inf")])
+            data[i] = values.numpy().tobytes()
+            yield kind, [_pack(_header(frames=specs)), *data], "holds NaN or Inf"
+        elif kind == "coverage":  # a key cut into frames that leave a hole
+            specs = [["weight", "float32", 0, 3], ["weight", "float32", 4, 2]]
+            yield kind, [_pack(_header(frames=specs)), _floats(3, rng), _floats(2, rng)], "do not cover"
+        elif kind == "absent_junk":
+            yield kind, [_pack(_header(frames=specs, absent=rng.choice([["nope"], "bias", [1], {"a": 1}]))),
+                         *data], "'absent' names keys"
+        elif kind == "base":  # computed on a version the server never had
+            yield kind, [_pack(_header(frames=specs, base=rng.choice([1, 10**9, "0", None, 1.5]))), *data], \
+                "bad base version"
+        elif kind == "meta_type":
+            h = _header(frames=specs)
+            h["meta"] = rng.choice([[1, 2], "id", 3])
+            yield kind, [_pack(h), *data], "'meta' is not a map"
+        elif kind == "pull_bad":
+            meta = rng.choice([{"after_step": "0"}, {"after_step": None}, {"after_step": -1, "keys": []},
+                               {"after_step": -1, "keys": ["nope"]}, {"after_step": -1, "keys": "weight"}])
+            yield kind, [_pack({"v": 1, "op": "pull", "from": "rank1", "step": 0, "frames": [],
+                                "meta": dict(meta, id=7)})], "pull from rank1"
+        elif kind == "pull_future":  # would wait forever: refused
+            yield kind, [_pack({"v": 1, "op": "pull", "from": "rank1", "step": 0, "frames": [],
+                                "meta": {"id": 7, "after_step": rng.choice([1, 5, 2**40])}})], "has not pushed it"
+        elif kind == "hello_bad":
+            good = {"rank": 1, "world": 2, "mode": "sync", "shard": [0, 1], "optim": OPT.to_dict(),
+                    "manifest": MANIFEST, "pieces": [[k, "float32", n] for k, n in KEYS.items()]}
+            field, value = rng.choice([("rank", 2), ("rank", -1), ("world", 3), ("mode", "async"),
+                                       ("shard", [1, 2]), ("optim", {"name": "lbfgs"}), ("manifest", "x"),
+                                       ("manifest", [["weight", [2, 4], "float32"], ["bias", [2], "float32"]]),
+                                       ("pieces", [["weight", "float32", 7]]), ("rank", "1")])
+            good[field] = value
+            yield kind, [_pack({"v": 1, "op": "hello", "from": "rank1", "step": -1, "frames": [],
+                                "meta": dict(good, id=7)})], None
+        elif kind == "stranger":  # a sender that never said hello
+            h = _header(frames=specs)
+            h["from"] = rng.choice(["rank7", "observer", 3])
+            yield kind, [_pack(h), *data], "before hello"
+
+
+MANIFEST = [["weight", [2, 3], "float32"], ["bias", [2], "float32"]]
+
+
+def test_thousands_of_crafted_messages_get_errors_and_change_nothing(rig):
+    server, ex, model, raw, manifest = rig
+    assert manifest == MANIFEST
+    before = checksum(raw)
+    s0 = server.stats()
+    rss0 = server.rss_kib()
+    gen = crafted(random.Random(SEED))
+    kinds: dict[str, int] = {}
+    sent = 0
+    while sent < CASES:
+        batch = [next(gen) for _ in range(min(BATCH, CASES - sent))]
+        for _, frames, _ in batch:
+            raw.send(frames)
+        for kind, frames, expect in batch:
+            h, _ = raw.reply(timeout=30)
+            assert h.op == "error", f"{kind} case was accepted: {frames[:1]!r} -> {h.meta}"
+            reason = h.meta["reason"]
+            assert expect is None or re.search(expect, reason), f"{kind}: {reason!r} does not match {expect!r}"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        sent += len(batch)
+    assert raw.sock.poll(200, zmq.POLLIN) == 0  # exactly one reply per message
+    s1 = server.stats()
+    assert s1["refused"] - s0["refused"] == CASES
+    assert s1["nonfinite"] - s0["nonfinite"] == kinds["nonfinite"]
+    assert s1["updates"] == 0 and s1["version"] == 0 and s1["pushes"] - s0["pushes"] >= kinds["wrong_step"]
+    assert checksum(raw) == before
+    growth = server.rss_kib() - rss0
+    print(f"fuzz: {CASES} crafted cases in {len(kinds)} kinds, all refused; server RSS grew {growth} KiB")
+    assert growth < 64 * 1024  # no allocation a header asked for: the largest lie asked for 2**64 bytes
+
+
+def test_frames_above_the_transport_limit_drop_the_sender_not_the_server(rig):
+    server, _, _, raw, _ = rig
+    before = checksum(raw)
+    for size in (transport.DEFAULT_MAX_FRAME + 1, 24 * 2**20):
+        stranger = Raw(server.endpoint, "rank1")
+        try:
+            big = torch.zeros(size, dtype=torch.uint8).numpy().data
+            header = _pack(_header(frames=[["weight", "uint8", 0, size]]))
+            stranger.send([header, big])
+            assert stranger.sock.poll(1000, zmq.POLLIN) == 0  # libzmq cut the connection: no reply
+        finally:
+            stranger.close()
+    assert checksum(raw) == before and server.stats()["version"] == 0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+@given(data=st.data())
+def test_arbitrary_frames_and_headers_get_one_reply_and_apply_nothing(rig, data):
+    """Hypothesis: arbitrary bytes, and msgpack headers with arbitrary fields and frame specs
+    (never naming the shard's real keys, so no push can be valid); one reply each, no update."""
+    server, _, _, raw, _ = rig
+    values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() |
+                          st.text(max_size=8) | st.binary(max_size=8),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                       max_size=4), max_leaves=12)
+    key = st.text(max_size=6).filter(lambda k: k not in KEYS)
+    spec = st.tuples(key, st.sampled_from([*wire.DTYPES, "x"]), st.integers(0, 2**64 - 1),
+                     st.integers(0, 2**64 - 1)).map(list)
+    header = st.fixed_dictionaries({"v": st.sampled_from([1, 1, 1, 0, 2]),
+                                    "op": st.sampled_from(["push", "hello", "init", "zap", "push"]),
+                                    "from": st.sampled_from(["rank1", "rank1", "rank5", 1]),
+                                    "step": st.integers(-3, 2**40), "frames": st.lists(spec, max_size=4),
+                                    "meta": st.dictionaries(st.text(max_size=8), values, max_size=4)})
+    if data.draw(st.booleans()):
+        frames = data.draw(st.lists(st.binary(max_size=64), min_size=1, max_size=5))
+    else:
+        h = data.draw(header)
+        frames = [_pack(h), *data.draw(st.lists(st.binary(max_size=32), min_size=len(h["frames"]),
+                                                max_size=len(h["frames"]) + 1))]
+    raw.send(frames)
+    h, _ = raw.reply(timeout=30)
+    assert h.op in ("error", "ok")
+    assert raw.sock.poll(0, zmq.POLLIN) == 0
+
+
+def test_after_the_fuzz_a_valid_step_lands_on_its_closed_form(rig):
+    """Run last (file order): rank 0 through the client and rank 1 raw push step 0 together."""
+    server, ex, model, raw, _ = rig
+    start = {k: v.detach().clone() for k, v in model.named_parameters()}
+    s = server.stats()
+    assert s["version"] == 0 and s["updates"] == 0
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(_step(ex, model)), daemon=True)
+    t.start()
+    g1 = {"weight": torch.full((6,), 0.75), "bias": torch.full((2,), -0.5)}
+    parts = [p for k, g in g1.items() for p in wire.split(k, g)]
+    assert raw.request("push", 0, parts, base=0, absent=[]).op == "ok"
+    t.join(60)
+    assert done == [True]
+    # rank 0's gradient is 1 everywhere (d/dp of sum of params); mean with rank 1's, lr 0.5
+    for k, p in model.named_parameters():
+        expected = start[k].view(-1) - 0.5 * (1.0 + g1[k]) / 2
+        torch.testing.assert_close(p.detach().view(-1), expected, rtol=0, atol=0)
+    assert server.stats()["updates"] == 1
+
+
+def _step(ex, model) -> bool:
+    ex.zero_grad()
+    sum(p.sum() for p in model.parameters()).backward()
+    ex.step()
+    return True
