@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,10 +158,12 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
 @pytest.mark.netns
 @pytest.mark.skipif(links.link_unavailable_reason() is not None, reason="needs root and iproute2")
 def test_capped_links_carry_tcp_and_vanish(tmp_path):
+    tag = f"clt{os.getpid() % 100000}"  # unique: test runs side by side must not share namespaces
+
     def ours():
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return [l for l in listed.splitlines() if l.startswith("cltest")]
-    with links.Links(2, "200mbit", tag="cltest") as ls:
+        return [l for l in listed.splitlines() if l.split()[0] in {f"{tag}hub", f"{tag}h0", f"{tag}h1"}]
+    with links.Links(2, "200mbit", tag=tag) as ls:
         assert len(ours()) == 3
         cfg = bandwidth.BandwidthConfig(["gloo"], 2, [65536], 0, 3, 3, 1, ("tcp-oneway",), 60)
         recs, failures, _ = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(120), links=ls)
