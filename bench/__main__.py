@@ -24,7 +24,7 @@ from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-BANDWIDTH_SHARE = 0.5
+BANDWIDTH_SHARE = 0.55
 DEFAULT_BUDGET_S = 270.0  # jobs stop starting after this; the report follows within seconds
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from bench import regimes as R
 from bench.jobs import python, run_job
+from bench.text import human_bytes
 
 DTYPE = "float32"
 
@@ -102,20 +103,18 @@ def summarize(regime: str, url: str, kind: str, method: str, workers: int, row: 
 
 
 def combine_ranks(out: Path, workers: int) -> tuple[list[dict], list[list[float]], list[int], dict]:
-    """Rows of rank 0, per-iteration slowest-rank times, wrong summed over ranks, regime facts."""
+    """Sizes every rank finished: rank 0's rows, per-iteration slowest-rank times, wrong summed over
+    ranks; and the regime's facts. Ranks write after every size, so a job cut short still has some."""
     per_rank = []
     for r in range(workers):
         p = out if r == 0 else Path(f"{out}.rank{r}")
-        if p.exists():
-            per_rank.append(json.loads(p.read_text())["rows"])
-    facts = next((row["facts"] for row in per_rank[0] if "facts" in row), {}) if per_rank else {}
-    rows = [row for row in per_rank[0] if "size_bytes" in row] if per_rank else []
-    times, wrong = [], []
-    for i, row in enumerate(rows):
-        ranks = [[x for x in rr if "size_bytes" in x][i] for rr in per_rank if len([x for x in rr if "size_bytes" in x]) > i]
-        times.append([max(t) for t in zip(*(x["times_s"] for x in ranks))])
-        wrong.append(sum(x["wrong"] for x in ranks))
-    return rows, times, wrong, facts
+        per_rank.append(json.loads(p.read_text())["rows"] if p.exists() else [])
+    facts = next((row["facts"] for row in per_rank[0] if "facts" in row), {})
+    sized = [[row for row in rows if "size_bytes" in row] for rows in per_rank]
+    done = min(len(rows) for rows in sized)
+    times = [[max(t) for t in zip(*(rows[i]["times_s"] for rows in sized))] for i in range(done)]
+    wrong = [sum(rows[i]["wrong"] for rows in sized) for i in range(done)]
+    return sized[0][:done], times, wrong, facts
 
 
 def memcpy_records(sizes: list[int], iters: list[int], warmup: int, link: str) -> list[dict]:
@@ -226,25 +225,27 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
         budget.note(res.seconds)
         try:
-            parsed = combine_ranks(out, workers) if res.ok else None
-        except (OSError, ValueError, KeyError, IndexError) as exc:
-            res, parsed = dataclasses.replace(res, returncode=1), None
+            rows, times, wrong, f = combine_ranks(out, workers)
+        except (OSError, ValueError, KeyError) as exc:
+            rows, times, wrong, f = [], [], [], {}
+            res = dataclasses.replace(res, returncode=res.returncode or 1)
             failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
                              "error": f"its ranks' results could not be read: {type(exc).__name__}: {exc}",
                              "log": str(res.log.relative_to(run_dir))})
             failed_names.add(name)
-        if parsed is not None:
-            rows, times, wrong, f = parsed
-            if f:
-                facts[name] = f
-            if "nccl" in url:
-                facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
-            for row, t, w in zip(rows, times, wrong):
-                records.append(summarize(name, url, kind, method, workers, row, t, w, link))
-        elif name not in failed_names:
+        if f:
+            facts[name] = f
+        if "nccl" in url:
+            facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
+        for row, t, w in zip(rows, times, wrong):  # what finished counts, also from a job cut short
+            records.append(summarize(name, url, kind, method, workers, row, t, w, link))
+        if not res.ok and name not in failed_names:
             status, error = budget.outcome(res)
+            missing = [s for s in sizes if s not in {row["size_bytes"] for row in rows}]
             failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": status,
-                             "error": error, "log": str(res.log.relative_to(run_dir))})
+                             "error": error + (f" (sizes not measured: {', '.join(map(human_bytes, missing))})"
+                                               if rows and missing else ""),
+                             "log": str(res.log.relative_to(run_dir))})
             failed_names.add(name)
         bar and bar.update(1)
 

@@ -74,6 +74,26 @@ def corrupt(reference: torch.Tensor) -> torch.Tensor:
     return reference
 
 
+class Results(list):
+    """This rank's rows, written to its file after every size (atomically), so a job stopped
+    midway (a failure, the time budget) still leaves what it measured."""
+
+    def __init__(self, path: str, info):
+        super().__init__()
+        self.path, self.info = path, info
+        self.save()
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.save()
+
+    def save(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"rank": self.info.rank, "world_size": self.info.world_size, "rows": list(self)}, fh)
+        os.replace(tmp, self.path)
+
+
 class FlatParam(nn.Module):
     def __init__(self, count: int):
         super().__init__()
@@ -229,10 +249,10 @@ class ServersPerSize:
         launcher.stop_all(self.procs)
 
 
-def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float,
-              corrupt_ref: bool) -> list[dict]:
+def run_sizes(out: Results, method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int,
+              timeout: float, corrupt_ref: bool) -> None:
     rank, world = info.rank, info.world_size
-    out, facts = [], {}
+    facts = {}
     ex, device, servers = None, torch.device("cpu"), None
     if method == "pushpull":
         cls = regime_class(ExchangerURL.parse(url).scheme)
@@ -272,7 +292,8 @@ def run_sizes(method: str, url: str, info, sizes: list[int], iters: list[int], w
             ex.close()
         if servers:
             servers.close()
-    return out + ([{"facts": facts}] if facts else [])
+        if facts:
+            out.append({"facts": facts})
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -304,12 +325,12 @@ def _duplex(sock: socket.socket, send: memoryview, recv: memoryview, timeout: fl
         sock.settimeout(timeout)
 
 
-def run_tcp(method: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float) -> list[dict]:
+def run_tcp(out: Results, method: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float) -> None:
     """Raw TCP between ranks 0 and 1 (other ranks idle). Rank 0 times; each message is S bytes."""
     rank = info.rank
     store = rendezvous.connect_store(info, timeout)
     if rank > 1:
-        return []
+        return
     if rank == 1:
         lsock = socket.socket()
         lsock.bind((os.environ.get("BENCH_ADDR", "127.0.0.1"), 0))
@@ -326,7 +347,6 @@ def run_tcp(method: str, info, sizes: list[int], iters: list[int], warmup: int, 
     sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = bytearray(1)
-    out = []
     try:
         for size, n_iter in zip(sizes, iters):
             send = bytearray(bytes(range(256)) * (size // 256 + 1))[:size]  # same on both ranks: checkable
@@ -351,7 +371,6 @@ def run_tcp(method: str, info, sizes: list[int], iters: list[int], warmup: int, 
                         "wrong": wrong})
     finally:
         sock.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,19 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")]
     iters = [int(s) for s in a.iters.split(",")]
     info = rendezvous.from_env()
+    out = Results(a.out if info.rank == 0 else f"{a.out}.rank{info.rank}", info)
     try:
         if a.method.startswith("tcp"):
             if info.world_size < 2:
                 raise commlab.ConfigError(f"{a.method} needs 2 ranks, got {info.world_size}")
-            rows = run_tcp(a.method, info, sizes, iters, a.warmup, a.timeout)
+            run_tcp(out, a.method, info, sizes, iters, a.warmup, a.timeout)
         else:
-            rows = run_sizes(a.method, a.regime_url or a.exchanger, info, sizes, iters, a.warmup, a.timeout, a.corrupt)
+            run_sizes(out, a.method, a.regime_url or a.exchanger, info, sizes, iters, a.warmup, a.timeout, a.corrupt)
     except (commlab.CommError, commlab.ConfigError) as exc:
         print(f"commlab worker rank {info.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    path = a.out if info.rank == 0 else f"{a.out}.rank{info.rank}"
-    with open(path, "w") as fh:
-        json.dump({"rank": info.rank, "world_size": info.world_size, "rows": rows}, fh)
     return 0
 
 

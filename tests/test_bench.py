@@ -63,6 +63,16 @@ def test_busbw_factors_and_iterations():
     assert bandwidth.iters_for(2**30, 2**24, 5, 100) == 5
 
 
+def test_ranks_results_combine_over_the_sizes_every_rank_finished(tmp_path):
+    out = tmp_path / "bw.json"
+    row = lambda size, times, wrong: {"size_bytes": size, "count": size // 4, "times_s": times, "wrong": wrong}
+    out.write_text(json.dumps({"rows": [row(4, [1.0, 5.0], 1), row(8, [1.0], 0), {"facts": {"scheme": "x"}}]}))
+    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [row(4, [2.0, 3.0], 2)]}))  # cut short
+    rows, times, wrong, facts = bandwidth.combine_ranks(out, 2)
+    assert [r["size_bytes"] for r in rows] == [4] and times == [[2.0, 5.0]] and wrong == [3]
+    assert facts == {"scheme": "x"}
+
+
 def test_servers_planned_on_loopback_move_to_their_namespaces():
     from bench.launch_job import place_servers
     ls = links.Links(2, "1gbit", tag="clplan")  # not entered: nothing is created
