@@ -39,6 +39,8 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
             f"(each worker pushes S and pulls S); raw TCP and memcpy x 1; noop 0 (moves nothing). "
             f"A PS and an all-reduce at equal busbw use their links equally well.",
             "- **wrong**: elements differing from the exact reference, summed over every timed exchange and rank.",
+            "- Ceilings are what plain Python reaches on this machine (raw TCP, memcpy); a library moving bytes from "
+            "C++ threads (gloo) can pass the Python TCP figures.",
             ""]
     for size in sorted({r["size_bytes"] for r in records}):
         rows = []
@@ -125,7 +127,7 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[st
         out += [f"![staleness histogram]({pngs['staleness'].name})", ""]
     out += ["### Step time: compute against exposed communication", "",
             "Exposed communication is the time `step()` blocked after backward: the exchange that backward's "
-            "overlap did not hide. The plot splits the mean step (means add up; the table's medians do not): "
+            "overlap did not hide, plus applying the update (local:// shows the update alone). The plot splits the mean step (means add up; the table's medians do not): "
             "'rest' is the mean step minus mean compute and mean exposed communication (batch slicing, zero_grad, "
             "metrics).", ""]
     if pngs.get("split"):
