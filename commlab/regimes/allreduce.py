@@ -76,7 +76,9 @@ class AllReduceExchanger(BucketedExchanger):
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); don't touch
         ``tensor`` until the handle is done. Needs :meth:`join` (or setup) first."""
         n = self.world_size
-        self.stats.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        moved = 2 * (n - 1) * tensor.numel() * tensor.element_size() // n  # each way, by a ring's count
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
         return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
 
