@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 from commlab import launcher
-from commlab.config import describe_options
+from commlab.config import ExchangerURL, describe_options, parse_options
 from commlab.errors import ConfigError
 from commlab.registry import REGIMES, regime_class
 
@@ -39,17 +40,25 @@ def regimes_help() -> str:
 
 
 def train_main(argv: list[str]) -> int:
-    from workers.loop import add_training_args  # the worker's flags, parsed here only to validate them early
+    """Parse what the launcher needs; every other flag goes to the workers untouched.
 
-    p = argparse.ArgumentParser(prog="commlab train", description="Train on N local workers.",
-                                epilog=regimes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=2)
-    add_training_args(p)
-    a, rest = p.parse_known_args(argv)
-    if rest:
-        p.error(f"unrecognised arguments: {' '.join(rest)}")
+    The library does not import ``workers/`` (dependencies point the other way): the
+    worker's own flags are listed by ``python -m workers --help``, appended to our help.
+    """
+    p = argparse.ArgumentParser(prog="commlab train", add_help=False,
+                                description="Train on N local workers (torchrun's environment, loopback).")
+    p.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    p.add_argument("--exchanger", default="local://", help="regime URL (see below)")
+    p.add_argument("-h", "--help", action="store_true")
+    a, worker_args = p.parse_known_args(argv)
+    if a.help:
+        p.print_help()
+        print("\nworker flags (python -m workers):")
+        sys.stdout.flush()
+        subprocess.run([sys.executable, "-m", "workers", "--help"], check=False)
+        print("\n" + regimes_help())
+        return 0
     try:
-        from commlab.config import ExchangerURL, parse_options
         parsed = ExchangerURL.parse(a.exchanger)
         cls = regime_class(parsed.scheme)
         if not hasattr(cls, "from_url"):
@@ -57,13 +66,6 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"commlab train: {exc}", file=sys.stderr)
         return 2
-    worker_args = [x for x in argv]
-    # drop --workers/--exchanger: the launcher sets them
-    for flag in ("--workers", "--exchanger"):
-        while flag in worker_args:
-            i = worker_args.index(flag)
-            del worker_args[i:i + 2]
-        worker_args = [x for x in worker_args if not x.startswith(flag + "=")]
     return launcher.launch(a.exchanger, a.workers, worker_args)
 
 

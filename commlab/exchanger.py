@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ from commlab.config import CommonOptions
 from commlab.errors import ConfigError, ModelMismatch
 from commlab.handles import GroupHandle, Handle
 from commlab.optim import OptimizerSpec
+from commlab import rendezvous
 from commlab.rendezvous import RankInfo
 
 
@@ -393,3 +394,27 @@ class BucketedExchanger(Exchanger):
                     if counts[i] == 0:  # no rank produced a gradient: like torch, skip the update
                         p.grad = None
         optimizer.step()
+
+
+class CollectiveExchanger(BucketedExchanger):
+    """The all-reduce regimes: each bucket is summed over ranks as soon as it is ready;
+    ``step()`` averages the sums and steps this worker's own optimizer.
+
+    A subclass supplies ``_connect`` (which must set ``self.store`` and ``self.optimizer``)
+    and ``allreduce_async(tensor, what) -> Handle`` (sum in place over all ranks).
+    """
+
+    store: Any = None
+    optimizer: torch.optim.Optimizer
+
+    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
+        raise NotImplementedError
+
+    def _start_bucket(self, bucket: Bucket) -> Handle:
+        if bucket.index == 0:  # the stall report reads how far each rank got
+            rendezvous.heartbeat(self.store, self.rank, self._step)
+        return self.allreduce_async(bucket.buffer, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
+                                                   f"({bucket.names[0]}...) at step {self._step}")
+
+    def _apply(self) -> None:
+        self._apply_averaged_grads(self.optimizer)

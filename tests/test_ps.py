@@ -387,3 +387,21 @@ def test_a_server_refuses_to_bind_beyond_loopback_without_keys():
                          capture_output=True, text=True, timeout=START_TIMEOUT, env=ENV, cwd=REPO)
     assert out.returncode == 2
     assert "refusing to bind tcp://0.0.0.0:0 without authentication" in out.stderr
+
+
+@pytest.mark.multiproc
+def test_push_pull_async_is_one_step_of_a_bare_vector(start_server):
+    """The benchmark hook: after setup on a one-parameter model, push a tensor as its gradient, pull it."""
+    server = start_server("--mode", "async")
+    model = nn.ParameterList([nn.Parameter(torch.zeros(3 * 2**20 + 1))])  # not a multiple of anything
+    ex = attach(server, model, commlab.OptimizerSpec("sgd", lr=0.5))
+    try:
+        grad = torch.full((3 * 2**20 + 1,), 0.25)
+        for k in range(1, 4):
+            param = ex.push_pull_async(grad).wait(30)
+            assert param is model[0] and torch.equal(param.detach(), torch.full_like(grad, -0.125 * k))
+        assert server.stats()["updates"] == 3
+        with pytest.raises(ValueError, match="one parameter shaped like the tensor"):
+            ex.push_pull_async(torch.zeros(5))
+    finally:
+        ex.close()

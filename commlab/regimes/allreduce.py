@@ -20,7 +20,7 @@ import torch.distributed as dist
 from commlab import rendezvous
 from commlab.config import CommonOptions, option
 from commlab.errors import BackendUnavailable, ConfigError
-from commlab.exchanger import BucketedExchanger
+from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
 from commlab.peers import agree_on_model
 
@@ -30,7 +30,7 @@ class AllReduceOptions(CommonOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
 
 
-class AllReduceExchanger(BucketedExchanger):
+class AllReduceExchanger(CollectiveExchanger):
     scheme = "allreduce"
     Options = AllReduceOptions
 
@@ -76,18 +76,11 @@ class AllReduceExchanger(BucketedExchanger):
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); don't touch
         ``tensor`` until the handle is done. Needs :meth:`join` (or setup) first."""
         n = self.world_size
-        self.stats.bytes_sent += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        moved = 2 * (n - 1) * tensor.numel() * tensor.element_size() // n  # each way, by a ring's count
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
         return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
-
-    def _start_bucket(self, bucket):
-        if bucket.index == 0:
-            rendezvous.heartbeat(self.store, self.rank, self._step)
-        return self.allreduce_async(bucket.buffer, f"all-reduce of bucket {bucket.index} ({bucket.names[0]}...) "
-                                                   f"at step {self._step}")
-
-    def _apply(self):
-        self._apply_averaged_grads(self.optimizer)
 
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "backend": self.options.backend}

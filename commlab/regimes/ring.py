@@ -72,7 +72,7 @@ import zmq
 from commlab import rendezvous, wire
 from commlab.config import CommonOptions, option
 from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
-from commlab.exchanger import BucketedExchanger
+from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.peers import agree_on_model
 from commlab.transport import Link, Transport, keep_freed_memory
@@ -113,7 +113,7 @@ def bytes_moved(n: int, itemsize: int, rank: int, world: int) -> tuple[int, int]
     return itemsize * sum(size[s] for s, _ in plan), itemsize * sum(size[g] for _, g in plan)
 
 
-class RingExchanger(BucketedExchanger):
+class RingExchanger(CollectiveExchanger):
     scheme = "ring"
     Options = RingOptions
 
@@ -266,15 +266,6 @@ class RingExchanger(BucketedExchanger):
         sent, received = moved
         self.stats.bytes_sent += sent
         self.stats.bytes_received += received
-
-    def _start_bucket(self, bucket):
-        if bucket.index == 0:
-            rendezvous.heartbeat(self.store, self.rank, self._step)
-        return self.allreduce_async(bucket.buffer, f"ring all-reduce of bucket {bucket.index} "
-                                                   f"({bucket.names[0]}...) at step {self._step}")
-
-    def _apply(self):
-        self._apply_averaged_grads(self.optimizer)
 
     def facts(self) -> dict:
         o = self.options
