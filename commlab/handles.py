@@ -55,6 +55,8 @@ class FutureHandle(Handle):
         try:
             return self._future.result(timeout=timeout)
         except cf.TimeoutError:
+            if self._future.done():  # the work raised CommTimeout (a TimeoutError, as cf's is): keep its culprit
+                raise
             who = self._on_timeout() if self._on_timeout else ""
             raise CommTimeout(f"{self.what} did not complete within {timeout:g}s{who}") from None
 
