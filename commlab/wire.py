@@ -34,7 +34,7 @@ from commlab.errors import ProtocolError
 
 VERSION = 1
 MAX_FRAME = 16 * 2**20  # bytes per data frame
-MAX_HEADER = 4 * 2**20  # bytes of msgpack header
+MAX_HEADER = 2**20  # bytes of msgpack header (unpacked, a crafted one can grow ~70x: keep it small)
 COPY_THRESHOLD = 2**20  # frames up to this size are copied into the message; larger ones go zero-copy
 
 DTYPES: dict[str, torch.dtype] = {

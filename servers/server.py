@@ -315,10 +315,12 @@ class ParameterServer:
         self.max_parts = 2 + max(_MIN_FRAMES, need)
 
     def _resume_step(self) -> int:
-        """The step a rank the shard never saw starts at (0, or where a resumed job stood)."""
+        """The step a rank the shard never saw starts at: sync, the step being gathered; async and
+        ssp, 0. (Not "where the others stand": a worker that joins shards at different moments
+        would get a different start from each, and a pull after a step it never pushes there.)"""
         if self.cfg.mode == "sync":
             return self.sync_step
-        return min(self.last_step.values(), default=-1) + 1
+        return 0
 
     def _op_init(self, ident, h, data):
         self._rank_of(h)

@@ -176,7 +176,12 @@ class _Shard:
                         raise CommTimeout(f"{exc}: the shard is up and its step {state.get('sync_step')} waits for "
                                           f"rank(s) {stalled} (dead or stalled?)") from None
                 if attempts >= self.retries:
-                    seen = "no answer to a probe either" if state is None else "the shard restarted"
+                    if state is None:
+                        seen = "no answer to a probe either"
+                    elif state.get("boot") != self.boot:
+                        seen = "the shard restarted"
+                    else:
+                        seen = f"the shard is up, {len(self.outstanding)} request(s) unanswered, its stats: {state}"
                     raise CommTimeout(f"{exc} ({seen}; gave up after {attempts} reconnect(s))") from None
                 attempts += 1
                 self._reconnect_and_resend()
