@@ -41,6 +41,12 @@ class Server:
     def stats(self, timeout: float = 20.0) -> dict:
         return server_stats(self.endpoint, timeout=timeout)
 
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (the server checkpoints and says goodbye); its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
     def rss_kib(self) -> int:
         """Resident set size of the server process (``VmRSS`` in /proc/PID/status), KiB."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import selectors
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,63 +17,22 @@ import commlab
 from commlab import psproto, transport, wire
 from commlab.errors import ConfigError, RemoteError
 from commlab.exchanger import model_manifest
-from commlab.regimes.ps import PSExchanger, server_stats
+from commlab.regimes.ps import PSExchanger
 from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL
 from workers.models import build_model
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           PYTHONUNBUFFERED="1")
-DRIVER = str(REPO / "tests" / "ps_driver.py")
-START_TIMEOUT = 60.0
+from tests.faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Server
+
 RUN_TIMEOUT = 150.0
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen, endpoint: str, log: Path):
-        self.proc, self.endpoint, self.log = proc, endpoint, log
-
-    @property
-    def address(self) -> str:
-        return self.endpoint.removeprefix("tcp://")
-
-    def stats(self) -> dict:
-        return server_stats(self.endpoint, timeout=20.0)
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
 
 
 @pytest.fixture
 def start_server(tmp_path):
     """Start ``python -m servers`` on a free loopback port; every one is killed at the end."""
-    started: list[Server] = []
-
-    def start(*args: str) -> Server:
-        log = tmp_path / f"server{len(started)}.log"
-        proc = subprocess.Popen([sys.executable, "-m", "servers", "--bind", "tcp://127.0.0.1:0", "--log-every", "0",
-                                 *args], stdout=subprocess.PIPE, stderr=log.open("w"), text=True, env=ENV, cwd=REPO)
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        ready = sel.select(START_TIMEOUT)
-        sel.close()
-        line = proc.stdout.readline() if ready else ""
-        if "listening on" not in line:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"server did not start within {START_TIMEOUT}s: {line!r} {log.read_text()}")
-        server = Server(proc, line.split("listening on")[1].strip(), log)
-        started.append(server)
-        return server
-
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-        s.proc.wait(10)
+    procs = Procs(tmp_path)
+    yield procs.server
+    procs.close()
 
 
 def run_all(cmds: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[str]:
