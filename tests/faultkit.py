@@ -142,3 +142,50 @@ class Raw:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.tp.close()
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (read from /proc)."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def wait_for_rank_process(parent: int, rank: int, timeout: float) -> int:
+    """Pid of the child of ``parent`` whose environment says ``RANK=rank``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for kid in children_of(parent):
+            try:
+                with open(f"/proc/{kid}/environ", "rb") as fh:
+                    if f"RANK={rank}".encode() in fh.read().split(b"\0"):
+                        return kid
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} process of launcher {parent} never appeared")
+
+
+def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -> tuple[int, str, list[int]]:
+    """``commlab train --exchanger URL --workers 3`` until killed: SIGKILL rank ``rank`` once training
+    has run ``settle_s`` seconds. Returns the launcher's exit code, its stderr and its children left."""
+    launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
+                                 "--workers", "3", "--model", model, "--steps", "100000"], env=ENV, cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        victim = wait_for_rank_process(launcher.pid, rank=rank, timeout=START_TIMEOUT)
+        time.sleep(settle_s)  # let training start
+        os.kill(victim, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+    return launcher.returncode, err, children_of(launcher.pid)

@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import child_env, commlab_train, max_rel_diff
+from tests.faultkit import kill_rank_under_launcher
 
 pytestmark = pytest.mark.multiproc
 
@@ -101,48 +101,11 @@ def test_mismatched_models_fail_fast_by_name(run_ranks):
             "but float32[2, 3] on rank 0") in res[1].out
 
 
-def test_killed_rank_is_named_and_nothing_is_left(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
-                                 "allreduce://?timeout=20", "--workers", "3", "--model", "mlp", "--steps", "100000"],
-                                env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        victim = wait_for_rank_process(launcher.pid, rank=1, metrics=None, timeout=60)
-        time.sleep(2)  # let training start
-        os.kill(victim, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode != 0
+def test_killed_rank_is_named_and_nothing_is_left():
+    code, err, left = kill_rank_under_launcher("allreduce://?timeout=20", "mlp", rank=1, settle_s=2)
+    assert code != 0
     assert "rank 1 failed first (signal SIGKILL)" in err
-    assert children_of(launcher.pid) == []
-
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-
-def wait_for_rank_process(parent: int, rank: int, metrics, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for kid in children_of(parent):
-            try:
-                with open(f"/proc/{kid}/environ", "rb") as fh:
-                    if f"RANK={rank}".encode() in fh.read().split(b"\0"):
-                        return kid
-            except OSError:
-                pass
-        time.sleep(0.05)
-    raise AssertionError(f"rank {rank} process of launcher {parent} never appeared")
+    assert left == []
 
 
 def test_launcher_rejects_unknown_scheme_before_starting_anything():

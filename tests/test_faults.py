@@ -9,8 +9,6 @@ Every process is killed at the end (:class:`faultkit.Procs`), every wait is boun
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,8 +23,7 @@ from commlab import keys
 from commlab.errors import CommTimeout
 from commlab.rendezvous import RankInfo
 
-from faultkit import ENV, REPO, Procs, finish, kill9
-from test_allreduce import children_of, wait_for_rank_process
+from faultkit import ENV, REPO, Procs, finish, kill9, kill_rank_under_launcher
 from test_security import RecordingProxy
 
 pytestmark = pytest.mark.multiproc
@@ -166,22 +163,11 @@ def test_a_killed_worker_is_named_by_sync_survivors_and_async_goes_on(procs):
 
 
 def test_launcher_exits_non_zero_naming_the_killed_ps_worker():
-    launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
-                                 f"ps://?shards=2&mode=sync&timeout={TIMEOUT}", "--workers", "3", "--model", "tiny",
-                                 "--steps", "100000"], env=ENV, cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    try:
-        victim = wait_for_rank_process(launcher.pid, rank=1, metrics=None, timeout=60)
-        time.sleep(3)  # let training start
-        os.kill(victim, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=60)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(10)
-    assert launcher.returncode != 0
+    code, err, left = kill_rank_under_launcher(f"ps://?shards=2&mode=sync&timeout={TIMEOUT}", "tiny", rank=1,
+                                               settle_s=3)
+    assert code != 0
     assert "rank 1 failed first (signal SIGKILL)" in err
-    assert children_of(launcher.pid) == []
+    assert left == []
 
 
 # ----- a server dies -------------------------------------------------------------------------------
