@@ -27,11 +27,16 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics", required=True)
+    p.add_argument("--heap", choices=("system", "keep"), default="system",
+                   help="keep: the same glibc heap setting commlab's exchangers make (commlab.heap)")
     a = p.parse_args()
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model, side = build_model(a.model, a.seed)
+    if a.heap == "keep":
+        from commlab.heap import keep_freed_memory, threshold_for
+        keep_freed_memory(threshold_for(max(p.numel() * p.element_size() for p in model.parameters())))
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
     data = load_digits(side, a.seed)

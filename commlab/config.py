@@ -51,6 +51,9 @@ class CommonOptions:
 
     timeout: float = option(120.0, "seconds any single wait may take before it raises")
     bucket_mb: float = option(25.0, "gradient bucket size in MiB (buckets fill in reverse parameter order)")
+    heap: str = option("keep", "keep: big freed blocks (gradient temporaries, received messages) stay in the "
+                               "heap instead of page-faulting in anew every step (glibc); system: C library defaults",
+                       choices=("keep", "system"))
 
     def __post_init__(self):
         if self.timeout <= 0:

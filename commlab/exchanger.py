@@ -21,10 +21,19 @@ bucket's last gradient lands, its exchange starts at once, while backward goes
 on computing earlier layers. Buckets are started strictly in index order on
 every rank, so collectives line up even when some parameters get no gradient.
 
-Gradients live in the buckets: each ``p.grad`` is a view into its bucket's flat
-buffer, so autograd accumulates straight into the memory the exchange sends and
-receives, with no flatten or unflatten copy. A gradient that is not such a view
-(the caller set ``p.grad`` itself) is copied in when its bucket starts.
+Gradients end up in the buckets: ``zero_grad`` sets every ``p.grad`` to None,
+backward hands each parameter a fresh gradient (autograd's own tensor, no
+accumulation pass), and the hook moves it into the parameter's slot of its
+bucket with one scaled copy (``x 1/N`` for the all-reduce regimes, so the sum
+over ranks is already the average: no division pass afterwards) and leaves
+``p.grad`` a view of that slot. The exchange then works in place and the
+optimizer reads the result through the same views: no flatten or unflatten
+copy. Under ``no_sync`` the hooks leave gradients where autograd put them, so
+micro-steps add up as in plain torch, and the last backward moves the sum.
+A gradient the caller assigned itself is moved when its bucket starts.
+Compared with accumulating into zeroed views this saves a memset and a
+read-modify-write of every gradient per step (measured 4 + 14 ms of 150 on the
+25M-parameter MLP).
 
 A regime subclasses :class:`BucketedExchanger` and supplies three primitives:
 ``_connect`` (once, after buckets exist), ``_start_bucket`` (begin one bucket's
@@ -172,6 +181,7 @@ class Bucket:
     numel: int
     buffer: torch.Tensor
     present: list[bool] = field(default_factory=list)
+    moved: list[bool] = field(default_factory=list)  # this step's gradient is in the slot already
     pending: int = 0
 
     @property
@@ -229,6 +239,9 @@ class BucketedExchanger(Exchanger):
     """
 
     carry_presence: ClassVar[bool] = True
+    # Gradients are multiplied by this on their way into a bucket (all-reduce regimes: 1/N).
+    grad_scale: float = 1.0
+    _heap_kept: bool | None = None
 
     def __init__(self, options, rank: RankInfo):
         super().__init__(options, rank)
@@ -262,6 +275,10 @@ class BucketedExchanger(Exchanger):
         if not named:
             raise ModelMismatch("the model has no trainable parameters to exchange")
         self.model, self.optim_spec = model, optim
+        if self.options.heap == "keep" and not any(p.is_cuda for _, p in named):
+            from commlab.heap import keep_freed_memory, threshold_for
+            largest = max(p.numel() * p.element_size() for _, p in named)
+            self._heap_kept = keep_freed_memory(threshold_for(largest))
         self.buckets = make_buckets(named, int(self.options.bucket_mb * 2**20), self.carry_presence)
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -272,13 +289,12 @@ class BucketedExchanger(Exchanger):
         self._connect(model, optim)
 
     def zero_grad(self) -> None:
+        """Forget every gradient (``p.grad = None``, as torch's ``zero_grad`` does by default):
+        the next backward writes fresh ones, which the hooks move into the buckets."""
         self._got.clear()
         for b in self.buckets:
-            b.buffer.zero_()
-            for i, p in enumerate(b.params):
-                view = b.view(i)
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+            for p in b.params:
+                p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -312,6 +328,9 @@ class BucketedExchanger(Exchanger):
 
         return GroupHandle(handles, f"step {step} of rank {self.rank}", then=finish)
 
+    def _heap_facts(self) -> dict:
+        return {"heap": self.options.heap, "heap_kept_by_glibc": self._heap_kept}
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
@@ -326,6 +345,7 @@ class BucketedExchanger(Exchanger):
         self._next = 0
         for b in self.buckets:
             b.pending = len(b.params)
+            b.moved = [False] * len(b.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self._got.add(id(param))
@@ -336,6 +356,7 @@ class BucketedExchanger(Exchanger):
             raise ConfigError(
                 f"a second backward reached bucket {bi} before step(): wrap micro-steps in exchanger.no_sync()")
         bucket = self.buckets[bi]
+        self._move_in(bucket, self._where[id(param)][1])
         bucket.pending -= 1
         if bucket.pending == 0:
             self._ready[bi] = True
@@ -349,32 +370,48 @@ class BucketedExchanger(Exchanger):
             self._handles.append(self._start_bucket(bucket))
             self._next += 1
 
+    def _move_in(self, bucket: Bucket, i: int) -> None:
+        """Move ``p.grad`` into its slot of the bucket (scaled by ``grad_scale``); leave ``p.grad`` the slot."""
+        p, view = bucket.params[i], bucket.view(i)
+        g = p.grad
+        if g is None:
+            return
+        if g.data_ptr() == view.data_ptr() and g.shape == view.shape:  # already there (written in place)
+            if self.grad_scale != 1.0:
+                view.mul_(self.grad_scale)
+        else:
+            if g.shape != view.shape or g.dtype != view.dtype or g.device != view.device:
+                raise ModelMismatch(f"gradient of {bucket.names[i]!r} is {g.dtype}{list(g.shape)} on {g.device}, "
+                                    f"parameter is {view.dtype}{list(view.shape)} on {view.device}")
+            if self.grad_scale != 1.0:
+                torch.mul(g, self.grad_scale, out=view)
+            else:
+                view.copy_(g)
+            p.grad = view
+        bucket.moved[i] = True
+
     def _prepare(self, bucket: Bucket) -> None:
-        """Fill in grads that are not views (copy) and absent ones (zero), set presence.
+        """Move in the grads no hook moved (the caller assigned them), zero absent ones, set presence.
 
         A parameter has a gradient this step if backward produced one since ``zero_grad``
-        (its hook fired), the caller assigned ``p.grad`` a tensor of its own, or wrote
-        non-zero values into the view. ``zero_grad`` leaves every ``p.grad`` a zeroed view,
-        so "not None" cannot tell: a parameter the loss did not reach would otherwise count
-        as a zero gradient, and weight decay or momentum would still move it, unlike torch's
-        optimizers, which skip ``grad=None``."""
+        (its hook fired) or ``p.grad`` holds a tensor: the caller assigned one, or wrote into
+        the view left from the last step after zeroing it in place. A view that is all zeros
+        and that no backward touched counts as absent, like ``None``: a parameter the loss did
+        not reach must not count as a zero gradient, or weight decay and momentum would still
+        move it, unlike torch's optimizers, which skip ``grad=None``."""
         bucket.present = []
         for i, p in enumerate(bucket.params):
             view = bucket.view(i)
             g = p.grad
-            if (g is not None and g.data_ptr() == view.data_ptr() and id(p) not in self._got
-                    and not bool(view.any())):
-                g = None  # the untouched zero view: no gradient
+            if not bucket.moved[i] and g is not None and id(p) not in self._got \
+                    and g.data_ptr() == view.data_ptr() and not bool(view.any()):
+                g = p.grad = None  # an untouched zero view: no gradient
             if g is None:
                 view.zero_()
                 bucket.present.append(False)
                 continue
-            if g.data_ptr() != view.data_ptr():
-                if g.shape != view.shape or g.dtype != view.dtype:
-                    raise ModelMismatch(f"gradient of {bucket.names[i]!r} is {g.dtype}{list(g.shape)}, "
-                                        f"parameter is {view.dtype}{list(view.shape)}")
-                view.copy_(g)
-                p.grad = view
+            if not bucket.moved[i]:
+                self._move_in(bucket, i)
             bucket.present.append(True)
         if self.carry_presence:
             # Scalar fills, not a copy from a host list: on CUDA a pageable host->device copy
@@ -385,9 +422,9 @@ class BucketedExchanger(Exchanger):
                     bucket.flags[i].fill_(0)
 
     def _apply_averaged_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """For all-reduce regimes: buffers hold sums over ranks; average, drop absent grads, step."""
+        """For all-reduce regimes: buffers hold averages (each rank scaled by 1/N on the way in);
+        drop the grads no rank had, step."""
         for b in self.buckets:
-            b.grads.div_(self.world_size)
             if self.carry_presence:
                 counts = b.flags.tolist()
                 for i, p in enumerate(b.params):
@@ -406,6 +443,10 @@ class CollectiveExchanger(BucketedExchanger):
 
     store: Any = None
     optimizer: torch.optim.Optimizer
+
+    def __init__(self, options, rank: RankInfo):
+        super().__init__(options, rank)
+        self.grad_scale = 1.0 / rank.world_size  # the all-reduce's sum of scaled grads is their average
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
         raise NotImplementedError

@@ -187,26 +187,6 @@ def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
         raise PeerLost(f"receive from {who} failed: {exc}") from exc
 
 
-def keep_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2**30) -> bool:
-    """Ask glibc to serve big allocations from the heap and keep freed memory there for reuse.
-
-    libzmq mallocs every received message. Above glibc's mmap threshold each one is a fresh
-    mapping whose pages fault in on first touch: a 64 MiB two-rank ring all-reduce took about 5,000
-    page faults and 10-40% more CPU than with this setting (4 MiB chunks; 1 MiB chunks: 12,800
-    faults, 1.9x the CPU). Process-wide; freed memory up to ``trim_threshold`` is not returned to
-    the system. Returns False (and changes nothing) where the C library is not glibc.
-    """
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
 def recv_bounded(sock: zmq.Socket, max_parts: int) -> tuple[list[zmq.Frame], int]:
     """Receive the waiting multipart message (call after a poll said one is there), keeping at
     most ``max_parts`` frames zero-copy. Returns ``(frames, count)``: ``count > len(frames)``

@@ -161,3 +161,43 @@ def test_stalled_rank_is_named_within_the_timeout(run_ranks):
         assert "waiting for rank 2 (last seen at step 0)" in line
         assert "rank 1 (" not in line and "rank 0 (" not in line
         assert float(line.split()[2].rstrip("s:")) < 4 + 3
+
+
+ACCUMULATE = """
+import json, torch, commlab
+from torch import nn
+torch.manual_seed(3)
+m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+ex = commlab.connect("allreduce://?timeout=30&bucket_mb=0.00005")
+ex.setup(m, commlab.OptimizerSpec("sgd", lr=0.1, momentum=0.9))
+g = torch.Generator().manual_seed(11)
+data = torch.randn(3, ex.world_size, 2, 3, 5, generator=g)  # step, rank, micro-step, sample, feature
+for step in range(3):
+    ex.zero_grad()
+    with ex.no_sync():
+        m(data[step, ex.rank, 0]).pow(2).sum().backward()
+    m(data[step, ex.rank, 1]).pow(2).sum().backward()
+    ex.step()
+print(json.dumps([p.detach().reshape(-1).tolist() for p in m.parameters()]))
+ex.close()
+"""
+
+
+def test_accumulated_micro_steps_equal_the_combined_batch(run_ranks):
+    # Each rank scales its (accumulated) gradient by 1/N on the way into the bucket; the sum over ranks is then
+    # the gradient of (1/N) x the loss over every rank's samples, which one process computes here directly.
+    n = 2
+    results = [res.json() for res in run_ranks(ACCUMULATE, n)]
+    torch.manual_seed(3)
+    from torch import nn
+    m = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    data = torch.randn(3, n, 2, 3, 5, generator=torch.Generator().manual_seed(11))
+    for step in range(3):
+        opt.zero_grad()
+        (m(data[step].reshape(-1, 5)).pow(2).sum() / n).backward()
+        opt.step()
+    want = [p.detach().reshape(-1) for p in m.parameters()]
+    for got in results:
+        for g, w in zip(got, want):
+            assert (torch.tensor(g) - w).abs().max() <= 1e-5 * w.abs().max()

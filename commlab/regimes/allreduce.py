@@ -83,7 +83,7 @@ class AllReduceExchanger(CollectiveExchanger):
         return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
 
     def facts(self) -> dict:
-        facts = {"scheme": self.scheme, "backend": self.options.backend}
+        facts = {"scheme": self.scheme, "backend": self.options.backend, **self._heap_facts()}
         if self.options.backend == "nccl" and torch.cuda.is_available():
             from commlab.doctor import nccl_version
             facts["nccl_version"] = nccl_version()

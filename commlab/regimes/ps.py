@@ -455,7 +455,7 @@ class PSExchanger(BucketedExchanger):
 
     def facts(self) -> dict:
         return {"scheme": self.scheme, "mode": self.options.mode or "server's",
-                "servers": [s.endpoint for s in self.shards]}
+                "servers": [s.endpoint for s in self.shards], **self._heap_facts()}
 
     def close(self) -> None:
         super().close()

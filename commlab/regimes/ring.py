@@ -75,7 +75,8 @@ from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigErr
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.peers import agree_on_model
-from commlab.transport import Link, Transport, keep_freed_memory
+from commlab.heap import keep_freed_memory
+from commlab.transport import Link, Transport
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -170,7 +171,8 @@ class RingExchanger(CollectiveExchanger):
 
     def _join_zmq(self, ns: str) -> None:
         opts = self.options
-        self._malloc_tuned = keep_freed_memory()  # received chunks reuse heap memory instead of faulting in fresh pages
+        if opts.heap == "keep":  # received chunks reuse heap memory instead of faulting in fresh pages
+            self._heap_kept = keep_freed_memory()
         self._transport = Transport()
         if opts.transport == "tcp":
             where = f"tcp://{opts.host}:0"
@@ -277,7 +279,7 @@ class RingExchanger(CollectiveExchanger):
                                 if o.backend == "nccl" else "CPU tensors only (gloo)")
         else:
             facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq)"
-            facts["malloc_keeps_freed_memory"] = getattr(self, "_malloc_tuned", None)
+            facts.update(self._heap_facts())
         return facts
 
     def close(self):
