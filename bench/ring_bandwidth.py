@@ -12,7 +12,9 @@ TCP ceiling, and the CPU time of rank 0's whole process per operation (steadier 
 on a shared machine). ``raw-tcp`` (N = 2 only) is the ceiling: two processes
 each sending S bytes to the other over one loopback TCP connection at the same time (1 MiB sendall /
 recv_into into a preallocated buffer); its busbw is S/t each way, what a two-rank ring would carry if
-adding were free.
+adding were free. ``zmq-tcp`` and ``zmq-ipc`` (N = 2 only) are the same exchange through the ring's own
+transport: pyzmq PUSH/PULL, 4 MiB zero-copy frames, received zero-copy and not even read, with the
+ring's heap setting. They are the ceiling a ring over that transport meets before it adds a byte.
 
 Importable: :func:`measure` runs one (regime, size, N) and returns its record; :func:`sweep` runs many
 cases in one set of processes per N (cheaper: torch is imported once per rank).
@@ -39,7 +41,10 @@ REGIMES = {
     "ring-ipc": "ring://?transport=ipc",
     "ring-torch": "ring://?transport=torch",
     "raw-tcp": None,  # both directions at once over one socket, N = 2 only
+    "zmq-tcp": None,  # both directions at once through pyzmq PUSH/PULL as the ring uses it, N = 2 only
+    "zmq-ipc": None,
 }
+CEILINGS = ("raw-tcp", "zmq-tcp", "zmq-ipc")
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20, "64M": 64 << 20,
          "256M": 256 << 20}
 FULL_SIZES = ["4K", "64K", "1M", "4M", "16M", "64M", "256M"]
@@ -61,7 +66,7 @@ def iterations(size: int, quick: bool) -> tuple[int, int]:
 def record(regime: str, workers: int, size: int, times: list[float], wrong: int, cpu: list[float] | None = None) -> dict:
     t = statistics.median(times)
     algbw = size / t / 1e9
-    factor = 1.0 if regime == "raw-tcp" else 2 * (workers - 1) / workers
+    factor = 1.0 if regime in CEILINGS else 2 * (workers - 1) / workers
     return {"regime": regime, "workers": workers, "size_bytes": size, "time_us": t * 1e6,
             "time_min_us": min(times) * 1e6, "time_max_us": max(times) * 1e6, "iterations": len(times),
             "algbw_gbps": algbw, "busbw_gbps": algbw * factor, "wrong": wrong,
@@ -122,6 +127,51 @@ def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> tuple[list[f
     return times, cpu
 
 
+def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport: str
+                   ) -> tuple[list[float], list[float]]:
+    """Both ranks send ``size`` bytes to each other at once through pyzmq PUSH/PULL, in the ring's
+    4 MiB zero-copy frames (tracked, like the ring's); time per exchange."""
+    import tempfile
+    import zmq
+
+    from commlab.heap import keep_freed_memory
+
+    keep_freed_memory()
+    piece = 4 << 20
+    ctx = zmq.Context()
+    folder = tempfile.mkdtemp(prefix="commlab-bench-") if transport == "ipc" else None
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.bind(f"ipc://{folder}/r{rank}" if folder else "tcp://127.0.0.1:0")
+        key = f"zmq/{transport}/{size}/"
+        store.set(f"{key}{rank}", pull.last_endpoint.decode())
+        store.wait([f"{key}{1 - rank}"])
+        push = ctx.socket(zmq.PUSH)
+        push.connect(store.get(f"{key}{1 - rank}").decode())
+        out = memoryview(bytearray(size))
+        push.send(b"hello")
+        pull.recv()
+        times, cpu = [], []
+        for i in range(warm + timed):
+            push.send(b"go")  # start together
+            pull.recv()
+            t0, c0 = time.perf_counter(), time.process_time()
+            trackers = [push.send(out[s:s + piece], copy=False, track=True) for s in range(0, size, piece)]
+            for _ in range(0, size, piece):
+                pull.recv(copy=False)
+            for t in trackers:
+                t.wait(TIMEOUT)
+            if i >= warm:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+        return times, cpu
+    finally:
+        ctx.destroy(linger=0)
+        if folder:
+            import shutil
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick: bool, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -141,7 +191,7 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
             ex = None
             if regime == "gloo":
                 op = lambda x: dist.all_reduce(x)  # noqa: E731
-            elif regime == "raw-tcp":
+            elif regime in CEILINGS:
                 op = None
             else:
                 url = REGIMES.get(regime) or regime  # a name above, or any ring:// URL
@@ -154,6 +204,8 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
                 warm, timed = iterations(size, quick)
                 if regime == "raw-tcp":
                     (times, cpu), wrong = _raw_tcp(store, rank, size, warm, timed), 0
+                elif regime in ("zmq-tcp", "zmq-ipc"):
+                    (times, cpu), wrong = _zmq_both_ways(store, rank, size, warm, timed, regime[4:]), 0
                 else:
                     base = (torch.arange(size // 4, dtype=torch.float32) % 5) + 1
                     times, cpu, wrong = _timed(op, torch.empty_like(base), base, rank, world, warm, timed)
@@ -173,8 +225,8 @@ def run_cases(cases: list[tuple[str, int]], workers: int, quick: bool = False, t
     """Run ``cases`` [(regime, size_bytes), ...] in one set of ``workers`` processes; rank 0's records."""
     from commlab.launcher import free_port
 
-    if any(r == "raw-tcp" for r, _ in cases) and workers != 2:
-        raise ValueError("raw-tcp measures two processes: use workers=2")
+    if any(r in CEILINGS for r, _ in cases) and workers != 2:
+        raise ValueError("raw-tcp, zmq-tcp and zmq-ipc measure two processes: use workers=2")
     unknown = sorted({r for r, _ in cases if not r.startswith("ring://")} - set(REGIMES))
     if unknown:
         raise ValueError(f"unknown regime(s) {unknown}; known: {sorted(REGIMES)}")
@@ -223,7 +275,7 @@ def measure(regime: str, size_bytes: int, workers: int, quick: bool = False) -> 
 def sweep(regimes: list[str], sizes: list[int], workers: list[int], quick: bool = False, on_record=None) -> list[dict]:
     out = []
     for n in workers:
-        cases = [(r, s) for r in regimes for s in sizes if not (r == "raw-tcp" and (n != 2 or s < 1 << 20))]
+        cases = [(r, s) for r in regimes for s in sizes if not (r in CEILINGS and (n != 2 or s < 1 << 20))]
         out += run_cases(cases, n, quick, on_record=on_record)
     return out
 
@@ -239,17 +291,22 @@ def human(size: int) -> str:
 def table(records: list[dict]) -> str:
     gloo = {(r["workers"], r["size_bytes"]): r for r in records if r["regime"] == "gloo"}
     raw = {r["size_bytes"]: r for r in records if r["regime"] == "raw-tcp"}
+    zmq_ceiling = {(r["regime"][4:], r["size_bytes"]): r for r in records if r["regime"] in ("zmq-tcp", "zmq-ipc")}
     width = max([11] + [len(r["regime"]) + 1 for r in records])
     lines = [f"{'N':>2} {'regime':<{width}}{'size':>6} {'time us (min-max)':>26} {'algbw':>7} {'busbw':>7} {'wrong':>6}"
-             f" {'x gloo':>7} {'of raw':>7} {'cpu us':>9}"]
+             f" {'x gloo':>7} {'of raw':>7} {'of zmq':>7} {'cpu us':>9}"]
     for r in sorted(records, key=lambda r: (r["workers"], r["regime"], r["size_bytes"])):
         g = gloo.get((r["workers"], r["size_bytes"]))
         vs = f"{r['busbw_gbps'] / g['busbw_gbps']:7.2f}" if g and r["regime"] != "gloo" else " " * 7
-        rw = raw.get(r["size_bytes"]) if r["workers"] == 2 and r["regime"] != "raw-tcp" else None
+        rw = raw.get(r["size_bytes"]) if r["workers"] == 2 and r["regime"] not in CEILINGS else None
         of = f"{r['busbw_gbps'] / rw['busbw_gbps']:6.0%}" if rw else ""
+        transport = "ipc" if "ipc" in r["regime"] else "tcp"
+        zc = zmq_ceiling.get((transport, r["size_bytes"])) if r["workers"] == 2 and r["regime"].startswith("ring") \
+            else None
+        ofz = f"{r['busbw_gbps'] / zc['busbw_gbps']:6.0%}" if zc else ""
         span = f"{r['time_us']:.0f} ({r['time_min_us']:.0f}-{r['time_max_us']:.0f})"
         lines.append(f"{r['workers']:>2} {r['regime']:<{width}}{human(r['size_bytes']):>6} {span:>26} "
-                     f"{r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {r['wrong']:>6} {vs} {of:>7} "
+                     f"{r['algbw_gbps']:7.3f} {r['busbw_gbps']:7.3f} {r['wrong']:>6} {vs} {of:>7} {ofz:>7} "
                      f"{r['cpu_us'] or 0:9.0f}")
     return "\n".join(lines)
 
@@ -275,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, fewer iterations")
     p.add_argument("--workers", default="2,3,4", help="comma-separated world sizes")
-    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp",
+    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp,zmq-tcp,zmq-ipc",
                    help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
     p.add_argument("--sizes", help=f"comma-separated, from {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")
