@@ -29,6 +29,7 @@ import selectors
 import statistics
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -136,6 +137,13 @@ def main(argv=None) -> int:
         return 0
     numel = int(a.mib * 2**20) // 4
     ipc_dir = tempfile.mkdtemp(prefix="commlab-bench-")
+    try:
+        return _compare(a, numel, ipc_dir)
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _compare(a, numel: int, ipc_dir: str) -> int:
     configs = {
         "ps-tcp": lambda: run_ps("tcp://127.0.0.1:0", numel, a.rounds, a.warmup, a.workers, a.timeout),
         "ps-ipc": lambda: run_ps(f"ipc://{ipc_dir}/ps", numel, a.rounds, a.warmup, a.workers, a.timeout),

@@ -13,6 +13,7 @@ launcher starts those first and stops them last.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,3 +102,17 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
         return 130
     finally:
         stop_all(procs)
+        for folder in _planned_ipc_folders(server_argvs):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _planned_ipc_folders(server_argvs: list[list[str]]) -> set[str]:
+    """The temporary folders holding the ipc:// sockets of servers a regime planned (``commlab-*``)."""
+    folders = set()
+    for argv in server_argvs:
+        bind = argv[argv.index("--bind") + 1] if "--bind" in argv[:-1] else ""
+        if bind.startswith("ipc://"):
+            folder = os.path.dirname(bind[len("ipc://"):])
+            if os.path.basename(folder).startswith("commlab-"):
+                folders.add(folder)
+    return folders

@@ -361,3 +361,19 @@ def test_push_pull_async_is_one_step_of_a_bare_vector(start_server):
             ex.push_pull_async(torch.zeros(5))
     finally:
         ex.close()
+
+
+def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
+    import glob
+    import tempfile
+
+    from tests.conftest import commlab_train
+
+    pattern = os.path.join(tempfile.gettempdir(), "commlab-ps-*")
+    before = set(glob.glob(pattern))
+    proc = commlab_train(["--exchanger", "ps://?shards=2&transport=ipc&mode=sync", "--workers", "2", "--model", "tiny",
+                          "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert set(glob.glob(pattern)) == before
