@@ -35,8 +35,8 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model, side = build_model(a.model, a.seed)
     if a.heap == "keep":
-        from commlab.heap import keep_freed_memory, threshold_for
-        keep_freed_memory(threshold_for(max(p.numel() * p.element_size() for p in model.parameters())))
+        from commlab.heap import keep_freed_gradients
+        keep_freed_gradients(model.parameters())
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
     data = load_digits(side, a.seed)

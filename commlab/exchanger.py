@@ -276,9 +276,8 @@ class BucketedExchanger(Exchanger):
             raise ModelMismatch("the model has no trainable parameters to exchange")
         self.model, self.optim_spec = model, optim
         if self.options.heap == "keep" and not any(p.is_cuda for _, p in named):
-            from commlab.heap import keep_freed_memory, threshold_for
-            largest = max(p.numel() * p.element_size() for _, p in named)
-            self._heap_kept = keep_freed_memory(threshold_for(largest))
+            from commlab.heap import keep_freed_gradients
+            self._heap_kept = keep_freed_gradients(p for _, p in named)
         self.buckets = make_buckets(named, int(self.options.bucket_mb * 2**20), self.carry_presence)
         for b in self.buckets:
             for i, p in enumerate(b.params):
@@ -351,12 +350,12 @@ class BucketedExchanger(Exchanger):
         self._got.add(id(param))
         if not self._sync:
             return
-        bi, _ = self._where[id(param)]
+        bi, slot = self._where[id(param)]
         if bi < self._next:
             raise ConfigError(
                 f"a second backward reached bucket {bi} before step(): wrap micro-steps in exchanger.no_sync()")
         bucket = self.buckets[bi]
-        self._move_in(bucket, self._where[id(param)][1])
+        self._move_in(bucket, slot)
         bucket.pending -= 1
         if bucket.pending == 0:
             self._ready[bi] = True

@@ -51,6 +51,12 @@ def keep_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2*
         return ok
 
 
+def keep_freed_gradients(params) -> bool:
+    """:func:`keep_freed_memory` sized for these parameters' gradients: the largest one's temporary
+    stays in the heap (see :func:`threshold_for`)."""
+    return keep_freed_memory(threshold_for(max((p.numel() * p.element_size() for p in params), default=0)))
+
+
 def threshold_for(largest_bytes: int) -> int:
     """An mmap threshold that keeps a temporary of ``largest_bytes`` (a model's largest gradient) in
     the heap: twice it, at least 64 MiB, at most 1 GiB."""
