@@ -9,7 +9,9 @@ algbw = S/t, busbw = S/t x 2(N-1)/N (what each rank's link carries, comparable a
 elements that differ from the exact expected sum after the last iteration (inputs are small integers,
 so any float sum order gives the exact result), then the ratio to gloo's busbw, the share of the raw
 TCP ceiling, and the CPU time of rank 0's whole process per operation (steadier than the wall time
-on a shared machine). ``raw-tcp`` (N = 2 only) is the ceiling: two processes
+on a shared machine). The all-reduces of one size take turns, iteration by iteration (gloo, then
+ring-tcp, then ring-ipc, the starting one rotating), so their ratios are taken over the same seconds
+of a noisy machine; the ceilings run right after, each on its own sockets. ``raw-tcp`` (N = 2 only) is the ceiling: two processes
 each sending S bytes to the other over one loopback TCP connection at the same time (1 MiB sendall /
 recv_into into a preallocated buffer); its busbw is S/t each way, what a two-rank ring would carry if
 adding were free. ``zmq-tcp`` and ``zmq-ipc`` (N = 2 only) are the same exchange through the ring's own
@@ -76,17 +78,26 @@ def record(regime: str, workers: int, size: int, times: list[float], wrong: int,
 
 
 # ----- what each rank runs --------------------------------------------------------------------------
-def _timed(op, x, base, rank, world, warm, timed) -> tuple[list[float], list[float], int]:
-    times, cpu = [], []
+def _interleaved(ops: dict, base: torch.Tensor, rank: int, world: int, warm: int, timed: int) -> dict:
+    """Time every all-reduce in ``ops`` (name -> blocking op) on the same input, taking turns: iteration
+    i runs each once, starting from a different one each time (every rank picks the same order, as a
+    collective must). A slow spell of a shared machine then hits all of them alike, so their ratios are
+    taken over the same seconds. Returns name -> (times, cpu seconds, wrong elements)."""
+    names = list(ops)
+    xs = {name: torch.empty_like(base) for name in names}
+    out = {name: ([], [], 0) for name in names}
     for i in range(warm + timed):
-        torch.mul(base, rank + 1, out=x)  # refill (the op sums in place), not timed
-        t0, c0 = time.perf_counter(), time.process_time()
-        op(x)
-        if i >= warm:
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-    wrong = int((x != base * (world * (world + 1) // 2)).sum())
-    return times, cpu, wrong
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            x = xs[name]
+            torch.mul(base, rank + 1, out=x)  # refill (the op sums in place), not timed
+            t0, c0 = time.perf_counter(), time.process_time()
+            ops[name](x)
+            if i >= warm:
+                out[name][0].append(time.perf_counter() - t0)
+                out[name][1].append(time.process_time() - c0)
+    expected = base * (world * (world + 1) // 2)
+    return {name: (times, cpu, int((xs[name] != expected).sum())) for name, (times, cpu, _) in out.items()}
 
 
 def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> tuple[list[float], list[float]]:
@@ -172,7 +183,8 @@ def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick: bool, results) -> None:
+def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick: bool, results,
+          timed_override: int | None = None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -187,31 +199,36 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
             from datetime import timedelta
             dist.init_process_group("gloo", store=dist.PrefixStore("bench/pg/", store), rank=rank, world_size=world,
                                     timeout=timedelta(seconds=TIMEOUT))
+        ops, exchangers = {}, []
         for regime in regimes:
-            ex = None
             if regime == "gloo":
-                op = lambda x: dist.all_reduce(x)  # noqa: E731
-            elif regime in CEILINGS:
-                op = None
-            else:
+                ops[regime] = lambda x: dist.all_reduce(x)  # noqa: E731
+            elif regime not in CEILINGS:
                 url = REGIMES.get(regime) or regime  # a name above, or any ring:// URL
                 ex = commlab.connect(url + ("&" if "?" in url else "?") + f"timeout={TIMEOUT:g}")
                 ex.join(store)
-                op = ex.allreduce  # blocking, like dist.all_reduce
-            for reg, size in cases:
-                if reg != regime:
-                    continue
-                warm, timed = iterations(size, quick)
+                exchangers.append(ex)
+                ops[regime] = ex.allreduce  # blocking, like dist.all_reduce
+        for size in dict.fromkeys(s for _, s in cases):
+            here = [r for r, s in cases if s == size]
+            warm, timed = iterations(size, quick)
+            timed = timed_override or timed
+            algos = {r: ops[r] for r in here if r in ops}
+            if algos:  # all-reduces of one size take turns (see _interleaved)
+                base = (torch.arange(size // 4, dtype=torch.float32) % 5) + 1
+                for regime, (times, cpu, wrong) in _interleaved(algos, base, rank, world, warm, timed).items():
+                    results.put((rank, "ok", record(regime, world, size, times, wrong, cpu)))
+                del base
+            for regime in here:  # the ceilings, right after, each on its own sockets
                 if regime == "raw-tcp":
-                    (times, cpu), wrong = _raw_tcp(store, rank, size, warm, timed), 0
+                    times, cpu = _raw_tcp(store, rank, size, warm, timed)
                 elif regime in ("zmq-tcp", "zmq-ipc"):
-                    (times, cpu), wrong = _zmq_both_ways(store, rank, size, warm, timed, regime[4:]), 0
+                    times, cpu = _zmq_both_ways(store, rank, size, warm, timed, regime[4:])
                 else:
-                    base = (torch.arange(size // 4, dtype=torch.float32) % 5) + 1
-                    times, cpu, wrong = _timed(op, torch.empty_like(base), base, rank, world, warm, timed)
-                results.put((rank, "ok", record(regime, world, size, times, wrong, cpu)))
-            if ex is not None:
-                ex.close()
+                    continue
+                results.put((rank, "ok", record(regime, world, size, times, 0, cpu)))
+        for ex in exchangers:
+            ex.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -221,7 +238,7 @@ def _rank(rank: int, world: int, port: int, cases: list[tuple[str, int]], quick:
 
 
 def run_cases(cases: list[tuple[str, int]], workers: int, quick: bool = False, timeout: float = 600.0,
-              on_record=None) -> list[dict]:
+              on_record=None, timed: int | None = None) -> list[dict]:
     """Run ``cases`` [(regime, size_bytes), ...] in one set of ``workers`` processes; rank 0's records."""
     from commlab.launcher import free_port
 
@@ -233,7 +250,7 @@ def run_cases(cases: list[tuple[str, int]], workers: int, quick: bool = False, t
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, workers, port, cases, quick, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, workers, port, cases, quick, results, timed), daemon=True)
              for r in range(workers)]
     for p in procs:
         p.start()
@@ -272,11 +289,12 @@ def measure(regime: str, size_bytes: int, workers: int, quick: bool = False) -> 
     return run_cases([(regime, size_bytes)], workers, quick)[0]
 
 
-def sweep(regimes: list[str], sizes: list[int], workers: list[int], quick: bool = False, on_record=None) -> list[dict]:
+def sweep(regimes: list[str], sizes: list[int], workers: list[int], quick: bool = False, on_record=None,
+          timed: int | None = None) -> list[dict]:
     out = []
     for n in workers:
         cases = [(r, s) for r in regimes for s in sizes if not (r in CEILINGS and (n != 2 or s < 1 << 20))]
-        out += run_cases(cases, n, quick, on_record=on_record)
+        out += run_cases(cases, n, quick, on_record=on_record, timed=timed)
     return out
 
 
@@ -336,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
     p.add_argument("--sizes", help=f"comma-separated, from {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")
+    p.add_argument("--timed", type=int, help="timed iterations per case (default: by size, fewer with --quick)")
     p.add_argument("--header-cost", action="store_true", help="only measure the per-message header cost")
     a = p.parse_args(argv)
     if a.header_cost:
@@ -347,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     records = sweep(regimes, sizes, [int(n) for n in a.workers.split(",")], a.quick,
                     on_record=lambda r: print(f"  N={r['workers']} {r['regime']:<10} {human(r['size_bytes']):>5}: "
                                               f"{r['time_us']:.0f} us, busbw {r['busbw_gbps']:.2f} GB/s",
-                                              file=sys.stderr, flush=True))
+                                              file=sys.stderr, flush=True), timed=a.timed)
     print(table(records))
     if a.json:
         with open(a.json, "w") as fh:

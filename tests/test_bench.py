@@ -208,3 +208,15 @@ def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_
     assert failures[0]["status"] == "failed" and "CUDA" in failures[0]["error"]
     assert [s["regime"] for s in summaries] == ["local"] and summaries[0]["steps"] == 4
     assert len(curves["local"]) == 4
+
+
+def test_ring_sweep_takes_turns_and_every_sum_is_exact():
+    """bench/ring_bandwidth: three ranks, gloo and two rings taking turns on each size (every rank
+    must pick the same order, or a collective would pair with the wrong one and hang or sum wrong)."""
+    from bench import ring_bandwidth as rb
+
+    cases = [("gloo", 4096), ("ring-tcp", 4096), ("ring-ipc", 4096), ("gloo", 3 << 20), ("ring-tcp", 3 << 20)]
+    records = rb.run_cases(cases, 3, quick=True, timeout=120, timed=4)
+    assert sorted((r["regime"], r["size_bytes"]) for r in records) == sorted(cases)
+    assert [(r["wrong"], r["iterations"], r["workers"]) for r in records] == [(0, 4, 3)] * len(cases)
+    assert all(r["cpu_us"] > 0 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"] for r in records)
