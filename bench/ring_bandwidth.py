@@ -85,7 +85,8 @@ def _interleaved(ops: dict, base: torch.Tensor, rank: int, world: int, warm: int
     taken over the same seconds. Returns name -> (times, cpu seconds, wrong elements)."""
     names = list(ops)
     xs = {name: torch.empty_like(base) for name in names}
-    out = {name: ([], [], 0) for name in names}
+    times = {name: [] for name in names}
+    cpu = {name: [] for name in names}
     for i in range(warm + timed):
         k = i % len(names)
         for name in names[k:] + names[:k]:
@@ -94,10 +95,10 @@ def _interleaved(ops: dict, base: torch.Tensor, rank: int, world: int, warm: int
             t0, c0 = time.perf_counter(), time.process_time()
             ops[name](x)
             if i >= warm:
-                out[name][0].append(time.perf_counter() - t0)
-                out[name][1].append(time.process_time() - c0)
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
     expected = base * (world * (world + 1) // 2)
-    return {name: (times, cpu, int((xs[name] != expected).sum())) for name, (times, cpu, _) in out.items()}
+    return {name: (times[name], cpu[name], int((xs[name] != expected).sum())) for name in names}
 
 
 def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> tuple[list[float], list[float]]:

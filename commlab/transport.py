@@ -99,15 +99,9 @@ class Transport:
         sock = self.socket(kind)
         if self.curve is not None:
             self._start_auth(authorized)
-            sock.curve_secretkey = self.curve.secret
-            sock.curve_publickey = self.curve.public
+            self._curve_keys(sock)
             sock.curve_server = True
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise CommError(f"cannot bind {endpoint}: {exc}") from exc
-        return sock
+        return _open(sock, sock.bind, "bind", endpoint)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None) -> zmq.Socket:
         sock = self.socket(kind)
@@ -116,15 +110,13 @@ class Transport:
         if self.curve is not None:
             if self.curve.server_public is None:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
-            sock.curve_secretkey = self.curve.secret
-            sock.curve_publickey = self.curve.public
+            self._curve_keys(sock)
             sock.curve_serverkey = self.curve.server_public
-        try:
-            sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise CommError(f"cannot connect to {endpoint}: {exc}") from exc
-        return sock
+        return _open(sock, sock.connect, "connect to", endpoint)
+
+    def _curve_keys(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.curve.secret
+        sock.curve_publickey = self.curve.public
 
     def _start_auth(self, authorized) -> None:
         if self._auth is not None:
@@ -141,6 +133,16 @@ class Transport:
             self._auth.stop()
             self._auth = None
         self.ctx.destroy(linger=0)
+
+
+def _open(sock: zmq.Socket, attach, verb: str, endpoint: str) -> zmq.Socket:
+    """``attach(endpoint)`` (the socket's bind or connect); on failure close the socket and say why."""
+    try:
+        attach(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise CommError(f"cannot {verb} {endpoint}: {exc}") from exc
+    return sock
 
 
 def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer") -> int:
