@@ -99,7 +99,7 @@ class Transport:
         sock = self.socket(kind)
         if self.curve is not None:
             self._start_auth(authorized)
-            self._curve_keys(sock)
+            self._curve_keys(sock, self.curve)
             sock.curve_server = True
         return _open(sock, sock.bind, "bind", endpoint)
 
@@ -110,13 +110,14 @@ class Transport:
         if self.curve is not None:
             if self.curve.server_public is None:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
-            self._curve_keys(sock)
+            self._curve_keys(sock, self.curve)
             sock.curve_serverkey = self.curve.server_public
         return _open(sock, sock.connect, "connect to", endpoint)
 
-    def _curve_keys(self, sock: zmq.Socket) -> None:
-        sock.curve_secretkey = self.curve.secret
-        sock.curve_publickey = self.curve.public
+    @staticmethod
+    def _curve_keys(sock: zmq.Socket, keys: "CurveKeys") -> None:
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
 
     def _start_auth(self, authorized) -> None:
         if self._auth is not None:
