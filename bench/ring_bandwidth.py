@@ -142,24 +142,26 @@ def _raw_tcp(store, rank: int, size: int, warm: int, timed: int) -> tuple[list[f
 def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport: str
                    ) -> tuple[list[float], list[float]]:
     """Both ranks send ``size`` bytes to each other at once through pyzmq PUSH/PULL, in the ring's
-    4 MiB zero-copy frames (tracked, like the ring's); time per exchange."""
+    4 MiB zero-copy frames (tracked, like the ring's), with the ring's default I/O threads (one per
+    direction) and heap setting; time per exchange."""
     import tempfile
     import zmq
 
     from commlab.heap import keep_freed_memory
+    from commlab.regimes.ring import RingOptions
+    from commlab.transport import Transport
 
     keep_freed_memory()
     piece = 4 << 20
-    ctx = zmq.Context()
+    io_threads = RingOptions.io_threads
+    net = Transport(io_threads=io_threads)
     folder = tempfile.mkdtemp(prefix="commlab-bench-") if transport == "ipc" else None
     try:
-        pull = ctx.socket(zmq.PULL)
-        pull.bind(f"ipc://{folder}/r{rank}" if folder else "tcp://127.0.0.1:0")
+        pull = net.bind(zmq.PULL, f"ipc://{folder}/r{rank}" if folder else "tcp://127.0.0.1:0", io_thread=0)
         key = f"zmq/{transport}/{size}/"
         store.set(f"{key}{rank}", pull.last_endpoint.decode())
         store.wait([f"{key}{1 - rank}"])
-        push = ctx.socket(zmq.PUSH)
-        push.connect(store.get(f"{key}{1 - rank}").decode())
+        push = net.connect(zmq.PUSH, store.get(f"{key}{1 - rank}").decode(), io_thread=io_threads - 1)
         out = memoryview(bytearray(size))
         push.send(b"hello")
         pull.recv()
@@ -178,7 +180,7 @@ def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport
                 cpu.append(time.process_time() - c0)
         return times, cpu
     finally:
-        ctx.destroy(linger=0)
+        net.close()
         if folder:
             import shutil
             shutil.rmtree(folder, ignore_errors=True)

@@ -87,6 +87,8 @@ class RingOptions(CommonOptions):
     chunk_mb: float = option(4.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added")
     host: str = option("127.0.0.1", "address each rank binds for transport=tcp (loopback unless CURVE is set up)")
     backend: str = option("gloo", "torch.distributed backend for transport=torch", choices=("gloo", "nccl"))
+    io_threads: int = option(2, "zmq I/O threads for tcp/ipc: 2 gives receiving from the left and sending to the "
+                                "right a thread each, 1 makes one thread take turns", choices=(1, 2))
 
     def __post_init__(self):
         super().__post_init__()
@@ -173,13 +175,14 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         if opts.heap == "keep":  # received chunks reuse heap memory instead of faulting in fresh pages
             self._heap_kept = keep_freed_memory()
-        self._transport = Transport()
+        self._transport = Transport(io_threads=opts.io_threads)
+        inward, outward = 0, opts.io_threads - 1  # one I/O thread per direction when there are two
         if opts.transport == "tcp":
             where = f"tcp://{opts.host}:0"
         else:
             self._ipc_dir = tempfile.mkdtemp(prefix="commlab-ring-")
             where = f"ipc://{self._ipc_dir}/r{self.rank}"
-        pull = self._transport.bind(zmq.PULL, where)
+        pull = self._transport.bind(zmq.PULL, where, io_thread=inward)
         self._inbox = Link(pull, f"rank {self.left} (left neighbour)")
         self.store.set(f"{ns}addr/{self.rank}", pull.last_endpoint)
         key = f"{ns}addr/{self.right}"
@@ -188,7 +191,7 @@ class RingExchanger(CollectiveExchanger):
         except Exception as exc:
             raise CommTimeout(f"rank {self.rank}: right neighbour rank {self.right} did not publish its ring "
                               f"address within {opts.timeout:g}s") from exc
-        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode())
+        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward)
         self._outbox = Link(push, f"rank {self.right} (right neighbour)")
 
     def _join_torch(self, ns: str) -> None:
@@ -279,6 +282,7 @@ class RingExchanger(CollectiveExchanger):
                                 if o.backend == "nccl" else "CPU tensors only (gloo)")
         else:
             facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq)"
+            facts["io_threads"] = o.io_threads
             facts.update(self._heap_facts())
         return facts
 
