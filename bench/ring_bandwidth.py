@@ -143,7 +143,7 @@ def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport
                    ) -> tuple[list[float], list[float]]:
     """Both ranks send ``size`` bytes to each other at once through pyzmq PUSH/PULL, in the ring's
     4 MiB zero-copy frames (tracked, like the ring's), with the ring's default I/O threads (one per
-    direction) and heap setting; time per exchange."""
+    direction), send buffer and heap setting; time per exchange."""
     import tempfile
     import zmq
 
@@ -161,7 +161,8 @@ def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport
         key = f"zmq/{transport}/{size}/"
         store.set(f"{key}{rank}", pull.last_endpoint.decode())
         store.wait([f"{key}{1 - rank}"])
-        push = net.connect(zmq.PUSH, store.get(f"{key}{1 - rank}").decode(), io_thread=io_threads - 1)
+        push = net.connect(zmq.PUSH, store.get(f"{key}{1 - rank}").decode(), io_thread=io_threads - 1,
+                           sndbuf=RingOptions.sndbuf_kb * 1024 or None)
         out = memoryview(bytearray(size))
         push.send(b"hello")
         pull.recv()

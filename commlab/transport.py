@@ -107,8 +107,12 @@ class Transport:
         return _open(sock, sock.bind, "bind", endpoint)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
-                io_thread: int | None = None) -> zmq.Socket:
+                io_thread: int | None = None, sndbuf: int | None = None) -> zmq.Socket:
+        """A client socket. ``io_thread``: see :meth:`pin`. ``sndbuf``: the kernel send buffer in bytes
+        (``SO_SNDBUF``; None leaves the system's autotuning), fixed before the connection is made."""
         sock = self.pin(self.socket(kind), io_thread)
+        if sndbuf is not None:
+            sock.sndbuf = sndbuf
         if identity is not None:
             sock.identity = identity
         if self.curve is not None:

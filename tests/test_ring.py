@@ -125,6 +125,8 @@ def test_options_are_validated():
         connect("ring://?transport=udp", RankInfo.single())
     with pytest.raises(ConfigError, match=r"'io_threads': '3' is not one of \[1, 2\]"):
         connect("ring://?io_threads=3", RankInfo.single())
+    with pytest.raises(ConfigError, match="sndbuf_kb must be >= 0"):
+        connect("ring://?sndbuf_kb=-1", RankInfo.single())
 
 
 # ----- several processes: sums --------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def _sums(rank, world, transports, big_transports):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,transports,big", [(2, ("tcp", "ipc", "torch"), ("tcp", "ipc", "torch")),
-                                                   (3, ("ipc", "torch", "tcp&io_threads=1"), ("ipc",)),
+                                                   (3, ("ipc", "torch", "tcp&io_threads=1&sndbuf_kb=0"), ("ipc",)),
                                                    (4, ("tcp",), ("tcp",))])
 def test_sums_equal_float64_reference(world, transports, big):
     """Sizes 0, 1, 7, 1 MiB + 3 elements (float32, float64, float16, bfloat16, int64) and 64 MiB."""

@@ -89,11 +89,16 @@ class RingOptions(CommonOptions):
     backend: str = option("gloo", "torch.distributed backend for transport=torch", choices=("gloo", "nccl"))
     io_threads: int = option(2, "zmq I/O threads for tcp/ipc: 2 gives receiving from the left and sending to the "
                                 "right a thread each, 1 makes one thread take turns", choices=(1, 2))
+    sndbuf_kb: int = option(512, "kernel send buffer towards the right neighbour in KiB for tcp/ipc (0: the "
+                                 "system's autotuning): a small one keeps in flight only what the right neighbour "
+                                 "copies out while it is still in its cache")
 
     def __post_init__(self):
         super().__post_init__()
         if self.chunk_mb <= 0:
             raise ConfigError(f"chunk_mb must be > 0, got {self.chunk_mb}")
+        if self.sndbuf_kb < 0:
+            raise ConfigError(f"sndbuf_kb must be >= 0 (0: the system's default), got {self.sndbuf_kb}")
 
 
 def segment_bounds(n: int, world: int) -> list[int]:
@@ -191,7 +196,8 @@ class RingExchanger(CollectiveExchanger):
         except Exception as exc:
             raise CommTimeout(f"rank {self.rank}: right neighbour rank {self.right} did not publish its ring "
                               f"address within {opts.timeout:g}s") from exc
-        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward)
+        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward,
+                                       sndbuf=opts.sndbuf_kb * 1024 or None)
         self._outbox = Link(push, f"rank {self.right} (right neighbour)")
 
     def _join_torch(self, ns: str) -> None:
@@ -283,6 +289,7 @@ class RingExchanger(CollectiveExchanger):
         else:
             facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq)"
             facts["io_threads"] = o.io_threads
+            facts["sndbuf_kb"] = o.sndbuf_kb or "system"
             facts.update(self._heap_facts())
         return facts
 
