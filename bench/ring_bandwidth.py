@@ -154,15 +154,14 @@ def _zmq_both_ways(store, rank: int, size: int, warm: int, timed: int, transport
     keep_freed_memory()
     piece = 4 << 20
     io_threads = RingOptions.io_threads
-    net = Transport(io_threads=io_threads)
+    net = Transport(io_threads=io_threads, sndbuf=RingOptions.sndbuf_kb * 1024 or None)
     folder = tempfile.mkdtemp(prefix="commlab-bench-") if transport == "ipc" else None
     try:
         pull = net.bind(zmq.PULL, f"ipc://{folder}/r{rank}" if folder else "tcp://127.0.0.1:0", io_thread=0)
         key = f"zmq/{transport}/{size}/"
         store.set(f"{key}{rank}", pull.last_endpoint.decode())
         store.wait([f"{key}{1 - rank}"])
-        push = net.connect(zmq.PUSH, store.get(f"{key}{1 - rank}").decode(), io_thread=io_threads - 1,
-                           sndbuf=RingOptions.sndbuf_kb * 1024 or None)
+        push = net.connect(zmq.PUSH, store.get(f"{key}{1 - rank}").decode(), io_thread=io_threads - 1)
         out = memoryview(bytearray(size))
         push.send(b"hello")
         pull.recv()

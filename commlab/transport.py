@@ -28,6 +28,10 @@ from commlab.errors import CommError, CommTimeout, ConfigError, PeerLost
 
 # libzmq drops (disconnects) a peer that sends a frame larger than this.
 DEFAULT_MAX_FRAME = wire.MAX_FRAME + 2**16
+# Kernel send buffer of every connection (SO_SNDBUF). Loopback TCP otherwise grows it to 4 MiB: MBs
+# then wait in the receiver's queue and are copied out of memory rather than cache. Measured on this
+# 2-core machine: ring all-reduce 256 MiB 136 -> 91 ms, parameter-server rounds +29% over tcp.
+DEFAULT_SNDBUF = 512 * 2**10
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,11 @@ class Transport:
     Thread-safety: the context is thread-safe; each socket belongs to one thread.
     """
 
-    def __init__(self, io_threads: int = 1, max_frame: int = DEFAULT_MAX_FRAME, curve: CurveKeys | None = None):
+    def __init__(self, io_threads: int = 1, max_frame: int = DEFAULT_MAX_FRAME, curve: CurveKeys | None = None,
+                 sndbuf: int | None = DEFAULT_SNDBUF):
         self.ctx = zmq.Context(io_threads=io_threads)
         self.io_threads = io_threads
+        self.sndbuf = sndbuf  # bytes, or None: the system's autotuning
         self.max_frame = max_frame
         self.curve = curve
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator once a CURVE server binds
@@ -88,6 +94,8 @@ class Transport:
         sock = self.ctx.socket(kind)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        if self.sndbuf is not None:
+            sock.sndbuf = self.sndbuf
         return sock
 
     def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None,
@@ -107,12 +115,9 @@ class Transport:
         return _open(sock, sock.bind, "bind", endpoint)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
-                io_thread: int | None = None, sndbuf: int | None = None) -> zmq.Socket:
-        """A client socket. ``io_thread``: see :meth:`pin`. ``sndbuf``: the kernel send buffer in bytes
-        (``SO_SNDBUF``; None leaves the system's autotuning), fixed before the connection is made."""
+                io_thread: int | None = None) -> zmq.Socket:
+        """A client socket. ``io_thread``: see :meth:`pin`."""
         sock = self.pin(self.socket(kind), io_thread)
-        if sndbuf is not None:
-            sock.sndbuf = sndbuf
         if identity is not None:
             sock.identity = identity
         if self.curve is not None:

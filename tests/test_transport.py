@@ -76,15 +76,15 @@ def test_pinning_to_a_missing_io_thread_is_refused():
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="reads the kernel's socket buffers with ss (iproute2)")
 def test_send_buffer_reaches_the_kernel():
-    """``connect(sndbuf=...)`` fixes SO_SNDBUF of the real TCP connection (Linux reports twice the value
+    """``Transport(sndbuf=...)`` fixes SO_SNDBUF of the real TCP connections (Linux reports twice the value
     asked for; left alone, loopback TCP grows it to 4 MiB on the machines we measured)."""
     import subprocess
 
-    net = Transport()
+    net = Transport(sndbuf=512 * 1024)
     try:
         pull = net.bind(zmq.PULL, "tcp://127.0.0.1:0")
         port = int(pull.last_endpoint.decode().rsplit(":", 1)[1])
-        push = net.connect(zmq.PUSH, f"tcp://127.0.0.1:{port}", sndbuf=512 * 1024)
+        push = net.connect(zmq.PUSH, f"tcp://127.0.0.1:{port}")
         push.send(b"hello")
         assert pull.poll(10_000) and pull.recv() == b"hello"
         out = subprocess.run(["ss", "-tmnH", "dport", "=", f":{port}"], capture_output=True, text=True,

@@ -180,7 +180,7 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         if opts.heap == "keep":  # received chunks reuse heap memory instead of faulting in fresh pages
             self._heap_kept = keep_freed_memory()
-        self._transport = Transport(io_threads=opts.io_threads)
+        self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
         inward, outward = 0, opts.io_threads - 1  # one I/O thread per direction when there are two
         if opts.transport == "tcp":
             where = f"tcp://{opts.host}:0"
@@ -196,8 +196,7 @@ class RingExchanger(CollectiveExchanger):
         except Exception as exc:
             raise CommTimeout(f"rank {self.rank}: right neighbour rank {self.right} did not publish its ring "
                               f"address within {opts.timeout:g}s") from exc
-        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward,
-                                       sndbuf=opts.sndbuf_kb * 1024 or None)
+        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward)
         self._outbox = Link(push, f"rank {self.right} (right neighbour)")
 
     def _join_torch(self, ns: str) -> None:
