@@ -28,9 +28,11 @@ from commlab.errors import CommError, CommTimeout, ConfigError, PeerLost
 
 # libzmq drops (disconnects) a peer that sends a frame larger than this.
 DEFAULT_MAX_FRAME = wire.MAX_FRAME + 2**16
-# Kernel send buffer of every connection (SO_SNDBUF). Loopback TCP otherwise grows it to 4 MiB: MBs
-# then wait in the receiver's queue and are copied out of memory rather than cache. Measured on this
-# 2-core machine: ring all-reduce 256 MiB 136 -> 91 ms, parameter-server rounds +29% over tcp.
+# Kernel send buffer of connections within one host (loopback TCP, ipc; SO_SNDBUF). Loopback TCP
+# otherwise grows it to 4 MiB: MBs then wait in the receiver's queue and are copied out of memory
+# rather than cache. Measured on this 2-core machine: ring all-reduce 256 MiB 136 -> 91 ms,
+# parameter-server rounds +29% over tcp. Connections to other hosts keep the kernel's autotuning:
+# a fixed buffer would cap a link with a large bandwidth-delay product (1 MiB per 10 ms RTT is 100 MB/s).
 DEFAULT_SNDBUF = 512 * 2**10
 
 
@@ -85,7 +87,7 @@ class Transport:
                  sndbuf: int | None = DEFAULT_SNDBUF):
         self.ctx = zmq.Context(io_threads=io_threads)
         self.io_threads = io_threads
-        self.sndbuf = sndbuf  # bytes, or None: the system's autotuning
+        self.sndbuf = sndbuf  # bytes for loopback and ipc endpoints, or None: the system's autotuning
         self.max_frame = max_frame
         self.curve = curve
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator once a CURVE server binds
@@ -94,8 +96,6 @@ class Transport:
         sock = self.ctx.socket(kind)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
-        if self.sndbuf is not None:
-            sock.sndbuf = self.sndbuf
         return sock
 
     def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None,
@@ -112,7 +112,7 @@ class Transport:
             self._start_auth(authorized)
             self._curve_keys(sock, self.curve)
             sock.curve_server = True
-        return _open(sock, sock.bind, "bind", endpoint)
+        return _open(sock, sock.bind, "bind", endpoint, self.sndbuf)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
                 io_thread: int | None = None) -> zmq.Socket:
@@ -125,7 +125,7 @@ class Transport:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
             self._curve_keys(sock, self.curve)
             sock.curve_serverkey = self.curve.server_public
-        return _open(sock, sock.connect, "connect to", endpoint)
+        return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:
         """Serve ``sock``'s connections from I/O thread ``io_thread`` (0-based; None: libzmq picks the
@@ -162,8 +162,11 @@ class Transport:
         self.ctx.destroy(linger=0)
 
 
-def _open(sock: zmq.Socket, attach, verb: str, endpoint: str) -> zmq.Socket:
-    """``attach(endpoint)`` (the socket's bind or connect); on failure close the socket and say why."""
+def _open(sock: zmq.Socket, attach, verb: str, endpoint: str, sndbuf: int | None) -> zmq.Socket:
+    """``attach(endpoint)`` (the socket's bind or connect), with ``sndbuf`` for connections within
+    this host; on failure close the socket and say why."""
+    if sndbuf is not None and is_loopback(endpoint):
+        sock.sndbuf = sndbuf
     try:
         attach(endpoint)
     except zmq.ZMQError as exc:

@@ -93,3 +93,20 @@ def test_send_buffer_reaches_the_kernel():
         assert buffers == ["1048576"], out
     finally:
         net.close()
+
+
+def test_send_buffer_is_fixed_only_within_this_host():
+    """Towards another host the kernel's autotuning stays (a fixed buffer would cap a long fat link);
+    zmq reports -1 for "the system's". The remote case never touches the network: the attach step is
+    a stand-in, so no packet leaves this machine."""
+    from commlab.transport import _open
+
+    net = Transport(sndbuf=512 * 1024)
+    try:
+        assert net.connect(zmq.PUSH, "tcp://127.0.0.1:9").sndbuf == 512 * 1024
+        assert net.connect(zmq.PUSH, "ipc:///nonexistent/commlab-test").sndbuf == 512 * 1024
+        remote = _open(net.socket(zmq.PUSH), lambda endpoint: None, "connect to", "tcp://192.0.2.1:9", 512 * 1024)
+        assert remote.sndbuf == -1
+        remote.close()
+    finally:
+        net.close()

@@ -89,9 +89,9 @@ class RingOptions(CommonOptions):
     backend: str = option("gloo", "torch.distributed backend for transport=torch", choices=("gloo", "nccl"))
     io_threads: int = option(2, "zmq I/O threads for tcp/ipc: 2 gives receiving from the left and sending to the "
                                 "right a thread each, 1 makes one thread take turns", choices=(1, 2))
-    sndbuf_kb: int = option(512, "kernel send buffer towards the right neighbour in KiB for tcp/ipc (0: the "
-                                 "system's autotuning): a small one keeps in flight only what the right neighbour "
-                                 "copies out while it is still in its cache")
+    sndbuf_kb: int = option(512, "kernel send buffer towards a right neighbour on this host (loopback tcp, ipc) in "
+                                 "KiB, 0: the system's autotuning (always used towards other hosts): a small one "
+                                 "keeps in flight only what the neighbour copies out while it is still in cache")
 
     def __post_init__(self):
         super().__post_init__()
