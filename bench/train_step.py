@@ -8,7 +8,7 @@ per rank. Entries run in interleaved rounds (DDP, regime A, regime B, DDP, ...) 
 machine hits them alike; each entry's median is over all its post-warm-up steps, with min-max.
 Also measured: one process with no exchange at all (``local://``), for scale, and DDP a second
 time with the heap setting commlab's exchangers make (``ddp+heap``, see :mod:`commlab.heap`). In
-one quiet run the setting alone took DDP's step from 258 to 221 ms (mlp-25m), so the ratio to
+the run in bench/results/train_step-mlp25m.json the setting alone took DDP's step from 250 to 206 ms (mlp-25m), so the ratio to
 ``ddp+heap`` shows what the exchange itself gains over DDP's, and the ratio to plain ``ddp`` what a
 user gains by switching.
 """

@@ -14,9 +14,8 @@ goes straight from GPU memory to the NIC.
 
 Nothing here claims GPUDirect RDMA on its own: a loaded module or an RDMA
 device only makes it possible; ``gpudirect_rdma.used`` is true only when a
-NCCL channel line says GDRDMA. The zmq regimes (``ring://`` over zmq,
-``ps://``) never use it: they stage CUDA tensors through pinned host memory
-(:mod:`commlab.staging`).
+NCCL channel line says GDRDMA. The zmq regimes never use it: ``ring://`` over
+zmq copies CUDA tensors to host memory and back, ``ps://`` refuses them.
 
 Run ``commlab doctor`` (or ``python -m commlab.doctor``), ``--json`` for the
 manifest form; benchmarks call :func:`transport_facts`.
@@ -44,8 +43,9 @@ PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem")
 NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH"}
 PROBE_MARK = "COMMLAB_PROBE "
 PROBE_NUMEL = 4 * 2**20  # 16 MiB of float32: big enough that NCCL sets up its channels
-ZMQ_DATA_PATH = ("ring:// over zmq and ps:// stage CUDA tensors through pinned host memory "
-                 "(commlab.staging); they never use GPUDirect RDMA")
+ZMQ_DATA_PATH = ("ring:// over zmq copies CUDA tensors to host memory and back (not yet through "
+                 "commlab.staging's pinned host memory); ps:// refuses CUDA parameters; neither uses "
+                 "GPUDirect RDMA")
 
 
 def _run(argv: list[str], timeout: float = 20.0) -> str | None:

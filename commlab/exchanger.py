@@ -128,7 +128,7 @@ class Exchanger:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        """Zero every gradient in place (views into the buckets stay views)."""
+        """Clear this worker's gradients before the next backward."""
         raise NotImplementedError
 
     # Collective regimes (allreduce://, ring://) also offer, for benchmarks and tests:
@@ -148,7 +148,8 @@ class Exchanger:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside this block exchange nothing;
-        gradients add up in place until a backward outside it."""
+        gradients add up (in autograd's own tensors for the bucketed regimes) until a backward
+        outside it."""
         yield
 
     def facts(self) -> dict:
@@ -434,7 +435,8 @@ class BucketedExchanger(Exchanger):
 
 class CollectiveExchanger(BucketedExchanger):
     """The all-reduce regimes: each bucket is summed over ranks as soon as it is ready;
-    ``step()`` averages the sums and steps this worker's own optimizer.
+    gradients enter their bucket scaled by 1/N, so the sums are the averages, and ``step()``
+    steps this worker's own optimizer on them.
 
     A subclass supplies ``_connect`` (which must set ``self.store`` and ``self.optimizer``)
     and ``allreduce_async(tensor, what) -> Handle`` (sum in place over all ranks).

@@ -12,7 +12,7 @@ A fresh mapping faults in one 4 KiB page at a time on first touch (the kernel ze
 100 MB of gradients cost ~25,000 faults per step: on the 25M-parameter MLP of the benchmarks,
 zero_grad + forward + backward took 145 ms with glibc's defaults and 106 ms with the threshold
 above the largest gradient (1 thread, this machine). Raising the thresholds is what the PyTorch
-CPU performance guides get by preloading jemalloc or tcmalloc, in one ``mallopt`` call.
+CPU performance guides get by preloading jemalloc or tcmalloc, with two ``mallopt`` calls.
 
 The setting is process-wide and only ever raised here. Where the C library is not glibc nothing
 changes and :func:`keep_freed_memory` returns False.

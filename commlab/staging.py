@@ -2,8 +2,8 @@
 
 Sockets read and write host memory, so a regime that speaks zmq (``ring://``
 over zmq, ``ps://``) must copy a CUDA bucket to the host before it sends and
-copy the result back after it receives. :class:`HostStaging` does that once
-for every such regime::
+copy the result back after it receives. :class:`HostStaging` is written to do
+that once for every such regime::
 
     training thread (backward hook)        copy stream              comm thread
     ───────────────────────────────        ───────────              ───────────
@@ -34,8 +34,11 @@ for every such regime::
   buffer, nothing is copied and nothing waits, so a regime calls the same
   three methods whatever the device.
 
-This is the data path of every zmq regime on CUDA, and it is not GPUDirect:
-:meth:`HostStaging.facts` says so for the run's manifest. Only NCCL moves GPU
+No regime calls it yet: ``ring://`` over zmq still copies a CUDA tensor to
+pageable host memory and back with ``.to()`` on every collective, and ``ps://``
+refuses CUDA parameters (tests/test_doctor.py and tests/gpu exercise this
+module). Either way it is not GPUDirect: :meth:`HostStaging.facts` says so for
+the run's manifest. Only NCCL moves GPU
 memory without the host, and only ``commlab doctor``'s NCCL probe may say
 whether it used GPUDirect RDMA.
 

@@ -1,8 +1,8 @@
 """``allreduce://?backend=gloo|nccl``: gradients averaged by torch.distributed.
 
 Each bucket is all-reduced (sum) as soon as backward fills it; ``step()``
-waits for the last one, divides by the world size and steps the worker's own
-optimizer, exactly like single-process SGD on the combined batch. gloo runs on
+waits for the last one (gradients were scaled by 1/N as they entered their bucket)
+and steps the worker's own optimizer, exactly like single-process SGD on the combined batch. gloo runs on
 CPU tensors and on CUDA tensors (which it copies through host memory
 itself); NCCL needs CUDA tensors and a GPU per rank, and moves data with
 GPUDirect RDMA where the hardware offers it (``commlab doctor`` records

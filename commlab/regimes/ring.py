@@ -85,7 +85,8 @@ HALF = (torch.float16, torch.bfloat16)
 class RingOptions(CommonOptions):
     transport: str = option("tcp", "how neighbours talk", choices=("tcp", "ipc", "torch"))
     chunk_mb: float = option(4.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added")
-    host: str = option("127.0.0.1", "address each rank binds for transport=tcp (loopback unless CURVE is set up)")
+    host: str = option("127.0.0.1", "address each rank binds for transport=tcp (loopback only: the ring has no "
+                                    "CURVE keys option)")
     backend: str = option("gloo", "torch.distributed backend for transport=torch", choices=("gloo", "nccl"))
     io_threads: int = option(2, "zmq I/O threads for tcp/ipc: 2 gives receiving from the left and sending to the "
                                 "right a thread each, 1 makes one thread take turns", choices=(1, 2))
