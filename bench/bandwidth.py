@@ -221,7 +221,8 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
             argv.append("--corrupt")
         env = None
         if "nccl" in url:
-            env = dict(os.environ, NCCL_DEBUG="INFO")  # NCCL's own word on GPUDirect RDMA lands in the log
+            from commlab.doctor import NCCL_DEBUG_ENV
+            env = dict(os.environ, **NCCL_DEBUG_ENV)  # NCCL's own word on GPUDirect RDMA lands in the log
         res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
         budget.note(res.seconds)
         try:
@@ -251,11 +252,8 @@ def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, fail
 
 
 def nccl_transport_facts(log: Path) -> dict:
-    """What NCCL itself said (NCCL_DEBUG=INFO) about its transports; GPUDirect RDMA only on its word."""
-    text = log.read_text(errors="replace")
-    lines = [l.strip() for l in text.splitlines() if "NCCL INFO" in l]
-    gdr = [l for l in lines if "GDRDMA" in l or "GPU Direct RDMA" in l]
-    via = sorted({w for l in lines for w in ("NET/IB", "NET/Socket", "P2P/IPC", "P2P/CUMEM", "SHM", "P2P/direct")
-                  if w in l})
-    return {"gpudirect_rdma": bool(gdr), "gpudirect_rdma_evidence": gdr[:3], "transports_seen": via,
-            "version_line": next((l for l in lines if "NCCL version" in l), None)}
+    """What NCCL itself said about its transports (``commlab doctor``'s reading of its log): GPUDirect
+    RDMA only when a channel line says GDRDMA."""
+    from commlab.doctor import parse_nccl_log
+
+    return parse_nccl_log(log.read_text(errors="replace"))

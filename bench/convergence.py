@@ -21,7 +21,7 @@ import json
 import os
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import regimes as R
@@ -46,7 +46,6 @@ class ConvergenceConfig:
     eval_every: int = 10
     target_acc: float = 0.85
     job_timeout: float = 120.0
-    extra: list[str] = field(default_factory=list)
 
 
 def read_metrics(path: Path, workers: int) -> list[list[dict]]:
@@ -185,7 +184,7 @@ def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curve
         stats_dir.mkdir(exist_ok=True)
         train_args = ["--model", cfg.model, "--steps", str(cfg.steps), "--batch-size", str(batch), "--lr", str(cfg.lr),
                       "--seed", str(cfg.seed), "--eval-every", str(cfg.eval_every), "--metrics", str(metrics),
-                      "--no-progress", *cfg.extra]
+                      "--no-progress"]
         if links is None or e.kind == "reference":
             argv = [python(), "-m", "commlab.cli", "train", "--exchanger", e.url, "--workers", str(workers), *train_args]
         else:

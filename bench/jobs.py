@@ -68,7 +68,7 @@ def kill_group(pgid: int, grace: float = 3.0) -> None:
             time.sleep(0.05)
 
 
-def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None, cwd: str | None = None) -> JobResult:
+def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None) -> JobResult:
     """Run ``argv`` as a new process group; block at most ``timeout`` seconds; leave nothing running."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ if env is None else env)
@@ -78,7 +78,7 @@ def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None,
     with log.open("w") as fh:
         fh.write("$ " + " ".join(argv) + "\n")
         fh.flush()
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True)
         timed_out = False
         try:

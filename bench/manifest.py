@@ -56,13 +56,13 @@ def environment() -> dict:
 def transport(links, link_note: str | None, regime_facts: dict) -> dict:
     """CUDA/NCCL facts, GPUDirect RDMA only on NCCL's own word, and what carried the traffic."""
     import torch
+    from commlab.doctor import nccl_version
+
     cuda = torch.cuda.is_available()
-    nccl = None
-    if cuda and torch.distributed.is_nccl_available():
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    nccl = nccl_version()
     said = [f["nccl_log"] for f in regime_facts.values() if isinstance(f, dict) and "nccl_log" in f]
     if said:
-        gdr = any(s["gpudirect_rdma"] for s in said)
+        gdr = any(s["gdrdma_used"] for s in said)
         gdr_text = ("yes, NCCL said so" if gdr else "no, NCCL reported no GPUDirect RDMA path")
     elif not cuda:
         gdr_text = "no (no CUDA here, NCCL did not run)"

@@ -33,7 +33,7 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
             f"between {cfg['min_iters']} and {cfg['max_iters']}). Time is per exchange, the slowest rank's, "
             "median with [min–max] and p90 (gloo's small operations have a long tail).",
             "",
-            f"- **algbw** = S / t: how fast each worker has its S-byte result (one definition for all).",
+            "- **algbw** = S / t: how fast each worker has its S-byte result (one definition for all).",
             f"- **busbw**: bytes each worker's link carries per second in each direction: all-reduce "
             f"algbw x 2(N-1)/N = x{bus_factor('allreduce', n):.2f} (nccl-tests); parameter server algbw x 1 "
             f"(each worker pushes S and pulls S); raw TCP and memcpy x 1; noop 0 (moves nothing). "
@@ -170,8 +170,6 @@ def accuracy_verdict(summaries: list[dict], target: float) -> list[str]:
         for s in hit[1:]:
             lines.append(f"- {s['regime']}: {s['time_to_target_s']:.2f} s (step {s['steps_to_target']}), "
                          f"{s['time_to_target_s'] / b['time_to_target_s']:.2f}x the best.")
-        if ref is not None and b is not ref:
-            pass
         if ref is not None:
             lines.append(f"- local:// is one process with no communication: the distributed regimes are run beside "
                          f"it to show what communication costs on this machine, not to beat it on 2 cores.")
