@@ -425,8 +425,8 @@ class BucketedExchanger(Exchanger):
         """For all-reduce regimes: buffers hold averages (each rank scaled by 1/N on the way in);
         drop the grads no rank had, step."""
         for b in self.buckets:
-            if self.carry_presence:
-                counts = b.flags.tolist()
+            if self.carry_presence and not all(b.present):  # our own flag of 1 makes every count >= 1 otherwise
+                counts = b.flags.tolist()  # (a device->host sync on CUDA: only when some slot was empty here)
                 for i, p in enumerate(b.params):
                     if counts[i] == 0:  # no rank produced a gradient: like torch, skip the update
                         p.grad = None
