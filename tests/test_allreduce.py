@@ -2,10 +2,8 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -119,9 +117,8 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed beside this python")
 def test_worker_runs_unchanged_under_torchrun(tmp_path):
-    torchrun = TORCHRUN
     out = tmp_path / "p.pt"
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "workers", "--exchanger",
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "workers", "--exchanger",
                            "allreduce://", "--model", "tiny", "--steps", "20", "--seed", "7", "--lr", "0.1",
                            "--batch-size", "16", "--save-params", str(out), "--no-progress"],
                           env=child_env(), capture_output=True, text=True, timeout=120)

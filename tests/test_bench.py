@@ -106,7 +106,8 @@ def test_a_corrupted_reference_counts_wrong_results(tmp_path):
 def test_a_failing_regime_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
     # noop:// has no allreduce_async: the ranks start, then fail on their first exchange
     monkeypatch.setitem(R.BANDWIDTH, "broken", R.BandwidthEntry("noop://", "allreduce"))
-    missing = [n for n in ("ring-tcp", "ps-1") if R.unavailable(R.BANDWIDTH[n].url)]  # until those regimes land
+    monkeypatch.setitem(R.BANDWIDTH, "gone", R.BandwidthEntry("gone://", "allreduce"))  # a scheme nobody registered
+    missing = ["gone"]
     recs, failures, _ = bandwidth.run(tiny_bw(["broken", "nccl", *missing, "noop"]), tmp_path,
                                       bandwidth.Budget.of(120))
     by_name = {f["regime"]: f for f in failures}

@@ -1,7 +1,7 @@
 """Faults and strangers: keys, a killed worker, a killed server shard, and load, with real processes.
 
 The ring's "every survivor raises within the timeout, naming the lost rank" is
-tests/test_ring.py::test_killed_rank_is_named (not repeated here); the launcher's "exits
+tests/test_ring.py::test_killed_rank_is_named_by_every_survivor (not repeated here); the launcher's "exits
 non-zero naming the rank" for allreduce:// is tests/test_allreduce.py; here it is checked for ps://.
 Every process is killed at the end (:class:`faultkit.Procs`), every wait is bounded.
 """

@@ -59,7 +59,8 @@ def test_two_shards_three_workers_five_hosts_sync_and_async_with_curve(tmp_path)
             # sync: every worker ends on the same step-by-step mean
             for _, out, _ in done["sync"]:
                 assert json.loads(out.strip().splitlines()[-1])["param"] == [-LR * 0.5 * STEPS] * 1000
-            # async: every push applied once, on both shards: pull the final values from a fourth host
+            # async: every push applied once, on both shards: pull the final values from a fresh process
+            # on worker 2's host
             code, out, err = finish([procs.worker(f"{urls['async']}&key_name=w0", 0, 3, 0, "--size", "1000",
                                                   prefix=tuple(links.prefix(4)))], timeout=120)[0]
             assert code == 0, err[-3000:]

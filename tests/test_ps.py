@@ -10,11 +10,10 @@ import sys
 
 import pytest
 import torch
-import zmq
 from torch import nn
 
 import commlab
-from commlab import psproto, transport, wire
+from commlab import psproto, wire
 from commlab.errors import ConfigError, RemoteError
 from commlab.exchanger import model_manifest
 from commlab.regimes.ps import PSExchanger
@@ -22,7 +21,7 @@ from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL
 from workers.models import build_model
 
-from tests.faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Server
+from tests.faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
 
 RUN_TIMEOUT = 150.0
 
@@ -185,28 +184,6 @@ def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server):
 
 # ----- the protocol refuses bad input and keeps serving (raw DEALER) ---------------------------------
 
-class Raw:
-    """A bare DEALER speaking the wire protocol, to send what a correct client never would."""
-
-    def __init__(self, server: Server, sender: str = "rank0"):
-        self.tp = transport.Transport()
-        self.sock = self.tp.connect(zmq.DEALER, server.endpoint)
-        self.sender, self.id = sender, 100
-
-    def send_raw(self, frames) -> wire.Header:
-        transport.send(self.sock, frames, timeout=10)
-        msg = transport.recv(self.sock, 20, "server")
-        return wire.decode(msg, ops=psproto.REPLIES, max_bytes=2**20)
-
-    def request(self, op: str, step: int = -1, parts=(), **meta) -> wire.Header:
-        self.id += 1
-        return self.send_raw(wire.encode(op, self.sender, step, parts, dict(meta, id=self.id)))
-
-    def close(self):
-        self.sock.close()
-        self.tp.close()
-
-
 @pytest.mark.multiproc
 def test_bad_requests_get_reasons_and_change_nothing(start_server):
     server = start_server("--mode", "sync")
@@ -214,11 +191,12 @@ def test_bad_requests_get_reasons_and_change_nothing(start_server):
     model = nn.Linear(3, 2)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     ex = attach(server, model)
-    raw = Raw(server)
+    raw = Raw(server.endpoint)
     try:
-        assert raw.send_raw([b"\x93garbage"]).meta["reason"].startswith("header is not msgpack")
+        raw.send([b"\x93garbage"])
+        assert raw.reply()[0].meta["reason"].startswith("header is not msgpack")
         assert "unknown op 'steal'" in raw.request("steal").meta["reason"]
-        stranger = Raw(server, "rank9")
+        stranger = Raw(server.endpoint, "rank9")
         assert "rank9 sent push before hello" in stranger.request("push", 0).meta["reason"]
         stranger.close()
         w = torch.ones(6)
@@ -309,7 +287,7 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
         # momentum 0.5, grad 1: velocity 1, 1.5, 1.75, 1.875 -> moved by 0.25 * 6.125
         for k, v in fresh.state_dict().items():
             torch.testing.assert_close(v, start[k] - 0.25 * 6.125, rtol=0, atol=1e-6)
-        raw = Raw(resumed)
+        raw = Raw(resumed.endpoint)
         parts = [p for k, v in fresh.state_dict().items() for p in wire.split(k, torch.ones(v.numel()))]
         assert raw.request("push", 2, parts, base=0).meta["duplicate"] is True
         raw.close()
@@ -374,6 +352,7 @@ def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
     proc = commlab_train(["--exchanger", "ps://?shards=2&transport=ipc&mode=sync", "--workers", "2", "--model", "tiny",
                           "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "listening on ipc://" in proc.stdout + proc.stderr, "the servers did not use ipc: nothing to clean up"
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert set(glob.glob(pattern)) == before

@@ -225,17 +225,22 @@ def _until_killed(rank, world, ready_dir, timeout):
         return type(exc).__name__, str(exc), time.monotonic() - started
 
 
+def _wait_in_ring(folder, world: int, procs, timeout: float = 60.0) -> None:
+    """Until every rank has left its mark in ``folder`` (it is inside its collectives), or fail."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.iterdir())) < world:
+        if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+            raise RuntimeError("the ranks never all reached the ring")
+        time.sleep(0.05)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,victim", [(4, 1), (3, 0)])  # rank 1: not every survivor is its neighbour;
 def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim):  # rank 0: hosts the store too
     timeout = 20.0
 
     def kill_when_ready(procs):
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.iterdir())) < world:
-            if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
-                raise RuntimeError("the ranks never all reached the ring")
-            time.sleep(0.05)
+        _wait_in_ring(tmp_path, world, procs)
         time.sleep(0.2)  # well inside a collective by now
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].join(5)
@@ -254,11 +259,7 @@ def test_stalled_rank_is_named_by_every_survivor(tmp_path):
     world, victim, timeout = 3, 1, 3.0
 
     def stop_when_ready(procs):
-        deadline = time.monotonic() + 60
-        while len(list(tmp_path.iterdir())) < world:
-            if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
-                raise RuntimeError("the ranks never all reached the ring")
-            time.sleep(0.05)
+        _wait_in_ring(tmp_path, world, procs)
         os.kill(procs[victim].pid, signal.SIGSTOP)  # alive, connected, silent; killed by run_ranks at the end
         return {victim}
 
