@@ -157,6 +157,7 @@ class ParameterServer:
         self._since_checkpoint = 0
         self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
         self.max_parts = 2 + _MIN_FRAMES  # identity + header + data frames; grows with the pieces at hello
+        self.max_bytes = 0  # data bytes a request may carry: the whole shard, once the pieces are known
         if cfg.resume:
             self._load(Path(cfg.resume) / self._checkpoint_name())
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
@@ -227,7 +228,7 @@ class ParameterServer:
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
         try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self._max_bytes())
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes)
             req_id = h.meta.get("id")
             self.stats.bytes_in += h.data_bytes
             getattr(self, "_op_" + h.op)(ident, h, body[1:])
@@ -252,9 +253,6 @@ class ParameterServer:
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
         self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
-
-    def _max_bytes(self) -> int:
-        return sum(wire.DTYPES[d].itemsize * n for d, n in self.pieces.values())
 
     def _rank_of(self, h: wire.Header) -> int:
         rank = self.senders.get(h.sender)
@@ -310,7 +308,9 @@ class ParameterServer:
                                                 "staleness": self.cfg.staleness})
 
     def _fix_limits(self) -> None:
-        """Most frames a request can need: every piece of the shard in frames of at most MAX_FRAME."""
+        """Most frames and data bytes a request can need: every piece of the shard, in frames of at most
+        MAX_FRAME. Fixed once the pieces are (hello, or resumed state), not recomputed per message."""
+        self.max_bytes = sum(wire.DTYPES[d].itemsize * n for d, n in self.pieces.values())
         need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in self.pieces.values())
         self.max_parts = 2 + max(_MIN_FRAMES, need)
 

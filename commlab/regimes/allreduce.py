@@ -34,10 +34,7 @@ class AllReduceExchanger(CollectiveExchanger):
     scheme = "allreduce"
     Options = AllReduceOptions
 
-    def __init__(self, options, rank):
-        super().__init__(options, rank)
-        self.store = None
-        self.group = None
+    group = None  # the process group, once connected (``store`` is CollectiveExchanger's)
 
     def _connect(self, model, optim):
         backend = self.options.backend

@@ -128,7 +128,6 @@ class RingExchanger(CollectiveExchanger):
 
     def __init__(self, options, rank):
         super().__init__(options, rank)
-        self.store = None
         self._joined = False
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
