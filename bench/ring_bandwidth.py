@@ -302,6 +302,12 @@ def sweep(regimes: list[str], sizes: list[int], workers: list[int], quick: bool 
 
 
 # ----- reporting -------------------------------------------------------------------------------------
+def size_arg(text: str) -> int:
+    """``4K`` / ``256K`` / ``16M`` / ``4096`` -> bytes (this script runs without the bench package)."""
+    shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:].upper(), 0)
+    return int(text[:-1] if shift else text) << shift
+
+
 def human(size: int) -> str:
     for unit, k in (("G", 30), ("M", 20), ("K", 10)):
         if size >= 1 << k and size % (1 << k) == 0:
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", default="2,3,4", help="comma-separated world sizes")
     p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp,zmq-tcp,zmq-ipc",
                    help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
-    p.add_argument("--sizes", help=f"comma-separated, from {','.join(SIZES)} (or bytes)")
+    p.add_argument("--sizes", help=f"comma-separated, e.g. {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")
     p.add_argument("--timed", type=int, help="timed iterations per case (default: by size, fewer with --quick)")
     p.add_argument("--header-cost", action="store_true", help="only measure the per-message header cost")
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(header_cost()))
         return 0
     names = a.sizes.split(",") if a.sizes else (QUICK_SIZES if a.quick else FULL_SIZES)
-    sizes = [SIZES[s] if s in SIZES else int(s) for s in names]
+    sizes = [size_arg(s) for s in names]
     regimes = a.regimes.split(",")
     records = sweep(regimes, sizes, [int(n) for n in a.workers.split(",")], a.quick,
                     on_record=lambda r: print(f"  N={r['workers']} {r['regime']:<10} {human(r['size_bytes']):>5}: "

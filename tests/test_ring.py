@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from commlab.errors import CommError, ConfigError, ProtocolError
 from commlab.launcher import free_port
-from commlab.regimes.ring import bytes_moved, ring_schedule, segment_bounds
+from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
 from commlab import wire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,29 @@ def test_schedule_visits_every_segment_and_moves_2_n_minus_1_over_n():
     assert bytes_moved(0, 4, 0, 3) == (0, 0)
 
 
+def test_two_ranks_swap_small_tensors_in_one_step_and_ring_the_rest():
+    from commlab.registry import connect
+    from commlab.rendezvous import RankInfo
+
+    def plan(url, rank, world, n, itemsize=4):
+        return connect(url, RankInfo(rank, world, rank, "127.0.0.1", 1, "test")).plan(n, itemsize)
+
+    for rank in (0, 1):
+        assert plan("ring://", rank, 2, 7) == ([0, 7], 1, SWAP_STEPS)
+        assert plan("ring://", rank, 2, MIB) == ([0, MIB], 1, SWAP_STEPS)  # 4 MiB: the default swap_kb
+        assert plan("ring://?chunk_mb=1", rank, 2, MIB) == ([0, MIB], 4, SWAP_STEPS)
+        assert plan("ring://", rank, 2, MIB + 1) == ([0, MIB // 2, MIB + 1], 1, ring_steps(rank, 2))
+        assert plan("ring://?swap_kb=0", rank, 2, 7) == ([0, 3, 7], 1, ring_steps(rank, 2))
+        assert plan("ring://?swap_kb=1", rank, 2, 128, 8) == ([0, 128], 1, SWAP_STEPS)
+        assert plan("ring://?swap_kb=1", rank, 2, 129, 8)[2] == ring_steps(rank, 2)
+    assert ring_steps(1, 2) == ((1, 0, True), (0, 1, False))
+    for world in (3, 4):  # the swap is for two ranks only: with more, every step is the ring's
+        assert plan("ring://", 1, world, 7)[2] == ring_steps(1, world)
+        assert len(ring_steps(1, world)) == 2 * world - 2
+    # the same bytes either way: S each way at N = 2
+    assert bytes_moved(1001, 4, 0, 2) == (4004, 4004)
+
+
 def test_chunk_header_checks_every_field():
     good = wire.chunk_header(1, 5, 2, 0, 100, 7, torch.float32)
     wire.check_chunk_header(good, good, "rank 1")
@@ -127,6 +150,8 @@ def test_options_are_validated():
         connect("ring://?io_threads=3", RankInfo.single())
     with pytest.raises(ConfigError, match="sndbuf_kb must be >= 0"):
         connect("ring://?sndbuf_kb=-1", RankInfo.single())
+    with pytest.raises(ConfigError, match="swap_kb must be >= 0"):
+        connect("ring://?swap_kb=-1", RankInfo.single())
 
 
 # ----- several processes: sums --------------------------------------------------------------------------
@@ -134,7 +159,7 @@ def _data(seed: int, rank: int, n: int, dtype) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed * 100 + rank), dtype=torch.float64).to(dtype)
 
 
-def _sums(rank, world, transports, big_transports):
+def _sums(rank, world, queries, big_queries):
     import commlab
     torch.manual_seed(0)
     from commlab.rendezvous import connect_store, from_env
@@ -145,8 +170,8 @@ def _sums(rank, world, transports, big_transports):
               (MIB // 4 + 3, torch.bfloat16), (1000, torch.int64)]
     tolerance = {torch.float32: 1e-6, torch.float64: 1e-13, torch.float16: 2**-10, torch.bfloat16: 2**-7,
                  torch.int64: 0.0}
-    for transport in transports:
-        with commlab.connect(f"ring://?transport={transport}&timeout=30&chunk_mb=0.25") as ex:
+    for query in queries:
+        with commlab.connect(f"ring://?{query}&timeout=30") as ex:
             ex.join(store)
             for i, (n, dtype) in enumerate(cases):
                 x = _data(i, rank, n, dtype) if dtype.is_floating_point else torch.arange(n) * (rank + 1)
@@ -156,33 +181,40 @@ def _sums(rank, world, transports, big_transports):
                 ex.allreduce_async(x, what=f"{n} x {dtype}").wait(30)
                 err = ((x.double() - ref).abs().max() / scale.max()).item() if n else 0.0
                 if not err <= tolerance[dtype]:
-                    raise AssertionError(f"{transport} {n} x {dtype} at N={world}: relative error {err:.3g}")
-                report.append((transport, n, str(dtype), err))
-            if transport in big_transports:  # 64 MiB, cheap to check: rank k holds (k+1) x the same vector
+                    raise AssertionError(f"{query} {n} x {dtype} at N={world}: relative error {err:.3g}")
+                report.append((query, n, str(dtype), err))
+            if query in big_queries:  # 64 MiB, cheap to check: rank k holds (k+1) x the same vector
                 base = (torch.arange(16 * MIB) % 9973).float() * 0.37 - 1000.0
                 x = base * (rank + 1)
                 ex.allreduce_async(x, what="64 MiB").wait(60)
                 ref = sum((base * (k + 1)).double() for k in range(world))
                 err = ((x.double() - ref).abs().max() / ref.abs().max()).item()
                 if not err <= 1e-6:
-                    raise AssertionError(f"{transport} 64 MiB at N={world}: relative error {err:.3g}")
-                report.append((transport, 64 * MIB, "float32", err))
+                    raise AssertionError(f"{query} 64 MiB at N={world}: relative error {err:.3g}")
+                report.append((query, 64 * MIB, "float32", err))
     return report
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,transports,big", [(2, ("tcp", "ipc", "torch"), ("tcp", "ipc", "torch")),
-                                                   (3, ("ipc", "torch", "tcp&io_threads=1&sndbuf_kb=0"), ("ipc",)),
-                                                   (4, ("tcp",), ("tcp",))])
-def test_sums_equal_float64_reference(world, transports, big):
+@pytest.mark.parametrize("world,queries,big", [
+    # N = 2: up to 4 MiB the ranks swap in one step (tcp, torch), ipc rings every size; the last one
+    # swaps 64 MiB in zero-copy 2 MiB chunks (added into only after zmq has sent them)
+    (2, ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "transport=torch&chunk_mb=0.25",
+         "transport=tcp&chunk_mb=2&swap_kb=65536"),
+     ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "transport=torch&chunk_mb=0.25",
+      "transport=tcp&chunk_mb=2&swap_kb=65536")),
+    (3, ("transport=ipc&chunk_mb=0.25", "transport=torch&chunk_mb=0.25",
+         "transport=tcp&chunk_mb=0.25&io_threads=1&sndbuf_kb=0"), ("transport=ipc&chunk_mb=0.25",)),
+    (4, ("transport=tcp&chunk_mb=0.25",), ("transport=tcp&chunk_mb=0.25",))])
+def test_sums_equal_float64_reference(world, queries, big):
     """Sizes 0, 1, 7, 1 MiB + 3 elements (float32, float64, float16, bfloat16, int64) and 64 MiB."""
-    results = run_ranks(_sums, world, transports, big, timeout=150)
+    results = run_ranks(_sums, world, queries, big, timeout=150)
     assert all(len(r) == len(results[0]) for r in results.values())
 
 
-def _mismatch(rank, world):
+def _mismatch(rank, world, query):
     import commlab
-    with commlab.connect("ring://?transport=tcp&timeout=20") as ex:
+    with commlab.connect(f"ring://?transport=tcp&timeout=20{query}") as ex:
         ex.join()
         try:
             ex.allreduce_async(torch.ones(8 + rank)).wait(20)
@@ -199,13 +231,26 @@ def _mismatch(rank, world):
 
 @pytest.mark.multiproc
 def test_ranks_with_different_sizes_raise_naming_the_sender():
-    results = run_ranks(_mismatch, 2, timeout=60)
-    # rank 0 (8 elements) expects [4, 8) from rank 1 (9 elements), which sends [4, 9): rank 0 sees the lie
-    # first; rank 1 then sees rank 0 leave the ring and reads rank 0's report in the store.
+    results = run_ranks(_mismatch, 2, "&swap_kb=0", timeout=60)
+    # The two-step ring: rank 0 (8 elements) expects [4, 8) from rank 1 (9 elements), which sends [4, 9):
+    # rank 0 sees the lie first; rank 1 then sees rank 0 leave the ring and reads rank 0's report in the store.
     kind, text = results[0]
     assert kind == "ProtocolError" and "rank 1 (left neighbour) sent chunk with count 5 (expected 4)" in text, text
     kind, text = results[1]
     assert kind == "PeerLost" and "rank 0 reports" in text and "same size" in text, text
+
+
+@pytest.mark.multiproc
+def test_swapping_ranks_with_different_sizes_raise_naming_each_other():
+    results = run_ranks(_mismatch, 2, "", timeout=60)
+    # The one-step swap: both send their whole tensor at once, so each may see the other's wrong count
+    # itself, or see the other leave first (it closes without waiting for its own message to go out)
+    # and read its report; either way the count that disagrees is named.
+    for rank, other, theirs, mine in ((0, 1, 9, 8), (1, 0, 8, 9)):
+        kind, text = results[rank]
+        lie = f"rank {other} (left neighbour) sent chunk with count {theirs} (expected {mine})"
+        assert (kind == "ProtocolError" and lie in text) or (
+            kind == "PeerLost" and f"rank {other} reports" in text and f"count {mine} (expected {theirs})" in text), text
 
 
 # ----- several processes: a rank dies ------------------------------------------------------------------

@@ -38,6 +38,15 @@ float32, and rounded once at the end. CUDA tensors are staged through host
 memory for tcp/ipc; only ``transport=torch`` with NCCL keeps them on the GPU
 (GPUDirect RDMA where the machine has it).
 
+Two ranks: at N = 2 both neighbours are the same rank, and a tensor of up to
+``swap_kb`` (4 MiB) takes one step instead of two: each rank sends the whole
+tensor and adds what it receives. The bytes are the ring's (S each way, which
+is 2(N-1)/N x S at N = 2); the latency is one message instead of two, which is
+most of a small all-reduce. Both ranks compute x0 + x1 (addition commutes
+exactly), so they hold the same bits. Each rank adds all S instead of S/2,
+which is why big tensors keep the ring. When the swap's send went zero-copy,
+a chunk is added into only after zmq has let go of it.
+
 Transports: ``tcp`` (zmq PUSH/PULL over TCP, ``host`` is where each rank binds),
 ``ipc`` (zmq over Unix sockets, one host), ``torch`` (torch.distributed
 ``isend``/``irecv`` to the neighbours: gloo for CPU tensors, NCCL for CUDA ones;
@@ -93,6 +102,8 @@ class RingOptions(CommonOptions):
     sndbuf_kb: int = option(512, "kernel send buffer towards a right neighbour on this host (loopback tcp, ipc) in "
                                  "KiB, 0: the system's autotuning (always used towards other hosts): a small one "
                                  "keeps in flight only what the neighbour copies out while it is still in cache")
+    swap_kb: int = option(4096, "at N = 2, tensors of up to this many KiB take one step instead of two: each rank "
+                              "sends all of it and adds what it receives (0: always the two-step ring)")
 
     def __post_init__(self):
         super().__post_init__()
@@ -100,6 +111,8 @@ class RingOptions(CommonOptions):
             raise ConfigError(f"chunk_mb must be > 0, got {self.chunk_mb}")
         if self.sndbuf_kb < 0:
             raise ConfigError(f"sndbuf_kb must be >= 0 (0: the system's default), got {self.sndbuf_kb}")
+        if self.swap_kb < 0:
+            raise ConfigError(f"swap_kb must be >= 0 (0: always the two-step ring), got {self.swap_kb}")
 
 
 def segment_bounds(n: int, world: int) -> list[int]:
@@ -110,6 +123,17 @@ def segment_bounds(n: int, world: int) -> list[int]:
 def ring_schedule(rank: int, world: int, step: int) -> tuple[int, int]:
     """(segment sent, segment received) by ``rank`` at ``step`` of the ring (see the module's table)."""
     return (rank - step) % world, (rank - step - 1) % world
+
+
+Step = tuple[int, int, bool]  # (segment sent, segment received, whether the received one is added)
+
+
+def ring_steps(rank: int, world: int) -> tuple[Step, ...]:
+    """The ring's 2(N-1) steps for ``rank``: N-1 that add (reduce-scatter), N-1 that store (all-gather)."""
+    return tuple((*ring_schedule(rank, world, t), t < world - 1) for t in range(2 * world - 2))
+
+
+SWAP_STEPS: tuple[Step, ...] = ((0, 0, True),)  # N = 2, one segment: send it all, add what comes back
 
 
 def bytes_moved(n: int, itemsize: int, rank: int, world: int) -> tuple[int, int]:
@@ -136,7 +160,7 @@ class RingExchanger(CollectiveExchanger):
         self._order = threading.Lock()  # guards _pending: collectives submitted, not yet finished
         self._pending = 0
         self._seq = 0
-        self._plans: dict[tuple[int, int], tuple[list[int], int]] = {}  # (numel, itemsize) -> _chunks()
+        self._plans: dict[tuple[int, int], tuple[list[int], int, tuple[Step, ...]]] = {}  # (numel, itemsize) -> plan()
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (numel, itemsize) -> bytes_moved()
         self._transport: Transport | None = None
         self._ipc_dir: str | None = None
@@ -149,6 +173,7 @@ class RingExchanger(CollectiveExchanger):
         self._scratch_view = memoryview(self._scratch.numpy())
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
+        self._ring_steps = ring_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
     def join(self, store=None) -> None:
@@ -439,14 +464,19 @@ class RingExchanger(CollectiveExchanger):
         if work is not flat:
             flat.copy_(work)
 
-    def _chunks(self, n: int, itemsize: int) -> tuple[list[int], int]:
-        """Segment bounds and chunks per segment for ``n`` elements (cached: buckets repeat every step)."""
+    def plan(self, n: int, itemsize: int) -> tuple[list[int], int, tuple[Step, ...]]:
+        """(segment bounds, chunks per segment, steps) for ``n`` elements (cached: buckets repeat every step).
+
+        The ring, or at N = 2 for at most ``swap_kb``: one segment, one step (the module's "Two ranks")."""
         plan = self._plans.get((n, itemsize))
         if plan is None:
-            bounds = segment_bounds(n, self.world_size)
+            if self.world_size == 2 and n * itemsize <= self.options.swap_kb * 1024:
+                bounds, steps = [0, n], SWAP_STEPS
+            else:
+                bounds, steps = segment_bounds(n, self.world_size), self._ring_steps
             per = max(1, int(self.options.chunk_mb * 2**20) // itemsize)
-            longest = max(bounds[i + 1] - bounds[i] for i in range(self.world_size))
-            plan = bounds, max(1, -(-longest // per))
+            longest = max(bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1))
+            plan = bounds, max(1, -(-longest // per)), steps
             if len(self._plans) < 256:
                 self._plans[(n, itemsize)] = plan
         return plan
@@ -457,38 +487,43 @@ class RingExchanger(CollectiveExchanger):
         return lo + length * j // k, lo + length * (j + 1) // k
 
     def _ring_zmq(self, work: torch.Tensor, seq: int) -> None:
-        N, r, left = self.world_size, self.rank, self.left
+        r, left = self.rank, self.left
         inbox, outbox = self._inbox, self._outbox
         if inbox is None or outbox is None:
             raise CommError("the ring's sockets are closed")
         isz, dtype = work.element_size(), work.dtype
-        bounds, K = self._chunks(work.numel(), isz)
+        bounds, K, plan = self.plan(work.numel(), isz)
         flat_np = work.numpy()
         raw = work.view(torch.uint8).numpy().data
         scratch, scratch_np = self._scratch_view, self._scratch.numpy()
-        timeout, steps = self.options.timeout, 2 * N - 2
+        timeout, steps = self.options.timeout, len(plan)
         hsize = wire.CHUNK_HEADER.size
-        trackers = []
+        trackers: list = []  # per message sent, in order: a zero-copy send's tracker, or None (copied)
 
         def outgoing(t: int, j: int) -> tuple[bytes, memoryview]:
-            lo, hi = self._chunk(bounds, ring_schedule(r, N, t)[0], j, K)
+            lo, hi = self._chunk(bounds, plan[t][0], j, K)
             return wire.chunk_header(r, seq, t, j, lo, hi - lo, dtype), raw[lo * isz:hi * isz]
 
         def send(message: tuple[bytes, memoryview]) -> None:
-            tracker = outbox.send(*message)
-            if tracker is not None:
-                trackers.append(tracker)
+            trackers.append(outbox.send(*message))
+
+        def release(j: int) -> None:  # the swap adds into what it sent: zmq must be done reading it
+            tracker = trackers[j] if steps == 1 else None
+            if tracker is not None and not tracker.done:
+                try:
+                    tracker.wait(timeout)
+                except zmq.NotDone:
+                    raise CommTimeout(f"sends to {outbox.who} did not leave within {timeout:g}s") from None
 
         for j in range(K):
             send(outgoing(0, j))
         # Between receiving a chunk and forwarding it, do as little as possible: on a busy machine every
         # microsecond there costs the whole ring (the next message is prepared before the wait instead).
-        for t in range(steps):
+        for t, (_, seg, reduce) in enumerate(plan):
             last = t == steps - 1
-            reduce = t < N - 1
             watch = () if last else (outbox,)
             for j in range(K):
-                lo, hi = self._chunk(bounds, ring_schedule(r, N, t)[1], j, K)
+                lo, hi = self._chunk(bounds, seg, j, K)
                 nbytes = (hi - lo) * isz
                 expected = wire.chunk_header(left, seq, t, j, lo, hi - lo, dtype)
                 forward = None if last else outgoing(t + 1, j)
@@ -520,6 +555,7 @@ class RingExchanger(CollectiveExchanger):
                     frame = inbox.recv_frame()
                     size = len(frame)
                     if size == nbytes:
+                        release(j)
                         work[lo:hi].add_(torch.frombuffer(frame.buffer, dtype=dtype, count=hi - lo))
                 if size != nbytes or inbox.more():
                     raise ProtocolError(f"{inbox.who} sent {size} bytes for elements [{lo}, {hi}) of collective "
@@ -527,6 +563,8 @@ class RingExchanger(CollectiveExchanger):
                 if forward is not None:
                     send(forward)
         for tracker in trackers:  # zmq may still read our buffer until then
+            if tracker is None:
+                continue
             try:
                 tracker.wait(timeout)
             except zmq.NotDone:
@@ -539,23 +577,25 @@ class RingExchanger(CollectiveExchanger):
         ones straight into ``work``. Tags number the messages of one collective so none can be matched
         to the wrong receive."""
         import torch.distributed as dist
-        N, r = self.world_size, self.rank
-        bounds, K = self._chunks(work.numel(), work.element_size())
-        steps, total = 2 * N - 2, (2 * N - 2) * K
+        bounds, K, plan = self.plan(work.numel(), work.element_size())
+        steps, total = len(plan), len(plan) * K
         window = min(total, 4)
-        per = max(hi - lo for lo, hi in (self._chunk(bounds, s, j, K) for s in range(N) for j in range(K)))
-        slots = [torch.empty(per, dtype=work.dtype, device=work.device) for _ in range(min(window, (N - 1) * K))]
+        per = max(hi - lo for lo, hi in (self._chunk(bounds, s, j, K) for s in range(len(bounds) - 1)
+                                         for j in range(K)))
+        adding = sum(reduce for _, _, reduce in plan) * K
+        slots = [torch.empty(per, dtype=work.dtype, device=work.device) for _ in range(min(window, adding))]
         timeout = timedelta(seconds=self.options.timeout)
-        sends, recvs = [], {}
+        sends: list = []  # per message sent, in order; None once waited for (gloo's second wait never returns)
+        recvs: dict = {}
 
         def post_recv(m: int) -> None:
             t, j = divmod(m, K)
-            lo, hi = self._chunk(bounds, ring_schedule(r, N, t)[1], j, K)
-            dest = work[lo:hi] if t >= N - 1 else slots[m % len(slots)][:hi - lo]
+            lo, hi = self._chunk(bounds, plan[t][1], j, K)
+            dest = slots[m % len(slots)][:hi - lo] if plan[t][2] else work[lo:hi]
             recvs[m] = (dist.irecv(dest, src=self.left, group=self._group, tag=m), dest, lo, hi, t)
 
         def send(t: int, j: int) -> None:
-            lo, hi = self._chunk(bounds, ring_schedule(r, N, t)[0], j, K)
+            lo, hi = self._chunk(bounds, plan[t][0], j, K)
             sends.append(dist.isend(work[lo:hi], dst=self.right, group=self._group, tag=t * K + j))
 
         def finish(w, who: str, what: str) -> None:
@@ -574,11 +614,15 @@ class RingExchanger(CollectiveExchanger):
             t, j = divmod(m, K)
             w, dest, lo, hi, _ = recvs.pop(m)
             finish(w, f"rank {self.left} (left neighbour)", "receive from")
-            if t < N - 1:
+            if plan[t][2]:
+                if plan[t][0] == plan[t][1]:  # the swap adds into what it sends: gloo and NCCL read it until done
+                    finish(sends[m], f"rank {self.right} (right neighbour)", "send to")
+                    sends[m] = None
                 work[lo:hi].add_(dest)
             if m + window < total:
                 post_recv(m + window)
             if t + 1 < steps:
                 send(t + 1, j)
         for w in sends:
-            finish(w, f"rank {self.right} (right neighbour)", "send to")
+            if w is not None:
+                finish(w, f"rank {self.right} (right neighbour)", "send to")
