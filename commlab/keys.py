@@ -25,17 +25,33 @@ from commlab.errors import ConfigError
 from commlab.transport import CurveKeys
 
 
+def _check_client_names(clients: list[str]) -> None:
+    """Raise ``ConfigError`` naming the first client name that cannot be a key file in the layout above."""
+    seen = set()
+    for name in clients:
+        # 'server' would overwrite the server's own pair, '/' would write outside the folder, and NUL
+        # fails only in open(), after the pairs before it were written
+        if not name or "/" in name or "\0" in name or name in ("server", "clients"):
+            raise ConfigError(f"bad client key name {name!r}: it must be non-empty, hold no '/' or NUL, "
+                              f"and not be 'server' or 'clients'")
+        if name in seen:
+            raise ConfigError(f"client key name {name!r} given twice")
+        seen.add(name)
+
+
 def create(directory: str | os.PathLike, clients: list[str]) -> Path:
-    """Create the server pair and one pair per client name; refuses to overwrite."""
+    """Create the server pair and one pair per client name; refuses to overwrite.
+
+    Every check comes before the first write: a refused call leaves ``directory`` as it was.
+    """
     import zmq.auth
 
     d = Path(directory)
+    _check_client_names(clients)
     if (d / "server.key_secret").exists():
         raise ConfigError(f"{d} already holds keys; remove it or choose another folder")
     (d / "clients").mkdir(parents=True, exist_ok=True)
     for name in ["server", *clients]:
-        if name in ("clients",) or "/" in name or not name:
-            raise ConfigError(f"bad key name {name!r}")
         public, secret = zmq.auth.create_certificates(d, name)
         os.chmod(secret, 0o600)
         if name != "server":

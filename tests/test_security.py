@@ -140,3 +140,23 @@ def test_keys_refuse_to_overwrite(tmp_path):
     with pytest.raises(ConfigError, match="already holds keys"):
         keys.create(tmp_path / "k", ["worker"])
     assert oct((tmp_path / "k" / "server.key_secret").stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.parametrize("clients, why", [(["ok", "a/b"], "bad client key name 'a/b'"),
+                                          (["ok", ""], "bad client key name ''"),
+                                          (["ok", "server"], "bad client key name 'server'"),  # the server's own pair
+                                          (["ok", "clients"], "bad client key name 'clients'"),
+                                          (["ok", "ok"], "'ok' given twice")])
+def test_bad_client_names_are_refused_before_anything_is_written(tmp_path, clients, why):
+    # 'ok' comes first: a check made inside the write loop would already have written its pair
+    empty, absent, used = tmp_path / "empty", tmp_path / "absent", tmp_path / "used"
+    empty.mkdir()
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    for d in (empty, absent, used):
+        with pytest.raises(ConfigError, match=why):
+            keys.create(d, clients)
+    assert list(empty.iterdir()) == [] and not absent.exists()
+    assert [f.name for f in used.iterdir()] == ["notes.txt"] and (used / "notes.txt").read_text() == "mine"
+    argv = [str(absent)] + [a for name in clients for a in ("--client", name)]
+    assert keys.main(argv) == 2 and not absent.exists()  # the CLI says why (stderr) and writes nothing
