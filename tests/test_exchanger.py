@@ -148,6 +148,17 @@ def test_misuse_is_named():
         ex.setup(nn.ReLU(), commlab.OptimizerSpec())
 
 
+def test_ps_refuses_a_model_off_the_cpu_before_contacting_servers():
+    """ps:// is a CPU parameter server: a model on another device (the meta device here, standing in
+    for a GPU on this machine) is refused, naming the parameter and device, before any socket opens
+    (nothing listens on the port given)."""
+    ex = commlab.connect("ps://127.0.0.1:9?timeout=5", RankInfo.single())
+    model = nn.Sequential(nn.Linear(3, 2)).to("meta")
+    with pytest.raises(ConfigError, match=r"ps:// keeps parameters on the CPU and 0.weight is on meta: train with "
+                                          r"--device cpu, or use allreduce:// or ring:// for GPU workers"):
+        ex.setup(model, commlab.OptimizerSpec())
+
+
 def test_manifest_difference_names_the_parameter():
     a = model_manifest(nn.Linear(3, 2))
     b = model_manifest(nn.Linear(4, 2))

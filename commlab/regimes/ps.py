@@ -314,8 +314,11 @@ class PSExchanger(BucketedExchanger):
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
         for name, shape, dtype in manifest:
-            if not params[name].is_contiguous() or params[name].is_cuda:
-                raise ConfigError(f"ps:// needs contiguous CPU parameters; {name} is not")
+            if params[name].device.type != "cpu":
+                raise ConfigError(f"ps:// keeps parameters on the CPU and {name} is on {params[name].device}: train "
+                                  f"with --device cpu, or use allreduce:// or ring:// for GPU workers")
+            if not params[name].is_contiguous():
+                raise ConfigError(f"ps:// needs contiguous parameters; {name} is not")
         self._pieces = psproto.assign_shards(manifest, len(endpoints), max(1, int(self.options.piece_mb * 2**20)))
         curve = None
         if self.options.keys:

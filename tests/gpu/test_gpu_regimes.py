@@ -211,6 +211,8 @@ def needs(url: str, workers: int, nccl: bool) -> None:
         pytest.skip("no GPU")
     if nccl and scheme == "ring" and workers < 2:
         pytest.skip(f"{url} needs >= 2 GPUs (one per rank); {workers} here")
+    if scheme == "ps" and ON_CUDA:
+        pytest.skip("ps:// keeps parameters on the CPU: tests/test_exchanger.py checks it refuses a device model")
 
 
 # (url, workers or "gpus": one worker per GPU, moves data with NCCL)
@@ -233,3 +235,4 @@ def test_regime_on_device_equals_reference(url, workers, nccl, tmp_path):
     needs(url, n, nccl)
     got = train(url, n, DEVICE, BATCH, tmp_path)
     assert_same_params(got, reference(n), f"{url} x{n} on {DEVICE}")
+
