@@ -4,6 +4,12 @@
 starts N real processes with torchrun's environment on a free loopback port,
 waits with a deadline, kills every sibling when one fails, and hands back each
 rank's exit code and output so a failing child's traceback shows in the test.
+
+Test modules import helpers by their bare names (``from conftest import ...``,
+``from faultkit import ...``): tests/ has no ``__init__.py``, so pytest puts
+tests/ itself on ``sys.path``, under ``pytest`` and ``python -m pytest`` alike.
+A ``tests.`` prefix resolves only where the repository root is on ``sys.path``
+too (``python -m``), and would load conftest a second time under another name.
 """
 
 from __future__ import annotations

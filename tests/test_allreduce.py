@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import child_env, commlab_train, max_rel_diff
-from tests.faultkit import kill_rank_under_launcher
+from conftest import child_env, commlab_train, max_rel_diff
+from faultkit import kill_rank_under_launcher
 
 pytestmark = pytest.mark.multiproc
 

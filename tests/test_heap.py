@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from commlab.heap import threshold_for
-from tests.conftest import child_env
+
+from conftest import child_env
 
 FAULTS = """
 import json, resource, sys, torch

@@ -21,7 +21,7 @@ from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL
 from workers.models import build_model
 
-from tests.faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
+from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
 
 RUN_TIMEOUT = 150.0
 
@@ -345,7 +345,7 @@ def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
     import glob
     import tempfile
 
-    from tests.conftest import commlab_train
+    from conftest import commlab_train
 
     pattern = os.path.join(tempfile.gettempdir(), "commlab-ps-*")
     before = set(glob.glob(pattern))
