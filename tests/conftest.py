@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -96,10 +97,79 @@ def run_ranks(tmp_path):
     return run
 
 
+class GroupTimeout(subprocess.TimeoutExpired):
+    """A command run by :func:`run_group` passed its deadline; its whole process group was killed."""
+
+    def __init__(self, what: str, cmd, timeout: float, output, stderr):
+        super().__init__(cmd, timeout, output, stderr)
+        self.what = what
+
+    def __str__(self) -> str:
+        tail = self.stderr.decode(errors="replace") if isinstance(self.stderr, bytes) else (self.stderr or "")
+        return (f"{self.what} did not finish within {self.timeout:g}s; its process group was killed"
+                + (f"; last stderr:\n{tail[-2000:]}" if tail.strip() else ""))
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """SIGKILL the process group ``proc`` leads (started with ``start_new_session=True``) and reap ``proc``.
+
+    With ``grace`` > 0 the group first gets SIGTERM and ``proc`` up to ``grace`` seconds to exit.
+    Blocks until ``proc`` is reaped; SIGKILL is sent even if the wait is interrupted.
+    """
+    try:
+        if grace > 0:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the group is gone already
+        pass
+
+
+def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace: float = 0.0,
+              capture_output: bool = False, **popen_kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, timeout=timeout, ...)`` for a command that starts processes of its own.
+
+    On a timeout ``subprocess.run`` kills only ``argv``'s own process: a launcher's ranks, its
+    parameter servers or a benchmark's jobs would run on with nobody waiting for them. Here
+    ``argv`` starts a new session, so it and all it starts share one process group, and when the
+    deadline passes, or anything is raised while waiting (Ctrl-C, pytest-timeout), the whole group
+    is killed (:func:`kill_group`, with ``grace`` for a command that cleans up on SIGTERM). The
+    timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
+    A command that finishes in time is left alone: whatever it left running is still there for a
+    test to find. Blocks at most ``timeout`` + ``grace`` seconds, plus reaping.
+    """
+    if capture_output:
+        popen_kw.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with subprocess.Popen(argv, start_new_session=True, **popen_kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            kill_group(proc, grace)
+            try:  # the rest of the output; the pipes close once the group is gone
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:  # someone outside the group holds them
+                out, err = exc.output, exc.stderr
+            raise GroupTimeout(what or " ".join(map(str, argv)), argv, timeout, out, err) from None
+        except BaseException:
+            kill_group(proc, grace)
+            raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def commlab_train(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``commlab train ARGS`` as a user runs it, in a subprocess with a deadline."""
-    return subprocess.run([sys.executable, "-m", "commlab.cli", "train", "--no-progress", *args],
-                          env=child_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    """``commlab train ARGS`` as a user runs it, in a subprocess with a deadline (ranks and servers included)."""
+    return run_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", *args], timeout,
+                     "commlab train " + " ".join(args), env=child_env(**(env or {})), capture_output=True, text=True)
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
