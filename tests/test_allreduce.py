@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import child_env, commlab_train, max_rel_diff
+from conftest import child_env, commlab_train, max_rel_diff, run_group
 from faultkit import kill_rank_under_launcher
 
 pytestmark = pytest.mark.multiproc
@@ -118,10 +117,10 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 @pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun is not installed beside this python")
 def test_worker_runs_unchanged_under_torchrun(tmp_path):
     out = tmp_path / "p.pt"
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "workers", "--exchanger",
-                           "allreduce://", "--model", "tiny", "--steps", "20", "--seed", "7", "--lr", "0.1",
-                           "--batch-size", "16", "--save-params", str(out), "--no-progress"],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = run_group([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "workers", "--exchanger",
+                      "allreduce://", "--model", "tiny", "--steps", "20", "--seed", "7", "--lr", "0.1",
+                      "--batch-size", "16", "--save-params", str(out), "--no-progress"],
+                     120, "torchrun with 2 allreduce:// ranks", env=child_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = train_params(tmp_path, "local", COMMON + ["--exchanger", "local://", "--workers", "1", "--batch-size", "32"])
     assert max_rel_diff(torch.load(out), ref) < 1e-5

@@ -21,6 +21,8 @@ from commlab import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
 
+from conftest import run_group
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -142,7 +144,10 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
             "--budget-s", "150"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=170)
+    # on SIGTERM the bench stops its jobs (each a session of its own, out of reach of a SIGKILL to
+    # the bench's group) and deletes its namespaces: give it 5 s for that before the SIGKILL
+    done = run_group(argv, 170, "commlab bench (tiny run)", grace=5, env=env, cwd=ROOT, capture_output=True,
+                     text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = (out / "report.md").read_text()
     for section in SECTIONS:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -22,6 +21,8 @@ from commlab.errors import CommError, ConfigError, ProtocolError
 from commlab.launcher import free_port
 from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
 from commlab import wire
+
+from conftest import run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -322,7 +323,8 @@ def _train(tmp_path: Path, url: str, workers: int, batch: int, name: str) -> dic
            "--batch-size", str(batch), "--model", "tiny", "--momentum", "0.9", "--steps", "20",
            "--save-params", str(out), "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_group(cmd, 120, f"commlab train --exchanger {url} ({name})", cwd=ROOT, env=env, capture_output=True,
+                     text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
