@@ -26,6 +26,7 @@ sets it), publishes it in the job's rendezvous store, rank 0 connects.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -208,18 +209,20 @@ class ServersPerSize:
 
     Rank 0 starts the servers the regime's ``plan_local`` asks for, as its own children, and
     publishes the workers' URL in the job's store; when every rank has closed its client,
-    rank 0 stops them. Cheaper than a job per size: the ranks stay up, only servers restart.
+    rank 0 stops them and removes the plan's scratch folder. Cheaper than a job per size: the
+    ranks stay up, only servers restart.
     """
 
-    def __init__(self, cls, url: str, info, timeout: float):
-        self.cls, self.url, self.info, self.timeout = cls, ExchangerURL.parse(url), info, timeout
+    def __init__(self, url: str, info, timeout: float):
+        self.url, self.info, self.timeout = url, info, timeout
         self.store = rendezvous.connect_store(info, timeout)
         self.procs: list[launcher.Proc] = []
+        self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.planned_servers
 
     def start(self, size: int) -> str:
         key = f"bench/servers/{size}"
         if self.info.rank == 0:
-            url, argvs = self.cls.plan_local(self.url, self.info.world_size)
+            url, argvs = self.plan.enter_context(launcher.planned_servers(self.url, self.info.world_size))
             self.procs = [launcher.Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv]))
                           for i, argv in enumerate(argvs)]
             self.store.set(key, url)
@@ -244,9 +247,11 @@ class ServersPerSize:
             time.sleep(0.01)
         launcher.stop_all(self.procs)
         self.procs = []
+        self.plan.close()
 
     def close(self) -> None:
         launcher.stop_all(self.procs)
+        self.plan.close()
 
 
 def run_sizes(out: Results, method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int,
@@ -257,7 +262,7 @@ def run_sizes(out: Results, method: str, url: str, info, sizes: list[int], iters
     if method == "pushpull":
         cls = regime_class(ExchangerURL.parse(url).scheme)
         if hasattr(cls, "plan_local"):  # servers the launcher would start: started here, per size
-            servers = ServersPerSize(cls, url, info, timeout)
+            servers = ServersPerSize(url, info, timeout)
     if method == "allreduce":
         ex = commlab.connect(url, info)
         if not hasattr(ex, "join") or not hasattr(ex, "allreduce_async"):

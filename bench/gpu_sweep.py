@@ -113,18 +113,14 @@ def registered(url: str) -> str | None:
 
 def run_case(url: str, device: str, numel: int, workers: int, steps: int, warmup: int, timeout: float) -> dict:
     """Start servers (if the regime plans any) and ``workers`` ranks; return rank 0's timings or the error."""
-    from commlab.config import ExchangerURL
-    from commlab.launcher import Proc, free_port, stop_all
-    from commlab.registry import regime_class
+    from commlab.launcher import Proc, free_port, planned_servers, stop_all
 
-    parsed = ExchangerURL.parse(url)
-    cls = regime_class(parsed.scheme)
-    url_w, server_argvs = cls.plan_local(parsed, workers) if hasattr(cls, "plan_local") else (url, [])
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
                LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     procs: list[Proc] = []
-    with tempfile.TemporaryDirectory(prefix="gpu-sweep-") as tmp:
+    with (planned_servers(url, workers) as (url_w, server_argvs),
+          tempfile.TemporaryDirectory(prefix="gpu-sweep-") as tmp):
         result, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
         with log.open("w") as fh:
             try:

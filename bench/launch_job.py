@@ -16,8 +16,6 @@ import subprocess
 import sys
 
 from commlab import launcher
-from commlab.config import ExchangerURL
-from commlab.registry import regime_class
 from commlab.netns import Links
 
 LOOPBACK_TCP = re.compile(r"tcp://127\.0\.0\.1:(\d+)")
@@ -57,19 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     if not a.link_tag:
         return launcher.launch(a.url, a.workers, rest, module=a.module)
     links = Links(a.workers, a.link, tag=a.link_tag)  # not entered: the parent owns the namespaces
-    url, servers = a.url, []
-    cls = regime_class(ExchangerURL.parse(url).scheme)
-    if hasattr(cls, "plan_local"):
-        url, argvs = cls.plan_local(ExchangerURL.parse(url), a.workers)
+    with launcher.planned_servers(a.url, a.workers) as (url, argvs):
         url, argvs = place_servers(url, argvs, links, first_host=a.workers)
-        for i, argv in enumerate(argvs):
-            cmd = [*links.prefix(a.workers + i), sys.executable, "-m", "servers", *argv]
-            servers.append(launcher.Proc(f"server {i}", subprocess.Popen(cmd)))
-    try:
-        return launcher.launch(url, a.workers, rest, module=a.module, master_addr=links.addr(0),
-                               rank_prefix=links.prefix)
-    finally:
-        launcher.stop_all(servers)
+        servers = []
+        try:
+            for i, argv in enumerate(argvs):
+                cmd = [*links.prefix(a.workers + i), sys.executable, "-m", "servers", *argv]
+                servers.append(launcher.Proc(f"server {i}", subprocess.Popen(cmd)))
+            return launcher.launch(url, a.workers, rest, module=a.module, master_addr=links.addr(0),
+                                   rank_prefix=links.prefix)
+        finally:
+            launcher.stop_all(servers)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,25 @@ torchrun. The launcher watches them: the first process to fail is named, the
 rest are stopped, and nothing is left behind, also on Ctrl-C.
 
 A regime whose workers need servers (``ps://``) exposes
-``plan_local(url, workers) -> (url_for_workers, [server argv, ...])``; the
-launcher starts those first and stops them last.
+``plan_local(url, workers, scratch) -> (url_for_workers, [server argv, ...])``;
+the launcher starts those first and stops them last. Every caller of a plan
+(this launcher, the benchmarks) goes through :func:`planned_servers`, which
+owns the plan's scratch folder (ipc sockets) and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from commlab.config import ExchangerURL
 from commlab.registry import regime_class
@@ -30,6 +34,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]:
+    """The servers ``url``'s regime wants started for a job of ``workers`` on this host.
+
+    Yields ``(url for the workers, [server argv for ``python -m servers``, ...])``: the URL
+    unchanged and no servers when the regime has no ``plan_local`` or the URL names its servers.
+    The plan may put files (ipc sockets) in a scratch folder ``$TMPDIR/commlab-SCHEME-*`` made
+    here; it is removed when the block exits, also on errors, so stop the servers inside it.
+    Does not start anything.
+    """
+    parsed = ExchangerURL.parse(url)
+    cls = regime_class(parsed.scheme)
+    if not hasattr(cls, "plan_local"):
+        yield url, []
+        return
+    scratch = tempfile.mkdtemp(prefix=f"commlab-{parsed.scheme}-")
+    try:
+        yield cls.plan_local(parsed, workers, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @dataclass
@@ -65,54 +91,36 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
     if workers < 1:
         print("commlab train: --workers must be >= 1", file=sys.stderr)
         return 2
-    parsed = ExchangerURL.parse(url)
-    cls = regime_class(parsed.scheme)
-    server_argvs: list[list[str]] = []
-    if hasattr(cls, "plan_local"):
-        url, server_argvs = cls.plan_local(parsed, workers)
-    base = dict(os.environ if env is None else env)
-    base.update(MASTER_ADDR=master_addr, MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
-                LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1")
-    procs: list[Proc] = []
-    try:
-        for i, argv in enumerate(server_argvs):
-            procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv], env=base)))
-        for r in range(workers):
-            env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-            prefix = rank_prefix(r) if rank_prefix else []
-            args = [*prefix, sys.executable, "-m", module, "--exchanger", url, *worker_args]
-            if r > 0 and quiet_ranks:
-                args.append("--no-progress")
-            procs.append(Proc(f"rank {r}", subprocess.Popen(args, env=env_r)))
-        ranks = [p for p in procs if p.name.startswith("rank")]
-        while True:
-            for p in procs:
-                code = p.popen.poll()
-                if code not in (None, 0) or (code == 0 and not p.name.startswith("rank")):
-                    others = [q for q in procs if q is not p]
-                    stop_all(others)
-                    how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-                    print(f"commlab train: {p.name} failed first ({how}); stopped the others", file=sys.stderr)
-                    return code if code > 0 else 1
-            if all(p.popen.poll() == 0 for p in ranks):
-                return 0
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        print("commlab train: interrupted; stopping every process", file=sys.stderr)
-        return 130
-    finally:
-        stop_all(procs)
-        for folder in _planned_ipc_folders(server_argvs):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _planned_ipc_folders(server_argvs: list[list[str]]) -> set[str]:
-    """The temporary folders holding the ipc:// sockets of servers a regime planned (``commlab-*``)."""
-    folders = set()
-    for argv in server_argvs:
-        bind = argv[argv.index("--bind") + 1] if "--bind" in argv[:-1] else ""
-        if bind.startswith("ipc://"):
-            folder = os.path.dirname(bind[len("ipc://"):])
-            if os.path.basename(folder).startswith("commlab-"):
-                folders.add(folder)
-    return folders
+    with planned_servers(url, workers) as (url, server_argvs):
+        base = dict(os.environ if env is None else env)
+        base.update(MASTER_ADDR=master_addr, MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
+                    LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1")
+        procs: list[Proc] = []
+        try:
+            for i, argv in enumerate(server_argvs):
+                procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv], env=base)))
+            for r in range(workers):
+                env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+                prefix = rank_prefix(r) if rank_prefix else []
+                args = [*prefix, sys.executable, "-m", module, "--exchanger", url, *worker_args]
+                if r > 0 and quiet_ranks:
+                    args.append("--no-progress")
+                procs.append(Proc(f"rank {r}", subprocess.Popen(args, env=env_r)))
+            ranks = [p for p in procs if p.name.startswith("rank")]
+            while True:
+                for p in procs:
+                    code = p.popen.poll()
+                    if code not in (None, 0) or (code == 0 and not p.name.startswith("rank")):
+                        others = [q for q in procs if q is not p]
+                        stop_all(others)
+                        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+                        print(f"commlab train: {p.name} failed first ({how}); stopped the others", file=sys.stderr)
+                        return code if code > 0 else 1
+                if all(p.popen.poll() == 0 for p in ranks):
+                    return 0
+                time.sleep(poll_s)
+        except KeyboardInterrupt:
+            print("commlab train: interrupted; stopping every process", file=sys.stderr)
+            return 130
+        finally:
+            stop_all(procs)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 
@@ -96,14 +95,17 @@ def test_pieces_are_capped_so_big_tensors_pipeline():
     assert sum(p.nbytes for p in pieces) == sum(math.prod(s) * 4 for _, s, _ in manifest)
 
 
-def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints():
-    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2)
+def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints(tmp_path):
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2, str(tmp_path))
     assert len(argvs) == 3 and all("--mode" in a and "ssp" in a for a in argvs)
     assert [a[a.index("--shard") + 1] for a in argvs] == ["0/3", "1/3", "2/3"]
     opts = PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options
     assert opts.endpoint_list == [a[a.index("--bind") + 1] for a in argvs] and opts.mode == "ssp"
-    same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2)
+    same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2, str(tmp_path))
     assert none == [] and same == "ps://127.0.0.1:5000?mode=sync"
+    _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, str(tmp_path))
+    assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
+    assert list(tmp_path.iterdir()) == []  # the caller's folder; the plan makes nothing itself
     with pytest.raises(ConfigError, match="names no servers"):
         attach("ps://?mode=sync", nn.Linear(2, 2))
 
@@ -343,16 +345,56 @@ def test_push_pull_async_is_one_step_of_a_bare_vector(start_server):
 
 def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
     import glob
-    import tempfile
 
     from conftest import commlab_train
 
-    pattern = os.path.join(tempfile.gettempdir(), "commlab-ps-*")
-    before = set(glob.glob(pattern))
+    tmp = tmp_path / "tmp"  # the launcher's TMPDIR: only this run's folders are in it
+    tmp.mkdir()
     proc = commlab_train(["--exchanger", "ps://?shards=2&transport=ipc&mode=sync", "--workers", "2", "--model", "tiny",
-                          "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")])
+                          "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")], env={"TMPDIR": tmp})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "listening on ipc://" in proc.stdout + proc.stderr, "the servers did not use ipc: nothing to clean up"
+    assert f"listening on ipc://{tmp}/commlab-ps-" in proc.stdout + proc.stderr, \
+        "the servers did not use ipc in TMPDIR: nothing to clean up"
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert set(glob.glob(pattern)) == before
+    assert glob.glob(str(tmp / "commlab-ps-*")) == []
+
+
+def test_planned_servers_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypatch):
+    import glob
+    import tempfile
+
+    from commlab.launcher import planned_servers
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # only this test's folders are counted
+    pattern = str(tmp_path / "commlab-ps-*")
+    with pytest.raises(RuntimeError, match="the caller failed"):
+        with planned_servers("ps://?shards=2&transport=ipc", 2) as (url, argvs):
+            folders = glob.glob(pattern)
+            assert len(folders) == 1
+            assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{folders[0]}/shard{i}" for i in range(2)]
+            raise RuntimeError("the caller failed")
+    assert glob.glob(pattern) == []
+    with planned_servers("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
+        assert planned == ("ps://127.0.0.1:5000?mode=sync", [])
+    with planned_servers("noop://", 2) as planned:  # a regime without plan_local
+        assert planned == ("noop://", [])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.multiproc
+def test_bench_servers_over_ipc_leave_no_socket_folder(tmp_path, monkeypatch):
+    """A caller of plan_local other than the launcher: the GPU sweep's run_case, on CPU tensors."""
+    import glob
+    import tempfile
+
+    from bench import gpu_sweep
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_case plans in this process
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # and its ranks inherit the environment
+    out = gpu_sweep.run_case("ps://?shards=2&transport=ipc", "cpu", numel=1000, workers=1, steps=2, warmup=1,
+                             timeout=RUN_TIMEOUT)
+    assert "error" not in out, out.get("error")
+    servers = out["facts"]["servers"]
+    assert len(servers) == 2 and all(s.startswith(f"ipc://{tmp_path}/commlab-ps-") for s in servers), servers
+    assert glob.glob(str(tmp_path / "commlab-ps-*")) == []

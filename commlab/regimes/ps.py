@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -267,21 +266,21 @@ class PSExchanger(BucketedExchanger):
         return cls(_options(url), rank)
 
     @classmethod
-    def plan_local(cls, url: ExchangerURL, workers: int) -> tuple[str, list[list[str]]]:
-        """For ``commlab train``: the URL the workers get, and the argv of each server to start.
+    def plan_local(cls, url: ExchangerURL, workers: int, scratch: str) -> tuple[str, list[list[str]]]:
+        """For a job on this host: the URL the workers get, and the argv of each server to start.
 
         A URL that already names servers starts none. Otherwise ``shards`` (default 1) servers
-        listen on free loopback ports (or ipc paths with ``transport=ipc``).
+        listen on free loopback ports, or with ``transport=ipc`` on sockets in ``scratch``, a
+        folder the caller owns and removes (call it through :func:`commlab.launcher.planned_servers`).
         """
         opts = _options(url)
         if opts.endpoint_list:
             return url.text, []
         k = opts.shards or 1
         if opts.transport == "ipc":
-            folder = tempfile.mkdtemp(prefix="commlab-ps-")
-            endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
+            endpoints = [f"ipc://{scratch}/shard{i}" for i in range(k)]
         else:
-            from commlab.launcher import free_port  # the launcher is the one caller
+            from commlab.launcher import free_port
             endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(k)]
         mode = opts.mode or "sync"
         argvs = []
