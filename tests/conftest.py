@@ -111,10 +111,14 @@ class GroupTimeout(subprocess.TimeoutExpired):
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
-    """SIGKILL the process group ``proc`` leads (started with ``start_new_session=True``) and reap ``proc``.
+    """SIGKILL ``proc`` and, where it leads a process group (started with ``start_new_session=True``),
+    everything in that group; reap ``proc``.
 
     With ``grace`` > 0 the group first gets SIGTERM and ``proc`` up to ``grace`` seconds to exit.
-    Blocks until ``proc`` is reaped; SIGKILL is sent even if the wait is interrupted.
+    Blocks until ``proc`` is reaped, at most ``grace`` + 30 s (a SIGKILLed process still there after
+    that is stuck in the kernel: TimeoutExpired); SIGKILL is sent even if the wait is interrupted.
+    For a process that leads no group, ``killpg`` finds none (a live process's pid is never another
+    group's id) and only ``proc`` itself is killed.
     """
     try:
         if grace > 0:
@@ -125,7 +129,8 @@ def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
                 pass
     finally:
         _signal_group(proc, signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # no-op once reaped
+        proc.wait(30)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

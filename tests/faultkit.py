@@ -1,7 +1,8 @@
 """Helpers for the fault tests (test_fuzz, test_faults, test_multihost): real server processes,
 a raw DEALER that speaks the wire protocol, the server's resident memory.
 
-Every process started here is registered with a :class:`Procs` that kills it at the end.
+Every process started here is registered with a :class:`Procs` that kills it at the end. Each
+starts a session of its own, so that a kill reaches whatever it started too (a launcher's ranks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import zmq
 
 from commlab import psproto, transport, wire
 from commlab.regimes.ps import server_stats
+
+from conftest import GroupTimeout, kill_group
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -56,13 +59,14 @@ class Server:
 
 
 class Procs:
-    """Starts servers and workers; :meth:`close` kills whatever still runs (by pid, never by name)."""
+    """Starts servers and workers; :meth:`close` kills whatever still runs (by process group or pid,
+    never by name)."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.procs = tmp, []
 
     def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, env=ENV, cwd=REPO, **kw)
+        p = subprocess.Popen(cmd, env=ENV, cwd=REPO, start_new_session=True, **kw)
         self.procs.append(p)
         return p
 
@@ -77,8 +81,7 @@ class Procs:
         sel.close()
         line = proc.stdout.readline() if ready else ""
         if "listening on" not in line:
-            proc.kill()
-            proc.wait(10)
+            kill_group(proc)
             raise RuntimeError(f"server did not start within {START_TIMEOUT}s: {line!r} {log.read_text()}")
         return Server(proc, line.split("listening on")[1].strip(), log)
 
@@ -91,23 +94,19 @@ class Procs:
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+                kill_group(p)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """Wait for processes under one deadline; ``(returncode, stdout, stderr)`` each; kill what hangs."""
+    """Wait for processes under one deadline; ``(returncode, stdout, stderr)`` each; kill what hangs,
+    with its process group where it leads one (a launcher's ranks)."""
     deadline = time.monotonic() + timeout
     out = []
     for p in procs:
         try:
             o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
+            kill_group(p)
             o, e = p.communicate()
             e += f"\n[killed after {timeout}s]"
         out.append((p.returncode, o, e))
@@ -144,18 +143,37 @@ class Raw:
         self.tp.close()
 
 
+def _stat_fields(pid: str) -> list[str]:
+    """/proc/PID/stat after the command name: state, ppid, pgrp, ..."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()
+
+
 def children_of(pid: int) -> list[int]:
     """Pids whose parent is ``pid`` (read from /proc)."""
     kids = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        kids.append(int(d))
+                if int(_stat_fields(d)[1]) == pid:
+                    kids.append(int(d))
             except (OSError, IndexError, ValueError):
                 pass
     return kids
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) pids in process group ``pgid`` (read from /proc)."""
+    members = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = _stat_fields(d)
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    members.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return members
 
 
 def wait_for_rank_process(parent: int, rank: int, timeout: float) -> int:
@@ -175,17 +193,23 @@ def wait_for_rank_process(parent: int, rank: int, timeout: float) -> int:
 
 def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -> tuple[int, str, list[int]]:
     """``commlab train --exchanger URL --workers 3`` until killed: SIGKILL rank ``rank`` once training
-    has run ``settle_s`` seconds. Returns the launcher's exit code, its stderr and its children left."""
+    has run ``settle_s`` seconds. Returns the launcher's exit code, its stderr and the pids it left
+    running (its ranks and servers share its process group). Blocks at most ~START_TIMEOUT + 60 s;
+    nothing it started outlives the call."""
     launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
                                  "--workers", "3", "--model", model, "--steps", "100000"], env=ENV, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         victim = wait_for_rank_process(launcher.pid, rank=rank, timeout=START_TIMEOUT)
         time.sleep(settle_s)  # let training start
         os.kill(victim, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=60)
+        try:
+            _, err = launcher.communicate(timeout=60)
+        except subprocess.TimeoutExpired as exc:  # the group is killed below, on the way out
+            raise GroupTimeout(f"the launcher of {url} after rank {rank} was killed", exc.cmd, exc.timeout,
+                               exc.output, exc.stderr) from None
+        # the launcher has exited: by now its children were reparented, so look for them by group
+        left = group_members(launcher.pid)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(10)
-    return launcher.returncode, err, children_of(launcher.pid)
+        kill_group(launcher)  # what it left behind is reported above, and goes now
+    return launcher.returncode, err, left

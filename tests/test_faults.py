@@ -179,7 +179,8 @@ def _train(url: str, out) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
                              "--workers", "2", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "16",
                              "--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--save-params", str(out)],
-                            env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # so finish() and Procs.close() kill its ranks too
 
 
 def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(procs, tmp_path):
