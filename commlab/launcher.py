@@ -42,20 +42,28 @@ def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str
 
     Yields ``(url for the workers, [server argv for ``python -m servers``, ...])``: the URL
     unchanged and no servers when the regime has no ``plan_local`` or the URL names its servers.
-    The plan may put files (ipc sockets) in a scratch folder ``$TMPDIR/commlab-SCHEME-*`` made
-    here; it is removed when the block exits, also on errors, so stop the servers inside it.
-    Does not start anything.
+    A plan that needs files (ipc sockets) calls ``scratch()`` for a folder
+    ``$TMPDIR/commlab-SCHEME-*``; it is removed when the block exits, also on errors, so stop
+    the servers inside it. Does not start anything.
     """
     parsed = ExchangerURL.parse(url)
     cls = regime_class(parsed.scheme)
     if not hasattr(cls, "plan_local"):
         yield url, []
         return
-    scratch = tempfile.mkdtemp(prefix=f"commlab-{parsed.scheme}-")
+    made: list[str] = []
+
+    def scratch() -> str:
+        # made on first use: a tcp plan makes nothing that a killed launcher could leave behind
+        if not made:
+            made.append(tempfile.mkdtemp(prefix=f"commlab-{parsed.scheme}-"))
+        return made[0]
+
     try:
         yield cls.plan_local(parsed, workers, scratch)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @dataclass

@@ -96,14 +96,17 @@ def test_pieces_are_capped_so_big_tensors_pipeline():
 
 
 def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints(tmp_path):
-    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2, str(tmp_path))
+    def no_folder():
+        raise AssertionError("only an ipc plan needs a folder")
+
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=3&mode=ssp&staleness=1"), 2, no_folder)
     assert len(argvs) == 3 and all("--mode" in a and "ssp" in a for a in argvs)
     assert [a[a.index("--shard") + 1] for a in argvs] == ["0/3", "1/3", "2/3"]
     opts = PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options
     assert opts.endpoint_list == [a[a.index("--bind") + 1] for a in argvs] and opts.mode == "ssp"
-    same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2, str(tmp_path))
+    same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2, no_folder)
     assert none == [] and same == "ps://127.0.0.1:5000?mode=sync"
-    _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, str(tmp_path))
+    _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, lambda: str(tmp_path))
     assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
     assert list(tmp_path.iterdir()) == []  # the caller's folder; the plan makes nothing itself
     with pytest.raises(ConfigError, match="names no servers"):
@@ -375,6 +378,8 @@ def test_planned_servers_remove_their_ipc_folder_also_on_errors(tmp_path, monkey
             assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{folders[0]}/shard{i}" for i in range(2)]
             raise RuntimeError("the caller failed")
     assert glob.glob(pattern) == []
+    with planned_servers("ps://?shards=2", 2) as (url, argvs):  # tcp: no folder at all
+        assert len(argvs) == 2 and list(tmp_path.iterdir()) == []
     with planned_servers("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
         assert planned == ("ps://127.0.0.1:5000?mode=sync", [])
     with planned_servers("noop://", 2) as planned:  # a regime without plan_local

@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import zmq
@@ -266,19 +267,21 @@ class PSExchanger(BucketedExchanger):
         return cls(_options(url), rank)
 
     @classmethod
-    def plan_local(cls, url: ExchangerURL, workers: int, scratch: str) -> tuple[str, list[list[str]]]:
+    def plan_local(cls, url: ExchangerURL, workers: int,
+                   scratch: Callable[[], str]) -> tuple[str, list[list[str]]]:
         """For a job on this host: the URL the workers get, and the argv of each server to start.
 
         A URL that already names servers starts none. Otherwise ``shards`` (default 1) servers
-        listen on free loopback ports, or with ``transport=ipc`` on sockets in ``scratch``, a
-        folder the caller owns and removes (call it through :func:`commlab.launcher.planned_servers`).
+        listen on free loopback ports, or with ``transport=ipc`` on sockets in ``scratch()``, a
+        folder the caller owns and removes (call this through :func:`commlab.launcher.planned_servers`).
         """
         opts = _options(url)
         if opts.endpoint_list:
             return url.text, []
         k = opts.shards or 1
         if opts.transport == "ipc":
-            endpoints = [f"ipc://{scratch}/shard{i}" for i in range(k)]
+            folder = scratch()
+            endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
         else:
             from commlab.launcher import free_port
             endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(k)]
