@@ -52,8 +52,12 @@ def last_error_line(log: Path) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def kill_group(pgid: int, grace: float = 3.0) -> None:
-    """SIGTERM the process group we started, then SIGKILL whatever is still there after ``grace``."""
+def kill_group(pgid: int, grace: float = 3.0, leader: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group we started, then SIGKILL whatever is still there after ``grace``.
+
+    Pass the group's ``leader`` if it is our child: it is reaped while we wait. Unreaped, it would
+    stay in the group as a zombie, and the group would look alive until each wait ran out.
+    """
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
         try:
             os.killpg(pgid, sig)
@@ -61,6 +65,8 @@ def kill_group(pgid: int, grace: float = 3.0) -> None:
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
+            if leader is not None:
+                leader.poll()
             try:
                 os.killpg(pgid, 0)
             except ProcessLookupError:
@@ -86,11 +92,37 @@ def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None)
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:  # also on KeyboardInterrupt: the group goes with us
-            kill_group(proc.pid)
+            kill_group(proc.pid, leader=proc)
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
     return JobResult(proc.returncode, time.monotonic() - started, log, timed_out)
+
+
+def stop_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group each of ``procs`` leads (started with ``start_new_session=True``),
+    with whatever the process started; reap each. Blocks up to about a second per group."""
+    for p in procs:
+        kill_group(p.pid, grace=0.0, leader=p)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[int]:
+    """Exit codes of ``procs``, waited for under one deadline: blocks at most ``timeout`` s plus the kill.
+
+    For jobs whose output goes to the terminal or a file (nobody reads a pipe here). Each process
+    leads a process group of its own (``start_new_session=True``). If the deadline passes, or
+    anything is raised while waiting (Ctrl-C), every one of those groups is stopped
+    (:func:`stop_groups`), a launcher's ranks and servers included, before the error goes on; the
+    deadline raises TimeoutError naming ``what``. Processes that finish in time are left alone.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(max(0.0, deadline - time.monotonic())) for p in procs]
+    except BaseException as exc:
+        stop_groups(procs)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise TimeoutError(f"{what} did not finish within {timeout:g}s; its processes were killed") from exc
+        raise
 
 
 def python() -> str:

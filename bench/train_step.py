@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.jobs import stop_groups, wait_all
 from commlab.launcher import free_port
 
 
@@ -30,19 +31,28 @@ def run_entry(entry: str, a, workdir: Path, tag: str) -> list[float]:
     metrics = workdir / f"{tag}.jsonl"
     common = ["--model", a.model, "--steps", str(a.steps + a.warmup), "--batch-size", str(a.batch_size),
               "--metrics", str(metrics)]
+    # every process below leads a process group of its own, so that a deadline or Ctrl-C stops it
+    # with all it started (wait_all): main() goes on to the next entry, and nothing stays behind
     if entry in ("ddp", "ddp+heap"):
         import os
         port = free_port()
         heap = ["--heap", "keep"] if entry == "ddp+heap" else []
-        procs = [subprocess.Popen([sys.executable, "-m", "bench.ddp_worker", *common, *heap],
-                                  env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.workers), MASTER_ADDR="127.0.0.1",
-                                           MASTER_PORT=str(port)))
-                 for r in range(a.workers)]
-        codes = [p.wait(timeout=a.timeout) for p in procs]
+        procs: list[subprocess.Popen] = []
+        try:
+            for r in range(a.workers):
+                procs.append(subprocess.Popen([sys.executable, "-m", "bench.ddp_worker", *common, *heap],
+                                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.workers),
+                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                              start_new_session=True))
+        except BaseException:  # a rank that did not start: the ones started would wait for it
+            stop_groups(procs)
+            raise
+        codes = wait_all(procs, a.timeout, f"{entry} ({a.workers} ranks)")
     else:
         workers = 1 if entry == "local://" else a.workers
-        codes = [subprocess.run([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", entry,
-                                 "--workers", str(workers), "--lr", "0.01", *common], timeout=a.timeout).returncode]
+        job = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", entry,
+                                "--workers", str(workers), "--lr", "0.01", *common], start_new_session=True)
+        codes = wait_all([job], a.timeout, f"commlab train --exchanger {entry}")
     if any(codes):
         raise RuntimeError(f"{entry} failed with exit codes {codes}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
