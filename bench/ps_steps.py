@@ -14,23 +14,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.jobs import run_job
+
 REGIMES = {"ps": "ps://?shards=1&mode=sync", "allreduce": "allreduce://?backend=gloo"}
 
 
 def run(exchanger: str, model: str, steps: int, warmup: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.jsonl"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-        subprocess.run([sys.executable, "-m", "commlab.cli", "train", "--exchanger", exchanger, "--workers", "2",
-                        "--model", model, "--batch-size", "64", "--steps", str(steps), "--metrics", str(metrics),
-                        "--no-progress"], check=True, timeout=timeout, env=env, cwd=REPO,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # a job of its own process group (bench.jobs): on the deadline the launcher goes with its ranks and servers
+        res = run_job([sys.executable, "-m", "commlab.cli", "train", "--exchanger", exchanger, "--workers", "2",
+                       "--model", model, "--batch-size", "64", "--steps", str(steps), "--metrics", str(metrics),
+                       "--no-progress"], Path(tmp) / "train.log", timeout)
+        if not res.ok:
+            raise RuntimeError(f"commlab train --exchanger {exchanger} --model {model}: {res.error()}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines()][warmup:]
     return {"step_s": [r["step_s"] for r in rows], "comm_s": [r["comm_s"] for r in rows]}
 
