@@ -20,6 +20,7 @@ from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL
 from workers.models import build_model
 
+from conftest import GroupTimeout, kill_group
 from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
 
 RUN_TIMEOUT = 150.0
@@ -34,21 +35,25 @@ def start_server(tmp_path):
 
 
 def run_all(cmds: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[str]:
-    """Run processes concurrently; return their stdouts; kill all and raise if one fails or hangs."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO)
-             for c in cmds]
+    """Run processes concurrently; return their stdouts; kill all and raise if one fails or hangs.
+
+    Each runs in a session of its own, so that killing a 'commlab train' kills its servers and ranks too."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
+                              start_new_session=True) for c in cmds]
     outs = []
     try:
         for cmd, p in zip(cmds, procs):
-            out, err = p.communicate(timeout=timeout)
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as exc:  # every group is killed below, on the way out
+                raise GroupTimeout(' '.join(cmd[-8:]), cmd, timeout, exc.output, exc.stderr) from None
             if p.returncode != 0:
                 raise AssertionError(f"{' '.join(cmd[-8:])} exited {p.returncode}:\n{err[-3000:]}")
             outs.append(out)
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                kill_group(p)
     return outs
 
 
