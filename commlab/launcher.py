@@ -3,7 +3,8 @@
 Workers are started as processes by module name (``python -m workers``) with
 torchrun's environment variables, so a worker cannot tell this launcher from
 torchrun. The launcher watches them: the first process to fail is named, the
-rest are stopped, and nothing is left behind, also on Ctrl-C.
+rest are stopped, and nothing is left behind, also on Ctrl-C or SIGTERM (what
+``kill``, a job scheduler's cancel or a test's timeout sends).
 
 A regime whose workers need servers (``ps://``) exposes
 ``plan_local(url, workers, scratch) -> (url_for_workers, [server argv, ...])``;
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -66,6 +68,15 @@ def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str
             shutil.rmtree(folder, ignore_errors=True)
 
 
+class Terminated(Exception):
+    """SIGTERM reached the launcher (raised by its handler, so the ``finally`` that stops the job runs)."""
+
+
+def _terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
+    raise Terminated()
+
+
 @dataclass
 class Proc:
     name: str  # "rank 1", "server shard 0/2"
@@ -99,6 +110,22 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
     if workers < 1:
         print("commlab train: --workers must be >= 1", file=sys.stderr)
         return 2
+    # SIGTERM's default action ends the launcher at once and orphans every server and rank;
+    # turned into an exception it unwinds like Ctrl-C. (Signal handlers live in the main thread only.)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix)
+    except Terminated:
+        print("commlab train: terminated (SIGTERM); stopped every process", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix) -> int:
     with planned_servers(url, workers) as (url, server_argvs):
         base = dict(os.environ if env is None else env)
         base.update(MASTER_ADDR=master_addr, MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
