@@ -160,3 +160,15 @@ def test_bad_client_names_are_refused_before_anything_is_written(tmp_path, clien
     assert [f.name for f in used.iterdir()] == ["notes.txt"] and (used / "notes.txt").read_text() == "mine"
     argv = [str(absent)] + [a for name in clients for a in ("--client", name)]
     assert keys.main(argv) == 2 and not absent.exists()  # the CLI says why (stderr) and writes nothing
+
+
+@pytest.mark.multiproc
+def test_servers_the_launcher_starts_get_the_keys_the_workers_use(tmp_path):
+    """``ps://?shards=2&keys=DIR``: ``commlab train`` starts both servers with ``--keys DIR``. Workers
+    with keys speak CURVE, so a server started without them never answers their hello (this
+    job then fails within the URL's timeout, which is what it did before)."""
+    from conftest import commlab_train
+    d = keys.create(tmp_path / "k", ["worker"])
+    done = commlab_train(["--exchanger", f"ps://?shards=2&mode=sync&timeout=10&keys={d}", "--workers", "2",
+                          "--model", "tiny", "--steps", "2"], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -291,6 +291,8 @@ class PSExchanger(BucketedExchanger):
             argv = ["--bind", ep, "--mode", mode, "--shard", f"{i}/{k}"]
             if opts.staleness >= 0:
                 argv += ["--staleness", str(opts.staleness)]
+            if opts.keys:  # the workers will speak CURVE with these keys: so must the servers
+                argv += ["--keys", opts.keys]
             argvs.append(argv)
         query = [(key, v) for key, v in url.query if key not in ("shards", "transport", "endpoints", "mode")]
         query += [("mode", mode), ("endpoints", ",".join(endpoints))]
