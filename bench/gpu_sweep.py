@@ -5,11 +5,12 @@ GPU r % count) train a "model" of one flat parameter of S bytes through the
 Exchanger contract: backward gives a gradient of ones, ``step()`` exchanges it.
 The figure is the algorithm bandwidth S / (median step time), the step timed
 from before backward until the result is back in the parameter (a CUDA
-synchronize included). The CUDA row of a zmq regime pays two extra copies
-through pinned host memory (:mod:`commlab.staging`); the goal is that it keeps
+synchronize included). The CUDA row of ``ring://`` over zmq pays two extra
+copies through host memory (``.to("cpu")`` and back); the goal is that it keeps
 >= 80% of the same regime's CPU-tensor bandwidth.
 
-Rows: ``ring://`` and ``ps://`` (host-staged, the goal applies), gloo (which
+Rows: ``ring://`` (host-staged, the goal applies), ``ps://`` on CPU tensors only
+(a CPU parameter server: it refuses CUDA parameters, and the sweep says so), gloo (which
 stages CUDA tensors itself: a peer for our staging), and NCCL on CUDA alone
 when there are at least as many GPUs as workers (its transport, and whether it
 used GPUDirect RDMA, are in the manifest from ``commlab doctor``'s probe).
@@ -44,7 +45,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 GOAL = 0.8  # CUDA-tensor bandwidth / CPU-tensor bandwidth, host-staged regimes
-STAGED = ("ring", "ps")  # schemes the goal applies to (their zmq transport stages through the host)
+STAGED = ("ring",)  # schemes the goal applies to (their zmq transport copies through the host)
+CPU_ONLY = {"ps": "ps:// keeps parameters on the CPU (it refuses CUDA ones)"}  # no CUDA row for these
 DEFAULT_REGIMES = ("ring://", "ps://", "allreduce://?backend=gloo")
 NCCL_URL = "allreduce://?backend=nccl"
 
@@ -252,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append((url, why))
             continue
         devices = ["cuda"] if url == NCCL_URL else a.devices
+        cpu_only = CPU_ONLY.get(url.split("://")[0])
+        if cpu_only and "cuda" in devices:
+            devices = [d for d in devices if d != "cuda"]
+            print(f"  {url} on cuda: skipped: {cpu_only}", flush=True)
+            skipped.append((f"{url} on cuda", cpu_only))
         for mib in a.sizes_mib:
             numel = max(1, int(mib * 2**20) // 4)
             row: dict = {"url": url, "scheme": url.split("://")[0], "mib": mib}
