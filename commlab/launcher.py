@@ -112,17 +112,16 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
         return 2
     # SIGTERM's default action ends the launcher at once and orphans every server and rank;
     # turned into an exception it unwinds like Ctrl-C. (Signal handlers live in the main thread only.)
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminated)
+    installed = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if installed else None
     try:
         return _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix)
     except Terminated:
         print("commlab train: terminated (SIGTERM); stopped every process", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:  # None: a handler set outside Python, which Python cannot put back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix) -> int:
