@@ -305,6 +305,7 @@ class RingExchanger(CollectiveExchanger):
     def facts(self) -> dict:
         o = self.options
         facts = {"scheme": self.scheme, "transport": o.transport, "chunk_mb": o.chunk_mb,
+                 "two_rank_swap_up_to_kb": o.swap_kb if self.world_size == 2 else "n/a (N > 2)",
                  "zero_copy_above_bytes": wire.COPY_THRESHOLD, "half_types_reduce_in": "float32"}
         if o.transport == "torch":
             facts["backend"] = o.backend
