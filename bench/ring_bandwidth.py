@@ -37,6 +37,8 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from bench.text import parse_sizes
+
 REGIMES = {
     "gloo": None,  # torch.distributed.all_reduce, gloo
     "ring-tcp": "ring://?transport=tcp",
@@ -302,12 +304,6 @@ def sweep(regimes: list[str], sizes: list[int], workers: list[int], quick: bool 
 
 
 # ----- reporting -------------------------------------------------------------------------------------
-def size_arg(text: str) -> int:
-    """``4K`` / ``256K`` / ``16M`` / ``4096`` -> bytes (this script runs without the bench package)."""
-    shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:].upper(), 0)
-    return int(text[:-1] if shift else text) << shift
-
-
 def human(size: int) -> str:
     for unit, k in (("G", 30), ("M", 20), ("K", 10)):
         if size >= 1 << k and size % (1 << k) == 0:
@@ -370,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(header_cost()))
         return 0
     names = a.sizes.split(",") if a.sizes else (QUICK_SIZES if a.quick else FULL_SIZES)
-    sizes = [size_arg(s) for s in names]
+    sizes = parse_sizes(",".join(names))
     regimes = a.regimes.split(",")
     records = sweep(regimes, sizes, [int(n) for n in a.workers.split(",")], a.quick,
                     on_record=lambda r: print(f"  N={r['workers']} {r['regime']:<10} {human(r['size_bytes']):>5}: "

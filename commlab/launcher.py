@@ -116,6 +116,9 @@ def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None =
     previous = signal.signal(signal.SIGTERM, _terminated) if installed else None
     try:
         return _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix)
+    except KeyboardInterrupt:
+        print("commlab train: interrupted; stopped every process", file=sys.stderr)
+        return 130
     except Terminated:
         print("commlab train: terminated (SIGTERM); stopped every process", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -153,8 +156,5 @@ def _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_
                 if all(p.popen.poll() == 0 for p in ranks):
                     return 0
                 time.sleep(poll_s)
-        except KeyboardInterrupt:
-            print("commlab train: interrupted; stopping every process", file=sys.stderr)
-            return 130
         finally:
             stop_all(procs)

@@ -499,7 +499,7 @@ class RingExchanger(CollectiveExchanger):
         scratch, scratch_np = self._scratch_view, self._scratch.numpy()
         timeout, steps = self.options.timeout, len(plan)
         hsize = wire.CHUNK_HEADER.size
-        trackers: list = []  # per message sent, in order: a zero-copy send's tracker, or None (copied)
+        trackers: list = []  # per message sent, in order (step t, chunk j is t * K + j): a tracker, or None (copied)
 
         def outgoing(t: int, j: int) -> tuple[bytes, memoryview]:
             lo, hi = self._chunk(bounds, plan[t][0], j, K)
@@ -508,8 +508,8 @@ class RingExchanger(CollectiveExchanger):
         def send(message: tuple[bytes, memoryview]) -> None:
             trackers.append(outbox.send(*message))
 
-        def release(j: int) -> None:  # the swap adds into what it sent: zmq must be done reading it
-            tracker = trackers[j] if steps == 1 else None
+        def release(t: int, j: int) -> None:  # adding into what step t sent (the swap): zmq must have let go
+            tracker = trackers[t * K + j] if plan[t][0] == plan[t][1] else None
             if tracker is not None and not tracker.done:
                 try:
                     tracker.wait(timeout)
@@ -556,7 +556,7 @@ class RingExchanger(CollectiveExchanger):
                     frame = inbox.recv_frame()
                     size = len(frame)
                     if size == nbytes:
-                        release(j)
+                        release(t, j)
                         work[lo:hi].add_(torch.frombuffer(frame.buffer, dtype=dtype, count=hi - lo))
                 if size != nbytes or inbox.more():
                     raise ProtocolError(f"{inbox.who} sent {size} bytes for elements [{lo}, {hi}) of collective "
@@ -593,7 +593,7 @@ class RingExchanger(CollectiveExchanger):
             t, j = divmod(m, K)
             lo, hi = self._chunk(bounds, plan[t][1], j, K)
             dest = slots[m % len(slots)][:hi - lo] if plan[t][2] else work[lo:hi]
-            recvs[m] = (dist.irecv(dest, src=self.left, group=self._group, tag=m), dest, lo, hi, t)
+            recvs[m] = (dist.irecv(dest, src=self.left, group=self._group, tag=m), dest, lo, hi)
 
         def send(t: int, j: int) -> None:
             lo, hi = self._chunk(bounds, plan[t][0], j, K)
@@ -613,10 +613,10 @@ class RingExchanger(CollectiveExchanger):
             send(0, j)
         for m in range(total):
             t, j = divmod(m, K)
-            w, dest, lo, hi, _ = recvs.pop(m)
+            w, dest, lo, hi = recvs.pop(m)
             finish(w, f"rank {self.left} (left neighbour)", "receive from")
             if plan[t][2]:
-                if plan[t][0] == plan[t][1]:  # the swap adds into what it sends: gloo and NCCL read it until done
+                if plan[t][0] == plan[t][1]:  # adding into what step t sent (the swap): gloo/NCCL read it until done
                     finish(sends[m], f"rank {self.right} (right neighbour)", "send to")
                     sends[m] = None
                 work[lo:hi].add_(dest)
