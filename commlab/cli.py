@@ -1,8 +1,9 @@
-"""``commlab``: train, server, bench, keys, doctor.
+"""``commlab``: train, run, server, bench, keys, doctor.
 
-``train`` runs the local launcher in this process. The other subcommands run
-their module as a process of its own (``python -m MODULE``), so the library
-never imports the server's or the benchmarks' internals.
+``train`` (the built-in worker) and ``run`` (the user's script) run the local
+launcher in this process. The other subcommands run their module as a process
+of its own (``python -m MODULE``), so the library never imports the server's or
+the benchmarks' internals.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from commlab import launcher
 from commlab.config import ExchangerURL, describe_options, parse_options
 from commlab.errors import ConfigError
 from commlab.registry import REGIMES, regime_class
+from commlab.rendezvous import RankInfo
 
 # subcommand -> (module run as ``python -m``, one line of help)
 SUBCOMMANDS = {
@@ -39,6 +41,32 @@ def regimes_help() -> str:
     return "\n".join(lines)
 
 
+def check_url(url: str, option: str = "--exchanger") -> str | None:
+    """None if ``url`` names a regime and options it accepts, else one line naming ``option``.
+
+    Checked before anything starts, so a typo costs no process and no traceback.
+    """
+    try:
+        parsed = ExchangerURL.parse(url)
+        cls = regime_class(parsed.scheme)
+        if hasattr(cls, "from_url"):  # a regime with its own URL rules (ps://): build it, connect nothing
+            cls.from_url(parsed, RankInfo.single())
+        else:
+            parse_options(cls.Options, parsed)
+    except (ConfigError, ValueError) as exc:
+        return f"{option} {url!r}: {exc}"
+    except ImportError as exc:
+        return f"{option} {url!r}: the regime cannot be imported here: {exc}"
+    return None
+
+
+def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
+    """The launcher's own flags, shared by ``train`` and ``run``."""
+    p.add_argument("--workers", type=int, default=default_workers, help="number of ranks")
+    p.add_argument("--deadline", type=float, help="seconds the whole job may run before every process is stopped")
+    p.add_argument("--log-dir", help="keep each process's output here (rank<r>.log, server<i>.log)")
+
+
 def train_main(argv: list[str]) -> int:
     """Parse what the launcher needs; every other flag goes to the workers untouched.
 
@@ -47,8 +75,9 @@ def train_main(argv: list[str]) -> int:
     """
     p = argparse.ArgumentParser(prog="commlab train", add_help=False,
                                 description="Train on N local workers (torchrun's environment, loopback).")
-    p.add_argument("--workers", type=int, default=2, help="number of worker processes")
+    add_job_args(p, default_workers=2)
     p.add_argument("--exchanger", default="local://", help="regime URL (see below)")
+    p.add_argument("--metrics", help="JSON lines per step; rank r > 0 writes PATH.rank<r> (kept)")
     p.add_argument("-h", "--help", action="store_true")
     a, worker_args = p.parse_known_args(argv)
     if a.help:
@@ -58,20 +87,49 @@ def train_main(argv: list[str]) -> int:
         subprocess.run([sys.executable, "-m", "workers", "--help"], check=False)
         print("\n" + regimes_help())
         return 0
-    try:
-        parsed = ExchangerURL.parse(a.exchanger)
-        cls = regime_class(parsed.scheme)
-        if not hasattr(cls, "from_url"):
-            parse_options(cls.Options, parsed)
-    except ConfigError as exc:
-        print(f"commlab train: {exc}", file=sys.stderr)
+    problem = check_url(a.exchanger)
+    if problem:
+        print(f"commlab train: {problem}", file=sys.stderr)
         return 2
-    return launcher.launch(a.exchanger, a.workers, worker_args)
+    return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
+                           metrics_path=a.metrics)
+
+
+def run_main(argv: list[str]) -> int:
+    """``commlab run [--workers N] [--exchanger URL] script.py ARGS``: N ranks of the user's script."""
+    p = argparse.ArgumentParser(
+        prog="commlab run", description="Run N ranks of a training script on this host, as torchrun would "
+        "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), with COMMLAB_EXCHANGER "
+        "(read by commlab.connect()) and COMMLAB_METRICS (written by commlab.report()) set, and the servers "
+        "the exchanger needs started first.", epilog=regimes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_job_args(p, default_workers=1)
+    p.add_argument("--exchanger", default=os.environ.get(launcher.EXCHANGER_ENV, "allreduce://"),
+                   help="regime URL (default: $COMMLAB_EXCHANGER, else allreduce://)")
+    p.add_argument("--metrics", help="keep the ranks' metrics here (rank r > 0: PATH.rank<r>)")
+    p.add_argument("-m", dest="module", help="run this module (python -m MODULE) instead of a script")
+    p.add_argument("script", nargs="?", help="the training script each rank runs")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    a = p.parse_args(argv)
+    if a.module:
+        command, args = ("-m", a.module), ([a.script] if a.script else []) + a.args
+    elif a.script:
+        command, args = (a.script,), a.args
+    else:
+        print("commlab run: give a script (or -m MODULE) to run", file=sys.stderr)
+        return 2
+    problem = check_url(a.exchanger)
+    if problem:
+        print(f"commlab run: {problem}", file=sys.stderr)
+        return 2
+    job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
+                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run")
+    return launcher.run_job(job)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"train": "train on N local workers (the embedded launcher)"}
+    commands = {"train": "train the built-in worker on N local ranks (the embedded launcher)",
+                "run": "run N local ranks of your training script (torchrun's environment + COMMLAB_EXCHANGER)"}
     commands.update({k: v[1] for k, v in SUBCOMMANDS.items()})
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: commlab COMMAND [ARGS]\n\ncommands:")
@@ -82,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return train_main(rest)
+    if cmd == "run":
+        return run_main(rest)
     if cmd in SUBCOMMANDS:
         module = SUBCOMMANDS[cmd][0]
         os.execv(sys.executable, [sys.executable, "-m", module, *rest])

@@ -1,22 +1,35 @@
-"""The embedded default: N workers (and any servers their regime needs) on loopback.
+"""The embedded launcher: a job of N ranks (and any servers their regime needs) on this host.
 
-Workers are started as processes by module name (``python -m workers``) with
-torchrun's environment variables, so a worker cannot tell this launcher from
-torchrun. The launcher watches them: the first process to fail is named, the
-rest are stopped, and nothing is left behind, also on Ctrl-C or SIGTERM (what
-``kill``, a job scheduler's cancel or a test's timeout sends).
+A :class:`Job` says what each rank runs (a module, ``python -m workers``, or a script path), its
+arguments, the exchanger URL, a deadline and where logs and metrics go; :func:`run_job` runs it
+for ``commlab train``, ``commlab run`` and the benchmarks. Ranks get torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+plus ``COMMLAB_EXCHANGER`` and ``COMMLAB_METRICS``, so a rank cannot tell this launcher from
+torchrun. The job, in order:
 
-A regime whose workers need servers (``ps://``) exposes
-``plan_local(url, workers, scratch) -> (url_for_workers, [server argv, ...])``;
-the launcher starts those first and stops them last. Every caller of a plan
-(this launcher, the benchmarks) goes through :func:`planned_servers`, which
-owns the plan's scratch folder (ipc sockets) and removes it.
+1. The regime's plan (``plan_local``, e.g. ``ps://?shards=K``) names servers that bind port 0.
+   Each server prints ``... listening on ENDPOINT`` on stdout once bound; the launcher reads
+   those lines (with a deadline) and writes the real endpoints into the workers' URL. No port
+   is picked and released before its server binds it.
+2. The rendezvous store (torch's ``TCPStore``) is hosted here, bound to port 0, as torchrun's
+   agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``): every rank, rank 0 included, is a
+   client of a port that is already bound. (Ranks placed in other network namespaces by
+   ``rank_prefix`` cannot reach this process; there rank 0 hosts the store on a port of its
+   fresh namespace, where nothing else listens.)
+3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), every process's
+   output also goes to its log (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
+4. The launcher watches: the first process to fail is named with the tail of its log, the
+   rest are stopped. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
+   124). Each process leads a process group of its own, so a stop takes whatever it started;
+   each also dies with the launcher if the launcher is SIGKILLed (``commlab/childexec.py``).
+5. A one-line summary from rank 0's last metrics line (:mod:`commlab.metrics`) goes to stdout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,28 +38,43 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
 
+from commlab import metrics
 from commlab.config import ExchangerURL
+from commlab.errors import ConfigError
 from commlab.registry import regime_class
+
+CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
+ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
+EXCHANGER_ENV = "COMMLAB_EXCHANGER"
+TAIL_LINES = 20
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago. Racy by nature (another process may take it before the
+    caller binds it): the launcher itself never uses it for a loopback job; tests and benchmarks
+    that start ranks by hand still do."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
+# ----- servers a regime plans ---------------------------------------------------------------------
+
 @contextlib.contextmanager
-def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]:
+def server_plan(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]:
     """The servers ``url``'s regime wants started for a job of ``workers`` on this host.
 
-    Yields ``(url for the workers, [server argv for ``python -m servers``, ...])``: the URL
-    unchanged and no servers when the regime has no ``plan_local`` or the URL names its servers.
-    A plan that needs files (ipc sockets) calls ``scratch()`` for a folder
-    ``$TMPDIR/commlab-SCHEME-*``; it is removed when the block exits, also on errors, so stop
-    the servers inside it. Does not start anything.
+    Yields ``(url template, [server argv for python -m servers, ...])``: the URL unchanged and no
+    servers when the regime plans none or the URL names its servers. Servers bind port 0; the URL
+    template holds their ``--bind`` endpoints in order, to be replaced by what they report
+    (:func:`start_servers` does both). A plan that needs files (ipc sockets) calls ``scratch()``
+    for a folder ``$TMPDIR/commlab-SCHEME-*``, removed when the block exits, also on errors, so
+    stop the servers inside it. Starts nothing. Raises ConfigError for a bad URL.
     """
     parsed = ExchangerURL.parse(url)
     cls = regime_class(parsed.scheme)
@@ -68,6 +96,237 @@ def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def bind_of(argv: Sequence[str]) -> str:
+    """The ``--bind`` endpoint in a server's argv."""
+    try:
+        return argv[list(argv).index("--bind") + 1]
+    except (ValueError, IndexError):
+        raise ConfigError(f"server argv {list(argv)} has no --bind ENDPOINT") from None
+
+
+def with_endpoints(url: str, binds: Sequence[str], endpoints: Sequence[str]) -> str:
+    """``url`` with server i's planned ``binds[i]`` replaced by the ``endpoints[i]`` it reported.
+
+    The plan lists its servers in the URL in server order, so the i-th replacement starts where
+    the (i-1)-th ended: equal binds (``tcp://127.0.0.1:0`` K times) still map one to one.
+    """
+    out, pos = url, 0
+    for bind, endpoint in zip(binds, endpoints, strict=True):
+        at = out.find(bind, pos)
+        if at < 0:
+            raise ConfigError(f"the plan's URL {url!r} does not name server endpoint {bind!r}")
+        out = out[:at] + endpoint + out[at + len(bind):]
+        pos = at + len(endpoint)
+    return out
+
+
+@contextlib.contextmanager
+def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]:
+    """:func:`server_plan` with the ports picked here, for callers that start servers themselves
+    and cannot read back what they bound (the benchmarks' namespaced jobs).
+
+    Yields ``(url for the workers, [server argv, ...])`` ready to run. Each tcp port 0 becomes a
+    :func:`free_port`: the race :func:`start_servers` avoids. Prefer that.
+    """
+    with server_plan(url, workers) as (template, argvs):
+        binds = [bind_of(a) for a in argvs]
+        fixed = [re.sub(r"^(tcp://[^/]+):0$", lambda m: f"{m.group(1)}:{free_port()}", b) for b in binds]
+        argvs = [[fixed[i] if a == binds[i] else a for a in argv] for i, argv in enumerate(argvs)]
+        yield with_endpoints(template, binds, fixed), argvs
+
+
+# ----- processes ----------------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    name: str  # "rank 1", "server 0"
+    popen: subprocess.Popen
+    log: Path | None = None  # everything the process wrote (stdout and stderr)
+    forwarded: bool = False  # its output also reached the launcher's terminal
+    endpoint: str | None = None  # a server: what it reported binding
+    reported: threading.Event = field(default_factory=threading.Event)
+    pumps: list[threading.Thread] = field(default_factory=list)
+    files: list = field(default_factory=list)  # closed once the pumps are done
+
+    def drain(self, timeout: float = 2.0) -> None:
+        """Wait for the output pumps (bounded: a grandchild that escaped the group may hold a pipe)."""
+        for t in self.pumps:
+            t.join(timeout)
+        if not any(t.is_alive() for t in self.pumps):
+            for fh in self.files:
+                fh.close()
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _signal(p: Proc, sig: int) -> None:
+    """``sig`` to ``p``'s process group (it leads one when the launcher started it), else to ``p``."""
+    try:
+        os.killpg(p.popen.pid, sig)
+    except ProcessLookupError:  # not a group leader (started by someone else), or the group is gone
+        if p.popen.poll() is None:
+            p.popen.send_signal(sig)
+    except PermissionError:
+        pass
+
+
+def stop_all(procs: list[Proc], grace: float = 5.0) -> None:
+    """SIGTERM each process's group, then SIGKILL what did not stop within ``grace``; reap them.
+
+    Groups of processes that already exited are signalled too: what they started goes with them.
+    """
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _signal(p, signal.SIGKILL)
+        p.popen.wait()
+    for p in procs:
+        p.drain()
+
+
+def _pump(src, sinks: list, lock: threading.Lock, on_line: Callable[[bytes], None] | None) -> None:
+    """Copy ``src`` (a pipe) to every sink until EOF; a sink that fails (a closed terminal pipe)
+    is dropped, the others go on. ``on_line`` sees each line (servers report their endpoint)."""
+    read = src.readline if on_line else (lambda: src.read1(65536))
+    while True:
+        try:
+            chunk = read()
+        except (OSError, ValueError):
+            break
+        if not chunk:
+            break
+        if on_line:
+            on_line(chunk)
+        with lock:
+            for sink in list(sinks):
+                try:
+                    sink.write(chunk)
+                    sink.flush()
+                except (OSError, ValueError):
+                    sinks.remove(sink)
+    src.close()
+
+
+def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: bool = False,
+          report_endpoint: bool = False) -> Proc:
+    """Start ``argv`` in a process group of its own that dies with this process.
+
+    Its output goes to ``log`` and, with ``forward``, to this process's stdout and stderr.
+    With ``report_endpoint`` the first ``... listening on ENDPOINT`` line on its stdout sets
+    ``Proc.endpoint`` and ``Proc.reported``. Does not block.
+    """
+    wrapped = [sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv]
+    popen = subprocess.Popen(wrapped, env=dict(env), start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE if forward else subprocess.STDOUT)
+    proc = Proc(name, popen, log, forward)
+    lock = threading.Lock()
+    fh = log.open("ab") if log is not None else None
+
+    def on_line(line: bytes) -> None:
+        if not proc.reported.is_set():
+            m = ENDPOINT_LINE.search(line.decode(errors="replace"))
+            if m:
+                proc.endpoint = m.group(1)
+                proc.reported.set()
+
+    streams = [(popen.stdout, sys.stdout)] + ([(popen.stderr, sys.stderr)] if forward else [])
+    for src, term in streams:
+        sinks = [s for s in (fh, getattr(term, "buffer", None) if forward else None) if s is not None]
+        t = threading.Thread(target=_pump, args=(src, sinks, lock, on_line if report_endpoint else None),
+                             name=f"commlab-pump-{name}", daemon=True)
+        t.start()
+        proc.pumps.append(t)
+    proc.files = [fh] if fh is not None else []
+    return proc
+
+
+class JobFailed(Exception):
+    """A process of the job failed, or the job could not start; the message is for the user."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _how(code: int) -> str:
+    return f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+
+
+def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
+                  timeout: float, procs: list[Proc]) -> str:
+    """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
+    return the workers' URL with the endpoints they reported. Blocks until every server reported,
+    at most ``timeout`` seconds; raises JobFailed naming a server that exited or never reported."""
+    servers = []
+    for i, argv in enumerate(argvs):
+        p = spawn(f"server {i}", [sys.executable, "-m", "servers", *argv], env,
+                  logs / f"server{i}.log" if logs else None, report_endpoint=True)
+        procs.append(p)
+        servers.append(p)
+    deadline = time.monotonic() + timeout
+    for p in servers:
+        while not p.reported.wait(0.05):
+            code = p.popen.poll()
+            if code is not None:
+                p.reported.wait(1.0)  # the line may be in the pipe still
+                if p.reported.is_set():
+                    break
+                raise JobFailed(f"{p.name} exited ({_how(code)}) before it reported its endpoint"
+                                + _tail_text(p), code if code > 0 else 1)
+            if time.monotonic() > deadline:
+                raise JobFailed(f"{p.name} did not report its endpoint within {timeout:g}s" + _tail_text(p), 1)
+    return with_endpoints(template, [bind_of(a) for a in argvs], [p.endpoint for p in servers])
+
+
+def _tail_text(p: Proc) -> str:
+    if p.forwarded:
+        return ""
+    text = p.tail()
+    return f"; the last lines of its log:\n{text}" if text.strip() else ""
+
+
+def _host_store(addr: str, timeout: float):
+    """torch's TCPStore, served by this process on a port of its choosing (``store.port``)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True)
+
+
+# ----- the job ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Job:
+    """Everything :func:`run_job` needs: what each rank runs, how many, with which exchanger."""
+
+    command: tuple[str, ...]  # after the interpreter: ("-m", "workers") or ("path/train.py",)
+    args: tuple[str, ...] = ()
+    workers: int = 1
+    exchanger: str = "local://"
+    url_flag: str | None = None  # also pass the workers' URL as this flag (besides $COMMLAB_EXCHANGER)
+    rank_args: Callable[[int], Sequence[str]] | None = None  # extra arguments of rank r
+    env: Mapping[str, str] | None = None  # base environment (default: this process's)
+    deadline_s: float | None = None  # the whole job, from start; None: no limit
+    start_timeout_s: float = 60.0  # servers reporting their endpoints
+    log_dir: str | None = None  # keep per-process logs here (default: a scratch folder, removed)
+    metrics: str | None = None  # $COMMLAB_METRICS for the ranks (default: in the scratch folder)
+    master_addr: str = "127.0.0.1"
+    rank_prefix: Callable[[int], list[str]] | None = None  # e.g. ip netns exec NS
+    name: str = "commlab run"  # how the launcher's own lines start
+    summary: bool = True
+    poll_s: float = 0.05
+
+    def describe(self) -> str:
+        return " ".join(self.command).removeprefix("-m ")
+
+
 class Terminated(Exception):
     """SIGTERM reached the launcher (raised by its handler, so the ``finally`` that stops the job runs)."""
 
@@ -77,84 +336,116 @@ def _terminated(signum, frame):
     raise Terminated()
 
 
-@dataclass
-class Proc:
-    name: str  # "rank 1", "server shard 0/2"
-    popen: subprocess.Popen
+def run_job(job: Job) -> int:
+    """Run ``job``; return 0, or non-zero after naming what failed first. Leaves nothing running.
 
-
-def stop_all(procs: list[Proc], grace: float = 5.0) -> None:
-    """SIGTERM everything still running, then SIGKILL what did not stop within ``grace``."""
-    for p in procs:
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait()
-
-
-def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
-           poll_s: float = 0.05, quiet_ranks: bool = True, module: str = "workers",
-           master_addr: str = "127.0.0.1", rank_prefix: Callable[[int], list[str]] | None = None) -> int:
-    """Run the job; return 0, or non-zero after naming the process that failed first.
-
-    ``module`` is what each rank runs (``python -m MODULE``; benchmarks run their own
-    per-rank module). ``rank_prefix(r)`` is put before rank r's command line and
-    ``master_addr`` is where rank 0's store listens: together they place ranks in other
-    network namespaces (``ip netns exec NS ...``) for runs over capped links.
+    Blocks until every rank has exited, a process failed, the deadline passed, or Ctrl-C/SIGTERM
+    (130/143). Call from the main thread to have SIGTERM handled.
     """
-    if workers < 1:
-        print("commlab train: --workers must be >= 1", file=sys.stderr)
+    if job.workers < 1:
+        print(f"{job.name}: --workers must be >= 1", file=sys.stderr)
         return 2
-    # SIGTERM's default action ends the launcher at once and orphans every server and rank;
-    # turned into an exception it unwinds like Ctrl-C. (Signal handlers live in the main thread only.)
+    # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
+    # Ctrl-C. (Signal handlers live in the main thread only.)
     installed = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if installed else None
     try:
-        return _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix)
+        return _run(job)
+    except JobFailed as exc:
+        print(f"{job.name}: {exc}", file=sys.stderr)
+        return exc.code
+    except ConfigError as exc:
+        print(f"{job.name}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print("commlab train: interrupted; stopped every process", file=sys.stderr)
+        print(f"{job.name}: interrupted; stopped every process", file=sys.stderr)
         return 130
     except Terminated:
-        print("commlab train: terminated (SIGTERM); stopped every process", file=sys.stderr)
+        print(f"{job.name}: terminated (SIGTERM); stopped every process", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
         if installed:  # None: a handler set outside Python, which Python cannot put back
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def _launch(url, workers, worker_args, env, poll_s, quiet_ranks, module, master_addr, rank_prefix) -> int:
-    with planned_servers(url, workers) as (url, server_argvs):
-        base = dict(os.environ if env is None else env)
-        base.update(MASTER_ADDR=master_addr, MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
-                    LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1")
-        procs: list[Proc] = []
+def _run(job: Job) -> int:
+    started = time.monotonic()
+    procs: list[Proc] = []
+    with contextlib.ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="commlab-job-")))
+        logs = Path(job.log_dir) if job.log_dir else scratch
+        logs.mkdir(parents=True, exist_ok=True)
+        metrics_base = job.metrics or str(scratch / "metrics.jsonl")
+        for r in range(job.workers):  # this run's lines only
+            metrics.metrics_path(metrics_base, r).unlink(missing_ok=True)
+        template, server_argvs = stack.enter_context(server_plan(job.exchanger, job.workers))
+        base = dict(os.environ if job.env is None else job.env)
+        base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
+                    PYTHONUNBUFFERED="1")
+        base[metrics.ENV] = metrics_base
+        if job.rank_prefix is None:
+            store = _host_store(job.master_addr, job.start_timeout_s)
+            base.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+        else:  # each rank in a namespace of its own: rank 0's port there is free
+            base.update(MASTER_PORT=str(free_port()))
+            base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         try:
-            for i, argv in enumerate(server_argvs):
-                procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv], env=base)))
-            for r in range(workers):
-                env_r = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-                prefix = rank_prefix(r) if rank_prefix else []
-                args = [*prefix, sys.executable, "-m", module, "--exchanger", url, *worker_args]
-                if r > 0 and quiet_ranks:
-                    args.append("--no-progress")
-                procs.append(Proc(f"rank {r}", subprocess.Popen(args, env=env_r)))
-            ranks = [p for p in procs if p.name.startswith("rank")]
-            while True:
-                for p in procs:
-                    code = p.popen.poll()
-                    if code not in (None, 0) or (code == 0 and not p.name.startswith("rank")):
-                        others = [q for q in procs if q is not p]
-                        stop_all(others)
-                        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-                        print(f"commlab train: {p.name} failed first ({how}); stopped the others", file=sys.stderr)
-                        return code if code > 0 else 1
-                if all(p.popen.poll() == 0 for p in ranks):
-                    return 0
-                time.sleep(poll_s)
+            url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs)
+            base[EXCHANGER_ENV] = url
+            ranks = []
+            for r in range(job.workers):
+                argv = [sys.executable, *job.command, *job.args]
+                if job.url_flag:
+                    argv += [job.url_flag, url]
+                if job.rank_args:
+                    argv += list(job.rank_args(r))
+                if job.rank_prefix:
+                    argv = [*job.rank_prefix(r), *argv]
+                ranks.append(spawn(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                                   logs / f"rank{r}.log", forward=r == 0))
+                procs.append(ranks[-1])
+            _watch(job, procs, ranks, started)
         finally:
             stop_all(procs)
+        if job.summary:
+            record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
+            print(f"{job.name}: {job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, "
+                  f"{job.exchanger}: " + metrics.summary(record, time.monotonic() - started), flush=True)
+    return 0
+
+
+def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float) -> None:
+    """Return when every rank exited 0; raise JobFailed at the first failure or the deadline."""
+    while True:
+        for p in procs:
+            code = p.popen.poll()
+            if code not in (None, 0) or (code == 0 and p not in ranks):
+                stop_all([q for q in procs if q is not p])
+                p.drain()
+                raise JobFailed(f"{p.name} failed first ({_how(code)}); stopped the others" + _tail_text(p),
+                                code if code > 0 else 1)
+        if all(p.popen.poll() == 0 for p in ranks):
+            return
+        if job.deadline_s is not None and time.monotonic() - started > job.deadline_s:
+            running = [p.name for p in ranks if p.popen.poll() is None]
+            stop_all(procs)
+            raise JobFailed(f"passed its deadline of {job.deadline_s:g}s with {', '.join(running)} still "
+                            f"running; stopped every process", 124)
+        time.sleep(job.poll_s)
+
+
+def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
+           poll_s: float = 0.05, quiet_ranks: bool = True, module: str = "workers",
+           master_addr: str = "127.0.0.1", rank_prefix: Callable[[int], list[str]] | None = None,
+           deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
+           name: str = "commlab train") -> int:
+    """Run ``python -m MODULE --exchanger URL WORKER_ARGS`` as ``workers`` ranks (:func:`run_job`).
+
+    ``quiet_ranks`` adds ``--no-progress`` to every rank but 0. ``rank_prefix(r)`` is put before
+    rank r's command line and ``master_addr`` is where rank 0's store listens: together they
+    place ranks in other network namespaces (``ip netns exec NS ...``) for runs over capped links.
+    """
+    return run_job(Job(("-m", module), tuple(worker_args), workers, url, url_flag="--exchanger",
+                       rank_args=(lambda r: ["--no-progress"] if r > 0 else []) if quiet_ranks else None,
+                       env=env, deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path,
+                       master_addr=master_addr, rank_prefix=rank_prefix, name=name, poll_s=poll_s))

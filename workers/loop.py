@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +47,8 @@ def parser() -> argparse.ArgumentParser:
 
 def add_training_args(p: argparse.ArgumentParser) -> None:
     """The flags ``commlab train`` and a bare worker share."""
-    p.add_argument("--exchanger", default="local://", help="regime URL, e.g. allreduce://?backend=gloo")
+    p.add_argument("--exchanger", default=os.environ.get("COMMLAB_EXCHANGER", "local://"),
+                   help="regime URL, e.g. allreduce://?backend=gloo (default: $COMMLAB_EXCHANGER, else local://)")
     p.add_argument("--model", default="mlp", choices=sorted(MODELS))
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
@@ -61,7 +60,8 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     p.add_argument("--eval-every", type=int, default=0, help="test-set accuracy every K steps on rank 0 (0: end only)")
     p.add_argument("--save-params", help="rank 0 writes the final state_dict here (torch.save)")
-    p.add_argument("--metrics", help="JSON lines per step; rank r > 0 writes PATH.rank<r>")
+    p.add_argument("--metrics", help="JSON lines per step; rank r > 0 writes PATH.rank<r> "
+                                     "(default: $COMMLAB_METRICS, which commlab train and run set)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, cuda (GPU LOCAL_RANK %% count) or cuda:K")
 
@@ -73,10 +73,6 @@ def config_from_args(a: argparse.Namespace) -> WorkerConfig:
     optim = OptimizerSpec(a.optimizer, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
     return WorkerConfig(a.exchanger, a.model, a.steps, a.batch_size, optim, a.seed, a.threads, a.eval_every,
                         a.save_params, a.metrics, not a.no_progress, a.device)
-
-
-def metrics_path(base: str, rank: int) -> Path:
-    return Path(base if rank == 0 else f"{base}.rank{rank}")
 
 
 @torch.no_grad()
@@ -93,7 +89,9 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
     data = load_digits(side, cfg.seed)
     rank, world = rank_info.rank, rank_info.world_size
     ex = commlab.connect(cfg.exchanger, rank_info)
-    out = metrics_path(cfg.metrics, rank).open("w") if cfg.metrics else None
+    metrics = cfg.metrics or os.environ.get(commlab.metrics.ENV)
+    if cfg.metrics:  # a file named on the command line holds this run only (the launcher clears its own)
+        commlab.metrics.metrics_path(cfg.metrics, rank).unlink(missing_ok=True)
     bar = None
     if cfg.progress and rank == 0:
         from tqdm import tqdm
@@ -120,8 +118,8 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
             last = step == cfg.steps - 1
             if rank == 0 and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 record["test_loss"], record["test_acc"] = evaluate(model, data.test_x.to(device), data.test_y.to(device))
-            if out:
-                out.write(json.dumps(record) + "\n")
+            if metrics:
+                commlab.report(path=metrics, **record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", refresh=False)
                 bar.update(1)
@@ -131,8 +129,6 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
     finally:
         if bar is not None:
             bar.close()
-        if out:
-            out.close()
         ex.close()
 
 

@@ -272,8 +272,10 @@ class PSExchanger(BucketedExchanger):
         """For a job on this host: the URL the workers get, and the argv of each server to start.
 
         A URL that already names servers starts none. Otherwise ``shards`` (default 1) servers
-        listen on free loopback ports, or with ``transport=ipc`` on sockets in ``scratch()``, a
-        folder the caller owns and removes (call this through :func:`commlab.launcher.planned_servers`).
+        listen on loopback port 0 (each reports the port it got; the launcher puts it in the
+        workers' URL in place of the ``:0`` listed there, in server order), or with
+        ``transport=ipc`` on sockets in ``scratch()``, a folder the caller owns and removes (call
+        this through :func:`commlab.launcher.server_plan`).
         """
         opts = _options(url)
         if opts.endpoint_list:
@@ -283,8 +285,7 @@ class PSExchanger(BucketedExchanger):
             folder = scratch()
             endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
         else:
-            from commlab.launcher import free_port
-            endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(k)]
+            endpoints = ["tcp://127.0.0.1:0"] * k
         mode = opts.mode or "sync"
         argvs = []
         for i, ep in enumerate(endpoints):
