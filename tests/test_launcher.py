@@ -1,4 +1,6 @@
-"""The launcher leaves nothing behind when it is told to stop: SIGTERM (kill, a scheduler's cancel)."""
+"""The launcher: nothing left behind when it is told to stop (SIGTERM, a scheduler's cancel), when a
+rank fails, when the deadline passes or when the launcher itself is killed; the failing rank named;
+a bad URL refused in one line before anything starts; a summary line even through a pipe."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, kill_group
+from conftest import child_env, kill_group, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,30 +33,135 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.multiproc
-@pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
-                    reason="needs /proc/PID/task/PID/children to find the launcher's processes")
-def test_sigterm_stops_every_server_and_rank_and_says_so():
+NEEDS_PROC_CHILDREN = pytest.mark.skipif(
+    not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
+    reason="needs /proc/PID/task/PID/children to find the launcher's processes")
+
+# a rank that does nothing but wait: launcher behaviour without torch's start-up cost in the ranks
+SLEEPER = """
+import os, sys, time
+code = int(os.environ.get("FAIL_RANK_" + os.environ["RANK"], "-1"))
+print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} up", flush=True)
+if code >= 0:
+    print("this rank fails on purpose", file=sys.stderr, flush=True)
+    sys.exit(code)
+time.sleep(float(os.environ.get("SLEEP_S", "600")))
+"""
+
+
+def _cli(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "commlab.cli", *args]
+
+
+def _wait_children(proc: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(_children(proc.pid)) < n:
+        assert proc.poll() is None, f"the launcher exited early: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, f"the launcher started {_children(proc.pid)}, not {n} processes"
+        time.sleep(0.1)
+    return _children(proc.pid)
+
+
+def _gone(pids: list[int], within: float = 10) -> list[int]:
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+LONG_JOBS = {
     # one parameter server and two ranks, training far longer than the test waits
-    argv = [sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", "ps://?shards=1",
-            "--workers", "2", "--model", "tiny", "--steps", "1000000"]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), start_new_session=True,
+    "train": ["train", "--no-progress", "--exchanger", "ps://?shards=1", "--workers", "2", "--model", "tiny",
+              "--steps", "1000000"],
+    "run": ["run", "--exchanger", "ps://?shards=1&mode=sync", "--workers", "2", "examples/resnet_digits.py",
+            "--steps", "1000000", "--width", "4", "--batch-size", "4", "--log-every", "1000000"],
+}
+
+
+@pytest.mark.multiproc
+@NEEDS_PROC_CHILDREN
+@pytest.mark.parametrize("command", sorted(LONG_JOBS))
+def test_sigterm_stops_every_server_and_rank_and_says_so(command):
+    proc = subprocess.Popen(_cli(LONG_JOBS[command]), cwd=ROOT, env=child_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while len(_children(proc.pid)) < 3:
-            assert proc.poll() is None, f"the launcher exited early: {proc.stderr.read()}"
-            assert time.monotonic() < deadline, f"the launcher started {_children(proc.pid)}, not 3 processes"
-            time.sleep(0.1)
-        started = _children(proc.pid)
+        started = _wait_children(proc, 3)
         time.sleep(1.0)  # let them get into their work (the servers listening, the ranks connecting)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM, err
-        assert "terminated (SIGTERM); stopped every process" in err, err
-        deadline = time.monotonic() + 10  # they were reaped by the launcher: gone, not zombies
-        while any(_alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in started if _alive(p)], f"left running after SIGTERM: {started}"
+        assert f"commlab {command}: terminated (SIGTERM); stopped every process" in err, err
+        assert not _gone(started), f"left running after SIGTERM: {started}"
     finally:
         kill_group(proc)
+
+
+@pytest.mark.multiproc
+@NEEDS_PROC_CHILDREN
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: its ranks, each in a process group of its
+    own, must still go (the parent-death signal set by commlab/childexec.py)."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(_cli(["run", "--workers", "2", "--exchanger", "noop://", str(script)]), cwd=ROOT,
+                            env=child_env(), start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    started: list[int] = []
+    try:
+        started = _wait_children(proc, 2)
+        proc.kill()
+        proc.wait(30)
+        assert not _gone(started), f"outlived their launcher: {started}"
+    finally:
+        kill_group(proc)
+        for pid in started:  # in their own process groups: not reached by kill_group
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.multiproc
+def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    r = run_group(_cli(["run", "--workers", "3", "--exchanger", "noop://", str(script)]), 120, cwd=ROOT,
+                  env=child_env(FAIL_RANK_1=3), capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+    assert "commlab run: rank 1 failed first (exit code 3); stopped the others" in r.stderr, r.stderr
+    assert "this rank fails on purpose" in r.stderr, r.stderr  # the tail of rank 1's log
+
+
+@pytest.mark.multiproc
+def test_deadline_stops_the_job(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    r = run_group(_cli(["run", "--workers", "2", "--deadline", "3", "--exchanger", "noop://", "--log-dir",
+                        str(tmp_path / "logs"), str(script)]), 120, cwd=ROOT, env=child_env(),
+                  capture_output=True, text=True)
+    assert r.returncode == 124, r.stderr
+    assert "passed its deadline of 3s with rank 0, rank 1 still running" in r.stderr, r.stderr
+    assert "rank 1 of 2 up" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+@pytest.mark.parametrize("url, complaint", [
+    ("ps://?mode=bogus", "option 'mode': 'bogus' is not one of"),
+    ("ring://?chunk=3", "ring:// does not know option 'chunk'"),
+    ("nope://", "unknown exchanger scheme 'nope://'"),
+])
+def test_a_bad_url_is_one_line_naming_the_option_and_starts_nothing(command, url, complaint):
+    args = [command, "--exchanger", url] + (["examples/charlm.py"] if command == "run" else [])
+    r = run_group(_cli(args), 60, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"commlab {command}: --exchanger {url!r}: "), r.stderr
+    assert complaint in lines[0], lines[0]
+
+
+@pytest.mark.multiproc
+def test_train_ends_with_a_summary_through_a_pipe(tmp_path):
+    r = run_group(_cli(["train", "--exchanger", "ps://?shards=2&mode=sync", "--workers", "2", "--model", "tiny",
+                        "--steps", "3"]), 120, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip().splitlines()[-1]
+    assert line.startswith("commlab train: 2 ranks of workers, ps://?shards=2&mode=sync: 3 steps in "), r.stdout
+    assert "final loss" in line and "test accuracy" in line and "sent" in line, line
