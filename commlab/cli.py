@@ -13,9 +13,9 @@ import subprocess
 import sys
 
 from commlab import launcher
-from commlab.config import ExchangerURL, describe_options, parse_options
+from commlab.config import describe_options
 from commlab.errors import ConfigError
-from commlab.registry import REGIMES, regime_class
+from commlab.registry import REGIMES, regime_class, resolve
 
 # subcommand -> (module run as ``python -m``, one line of help)
 SUBCOMMANDS = {
@@ -59,10 +59,7 @@ def train_main(argv: list[str]) -> int:
         print("\n" + regimes_help())
         return 0
     try:
-        parsed = ExchangerURL.parse(a.exchanger)
-        cls = regime_class(parsed.scheme)
-        if not hasattr(cls, "from_url"):
-            parse_options(cls.Options, parsed)
+        resolve(a.exchanger)
     except ConfigError as exc:
         print(f"commlab train: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from commlab.config import ExchangerURL
+from commlab.exchanger import PlansServers
 from commlab.registry import regime_class
 
 
@@ -50,7 +51,7 @@ def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str
     """
     parsed = ExchangerURL.parse(url)
     cls = regime_class(parsed.scheme)
-    if not hasattr(cls, "plan_local"):
+    if not issubclass(cls, PlansServers):
         yield url, []
         return
     made: list[str] = []
