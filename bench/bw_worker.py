@@ -43,6 +43,7 @@ import commlab
 from commlab import launcher, rendezvous
 from commlab.config import ExchangerURL
 from commlab.registry import regime_class
+from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
 from commlab.optim import OptimizerSpec
 
@@ -261,11 +262,11 @@ def run_sizes(out: Results, method: str, url: str, info, sizes: list[int], iters
     ex, device, servers = None, torch.device("cpu"), None
     if method == "pushpull":
         cls = regime_class(ExchangerURL.parse(url).scheme)
-        if hasattr(cls, "plan_local"):  # servers the launcher would start: started here, per size
+        if issubclass(cls, PlansServers):  # servers the launcher would start: started here, per size
             servers = ServersPerSize(url, info, timeout)
     if method == "allreduce":
         ex = commlab.connect(url, info)
-        if not hasattr(ex, "join") or not hasattr(ex, "allreduce_async"):
+        if not isinstance(ex, Collective):
             raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method allreduce")
         ex.join()
         if getattr(ex.options, "backend", "") == "nccl":  # join() picked this rank's GPU

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commlab.config import ExchangerURL, parse_options
-from commlab.registry import regime_class
+from commlab.config import ExchangerURL
+from commlab.registry import regime_class, resolve
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,7 @@ DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-s
 def unavailable(url: str) -> str | None:
     """Why the regime ``url`` names cannot run in this checkout, or None if it can be tried."""
     try:
-        parsed = ExchangerURL.parse(url)
-        cls = regime_class(parsed.scheme)
-        if not hasattr(cls, "from_url"):
-            parse_options(cls.Options, parsed)
+        resolve(url)
     except (ImportError, ValueError) as exc:  # ConfigError is a ValueError
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -14,10 +14,9 @@ import subprocess
 import sys
 
 from commlab import launcher
-from commlab.config import ExchangerURL, describe_options, parse_options
+from commlab.config import describe_options
 from commlab.errors import ConfigError
-from commlab.registry import REGIMES, regime_class
-from commlab.rendezvous import RankInfo
+from commlab.registry import ENV_URL, REGIMES, regime_class, resolve
 
 # subcommand -> (module run as ``python -m``, one line of help)
 SUBCOMMANDS = {
@@ -47,13 +46,8 @@ def check_url(url: str, option: str = "--exchanger") -> str | None:
     Checked before anything starts, so a typo costs no process and no traceback.
     """
     try:
-        parsed = ExchangerURL.parse(url)
-        cls = regime_class(parsed.scheme)
-        if hasattr(cls, "from_url"):  # a regime with its own URL rules (ps://): build it, connect nothing
-            cls.from_url(parsed, RankInfo.single())
-        else:
-            parse_options(cls.Options, parsed)
-    except (ConfigError, ValueError) as exc:
+        resolve(url)
+    except ConfigError as exc:
         return f"{option} {url!r}: {exc}"
     except ImportError as exc:
         return f"{option} {url!r}: the regime cannot be imported here: {exc}"
@@ -103,7 +97,7 @@ def run_main(argv: list[str]) -> int:
         "(read by commlab.connect()) and COMMLAB_METRICS (written by commlab.report()) set, and the servers "
         "the exchanger needs started first.", epilog=regimes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(p, default_workers=1)
-    p.add_argument("--exchanger", default=os.environ.get(launcher.EXCHANGER_ENV, "allreduce://"),
+    p.add_argument("--exchanger", default=os.environ.get(ENV_URL, "allreduce://"),
                    help="regime URL (default: $COMMLAB_EXCHANGER, else allreduce://)")
     p.add_argument("--metrics", help="keep the ranks' metrics here (rank r > 0: PATH.rank<r>)")
     p.add_argument("-m", dest="module", help="run this module (python -m MODULE) instead of a script")

@@ -54,6 +54,9 @@ class CommonOptions:
     heap: str = option("keep", "keep: big freed blocks (gradient temporaries, received messages) stay in the "
                                "heap instead of page-faulting in anew every step (glibc); system: C library defaults",
                        choices=("keep", "system"))
+    buffers: str = option("broadcast", "module buffers (BatchNorm statistics) after every step: broadcast rank 0's "
+                                       "(DDP's choice), average them, or none (each rank keeps its own)",
+                          choices=("broadcast", "average", "none"))
 
     def __post_init__(self):
         if self.timeout <= 0:

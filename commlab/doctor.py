@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from commlab.regimes.allreduce import nccl_version  # noqa: F401  (doctor reports it; the regime owns it)
+
 
 PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem")
 NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH"}
@@ -88,22 +90,6 @@ def gpu_topology() -> str | None:
     """``nvidia-smi topo -m`` (links between GPUs and NICs), or None without nvidia-smi."""
     out = _run(["nvidia-smi", "topo", "-m"])
     return out.rstrip() if out else None
-
-
-def nccl_version() -> str | None:
-    """The NCCL torch carries, or None (CPU build, or torch without NCCL)."""
-    import torch.distributed as dist
-
-    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
-        return None
-    try:
-        v = torch.cuda.nccl.version()
-    except (RuntimeError, AttributeError):
-        return None
-    if isinstance(v, int):  # older torch: one integer, e.g. 2708 or 21803
-        major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
-        return f"{major}.{rest // 100}.{rest % 100}"
-    return ".".join(map(str, v))
 
 
 def rdma_devices(root: str | os.PathLike = "/sys/class/infiniband") -> list[dict]:

@@ -1,59 +1,71 @@
 """The Exchanger contract and the bucketing machinery every regime shares.
 
-A training loop knows only this::
+A training loop knows only this (the user's own optimizer, schedule, clipping, AMP)::
 
-    ex = commlab.connect("allreduce://?backend=gloo")     # or ring://, ps://, local://
-    ex.setup(model, OptimizerSpec(name="sgd", lr=0.1))    # collective: every rank calls it
+    ex = commlab.connect()                                # URL from $COMMLAB_EXCHANGER, or connect(url)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    ex.setup(model, optimizer)                            # collective: every rank calls it
     for batch in data:
-        ex.zero_grad()
-        loss_fn(model(batch)).backward()                  # buckets start exchanging here
-        ex.step()                                         # finish the exchange, apply the update
+        optimizer.zero_grad()
+        loss_fn(model(batch)).backward()                  # buckets exchange during backward; when it
+                                                          # returns, p.grad is final and equal on every rank
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()                                  # (or scaler.step(optimizer), or ex.step())
 
-``step()`` leaves every worker with the same parameters. How depends on the
-regime: all-reduce regimes average the gradients and step a local optimizer;
-parameter-server regimes push gradients and pull the parameters a server
-updated. The loop cannot tell the difference, which is the point.
+As under DDP, the exchange and the update are separate steps. The exchange ends inside
+``backward()``; the update is the user's ``optimizer.step()``, untouched for regimes that
+average gradients (all-reduce, ring, a parameter server that only sums). A regime that
+updates on its servers (``ps://?update=server``) takes over that one optimizer's ``step``
+(and its ``state_dict``) instead, since the servers hold the optimizer's state.
 
-Overlap: ``setup`` carves the trainable parameters into buckets of about
-``bucket_mb`` MiB in *reverse* parameter order (the order backward produces
-gradients) and registers a post-accumulate-grad hook on each parameter. When a
-bucket's last gradient lands, its exchange starts at once, while backward goes
-on computing earlier layers. Buckets are started strictly in index order on
-every rank, so collectives line up even when some parameters get no gradient.
+Overlap: ``setup`` carves the trainable parameters into buckets of about ``bucket_mb`` MiB
+in *reverse* parameter order (the order backward produces gradients) and registers a
+post-accumulate-grad hook on each parameter. When a bucket's last gradient lands, its
+exchange starts at once, while backward goes on computing earlier layers. Buckets are
+started strictly in index order on every rank, so collectives line up even when some
+parameters get no gradient.
 
-Gradients end up in the buckets: ``zero_grad`` sets every ``p.grad`` to None,
-backward hands each parameter a fresh gradient (autograd's own tensor, no
-accumulation pass), and the hook moves it into the parameter's slot of its
-bucket with one scaled copy (``x 1/N`` for the all-reduce regimes, so the sum
-over ranks is already the average: no division pass afterwards) and leaves
-``p.grad`` a view of that slot. The exchange then works in place and the
-optimizer reads the result through the same views: no flatten or unflatten
-copy. Under ``no_sync`` the hooks leave gradients where autograd put them, so
-micro-steps add up as in plain torch, and the last backward moves the sum.
-A gradient the caller assigned itself is moved when its bucket starts.
-Compared with accumulating into zeroed views this saves a memset and a
-read-modify-write of every gradient per step (measured 4 + 14 ms of 150 on the
-25M-parameter MLP).
+End of backward: the first hook of a backward queues a callback on autograd's engine
+(``queue_callback``), which runs when that backward is complete. It starts the buckets no
+hook completed (parameters the loss did not reach), waits for every bucket (bounded by the
+regime's ``timeout``; an error is raised out of ``backward()``), lets the regime make
+``p.grad`` final (:meth:`BucketedExchanger._finish`) and makes every rank's buffers equal
+(``buffers=broadcast|average|none``). Under a reentrant ``torch.utils.checkpoint`` the
+callback queued inside the block's inner backward runs when that inner backward ends; it
+finalizes only if every bucket is complete by then, else the outer backward's callback
+does. A step pre-hook on the optimizer finalizes when no backward did (gradients assigned
+by hand), so no rank ever steps on gradients that were not exchanged.
 
-A regime subclasses :class:`BucketedExchanger` and supplies three primitives:
-``_connect`` (once, after buckets exist), ``_start_bucket`` (begin one bucket's
-exchange, return a handle) and ``_apply`` (after every bucket finished: make the
-parameters consistent).
+Gradients end up in the buckets: backward hands each parameter a fresh gradient (after
+``zero_grad``'s ``None``), and the hook moves it into its bucket slot with one scaled copy
+(``x 1/N`` for the all-reduce regimes, so the sum over ranks is already the average) and
+leaves ``p.grad`` a view of that slot: the exchange works in place and the optimizer reads
+the result through the same views. Under ``no_sync`` the hooks leave gradients where
+autograd put them, so micro-steps add up as in plain torch, and the last backward moves
+the sum. A second backward without ``no_sync`` and without ``zero_grad`` accumulates into
+the exchanged (averaged) gradient and is exchanged again: since the averaged part is equal
+on every rank, the result is the earlier average plus the new one, as under DDP.
+
+A regime subclasses :class:`BucketedExchanger` and supplies ``_connect`` (once, after
+buckets exist), ``_start_bucket`` (begin one bucket's exchange, return a handle),
+``_finish`` (every bucket exchanged: make ``p.grad`` final) and ``_sync_buffers``.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from commlab.config import CommonOptions
 from commlab.errors import ConfigError, ModelMismatch
-from commlab.handles import GroupHandle, Handle
+from commlab.handles import CallHandle, Handle
+from commlab.manifest import describe_optimizer
 from commlab.optim import OptimizerSpec
 from commlab import rendezvous
 from commlab.rendezvous import RankInfo
@@ -63,7 +75,8 @@ from commlab.rendezvous import RankInfo
 class ExchangeStats:
     """Running totals, since setup, of what this worker moved."""
 
-    steps: int = 0
+    steps: int = 0  # optimizer steps taken (a step GradScaler skipped is not one)
+    exchanges: int = 0  # gradient exchanges finished
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0
@@ -71,34 +84,39 @@ class ExchangeStats:
 
 @dataclass(frozen=True)
 class StepReport:
-    step: int
-    wait_s: float  # time step() blocked: the communication backward did not hide
+    step: int  # index of the exchange this report is about
+    wait_s: float  # time the end of backward (and a remote update) blocked: communication backward did not hide
     bytes_sent: int  # by this worker in this step
     bytes_received: int
 
 
-def model_manifest(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, dtype) of every trainable parameter, in registration order."""
-    return [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters() if p.requires_grad]
+class Collective(abc.ABC):
+    """Ability: sum flat tensors over every rank, without a model (benchmarks, probes, buffers)."""
+
+    @abc.abstractmethod
+    def join(self) -> None:
+        """Meet the peers. Collective; idempotent; ``setup`` calls it."""
+
+    @abc.abstractmethod
+    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
+        """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); does not
+        block; ``tensor`` must not be touched until the handle is done."""
 
 
-def manifest_difference(mine: list, theirs: list, who: str) -> str | None:
-    """First difference between two manifests, in words, or None if equal."""
-    if len(mine) != len(theirs):
-        return f"{who} has {len(theirs)} trainable parameters, this rank has {len(mine)}"
-    for (n1, s1, d1), (n2, s2, d2) in zip(mine, theirs):
-        if n1 != n2:
-            return f"parameter {n1!r} here is {n2!r} on {who}"
-        if tuple(s1) != tuple(s2) or d1 != d2:
-            return f"parameter {n1!r} is {d1}{list(s1)} here but {d2}{list(s2)} on {who}"
-    return None
+class PlansServers(abc.ABC):
+    """Ability: the regime needs server processes, which a launcher on this host can start."""
+
+    @classmethod
+    @abc.abstractmethod
+    def plan_local(cls, url, workers: int, scratch: Callable[[], str]) -> tuple[str, list[list[str]]]:
+        """(URL for the workers, [argv of ``python -m servers`` per server]) for a job on this host."""
 
 
 class Exchanger:
-    """What a training loop calls after ``loss.backward()``.
+    """What a training loop talks to. See the module docstring for the loop.
 
-    Thread-safety: one training thread drives an exchanger; regimes may run
-    their own communication threads behind it.
+    Thread-safety: one training thread drives an exchanger (setup, backward, step, close);
+    regimes may run their own communication threads behind it.
     """
 
     scheme: ClassVar[str]
@@ -108,6 +126,18 @@ class Exchanger:
         self.options = options
         self.rank_info = rank
         self.stats = ExchangeStats()
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def from_url(cls, url, rank: RankInfo) -> "Exchanger":
+        """Build from a parsed URL (``commlab.registry`` calls this); a regime with URL parts beyond
+        its options (a PS's HOST:PORT list) overrides :meth:`options_from_url`."""
+        return cls(cls.options_from_url(url), rank)
+
+    @classmethod
+    def options_from_url(cls, url):
+        from commlab.config import parse_options
+        return parse_options(cls.Options, url)
 
     @property
     def rank(self) -> int:
@@ -117,47 +147,57 @@ class Exchanger:
     def world_size(self) -> int:
         return self.rank_info.world_size
 
-    def setup(self, model: nn.Module, optim: OptimizerSpec) -> None:
-        """Attach to ``model``. Collective: every rank calls it with the same model.
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
+        """Attach to ``model`` and ``optimizer``. Collective: every rank calls it, with the same model
+        and an optimizer of the same class, param groups and hyperparameters.
 
-        Makes the ranks' initial parameters equal (rank 0's, or the server's),
-        and raises :class:`ModelMismatch` naming the first differing parameter
-        if the ranks' models disagree. Blocks until every rank arrived or the
-        timeout passes.
+        ``optimizer`` is any ``torch.optim.Optimizer`` over the model's parameters (param groups,
+        a user's subclass), or an :class:`OptimizerSpec`, built here (then ``self.optimizer``).
+        Makes the ranks' initial parameters and buffers equal (rank 0's, or the server's), and
+        raises :class:`ModelMismatch` / :class:`ConfigError` naming the first differing parameter
+        or optimizer setting. Blocks until every rank arrived or the timeout passes.
         """
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        """Clear this worker's gradients before the next backward."""
+        """Clear this worker's gradients before the next backward (``p.grad = None``)."""
         raise NotImplementedError
 
-    # Collective regimes (allreduce://, ring://) also offer, for benchmarks and tests:
-    #   join()                          meet the peers without a model (collective, idempotent)
-    #   allreduce_async(tensor) -> Handle   sum a flat tensor in place over all ranks (collective)
-
     def step_async(self) -> Handle:
-        """Finish this step's exchange in the background; the handle's ``wait``
-        returns a :class:`StepReport` once the parameters are consistent.
-        Parameters and gradients must not be touched until then."""
+        """The update of this step, as a handle. Does not block; the handle's ``wait`` finishes the
+        exchange if no backward did, then runs ``optimizer.step()`` (on the servers for a regime that
+        updates there), once, and returns a :class:`StepReport`. Parameters and gradients must not
+        be touched until it returns. A second ``step_async`` before this handle was waited for raises."""
         raise NotImplementedError
 
     def step(self, timeout: float | None = None) -> StepReport:
-        """Blocking form of :meth:`step_async`."""
+        """Blocking form of :meth:`step_async`: ``optimizer.step()`` plus this step's report."""
         return self.step_async().wait(self.options.timeout if timeout is None else timeout)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: backward passes inside this block exchange nothing;
-        gradients add up (in autograd's own tensors for the bucketed regimes) until a backward
-        outside it."""
+        """Gradient accumulation: backward passes inside this block exchange nothing; gradients add up
+        (in autograd's own tensors) until a backward outside it, which exchanges the sum."""
         yield
+
+    def state_dict(self) -> dict:
+        """The exchanger's own state for a checkpoint (plain data); the model's, the optimizer's, the
+        scheduler's and the scaler's are the user's to save, as without commlab."""
+        return {"scheme": self.scheme, "exchanges": self.stats.exchanges, "steps": self.stats.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict`: call after ``setup``, on every rank."""
+        self.stats.exchanges = int(state.get("exchanges", 0))
+        self.stats.steps = int(state.get("steps", 0))
 
     def facts(self) -> dict:
         """What a benchmark manifest should record about this regime (backend, transport, staging)."""
         return {"scheme": self.scheme}
 
     def close(self) -> None:
-        """Release sockets, threads and process groups. Idempotent."""
+        """Release sockets, threads and process groups, and take the hooks off the model and the
+        optimizer. Idempotent. Not collective, but a peer still exchanging with this rank will
+        time out naming it."""
 
     def __enter__(self):
         return self
@@ -232,11 +272,24 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int
     return buckets
 
 
-class BucketedExchanger(Exchanger):
-    """The shared mechanics: buckets, backward hooks, ordered starts, deadlines.
+def _graph_task_id() -> int:
+    """The running backward's id (nested backwards, such as a reentrant checkpoint's, have their own)."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else 0
 
-    Subclasses set ``carry_presence`` and implement ``_connect``,
-    ``_start_bucket`` and ``_apply``.
+
+def _in_nested_backward() -> bool:
+    """True inside a backward started by a node of another backward (reentrant checkpoint)."""
+    get = getattr(torch._C, "_current_autograd_node", None)
+    return get is not None and get() is not None
+
+
+class BucketedExchanger(Exchanger):
+    """The shared mechanics: buckets, backward hooks, the end-of-backward wait, buffers, deadlines.
+
+    Subclasses set ``carry_presence`` and implement ``_connect``, ``_start_bucket``, ``_finish``
+    and ``_sync_buffers``; one that updates on servers sets ``updates_remotely`` and implements
+    ``_remote_update``.
     """
 
     carry_presence: ClassVar[bool] = True
@@ -247,35 +300,57 @@ class BucketedExchanger(Exchanger):
     def __init__(self, options, rank: RankInfo):
         super().__init__(options, rank)
         self.model: nn.Module | None = None
-        self.optim_spec: OptimizerSpec | None = None
+        self.optim_spec: OptimizerSpec | None = None  # when setup() was given a spec
         self.buckets: list[Bucket] = []
+        self.module_buffers: list[tuple[str, torch.Tensor]] = []
         self._hooks: list = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, slot)
         self._sync = True
-        self._step = 0
+        self._step = 0  # exchanges finished; the running exchange's index while one is collecting
+        self._open_step: Handle | None = None
+        self.last_report: StepReport | None = None
         self._reset_step_state()
 
     # ----- primitives a regime supplies -------------------------------------------------
-    def _connect(self, model: nn.Module, optim: OptimizerSpec) -> None:
-        """Once, after the buckets exist: join peers, agree on the model, equalise parameters."""
+    def _connect(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Once, after the buckets exist: meet peers, agree on the model and the optimizer
+        (:func:`commlab.manifest.describe_optimizer`), equalise parameters."""
         raise NotImplementedError
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         """Begin exchanging ``bucket`` (its grads and presence are filled in). Must not block."""
         raise NotImplementedError
 
-    def _apply(self) -> None:
-        """After every bucket's handle completed: make the parameters consistent."""
+    def _finish(self) -> None:
+        """Every bucket's handle completed (end of backward): make ``p.grad`` final."""
+        raise NotImplementedError
+
+    def _sync_buffers(self, mode: str) -> None:
+        """Make every rank's :attr:`module_buffers` equal: ``broadcast`` rank 0's, or ``average``."""
+        raise NotImplementedError
+
+    updates_remotely: ClassVar[bool] = False
+
+    def _remote_update(self, timeout: float) -> None:
+        """For a regime that updates on servers: what ``optimizer.step()`` becomes."""
         raise NotImplementedError
 
     # ----- the contract ------------------------------------------------------------------
-    def setup(self, model: nn.Module, optim: OptimizerSpec) -> None:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
         if self.model is not None:
             raise ConfigError("setup() was already called on this exchanger")
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ModelMismatch("the model has no trainable parameters to exchange")
-        self.model, self.optim_spec = model, optim
+        if isinstance(optimizer, OptimizerSpec):
+            self.optim_spec = optimizer
+            optimizer = optimizer.build([p for _, p in named])
+        elif not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"setup(model, optimizer) takes a torch.optim.Optimizer or an OptimizerSpec, "
+                              f"not {type(optimizer).__name__}")
+        describe_optimizer(optimizer, model)  # refuses tensors that are not the model's, before anything
+        self.model, self.optimizer = model, optimizer
+        self.module_buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
         if self.options.heap == "keep" and not any(p.is_cuda for _, p in named):
             from commlab.heap import keep_freed_gradients
             self._heap_kept = keep_freed_gradients(p for _, p in named)
@@ -283,15 +358,22 @@ class BucketedExchanger(Exchanger):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b.index, i)
-                p.grad = b.view(i)
+                p.grad = None
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._reset_step_state()
-        self._connect(model, optim)
+        self._connect(model, optimizer)
+        if self.options.buffers != "none" and self.module_buffers:
+            self._sync_buffers("broadcast")  # every rank starts from rank 0's buffers, as under DDP
+        self._reset_step_state()  # what setup moved is not the first step's
+        if self.updates_remotely:
+            self._take_over_step(optimizer)
+        else:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step()))
+            self._hooks.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_step()))
 
     def zero_grad(self) -> None:
         """Forget every gradient (``p.grad = None``, as torch's ``zero_grad`` does by default):
         the next backward writes fresh ones, which the hooks move into the buckets."""
-        self._got.clear()
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -305,40 +387,49 @@ class BucketedExchanger(Exchanger):
             self._sync = previous
 
     def step_async(self) -> Handle:
-        if self.model is None:
-            raise ConfigError("call setup(model, optim) before step()")
-        if not self._sync:
-            raise ConfigError("step() inside no_sync(): leave the block for the last micro-step")
-        # Buckets whose parameters did not all get a gradient never became ready
-        # during backward; start them now, in order.
-        self._launch_until(len(self.buckets))
-        started = time.perf_counter()
-        sent0, recv0 = self._sent0, self._recv0  # buckets started during backward count too
-        handles = self._handles
-        step = self._step
+        if self.model is None or self.optimizer is None:
+            raise ConfigError("call setup(model, optimizer) before step()")
+        if self._open_step is not None and not self._open_step.done():
+            raise ConfigError("step_async() was called again before the last step's handle was waited for")
+        optimizer = self.optimizer
 
-        def finish(_results):
-            self._apply()
-            waited = time.perf_counter() - started
-            self.stats.steps += 1
-            self.stats.wait_s += waited
-            self._step += 1
-            self._reset_step_state()
-            return StepReport(step, waited, self.stats.bytes_sent - sent0, self.stats.bytes_received - recv0)
+        def run(timeout: float) -> StepReport:
+            self._finalize(timeout)
+            before = self.stats.steps
+            optimizer.step()
+            if self.stats.steps == before:  # a step hook of the user's raised nothing but the step did not count
+                raise ConfigError("optimizer.step() did not run commlab's step hook (was the optimizer replaced?)")
+            assert self.last_report is not None  # _finalize made one
+            return self.last_report
 
-        return GroupHandle(handles, f"step {step} of rank {self.rank}", then=finish)
+        self._open_step = CallHandle(run, f"step {self._step} of rank {self.rank}")
+        return self._open_step
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), step=self._step)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("scheme", self.scheme) != self.scheme:
+            pass  # resuming under another regime is allowed: the counters carry over
+        self._step = int(state.get("step", self.stats.exchanges))
 
     def _heap_facts(self) -> dict:
-        return {"heap": self.options.heap, "heap_kept_by_glibc": self._heap_kept}
+        return {"heap": self.options.heap, "heap_kept_by_glibc": self._heap_kept, "buffers": self.options.buffers}
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.optimizer is not None and "step" in vars(self.optimizer):  # the step we took over
+            del self.optimizer.step
 
     # ----- machinery ---------------------------------------------------------------------
     def _reset_step_state(self) -> None:
-        self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since zero_grad
+        """A new exchange begins: nothing received, nothing started."""
+        self._phase = "collecting"  # -> "exchanged" once _finalize ran, until the optimizer stepped
+        self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since the last exchange
+        self._queued: set[int] = set()  # backward (graph task) ids with an end-of-backward callback queued
         self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
@@ -348,13 +439,19 @@ class BucketedExchanger(Exchanger):
             b.moved = [False] * len(b.params)
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if self._phase == "exchanged":  # a backward after an exchange no step consumed: a new exchange
+            self._reset_step_state()
         self._got.add(id(param))
         if not self._sync:
             return
+        task = _graph_task_id()
+        if task not in self._queued:
+            self._queued.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         bi, slot = self._where[id(param)]
         if bi < self._next:
-            raise ConfigError(
-                f"a second backward reached bucket {bi} before step(): wrap micro-steps in exchanger.no_sync()")
+            raise ConfigError(f"a gradient for bucket {bi} ({self.buckets[bi].names[slot]}) arrived after the "
+                              f"bucket's exchange had started: did one backward reach a parameter twice?")
         bucket = self.buckets[bi]
         self._move_in(bucket, slot)
         bucket.pending -= 1
@@ -362,6 +459,65 @@ class BucketedExchanger(Exchanger):
             self._ready[bi] = True
             while self._next < len(self.buckets) and self._ready[self._next]:
                 self._launch_until(self._next + 1)
+
+    def _on_backward_end(self) -> None:
+        """autograd's final callback of a backward that reached at least one parameter."""
+        if self._phase != "collecting" or not self._sync:
+            return
+        if all(self._ready) or not _in_nested_backward():
+            self._finalize(self.options.timeout)
+
+    def _finalize(self, timeout: float) -> None:
+        """Finish this exchange: start what is left, wait for all, final grads, equal buffers."""
+        if self._phase != "collecting":
+            return
+        if not self._sync:
+            raise ConfigError("step() inside no_sync(): leave the block for the last micro-step")
+        self._launch_until(len(self.buckets))
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        for h in self._handles:
+            h.wait(max(1e-3, deadline - time.monotonic()))
+        self._finish()
+        if self.options.buffers != "none" and self.module_buffers:
+            self._sync_buffers(self.options.buffers)
+        waited = time.perf_counter() - started
+        self.stats.wait_s += waited
+        self.stats.exchanges += 1
+        self.last_report = StepReport(self._step, waited, self.stats.bytes_sent - self._sent0,
+                                      self.stats.bytes_received - self._recv0)
+        self._step += 1
+        self._phase = "exchanged"
+
+    def _before_step(self) -> None:
+        if not self._sync:
+            raise ConfigError("optimizer.step() inside exchanger.no_sync(): leave the block for the last micro-step")
+        self._finalize(self.options.timeout)
+
+    def _after_step(self) -> None:
+        self.stats.steps += 1
+        self._reset_step_state()
+
+    def _take_over_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` becomes the regime's remote update (an instance attribute, so the class,
+        ``isinstance`` checks, schedulers and GradScaler see the user's optimizer unchanged)."""
+
+        def step(closure=None):
+            if closure is not None:
+                raise ConfigError(f"{self.scheme}:// updates on its servers, which cannot call a closure; "
+                                  f"use an update placement that runs the optimizer on the workers")
+            self._before_step()
+            started = time.perf_counter()
+            self._remote_update(self.options.timeout)
+            waited = time.perf_counter() - started
+            self.stats.wait_s += waited
+            if self.last_report is not None:
+                r = self.last_report
+                self.last_report = StepReport(r.step, r.wait_s + waited, self.stats.bytes_sent - self._sent0,
+                                              self.stats.bytes_received - self._recv0)
+            self._after_step()
+
+        optimizer.step = step  # type: ignore[method-assign]
 
     def _launch_until(self, stop: int) -> None:
         while self._next < stop:
@@ -421,36 +577,87 @@ class BucketedExchanger(Exchanger):
                 if not present:
                     bucket.flags[i].fill_(0)
 
-    def _apply_averaged_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """For all-reduce regimes: buffers hold averages (each rank scaled by 1/N on the way in);
-        drop the grads no rank had, step."""
+    def _drop_absent_grads(self) -> None:
+        """After an exchange that carried presence flags: a parameter no rank had a gradient for gets
+        ``p.grad = None``, so the optimizer skips it as torch does (weight decay and momentum would
+        otherwise move it). Where this rank had every gradient of a bucket, its own flag of 1 makes every
+        count >= 1, so nothing can be dropped and the flags are not read (on CUDA, a device->host sync)."""
         for b in self.buckets:
-            if self.carry_presence and not all(b.present):  # our own flag of 1 makes every count >= 1 otherwise
-                counts = b.flags.tolist()  # (a device->host sync on CUDA: only when some slot was empty here)
+            if not b.present:
+                continue
+            if self.carry_presence and not all(b.present):
+                counts = b.flags.tolist()
                 for i, p in enumerate(b.params):
-                    if counts[i] == 0:  # no rank produced a gradient: like torch, skip the update
+                    if counts[i] == 0:
                         p.grad = None
-        optimizer.step()
+            elif not self.carry_presence:
+                for p, present in zip(b.params, b.present):
+                    if not present:
+                        p.grad = None
 
 
-class CollectiveExchanger(BucketedExchanger):
+class CollectiveExchanger(BucketedExchanger, Collective):
     """The all-reduce regimes: each bucket is summed over ranks as soon as it is ready;
-    gradients enter their bucket scaled by 1/N, so the sums are the averages, and ``step()``
-    steps this worker's own optimizer on them.
+    gradients enter their bucket scaled by 1/N, so the sums are the averages, and the user's
+    own optimizer steps on them.
 
-    A subclass supplies ``_connect`` (which must set ``self.store`` and ``self.optimizer``)
-    and ``allreduce_async(tensor, what) -> Handle`` (sum in place over all ranks).
+    A subclass supplies ``_connect`` (which must call :meth:`join`, which sets ``self.store``, then
+    :meth:`_agree_and_equalise`), ``join`` and ``allreduce_async``.
     """
 
     store: Any = None
-    optimizer: torch.optim.Optimizer
 
     def __init__(self, options, rank: RankInfo):
         super().__init__(options, rank)
         self.grad_scale = 1.0 / rank.world_size  # the all-reduce's sum of scaled grads is their average
 
-    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
-        raise NotImplementedError
+    def _agree_and_equalise(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank checks its model and optimizer against rank 0's (through the store), then takes
+        rank 0's parameters, trainable or not, by one all-reduce per bucket to which the other ranks
+        contribute zeros (x + 0 is exact)."""
+        from commlab.peers import agree_on_model
+        agree_on_model(self.store, self.rank_info, model, self.options.timeout, optimizer)
+        with torch.no_grad():
+            for b in self.buckets:
+                flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+                self._broadcast_from_0(flat, f"initial parameters of bucket {b.index}")
+                for p, off in zip(b.params, b.offsets):
+                    p.copy_(flat[off:off + p.numel()].view_as(p))
+            frozen = [p for p in model.parameters() if not p.requires_grad]
+            if frozen:
+                self._equalise(frozen, "broadcast", "frozen parameters")
+
+    def _broadcast_from_0(self, flat: torch.Tensor, what: str) -> None:
+        if self.rank != 0:
+            flat.zero_()
+        self.allreduce_async(flat, what).wait(self.options.timeout)
+
+    def _equalise(self, tensors: Sequence[torch.Tensor], mode: str, what: str) -> None:
+        """One all-reduce of a float64 copy of ``tensors`` (exact for float32 values and for integers
+        below 2**53): ``broadcast`` takes rank 0's values, ``average`` the mean of floating ones (integer
+        tensors, such as BatchNorm's step counter, are broadcast: an average would not be an integer)."""
+        device = tensors[0].device
+        flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in tensors])
+        if mode == "average":
+            offset = 0
+            for t in tensors:
+                part = flat[offset:offset + t.numel()]
+                if t.is_floating_point():
+                    part.mul_(1.0 / self.world_size)
+                elif self.rank != 0:
+                    part.zero_()
+                offset += t.numel()
+            self.allreduce_async(flat, what).wait(self.options.timeout)
+        else:
+            self._broadcast_from_0(flat, what)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _sync_buffers(self, mode: str) -> None:
+        self._equalise([b for _, b in self.module_buffers], mode, f"buffers ({mode}) after step {self._step}")
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got
@@ -458,5 +665,5 @@ class CollectiveExchanger(BucketedExchanger):
         return self.allreduce_async(bucket.buffer, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
                                                    f"({bucket.names[0]}...) at step {self._step}")
 
-    def _apply(self) -> None:
-        self._apply_averaged_grads(self.optimizer)
+    def _finish(self) -> None:
+        self._drop_absent_grads()

@@ -4,11 +4,18 @@ A handle owns its result and its error; nothing is kept in a global map.
 ``wait(timeout)`` blocks at most ``timeout`` seconds and then raises
 :class:`~commlab.errors.CommTimeout` naming what it waited for. The blocking
 form of every call is ``call_async(...).wait(timeout)``.
+
+A handle is used once: the first ``wait`` that completes keeps the result (or the
+error) and every later ``wait`` returns (or raises) that same outcome without
+waiting or repeating a side effect (a ``then`` step, an optimizer update). Only a
+wait that ran out of time before the work finished leaves the handle open, so the
+caller may wait again.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -16,17 +23,45 @@ from typing import Any, Callable, Sequence
 from commlab.errors import CommError, CommTimeout
 
 
-class Handle:
-    """An operation in flight. ``what`` says, for error messages, what it is."""
+class _NotYet(CommTimeout):
+    """Raised by a handle's ``_wait`` when its own deadline passed before the work finished."""
 
-    what: str
+
+class Handle:
+    """An operation in flight. ``what`` says, for error messages, what it is.
+
+    Subclasses implement ``_wait(timeout) -> result`` and ``done()``; :meth:`wait` caches.
+    Thread-safety: one thread waits on a handle at a time (a second concurrent waiter blocks
+    until the first is through, then sees its outcome).
+    """
+
+    what: str = "operation"
+    _outcome: tuple | None = None  # ("ok", value) or ("error", exception), once known
+    _lock: threading.Lock | None = None
 
     def done(self) -> bool:
         raise NotImplementedError
 
-    def wait(self, timeout: float) -> Any:
-        """Block until done or ``timeout`` seconds pass; return the result or raise its error."""
+    def _wait(self, timeout: float) -> Any:
         raise NotImplementedError
+
+    def wait(self, timeout: float) -> Any:
+        """Block until done or ``timeout`` seconds pass; return the result or raise its error.
+        Waiting again returns the same result (or raises the same error) at once."""
+        if self._lock is None:
+            self._lock = threading.Lock()
+        with self._lock:
+            if self._outcome is None:
+                try:
+                    self._outcome = ("ok", self._wait(timeout))
+                except _NotYet as exc:  # the work may still finish: the caller may wait again
+                    raise CommTimeout(str(exc)) from None
+                except BaseException as exc:
+                    self._outcome = ("error", exc)
+            kind, value = self._outcome
+        if kind == "error":
+            raise value
+        return value
 
 
 class DoneHandle(Handle):
@@ -38,8 +73,24 @@ class DoneHandle(Handle):
     def done(self) -> bool:
         return True
 
-    def wait(self, timeout: float) -> Any:
+    def _wait(self, timeout: float) -> Any:
         return self._value
+
+
+class CallHandle(Handle):
+    """Work that runs on the waiting thread, inside the first :meth:`wait`: ``fn(timeout)``.
+
+    For steps whose remaining work (finishing an exchange, an optimizer update) belongs
+    on the training thread; ``done()`` is True once it ran."""
+
+    def __init__(self, fn: Callable[[float], Any], what: str):
+        self.what, self._fn = what, fn
+
+    def done(self) -> bool:
+        return self._outcome is not None
+
+    def _wait(self, timeout: float) -> Any:
+        return self._fn(timeout)
 
 
 class FutureHandle(Handle):
@@ -51,14 +102,14 @@ class FutureHandle(Handle):
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self, timeout: float) -> Any:
+    def _wait(self, timeout: float) -> Any:
         try:
             return self._future.result(timeout=timeout)
         except cf.TimeoutError:
             if self._future.done():  # the work itself raised a TimeoutError (CommTimeout is one): pass it on
                 raise
             who = self._on_timeout() if self._on_timeout else ""
-            raise CommTimeout(f"{self.what} did not complete within {timeout:g}s{who}") from None
+            raise _NotYet(f"{self.what} did not complete within {timeout:g}s{who}") from None
 
 
 class WorkHandle(Handle):
@@ -70,7 +121,7 @@ class WorkHandle(Handle):
     def done(self) -> bool:
         return self._work.is_completed()
 
-    def wait(self, timeout: float) -> Any:
+    def _wait(self, timeout: float) -> Any:
         try:
             self._work.wait(timeout=timedelta(seconds=timeout))
         except Exception as exc:  # torch raises RuntimeError/DistBackendError for both timeouts and lost peers
@@ -83,7 +134,7 @@ class WorkHandle(Handle):
 
 
 class GroupHandle(Handle):
-    """Waits for several handles under one deadline, then runs ``then``."""
+    """Waits for several handles under one deadline, then runs ``then`` (once)."""
 
     def __init__(self, handles: Sequence[Handle], what: str, then: Callable[[list], Any] | None = None):
         self.what, self._handles, self._then = what, list(handles), then
@@ -91,7 +142,12 @@ class GroupHandle(Handle):
     def done(self) -> bool:
         return all(h.done() for h in self._handles)
 
-    def wait(self, timeout: float) -> Any:
+    def _wait(self, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
-        results = [h.wait(max(1e-3, deadline - time.monotonic())) for h in self._handles]
+        try:
+            results = [h.wait(max(1e-3, deadline - time.monotonic())) for h in self._handles]
+        except CommTimeout as exc:
+            if not all(h.done() for h in self._handles):
+                raise _NotYet(str(exc)) from None
+            raise
         return self._then(results) if self._then else results

@@ -46,11 +46,11 @@ from typing import Callable, Iterator, Mapping, Sequence
 from commlab import metrics
 from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
-from commlab.registry import regime_class
+from commlab.exchanger import PlansServers
+from commlab.registry import ENV_URL, regime_class
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
-EXCHANGER_ENV = "COMMLAB_EXCHANGER"
 TAIL_LINES = 20
 
 
@@ -78,7 +78,7 @@ def server_plan(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]
     """
     parsed = ExchangerURL.parse(url)
     cls = regime_class(parsed.scheme)
-    if not hasattr(cls, "plan_local"):
+    if not issubclass(cls, PlansServers):
         yield url, []
         return
     made: list[str] = []
@@ -391,7 +391,7 @@ def _run(job: Job) -> int:
             base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         try:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs)
-            base[EXCHANGER_ENV] = url
+            base[ENV_URL] = url
             ranks = []
             for r in range(job.workers):
                 argv = [sys.executable, *job.command, *job.args]

@@ -5,18 +5,22 @@ from __future__ import annotations
 import json
 from datetime import timedelta
 
-from commlab.errors import CommTimeout, ModelMismatch
-from commlab.exchanger import manifest_difference, model_manifest
+from commlab.errors import CommTimeout, ConfigError, ModelMismatch
+from commlab.manifest import describe_optimizer, manifest_difference, model_manifest, optimizer_difference
 from commlab.rendezvous import RankInfo
 
 
-def agree_on_model(store, info: RankInfo, model, timeout: float) -> None:
-    """Every rank publishes its model manifest; each compares with rank 0's.
+def agree_on_model(store, info: RankInfo, model, timeout: float, optimizer=None) -> None:
+    """Every rank publishes its model manifest (and its optimizer's description); each compares
+    with rank 0's.
 
-    Raises :class:`ModelMismatch` naming the first parameter that differs, on
-    the rank that differs, before any expensive collective starts.
+    Raises :class:`ModelMismatch` naming the first parameter that differs, or
+    :class:`ConfigError` naming the first optimizer setting that differs (class, param
+    groups, a hyperparameter), on the rank that differs, before any expensive collective.
     """
-    mine = model_manifest(model)
+    manifest = model_manifest(model)
+    mine = {"model": manifest,
+            "optimizer": describe_optimizer(optimizer, model) if optimizer is not None else None}
     store.set(f"manifest/{info.rank}", json.dumps(mine))
     if info.rank == 0:
         return
@@ -24,7 +28,11 @@ def agree_on_model(store, info: RankInfo, model, timeout: float) -> None:
         store.wait(["manifest/0"], timedelta(seconds=timeout))
     except Exception as exc:
         raise CommTimeout(f"rank {info.rank}: rank 0 did not publish its model within {timeout:g}s") from exc
-    theirs = [(n, tuple(s), d) for n, s, d in json.loads(store.get("manifest/0"))]
-    diff = manifest_difference(mine, theirs, "rank 0")
+    theirs = json.loads(store.get("manifest/0"))
+    diff = manifest_difference(manifest, [(n, tuple(s), d) for n, s, d in theirs["model"]], "rank 0")
     if diff:
         raise ModelMismatch(f"rank {info.rank}'s model differs from rank 0's: {diff}")
+    if mine["optimizer"] is not None and theirs["optimizer"] is not None:
+        diff = optimizer_difference(json.loads(json.dumps(mine["optimizer"])), theirs["optimizer"], "rank 0")
+        if diff:
+            raise ConfigError(f"rank {info.rank}'s optimizer differs from rank 0's: {diff}")

@@ -1,14 +1,17 @@
 """URL scheme -> regime. The one table a new regime adds a line to.
 
 Entries name modules, not classes, so a regime's heavy imports (CUDA, NCCL)
-happen only when it is asked for.
+happen only when it is asked for. :func:`resolve` is the one place a URL is
+checked: the CLI, the launcher, the benchmarks and :func:`connect` all call it,
+so a bad URL fails the same way, in one line naming the option, everywhere.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
-from commlab.config import ExchangerURL, parse_options
+from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import Exchanger
 from commlab.rendezvous import RankInfo, from_env
@@ -21,6 +24,8 @@ REGIMES: dict[str, str] = {
     "ps": "commlab.regimes.ps:PSExchanger",
 }
 
+ENV_URL = "COMMLAB_EXCHANGER"  # what commlab.connect() reads when given no URL (commlab run sets it)
+
 
 def regime_class(scheme: str) -> type[Exchanger]:
     target = REGIMES.get(scheme)
@@ -31,12 +36,35 @@ def regime_class(scheme: str) -> type[Exchanger]:
     return getattr(importlib.import_module(module), name)
 
 
-def connect(url: str | ExchangerURL, rank: RankInfo | None = None) -> Exchanger:
-    """Build the exchanger ``url`` names for this process (rank from the launcher's environment).
+def resolve(url: str | ExchangerURL) -> tuple[type[Exchanger], object]:
+    """Check ``url`` completely, without connecting: ``(regime class, its frozen options)``.
+
+    Raises :class:`ConfigError` whose message is one line naming what is wrong (the scheme,
+    an unknown option, a value out of its choices)."""
+    parsed = url if isinstance(url, ExchangerURL) else ExchangerURL.parse(url)
+    cls = regime_class(parsed.scheme)
+    return cls, cls.options_from_url(parsed)
+
+
+def url_from_env(url: str | ExchangerURL | None = None) -> str | ExchangerURL:
+    if url is not None:
+        return url
+    text = os.environ.get(ENV_URL, "").strip()
+    if not text:
+        raise ConfigError(f"commlab.connect() was given no URL and ${ENV_URL} is not set: pass one, e.g. "
+                          f"commlab.connect('allreduce://?backend=gloo'), or start the script with "
+                          f"'commlab run --exchanger URL script.py'")
+    return text
+
+
+def connect(url: str | ExchangerURL | None = None, rank: RankInfo | None = None) -> Exchanger:
+    """Build the exchanger ``url`` names for this process (default: ``$COMMLAB_EXCHANGER``); the rank
+    and peers come from the launcher's environment (torchrun's, Slurm's or Open MPI's).
 
     Does not block: peers are met in :meth:`Exchanger.setup`.
     """
+    url = url_from_env(url)
     parsed = url if isinstance(url, ExchangerURL) else ExchangerURL.parse(url)
-    cls = regime_class(parsed.scheme)
+    cls, options = resolve(parsed)
     rank = rank if rank is not None else from_env()
-    return cls.from_url(parsed, rank) if hasattr(cls, "from_url") else cls(parse_options(cls.Options, parsed), rank)
+    return cls(options, rank)

@@ -49,7 +49,7 @@ import zmq
 
 from commlab import psproto, transport, wire
 from commlab.errors import ProtocolError
-from commlab.exchanger import manifest_difference
+from commlab.manifest import manifest_difference
 from commlab.optim import OptimizerSpec
 
 

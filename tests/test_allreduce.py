@@ -137,9 +137,9 @@ for step in range(3):
     if ex.rank == 2 and step == 1:
         time.sleep(9)  # stalls: never reaches step 1
     ex.zero_grad()
-    m(torch.ones(1, 4)).sum().backward()
     t0 = time.monotonic()
-    try:
+    try:  # the exchange ends inside backward(): a stalled peer is named there
+        m(torch.ones(1, 4)).sum().backward()
         ex.step()
     except commlab.CommError as e:
         print(f"ERROR after {time.monotonic() - t0:.1f}s: {type(e).__name__}: {e}", flush=True)

@@ -7,7 +7,8 @@ from torch import nn
 
 import commlab
 from commlab.errors import ConfigError, ModelMismatch
-from commlab.exchanger import make_buckets, manifest_difference, model_manifest
+from commlab.exchanger import make_buckets
+from commlab.manifest import manifest_difference, model_manifest
 from commlab.rendezvous import RankInfo
 
 
@@ -130,19 +131,26 @@ def test_buckets_reverse_order_and_size_cap():
     assert buckets[0].buffer.numel() == buckets[0].numel + 4  # presence flags
 
 
-def test_backward_twice_without_no_sync_is_refused():
-    m = model()
+def test_backward_twice_without_no_sync_accumulates_as_plain_torch():
+    """A second backward before the step (no no_sync, no zero_grad) adds to the exchanged gradient and
+    is exchanged again, as under DDP; with one worker that is plain torch's accumulation."""
+    m, ref = model(), model()
+    ref.load_state_dict(m.state_dict())
     ex = commlab.connect("local://", RankInfo.single())
-    ex.setup(m, commlab.OptimizerSpec())
+    ex.setup(m, torch.optim.SGD(m.parameters(), lr=0.1))
     x, _ = data()
     m(x).sum().backward()
-    with pytest.raises(ConfigError, match="wrap micro-steps in exchanger.no_sync"):
-        m(x).sum().backward()
+    m(x * 2).pow(2).sum().backward()
+    ref(x).sum().backward()
+    ref(x * 2).pow(2).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    assert ex.stats.exchanges == 2
 
 
 def test_misuse_is_named():
     ex = commlab.connect("local://", RankInfo.single())
-    with pytest.raises(ConfigError, match=r"call setup\(model, optim\) before step\(\)"):
+    with pytest.raises(ConfigError, match=r"call setup\(model, optimizer\) before step\(\)"):
         ex.step()
     with pytest.raises(ModelMismatch, match="no trainable parameters"):
         ex.setup(nn.ReLU(), commlab.OptimizerSpec())

@@ -26,7 +26,7 @@ from torch import nn
 
 import commlab
 from commlab import psproto, transport, wire
-from commlab.exchanger import model_manifest
+from commlab.manifest import model_manifest
 from commlab.rendezvous import RankInfo
 
 from faultkit import Procs, Raw

@@ -14,7 +14,7 @@ from torch import nn
 import commlab
 from commlab import psproto, wire
 from commlab.errors import ConfigError, RemoteError
-from commlab.exchanger import model_manifest
+from commlab.manifest import model_manifest
 from commlab.regimes.ps import PSExchanger
 from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL

@@ -22,12 +22,26 @@ from commlab.config import CommonOptions, option
 from commlab.errors import BackendUnavailable, ConfigError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
-from commlab.peers import agree_on_model
 
 
 @dataclass(frozen=True)
 class AllReduceOptions(CommonOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
+
+
+def nccl_version() -> str | None:
+    """The NCCL torch carries, or None (CPU build, or torch without NCCL)."""
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+        return None
+    try:
+        v = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return None
+    if isinstance(v, int):  # older torch: one integer, e.g. 2708 or 21803
+        major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
+        return f"{major}.{rest // 100}.{rest % 100}"
+    return ".".join(map(str, v))
+
 
 
 class AllReduceExchanger(CollectiveExchanger):
@@ -36,17 +50,12 @@ class AllReduceExchanger(CollectiveExchanger):
 
     group = None  # the process group, once connected (``store`` is CollectiveExchanger's)
 
-    def _connect(self, model, optim):
-        backend = self.options.backend
+    def _connect(self, model, optimizer):
         params = [p for b in self.buckets for p in b.params]
-        if backend == "nccl" and not all(p.is_cuda for p in params):
+        if self.options.backend == "nccl" and not all(p.is_cuda for p in params):
             raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
         self.join()
-        agree_on_model(self.store, self.rank_info, model, self.options.timeout)
-        with torch.no_grad():  # every rank starts from rank 0's parameters
-            for p in params:
-                dist.broadcast(p.data, src=0, group=self.group)
-        self.optimizer = optim.build(params)
+        self._agree_and_equalise(model, optimizer)
 
     def join(self) -> None:
         """Meet the other ranks (store + process group). Collective; idempotent; setup() calls it.
@@ -82,7 +91,6 @@ class AllReduceExchanger(CollectiveExchanger):
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "backend": self.options.backend, **self._heap_facts()}
         if self.options.backend == "nccl" and torch.cuda.is_available():
-            from commlab.doctor import nccl_version
             facts["nccl_version"] = nccl_version()
             facts["data_path"] = "GPU memory, moved by NCCL (transport and GPUDirect RDMA: see commlab doctor's probe)"
         elif any(b.buffer.is_cuda for b in self.buckets):

@@ -17,21 +17,19 @@ class LocalExchanger(BucketedExchanger):
     scheme = "local"
     carry_presence = False
 
-    def _connect(self, model, optim):
+    def _connect(self, model, optimizer):
         if self.world_size != 1 and self.scheme == "local":
             raise ConfigError(f"local:// runs one worker, but the launcher started {self.world_size} "
                               f"(rank {self.rank}); use noop:// for independent workers")
-        self.optimizer = optim.build([p for b in self.buckets for p in b.params])
 
     def _start_bucket(self, bucket):
         return DoneHandle(what=f"bucket {bucket.index}")
 
-    def _apply(self):
-        for b in self.buckets:
-            for p, present in zip(b.params, b.present):
-                if not present:
-                    p.grad = None
-        self.optimizer.step()
+    def _finish(self):
+        self._drop_absent_grads()
+
+    def _sync_buffers(self, mode):
+        pass  # one worker (local://), or workers that never talk (noop://): nothing to make equal
 
 
 class NoopExchanger(LocalExchanger):

@@ -25,7 +25,9 @@ import zmq
 from commlab import psproto, transport, wire
 from commlab.config import CommonOptions, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, RemoteError
-from commlab.exchanger import BucketedExchanger, model_manifest
+from commlab.exchanger import BucketedExchanger, PlansServers
+from commlab.manifest import model_manifest
+from commlab.optim import OptimizerSpec
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 
 
@@ -257,14 +259,14 @@ class _Shard:
             self.sock = None
 
 
-class PSExchanger(BucketedExchanger):
+class PSExchanger(BucketedExchanger, PlansServers):
     scheme = "ps"
     Options = PSOptions
     carry_presence = False  # absent gradients travel as names in the push header
 
     @classmethod
-    def from_url(cls, url: ExchangerURL, rank) -> "PSExchanger":
-        return cls(_options(url), rank)
+    def options_from_url(cls, url: ExchangerURL) -> PSOptions:
+        return _options(url)
 
     @classmethod
     def plan_local(cls, url: ExchangerURL, workers: int,
@@ -309,7 +311,10 @@ class PSExchanger(BucketedExchanger):
         self.mode = ""  # the servers' (from hello)
 
     # ----- setup ---------------------------------------------------------------------------
-    def _connect(self, model, optim):
+    updates_remotely = True  # the servers apply the optimizer: optimizer.step() pulls their result
+
+    def _connect(self, model, optimizer):
+        optim = self.optim_spec or _spec_of(optimizer)
         endpoints = self.options.endpoint_list
         if not endpoints:
             raise ConfigError("ps:// names no servers: give ps://HOST:PORT[,HOST:PORT...] (servers started with "
@@ -417,8 +422,15 @@ class PSExchanger(BucketedExchanger):
                 shard.post("pull", step, meta={"after_step": step, "keys": keys},
                            what=f"pull of {shown} after step {step}")
 
-    def _apply(self) -> None:
-        step = self._base + self._step
+    def _finish(self) -> None:
+        pass  # the pushes are acknowledged; the servers update when optimizer.step() asks for the result
+
+    def _sync_buffers(self, mode: str) -> None:
+        raise ConfigError("ps:// does not carry module buffers (BatchNorm statistics) yet: use buffers=none, "
+                          "or allreduce:// or ring://")
+
+    def _remote_update(self, timeout: float) -> None:
+        step = self._base + self._step - 1  # the exchange backward just finished
         if self.mode == "sync":  # every key's pull is posted already
             received = self._on_all(lambda s: s.collect(), f"pushes and pulls of step {step}")
         else:
@@ -477,6 +489,20 @@ class PSExchanger(BucketedExchanger):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+def _spec_of(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
+    """The servers build SGD or Adam from a spec: the user's optimizer as one, where it is one."""
+    groups = optimizer.param_groups
+    g = groups[0]
+    if len(groups) == 1 and type(optimizer) is torch.optim.SGD and not g.get("nesterov") \
+            and not g.get("dampening") and not g.get("maximize"):
+        return OptimizerSpec("sgd", lr=float(g["lr"]), momentum=g["momentum"], weight_decay=g["weight_decay"])
+    if len(groups) == 1 and type(optimizer) is torch.optim.Adam and not g.get("amsgrad") and not g.get("maximize"):
+        return OptimizerSpec("adam", lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                             weight_decay=g["weight_decay"])
+    raise ConfigError(f"ps:// servers run plain SGD or Adam with one param group; {type(optimizer).__name__} "
+                      f"with {len(groups)} group(s) is not supported: use allreduce:// or ring://")
 
 
 def _options(url: ExchangerURL) -> PSOptions:

@@ -83,7 +83,6 @@ from commlab.config import CommonOptions, option
 from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
-from commlab.peers import agree_on_model
 from commlab.heap import keep_freed_memory
 from commlab.transport import Link, Transport
 
@@ -242,19 +241,9 @@ class RingExchanger(CollectiveExchanger):
         self._group, self._own_group = dist.group.WORLD, True
 
     # ----- the contract pieces ---------------------------------------------------------------
-    def _connect(self, model, optim):
-        params = [p for b in self.buckets for p in b.params]
+    def _connect(self, model, optimizer):
         self.join()
-        agree_on_model(self.store, self.rank_info, model, self.options.timeout)
-        with torch.no_grad():  # rank 0's parameters, through the ring: the others add zeros
-            for b in self.buckets:
-                flat = torch.cat([p.detach().reshape(-1) for p in b.params])
-                if self.rank != 0:
-                    flat.zero_()
-                self.allreduce(flat, what=f"initial parameters of bucket {b.index}")
-                for p, off in zip(b.params, b.offsets):
-                    p.copy_(flat[off:off + p.numel()].view_as(p))
-        self.optimizer = optim.build(params)
+        self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
         """Sum ``tensor`` in place over all ranks. Collective: every rank calls it with a tensor of the same

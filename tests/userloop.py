@@ -1,0 +1,209 @@
+"""A user's own training loop, as a DDP user writes it, ported to commlab with the contract's few lines.
+
+Run per rank (``python tests/userloop.py '<json config>'``, under torchrun's environment) it trains
+through ``commlab.connect(url)`` and prints one JSON line: every parameter, buffer and optimizer
+state tensor, plus what the loop saw (pre-clip norms, learning rates, GradScaler scales). Imported,
+:func:`reference` runs the same loop in one process on the combined batch (every rank's every
+micro-step), which is what a synchronous regime must reproduce.
+
+The loop: AdamW in two param groups (weight decay on weights only), warm-up + cosine schedule
+(LambdaLR), GradScaler (unscale before clipping), ``clip_grad_norm_`` with a threshold the norms
+are above (so it really clips), two micro-steps of accumulation (the first under ``no_sync``).
+Variants: ``mlp`` (a LayerNorm MLP), ``ckpt`` / ``ckpt-reentrant`` (its middle block under
+``torch.utils.checkpoint``), ``bn`` (a BatchNorm model, plain SGD: compared with DDP), ``amp``
+(bf16 autocast; one rank's gradient made inf at one step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+FEATURES, HIDDEN, OUT, BATCH, MICRO = 6, 8, 3, 4, 2
+CLIP = 0.05  # below every pre-clip norm of this loop: clipping always acts
+INF_STEP, INF_RANK = 4, 1  # amp variant: this rank's gradient is inf at this step
+
+
+class Net(nn.Module):
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        # no bias before BatchNorm (as in ResNets): its gradient would be zero in exact arithmetic, rounding noise here
+        self.inp = nn.Linear(FEATURES, HIDDEN, bias=variant != "bn")
+        if variant == "bn":
+            self.mid = nn.Sequential(nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN))
+        else:
+            self.mid = nn.Sequential(nn.LayerNorm(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN))
+        self.out = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.variant.startswith("ckpt"):
+            h = checkpoint(self.mid, h, use_reentrant=self.variant == "ckpt-reentrant")
+        else:
+            h = self.mid(h)
+        return self.out(h)
+
+
+def build(variant: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Net(variant)
+    if variant == "bn":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # biases, norm weights
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=0.01, betas=(0.9, 0.99))
+    return model, opt
+
+
+def schedule(opt, steps: int):
+    warm = 3
+
+    def factor(s: int) -> float:
+        if s < warm:
+            return (s + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def data(step: int, world: int):
+    """Every rank's micro-batches of one step: [rank][micro] -> (x, y)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(world, MICRO, BATCH, FEATURES, generator=g)
+    y = torch.randn(world, MICRO, BATCH, OUT, generator=g)
+    return x, y
+
+
+def snapshot(model, opt) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            state[f"{names[id(p)]}.{k}"] = torch.as_tensor(v).double().reshape(-1).tolist()
+    return {"params": {n: p.detach().double().reshape(-1).tolist() for n, p in model.named_parameters()},
+            "buffers": {n: b.detach().double().reshape(-1).tolist() for n, b in model.named_buffers()},
+            "state": state}
+
+
+def rank_main(cfg: dict) -> None:
+    import commlab
+    variant, steps, url = cfg["variant"], cfg["steps"], cfg["url"]
+    torch.set_num_threads(1)
+    model, opt = build(variant)
+    ex = commlab.connect(url)
+    rank, world = ex.rank, ex.world_size
+    ex.setup(model, opt)
+    sched = schedule(opt, steps)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    start = 0
+    if cfg.get("resume"):
+        ck = torch.load(cfg["resume"] + f".rank{rank}", weights_only=False)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        scaler.load_state_dict(ck["scaler"])
+        ex.load_state_dict(ck["exchanger"])
+        start = ck["step"]
+    if variant == "amp" and rank == INF_RANK:
+        poison = {"on": False}
+        model.out.weight.register_hook(lambda g: torch.full_like(g, math.inf) if poison["on"] else g)
+    seen = {"norms": [], "lrs": [], "scales": [], "buffers_equal": []}
+    for step in range(start, steps):
+        if cfg.get("stop_at") == step:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                        "scaler": scaler.state_dict(), "exchanger": ex.state_dict(), "step": step},
+                       cfg["save"] + f".rank{rank}")
+            break
+        x, y = data(step, world)
+        if variant == "amp" and rank == INF_RANK:
+            poison["on"] = step == INF_STEP
+        opt.zero_grad()
+        for m in range(MICRO):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "amp"):
+                loss = F.mse_loss(model(x[rank, m]), y[rank, m]).float() / MICRO
+            if m < MICRO - 1:
+                with ex.no_sync():
+                    scaler.scale(loss).backward()
+            else:
+                scaler.scale(loss).backward()  # gradients final here
+        scaler.unscale_(opt)
+        if variant != "bn":
+            seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        seen["lrs"].append([g["lr"] for g in opt.param_groups])
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        seen["scales"].append(float(scaler.get_scale()))
+        if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
+            seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
+    out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps)
+    ex.close()
+    print(json.dumps(out), flush=True)
+
+
+def reference(variant: str, world: int, steps: int) -> dict:
+    """One process, the combined batch: the gradient of (1/N) x every rank's (micro-step-averaged) loss."""
+    torch.set_num_threads(1)
+    model, opt = build(variant)
+    sched = schedule(opt, steps)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    seen = {"norms": [], "lrs": [], "scales": []}
+    for step in range(steps):
+        x, y = data(step, world)
+        opt.zero_grad()
+        for r in range(world):
+            for m in range(MICRO):
+                loss = F.mse_loss(model(x[r, m]), y[r, m]) / MICRO / world
+                scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        seen["lrs"].append([g["lr"] for g in opt.param_groups])
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        seen["scales"].append(float(scaler.get_scale()))
+    return dict(snapshot(model, opt), seen=seen)
+
+
+def ddp_main(cfg: dict) -> None:
+    """The oracle for buffers: the same BatchNorm loop under DistributedDataParallel(broadcast_buffers=True)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build("bn")
+    ddp = DDP(model, broadcast_buffers=True)
+    sched = schedule(opt, cfg["steps"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    for step in range(cfg["steps"]):
+        x, y = data(step, world)
+        opt.zero_grad()
+        for m in range(MICRO):
+            loss = F.mse_loss(ddp(x[rank, m]), y[rank, m]) / MICRO
+            if m < MICRO - 1:
+                with ddp.no_sync():
+                    scaler.scale(loss).backward()
+            else:
+                scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+    out = dict(snapshot(model, opt), rank=rank)
+    dist.destroy_process_group()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    config = json.loads(sys.argv[1])
+    (ddp_main if config.get("ddp") else rank_main)(config)
