@@ -37,8 +37,12 @@ def _rank_from_env() -> int:
     return rendezvous.from_env().rank
 
 
-def report(step: int, *, path: str | os.PathLike | None = None, rank: int | None = None, **fields) -> dict | None:
+def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, rank: int | None = None,
+           **fields) -> dict | None:
     """Append ``{"step": step, "rank": rank, **fields}`` as one JSON line to this rank's metrics file.
+
+    ``exchange``, a :class:`commlab.StepReport` (``ex.step()``'s result, or ``ex.last_report``
+    after ``optimizer.step()``), adds its ``bytes_sent``, ``bytes_received`` and ``wait_s``.
 
     ``path`` defaults to ``$COMMLAB_METRICS``; with neither, nothing is written and ``None`` is
     returned. ``rank`` defaults to the launcher's environment (``RANK`` and its Slurm / Open MPI
@@ -51,7 +55,11 @@ def report(step: int, *, path: str | os.PathLike | None = None, rank: int | None
     if not base:
         return None
     rank = _rank_from_env() if rank is None else rank
-    record = {"step": int(step), "rank": rank, **fields}
+    record = {"step": int(step), "rank": rank}
+    if exchange is not None:
+        record.update(bytes_sent=exchange.bytes_sent, bytes_received=exchange.bytes_received,
+                      wait_s=exchange.wait_s)
+    record.update(fields)
     line = json.dumps(record, allow_nan=True)
     with metrics_path(base, rank).open("a") as fh:
         fh.write(line + "\n")

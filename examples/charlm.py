@@ -193,7 +193,7 @@ def main(argv=None) -> None:
         scheduler.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             lr = scheduler.get_last_lr()[0]
-            commlab.report(step, loss=loss, lr=lr)
+            commlab.report(step, loss=loss, lr=lr, exchange=ex.last_report)
             if rank == 0:
                 print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
         if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):
@@ -201,7 +201,8 @@ def main(argv=None) -> None:
     test_loss, test_acc = evaluate(model, held_out, args, device, amp)
     if rank == 0:
         print(f"held-out loss {test_loss:.4f}, next-character accuracy {test_acc:.3f}", flush=True)
-        commlab.report(args.steps - 1, loss=loss, test_loss=test_loss, test_acc=test_acc)
+        commlab.report(args.steps - 1, loss=loss, test_loss=test_loss, test_acc=test_acc,
+                       exchange=ex.last_report)
     ex.close()
 
 

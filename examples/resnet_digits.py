@@ -89,14 +89,15 @@ def main(argv=None) -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
-        commlab.report(step, loss=loss.item())
+        commlab.report(step, loss=loss.item(), exchange=ex.last_report)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.3g}  "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
     test_loss, test_acc = evaluate(model, data.test_x, data.test_y)
     if rank == 0:
         print(f"test loss {test_loss:.4f}, test accuracy {test_acc:.3f}", flush=True)
-        commlab.report(args.steps - 1, loss=loss.item(), test_loss=test_loss, test_acc=test_acc)
+        commlab.report(args.steps - 1, loss=loss.item(), test_loss=test_loss, test_acc=test_acc,
+                       exchange=ex.last_report)
     ex.close()
 
 

@@ -24,7 +24,15 @@ SMALL_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32
             "--eval-batches", "2", "--log-every", "1", "--threads", "1"]
 EXAMPLES = {"charlm": ["--steps", "3", *SMALL_LM],
             "resnet_digits": ["--steps", "3", "--batch-size", "16", "--width", "8", "--log-every", "1"]}
+PS_INTERIM = {  # what main's interim ps:// client refuses (the PS side; update=worker will lift it)
+    "charlm": "ps:// servers run plain SGD or Adam with one param group; the LM uses AdamW in two groups",
+    "resnet_digits": "ps:// carries no BatchNorm buffers yet, and with buffers=none an LR scheduler made after "
+                     "setup fails: ps:// replaces optimizer.step with a plain function, which torch's "
+                     "scheduler cannot wrap ('function' object has no attribute '__func__')",
+}
 REGIMES = ["allreduce://?backend=gloo", "ring://", "ps://?shards=1&mode=sync"]
+CASES = [pytest.param(example, url, marks=pytest.mark.xfail(strict=True, reason=PS_INTERIM[example])
+                      if url.startswith("ps://") else ()) for example in sorted(EXAMPLES) for url in REGIMES]
 
 
 def commlab_run(args: list[str], timeout: float = TIMEOUT, **env) -> subprocess.CompletedProcess:
@@ -43,8 +51,7 @@ def rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("url", REGIMES)
-@pytest.mark.parametrize("example", sorted(EXAMPLES))
+@pytest.mark.parametrize("example, url", CASES)
 def test_example_runs_on_two_ranks_under_each_regime(example, url, tmp_path):
     metrics = tmp_path / "m.jsonl"
     r = commlab_run(["--workers", "2", "--exchanger", url, "--metrics", str(metrics),

@@ -97,7 +97,8 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, desc=f"{ex.scheme}:// x{world}", unit="step", disable=None)
     try:
-        ex.setup(model, cfg.optim)
+        optimizer = cfg.optim.build(model.parameters())  # a torch optimizer, as a user's script has
+        ex.setup(model, optimizer)
         t_start = time.perf_counter()
         record: dict = {}
         for step in range(cfg.steps):
@@ -108,7 +109,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
             loss = F.cross_entropy(logits, y)
             loss.backward()
             t1 = time.perf_counter()
-            report = ex.step()
+            report = ex.step()  # optimizer.step(), and what this step's exchange moved and waited
             t2 = time.perf_counter()
             record = {"step": step, "rank": rank, "loss": loss.item(),
                       "acc": (logits.argmax(1) == y).float().mean().item(),
