@@ -16,8 +16,8 @@ torchrun. The job, in order:
    client of a port that is already bound. (Ranks placed in other network namespaces by
    ``rank_prefix`` cannot reach this process; there rank 0 hosts the store on a port of its
    fresh namespace, where nothing else listens.)
-3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), every process's
-   output also goes to its log (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
+3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), the servers' output
+   reaches stderr, the other ranks' only their logs; every process's output goes to its log (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
 4. The launcher watches: the first process to fail is named with the tail of its log, the
    rest are stopped. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
    124). Each process leads a process group of its own, so a stop takes whatever it started;
@@ -215,18 +215,20 @@ def _pump(src, sinks: list, lock: threading.Lock, on_line: Callable[[bytes], Non
     src.close()
 
 
-def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: bool = False,
+def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: str | None = None,
           report_endpoint: bool = False) -> Proc:
     """Start ``argv`` in a process group of its own that dies with this process.
 
-    Its output goes to ``log`` and, with ``forward``, to this process's stdout and stderr.
+    Its output goes to ``log`` and, with ``forward="both"``, to this process's stdout and stderr
+    (rank 0: progress and prints), with ``forward="stderr"`` both its streams to this process's
+    stderr (servers: diagnostics, never mixed into the stdout a caller may parse).
     With ``report_endpoint`` the first ``... listening on ENDPOINT`` line on its stdout sets
     ``Proc.endpoint`` and ``Proc.reported``. Does not block.
     """
     wrapped = [sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv]
     popen = subprocess.Popen(wrapped, env=dict(env), start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE if forward else subprocess.STDOUT)
-    proc = Proc(name, popen, log, forward)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE if forward == "both" else subprocess.STDOUT)
+    proc = Proc(name, popen, log, forward is not None)
     lock = threading.Lock()
     fh = log.open("ab") if log is not None else None
 
@@ -237,9 +239,10 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
                 proc.endpoint = m.group(1)
                 proc.reported.set()
 
-    streams = [(popen.stdout, sys.stdout)] + ([(popen.stderr, sys.stderr)] if forward else [])
+    streams = {"both": [(popen.stdout, sys.stdout), (popen.stderr, sys.stderr)],
+               "stderr": [(popen.stdout, sys.stderr)]}.get(forward, [(popen.stdout, None)])
     for src, term in streams:
-        sinks = [s for s in (fh, getattr(term, "buffer", None) if forward else None) if s is not None]
+        sinks = [s for s in (fh, getattr(term, "buffer", None)) if s is not None]
         t = threading.Thread(target=_pump, args=(src, sinks, lock, on_line if report_endpoint else None),
                              name=f"commlab-pump-{name}", daemon=True)
         t.start()
@@ -268,7 +271,7 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
     servers = []
     for i, argv in enumerate(argvs):
         p = spawn(f"server {i}", [sys.executable, "-m", "servers", *argv], env,
-                  logs / f"server{i}.log" if logs else None, report_endpoint=True)
+                  logs / f"server{i}.log" if logs else None, forward="stderr", report_endpoint=True)
         procs.append(p)
         servers.append(p)
     deadline = time.monotonic() + timeout
@@ -402,7 +405,7 @@ def _run(job: Job) -> int:
                 if job.rank_prefix:
                     argv = [*job.rank_prefix(r), *argv]
                 ranks.append(spawn(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                                   logs / f"rank{r}.log", forward=r == 0))
+                                   logs / f"rank{r}.log", forward="both" if r == 0 else None))
                 procs.append(ranks[-1])
             _watch(job, procs, ranks, started)
         finally:

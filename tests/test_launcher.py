@@ -39,13 +39,19 @@ NEEDS_PROC_CHILDREN = pytest.mark.skipif(
 
 # a rank that does nothing but wait: launcher behaviour without torch's start-up cost in the ranks
 SLEEPER = """
-import os, sys, time
+import os, subprocess, sys, time
 code = int(os.environ.get("FAIL_RANK_" + os.environ["RANK"], "-1"))
 print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} up", flush=True)
+if os.environ.get("GRANDCHILD_PID_FILE") and os.environ["RANK"] == "0":  # a process of the rank's own
+    kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["GRANDCHILD_PID_FILE"] + ".tmp", "w") as fh:
+        fh.write(str(kid.pid))
+    os.replace(os.environ["GRANDCHILD_PID_FILE"] + ".tmp", os.environ["GRANDCHILD_PID_FILE"])
 if code >= 0:
+    time.sleep(float(os.environ.get("FAIL_AFTER_S", "0")))
     print("this rank fails on purpose", file=sys.stderr, flush=True)
     sys.exit(code)
-time.sleep(float(os.environ.get("SLEEP_S", "600")))
+time.sleep(600)
 """
 
 
@@ -123,14 +129,23 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped(tmp_path):
-    script = tmp_path / "sleeper.py"
+@NEEDS_PROC_CHILDREN
+def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped_with_what_they_started(tmp_path):
+    script, grandchild = tmp_path / "sleeper.py", tmp_path / "grandchild.pid"
     script.write_text(SLEEPER)
-    r = run_group(_cli(["run", "--workers", "3", "--exchanger", "noop://", str(script)]), 120, cwd=ROOT,
-                  env=child_env(FAIL_RANK_1=3), capture_output=True, text=True)
-    assert r.returncode == 3, r.stderr
-    assert "commlab run: rank 1 failed first (exit code 3); stopped the others" in r.stderr, r.stderr
-    assert "this rank fails on purpose" in r.stderr, r.stderr  # the tail of rank 1's log
+    proc = subprocess.Popen(_cli(["run", "--workers", "3", "--exchanger", "noop://", str(script)]), cwd=ROOT,
+                            env=child_env(FAIL_RANK_1=3, FAIL_AFTER_S=3, GRANDCHILD_PID_FILE=grandchild),
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = _wait_children(proc, 3)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 3, err
+        assert "commlab run: rank 1 failed first (exit code 3); stopped the others" in err, err
+        assert "this rank fails on purpose" in err, err  # the tail of rank 1's log
+        started.append(int(grandchild.read_text()))  # rank 0's own child, in rank 0's process group
+        assert not _gone(started), f"left running after rank 1 failed: {started}"
+    finally:
+        kill_group(proc)
 
 
 @pytest.mark.multiproc
