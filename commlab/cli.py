@@ -95,7 +95,8 @@ def run_main(argv: list[str]) -> int:
         prog="commlab run", description="Run N ranks of a training script on this host, as torchrun would "
         "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), with COMMLAB_EXCHANGER "
         "(read by commlab.connect()) and COMMLAB_METRICS (written by commlab.report()) set, and the servers "
-        "the exchanger needs started first.", epilog=regimes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        "the exchanger needs started first.", epilog=regimes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_job_args(p, default_workers=1)
     p.add_argument("--exchanger", default=os.environ.get(ENV_URL, "allreduce://"),
                    help="regime URL (default: $COMMLAB_EXCHANGER, else allreduce://)")

@@ -17,7 +17,8 @@ torchrun. The job, in order:
    ``rank_prefix`` cannot reach this process; there rank 0 hosts the store on a port of its
    fresh namespace, where nothing else listens.)
 3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), the servers' output
-   reaches stderr, the other ranks' only their logs; every process's output goes to its log (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
+   reaches stderr, the other ranks' only their logs; every process's output goes to its log
+   (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
 4. The launcher watches: the first process to fail is named with the tail of its log, the
    rest are stopped. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
    124). Each process leads a process group of its own, so a stop takes whatever it started;

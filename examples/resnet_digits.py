@@ -1,13 +1,15 @@
 """A small ResNet (BatchNorm, residual blocks) on the handwritten digits shipped with the worker.
 
-Data-parallel over N ranks with commlab: ``examples/plain/resnet_digits.py`` is the same script
-in one process (``diff -u examples/plain/resnet_digits.py examples/resnet_digits.py``). N ranks
-with batch B see the same samples as the plain script with batch N x B; BatchNorm's running
-statistics are made equal across ranks by the exchanger (``buffers=broadcast``, its default).
-SGD with momentum and weight decay, the learning rate cut tenfold twice (StepLR); the data are
-the 1,797 8x8 digits in ``workers/data``, upsampled to 16x16, with a fixed held-out sixth.
+``examples/plain/resnet_digits.py`` trains it in one process with plain torch;
+``examples/resnet_digits.py`` is the same script data-parallel over N ranks with commlab
+(``diff -u examples/plain/resnet_digits.py examples/resnet_digits.py``): N ranks with batch B
+see the samples the plain script sees with batch N x B, and BatchNorm's running statistics are
+made equal across ranks by the exchanger (``buffers=broadcast``, its default). SGD with momentum
+and weight decay, the learning rate cut tenfold twice (StepLR); the data are the 1,797 8x8
+digits in ``workers/data``, upsampled to 16x16, with a fixed held-out sixth.
 
-    commlab run --workers 2 --exchanger 'ps://?shards=1&mode=sync' examples/resnet_digits.py --steps 150
+    python examples/plain/resnet_digits.py --steps 150
+    commlab run --workers 2 --exchanger 'ring://' examples/resnet_digits.py --steps 150
 """
 
 from __future__ import annotations

@@ -95,3 +95,20 @@ def test_example_under_torchrun_with_commlab_exchanger(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     assert "test accuracy" in r.stdout, r.stdout
     assert [row["step"] for row in rows(Path(f"{metrics}.rank1"))] == [0, 1, 2]
+
+
+@pytest.mark.multiproc
+def test_language_model_resumes_from_its_checkpoint_exactly(tmp_path):
+    """Stopped after 2 of 4 steps and resumed from the checkpoint (model, AdamW, LambdaLR, scaler,
+    exchanger, data order), the run reports the very losses of the run that never stopped."""
+    url, ckpt = "allreduce://?backend=gloo", tmp_path / "lm.pt"
+    whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    lm = ["examples/charlm.py", "--steps", "4", "--warmup", "2", *SMALL_LM]
+    for metrics, extra in ((whole, []), (first, ["--checkpoint", str(ckpt), "--stop-after", "2"]),
+                           (second, ["--checkpoint", str(ckpt), "--resume"])):
+        r = commlab_run(["--workers", "2", "--exchanger", url, "--metrics", str(metrics), *lm, *extra])
+        assert r.returncode == 0, r.stderr[-4000:]
+    losses = {path: {row["step"]: row["loss"] for row in rows(path) if "test_acc" not in row}
+              for path in (whole, first, second)}
+    assert sorted(losses[first]) == [0, 1] and sorted(losses[second]) == [2, 3], losses
+    assert {**losses[first], **losses[second]} == losses[whole]

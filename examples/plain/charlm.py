@@ -1,14 +1,17 @@
 """A small GPT-style character-level language model, trained on the Python documentation's topics.
 
-The single-process version: plain torch. ``examples/charlm.py`` is the same script trained on N
-ranks with commlab; ``diff -u examples/plain/charlm.py examples/charlm.py`` shows every line
-that changes. The text is the standard library's ``pydoc_data.topics`` (about 465 KB of English
-and Python), so nothing is downloaded. What it exercises: AdamW with parameter groups (no
-weight decay on biases and norm weights), warm-up then cosine learning rate (LambdaLR),
-gradient clipping, mixed precision (bfloat16 autocast on CPU, float16 with a GradScaler on
-CUDA), gradient accumulation, and checkpoints that resume exactly where they stopped.
+``examples/plain/charlm.py`` trains it in one process with plain torch; ``examples/charlm.py`` is
+the same script data-parallel over N ranks with commlab, each rank on its own slice of the text
+(``diff -u examples/plain/charlm.py examples/charlm.py`` shows every line that changes). The
+text is the standard library's ``pydoc_data.topics`` (about 465 KB of English and Python), so
+nothing is downloaded. What it exercises: AdamW with parameter groups (no weight decay on biases
+and norm weights), warm-up then cosine learning rate (LambdaLR), gradient clipping, mixed
+precision (bfloat16 autocast on CPU, float16 with a GradScaler on CUDA), gradient accumulation,
+and checkpoints that resume exactly where they stopped.
 
     python examples/plain/charlm.py --steps 300
+    commlab run --workers 2 --exchanger 'allreduce://?backend=gloo' examples/charlm.py --steps 300
+    COMMLAB_EXCHANGER='ring://' torchrun --nproc-per-node 2 examples/charlm.py --steps 300
 """
 
 from __future__ import annotations
@@ -76,23 +79,22 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
     return f
 
 
-def windows(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
-    """Endless (input, target) batches of random windows of ``data``, drawn from ``gen``."""
-    while True:
-        start = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
-        rows = torch.stack([data[s: s + context + 1] for s in start.tolist()])
-        yield rows[:, :-1], rows[:, 1:]
+def windows(data: torch.Tensor, batch: int, context: int, *seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, target): ``batch`` random windows of ``data``, a function of ``seed`` alone (so a
+    resumed run draws what the uninterrupted one would have, with no generator state to save)."""
+    gen = torch.Generator().manual_seed(hash(seed) & 0xFFFF_FFFF)  # a tuple of ints hashes alike in every process
+    start = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
+    rows = torch.stack([data[s: s + context + 1] for s in start.tolist()])
+    return rows[:, :-1], rows[:, 1:]
 
 
 @torch.no_grad()
 def evaluate(model, data, args, device, amp) -> tuple[float, float]:
     """Loss and next-character accuracy on fixed windows of held-out text."""
     model.eval()
-    gen = torch.Generator().manual_seed(1234)
-    batches = windows(data, args.batch_size, args.context, gen)
     losses, hits, n = [], 0, 0
-    for _ in range(args.eval_batches):
-        x, y = (t.to(device) for t in next(batches))
+    for i in range(args.eval_batches):
+        x, y = (t.to(device) for t in windows(data, args.batch_size, args.context, 1234, i))
         with amp():
             logits = model(x)
         losses.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten()).item())
@@ -121,6 +123,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", help="save here every --checkpoint-every steps and at the end")
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="end after this many steps, checkpointed, as if preempted (the schedule still spans --steps)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     return p.parse_args(argv)
 
@@ -128,8 +132,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world = 0, 1
+    rank, world, local_rank = 0, 1, 0
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
@@ -138,8 +142,6 @@ def main(argv=None) -> None:
     train, held_out = data[:split], data[split:]
     shard = len(train) // world  # each rank trains on its own contiguous slice
     mine = train[rank * shard:(rank + 1) * shard]
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # this rank's windows, reproducibly
-    batches = windows(mine, args.batch_size, args.context, gen)
 
     torch.manual_seed(args.seed)
     model = CharLM(len(chars), args.context, args.d_model, args.layers, args.heads).to(device)
@@ -155,13 +157,12 @@ def main(argv=None) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        gen.set_state(state["data_rng"])
         start = state["step"]
 
     def save(step: int) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 "data_rng": gen.get_state(), "step": step}
+                 "step": step}
         torch.save(state, args.checkpoint + ".tmp")
         os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a kill never leaves half a checkpoint
 
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
         optimizer.zero_grad()
         loss = 0.0
         for micro in range(args.accum):
-            loss += micro_step(*next(batches))
+            loss += micro_step(*windows(mine, args.batch_size, args.context, args.seed, rank, step, micro))
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         scaler.step(optimizer)
@@ -186,8 +187,12 @@ def main(argv=None) -> None:
             lr = scheduler.get_last_lr()[0]
             if rank == 0:
                 print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
-        if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):
+        stop = step + 1 == args.stop_after
+        due = (step + 1) % args.checkpoint_every == 0 or step == args.steps - 1 or stop
+        if args.checkpoint and rank == 0 and due:
             save(step + 1)
+        if stop:
+            break
     test_loss, test_acc = evaluate(model, held_out, args, device, amp)
     if rank == 0:
         print(f"held-out loss {test_loss:.4f}, next-character accuracy {test_acc:.3f}", flush=True)
