@@ -221,14 +221,17 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
     """Start ``argv`` in a process group of its own that dies with this process.
 
     Its output goes to ``log`` and, with ``forward="both"``, to this process's stdout and stderr
-    (rank 0: progress and prints), with ``forward="stderr"`` both its streams to this process's
+    (rank 0: progress and prints; a stderr that is a terminal is handed over as it is, so that
+    progress bars see a terminal, and is then not in the log), with ``forward="stderr"`` both its streams to this process's
     stderr (servers: diagnostics, never mixed into the stdout a caller may parse).
     With ``report_endpoint`` the first ``... listening on ENDPOINT`` line on its stdout sets
     ``Proc.endpoint`` and ``Proc.reported``. Does not block.
     """
     wrapped = [sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv]
+    terminal = forward == "both" and _is_terminal(sys.stderr)
+    stderr = None if terminal else subprocess.PIPE if forward == "both" else subprocess.STDOUT
     popen = subprocess.Popen(wrapped, env=dict(env), start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE if forward == "both" else subprocess.STDOUT)
+                             stdout=subprocess.PIPE, stderr=stderr)
     proc = Proc(name, popen, log, forward is not None)
     lock = threading.Lock()
     fh = log.open("ab") if log is not None else None
@@ -240,7 +243,7 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
                 proc.endpoint = m.group(1)
                 proc.reported.set()
 
-    streams = {"both": [(popen.stdout, sys.stdout), (popen.stderr, sys.stderr)],
+    streams = {"both": [(popen.stdout, sys.stdout)] + ([] if terminal else [(popen.stderr, sys.stderr)]),
                "stderr": [(popen.stdout, sys.stderr)]}.get(forward, [(popen.stdout, None)])
     for src, term in streams:
         sinks = [s for s in (fh, getattr(term, "buffer", None)) if s is not None]
@@ -250,6 +253,13 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
         proc.pumps.append(t)
     proc.files = [fh] if fh is not None else []
     return proc
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 class JobFailed(Exception):
