@@ -105,6 +105,7 @@ def run_main(argv: list[str]) -> int:
     p.add_argument("script", nargs="?", help="the training script each rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
+    command: tuple[str, ...]
     if a.module:
         command, args = ("-m", a.module), ([a.script] if a.script else []) + a.args
     elif a.script:

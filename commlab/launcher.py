@@ -243,8 +243,12 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
                 proc.endpoint = m.group(1)
                 proc.reported.set()
 
-    streams = {"both": [(popen.stdout, sys.stdout)] + ([] if terminal else [(popen.stderr, sys.stderr)]),
-               "stderr": [(popen.stdout, sys.stderr)]}.get(forward, [(popen.stdout, None)])
+    if forward == "both":  # to the terminal as it came
+        streams = [(popen.stdout, sys.stdout)] + ([] if terminal else [(popen.stderr, sys.stderr)])
+    elif forward == "stderr":
+        streams = [(popen.stdout, sys.stderr)]
+    else:
+        streams = [(popen.stdout, None)]
     for src, term in streams:
         sinks = [s for s in (fh, getattr(term, "buffer", None)) if s is not None]
         t = threading.Thread(target=_pump, args=(src, sinks, lock, on_line if report_endpoint else None),
@@ -297,7 +301,7 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
                                 + _tail_text(p), code if code > 0 else 1)
             if time.monotonic() > deadline:
                 raise JobFailed(f"{p.name} did not report its endpoint within {timeout:g}s" + _tail_text(p), 1)
-    return with_endpoints(template, [bind_of(a) for a in argvs], [p.endpoint for p in servers])
+    return with_endpoints(template, [bind_of(a) for a in argvs], [p.endpoint or "" for p in servers])
 
 
 def _tail_text(p: Proc) -> str:
