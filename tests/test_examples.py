@@ -67,24 +67,6 @@ def test_example_runs_on_two_ranks_under_each_regime(example, url, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_language_model_loss_falls(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    r = commlab_run(["--workers", "2", "--exchanger", "allreduce://?backend=gloo", "--metrics", str(metrics),
-                     "examples/charlm.py", "--steps", "20", "--lr", "1e-2", "--warmup", "4", *SMALL_LM])
-    assert r.returncode == 0, r.stderr[-4000:]
-    losses = [row["loss"] for row in rows(metrics) if "test_acc" not in row]
-    assert len(losses) == 20
-    from pydoc_data.topics import topics
-
-    # guessing uniformly costs ln(vocabulary); 20 steps of two ranks learn letter frequencies at least
-    vocab_guess = math.log(len(set("".join(topics.values()))))
-    assert losses[0] > vocab_guess - 0.3, losses
-    assert sum(losses[-5:]) / 5 < losses[0] - 0.8, losses
-    final = rows(metrics)[-1]
-    assert final["test_loss"] < vocab_guess - 0.8, final
-
-
-@pytest.mark.multiproc
 def test_example_under_torchrun_with_commlab_exchanger(tmp_path):
     metrics = tmp_path / "m.jsonl"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -97,18 +79,46 @@ def test_example_under_torchrun_with_commlab_exchanger(tmp_path):
     assert [row["step"] for row in rows(Path(f"{metrics}.rank1"))] == [0, 1, 2]
 
 
+LM_URL = "allreduce://?backend=gloo"
+LM_RUN = ["examples/charlm.py", "--steps", "12", "--lr", "1e-2", "--warmup", "3", *SMALL_LM]
+
+
+def lm_losses(path: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in rows(path) if "test_acc" not in row}
+
+
+@pytest.fixture(scope="module")
+def lm_whole(tmp_path_factory) -> Path:
+    """The metrics of one uninterrupted 12-step run of the language model on 2 ranks."""
+    metrics = tmp_path_factory.mktemp("lm") / "whole.jsonl"
+    r = commlab_run(["--workers", "2", "--exchanger", LM_URL, "--metrics", str(metrics), *LM_RUN])
+    assert r.returncode == 0, r.stderr[-4000:]
+    return metrics
+
+
 @pytest.mark.multiproc
-def test_language_model_resumes_from_its_checkpoint_exactly(tmp_path):
-    """Stopped after 2 of 4 steps and resumed from the checkpoint (model, AdamW, LambdaLR, scaler,
-    exchanger, data order), the run reports the very losses of the run that never stopped."""
-    url, ckpt = "allreduce://?backend=gloo", tmp_path / "lm.pt"
-    whole, first, second = tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    lm = ["examples/charlm.py", "--steps", "4", "--warmup", "2", *SMALL_LM]
-    for metrics, extra in ((whole, []), (first, ["--checkpoint", str(ckpt), "--stop-after", "2"]),
+def test_language_model_loss_falls(lm_whole):
+    from pydoc_data.topics import topics
+
+    losses = list(lm_losses(lm_whole).values())
+    assert len(losses) == 12
+    # guessing uniformly costs ln(vocabulary); 12 steps of two ranks learn letter frequencies at least
+    vocab_guess = math.log(len(set("".join(topics.values()))))
+    assert losses[0] > vocab_guess - 0.3, losses
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.8, losses
+    final = rows(lm_whole)[-1]
+    assert final["test_loss"] < vocab_guess - 0.8, final
+
+
+@pytest.mark.multiproc
+def test_language_model_resumes_from_its_checkpoint_exactly(lm_whole, tmp_path):
+    """Stopped after 6 of 12 steps and resumed from the checkpoint (model, AdamW, LambdaLR, scaler,
+    exchanger), the run reports the very losses of the run that never stopped."""
+    ckpt, first, second = tmp_path / "lm.pt", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    for metrics, extra in ((first, ["--checkpoint", str(ckpt), "--stop-after", "6"]),
                            (second, ["--checkpoint", str(ckpt), "--resume"])):
-        r = commlab_run(["--workers", "2", "--exchanger", url, "--metrics", str(metrics), *lm, *extra])
+        r = commlab_run(["--workers", "2", "--exchanger", LM_URL, "--metrics", str(metrics), *LM_RUN, *extra])
         assert r.returncode == 0, r.stderr[-4000:]
-    losses = {path: {row["step"]: row["loss"] for row in rows(path) if "test_acc" not in row}
-              for path in (whole, first, second)}
-    assert sorted(losses[first]) == [0, 1] and sorted(losses[second]) == [2, 3], losses
-    assert {**losses[first], **losses[second]} == losses[whole]
+    losses = {path: lm_losses(path) for path in (first, second)}
+    assert sorted(losses[first]) == list(range(6)) and sorted(losses[second]) == list(range(6, 12)), losses
+    assert {**losses[first], **losses[second]} == lm_losses(lm_whole)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import commlab
+
 from conftest import child_env, kill_group, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +185,51 @@ def test_train_ends_with_a_summary_through_a_pipe(tmp_path):
     line = r.stdout.strip().splitlines()[-1]
     assert line.startswith("commlab train: 2 ranks of workers, ps://?shards=2&mode=sync: 3 steps in "), r.stdout
     assert "final loss" in line and "test accuracy" in line and "sent" in line, line
+
+
+def test_reported_endpoints_replace_the_planned_ones_in_server_order():
+    from commlab.launcher import with_endpoints
+
+    url = "ps://?mode=sync&endpoints=tcp://127.0.0.1:0,tcp://127.0.0.1:0,tcp://127.0.0.1:0"
+    got = with_endpoints(url, ["tcp://127.0.0.1:0"] * 3,
+                         ["tcp://127.0.0.1:4001", "tcp://127.0.0.1:4002", "tcp://127.0.0.1:4003"])
+    assert got == "ps://?mode=sync&endpoints=tcp://127.0.0.1:4001,tcp://127.0.0.1:4002,tcp://127.0.0.1:4003"
+    ipc = "ps://?endpoints=ipc:///tmp/x/shard0,ipc:///tmp/x/shard1"
+    assert with_endpoints(ipc, ["ipc:///tmp/x/shard0", "ipc:///tmp/x/shard1"],
+                          ["ipc:///tmp/x/shard0", "ipc:///tmp/x/shard1"]) == ipc
+    with pytest.raises(commlab.ConfigError, match="does not name server endpoint 'tcp://127.0.0.1:0'"):
+        with_endpoints("ps://?endpoints=ipc:///a", ["tcp://127.0.0.1:0"], ["tcp://127.0.0.1:1"])
+
+
+def test_a_plan_binds_port_0_and_planned_servers_still_hands_out_runnable_ports():
+    from commlab.launcher import bind_of, planned_servers, server_plan
+
+    with server_plan("ps://?shards=2&mode=sync", 2) as (template, argvs):
+        assert [bind_of(a) for a in argvs] == ["tcp://127.0.0.1:0"] * 2
+        assert "endpoints=tcp://127.0.0.1:0,tcp://127.0.0.1:0" in template
+    with planned_servers("ps://?shards=2&mode=sync", 2) as (url, argvs):
+        ports = [int(bind_of(a).rsplit(":", 1)[1]) for a in argvs]
+        assert all(p > 0 for p in ports) and len(set(ports)) == 2
+        assert f"endpoints=tcp://127.0.0.1:{ports[0]},tcp://127.0.0.1:{ports[1]}" in url
+
+
+def test_report_writes_one_json_line_per_call_to_the_rank_s_own_file(tmp_path, monkeypatch):
+    from commlab.metrics import last_record, metrics_path, summary
+
+    base = tmp_path / "m.jsonl"
+    monkeypatch.delenv("COMMLAB_METRICS", raising=False)
+    assert commlab.report(0, loss=1.0) is None  # no launcher asked: nothing written
+    monkeypatch.setenv("COMMLAB_METRICS", str(base))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    step = commlab.StepReport(step=4, wait_s=0.5, bytes_sent=2_000_000, bytes_received=1_000)
+    commlab.report(4, loss=0.25, exchange=step)
+    assert metrics_path(base, 1) == tmp_path / "m.jsonl.rank1" and not base.exists()
+    assert last_record(metrics_path(base, 1)) == {"step": 4, "rank": 1, "bytes_sent": 2_000_000,
+                                                  "bytes_received": 1_000, "wait_s": 0.5, "loss": 0.25}
+    commlab.report(9, path=base, rank=0, loss=0.125, test_acc=0.875, bytes_sent=1500)
+    assert summary(last_record(base), 3.0) == ("10 steps in 3.0 s, final loss 0.125, test accuracy 87.5%, "
+                                               "1.5 kB sent per step by rank 0")
+    assert "no metrics reported" in summary(None, 1.0)
