@@ -95,15 +95,23 @@ def snapshot(model, opt) -> dict:
 
 
 def rank_main(cfg: dict) -> None:
+    """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume,
+    device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16)."""
+    import os
     import commlab
     variant, steps, url = cfg["variant"], cfg["steps"], cfg["url"]
     torch.set_num_threads(1)
     model, opt = build(variant)
+    device = torch.device(cfg.get("device", "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        model.to(device)  # the optimizer keeps the same Parameter objects
     ex = commlab.connect(url)
     rank, world = ex.rank, ex.world_size
     ex.setup(model, opt)
     sched = schedule(opt, steps)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=1000)
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
     start = 0
     if cfg.get("resume"):
         ck = torch.load(cfg["resume"] + f".rank{rank}", weights_only=False)
@@ -123,12 +131,12 @@ def rank_main(cfg: dict) -> None:
                         "scaler": scaler.state_dict(), "exchanger": ex.state_dict(), "step": step},
                        cfg["save"] + f".rank{rank}")
             break
-        x, y = data(step, world)
+        x, y = (t.to(device) for t in data(step, world))
         if variant == "amp" and rank == INF_RANK:
             poison["on"] = step == INF_STEP
         opt.zero_grad()
         for m in range(MICRO):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "amp"):
+            with torch.autocast(device.type, dtype=half, enabled=variant == "amp"):
                 loss = F.mse_loss(model(x[rank, m]), y[rank, m]).float() / MICRO
             if m < MICRO - 1:
                 with ex.no_sync():
