@@ -94,6 +94,18 @@ def snapshot(model, opt) -> dict:
             "state": state}
 
 
+def finish_step(model, opt, sched, scaler, seen: dict, clip: bool = True) -> None:
+    """What a user's loop does between backward() and the next step: unscale, clip, step, schedule."""
+    scaler.unscale_(opt)
+    if clip:
+        seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+    seen["lrs"].append([g["lr"] for g in opt.param_groups])
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    seen["scales"].append(float(scaler.get_scale()))
+
+
 def rank_main(cfg: dict) -> None:
     """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume,
     device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16)."""
@@ -143,14 +155,7 @@ def rank_main(cfg: dict) -> None:
                     scaler.scale(loss).backward()
             else:
                 scaler.scale(loss).backward()  # gradients final here
-        scaler.unscale_(opt)
-        if variant != "bn":
-            seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        seen["lrs"].append([g["lr"] for g in opt.param_groups])
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        seen["scales"].append(float(scaler.get_scale()))
+        finish_step(model, opt, sched, scaler, seen, clip=variant != "bn")
         if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
             seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
     out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps)
@@ -172,13 +177,7 @@ def reference(variant: str, world: int, steps: int) -> dict:
             for m in range(MICRO):
                 loss = F.mse_loss(model(x[r, m]), y[r, m]) / MICRO / world
                 scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        seen["lrs"].append([g["lr"] for g in opt.param_groups])
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        seen["scales"].append(float(scaler.get_scale()))
+        finish_step(model, opt, sched, scaler, seen)
     return dict(snapshot(model, opt), seen=seen)
 
 
@@ -203,10 +202,7 @@ def ddp_main(cfg: dict) -> None:
                     scaler.scale(loss).backward()
             else:
                 scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
+        finish_step(model, opt, sched, scaler, {"norms": [], "lrs": [], "scales": []}, clip=False)
     out = dict(snapshot(model, opt), rank=rank)
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
