@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: setup test bench clean
+.PHONY: setup test bench clean gpu-test
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ test: setup
 
 bench: setup
 	$(BIN)/commlab bench $(BENCH_ARGS)
+
+# The GPU suite in one command, with a python that already holds a CUDA build of torch (a GPU image's
+# python3; pyzmq and msgpack must be importable there: docs/gpu.md says how to carry them as wheels).
+gpu-test:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m commlab.doctor
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_doctor.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -56,6 +56,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
@@ -502,7 +503,7 @@ class BucketedExchanger(Exchanger):
         """``optimizer.step()`` becomes the regime's remote update (an instance attribute, so the class,
         ``isinstance`` checks, schedulers and GradScaler see the user's optimizer unchanged)."""
 
-        def step(closure=None):
+        def step(opt, closure=None):
             if closure is not None:
                 raise ConfigError(f"{self.scheme}:// updates on its servers, which cannot call a closure; "
                                   f"use an update placement that runs the optimizer on the workers")
@@ -517,7 +518,9 @@ class BucketedExchanger(Exchanger):
                                               self.stats.bytes_received - self._recv0)
             self._after_step()
 
-        optimizer.step = step  # type: ignore[method-assign]
+        # A bound method, as the class's step is: an LR scheduler made after setup wraps ``step.__func__``
+        # and rebinds it to the optimizer.
+        optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     def _launch_until(self, stop: int) -> None:
         while self._next < stop:

@@ -408,3 +408,26 @@ def test_bench_servers_over_ipc_leave_no_socket_folder(tmp_path, monkeypatch):
     servers = out["facts"]["servers"]
     assert len(servers) == 2 and all(s.startswith(f"ipc://{tmp_path}/commlab-ps-") for s in servers), servers
     assert glob.glob(str(tmp_path / "commlab-ps-*")) == []
+
+
+def test_a_scheduler_made_after_setup_drives_the_servers_update(start_server):
+    """ps:// takes over optimizer.step(); torch's LR schedulers wrap that method when they are made
+    (after setup, as in most scripts), and the wrapped step must still reach the server."""
+    server = start_server("--mode", "sync")
+    model = nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ex = attach(server, model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()  # gradient 1 for every weight
+            opt.step()
+            sched.step()
+        # the server applied SGD with lr 0.5 twice (it runs the lr it was set up with): 1 - 0.5 - 0.5
+        assert model.weight.tolist() == [[0.0, 0.0, 0.0]]
+        assert opt.param_groups[0]["lr"] == 0.125 and ex.stats.steps == 2
+    finally:
+        ex.close()

@@ -90,16 +90,25 @@ def test_activation_checkpointing_fires_each_hook_once(tmp_path, variant):
         assert res["exchanges"] == 8
 
 
+BN_RANKS, BN_STEPS = 2, 6
+
+
+@pytest.fixture(scope="module")
+def ddp_rank0(tmp_path_factory) -> dict:
+    """Rank 0 of the BatchNorm loop under DistributedDataParallel(broadcast_buffers=True): one run for
+    every regime compared with it."""
+    ddp = run_loop(tmp_path_factory.mktemp("ddp"), BN_RANKS, ddp=True, steps=BN_STEPS)
+    return next(d for d in ddp if d["rank"] == 0)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("regime", sorted(SYNC_REGIMES))
-def test_batchnorm_buffers_equal_on_every_rank_and_rank0_equals_ddp(tmp_path, regime):
-    n, steps = 2, 6
-    results = run_loop(tmp_path, n, url=SYNC_REGIMES[regime], variant="bn", steps=steps)
+def test_batchnorm_buffers_equal_on_every_rank_and_rank0_equals_ddp(tmp_path, regime, ddp_rank0):
+    results = run_loop(tmp_path, BN_RANKS, url=SYNC_REGIMES[regime], variant="bn", steps=BN_STEPS)
     for res in results[1:]:  # after every step, not only the last
         assert res["seen"]["buffers_equal"] == results[0]["seen"]["buffers_equal"]
     assert_ranks_identical(results)
-    ddp = run_loop(tmp_path, n, ddp=True, steps=steps)
-    rank0 = next(d for d in ddp if d["rank"] == 0)
+    rank0 = ddp_rank0
     assert_close(results[0], rank0, f"{regime} rank 0 against DDP rank 0", parts=("params", "buffers", "state"))
 
 

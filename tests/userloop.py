@@ -94,16 +94,36 @@ def snapshot(model, opt) -> dict:
             "state": state}
 
 
+def finish_step(model, opt, sched, scaler, seen: dict, clip: bool = True) -> None:
+    """What a user's loop does between backward() and the next step: unscale, clip, step, schedule."""
+    scaler.unscale_(opt)
+    if clip:
+        seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+    seen["lrs"].append([g["lr"] for g in opt.param_groups])
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    seen["scales"].append(float(scaler.get_scale()))
+
+
 def rank_main(cfg: dict) -> None:
+    """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume,
+    device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16)."""
+    import os
     import commlab
     variant, steps, url = cfg["variant"], cfg["steps"], cfg["url"]
     torch.set_num_threads(1)
     model, opt = build(variant)
+    device = torch.device(cfg.get("device", "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        model.to(device)  # the optimizer keeps the same Parameter objects
     ex = commlab.connect(url)
     rank, world = ex.rank, ex.world_size
     ex.setup(model, opt)
     sched = schedule(opt, steps)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=1000)
+    half = torch.float16 if device.type == "cuda" else torch.bfloat16
     start = 0
     if cfg.get("resume"):
         ck = torch.load(cfg["resume"] + f".rank{rank}", weights_only=False)
@@ -123,26 +143,19 @@ def rank_main(cfg: dict) -> None:
                         "scaler": scaler.state_dict(), "exchanger": ex.state_dict(), "step": step},
                        cfg["save"] + f".rank{rank}")
             break
-        x, y = data(step, world)
+        x, y = (t.to(device) for t in data(step, world))
         if variant == "amp" and rank == INF_RANK:
             poison["on"] = step == INF_STEP
         opt.zero_grad()
         for m in range(MICRO):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant == "amp"):
+            with torch.autocast(device.type, dtype=half, enabled=variant == "amp"):
                 loss = F.mse_loss(model(x[rank, m]), y[rank, m]).float() / MICRO
             if m < MICRO - 1:
                 with ex.no_sync():
                     scaler.scale(loss).backward()
             else:
                 scaler.scale(loss).backward()  # gradients final here
-        scaler.unscale_(opt)
-        if variant != "bn":
-            seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        seen["lrs"].append([g["lr"] for g in opt.param_groups])
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        seen["scales"].append(float(scaler.get_scale()))
+        finish_step(model, opt, sched, scaler, seen, clip=variant != "bn")
         if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
             seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
     out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps)
@@ -164,13 +177,7 @@ def reference(variant: str, world: int, steps: int) -> dict:
             for m in range(MICRO):
                 loss = F.mse_loss(model(x[r, m]), y[r, m]) / MICRO / world
                 scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        seen["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        seen["lrs"].append([g["lr"] for g in opt.param_groups])
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        seen["scales"].append(float(scaler.get_scale()))
+        finish_step(model, opt, sched, scaler, seen)
     return dict(snapshot(model, opt), seen=seen)
 
 
@@ -195,10 +202,7 @@ def ddp_main(cfg: dict) -> None:
                     scaler.scale(loss).backward()
             else:
                 scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
+        finish_step(model, opt, sched, scaler, {"norms": [], "lrs": [], "scales": []}, clip=False)
     out = dict(snapshot(model, opt), rank=rank)
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)

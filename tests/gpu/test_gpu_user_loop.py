@@ -1,0 +1,65 @@
+"""The user's own loop (tests/userloop.py) with the model on CUDA: equal to the CPU reference on the
+combined batch, every rank identical; fp16 autocast + GradScaler skips a step on every rank when one
+rank's gradient is inf. Skipped without CUDA; ``COMMLAB_TEST_DEVICE=cpu`` dry-runs it on CPU tensors.
+
+With one GPU the ranks share it (gloo and the zmq ring may; NCCL needs a GPU per rank, so its case
+runs only where there are at least two).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+
+import userloop  # noqa: E402
+from conftest import collect, start_ranks  # noqa: E402
+from test_user_loop import assert_close, assert_ranks_identical  # noqa: E402
+
+DEVICE = os.environ.get("COMMLAB_TEST_DEVICE", "cuda")
+ON_CUDA = DEVICE.startswith("cuda")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
+                                 reason="needs CUDA (COMMLAB_TEST_DEVICE=cpu dry-runs these tests on CPU)")]
+RTOL = 1e-4  # GPU float32 kernels against the CPU's: rounding only
+
+CASES = [
+    ("allreduce-gloo", "allreduce://?backend=gloo&timeout=120", 1),
+    ("ring-tcp", "ring://?timeout=120", 1),
+    ("allreduce-nccl", "allreduce://?backend=nccl&timeout=120", 2),
+    ("ring-torch-nccl", "ring://?transport=torch&backend=nccl&timeout=120", 2),
+]
+
+
+def run(tmp_path, n: int, **cfg) -> list[dict]:
+    program = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import userloop; userloop.rank_main({cfg!r})"
+    return [r.json() for r in collect(start_ranks(program, n, tmp_path), 300)]
+
+
+@pytest.mark.parametrize("name,url,gpus_needed", CASES, ids=[c[0] for c in CASES])
+def test_users_loop_on_device_equals_cpu_reference(tmp_path, name, url, gpus_needed):
+    if ON_CUDA and torch.cuda.device_count() < gpus_needed:
+        pytest.skip(f"{name} needs {gpus_needed} GPUs (one per rank)")
+    if not ON_CUDA and "nccl" in url:
+        pytest.skip("NCCL needs CUDA")
+    results = run(tmp_path, 2, url=url, variant="mlp", steps=10, device=DEVICE)
+    want = userloop.reference("mlp", 2, 10)
+    assert_ranks_identical(results)
+    for res in results:
+        assert_close(res, want, f"{name} on {DEVICE} rank {res['rank']}", tol=RTOL)
+
+
+@pytest.mark.parametrize("name,url,gpus_needed", CASES[:2], ids=[c[0] for c in CASES[:2]])
+def test_fp16_inf_on_one_rank_skips_the_step_everywhere(tmp_path, name, url, gpus_needed):
+    results = run(tmp_path, 2, url=url, variant="amp", steps=6, device=DEVICE)
+    assert_ranks_identical(results)
+    for res in results:
+        scales = res["seen"]["scales"]
+        assert scales[userloop.INF_STEP] == scales[userloop.INF_STEP - 1] * 0.5
+        assert res["steps"] == 5
