@@ -26,9 +26,7 @@ EXAMPLES = {"charlm": ["--steps", "3", *SMALL_LM],
             "resnet_digits": ["--steps", "3", "--batch-size", "16", "--width", "8", "--log-every", "1"]}
 PS_INTERIM = {  # what main's interim ps:// client refuses (the PS side; update=worker will lift it)
     "charlm": "ps:// servers run plain SGD or Adam with one param group; the LM uses AdamW in two groups",
-    "resnet_digits": "ps:// carries no BatchNorm buffers yet, and with buffers=none an LR scheduler made after "
-                     "setup fails: ps:// replaces optimizer.step with a plain function, which torch's "
-                     "scheduler cannot wrap ('function' object has no attribute '__func__')",
+    "resnet_digits": "ps:// carries no module buffers (BatchNorm statistics) yet; with buffers=none it runs",
 }
 REGIMES = ["allreduce://?backend=gloo", "ring://", "ps://?shards=1&mode=sync"]
 CASES = [pytest.param(example, url, marks=pytest.mark.xfail(strict=True, reason=PS_INTERIM[example])
