@@ -109,6 +109,27 @@ def test_sigterm_stops_every_server_and_rank_and_says_so(command, tmp_path):
 
 @pytest.mark.multiproc
 @NEEDS_PROC_CHILDREN
+def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
+    """The ranks lead process groups of their own, so a terminal's Ctrl-C reaches the launcher only:
+    the launcher must stop them."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen(_cli(["run", "--workers", "2", "--exchanger", "noop://", str(script)]), cwd=ROOT,
+                            env=child_env(), start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        started = _wait_children(proc, 2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "commlab run: interrupted; stopped every process" in err, err
+        assert not _gone(started), f"left running after Ctrl-C: {started}"
+    finally:
+        kill_group(proc)
+
+
+@pytest.mark.multiproc
+@NEEDS_PROC_CHILDREN
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL leaves the launcher no chance to clean up: its ranks, each in a process group of its
     own, must still go (the parent-death signal set by commlab/childexec.py)."""
