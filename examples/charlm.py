@@ -137,7 +137,8 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     ex = commlab.connect()  # the regime named by $COMMLAB_EXCHANGER; rank and peers from the launcher
     rank, world, local_rank = ex.rank, ex.world_size, ex.rank_info.local_rank
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}"  # ranks share GPUs if need be
+                          if torch.cuda.is_available() else "cpu")
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}

@@ -133,7 +133,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     rank, world, local_rank = 0, 1, 0
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}"  # ranks share GPUs if need be
+                          if torch.cuda.is_available() else "cpu")
     text = corpus()
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
