@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("sync", "async", "ssp")
-REQUESTS = frozenset({"hello", "init", "push", "pull", "stats", "bye"})
+REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "bye"})
 REPLIES = frozenset({"ok", "params", "error"})
 
 
