@@ -221,7 +221,7 @@ def test_bad_requests_get_reasons_and_change_nothing(start_server):
         assert "expects step 0" in raw.request("push", 3, wire.split("weight", w), base=0).meta["reason"]
         other = [["weight", [2, 4], "float32"], ["bias", [2], "float32"]]
         reason = raw.request("hello", rank=0, world=1, mode="sync", manifest=other, pieces=[], shard=[0, 1],
-                             optim=commlab.OptimizerSpec("sgd", lr=0.5).to_dict()).meta["reason"]
+                             optim=ex.shards[0].hello_meta["optim"]).meta["reason"]
         assert "parameter 'weight' is float32[2, 3] here but float32[2, 4]" in reason
         stats = server.stats()
         assert stats["refused"] == 9 and stats["updates"] == 0 and stats["version"] == 0
@@ -410,15 +410,17 @@ def test_bench_servers_over_ipc_leave_no_socket_folder(tmp_path, monkeypatch):
     assert glob.glob(str(tmp_path / "commlab-ps-*")) == []
 
 
-def test_a_scheduler_made_after_setup_drives_the_servers_update(start_server):
-    """ps:// takes over optimizer.step(); torch's LR schedulers wrap that method when they are made
-    (after setup, as in most scripts), and the wrapped step must still reach the server."""
+@pytest.mark.parametrize("update", ["worker", "server"])
+def test_a_scheduler_made_after_setup_drives_the_update(start_server, update):
+    """update=server takes over optimizer.step(); torch's LR schedulers wrap that method when they are
+    made (after setup, as in most scripts), and the wrapped step must still reach the server, with the
+    scheduled learning rate (it travels with the commit). update=worker: the user's optimizer steps."""
     server = start_server("--mode", "sync")
     model = nn.Linear(3, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ex = attach(server, model, opt)
+    ex = attach(f"ps://{server.address}?timeout=20&update={update}", model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     try:
         for _ in range(2):
@@ -426,8 +428,9 @@ def test_a_scheduler_made_after_setup_drives_the_servers_update(start_server):
             model(torch.ones(1, 3)).sum().backward()  # gradient 1 for every weight
             opt.step()
             sched.step()
-        # the server applied SGD with lr 0.5 twice (it runs the lr it was set up with): 1 - 0.5 - 0.5
-        assert model.weight.tolist() == [[0.0, 0.0, 0.0]]
+        # SGD with lr 0.5, then the scheduled 0.25: 1 - 0.5 - 0.25
+        assert model.weight.tolist() == [[0.25, 0.25, 0.25]]
         assert opt.param_groups[0]["lr"] == 0.125 and ex.stats.steps == 2
+        assert server.stats()["updates"] == 2 and server.stats()["update"] == update
     finally:
         ex.close()
