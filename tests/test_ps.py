@@ -434,3 +434,34 @@ def test_a_scheduler_made_after_setup_drives_the_update(start_server, update):
         assert server.stats()["updates"] == 2 and server.stats()["update"] == update
     finally:
         ex.close()
+
+
+@pytest.mark.multiproc
+def test_nan_and_inf_are_summed_in_sync_and_refused_in_async(start_server):
+    """Sync: a non-finite gradient is summed, so every worker sees it (and every GradScaler skips); its
+    frames are still checked like any other. Async: refused, counted, nothing applied."""
+    for mode in ("sync", "async"):
+        server = start_server("--mode", mode)
+        model = nn.Linear(3, 2)
+        ex = attach(f"ps://{server.address}?timeout=20&mode={mode}", model, rank=0, world=2)
+        raw = Raw(server.endpoint, "rank1")
+        try:
+            raw.request("hello", **dict(ex.shards[0].hello_meta, rank=1))
+            g = torch.ones(6)
+            g[4] = math.nan if mode == "sync" else math.inf
+            parts = [*wire.split("weight", g), *wire.split("bias", torch.ones(2))]
+            short = raw.request("push", 0, wire.split("weight", g[:5]), base=0)  # a wrong length: still refused
+            assert "weight has 6 elements on shard 0/1, the frames carry 5" in short.meta["reason"]
+            reply = raw.request("push", 0, parts, base=0)
+            if mode == "async":
+                assert "weight holds NaN or Inf; refused, nothing applied" in reply.meta["reason"]
+                assert server.stats()["nonfinite"] == 1 and server.stats()["updates"] == 0
+                continue
+            assert reply.op == "ok"
+            ex.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()  # rank 0's gradient: finite
+            assert math.isnan(model.weight.grad.view(-1)[4]) and math.isfinite(model.weight.grad.view(-1)[3])
+            assert server.stats()["nonfinite"] == 0
+        finally:
+            raw.close()
+            ex.close()
