@@ -773,6 +773,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def close(self) -> None:
         super().close()
+        for name in ("state_dict", "load_state_dict"):  # the ones update=server took over
+            if self.optimizer is not None and name in vars(self.optimizer):
+                delattr(self.optimizer, name)
         for s in self.shards:
             try:
                 s.submit(s.close, True).result(timeout=5)
