@@ -14,18 +14,31 @@ on the client as :class:`~commlab.errors.RemoteError`)::
              pieces, shard, optim}          <-  first worker's; ok {initialized, next_step, version}
       init  [frames: every piece]           ->  the first init sets the values; later ones ignored
       pull  {after_step: -1}                <-  params [frames] {version}   (waits for init)
+      pull  {after_step: -1, what: buffers} <-  params [module buffers] (shard 0 holds them)
       --- each step t ---
-      push  step=t {base, absent} [frames]  ->  acknowledged on arrival; applied once per (rank, t)
-      pull  {after_step: t}                 <-  params, once the mode allows (see below)
+      push  step=t {base, absent, hyper?} [frames]  ->  acknowledged on arrival; folded once per (rank, t)
+      update=worker (sync):
+        pull {after_step: t, keys, what: sum}   <-  params [the keys' averages] {absent}, once N are in
+      update=server, sync:
+        pull {after_step: t, what: report}      <-  ok {report: {sumsq, finite}}, once every push is in
+        commit step=t {factor, hyper} | {skip}  ->  the N-th commit applies one update (skip: dropped)
+      update=server:
+        pull  {after_step: t}               <-  params, once the mode allows (see below)
+      buffers step=t {how} [frames]         ->  rank 0's (broadcast) or every rank's (average)
+      pull  {after_step: t, what: buffers}  <-  params [buffers], once step t's are complete (sync)
+      state                                 <-  params [key/name: optimizer state] {shapes, scalars}
+      load  [key or key/name frames] {shapes, scalars}  ->  parameters / optimizer state replaced
       stats                                 <-  ok {updates, bytes_in, bytes_out, queue, staleness}
       bye                                   ->  the rank stops counting for ssp's slowest worker
 
 Modes (the server's; a worker that names another one is refused):
 
 * ``sync`` (bulk-synchronous): step t's gradients from all N workers are
-  summed as they arrive and averaged; one optimizer step is applied when the
-  last arrives. ``pull(after_step=t)`` waits for it. Same result as one
-  process on the combined batch.
+  summed as they arrive and averaged. update=worker: each key's average goes
+  back to every worker once its N gradients are in, and the workers' own
+  optimizers step. update=server: one optimizer step once every worker
+  committed; ``pull(after_step=t)`` waits for it. Either way the same result as
+  one process on the combined batch.
 * ``async``: each worker's step is applied as soon as all of its pieces for
   this shard arrived. Staleness of an update = server version when it lands
   minus the version the worker computed it on (``base``).
@@ -44,7 +57,7 @@ import math
 from dataclasses import dataclass
 
 MODES = ("sync", "async", "ssp")
-REQUESTS = frozenset({"hello", "init", "push", "pull", "stats", "bye"})
+REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "bye"})
 REPLIES = frozenset({"ok", "params", "error"})
 
 

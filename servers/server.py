@@ -1,35 +1,38 @@
-"""One parameter-server shard: named flat tensors, a consistency mode, an optimizer, on the CPU.
+"""One parameter-server shard: named flat tensors, a consistency mode, a sum or an optimizer, on the CPU.
 
 The server knows nothing of models. The first worker's ``hello`` tells it
-which pieces (named flat tensors) it holds and which optimizer to run over
-them; every later worker must say the same (manifest, pieces, optimizer,
-world size, shard index), or is refused by name. The protocol and the modes
-are described in :mod:`commlab.psproto`.
+which pieces (named flat tensors) and buffers it holds, where the update runs
+(``update``: the workers' optimizers on the averaged gradient, or the shard's
+own copy of the optimizer, built from the worker's class name and param groups
+as data), and the consistency mode the worker expects; every later worker must
+say the same (manifest, pieces, optimizer, world size, shard index), or is
+refused by name. The protocol is described in :mod:`commlab.psproto`, the
+modes (one object each) in :mod:`servers.modes`.
 
 One thread runs everything: it receives on a ROUTER socket, validates each
 header with :func:`commlab.wire.decode` before touching bytes, adds gradient
 frames straight from the received zmq frames into the reduction buffers, acks
-a push as soon as it is folded in, applies the optimizer, and answers the
-pulls that were waiting. A request it cannot serve (garbage, unknown op or
-key, wrong dtype or length, a mismatched model, a push for the wrong step) is
-answered with ``error`` and changes nothing.
+a push as soon as it is folded in, lets the mode decide what the push does,
+and answers the pulls that were waiting. A request it cannot serve (garbage,
+unknown op or key, wrong dtype or length, a mismatched model, a push for the
+wrong step) is answered with ``error`` and changes nothing.
 
 Hostile input (see docs/faults.md): libzmq drops a peer that sends a frame
 above the transport's limit; a message of more frames than the shard can need
 is read frame by frame, discarded and refused; a header is checked against its
 frames before any byte is used, and sizes are checked against what the shard
-holds, so nothing is allocated because a header says so. A push carrying a NaN
-or an infinity (or finite values whose float32 sum overflows) is refused with
-an error and counted (``nonfinite``): one bad worker must not poison every
-worker's parameters. A pull may only ask for a step its worker could have
-pushed, and each worker has a bounded number of pulls waiting.
+holds, so nothing is allocated because a header says so. NaN and Inf: in sync
+mode they are summed (so every worker sees the non-finite average and every
+GradScaler skips the step); in async and ssp a push carrying one is refused
+and counted (``nonfinite``): one bad worker must not poison every worker's
+parameters. A pull may only ask for a step its worker could have pushed, and
+each worker has a bounded number of pulls waiting.
 
 Pulls go out zero-copy from the parameter tensors themselves. zmq tracks each
 such send; before the optimizer writes a tensor that a send still reads, the
 tensor gets fresh storage (``p.data = p.data.clone()``) and the old buffer is
-freed when the send lets go of it. In sync mode every send has finished
-before the next update (the workers received it before they pushed again), so
-nothing is ever copied there.
+freed when the send lets go of it. Sums (update=worker) go out from buffers
+that are never written again (each step gets fresh ones).
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ import zmq
 
 from commlab import psproto, transport, wire
 from commlab.errors import ProtocolError
-from commlab.manifest import manifest_difference
+from commlab.manifest import manifest_difference, optimizer_difference
 from commlab.optim import OptimizerSpec
+from servers.modes import MODES, Partial, Refused
 
 
 _MIN_FRAMES = 16  # data frames a message may carry before any hello fixed the shard's pieces
@@ -66,8 +70,21 @@ def _finite(spec: wire.FrameSpec, frame) -> bool:
     return bool(torch.isfinite(total))
 
 
-class Refused(Exception):
-    """A request this server will not serve; the message goes back to the worker."""
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """The torch.optim class a description names (``torch.optim.adamw.AdamW``): only torch.optim's own
+    classes, looked up by name, are built; nothing is imported or unpickled from the wire."""
+    short = name.rsplit(".", 1)[-1]
+    cls = getattr(torch.optim, short, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+            and f"{cls.__module__}.{cls.__qualname__}" == name):
+        raise Refused(f"optimizer {name} is not one of torch.optim's: the servers cannot build it "
+                      f"(use update=worker to step it on the workers)")
+    return cls
+
+
+def _hyper(data: dict) -> dict:
+    """Hyperparameters from the wire: lists become tuples again (betas)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
 @dataclass(frozen=True)
@@ -107,21 +124,12 @@ class Stats:
     pulls: int = 0
     refused: int = 0
     dropped: int = 0  # messages with nothing to answer (an identity frame alone)
-    nonfinite: int = 0  # pushes refused for NaN/Inf
+    nonfinite: int = 0  # pushes refused for NaN/Inf (async, ssp)
+    skipped: int = 0  # sync steps dropped because their summed gradient was not finite
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
     staleness: Counter = field(default_factory=Counter)
-
-
-@dataclass
-class Partial:
-    """What one worker has sent of one step so far."""
-
-    step: int
-    seen: set = field(default_factory=set)
-    absent: set = field(default_factory=set)
-    base: int | None = None  # oldest version its gradients were computed on
 
 
 class ParameterServer:
@@ -132,25 +140,28 @@ class ParameterServer:
         self.sock = self.transport.bind(zmq.ROUTER, cfg.bind, insecure=cfg.insecure, authorized=cfg.authorized)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.stats = Stats()
+        self.mode = MODES[cfg.mode](self)
         # what the first hello fixed
         self.manifest: list | None = None
         self.pieces: dict[str, tuple[str, int]] = {}  # key -> (dtype, numel), in hello order
-        self.optim_spec: dict | None = None
+        self.piece_param: dict[str, str] = {}  # key -> the parameter it is a range of
+        self.buffer_keys: dict[str, tuple[str, int]] = {}  # module buffers this shard carries
+        self.optim_desc: dict | None = None
+        self.update: str | None = None  # "worker" (sum) or "server" (optimizer here)
         self.world: int | None = None
         # state
         self.params: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.buf_round = -1  # the last step whose buffers are complete
+        self.buf_acc: dict[int, tuple[set, dict]] = {}  # round -> (ranks in, key -> sum)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.initialized = False
         self.version = 0
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
-        self.sync_step = 0  # sync: the step being gathered
         self.senders: dict[str, int] = {}  # wire sender -> rank
         self.detached: set[int] = set()
         self.partial: dict[int, Partial] = {}
-        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp); -1: sync sum
-        self.present: Counter = Counter()  # sync: key -> workers that sent it this step
-        self.complete: set[int] = set()  # sync: ranks whose step is in
-        self.contributed: Counter = Counter()  # sync: key -> workers that sent it or said it is absent
-        self.applied: set[str] = set()  # sync: keys already updated in this step
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._stop = False
@@ -199,26 +210,16 @@ class ParameterServer:
 
     def stats_dict(self) -> dict:
         s = self.stats
-        return {"shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "version": self.version,
-                "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates, "pulls": s.pulls,
-                "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite, "boot": self.boot,
-                "sync_step": self.sync_step, "waiting_for": self._waiting_for(), "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
+        return {"shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
+                "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
+                "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
+                "skipped": s.skipped, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "waiting_for": self.mode.waiting_for() if self.waiting and self.world else [],
+                "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "last_step": {str(r): t for r, t in sorted(self.last_step.items())},
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
                 "max_staleness": max(s.staleness, default=0)}
-
-    def _waiting_for(self) -> list[int]:
-        """The ranks that pulls waiting here wait for (sync: not yet in for this step; ssp: the slowest)."""
-        if not self.waiting or self.world is None:
-            return []
-        if self.cfg.mode == "sync":
-            return [r for r in range(self.world) if r not in self.complete]
-        if self.cfg.mode == "ssp":
-            active = {r: self.last_step.get(r, -1) for r in range(self.world) if r not in self.detached}
-            slowest = min(active.values(), default=0)
-            return [r for r, t in active.items() if t == slowest]
-        return []
 
     # ----- dispatch --------------------------------------------------------------------------
     def handle(self, frames: list) -> None:
@@ -240,13 +241,14 @@ class ParameterServer:
             self.stats.refused += 1
             self._reply(ident, "error", req_id, {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
 
-    def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1) -> None:
+    def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
+               tracked: bool = True) -> None:
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id))]
         try:
             if parts:
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
                 for (spec, _), tr in zip(parts, trackers[2:]):  # after identity and header
-                    if tr is not None:
+                    if tr is not None and tracked:
                         self.trackers.setdefault(spec.key, []).append(tr)
             else:
                 transport.send(self.sock, frames, timeout=5.0, who="a worker")
@@ -264,99 +266,144 @@ class ParameterServer:
     def _op_hello(self, ident, h, _data):
         m = h.meta
         mode, rank, world = m.get("mode"), m.get("rank"), m.get("world")
+        update = m.get("update") or ("worker" if self.cfg.mode == "sync" else "server")
         if mode and mode != self.cfg.mode:
             raise Refused(f"{self.cfg.name} runs mode {self.cfg.mode!r}, worker {h.sender} asked for {mode!r}")
         if mode == "ssp" and m.get("staleness") not in (None, self.cfg.staleness):
             raise Refused(f"{self.cfg.name} runs ssp with staleness {self.cfg.staleness}, worker {h.sender} asked "
                           f"for {m.get('staleness')}")
+        if update not in self.mode.placements:
+            raise Refused(f"{self.cfg.name} runs mode {self.cfg.mode!r}, which updates on the server only; worker "
+                          f"{h.sender} asked for update={update!r}")
         if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
             raise Refused(f"hello from {h.sender}: bad rank/world {rank!r}/{world!r}")
         if m.get("shard") != [self.cfg.shard, self.cfg.shards]:
             raise Refused(f"worker {h.sender} thinks this is shard {m.get('shard')}, but it is {self.cfg.name}: "
                           f"list the servers in shard order")
-        manifest, pieces, optim = m.get("manifest"), m.get("pieces"), m.get("optim")
         try:
-            manifest = [(str(n), tuple(int(x) for x in s), str(d)) for n, s, d in manifest]
-            pieces = {str(k): (str(d), int(n)) for k, d, n in pieces}
-            if any(d not in wire.DTYPES or n < 0 for d, n in pieces.values()):
+            manifest = [(str(n), tuple(int(x) for x in s), str(d)) for n, s, d in m.get("manifest")]
+            rows = [list(row) for row in m.get("pieces")]
+            pieces = {str(r[0]): (str(r[1]), int(r[2])) for r in rows}
+            owner = {str(r[0]): str(r[3]) if len(r) > 3 else str(r[0]) for r in rows}
+            buffers = {str(k): (str(d), int(n)) for k, d, n in m.get("buffers") or []}
+            if any(d not in wire.DTYPES or n < 0 for d, n in [*pieces.values(), *buffers.values()]):
                 raise ValueError("bad dtype or size")
-            OptimizerSpec.from_dict(optim)
+            optim = m.get("optim")
+            if not (isinstance(optim, dict) and isinstance(optim.get("class"), str)
+                    and isinstance(optim.get("groups"), list)
+                    and all(isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(g.get("hyper"), dict)
+                            for g in optim["groups"])):
+                raise ValueError("the optimizer is not {class, groups: [{params, hyper}]}")
         except Exception as exc:
             raise Refused(f"hello from {h.sender}: unreadable manifest, pieces or optimizer ({exc})") from None
+        if update == "server":
+            optimizer_class(optim["class"])  # refused by name before anything is fixed
         if self.manifest is None:
             if self.world is not None and world != self.world:  # resumed state fixes the world size
                 raise Refused(f"worker {h.sender} says {world} workers; the resumed shard had {self.world}")
-            self.manifest, self.pieces, self.optim_spec, self.world = manifest, pieces, optim, world
+            if self.update is not None and update != self.update:
+                raise Refused(f"worker {h.sender} asks for update={update}; the resumed shard ran update={self.update}")
+            self.manifest, self.pieces, self.piece_param, self.buffer_keys = manifest, pieces, owner, buffers
+            self.optim_desc, self.world, self.update = optim, world, update
             self._fix_limits()
         else:
             diff = manifest_difference(self.manifest, manifest, f"worker {h.sender}")
             if diff:
                 raise Refused(f"model mismatch on {self.cfg.name}: {diff}")
-            if pieces != self.pieces:
+            if pieces != self.pieces or buffers != self.buffer_keys:
                 raise Refused(f"worker {h.sender} assigned different pieces to {self.cfg.name}")
-            if optim != self.optim_spec:
-                raise Refused(f"worker {h.sender} asks for optimizer {optim}, the shard runs {self.optim_spec}")
+            if update != self.update:
+                raise Refused(f"worker {h.sender} asks for update={update}, the shard runs update={self.update}")
+            diff = optimizer_difference(self.optim_desc, optim, f"worker {h.sender}")
+            if diff and self.initialized:
+                # once training started a scheduler may have moved hyperparameters (a worker that joins or
+                # reconnects later): then only the class and the groups' parameters must agree
+                same = optim["class"] == self.optim_desc["class"] and \
+                    [g["params"] for g in optim["groups"]] == [g["params"] for g in self.optim_desc["groups"]]
+                diff = None if same else diff
+            if diff:
+                raise Refused(f"optimizer mismatch on {self.cfg.name}: {diff}")
             if world != self.world:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
         self.senders[h.sender] = rank
         self.detached.discard(rank)
-        self.last_step.setdefault(rank, self._resume_step() - 1)
-        next_step = self.sync_step if self.cfg.mode == "sync" else self.last_step[rank] + 1
-        self._reply(ident, "ok", m.get("id"), {"initialized": self.optimizer is not None, "next_step": next_step,
-                                                "boot": self.boot,
+        self.last_step.setdefault(rank, self.mode.start_step() - 1)
+        self._reply(ident, "ok", m.get("id"), {"initialized": self.initialized,
+                                                "next_step": self.mode.expected_step(rank), "boot": self.boot,
                                                 "version": self.version, "mode": self.cfg.mode,
-                                                "staleness": self.cfg.staleness})
+                                                "staleness": self.cfg.staleness, "update": self.update})
 
     def _fix_limits(self) -> None:
-        """Most frames and data bytes a request can need: every piece of the shard, in frames of at most
-        MAX_FRAME. Fixed once the pieces are (hello, or resumed state), not recomputed per message."""
-        self.max_bytes = sum(wire.DTYPES[d].itemsize * n for d, n in self.pieces.values())
-        need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in self.pieces.values())
+        """Most frames and data bytes a request can need: every piece and buffer of the shard, in frames of
+        at most MAX_FRAME. Fixed once the pieces are (hello, or resumed state), not recomputed per message."""
+        held = [*self.pieces.values(), *self.buffer_keys.values()]
+        self.max_bytes = sum(wire.DTYPES[d].itemsize * n for d, n in held)
+        need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in held)
         self.max_parts = 2 + max(_MIN_FRAMES, need)
-
-    def _resume_step(self) -> int:
-        """The step a rank the shard never saw starts at: sync, the step being gathered; async and
-        ssp, 0. (Not "where the others stand": a worker that joins shards at different moments
-        would get a different start from each, and a pull after a step it never pushes there.)"""
-        if self.cfg.mode == "sync":
-            return self.sync_step
-        return 0
 
     def _op_init(self, ident, h, data):
         self._rank_of(h)
-        if self.optimizer is not None:
+        if self.initialized:
             self._reply(ident, "ok", h.meta.get("id"), {"ignored": True})
             return
-        frames = self._check_frames(h, data, require_all=True)
-        for key, parts in frames.items():
-            dtype, numel = self.pieces[key]
-            t = torch.empty(numel, dtype=wire.DTYPES[dtype])
-            for spec, frame in parts:
-                t[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
-            self.params[key] = t
+        params = self._check_frames(h, data, require_all=True)
+        buffers = self._check_frames(h, data, require_all=True, table=self.buffer_keys)
+        self.params = {key: self._gather(key, parts, self.pieces) for key, parts in params.items()}
+        self.buffers = {key: self._gather(key, parts, self.buffer_keys) for key, parts in buffers.items()}
         self._build_optimizer()
+        self.initialized = True
         self._reply(ident, "ok", h.meta.get("id"))
         self._serve_waiting()
 
-    def _world(self) -> int:
+    @staticmethod
+    def _gather(key: str, parts: list, table: dict) -> torch.Tensor:
+        dtype, numel = table[key]
+        t = torch.empty(numel, dtype=wire.DTYPES[dtype])
+        for spec, frame in parts:
+            t[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+        return t
+
+    def world_size(self) -> int:
         if self.world is None:
             raise Refused("no worker has said hello yet: the world size is unknown")
         return self.world
 
-    def _optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            raise Refused("the shard holds no parameters yet: a worker must init it first")
-        return self.optimizer
+    def new_buffer(self, key: str) -> torch.Tensor:
+        dtype, numel = self.pieces[key]
+        return torch.empty(numel, dtype=wire.DTYPES[dtype])
 
     def _build_optimizer(self) -> None:
+        """update=server: the worker's optimizer class over this shard's pieces, one group per worker group
+        (a group may hold no piece here), with the groups' hyperparameters."""
         self.params = {k: self.params[k] for k in self.pieces}  # hello order, on every shard the same
-        if self.optim_spec is None:
-            raise Refused("no optimizer spec yet: a worker must say hello first")
-        self.optimizer = OptimizerSpec.from_dict(self.optim_spec).build(list(self.params.values()))
+        if self.update != "server":
+            return
+        if self.optim_desc is None:
+            raise Refused("no optimizer yet: a worker must say hello first")
+        cls = optimizer_class(self.optim_desc["class"])
+        groups = []
+        for g in self.optim_desc["groups"]:
+            names = set(g["params"])
+            groups.append({**_hyper(g["hyper"]), "params": [p for k, p in self.params.items()
+                                                             if self.piece_param[k] in names]})
+        self.optimizer = cls(groups)
+
+    def set_hyper(self, hyper) -> None:
+        """A scheduler's (or the user's) change of group hyperparameters, carried by a push or commit."""
+        if hyper is None or self.optimizer is None:
+            return
+        if not isinstance(hyper, list) or len(hyper) != len(self.optimizer.param_groups) \
+                or not all(isinstance(h, dict) for h in hyper):
+            raise Refused(f"hyperparameters for {len(hyper) if isinstance(hyper, list) else '?'} group(s); "
+                          f"the optimizer has {len(self.optimizer.param_groups)}")
+        for group, values in zip(self.optimizer.param_groups, hyper):
+            for k, v in _hyper(values).items():
+                if k != "params":
+                    group[k] = v
 
     def _op_push(self, ident, h, data):
         rank = self._rank_of(h)
-        if self.optimizer is None:
+        if not self.initialized:
             raise Refused(f"push from {h.sender} before any worker initialised {self.cfg.name}")
         t = h.step
         self.stats.pushes += 1
@@ -364,10 +411,10 @@ class ParameterServer:
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
             return
-        expected = self.sync_step if self.cfg.mode == "sync" else self.last_step[rank] + 1
+        expected = self.mode.expected_step(rank)
         if t != expected:
             raise Refused(f"push of step {t} from {h.sender}, but {self.cfg.name} expects step {expected} from it")
-        if rank in self.complete:  # sync: its step is in, the others' are not yet
+        if rank in getattr(self.mode, "complete", ()):  # sync: its step is in, the others' are not yet
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
             return
@@ -375,10 +422,12 @@ class ParameterServer:
         if part is None or part.step != t:
             part = self.partial[rank] = Partial(t)
         frames = self._check_frames(h, data, require_all=False)
-        bad = next((spec.key for parts in frames.values() for spec, frame in parts if not _finite(spec, frame)), None)
-        if bad is not None:
-            self.stats.nonfinite += 1
-            raise Refused(f"push of step {t} from {h.sender}: {bad} holds NaN or Inf; refused, nothing applied")
+        if self.mode.refuses_nonfinite:
+            bad = next((spec.key for parts in frames.values() for spec, frame in parts if not _finite(spec, frame)),
+                       None)
+            if bad is not None:
+                self.stats.nonfinite += 1
+                raise Refused(f"push of step {t} from {h.sender}: {bad} holds NaN or Inf; refused, nothing applied")
         absent = h.meta.get("absent", [])
         if not isinstance(absent, list) or any(not isinstance(k, str) or k not in self.pieces for k in absent):
             raise Refused(f"push from {h.sender}: 'absent' names keys this shard does not hold")
@@ -394,97 +443,39 @@ class ParameterServer:
             raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
         # -- validated: fold it in
         self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
-        if self.cfg.mode == "sync":
-            self._fold_sync(rank, t, part, frames, absent)
-        else:
-            self._fold_async(rank, t, part, frames, absent, base)
+        self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
         self._serve_waiting()
 
-    def _fold_sync(self, rank: int, t: int, part: Partial, frames: dict, absent: list) -> None:
-        """Add this push into the step's mean; a key whose N contributions are in is updated at once.
+    def _op_commit(self, ident, h, _data):
+        """update=server, sync: this worker's optimizer.step() (factor, hyperparameters), or a skip."""
+        rank = self._rank_of(h)
+        reply = self.mode.commit(rank, h.step, h.meta)
+        self._reply(ident, "ok", h.meta.get("id"), reply, step=h.step)
+        self._serve_waiting()
 
-        Each key's optimizer state is its own (SGD momentum, Adam moments and step count), so
-        updating keys one by one as their last gradient lands gives exactly the step that all
-        keys at once would, and the work overlaps with receiving the later buckets. The step
-        (version, pulls) completes when every key is done."""
-        buffers = self.grads.setdefault(-1, {})
-        scale = 1.0 / self._world()
-        ready = []
-        for key in [*frames, *absent]:
-            if key in self.applied:  # updated before a restart (see checkpoint): nothing to add
-                continue
-            if key in frames:
-                buf = buffers.get(key)
-                if buf is None:
-                    dtype, numel = self.pieces[key]
-                    buf = buffers[key] = torch.empty(numel, dtype=wire.DTYPES[dtype])
-                first = self.present[key] == 0
-                for spec, frame in frames[key]:  # straight from the received frame into the mean
-                    src, dst = wire.frame_tensor(spec, frame), buf[spec.offset:spec.offset + spec.count]
-                    torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
-                self.present[key] += 1
-            self.contributed[key] += 1
-            if self.contributed[key] == self.world:
-                ready.append(key)
-        part.seen |= set(frames)
-        part.absent |= set(absent)
-        if ready:
-            self._step_optimizer({k: buffers[k] for k in ready if self.present[k]})
-            self.applied.update(ready)
-        if len(part.seen) + len(part.absent) == len(self.pieces):
-            del self.partial[rank]
-            self.complete.add(rank)
-        if len(self.complete) == self.world:
-            for r in self.complete:
-                self.last_step[r] = t
-            self.complete.clear()
-            self.present.clear()
-            self.contributed.clear()
-            self.applied.clear()
-            self.sync_step = t + 1
-            self._count_update([0])
-
-    def _fold_async(self, rank: int, t: int, part: Partial, frames: dict, absent: list, base: int) -> None:
-        """Keep this worker's gradients until its step is complete on this shard, then apply them."""
-        part.base = base if part.base is None else min(part.base, base)
-        whole = len(frames) + len(absent) == len(self.pieces) and not part.seen and not part.absent
-        if whole and all(len(parts) == 1 for parts in frames.values()):
-            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}  # no copy at all
-        else:
-            buffers = self.grads.setdefault(rank, {})
-            for key, parts in frames.items():
-                buf = buffers.get(key)
-                if buf is None:
-                    dtype, numel = self.pieces[key]
-                    buf = buffers[key] = torch.empty(numel, dtype=wire.DTYPES[dtype])
-                for spec, frame in parts:
-                    buf[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
-            part.seen |= set(frames)
-            part.absent |= set(absent)
-            if len(part.seen) + len(part.absent) < len(self.pieces):
-                return
-            grads = {k: buffers[k] for k in part.seen}
-        del self.partial[rank]
-        self._step_optimizer(grads)
-        self.last_step[rank] = t
-        self._count_update([self.version - part.base])
-
-    def _step_optimizer(self, grads: dict[str, torch.Tensor]) -> None:
+    def step_optimizer(self, grads: dict[str, torch.Tensor]) -> None:
         """One optimizer step over the keys in ``grads`` (the others get no gradient: torch skips them)."""
+        if self.optimizer is None:
+            raise Refused(f"{self.cfg.name} holds no optimizer (update={self.update})")
         for key, p in self.params.items():
             g = grads.get(key)
             if g is not None:
-                if any(not tr.done for tr in self.trackers.get(key, ())):
-                    p.data = p.data.clone()  # a pull still reads this buffer: fresh storage for the new version
-                    self.stats.copies_on_write += 1
-                self.trackers.pop(key, None)
+                self._writable(key)
             p.grad = g
         if grads:
-            self._optimizer().step()
+            self.optimizer.step()
         for p in self.params.values():
             p.grad = None
 
-    def _count_update(self, staleness: list[int]) -> None:
+    def _writable(self, key: str) -> None:
+        """Before ``self.params[key]`` is written: fresh storage if a pull still reads it."""
+        if any(not tr.done for tr in self.trackers.get(key, ())):
+            p = self.params[key]
+            p.data = p.data.clone()
+            self.stats.copies_on_write += 1
+        self.trackers.pop(key, None)
+
+    def count_update(self, staleness: list[int]) -> None:
         self.version += 1
         self.stats.updates += 1
         for s in staleness:
@@ -493,15 +484,21 @@ class ParameterServer:
         if self.cfg.checkpoint_every and self._since_checkpoint >= self.cfg.checkpoint_every:
             self.checkpoint()
 
-    def _check_frames(self, h: wire.Header, data, require_all: bool) -> dict[str, list]:
-        """Frames grouped by key; each key's frames must cover it exactly, in order, in its dtype."""
+    def _check_frames(self, h: wire.Header, data, require_all: bool, table: dict | None = None) -> dict[str, list]:
+        """Frames grouped by key; each key's frames must cover it exactly, in order, in its dtype.
+
+        ``table``: the keys to take (default the pieces); frames of the other table (buffers, or pieces)
+        are skipped, any other key is refused."""
+        table = self.pieces if table is None else table
+        known = {**self.pieces, **self.buffer_keys}
         frames: dict[str, list] = {}
         for spec, frame in zip(h.frames, data):
-            if spec.key not in self.pieces:
+            if spec.key not in known:
                 raise Refused(f"{h.op} from {h.sender}: {self.cfg.name} holds no key {spec.key!r}")
-            frames.setdefault(spec.key, []).append((spec, frame))
+            if spec.key in table:
+                frames.setdefault(spec.key, []).append((spec, frame))
         for key, parts in frames.items():
-            dtype, numel = self.pieces[key]
+            dtype, numel = table[key]
             at = 0
             for spec, _ in parts:
                 if spec.dtype != dtype:
@@ -513,64 +510,177 @@ class ParameterServer:
             if at != numel:
                 raise Refused(f"{h.op} from {h.sender}: {key} has {numel} elements on {self.cfg.name}, "
                               f"the frames carry {at}")
-        if require_all and set(frames) != set(self.pieces):
-            missing = sorted(set(self.pieces) - set(frames))
+        if require_all and set(frames) != set(table):
+            missing = sorted(set(table) - set(frames))
             raise Refused(f"{h.op} from {h.sender} lacks key(s) {missing[:3]}")
         return frames
 
+    # ----- pulls -----------------------------------------------------------------------------
+    PULLS = ("params", "sum", "report", "buffers")
+
     def _op_pull(self, ident, h, _data):
-        self._rank_of(h)
-        after, keys = h.meta.get("after_step"), h.meta.get("keys")
+        rank = self._rank_of(h)
+        after, keys, what = h.meta.get("after_step"), h.meta.get("keys"), h.meta.get("what", "params")
         if not isinstance(after, int):
             raise Refused(f"pull from {h.sender} without an integer after_step")
+        if what not in self.PULLS:
+            raise Refused(f"pull from {h.sender}: 'what' must be one of {list(self.PULLS)}")
         if keys is not None and (not isinstance(keys, list) or not keys or
                                  any(not isinstance(k, str) or k not in self.pieces for k in keys)):
             raise Refused(f"pull from {h.sender}: 'keys' must list keys {self.cfg.name} holds")
-        rank = self.senders[h.sender]
+        if what in ("sum", "report") and (self.cfg.mode != "sync" or (what == "sum") != (self.update == "worker")):
+            raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.cfg.mode} with "
+                          f"update={self.update}")
         # A worker pulls after pushing on the same connection: the push is here already. A pull for a
         # later step could only wait forever, so it is refused, and so is a flood of waiting pulls.
-        latest = self.sync_step if self.cfg.mode == "sync" else self.last_step[rank] + 1
+        latest = self.mode.latest_pull(rank)
         if after > latest:
             raise Refused(f"pull after step {after} from {h.sender}, which has not pushed it ({self.cfg.name} "
                           f"is at step {latest} for it)")
+        if what == "sum" and after < latest - 1:
+            raise Refused(f"pull of the sum of step {after} from {h.sender}: {self.cfg.name} keeps only step "
+                          f"{latest - 1}'s")
         if sum(1 for _, w in self.waiting if w.sender == h.sender) >= len(self.pieces) + 4:
             raise Refused(f"pull from {h.sender}: {len(self.pieces) + 4} of its pulls wait already")
         if self._ready(h):
-            self._send_params(ident, h)
+            self._send(ident, h)
         else:
             self.waiting.append((ident, h))
 
     def _ready(self, h: wire.Header) -> bool:
-        if self.optimizer is None:
+        if not self.initialized:
             return False
-        rank, after = self.senders[h.sender], h.meta["after_step"]
+        rank, after, what = self.senders[h.sender], h.meta["after_step"], h.meta.get("what", "params")
         if after < 0:
             return True
-        if self.cfg.mode == "sync":
-            keys = h.meta.get("keys")  # some keys can be ready before the whole step
-            return self.sync_step > after or (self.sync_step == after and bool(keys) and self.applied.issuperset(keys or ()))
-        if self.last_step[rank] < after:
-            return False
-        if self.cfg.mode == "ssp":
-            active = [self.last_step.get(r, -1) + 1 for r in range(self._world()) if r not in self.detached]
-            slowest = min(active, default=after + 1)
-            return after + 1 - slowest <= self.cfg.staleness
-        return True
+        if what == "buffers":
+            return not self.mode.buffers_wait or self.buf_round >= after
+        return self.mode.ready(rank, after, what, h.meta.get("keys"))
 
     def _serve_waiting(self) -> None:
         still = []
         for ident, h in self.waiting:
             if self._ready(h):
-                self._send_params(ident, h)
+                self._send(ident, h)
             else:
                 still.append((ident, h))
         self.waiting = still
 
-    def _send_params(self, ident, h) -> None:
+    def _send(self, ident, h) -> None:
+        what, rid = h.meta.get("what", "params"), h.meta.get("id")
+        self.stats.pulls += 1
+        if what == "report":
+            self._reply(ident, "ok", rid, {"report": self.mode.report}, step=h.step)
+            return
+        if what == "sum":
+            mode = self.mode
+            current = mode.step == h.meta["after_step"]
+            sums = mode.sums if current else mode.last_sums
+            keys = h.meta.get("keys") or list(self.pieces)
+            absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
+            parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
+            self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
+                        tracked=False)
+            return
+        if what == "buffers":
+            parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
+            self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, tracked=False)
+            return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
-        self.stats.pulls += 1
-        self._reply(ident, "params", h.meta.get("id"), {"version": self.version}, parts, step=h.step)
+        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step)
+
+    # ----- buffers, optimizer state ----------------------------------------------------------
+    def _op_buffers(self, ident, h, data):
+        """Module buffers of step ``h.step``: ``broadcast`` takes rank 0's, ``average`` the mean of every
+        rank's floating buffers (integer ones, such as BatchNorm's counter, are rank 0's)."""
+        rank = self._rank_of(h)
+        how = h.meta.get("how")
+        if how not in ("broadcast", "average"):
+            raise Refused(f"buffers from {h.sender}: 'how' must be broadcast or average")
+        frames = self._check_frames(h, data, require_all=True, table=self.buffer_keys)
+        t = h.step
+        self._reply(ident, "ok", h.meta.get("id"), step=t)
+        if t <= self.buf_round:
+            return  # sent again after a reconnect
+        if how == "broadcast":
+            if rank == 0:
+                self.buffers = {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()}
+                self.buf_round = t
+        else:
+            ranks, acc = self.buf_acc.setdefault(t, (set(), {}))
+            if rank not in ranks:
+                ranks.add(rank)
+                for k, parts in frames.items():
+                    v = self._gather(k, parts, self.buffer_keys)
+                    if v.is_floating_point():
+                        acc[k] = acc[k].add_(v, alpha=1.0 / self.world) if k in acc else v.mul_(1.0 / self.world)
+                    elif rank == 0:
+                        acc[k] = v
+            if len(ranks) == self.world:
+                self.buffers = acc
+                self.buf_round = t
+                del self.buf_acc[t]
+        self._serve_waiting()
+
+    def _op_state(self, ident, h, _data):
+        """update=server: the optimizer's state, one frame per (piece, state tensor): ``key/name``."""
+        self._rank_of(h)
+        if self.optimizer is None:
+            raise Refused(f"{self.cfg.name} holds no optimizer state (update={self.update})")
+        index = {id(p): k for k, p in self.params.items()}
+        parts, shapes, scalars = [], {}, {}
+        for p, st in self.optimizer.state.items():
+            for name, v in st.items():
+                tag = f"{index[id(p)]}/{name}"
+                if isinstance(v, torch.Tensor):
+                    shapes[tag] = list(v.shape)
+                    parts += wire.split(tag, v.detach().reshape(-1).contiguous())
+                else:
+                    scalars[tag] = v
+        self._reply(ident, "params", h.meta.get("id"), {"shapes": shapes, "scalars": scalars}, parts,
+                    step=h.step, tracked=False)
+
+    def _op_load(self, ident, h, data):
+        """update=server: replace parameters (frames named by key) and optimizer state (``key/name``)."""
+        self._rank_of(h)
+        if not self.initialized or self.optimizer is None:
+            raise Refused(f"load on {self.cfg.name}, which holds no optimizer (update={self.update})")
+        shapes, scalars = h.meta.get("shapes", {}), h.meta.get("scalars", {})
+        if not isinstance(shapes, dict) or not isinstance(scalars, dict):
+            raise Refused(f"load from {h.sender}: 'shapes' and 'scalars' must be maps")
+        state: dict[str, dict] = {}
+        params: dict[str, list] = {}
+        for spec, frame in zip(h.frames, data):
+            key, _, name = spec.key.partition("/")
+            if key not in self.pieces:
+                raise Refused(f"load from {h.sender}: {self.cfg.name} holds no key {key!r}")
+            if name:
+                shape = shapes.get(spec.key)
+                if not isinstance(shape, list) or spec.offset != 0:
+                    raise Refused(f"load from {h.sender}: {spec.key} needs a shape and one frame")
+                t = wire.frame_tensor(spec, frame).clone()
+                try:
+                    state.setdefault(key, {})[name] = t.view(shape)
+                except RuntimeError:
+                    raise Refused(f"load from {h.sender}: {spec.key} does not fit the shape {shape}") from None
+            else:
+                params.setdefault(key, []).append((spec, frame))
+        for tag, v in scalars.items():
+            key, _, name = str(tag).partition("/")
+            if key not in self.pieces or not name:
+                raise Refused(f"load from {h.sender}: {tag!r} names no state of {self.cfg.name}")
+            state.setdefault(key, {})[name] = v
+        if params:
+            checked = self._check_frames(wire.Header(h.op, h.sender, h.step, tuple(s for s, _ in sum(params.values(), [])),
+                                                     h.meta), [f for parts in params.values() for _, f in parts],
+                                         require_all=True)
+            for key, parts in checked.items():
+                self._writable(key)
+                self.params[key].copy_(self._gather(key, parts, self.pieces))
+        for key, values in state.items():
+            self.optimizer.state[self.params[key]].update(values)
+        self._reply(ident, "ok", h.meta.get("id"))
 
     def _op_stats(self, ident, h, _data):
         self._reply(ident, "ok", h.meta.get("id"), {"stats": self.stats_dict()})
@@ -588,7 +698,7 @@ class ParameterServer:
     def checkpoint(self) -> Path | None:
         """Write the shard atomically (temp file + os.replace). Nothing to write before init."""
         self._since_checkpoint = 0
-        if self.optimizer is None:
+        if not self.initialized:
             return None
         target = self.cfg.checkpoint_dir or self.cfg.resume
         if target is None:
@@ -596,13 +706,15 @@ class ParameterServer:
         folder = Path(target)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self._checkpoint_name()
-        state = {"format": 1, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
-                 "version": self.version, "sync_step": self.sync_step, "last_step": dict(self.last_step),
-                 "applied": sorted(self.applied),
-                 "world": self.world, "senders": dict(self.senders), "manifest": self.manifest, "pieces": self.pieces, "optim": self.optim_spec,
+        state = {"format": 2, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
+                 "version": self.version, "last_step": dict(self.last_step), "mode_state": self.mode.state(),
+                 "world": self.world, "senders": dict(self.senders), "manifest": self.manifest,
+                 "pieces": self.pieces, "piece_param": self.piece_param, "buffer_keys": self.buffer_keys,
+                 "optim": self.optim_desc, "update": self.update,
                  "params": {k: v.detach().clone() for k, v in self.params.items()},
-                 "optimizer": self.optimizer.state_dict(), "updates": self.stats.updates,
-                 "staleness": dict(self.stats.staleness)}
+                 "buffers": {k: v.clone() for k, v in self.buffers.items()}, "buf_round": self.buf_round,
+                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                 "updates": self.stats.updates, "staleness": dict(self.stats.staleness)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -612,20 +724,28 @@ class ParameterServer:
         if not path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint {path} for {self.cfg.name}")
         state = torch.load(path, weights_only=True)
+        if state.get("format") != 2:
+            raise ValueError(f"{path} is a checkpoint of format {state.get('format')}; this server reads format 2")
         if state["mode"] != self.cfg.mode or list(state["shard"]) != [self.cfg.shard, self.cfg.shards]:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
-        self.version, self.sync_step, self.world = state["version"], state["sync_step"], state["world"]
-        self.applied = set(state["applied"])
+        self.version, self.world, self.update = state["version"], state["world"], state["update"]
+        self.mode.load(state["mode_state"])
         self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
+        self.piece_param = dict(state["piece_param"])
+        self.buffer_keys = {k: (d, int(n)) for k, (d, n) in state["buffer_keys"].items()}
         self._fix_limits()
         # requests queued in workers' sockets while this shard was down arrive before their new hello
         self.senders = {str(k): int(v) for k, v in state.get("senders", {}).items()}
-        self.optim_spec = state["optim"]
+        self.optim_desc = state["optim"]
         self.params = dict(state["params"])
+        self.buffers = dict(state["buffers"])
+        self.buf_round = int(state["buf_round"])
         self._build_optimizer()
-        self._optimizer().load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})

@@ -221,7 +221,7 @@ def test_bad_requests_get_reasons_and_change_nothing(start_server):
         assert "expects step 0" in raw.request("push", 3, wire.split("weight", w), base=0).meta["reason"]
         other = [["weight", [2, 4], "float32"], ["bias", [2], "float32"]]
         reason = raw.request("hello", rank=0, world=1, mode="sync", manifest=other, pieces=[], shard=[0, 1],
-                             optim=commlab.OptimizerSpec("sgd", lr=0.5).to_dict()).meta["reason"]
+                             optim=ex.shards[0].hello_meta["optim"]).meta["reason"]
         assert "parameter 'weight' is float32[2, 3] here but float32[2, 4]" in reason
         stats = server.stats()
         assert stats["refused"] == 9 and stats["updates"] == 0 and stats["version"] == 0
@@ -410,15 +410,17 @@ def test_bench_servers_over_ipc_leave_no_socket_folder(tmp_path, monkeypatch):
     assert glob.glob(str(tmp_path / "commlab-ps-*")) == []
 
 
-def test_a_scheduler_made_after_setup_drives_the_servers_update(start_server):
-    """ps:// takes over optimizer.step(); torch's LR schedulers wrap that method when they are made
-    (after setup, as in most scripts), and the wrapped step must still reach the server."""
+@pytest.mark.parametrize("update", ["worker", "server"])
+def test_a_scheduler_made_after_setup_drives_the_update(start_server, update):
+    """update=server takes over optimizer.step(); torch's LR schedulers wrap that method when they are
+    made (after setup, as in most scripts), and the wrapped step must still reach the server, with the
+    scheduled learning rate (it travels with the commit). update=worker: the user's optimizer steps."""
     server = start_server("--mode", "sync")
     model = nn.Linear(3, 1, bias=False)
     with torch.no_grad():
         model.weight.fill_(1.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ex = attach(server, model, opt)
+    ex = attach(f"ps://{server.address}?timeout=20&update={update}", model, opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     try:
         for _ in range(2):
@@ -426,8 +428,40 @@ def test_a_scheduler_made_after_setup_drives_the_servers_update(start_server):
             model(torch.ones(1, 3)).sum().backward()  # gradient 1 for every weight
             opt.step()
             sched.step()
-        # the server applied SGD with lr 0.5 twice (it runs the lr it was set up with): 1 - 0.5 - 0.5
-        assert model.weight.tolist() == [[0.0, 0.0, 0.0]]
+        # SGD with lr 0.5, then the scheduled 0.25: 1 - 0.5 - 0.25
+        assert model.weight.tolist() == [[0.25, 0.25, 0.25]]
         assert opt.param_groups[0]["lr"] == 0.125 and ex.stats.steps == 2
+        assert server.stats()["updates"] == 2 and server.stats()["update"] == update
     finally:
         ex.close()
+
+
+@pytest.mark.multiproc
+def test_nan_and_inf_are_summed_in_sync_and_refused_in_async(start_server):
+    """Sync: a non-finite gradient is summed, so every worker sees it (and every GradScaler skips); its
+    frames are still checked like any other. Async: refused, counted, nothing applied."""
+    for mode in ("sync", "async"):
+        server = start_server("--mode", mode)
+        model = nn.Linear(3, 2)
+        ex = attach(f"ps://{server.address}?timeout=20&mode={mode}", model, rank=0, world=2)
+        raw = Raw(server.endpoint, "rank1")
+        try:
+            raw.request("hello", **dict(ex.shards[0].hello_meta, rank=1))
+            g = torch.ones(6)
+            g[4] = math.nan if mode == "sync" else math.inf
+            parts = [*wire.split("weight", g), *wire.split("bias", torch.ones(2))]
+            short = raw.request("push", 0, wire.split("weight", g[:5]), base=0)  # a wrong length: still refused
+            assert "weight has 6 elements on shard 0/1, the frames carry 5" in short.meta["reason"]
+            reply = raw.request("push", 0, parts, base=0)
+            if mode == "async":
+                assert "weight holds NaN or Inf; refused, nothing applied" in reply.meta["reason"]
+                assert server.stats()["nonfinite"] == 1 and server.stats()["updates"] == 0
+                continue
+            assert reply.op == "ok"
+            ex.zero_grad()
+            model(torch.ones(1, 3)).sum().backward()  # rank 0's gradient: finite
+            assert math.isnan(model.weight.grad.view(-1)[4]) and math.isfinite(model.weight.grad.view(-1)[3])
+            assert server.stats()["nonfinite"] == 0
+        finally:
+            raw.close()
+            ex.close()

@@ -84,11 +84,14 @@ def data(step: int, world: int):
 
 
 def snapshot(model, opt) -> dict:
+    """Parameters, buffers and optimizer state as lists. The state is read through ``opt.state_dict()``
+    (under ps:// update=server it lives on the servers, which that call gathers)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
     state = {}
-    for p, s in opt.state.items():
+    for index, s in opt.state_dict()["state"].items():
         for k, v in s.items():
-            state[f"{names[id(p)]}.{k}"] = torch.as_tensor(v).double().reshape(-1).tolist()
+            state[f"{order[int(index)]}.{k}"] = torch.as_tensor(v).double().reshape(-1).tolist()
     return {"params": {n: p.detach().double().reshape(-1).tolist() for n, p in model.named_parameters()},
             "buffers": {n: b.detach().double().reshape(-1).tolist() for n, b in model.named_buffers()},
             "state": state}
@@ -108,7 +111,8 @@ def finish_step(model, opt, sched, scaler, seen: dict, clip: bool = True) -> Non
 
 def rank_main(cfg: dict) -> None:
     """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume,
-    device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16)."""
+    device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16), clip
+    (False: no clip_grad_norm_ in the loop, as when ps:// update=server clips with clip_norm=)."""
     import os
     import commlab
     variant, steps, url = cfg["variant"], cfg["steps"], cfg["url"]
@@ -155,7 +159,7 @@ def rank_main(cfg: dict) -> None:
                     scaler.scale(loss).backward()
             else:
                 scaler.scale(loss).backward()  # gradients final here
-        finish_step(model, opt, sched, scaler, seen, clip=variant != "bn")
+        finish_step(model, opt, sched, scaler, seen, clip=variant != "bn" and cfg.get("clip", True))
         if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
             seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
     out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps)

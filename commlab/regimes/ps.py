@@ -1,11 +1,23 @@
-"""``ps://HOST:PORT[,HOST:PORT...]?mode=sync|async|ssp``: CPU parameter servers, one shard each.
+"""``ps://HOST:PORT[,HOST:PORT...]?mode=sync|async|ssp&update=worker|server``: CPU parameter servers.
 
 Workers push each bucket's gradients to the shards that hold its pieces as
 soon as backward fills it (one communication thread and one DEALER socket per
-shard, so all shards are fed in parallel), then pull the updated parameters
-before the next forward. The servers reduce, apply the optimizer and enforce
-the consistency mode; see :mod:`commlab.psproto` for the protocol and the
-modes, and :mod:`servers` for the server.
+shard, so all shards are fed in parallel). Where the update runs:
+
+* ``update=worker`` (sync only, its default; BytePS's summation service): the
+  shards only average. Each worker asks for a bucket's average right after
+  pushing it and receives it into the bucket (``p.grad``) before backward
+  returns; the user's own optimizer steps, as under all-reduce.
+* ``update=server`` (the only placement of async and ssp, and their default):
+  each shard runs the user's optimizer class, with the same param groups and
+  hyperparameters, over its pieces. ``p.grad`` after backward is this worker's
+  own gradient; ``optimizer.step()`` is taken over and becomes "commit (the
+  groups' hyperparameters, one factor) and pull the new parameters";
+  ``optimizer.state_dict()`` gathers the shards' state into an ordinary torch
+  state_dict and ``load_state_dict`` scatters one. See docs/ps.md for AMP and
+  ``clip_norm``.
+
+See :mod:`commlab.psproto` for the protocol and :mod:`servers` for the server.
 
 ``commlab train --exchanger 'ps://?shards=K&mode=...'`` starts K servers on
 loopback itself (:meth:`PSExchanger.plan_local`).
@@ -15,7 +27,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,8 +40,7 @@ from commlab import psproto, transport, wire
 from commlab.config import CommonOptions, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
-from commlab.manifest import model_manifest
-from commlab.optim import OptimizerSpec
+from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 
 
@@ -47,9 +60,23 @@ class PSOptions(CommonOptions):
     key_name: str = option("worker", "with keys=: which client key pair in that folder is this worker's")
     curve_secret: str = option("", "this worker's CURVE secret key file")
     server_key: str = option("", "the servers' CURVE public key file")
+    update: str = option("", "where the optimizer runs: worker (the servers average gradients; sync's default) or "
+                             "server (the servers run the optimizer; the only choice for async and ssp)",
+                         choices=("", "worker", "server"))
+    clip_norm: float = option(0.0, "update=server, sync: the servers clip the averaged gradient to this global "
+                                   "L2 norm, as clip_grad_norm_ would (0: off)")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.update == "worker" and self.mode in ("async", "ssp"):
+            raise ConfigError(f"ps:// mode={self.mode} updates on the servers only: drop update=worker "
+                              f"(or use mode=sync)")
+        if self.clip_norm < 0:
+            raise ConfigError(f"clip_norm must be >= 0, got {self.clip_norm}")
+        if self.clip_norm and (self.update == "worker" or self.mode in ("async", "ssp")
+                               or (not self.update and self.mode in ("", "sync"))):
+            raise ConfigError("clip_norm= needs update=server and mode=sync (with update=worker, clip in your "
+                              "loop: torch.nn.utils.clip_grad_norm_ sees the averaged gradient)")
         if self.shards < 0 or self.retries < 0:
             raise ConfigError("shards and retries must be >= 0")
         if self.piece_mb <= 0:
@@ -70,6 +97,8 @@ class _Request:
     parts: list
     meta: dict
     what: str
+    take: Callable | None = None  # what to do with the reply: (header, frames) -> bytes received
+    max_bytes: int = 0  # a reply may carry this much (0: the shard's pieces)
 
 
 class _Shard:
@@ -106,10 +135,13 @@ class _Shard:
         return self.pool.submit(fn, *args)
 
     # ----- on the shard's thread --------------------------------------------------------------
-    def post(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> _Request:
-        """Send a request without waiting; :meth:`answer` or :meth:`collect` gets its reply.
-        Zero-copy: ``parts`` must not be written until the reply came."""
-        req = _Request(self.next_id, op, step, list(parts), dict(meta or {}), what or f"{op} of step {step}")
+    def post(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "",
+             take: Callable | None = None, max_bytes: int = 0) -> _Request:
+        """Send a request without waiting; :meth:`answer` or :meth:`collect` gets its reply (``take``
+        handles a reply's data; a pull without one puts parameters in). Zero-copy: ``parts`` must not
+        be written until the reply came."""
+        req = _Request(self.next_id, op, step, list(parts), dict(meta or {}), what or f"{op} of step {step}",
+                       take, max_bytes)
         self.next_id += 1
         self._transmit(req)
         self.outstanding.append(req)
@@ -136,7 +168,8 @@ class _Shard:
                 msg = transport.recv(self.sock, left, self.name)
             except CommTimeout:
                 raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s") from None
-            h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=self.max_reply)
+            limit = max([self.max_reply, *(r.max_bytes for r in self.outstanding)])
+            h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit)
             rid = h.meta.get("id")
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
                 self.inbox[rid] = (h, msg[1:])
@@ -146,8 +179,9 @@ class _Shard:
             raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}")
         return h, data
 
-    def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "") -> tuple:
-        return self.answer(self.post(op, step, parts, meta, what))
+    def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "",
+                max_bytes: int = 0) -> tuple:
+        return self.answer(self.post(op, step, parts, meta, what, max_bytes=max_bytes))
 
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta
@@ -188,7 +222,9 @@ class _Shard:
                 attempts += 1
                 self._reconnect_and_resend()
                 continue
-            if req.op == "pull":
+            if req.take is not None:
+                received += req.take(h, data)
+            elif req.op == "pull":
                 received += self._take(h, data)
         self.unsettled.clear()  # every pull of the step is in: its pushes are applied
         return received
@@ -305,22 +341,34 @@ class PSExchanger(BucketedExchanger, PlansServers):
         super().__init__(options, rank)
         self.shards: list[_Shard] = []
         self.transport: transport.Transport | None = None
-        self._base = 0  # wire step of this worker's step 0 (non-zero when servers resumed)
+        self._base = 0  # wire step = _base + _step (the servers' numbering; see load_state_dict)
         self._plan: list[dict[int, list]] = []  # bucket -> shard -> [(piece, slot in bucket)]
         self._pieces: list[list[psproto.Piece]] = []
         self.mode = ""  # the servers' (from hello)
+        self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
+        self.updates_remotely = False
+        self._grad_slots: dict[str, torch.Tensor] = {}  # piece key -> its range of the bucket buffer
+        self._absent: set[str] = set()  # update=worker: keys no worker had a gradient for, this step
+        self._buffer_targets: dict[str, torch.Tensor] = {}
+        self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
+        self._skipped = False  # update=server, sync: this step's summed gradient was not finite
+        self._norm = 0.0  # update=server, sync: global L2 norm of this step's averaged (pushed) gradient
+        self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
 
     # ----- setup ---------------------------------------------------------------------------
-    updates_remotely = True  # the servers apply the optimizer: optimizer.step() pulls their result
-
     def _connect(self, model, optimizer):
-        optim = self.optim_spec or _spec_of(optimizer)
         endpoints = self.options.endpoint_list
         if not endpoints:
             raise ConfigError("ps:// names no servers: give ps://HOST:PORT[,HOST:PORT...] (servers started with "
                               "'commlab server'), or let 'commlab train' start them with ps://?shards=K")
         if self.options.shards and self.options.shards != len(endpoints):
             raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
+        desc = describe_optimizer(optimizer, model)
+        wants_server = self.options.update == "server" or self.options.mode in ("async", "ssp")
+        if wants_server and getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer):
+            raise ConfigError(f"ps:// update=server builds the optimizer on the servers from torch.optim, and "
+                              f"{desc['class']} is not one of its classes: use update=worker (mode=sync), where "
+                              f"your optimizer steps on the workers")
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
         for name, shape, dtype in manifest:
@@ -329,6 +377,12 @@ class PSExchanger(BucketedExchanger, PlansServers):
                                   f"with --device cpu, or use allreduce:// or ring:// for GPU workers")
             if not params[name].is_contiguous():
                 raise ConfigError(f"ps:// needs contiguous parameters; {name} is not")
+        buffers = self.module_buffers if self.options.buffers != "none" else []
+        for name, b in buffers:
+            if b.device.type != "cpu" or not b.is_contiguous() or b.dtype not in wire.DTYPE_NAMES:
+                raise ConfigError(f"ps:// carries CPU contiguous buffers of {sorted(wire.DTYPES)}; {name} is "
+                                  f"{b.dtype} on {b.device}: use buffers=none")
+        self._buffer_targets = {name: b for name, b in buffers}
         self._pieces = psproto.assign_shards(manifest, len(endpoints), max(1, int(self.options.piece_mb * 2**20)))
         curve = None
         if self.options.keys:
@@ -343,26 +397,49 @@ class PSExchanger(BucketedExchanger, PlansServers):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         for shard, pieces in zip(self.shards, self._pieces):
             shard.targets = {pc.key: (params[pc.param], pc.start, pc.count) for pc in pieces}
-            shard.max_reply = sum(pc.nbytes for pc in pieces)
-        where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
+            shard.max_reply = sum(pc.nbytes for pc in pieces) + (self._buffer_bytes() if shard.index == 0 else 0)
+            for pc in pieces:
+                bi, slot = where[id(params[pc.param])]
+                at = self.buckets[bi].offsets[slot] + pc.start
+                self._grad_slots[pc.key] = self.buckets[bi].buffer[at:at + pc.count]
         self._plan = [{} for _ in self.buckets]
         for shard, pieces in zip(self.shards, self._pieces):
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
+        buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
         replies = self._on_all(lambda s: s.hello({
             "rank": self.rank, "world": self.world_size, "mode": self.options.mode or None,
             "staleness": self.options.staleness if self.options.staleness >= 0 else None,
-            "manifest": manifest_wire, "pieces": [[pc.key, pc.dtype, pc.count] for pc in self._pieces[s.index]],
-            "shard": [s.index, k], "optim": optim.to_dict()}), "hello")
+            "update": self.options.update or None, "manifest": manifest_wire,
+            "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
+            "buffers": buffers_wire if s.index == 0 else [],
+            "shard": [s.index, k], "optim": desc}), "hello")
         self._base = max(r["next_step"] for r in replies)
-        self.mode = replies[0]["mode"]
+        self.mode, self.update = replies[0]["mode"], replies[0]["update"]
+        if self.options.clip_norm and self.mode != "sync":
+            raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
+        self.updates_remotely = self.update == "server"
         self._on_all(lambda s: None if replies[s.index]["initialized"] else
-                     s.request("init", -1, self._parts(s.index, None), what="init"), "init")
+                     s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
+                               what="init"), "init")
         self._on_all(lambda s: s.pull(self._base - 1), "initial pull")
+        if buffers:
+            first = self.shards[0]
+            first.submit(self._pull_buffers, first, -1).result()
+            self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
+        if self.update == "server":
+            self._take_over_state(optimizer)
+
+    def _buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffer_targets.values())
+
+    def _buffer_parts(self) -> list:
+        return [part for name, b in self._buffer_targets.items() for part in wire.split(name, b.detach().view(-1))]
 
     def _on_all(self, fn, what: str) -> list:
         """Run ``fn(shard)`` on every shard's thread at once; wait for all (each has its own timeout)."""
@@ -385,8 +462,12 @@ class PSExchanger(BucketedExchanger, PlansServers):
         return out
 
     # ----- the step --------------------------------------------------------------------------
+    def _wire_step(self) -> int:
+        return self._base + self._step
+
     def _start_bucket(self, bucket) -> Handle:
-        step = self._base + self._step
+        step = self._wire_step()
+        hyper = _hypers(self.optimizer) if self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
             shard = self.shards[k]
@@ -405,37 +486,251 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 parts += wire.split(pc.key, bucket.view(slot).view(-1)[pc.start:pc.start + pc.count])
                 self.stats.bytes_sent += pc.nbytes
             what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages), what))
+            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper), what))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
 
-    def _post_bucket(self, shard: _Shard, step: int, messages: list) -> None:
-        """On the shard's thread: send the pushes; in sync mode also ask at once for those keys' new
-        values, which the server sends as soon as every worker's gradient for them is in, while
+    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper) -> None:
+        """On the shard's thread: send the pushes; with update=worker also ask at once for those keys'
+        averages, which the server sends as soon as every worker's gradient for them is in, while
         backward is still busy with earlier layers."""
         for parts, absent, keys in messages:
             shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
-            shard.post("push", step, parts, {"base": shard.version, "absent": absent},
-                       f"push of {shown} at step {step}")
-            if self.mode == "sync":
-                shard.post("pull", step, meta={"after_step": step, "keys": keys},
-                           what=f"pull of {shown} after step {step}")
+            meta = {"base": shard.version, "absent": absent}
+            if hyper is not None:
+                meta["hyper"] = hyper  # async, ssp: a scheduler's change travels with the next push
+            shard.post("push", step, parts, meta, f"push of {shown} at step {step}")
+            if self.update == "worker":
+                shard.post("pull", step, meta={"after_step": step, "keys": keys, "what": "sum"},
+                           what=f"average of {shown} at step {step}", take=self._take_sum)
+
+    def _take_sum(self, h: wire.Header, data) -> int:
+        """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
+        for spec, frame in zip(h.frames, data):
+            slot = self._grad_slots.get(spec.key)
+            if slot is None or spec.offset + spec.count > slot.numel():
+                raise ModelMismatch(f"a shard sent the average of {spec.key}[{spec.offset}:{spec.offset + spec.count}],"
+                                    f" which this worker does not hold")
+            slot[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+        absent = h.meta.get("absent", [])
+        if absent:
+            self._absent.update(absent)
+        return h.data_bytes
 
     def _finish(self) -> None:
-        pass  # the pushes are acknowledged; the servers update when optimizer.step() asks for the result
+        step = self._wire_step()
+        if self.update == "worker":
+            self._absent = set()
+            received = self._on_all(lambda s: s.collect(), f"averages of step {step}")
+            self.stats.bytes_received += sum(received)
+            dropped = {pc.param for pieces in self._pieces for pc in pieces if pc.key in self._absent}
+            for b in self.buckets:
+                for i, (name, p) in enumerate(zip(b.names, b.params)):
+                    p.grad = None if name in dropped else b.view(i)
+        elif self.mode == "sync":
+            self._drop_absent_grads()  # p.grad: this worker's own gradient
+            self._report(step)
+
+    def _report(self, step: int) -> None:
+        """update=server, sync: every shard's squared norm of its part of the average and whether it is
+        finite, once every worker's gradient is in. Not finite: every worker skips the step on every shard
+        (the same decision everywhere, since every worker reads the same reports) and writes inf into its
+        own gradient, so that a GradScaler finds it and lowers its scale on every rank."""
+        reports: list[dict] = [{} for _ in self.shards]
+
+        def ask(s: _Shard):
+            def take(h, _data):
+                reports[s.index] = h.meta.get("report") or {}
+                return 0
+            s.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
+                   take=take)
+            return s.collect()
+
+        self._on_all(ask, f"report of step {step}")
+        if any(r.get("step") != step for r in reports):
+            raise ModelMismatch(f"the shards reported steps {[r.get('step') for r in reports]}, expected {step}")
+        sumsq = math.fsum(float(r["sumsq"]) for r in reports)  # shard order: the same sum on every worker
+        self._skipped = not (all(r["finite"] for r in reports) and math.isfinite(sumsq))
+        self._norm = math.sqrt(sumsq) if not self._skipped else math.inf
+        self._probe = None
+        if self._skipped:
+            self._on_all(lambda s: s.request("commit", step, meta={"skip": True}, what=f"skip of step {step}"),
+                         f"skip of step {step}")
+            for b in self.buckets:
+                for p in b.params:
+                    if p.grad is not None:
+                        p.grad.view(-1)[0] = math.inf
+                        return
+            return
+        best = 0.0
+        for b in self.buckets:  # one element to measure what the loop does to p.grad before step()
+            if b.numel:
+                i = int(b.grads.abs().argmax())
+                v = float(b.grads[i])
+                if abs(v) > best:
+                    best, self._probe = abs(v), (b.grads, i, v)
 
     def _sync_buffers(self, mode: str) -> None:
-        raise ConfigError("ps:// does not carry module buffers (BatchNorm statistics) yet: use buffers=none, "
-                          "or allreduce:// or ring://")
+        """Buffers travel as non-trainable keys on shard 0: ``broadcast``, rank 0 pushes its own; ``average``,
+        every rank does; then every rank pulls them (sync: once the step's are complete)."""
+        if self._buffers_fresh:  # setup: every rank pulled the servers' buffers with the parameters
+            self._buffers_fresh = False
+            return
+        step = self._wire_step()
+        first = self.shards[0]
+
+        def run(s: _Shard):
+            if mode == "average" or self.rank == 0:
+                s.post("buffers", step, self._buffer_parts(), {"how": mode}, what=f"buffers of step {step}")
+            return self._pull_buffers(s, step)
+
+        received = first.submit(run, first).result(timeout=self.options.timeout * 2 + 10)
+        self.stats.bytes_received += received
+
+    def _pull_buffers(self, s: _Shard, step: int) -> int:
+        def take(h, data):
+            for spec, frame in zip(h.frames, data):
+                b = self._buffer_targets.get(spec.key)
+                if b is None or spec.offset + spec.count > b.numel():
+                    raise ModelMismatch(f"{s.name} sent buffer {spec.key}, which this worker does not hold")
+                with torch.no_grad():
+                    b.view(-1)[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            return h.data_bytes
+
+        s.post("pull", step, meta={"after_step": step, "what": "buffers"}, what=f"buffers after step {step}",
+               take=take, max_bytes=self._buffer_bytes())
+        return s.collect()
 
     def _remote_update(self, timeout: float) -> None:
-        step = self._base + self._step - 1  # the exchange backward just finished
-        if self.mode == "sync":  # every key's pull is posted already
-            received = self._on_all(lambda s: s.collect(), f"pushes and pulls of step {step}")
-        else:
+        step = self._wire_step() - 1  # the exchange backward just finished
+        if self.mode != "sync":
             received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
+            self.stats.bytes_received += sum(received)
+            return
+        if self._skipped:
+            return  # every shard dropped this step (its summed gradient was not finite)
+        factor = 1.0
+        if self._probe is not None:  # GradScaler's unscale_ (and a clip in the loop) scaled p.grad in place
+            grads, i, pushed = self._probe
+            factor = float(grads[i]) / pushed
+        if self.options.clip_norm:
+            total = self._norm * abs(factor)
+            factor *= min(1.0, self.options.clip_norm / (total + 1e-6))  # clip_grad_norm_'s coefficient
+        meta = {"factor": factor, "hyper": _hypers(self.optimizer)}
+
+        def commit(s: _Shard):
+            s.post("commit", step, meta=meta, what=f"commit of step {step}")
+            return s.pull(step)
+
+        received = self._on_all(commit, f"commit and pull of step {step}")
         self.stats.bytes_received += sum(received)
+
+    # ----- the optimizer's state lives on the servers (update=server) ---------------------------
+    def _take_over_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.state_dict()`` gathers the shards' state into a torch state_dict (so a run can
+        resume under any regime); ``load_state_dict`` loads the hyperparameters here and sends the
+        state (and this rank's parameters, from rank 0) to the shards."""
+        ex = self
+
+        def state_dict(opt):
+            sd = type(opt).state_dict(opt)
+            sd["state"] = ex._gather_state()
+            return sd
+
+        def load_state_dict(opt, sd):
+            type(opt).load_state_dict(opt, sd)
+            opt.state.clear()  # it lives on the servers
+            ex._scatter_state(sd["state"])
+
+        optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
+        optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+    def _param_order(self) -> list[tuple[int, str, torch.nn.Parameter]]:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = []
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                out.append((len(out), names[id(p)], p))
+        return out
+
+    def _gather_state(self) -> dict:
+        got: dict[str, dict] = {}  # piece key -> state name -> value
+
+        def fetch(s: _Shard):
+            h, data = s.request("state", -1, what="optimizer state", max_bytes=64 * (s.max_reply + 2**20))
+            for spec, frame in zip(h.frames, data):
+                key, _, name = spec.key.partition("/")
+                shape = h.meta["shapes"][spec.key]
+                got.setdefault(key, {})[name] = wire.frame_tensor(spec, frame).clone().view(shape)
+            for tag, v in h.meta.get("scalars", {}).items():
+                key, _, name = tag.partition("/")
+                got.setdefault(key, {})[name] = v
+
+        self._on_all(fetch, "optimizer state")
+        pieces = {}
+        for shard in self._pieces:
+            for pc in shard:
+                pieces.setdefault(pc.param, []).append(pc)
+        state = {}
+        for index, name, p in self._param_order():
+            parts = sorted(pieces[name], key=lambda pc: pc.start)
+            if parts[0].key not in got:
+                continue  # never updated: torch has no state for it either
+            entry = {}
+            for sname, first in got[parts[0].key].items():
+                if isinstance(first, torch.Tensor) and _pieced(first, parts[0]):
+                    entry[sname] = torch.cat([got[pc.key][sname] for pc in parts]).view(p.shape)
+                else:
+                    entry[sname] = first
+            state[index] = entry
+        return state
+
+    def _scatter_state(self, state: dict) -> None:
+        """Rank 0 sends each shard its parameters and its pieces of ``state`` (torch's format)."""
+        if self.rank != 0:
+            return
+        by_name = {name: state.get(index, state.get(str(index))) for index, name, _ in self._param_order()}
+        params = dict(self.model.named_parameters())
+
+        def send(s: _Shard):
+            s.request("load", -1, self._parts(s.index, None), what="parameters")
+            names = sorted({n for pc in self._pieces[s.index] for n in (by_name.get(pc.param) or {})})
+            for sname in names:
+                parts, shapes, scalars = [], {}, {}
+                for pc in self._pieces[s.index]:
+                    v = (by_name.get(pc.param) or {}).get(sname)
+                    tag = f"{pc.key}/{sname}"
+                    if v is None:
+                        continue
+                    if not isinstance(v, torch.Tensor):
+                        scalars[tag] = v
+                        continue
+                    v = v.detach().cpu()
+                    if v.shape == params[pc.param].shape and v.dim() > 0:
+                        flat = v.reshape(-1)[pc.start:pc.start + pc.count].contiguous()
+                    else:
+                        flat = v.reshape(-1).contiguous()
+                    shapes[tag] = [flat.numel()] if v.shape == params[pc.param].shape and v.dim() > 0 else list(v.shape)
+                    parts += wire.split(tag, flat)
+                s.request("load", -1, parts, {"shapes": shapes, "scalars": scalars}, what=f"optimizer state {sname}")
+
+        self._on_all(send, "optimizer state")
+
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), wire_step=self._wire_step(), update=self.update, mode=self.mode,
+                    versions=[s.version for s in self.shards])
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the step counters carry over, the wire numbering stays the servers' (which may be
+        fresh servers, or the ones the run used). With update=server, rank 0's parameters (loaded from
+        the checkpoint before this call) go to the shards."""
+        before = self._step
+        super().load_state_dict(state)
+        self._base += before - self._step
+        if self.update == "server" and self.rank == 0:
+            self._on_all(lambda s: s.request("load", -1, self._parts(s.index, None), what="parameters"),
+                         "parameters")
 
     # ----- for benchmarks --------------------------------------------------------------------
     def push_pull_async(self, tensor: torch.Tensor) -> Handle:
@@ -479,6 +774,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def close(self) -> None:
         super().close()
+        for name in ("state_dict", "load_state_dict"):  # the ones update=server took over
+            if self.optimizer is not None and name in vars(self.optimizer):
+                delattr(self.optimizer, name)
         for s in self.shards:
             try:
                 s.submit(s.close, True).result(timeout=5)
@@ -491,18 +789,16 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self.transport = None
 
 
-def _spec_of(optimizer: torch.optim.Optimizer) -> OptimizerSpec:
-    """The servers build SGD or Adam from a spec: the user's optimizer as one, where it is one."""
-    groups = optimizer.param_groups
-    g = groups[0]
-    if len(groups) == 1 and type(optimizer) is torch.optim.SGD and not g.get("nesterov") \
-            and not g.get("dampening") and not g.get("maximize"):
-        return OptimizerSpec("sgd", lr=float(g["lr"]), momentum=g["momentum"], weight_decay=g["weight_decay"])
-    if len(groups) == 1 and type(optimizer) is torch.optim.Adam and not g.get("amsgrad") and not g.get("maximize"):
-        return OptimizerSpec("adam", lr=float(g["lr"]), beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
-                             weight_decay=g["weight_decay"])
-    raise ConfigError(f"ps:// servers run plain SGD or Adam with one param group; {type(optimizer).__name__} "
-                      f"with {len(groups)} group(s) is not supported: use allreduce:// or ring://")
+def _hypers(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters as plain data (what a scheduler changes travels so)."""
+    return [{k: v for k, (ok, v) in ((k, _plain(v)) for k, v in g.items() if k != "params") if ok}
+            for g in optimizer.param_groups]
+
+
+def _pieced(value: torch.Tensor, piece: psproto.Piece) -> bool:
+    """Whether a shard's state tensor is its piece's range of a tensor shaped like the parameter (exp_avg:
+    flat, one value per element) rather than one value for the whole parameter (step: 0-d)."""
+    return value.dim() == 1 and value.numel() == piece.count
 
 
 def _options(url: ExchangerURL) -> PSOptions:

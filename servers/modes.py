@@ -1,0 +1,279 @@
+"""The consistency modes of a shard, one object each with the same few methods.
+
+The server (:mod:`servers.server`) validates a request, then asks its mode what to do with it:
+which step a worker's push must carry (:meth:`Mode.expected_step`), what a validated push does
+(:meth:`Mode.fold`), whether a waiting pull can be answered (:meth:`Mode.ready`), what a commit
+does (:meth:`Mode.commit`), whom pulls wait for (:meth:`Mode.waiting_for`) and what goes into a
+checkpoint. The mode owns its step bookkeeping; the server owns sockets, keys and the optimizer.
+
+Update placement (``update=`` in the worker's URL, fixed by the first hello):
+
+* ``worker`` (sync only): the shard sums. Step t's average of a key is sent to every worker
+  (``pull what=sum``) as soon as its N contributions are in; the workers' own optimizers step.
+* ``server``: the shard holds the optimizer. Sync: the average waits for every worker's
+  ``commit`` (hyperparameters and one factor: unscale x clip) or for a ``skip`` (the summed
+  gradient was not finite: every worker's GradScaler skips), then one update. Async/ssp: each
+  worker's push is applied when complete, with the hyperparameters it carries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from commlab import wire
+
+
+class Refused(Exception):
+    """A request this server will not serve; the message goes back to the worker."""
+
+
+@dataclass
+class Partial:
+    """What one worker has sent of one step so far."""
+
+    step: int
+    seen: set = field(default_factory=set)
+    absent: set = field(default_factory=set)
+    base: int | None = None  # oldest version its gradients were computed on
+
+
+class Mode:
+    name = ""
+    refuses_nonfinite = True  # a NaN/Inf push poisons every worker's parameters: refuse it
+    placements = ("server",)
+    buffers_wait = False  # buffer pulls wait for their round (sync) or take the latest (async, ssp)
+
+    def __init__(self, srv):
+        self.srv = srv
+
+    def start_step(self) -> int:
+        """The step a rank the shard never saw starts at (hello of a new or resumed worker)."""
+        return 0
+
+    def expected_step(self, rank: int) -> int:
+        return self.srv.last_step[rank] + 1
+
+    def latest_pull(self, rank: int) -> int:
+        """The latest step a pull from ``rank`` may name (a later one could only wait forever)."""
+        return self.srv.last_step[rank] + 1
+
+    def fold(self, rank: int, t: int, part: Partial, frames: dict, absent: list, meta: dict) -> None:
+        raise NotImplementedError
+
+    def ready(self, rank: int, after: int, what: str, keys) -> bool:
+        return self.srv.last_step[rank] >= after
+
+    def commit(self, rank: int, t: int, meta: dict) -> dict:
+        raise Refused(f"mode {self.name} takes no commit: each push is applied as it completes")
+
+    def waiting_for(self) -> list[int]:
+        return []
+
+    def state(self) -> dict:
+        return {}
+
+    def load(self, state: dict) -> None:
+        pass
+
+
+class Async(Mode):
+    """Each worker's step is applied once all of its pieces for this shard are in."""
+
+    name = "async"
+
+    def fold(self, rank, t, part, frames, absent, meta):
+        srv = self.srv
+        part.base = meta["base"] if part.base is None else min(part.base, meta["base"])
+        whole = len(frames) + len(absent) == len(srv.pieces) and not part.seen and not part.absent
+        if whole and all(len(parts) == 1 for parts in frames.values()):
+            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}  # no copy at all
+        else:
+            buffers = srv.grads.setdefault(rank, {})
+            for key, parts in frames.items():
+                buf = buffers.get(key)
+                if buf is None:
+                    buf = buffers[key] = srv.new_buffer(key)
+                for spec, frame in parts:
+                    buf[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            part.seen |= set(frames)
+            part.absent |= set(absent)
+            if len(part.seen) + len(part.absent) < len(srv.pieces):
+                return
+            grads = {k: buffers[k] for k in part.seen}
+        del srv.partial[rank]
+        srv.set_hyper(meta.get("hyper"))
+        srv.step_optimizer(grads)
+        srv.last_step[rank] = t
+        srv.count_update([srv.version - part.base])
+
+
+class SSP(Async):
+    """Async updates; a pull after step t waits while ``t + 1 - slowest > S``."""
+
+    name = "ssp"
+
+    def _active(self) -> dict[int, int]:
+        srv = self.srv
+        return {r: srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached}
+
+    def ready(self, rank, after, what, keys):
+        if not super().ready(rank, after, what, keys):
+            return False
+        slowest = min(self._active().values(), default=after + 1)
+        return after + 1 - slowest <= self.srv.cfg.staleness
+
+    def waiting_for(self):
+        active = self._active()
+        slowest = min(active.values(), default=0)
+        return [r for r, t in active.items() if t == slowest]
+
+
+class Sync(Mode):
+    """Bulk-synchronous: step t's N gradients are averaged as they arrive (``x 1/N`` each).
+
+    update=worker: a key's average goes out as soon as its N contributions are in; the step
+    completes (one "update" in the stats) when every worker's pieces are in.
+    update=server: once every worker's pieces are in (the step is *gathered*), each worker asks
+    for a report (the shard's squared norm of the average and whether it is finite) and then
+    commits (factor, hyperparameters) or skips; the N-th commit applies one optimizer step.
+    """
+
+    name = "sync"
+    refuses_nonfinite = False  # summed: every worker sees the inf, and every GradScaler skips
+    placements = ("worker", "server")
+    buffers_wait = True
+
+    def __init__(self, srv):
+        super().__init__(srv)
+        self.step = 0  # the step being gathered
+        self.sums: dict[str, torch.Tensor] = {}
+        self.present: Counter = Counter()  # key -> workers that sent it this step
+        self.contributed: Counter = Counter()  # key -> workers that sent it or said it is absent
+        self.summed: set[str] = set()  # keys whose N contributions are in
+        self.complete: set[int] = set()  # ranks whose step is in
+        self.gathered = False  # update=server: every rank is in, the commits are awaited
+        self.commits: dict[int, tuple[float, list | None]] = {}
+        self.report: dict | None = None  # update=server: this step's (or, once done, the last step's)
+        self.last_sums: dict[str, torch.Tensor] = {}  # update=worker: the last completed step's averages
+        self.last_absent: list[str] = []
+
+    def start_step(self):
+        return self.step
+
+    def expected_step(self, rank):
+        return self.step
+
+    def latest_pull(self, rank):
+        return self.step
+
+    def fold(self, rank, t, part, frames, absent, meta):
+        srv = self.srv
+        scale = 1.0 / srv.world_size()
+        for key in [*frames, *absent]:
+            if key in frames:
+                buf = self.sums.get(key)
+                if buf is None:
+                    buf = self.sums[key] = srv.new_buffer(key)
+                first = self.present[key] == 0
+                for spec, frame in frames[key]:  # straight from the received frame into the mean
+                    src, dst = wire.frame_tensor(spec, frame), buf[spec.offset:spec.offset + spec.count]
+                    torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
+                self.present[key] += 1
+            self.contributed[key] += 1
+            if self.contributed[key] == srv.world:
+                self.summed.add(key)
+        part.seen |= set(frames)
+        part.absent |= set(absent)
+        if len(part.seen) + len(part.absent) == len(srv.pieces):
+            del srv.partial[rank]
+            self.complete.add(rank)
+        if len(self.complete) == srv.world:
+            if srv.update == "worker":
+                self.last_sums = self.sums
+                self.last_absent = [k for k in srv.pieces if self.present[k] == 0]
+                self._done(counted=True)
+            else:
+                self.gathered = True
+                self.report = self._report()
+
+    def _report(self) -> dict:
+        sumsq = 0.0
+        for key, buf in self.sums.items():
+            if self.present[key]:
+                sumsq += float(torch.linalg.vector_norm(buf, dtype=torch.float64)) ** 2
+        return {"step": self.step, "sumsq": sumsq, "finite": math.isfinite(sumsq)}
+
+    def commit(self, rank, t, meta):
+        srv = self.srv
+        if srv.update != "server":
+            raise Refused(f"commit from rank {rank}: {srv.cfg.name} only sums (update=worker)")
+        if t < self.step:
+            return {"duplicate": True}  # sent again after a reconnect, or the step was skipped already
+        if t != self.step or not self.gathered:
+            raise Refused(f"commit of step {t} from rank {rank}, but {srv.cfg.name} is gathering step "
+                          f"{self.step} (every worker's gradients must be in first)")
+        if meta.get("skip"):  # every worker saw the same non-finite report: the step is dropped for all
+            srv.stats.skipped += 1
+            self._done(counted=False)
+            return {"skipped": True}
+        factor, hyper = meta.get("factor"), meta.get("hyper")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
+            raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
+        self.commits[rank] = (float(factor), hyper)
+        if len(self.commits) < srv.world:
+            return {}
+        factors = [f for f, _ in self.commits.values()]
+        factor = factors[0] if len(set(factors)) == 1 else math.fsum(factors) / len(factors)
+        grads = {k: buf for k, buf in self.sums.items() if self.present[k]}
+        if factor != 1.0:
+            for buf in grads.values():
+                buf.mul_(factor)
+        srv.set_hyper(self.commits[min(self.commits)][1])
+        srv.step_optimizer(grads)
+        self._done(counted=True)
+        return {}
+
+    def _done(self, counted: bool) -> None:
+        srv = self.srv
+        for r in range(srv.world):
+            srv.last_step[r] = self.step
+        self.step += 1
+        self.sums = {}  # fresh buffers: a zero-copy reply may still read the old ones
+        self.present.clear()
+        self.contributed.clear()
+        self.summed.clear()
+        self.complete.clear()
+        self.commits.clear()
+        self.gathered = False
+        if counted:
+            srv.count_update([0])
+
+    def ready(self, rank, after, what, keys):
+        if what == "sum":
+            return self.step > after or bool(keys) and self.summed.issuperset(keys)
+        if what == "report":
+            return self.step > after or self.gathered
+        return self.step > after
+
+    def waiting_for(self):
+        srv = self.srv
+        if self.gathered:
+            return [r for r in range(srv.world) if r not in self.commits]
+        return [r for r in range(srv.world) if r not in self.complete]
+
+    def state(self):
+        return {"sync_step": self.step, "last_sums": {k: v.clone() for k, v in self.last_sums.items()},
+                "last_absent": list(self.last_absent), "report": self.report}
+
+    def load(self, state):
+        self.step = int(state.get("sync_step", 0))
+        self.last_sums = dict(state.get("last_sums", {}))
+        self.last_absent = list(state.get("last_absent", []))
+        self.report = state.get("report")
+
+
+MODES: dict[str, type[Mode]] = {"sync": Sync, "async": Async, "ssp": SSP}

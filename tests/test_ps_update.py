@@ -1,0 +1,133 @@
+"""ps:// with the update on the workers (the servers average) or on the servers (their copy of the
+user's optimizer), under the user's own loop (tests/userloop.py), every rank compared.
+
+Closed under equality with one process on the combined batch: AdamW in two param groups, a warm-up +
+cosine schedule, GradScaler, clipping that really clips (clip_grad_norm_ in the loop for update=worker,
+``clip_norm=`` for update=server) and two micro-steps of accumulation end 20 steps with parameters *and
+optimizer state* equal to the reference, on every rank. An inf on one rank skips the step on every rank;
+stop at step 10 + resume (fresh servers) equals the uninterrupted run; BatchNorm buffers are equal on
+every rank after every step.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import commlab
+from commlab.errors import ConfigError, RemoteError
+from commlab.rendezvous import RankInfo
+from faultkit import Procs
+from test_user_loop import assert_close, assert_ranks_identical, run_loop
+
+import userloop
+
+pytestmark = pytest.mark.multiproc
+
+STEPS = 20
+
+
+@pytest.fixture
+def servers(tmp_path):
+    """``servers(k, mode="sync") -> "ps://a,b,..."``: K shards on loopback, killed at the end."""
+    procs = Procs(tmp_path)
+
+    def start(k: int, mode: str = "sync") -> str:
+        shards = [procs.server("--mode", mode, "--shard", f"{i}/{k}") for i in range(k)]
+        return "ps://" + ",".join(s.address for s in shards)
+
+    yield start
+    procs.close()
+
+
+def ps_url(base: str, update: str, k: int) -> str:
+    query = f"update={update}&timeout=60" + ("&piece_mb=0.0001" if k > 1 else "")  # K > 1: tensors cut in pieces
+    if update == "server":
+        query += f"&clip_norm={userloop.CLIP}"
+    return f"{base}?{query}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("update", ["worker", "server"])
+def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, servers, update, k, n):
+    url = ps_url(servers(k), update, k)
+    results = run_loop(tmp_path, n, url=url, variant="mlp", steps=STEPS, clip=update == "worker")
+    want = userloop.reference("mlp", n, STEPS)
+    assert min(want["seen"]["norms"]) > userloop.CLIP  # clipping acted at every step of the reference
+    assert_ranks_identical(results)
+    for res in results:
+        assert_close(res, want, f"ps update={update} K={k} rank {res['rank']} of {n}")
+        if update == "worker":  # the loop's clip saw the averaged gradient
+            assert res["seen"]["norms"] == pytest.approx(want["seen"]["norms"], rel=1e-5)
+        assert sum(res["seen"]["lrs"], []) == pytest.approx(sum(want["seen"]["lrs"], []))
+        assert res["exchanges"] == STEPS and res["steps"] == STEPS
+        assert len(res["state"]) == 3 * len(res["params"])  # step, exp_avg, exp_avg_sq of every parameter
+
+
+@pytest.mark.parametrize("update", ["worker", "server"])
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, servers, update):
+    steps = 8
+    results = run_loop(tmp_path, 2, url=ps_url(servers(1), update, 1), variant="amp", steps=steps,
+                       clip=update == "worker")
+    assert_ranks_identical(results)
+    for res in results:
+        scales = res["seen"]["scales"]
+        before = scales[userloop.INF_STEP - 1]
+        assert scales[userloop.INF_STEP] == before * 0.5, f"rank {res['rank']}: the scale was not lowered"
+        assert all(s == scales[userloop.INF_STEP] for s in scales[userloop.INF_STEP:])
+        assert res["exchanges"] == steps and res["steps"] == steps - 1  # one step skipped
+        assert all(math.isfinite(v) for vals in res["params"].values() for v in vals)
+
+
+@pytest.mark.parametrize("update,k", [("worker", 1), ("server", 2)])
+def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path, servers, update, k):
+    """Stopped at step 10 (model, optimizer, scheduler, scaler and exchanger state_dicts saved), resumed by
+    new ranks against new servers: with update=server the optimizer state was gathered from the shards
+    into a torch state_dict and is scattered to the new ones."""
+    ck = str(tmp_path / "ck")
+    n = 2
+    run_loop(tmp_path, n, url=ps_url(servers(k), update, k), variant="mlp", steps=STEPS, stop_at=10, save=ck,
+             clip=update == "worker")
+    saved = torch.load(ck + ".rank0", weights_only=False)
+    assert len(saved["optimizer"]["state"]) == len(saved["model"])  # a torch state_dict, every parameter
+    resumed = run_loop(tmp_path, n, url=ps_url(servers(k), update, k), variant="mlp", steps=STEPS, resume=ck,
+                       clip=update == "worker")
+    want = userloop.reference("mlp", n, STEPS)
+    assert_ranks_identical(resumed)
+    for res in resumed:
+        assert_close(res, want, f"ps update={update} resumed rank {res['rank']}")
+        assert res["exchanges"] == STEPS  # the exchanger's own counters carried over
+
+
+@pytest.mark.parametrize("update,how", [("worker", "broadcast"), ("server", "broadcast"), ("worker", "average")])
+def test_batchnorm_buffers_are_equal_on_every_rank_after_every_step(tmp_path, servers, update, how):
+    url = f"{servers(1)}?update={update}&buffers={how}&timeout=60"
+    results = run_loop(tmp_path, 2, url=url, variant="bn", steps=6)
+    for res in results[1:]:  # after every step, not only the last
+        assert res["seen"]["buffers_equal"] == results[0]["seen"]["buffers_equal"]
+    assert_ranks_identical(results)
+    start = dict(userloop.build("bn")[0].named_buffers())
+    assert results[0]["buffers"]["mid.0.num_batches_tracked"] == [12.0]  # 6 steps x 2 micro-steps, rank 0's
+    assert results[0]["buffers"]["mid.0.running_mean"] != start["mid.0.running_mean"].double().tolist()
+
+
+def test_update_worker_with_async_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^ps:// mode=async updates on the servers only: drop update=worker"):
+        commlab.connect("ps://127.0.0.1:1?mode=async&update=worker", RankInfo.single())
+    with pytest.raises(ConfigError, match="clip_norm= needs update=server and mode=sync"):
+        commlab.connect("ps://127.0.0.1:1?mode=sync&clip_norm=1", RankInfo.single())
+
+
+def test_an_optimizer_the_servers_cannot_build_is_refused_with_a_way_out(servers):
+    class Mine(torch.optim.SGD):
+        pass
+
+    model = torch.nn.Linear(2, 2)
+    ex = commlab.connect(f"{servers(1)}?update=server&timeout=20", RankInfo.single())
+    with pytest.raises(ConfigError, match=r"test_ps_update.*Mine is not one of its classes: use update=worker"):
+        ex.setup(model, Mine(model.parameters(), lr=0.1))
+    ex.close()
