@@ -24,13 +24,11 @@ SMALL_LM = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32
             "--eval-batches", "2", "--log-every", "1", "--threads", "1"]
 EXAMPLES = {"charlm": ["--steps", "3", *SMALL_LM],
             "resnet_digits": ["--steps", "3", "--batch-size", "16", "--width", "8", "--log-every", "1"]}
-PS_INTERIM = {  # what main's interim ps:// client refuses (the PS side; update=worker will lift it)
-    "charlm": "ps:// servers run plain SGD or Adam with one param group; the LM uses AdamW in two groups",
-    "resnet_digits": "ps:// carries no module buffers (BatchNorm statistics) yet; with buffers=none it runs",
-}
 REGIMES = ["allreduce://?backend=gloo", "ring://", "ps://?shards=1&mode=sync"]
-CASES = [pytest.param(example, url, marks=pytest.mark.xfail(strict=True, reason=PS_INTERIM[example])
-                      if url.startswith("ps://") else ()) for example in sorted(EXAMPLES) for url in REGIMES]
+# The examples under every regime, and the LM (AdamW in two groups, a LambdaLR schedule) with its optimizer
+# on the servers too: the class, groups and scheduled lr travel to the shard.
+CASES = [(example, url) for example in sorted(EXAMPLES) for url in REGIMES] + [
+    ("charlm", "ps://?shards=2&mode=sync&update=server")]
 
 
 def commlab_run(args: list[str], timeout: float = TIMEOUT, **env) -> subprocess.CompletedProcess:
