@@ -74,7 +74,7 @@ def path_for(run: str, what: str, directory: str = SHM_DIR) -> str:
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove the entries in ``directory`` whose owner process is gone; the paths removed.
     Safe to call from any number of processes at once (a lost race is a missing file)."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -289,7 +289,7 @@ class Link:
             raise PeerLost(f"send to {self.who} failed: {exc}", peer=self.peer, op="send") from exc
 
     # ----- receiving --------------------------------------------------------------------------
-    def _first_frame(self, receive, timeout: float, watch: "Sequence[Link]", idle, pump=None,
+    def _first_frame(self, receive, timeout: float, watch: Sequence, idle, pump=None,
                      idle_every: float = 1.0):
         """``receive()`` the first frame of the next message, blocking at most ``timeout`` seconds.
 
@@ -331,13 +331,13 @@ class Link:
                 idle()
                 next_idle = time.monotonic() + idle_every
 
-    def recv_message_into(self, buf: memoryview, timeout: float, watch: "Sequence[Link]" = (), idle=None,
+    def recv_message_into(self, buf: memoryview, timeout: float, watch: Sequence = (), idle=None,
                           pump=None) -> int:
         """The next message's first frame written into ``buf`` (waiting as :meth:`_first_frame` says);
         returns the frame's full size (larger than ``buf`` means truncated: the caller compares)."""
         return self._first_frame(lambda flags: self.sock.recv_into(buf, flags=flags), timeout, watch, idle, pump)
 
-    def recv_header(self, timeout: float, watch: "Sequence[Link]" = (), idle=None, pump=None) -> bytes:
+    def recv_header(self, timeout: float, watch: Sequence = (), idle=None, pump=None) -> bytes:
         """The first frame of the next message (small: copied), waiting as :meth:`_first_frame` says."""
         return self._first_frame(self.sock.recv, timeout, watch, idle, pump)
 

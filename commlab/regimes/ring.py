@@ -87,8 +87,8 @@ from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.peers import agree_on_model
 from commlab.heap import keep_freed_memory
-from commlab.regimes.ring_links import (SLOTS, Collective, Half, ShmInbox, ShmOutbox, Step, TorchInbox, TorchOutbox,
-                                        ZmqInbox, ZmqOutbox)
+from commlab.regimes.ring_links import (SLOTS, Collective, Inbox, Outbox, ShmInbox, ShmOutbox, Step, TorchInbox,
+                                        TorchOutbox, ZmqInbox, ZmqOutbox)
 from commlab.transport import Link, Transport, is_loopback
 
 HALF = (torch.float16, torch.bfloat16)
@@ -180,8 +180,8 @@ class RingExchanger(CollectiveExchanger):
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (numel, itemsize) -> bytes_moved()
         self._transport: Transport | None = None
         self._ipc_dir: str | None = None
-        self._inbox: Half | None = None  # from the left neighbour
-        self._outbox: Half | None = None  # to the right neighbour
+        self._inbox: Inbox | None = None  # from the left neighbour
+        self._outbox: Outbox | None = None  # to the right neighbour
         self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
         self._group = None
         self._own_group = False
@@ -233,87 +233,72 @@ class RingExchanger(CollectiveExchanger):
             return kind, kind
         here = host_identity()
         self.store.set(f"{ns}where/{self.rank}", here)
-        return tuple("shm" if self._wait_key(f"{ns}where/{k}", "host identity").decode() == here else "tcp"
-                     for k in (self.left, self.right))
+        inward, outward = ("shm" if self._wait_key(f"{ns}where/{k}", "host identity").decode() == here else "tcp"
+                           for k in (self.left, self.right))
+        return inward, outward
 
     def _join_links(self, ns: str) -> None:
-        """zmq and shared-memory links. Order, which no rank can block: publish what the left neighbour
-        needs (our PULL address, or our segment and socket), connect to the right's PULL, attach the
-        left's segment, then accept the right's connection."""
+        """zmq and shared-memory links. In an order no rank can block on: publish what the left
+        neighbour needs (our PULL address, or our segment and socket), connect to the right's PULL,
+        attach to the left's segment and socket, then accept the right's connection."""
         opts = self.options
         inward, outward = self._link_kinds(ns)
         self._kinds = {"from_left": inward, "to_right": outward}
         left_who, right_who = f"rank {self.left} (left neighbour)", f"rank {self.right} (right neighbour)"
-        server_keys = client_keys = clients = None
-        if opts.keys:
-            from commlab import keys
-            server_keys, clients = keys.server_keys(opts.keys)
-            client_keys = keys.client_keys(opts.keys, opts.key_name)
+        net = None
         if inward != "shm" or outward != "shm":
             if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
                 self._heap_kept = keep_freed_memory()
-            self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
-        slot_bytes = max(64, -(-int(opts.chunk_mb * 2**20) // 64) * 64)
-        run = listener = segment = None
+            net = self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
+        slot_bytes = shm_slot_bytes(opts.chunk_mb)
+        run = ""
         if "shm" in (inward, outward):
             shm.sweep_stale()  # what runs killed before they could unlink left behind
             run = self.store.compare_set(f"{ns}shm-run", "", shm.new_run_id()).decode()
+        curve = _curve_keys(opts.keys, opts.key_name) if opts.keys else None
         io_in, io_out = 0, opts.io_threads - 1  # one zmq I/O thread per direction when there are two
-        pull = None
-        if inward != "shm":
-            if inward == "ipc":
-                self._ipc_dir = tempfile.mkdtemp(prefix="commlab-ring-")
-                where = f"ipc://{self._ipc_dir}/r{self.rank}"
-            else:
-                host = self._bind_host()
-                opts.check_bind(host)
-                where = f"tcp://{host}:0"
-            pull = self._transport.bind(zmq.PULL, where, io_thread=io_in, curve=server_keys, authorized=clients,
-                                        insecure=opts.insecure)
-            self.store.set(f"{ns}addr/{self.rank}", pull.last_endpoint)
+
+        pull = offer = None
+        if net is not None and inward != "shm":
+            pull = self._bind_pull(ns, net, inward, io_in, curve)
         if outward == "shm":
-            segment = shm.Segment.create(run, f"r{self.rank}-out", SLOTS * slot_bytes)
-            path = shm.path_for(run, f"r{self.rank}.sock")
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            shm.track(path)
-            listener.bind(path)
-            os.chmod(path, 0o600)
-            listener.listen(1)
-            self.store.set(f"{ns}shm/{self.rank}", json.dumps({"segment": segment.path, "socket": path,
-                                                               "slot_bytes": slot_bytes}))
-        if outward != "shm":
+            offer = ShmOffer(run, self.rank, slot_bytes)
+            self.store.set(f"{ns}shm/{self.rank}", offer.describe())
+        if net is not None and outward != "shm":
             address = self._wait_key(f"{ns}addr/{self.right}", "ring address").decode()
-            push = self._transport.connect(zmq.PUSH, address, io_thread=io_out, curve=client_keys)
-            self._outbox = ZmqOutbox(Link(push, right_who, self.right), self.rank, opts.timeout)
+            push = net.connect(zmq.PUSH, address, io_thread=io_out, curve=curve[2] if curve else None)
+            self._outbox = ZmqOutbox(Link(push, right_who, self.right), self.rank, self.right, opts.timeout)
+        attached = None
         if inward == "shm":
-            theirs = json.loads(self._wait_key(f"{ns}shm/{self.left}", "shared-memory segment"))
-            mapped = shm.Segment.attach(theirs["segment"], SLOTS * theirs["slot_bytes"])
-            mapped.unlink()  # mapped: the file is no longer needed, and a kill -9 can no longer leave it behind
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            conn.connect(theirs["socket"])
-            self._inbox_parts = (mapped, conn, theirs["slot_bytes"])
-        if outward == "shm":
-            listener.settimeout(opts.timeout)
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                raise CommTimeout(f"rank {self.rank}: {right_who} did not connect to its shared-memory link within "
-                                  f"{opts.timeout:g}s", peer=self.right, op="connect") from None
-            finally:
-                listener.close()
-                shm.remove(path)
-            conn.setblocking(True)
-            segment.unlink()
+            attached = ShmOffer.attach(json.loads(self._wait_key(f"{ns}shm/{self.left}", "shared-memory segment")))
+        if offer is not None:
+            segment, conn = offer.accept(opts.timeout, right_who, self.right)
             self._outbox = ShmOutbox(segment, conn, slot_bytes, self.rank, self.right, right_who, opts.timeout,
                                      self._check_reports)
-        if inward == "shm":
-            mapped, conn, theirs_slot = self._inbox_parts
-            del self._inbox_parts
-            self._inbox = ShmInbox(mapped, conn, theirs_slot, self.rank, self.left, left_who, opts.timeout,
+        if self._outbox is None:
+            raise CommError(f"rank {self.rank}: no link to {right_who} ({outward})")
+        if attached is not None:
+            mapped, conn, theirs = attached
+            self._inbox = ShmInbox(mapped, conn, theirs, self.rank, self.left, left_who, opts.timeout,
                                    self._check_reports, self._outbox)
+        elif pull is not None:
+            self._inbox = ZmqInbox(Link(pull, left_who, self.left), self.rank, self.left, opts.timeout,
+                                   self._check_reports, self._outbox)
+
+    def _bind_pull(self, ns: str, net: Transport, kind: str, io_thread: int, curve) -> zmq.Socket:
+        """The socket the left neighbour sends to (tcp or ipc), its address published in the store."""
+        opts = self.options
+        if kind == "ipc":
+            self._ipc_dir = tempfile.mkdtemp(prefix="commlab-ring-")
+            where = f"ipc://{self._ipc_dir}/r{self.rank}"
         else:
-            self._inbox = ZmqInbox(Link(pull, left_who, self.left), self.rank, opts.timeout, self._check_reports,
-                                   self._outbox)
+            host = self._bind_host()
+            opts.check_bind(host)
+            where = f"tcp://{host}:0"
+        pull = net.bind(zmq.PULL, where, io_thread=io_thread, curve=curve[0] if curve else None,
+                        authorized=curve[1] if curve else None, insecure=opts.insecure)
+        self.store.set(f"{ns}addr/{self.rank}", pull.last_endpoint)
+        return pull
 
     def _bind_host(self) -> str:
         """``host``, or for ``auto`` the local address of the route to the rendezvous store's host."""
@@ -426,7 +411,7 @@ class RingExchanger(CollectiveExchanger):
             facts["authentication"] = "CURVE (keys folder)" if o.keys else ("none (insecure=1)" if o.insecure
                                                                              else "none (loopback/ipc/shm only)")
             if "shm" in self._kinds.values() or o.transport in ("shm", "auto"):
-                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": max(64, -(-int(o.chunk_mb * 2**20) // 64) * 64),
+                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(o.chunk_mb),
                                 "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
             facts.update(self._heap_facts())
         return facts
@@ -606,7 +591,7 @@ class RingExchanger(CollectiveExchanger):
         return plan
 
 
-def run_schedule(c: Collective, inbox: Half, outbox: Half) -> None:
+def run_schedule(c: Collective, inbox: Inbox, outbox: Outbox) -> None:
     """The ring's plan of steps and chunks, for any transport (see :mod:`commlab.regimes.ring_links`).
 
     Every chunk of step 0 goes out at once; then each chunk received is added (or stored) and, unless
@@ -630,6 +615,62 @@ def run_schedule(c: Collective, inbox: Half, outbox: Half) -> None:
             if t < last:
                 outbox.send(t + 1, j)
     outbox.finish()
+
+
+def shm_slot_bytes(chunk_mb: float) -> int:
+    """Bytes per shared-memory slot: a whole chunk (at most ``chunk_mb`` MiB), 64-byte aligned."""
+    return max(64, -(-int(chunk_mb * 2**20) // 64) * 64)
+
+
+class ShmOffer:
+    """This rank's end of a shared-memory link to its right neighbour while the ring joins: the segment
+    and a listening Unix socket (both under /dev/shm, removed once the neighbour has them)."""
+
+    def __init__(self, run: str, rank: int, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.segment = shm.Segment.create(run, f"r{rank}-out", SLOTS * slot_bytes)
+        self.path = shm.path_for(run, f"r{rank}.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        shm.track(self.path)
+        self.listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.listener.listen(1)
+
+    def describe(self) -> str:
+        return json.dumps({"segment": self.segment.path, "socket": self.path, "slot_bytes": self.slot_bytes})
+
+    def accept(self, timeout: float, who: str, peer: int) -> tuple[shm.Segment, socket.socket]:
+        """Wait (at most ``timeout``) for the right neighbour to connect; it has mapped the segment then."""
+        self.listener.settimeout(timeout)
+        try:
+            conn, _ = self.listener.accept()
+        except socket.timeout:
+            raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s", peer=peer,
+                              op="connect") from None
+        finally:
+            self.listener.close()
+            shm.remove(self.path)
+        conn.setblocking(True)
+        self.segment.unlink()
+        return self.segment, conn
+
+    @staticmethod
+    def attach(offer: dict) -> tuple[shm.Segment, socket.socket, int]:
+        """The left neighbour's segment, mapped (and its file removed), and a connection to it."""
+        slot_bytes = int(offer["slot_bytes"])
+        mapped = shm.Segment.attach(offer["segment"], SLOTS * slot_bytes)
+        mapped.unlink()  # mapped: the file is no longer needed, and a kill -9 can no longer leave it behind
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(offer["socket"])
+        return mapped, conn, slot_bytes
+
+
+def _curve_keys(folder: str, key_name: str):
+    """(server pair, authorised clients folder, client pair) from a 'commlab keys' folder: every rank
+    is a server to its left neighbour and a client of its right one."""
+    from commlab import keys
+    server, clients = keys.server_keys(folder)
+    return server, clients, keys.client_keys(folder, key_name)
 
 
 def host_identity() -> str:

@@ -92,11 +92,15 @@ class Half:
     """What both halves share: whose rank, which neighbour (``peer``, named ``who`` in errors)."""
 
     kind = ""
-    pending = False  # an outbox with sends queued for later (see ShmOutbox)
+    c: Collective  # the collective in progress (set by begin)
 
     def __init__(self, me: int, peer: int, who: str, timeout: float):
         self.me, self.peer, self.who, self.timeout = me, peer, who, timeout
-        self.c: Collective | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Whether sends are queued for later (see :class:`ShmOutbox`)."""
+        return False
 
     def begin(self, c: Collective) -> None:
         self.c = c
@@ -111,15 +115,42 @@ class Half:
         pass
 
 
+class Outbox(Half):
+    """The sending half (see the module's docstring for the calls and when they block)."""
+
+    def send(self, t: int, j: int) -> None:
+        raise NotImplementedError
+
+    def release(self, t: int, j: int) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+    def fileno(self) -> int | None:
+        """A descriptor that turns readable when queued sends may go on (None: nothing is ever queued)."""
+        return None
+
+
+class Inbox(Half):
+    """The receiving half (see the module's docstring for the calls and when they block)."""
+
+    def reduce(self, t: int, j: int, release: Callable[[int, int], None] | None = None) -> None:
+        raise NotImplementedError
+
+    def store(self, t: int, j: int) -> None:
+        raise NotImplementedError
+
+
 # ----- zmq: PUSH/PULL over tcp or ipc -------------------------------------------------------------------
-class ZmqOutbox(Half):
+class ZmqOutbox(Outbox):
     """Chunks up to 64 KiB travel in the header's frame, above 1 MiB zero-copy (tracked: see
     :meth:`release`), between them copied (:meth:`commlab.transport.Link.send`)."""
 
     kind = "zmq"
 
-    def __init__(self, link: Link, me: int, timeout: float):
-        super().__init__(me, link.peer, link.who, timeout)
+    def __init__(self, link: Link, me: int, peer: int, timeout: float):
+        super().__init__(me, peer, link.who, timeout)
         self.link = link
         self.trackers: list = []
 
@@ -155,19 +186,19 @@ class ZmqOutbox(Half):
         self.link.close(linger_s)
 
 
-class ZmqInbox(Half):
+class ZmqInbox(Inbox):
     """Small chunks land in one reused scratch buffer (one frame, header first), large
     reduce-scatter chunks are added straight from zmq's frame, all-gather chunks are received
     straight into the caller's tensor."""
 
     kind = "zmq"
 
-    def __init__(self, link: Link, me: int, timeout: float, idle: Callable[[], None], outbox: Half):
-        super().__init__(me, link.peer, link.who, timeout)
+    def __init__(self, link: Link, me: int, peer: int, timeout: float, idle: Callable[[], None], outbox: Outbox):
+        super().__init__(me, peer, link.who, timeout)
         self.link, self.idle, self.outbox = link, idle, outbox
         # small reduce-scatter chunks land here (and one-frame messages, header first)
         self.scratch = torch.empty(wire.COPY_THRESHOLD + wire.CHUNK_HEADER.size, dtype=torch.uint8)
-        self.scratch_view = memoryview(self.scratch.numpy())
+        self.scratch_view = self.scratch.numpy().data
         self.scratch_np = self.scratch.numpy()
 
     def begin(self, c: Collective) -> None:
@@ -243,7 +274,7 @@ def _finish_work(w, timeout: float, peer: int, who: str, verb: str, op: str, seq
         raise cls(f"{verb} {who} failed in collective {seq}: {text}", peer=peer, op=op) from exc
 
 
-class TorchOutbox(Half):
+class TorchOutbox(Outbox):
     kind = "torch"
 
     def __init__(self, group, me: int, peer: int, who: str, timeout: float):
@@ -272,7 +303,7 @@ class TorchOutbox(Half):
             self._finish(m)
 
 
-class TorchInbox(Half):
+class TorchInbox(Inbox):
     """Up to ``WINDOW`` receives are posted ahead: reduce-scatter ones into scratch slots, all-gather
     ones straight into the tensor. Tags number the messages of one collective so none can be matched
     to the wrong receive."""
@@ -338,7 +369,7 @@ def _seqpacket() -> socket.socket:
     return socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-class ShmOutbox(Half):
+class ShmOutbox(Outbox):
     """Owns this rank's segment (``SLOTS`` slots of ``slot_bytes``) and the connection to the right
     neighbour. ``send`` copies a chunk into the next free slot and says READY; with no free slot the
     chunk waits in a queue (``pending``), which :meth:`pump` (called by every wait of this rank) and
@@ -437,6 +468,9 @@ class ShmOutbox(Half):
     def finish(self) -> None:
         self._place_until(self.placed + len(self.queue), "the collective's last chunks")
 
+    def fileno(self) -> int | None:
+        return self.conn.fileno()
+
     def poll_drop(self) -> bool:
         if not self.hung_up:
             p = select.poll()
@@ -451,7 +485,7 @@ class ShmOutbox(Half):
         self.segment.close()
 
 
-class ShmInbox(Half):
+class ShmInbox(Inbox):
     """Maps the left neighbour's segment and reads chunks straight out of its slots: adds them into
     the tensor (reduce-scatter) or copies them there (all-gather), then says TAKEN. Waits poll the
     connection from the left and, while this rank's outbox has queued sends, the one to the right."""
@@ -459,7 +493,7 @@ class ShmInbox(Half):
     kind = "shm"
 
     def __init__(self, segment, conn: socket.socket, slot_bytes: int, me: int, peer: int, who: str, timeout: float,
-                 idle: Callable[[], None], outbox: Half):
+                 idle: Callable[[], None], outbox: Outbox):
         super().__init__(me, peer, who, timeout)
         self.segment, self.conn, self.slot_bytes, self.idle, self.outbox = segment, conn, slot_bytes, idle, outbox
         self.slots = segment.array()
@@ -485,7 +519,7 @@ class ShmInbox(Half):
 
     def _wait(self, t: int) -> bytes:
         outbox = self.outbox
-        shm_out = outbox.kind == "shm"
+        out_fd = outbox.fileno()  # a shared-memory outbox: queued sends go on when it turns readable
         deadline = time.monotonic() + self.timeout
         next_idle = time.monotonic() + 1.0
         mine = self.conn.fileno()
@@ -495,13 +529,13 @@ class ShmInbox(Half):
         while True:
             # the right neighbour may close normally once it has had our last chunk; until then its drop is a loss
             watch = t < self.c.steps - 1 or outbox.pending
-            if shm_out:
+            if out_fd is not None:
                 want = (select.POLLIN if outbox.pending else 0) if watch else None
                 if want != watching:
                     if watching is not None:
-                        poller.unregister(outbox.conn.fileno())
+                        poller.unregister(out_fd)
                     if want is not None:
-                        poller.register(outbox.conn.fileno(), want)
+                        poller.register(out_fd, want)
                     watching = want
             now = time.monotonic()
             wait_ms = max(0, int(min(SLICE_S, deadline - now) * 1000))
@@ -516,9 +550,9 @@ class ShmInbox(Half):
                                        op="receive") from None
                 if events & (select.POLLHUP | select.POLLERR):
                     raise PeerLost(f"{outbox.who} disconnected", peer=outbox.peer, op="receive")
-            if shm_out and outbox.pending:
+            if out_fd is not None and outbox.pending:
                 outbox.pump(0)
-            if watch and not shm_out and outbox.poll_drop():
+            if watch and out_fd is None and outbox.poll_drop():
                 raise PeerLost(f"{outbox.who} disconnected", peer=outbox.peer, op="receive")
             now = time.monotonic()
             if now >= deadline:
