@@ -1,4 +1,4 @@
-"""``ring://?transport=tcp|ipc|torch&chunk_mb=4``: a hand-written ring all-reduce (pyzmq or torch p2p).
+"""``ring://?transport=tcp|ipc|shm|auto|torch&chunk_mb=4``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -47,16 +47,26 @@ exactly), so they hold the same bits. Each rank adds all S instead of S/2,
 which is why big tensors keep the ring. When the swap's send went zero-copy,
 a chunk is added into only after zmq has let go of it.
 
-Transports: ``tcp`` (zmq PUSH/PULL over TCP, ``host`` is where each rank binds),
-``ipc`` (zmq over Unix sockets, one host), ``torch`` (torch.distributed
-``isend``/``irecv`` to the neighbours: gloo for CPU tensors, NCCL for CUDA ones;
-the default process group is reused if the process already has one).
+The schedule above is written once (:func:`run_schedule`); transports plug in
+below it, one per link, as an outbox on the sender and an inbox on the receiver
+(:mod:`commlab.regimes.ring_links`, where framing and validation live):
+``tcp`` (zmq PUSH/PULL over TCP, ``host`` is where each rank binds; off loopback
+only with CURVE ``keys=`` or ``insecure=1``), ``ipc`` (zmq over Unix sockets,
+one host), ``shm`` (one host: each chunk copied once into the sender's shared
+segment and added or copied straight out of it by the receiver, signals over a
+Unix socket), ``auto`` (per link: shm to a neighbour with the same boot id and
+network namespace, tcp otherwise; :meth:`RingExchanger.facts` says which),
+``torch`` (torch.distributed ``isend``/``irecv`` to the neighbours: gloo for CPU
+tensors, NCCL for CUDA ones; the default process group is reused if the
+process already has one). The zmq paragraph above describes tcp/ipc.
 
 Failure: every wait is bounded by ``timeout``. A neighbour that dies is noticed
-by the zmq monitor at once (:class:`~commlab.errors.PeerLost` naming it); one
-that stalls gives :class:`~commlab.errors.CommTimeout` naming it. The first
-rank to see a failure writes it to the rendezvous store and closes its sockets,
-so ranks further around the ring stop too and name the same culprit.
+at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
+:class:`~commlab.errors.PeerLost` with ``peer`` = its rank; one that stalls
+gives :class:`~commlab.errors.CommTimeout` naming it. The first rank to see a
+failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
+its links, so ranks further around the ring stop too and relay the same
+culprit (``peer``) and who saw it (``origin``).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
