@@ -96,7 +96,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
 # Process-wide by nature: exit handlers and signal dispositions belong to the process, not to an object.
 _lock = threading.Lock()
 _linked: set[str] = set()
-_hooks = {"atexit": False, "sigterm": False}
+_hooks: dict = {"atexit": False, "sigterm": None}  # sigterm: the disposition ours replaced, while ours is set
 
 
 def track(path: str) -> None:
@@ -112,6 +112,9 @@ def track(path: str) -> None:
 def forget(path: str) -> None:
     with _lock:
         _linked.discard(path)
+        empty = not _linked
+    if empty:
+        _unguard_sigterm()
 
 
 def remove(path: str) -> None:
@@ -136,9 +139,11 @@ def remove_all() -> None:
 
 def guard_sigterm() -> None:
     """Unlink tracked entries on SIGTERM, then let the disposition found here act (default: die by
-    the signal; a Python handler: called). Only the main thread may set handlers: elsewhere this is
-    a no-op and rules 1 and 3 of the module docstring remain."""
-    if _hooks["sigterm"] or threading.current_thread() is not threading.main_thread():
+    the signal; a Python handler: called). Set only while something is tracked (the previous
+    disposition comes back when the last entry is removed), so a process's SIGTERM behaves as before
+    outside that window. Only the main thread may set handlers: elsewhere this is a no-op and rules 1
+    and 3 of the module docstring remain."""
+    if _hooks["sigterm"] is not None or threading.current_thread() is not threading.main_thread():
         return
     try:
         previous = signal.getsignal(signal.SIGTERM)
@@ -159,7 +164,18 @@ def guard_sigterm() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:
         return
-    _hooks["sigterm"] = True
+    _hooks["sigterm"] = signal.SIG_DFL if previous is None else previous
+
+
+def _unguard_sigterm() -> None:
+    previous = _hooks["sigterm"]
+    if previous is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signal.signal(signal.SIGTERM, previous)
+    except ValueError:
+        return
+    _hooks["sigterm"] = None
 
 
 # ----- segments ------------------------------------------------------------------------------------

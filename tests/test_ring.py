@@ -181,6 +181,8 @@ def _sums(rank, world, queries, big_queries):
     for query in queries:
         with commlab.connect(f"ring://?{query}&timeout=30") as ex:
             ex.join(store)
+            if "auto" in query or "shm" in query:  # one host, one network namespace: shared memory both ways
+                assert ex.facts()["links"] == {"from_left": "shm", "to_right": "shm"}, ex.facts()
             for i, (n, dtype) in enumerate(cases):
                 x = _data(i, rank, n, dtype) if dtype.is_floating_point else torch.arange(n) * (rank + 1)
                 inputs = [_data(i, k, n, dtype).double() if dtype.is_floating_point else torch.arange(n) * (k + 1)

@@ -101,3 +101,15 @@ def test_attach_refuses_what_is_not_a_segment(tmp_path):
     finally:
         seg.close()
     assert not os.path.exists(seg.path)
+
+
+def test_sigterm_guard_is_set_only_while_something_is_tracked():
+    import signal as sg
+    before = sg.getsignal(sg.SIGTERM)
+    seg = shm.Segment.create(shm.new_run_id(), "t-guard", 64)
+    try:
+        assert sg.getsignal(sg.SIGTERM) is not before  # ours, while the file exists
+        seg.unlink()
+        assert sg.getsignal(sg.SIGTERM) is before  # the process's own disposition again
+    finally:
+        seg.close()
