@@ -213,7 +213,7 @@ class ZmqInbox(Inbox):
         expected = c.header(self.peer, t, j, lo, hi)
         # the right neighbour may close normally once it has had our last chunk; until then its drop is a loss
         watch = (self.outbox,) if t < c.steps - 1 or self.outbox.pending else ()
-        pump = self.outbox if self.outbox.kind == "shm" else None
+        pump = self.outbox if self.outbox.fileno() is not None else None  # a shared-memory outbox queues sends
         if nbytes <= wire.INLINE_MAX:  # one frame, header then data, into the scratch buffer
             size = link.recv_message_into(self.scratch_view, self.timeout, watch, self.idle, pump)
             if size != hsize + nbytes or bytes(self.scratch_view[:hsize]) != expected:
