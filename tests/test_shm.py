@@ -42,12 +42,15 @@ def test_normal_exit_unlinks():
     assert not os.path.exists(path)
 
 
-def test_sigterm_unlinks_and_still_terminates():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_unlink_and_still_terminate(sig):
     proc, path = _owner(shm.new_run_id(), "sleep")
     try:
         assert os.path.exists(path)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == -signal.SIGTERM  # the handler removed the file, then died by the signal as before
+        proc.send_signal(sig)
+        # SIGTERM: our handler removes the file, then the process dies by the signal as before; Ctrl-C:
+        # KeyboardInterrupt ends the interpreter normally (exit handlers run), then Python re-raises SIGINT
+        assert proc.wait(30) == -sig
         assert not os.path.exists(path)
     finally:
         proc.kill()
