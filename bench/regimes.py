@@ -47,6 +47,12 @@ BANDWIDTH: dict[str, BandwidthEntry] = {
     "nccl": BandwidthEntry("allreduce://?backend=nccl", "allreduce", "torch.distributed NCCL all_reduce", needs_cuda=True),
     "ring-tcp": BandwidthEntry("ring://?transport=tcp", "allreduce", "pyzmq ring all-reduce over tcp", loopback_only=True),
     "ring-ipc": BandwidthEntry("ring://?transport=ipc", "allreduce", "pyzmq ring all-reduce over ipc", loopback_only=True),
+    "ring-shm": BandwidthEntry("ring://?transport=shm", "allreduce", "ring all-reduce through shared memory (one host)",
+                               loopback_only=True),
+    # across --link namespaces: each rank binds the address it reaches rank 0 from; insecure=1 is said in so
+    # many words (the bench's own namespaces; a real cluster passes keys=DIR instead)
+    "ring-hosts": BandwidthEntry("ring://?transport=tcp&host=auto&insecure=1", "allreduce",
+                                 "pyzmq ring all-reduce over tcp between hosts (no keys: bench namespaces only)"),
     "ring-torch": BandwidthEntry("ring://?transport=torch", "allreduce", "ring all-reduce over torch isend/irecv"),
     "ps-1": BandwidthEntry("ps://?shards=1&mode=sync", "pushpull", "parameter server, 1 shard, sync",
                            one_size_per_job=True),

@@ -43,6 +43,8 @@ REGIMES = {
     "gloo": None,  # torch.distributed.all_reduce, gloo
     "ring-tcp": "ring://?transport=tcp",
     "ring-ipc": "ring://?transport=ipc",
+    "ring-shm": "ring://?transport=shm",
+    "ring-auto": "ring://?transport=auto",
     "ring-torch": "ring://?transport=torch",
     "raw-tcp": None,  # both directions at once over one socket, N = 2 only
     "zmq-tcp": None,  # both directions at once through pyzmq PUSH/PULL as the ring uses it, N = 2 only
@@ -325,7 +327,7 @@ def table(records: list[dict]) -> str:
         of = f"{r['busbw_gbps'] / rw['busbw_gbps']:6.0%}" if rw else ""
         transport = "ipc" if "ipc" in r["regime"] else "tcp"
         zc = zmq_ceiling.get((transport, r["size_bytes"])) if r["workers"] == 2 and r["regime"].startswith("ring") \
-            else None
+            and "shm" not in r["regime"] and "auto" not in r["regime"] else None  # zmq's ceiling is no shm's
         ofz = f"{r['busbw_gbps'] / zc['busbw_gbps']:6.0%}" if zc else ""
         span = f"{r['time_us']:.0f} ({r['time_min_us']:.0f}-{r['time_max_us']:.0f})"
         lines.append(f"{r['workers']:>2} {r['regime']:<{width}}{human(r['size_bytes']):>6} {span:>26} "
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"sizes {','.join(QUICK_SIZES)}, fewer iterations")
     p.add_argument("--workers", default="2,3,4", help="comma-separated world sizes")
-    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,raw-tcp,zmq-tcp,zmq-ipc",
+    p.add_argument("--regimes", default="gloo,ring-tcp,ring-ipc,ring-shm,raw-tcp,zmq-tcp,zmq-ipc",
                    help=f"from {','.join(REGIMES)}, or ring:// URLs (e.g. 'ring://?transport=tcp&chunk_mb=2')")
     p.add_argument("--sizes", help=f"comma-separated, e.g. {','.join(SIZES)} (or bytes)")
     p.add_argument("--json", help="write the records here (a JSON list)")

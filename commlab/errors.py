@@ -14,7 +14,32 @@ from __future__ import annotations
 
 
 class CommError(RuntimeError):
-    """Root of every communication failure."""
+    """Root of every communication failure.
+
+    Fields, for callers to branch on (never on the message text):
+
+    - ``peer``: the rank (an int) or shard (a str) at fault: the one that was lost, stalled or lied;
+      None when nobody in particular is.
+    - ``origin``: the rank that saw the failure first, when this error relays its report (read from
+      the rendezvous store); None when this process saw it itself.
+    - ``op``: what this process was doing when it failed: ``"receive"``, ``"send"``, ``"connect"``
+      (None: not said).
+    """
+
+    def __init__(self, message: str = "", *, peer: int | str | None = None, origin: int | None = None,
+                 op: str | None = None):
+        super().__init__(message)
+        self.peer, self.origin, self.op = peer, origin, op
+
+    def fields(self) -> dict:
+        return {"peer": self.peer, "origin": self.origin, "op": self.op}
+
+    def reworded(self, message: str) -> "CommError":
+        """The same kind of error with the same fields and another message (to add context)."""
+        return type(self)(message, **self.fields())
+
+    def __reduce__(self):  # keep the fields across pickling (multiprocessing hands errors between processes)
+        return _rebuild, (type(self), str(self), self.fields())
 
 
 class CommTimeout(CommError, TimeoutError):
@@ -46,3 +71,7 @@ class ConfigError(ValueError):
 
 class ModelMismatch(ConfigError):
     """Ranks disagree about the model (names, shapes or dtypes)."""
+
+
+def _rebuild(cls, message: str, fields: dict) -> CommError:
+    return cls(message, **fields)

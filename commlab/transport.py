@@ -99,32 +99,36 @@ class Transport:
         return sock
 
     def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None,
-             io_thread: int | None = None) -> zmq.Socket:
+             io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
         """A server socket. Non-loopback needs CURVE keys (``authorized``: a folder of client
         ``*.key`` files; every client key there may connect) or ``insecure=True``. ``io_thread``:
-        which of the context's I/O threads moves this socket's bytes (see :meth:`pin`)."""
-        if not is_loopback(endpoint) and self.curve is None and not insecure:
+        which of the context's I/O threads moves this socket's bytes (see :meth:`pin`). ``curve``:
+        this socket's server key pair, where it is not the transport's own (a process that is a
+        CURVE server and a client at once, as a ring's rank is)."""
+        curve = curve or self.curve
+        if not is_loopback(endpoint) and curve is None and not insecure:
             raise ConfigError(f"refusing to bind {endpoint} without authentication: it is reachable from other "
                               f"machines. Create keys with 'commlab keys' and start with --keys DIR, or pass "
                               f"--insecure to accept anyone")
         sock = self.pin(self.socket(kind), io_thread)
-        if self.curve is not None:
+        if curve is not None:
             self._start_auth(authorized)
-            self._curve_keys(sock, self.curve)
+            self._curve_keys(sock, curve)
             sock.curve_server = True
         return _open(sock, sock.bind, "bind", endpoint, self.sndbuf)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
-                io_thread: int | None = None) -> zmq.Socket:
-        """A client socket. ``io_thread``: see :meth:`pin`."""
+                io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
+        """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`."""
         sock = self.pin(self.socket(kind), io_thread)
         if identity is not None:
             sock.identity = identity
-        if self.curve is not None:
-            if self.curve.server_public is None:
+        curve = curve or self.curve
+        if curve is not None:
+            if curve.server_public is None:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
-            self._curve_keys(sock, self.curve)
-            sock.curve_serverkey = self.curve.server_public
+            self._curve_keys(sock, curve)
+            sock.curve_serverkey = curve.server_public
         return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:
@@ -245,13 +249,13 @@ class Link:
 
     Thread-safety: one thread at a time (hand it over under a lock, which is a memory barrier).
     High-water marks are off: the caller bounds what is in flight (a ring has at most one
-    collective's chunks queued).
+    collective's chunks queued). ``peer`` (a rank, or None) is set on every error raised here.
     """
 
     SLICE_S = 0.05  # longest a receive waits inside libzmq before the monitors are looked at
 
-    def __init__(self, sock: zmq.Socket, who: str):
-        self.sock, self.who = sock, who
+    def __init__(self, sock: zmq.Socket, who: str, peer: int | str | None = None):
+        self.sock, self.who, self.peer = sock, who, peer
         sock.sndhwm = 0
         sock.rcvhwm = 0
         sock.rcvtimeo = int(self.SLICE_S * 1000)
@@ -282,10 +286,11 @@ class Link:
             self.sock.send(data, zmq.NOBLOCK)
             return None
         except zmq.ZMQError as exc:
-            raise PeerLost(f"send to {self.who} failed: {exc}") from exc
+            raise PeerLost(f"send to {self.who} failed: {exc}", peer=self.peer, op="send") from exc
 
     # ----- receiving --------------------------------------------------------------------------
-    def _first_frame(self, receive, timeout: float, watch: "Sequence[Link]", idle, idle_every: float = 1.0):
+    def _first_frame(self, receive, timeout: float, watch: Sequence, idle, pump=None,
+                     idle_every: float = 1.0):
         """``receive()`` the first frame of the next message, blocking at most ``timeout`` seconds.
 
         The socket's receive timeout is one slice (``SLICE_S``): the receive itself waits inside
@@ -294,39 +299,47 @@ class Link:
         link in ``watch`` dropped, :class:`CommTimeout` naming the peer after ``timeout``.
         ``idle()`` runs every ``idle_every`` seconds of waiting and may raise to end the wait
         (the ring reads failure reports other ranks left in the rendezvous store with it).
+        ``pump``: an object with ``pending`` and ``pump(wait_s)``, whose work goes on while this
+        waits (a ring's shared-memory outbox with sends waiting for a free slot): while it has
+        some, the wait takes turns between it (up to 2 ms) and a non-blocking receive.
+        Items of ``watch`` need ``poll_drop()``, ``who`` and ``peer``.
         """
         deadline = time.monotonic() + timeout
         next_idle = time.monotonic() + idle_every
         while True:
             try:
-                return receive()
+                if pump is not None and pump.pending:
+                    pump.pump(0.002)
+                    return receive(zmq.NOBLOCK)
+                return receive(0)
             except zmq.Again:
                 pass
             except zmq.ZMQError as exc:
-                raise PeerLost(f"receive from {self.who} failed: {exc}") from exc
+                raise PeerLost(f"receive from {self.who} failed: {exc}", peer=self.peer, op="receive") from exc
             if self.poll_drop():
                 # The drop event can overtake the last messages on their way into the socket's queue.
                 if self.sock.poll(100, zmq.POLLIN):
                     continue
-                raise PeerLost(f"{self.who} disconnected")
+                raise PeerLost(f"{self.who} disconnected", peer=self.peer, op="receive")
             for link in watch:
                 if link.poll_drop():
-                    raise PeerLost(f"{link.who} disconnected")
+                    raise PeerLost(f"{link.who} disconnected", peer=link.peer, op="receive")
             now = time.monotonic()
             if now >= deadline:
-                raise CommTimeout(f"no message from {self.who} within {timeout:g}s")
+                raise CommTimeout(f"no message from {self.who} within {timeout:g}s", peer=self.peer, op="receive")
             if idle is not None and now >= next_idle:
                 idle()
                 next_idle = time.monotonic() + idle_every
 
-    def recv_message_into(self, buf: memoryview, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> int:
+    def recv_message_into(self, buf: memoryview, timeout: float, watch: Sequence = (), idle=None,
+                          pump=None) -> int:
         """The next message's first frame written into ``buf`` (waiting as :meth:`_first_frame` says);
         returns the frame's full size (larger than ``buf`` means truncated: the caller compares)."""
-        return self._first_frame(lambda: self.sock.recv_into(buf), timeout, watch, idle)
+        return self._first_frame(lambda flags: self.sock.recv_into(buf, flags=flags), timeout, watch, idle, pump)
 
-    def recv_header(self, timeout: float, watch: "Sequence[Link]" = (), idle=None) -> bytes:
+    def recv_header(self, timeout: float, watch: Sequence = (), idle=None, pump=None) -> bytes:
         """The first frame of the next message (small: copied), waiting as :meth:`_first_frame` says."""
-        return self._first_frame(self.sock.recv, timeout, watch, idle)
+        return self._first_frame(self.sock.recv, timeout, watch, idle, pump)
 
     def recv_into(self, buf: memoryview) -> int:
         """The next frame of the current message, written into ``buf``; returns the frame's full
@@ -334,14 +347,14 @@ class Link:
         try:
             return self.sock.recv_into(buf, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}") from exc
+            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}", peer=self.peer, op="receive") from exc
 
     def recv_frame(self) -> zmq.Frame:
         """The next frame of the current message, zero-copy (read it with ``torch.frombuffer``)."""
         try:
             return self.sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
-            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}") from exc
+            raise PeerLost(f"receive from {self.who} failed mid-message: {exc}", peer=self.peer, op="receive") from exc
 
     def more(self) -> bool:
         """Whether the current message has another frame."""

@@ -206,12 +206,14 @@ def chunk_header(sender: int, seq: int, step: int, chunk: int, offset: int, coun
                              offset, count)
 
 
-def check_chunk_header(got: bytes, expected: bytes, who: str) -> None:
-    """Raise :class:`ProtocolError` naming ``who`` and the first differing field unless ``got == expected``."""
+def check_chunk_header(got: bytes, expected: bytes, who: str, peer: int | str | None = None) -> None:
+    """Raise :class:`ProtocolError` naming ``who`` (its ``peer`` field: ``peer``) and the first differing
+    field unless ``got == expected``."""
     if got == expected:
         return
     if len(got) != CHUNK_HEADER.size:
-        raise ProtocolError(f"{who} sent a {len(got)}-byte chunk header, expected {CHUNK_HEADER.size}")
+        raise ProtocolError(f"{who} sent a {len(got)}-byte chunk header, expected {CHUNK_HEADER.size}", peer=peer,
+                            op="receive")
     mine, theirs = CHUNK_HEADER.unpack(expected), CHUNK_HEADER.unpack(got)
     diffs = [f"{name} {b!r} (expected {a!r})" for name, a, b in zip(_CHUNK_FIELDS, mine, theirs) if a != b]
     hint = ""
@@ -219,4 +221,4 @@ def check_chunk_header(got: bytes, expected: bytes, who: str) -> None:
         hint = ": do the ranks' tensors have the same size?"
     elif any(d.startswith("dtype") for d in diffs):
         hint = ": do the ranks' tensors have the same dtype?"
-    raise ProtocolError(f"{who} sent chunk with " + ", ".join(diffs) + hint)
+    raise ProtocolError(f"{who} sent chunk with " + ", ".join(diffs) + hint, peer=peer, op="receive")

@@ -153,6 +153,13 @@ def test_options_are_validated():
         connect("ring://?sndbuf_kb=-1", RankInfo.single())
     with pytest.raises(ConfigError, match="swap_kb must be >= 0"):
         connect("ring://?swap_kb=-1", RankInfo.single())
+    # a non-loopback address: keys or insecure=1, said in so many words; one line either way
+    with pytest.raises(ConfigError, match=r"^ring://: refusing to bind 10\.0\.0\.1 without authentication .*"
+                                          r"keys=DIR .* or insecure=1$"):
+        connect("ring://?host=10.0.0.1", RankInfo.single())
+    assert connect("ring://?host=10.0.0.1&insecure=1", RankInfo.single()).options.insecure
+    assert connect("ring://?host=10.0.0.1&keys=/nonexistent", RankInfo.single()).options.keys
+    assert connect("ring://?host=10.0.0.1&transport=shm", RankInfo.single())  # shm binds no address
 
 
 # ----- several processes: sums --------------------------------------------------------------------------
@@ -174,6 +181,8 @@ def _sums(rank, world, queries, big_queries):
     for query in queries:
         with commlab.connect(f"ring://?{query}&timeout=30") as ex:
             ex.join(store)
+            if "auto" in query or "shm" in query:  # one host, one network namespace: shared memory both ways
+                assert ex.facts()["links"] == {"from_left": "shm", "to_right": "shm"}, ex.facts()
             for i, (n, dtype) in enumerate(cases):
                 x = _data(i, rank, n, dtype) if dtype.is_floating_point else torch.arange(n) * (rank + 1)
                 inputs = [_data(i, k, n, dtype).double() if dtype.is_floating_point else torch.arange(n) * (k + 1)
@@ -196,17 +205,28 @@ def _sums(rank, world, queries, big_queries):
     return report
 
 
+N2_SWAP_64M = "transport=tcp&chunk_mb=2&swap_kb=65536"
+N2 = ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "transport=torch&chunk_mb=0.25",
+      N2_SWAP_64M)
+# shared memory: the swap (up to 4 MiB, 4 slots of 0.25 MiB: 16 chunks queue behind them), the two-step
+# ring, and the 64 MiB swap in 2 MiB chunks (each added into only once its own copy has left for a slot)
+N2_SHM = ("transport=shm&chunk_mb=0.25", "transport=shm&chunk_mb=0.25&swap_kb=0",
+          "transport=shm&chunk_mb=2&swap_kb=65536")
+N3 = ("transport=ipc&chunk_mb=0.25", "transport=torch&chunk_mb=0.25", "transport=tcp&chunk_mb=0.25&io_threads=1&sndbuf_kb=0")
+N3_SHM = ("transport=shm&chunk_mb=0.25", "transport=auto&chunk_mb=1")
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,queries,big", [
     # N = 2: up to 4 MiB the ranks swap in one step (tcp, torch), ipc rings every size; the last one
     # swaps 64 MiB in zero-copy 2 MiB chunks (added into only after zmq has sent them)
-    (2, ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "transport=torch&chunk_mb=0.25",
-         "transport=tcp&chunk_mb=2&swap_kb=65536"),
-     ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "transport=torch&chunk_mb=0.25",
-      "transport=tcp&chunk_mb=2&swap_kb=65536")),
-    (3, ("transport=ipc&chunk_mb=0.25", "transport=torch&chunk_mb=0.25",
-         "transport=tcp&chunk_mb=0.25&io_threads=1&sndbuf_kb=0"), ("transport=ipc&chunk_mb=0.25",)),
-    (4, ("transport=tcp&chunk_mb=0.25",), ("transport=tcp&chunk_mb=0.25",))])
+    (2, N2, N2),
+    (2, N2_SHM, N2_SHM),
+    (3, N3, ("transport=ipc&chunk_mb=0.25",)),
+    (3, N3_SHM, N3_SHM),
+    (4, ("transport=tcp&chunk_mb=0.25", "transport=shm&chunk_mb=0.5"), ("transport=tcp&chunk_mb=0.25",
+                                                                       "transport=shm&chunk_mb=0.5"))],
+    ids=["2-zmq-torch", "2-shm", "3-zmq-torch", "3-shm-auto", "4-tcp-shm"])
 def test_sums_equal_float64_reference(world, queries, big):
     """Sizes 0, 1, 7, 1 MiB + 3 elements (float32, float64, float16, bfloat16, int64) and 64 MiB."""
     results = run_ranks(_sums, world, queries, big, timeout=150)
@@ -215,12 +235,12 @@ def test_sums_equal_float64_reference(world, queries, big):
 
 def _mismatch(rank, world, query):
     import commlab
-    with commlab.connect(f"ring://?transport=tcp&timeout=20{query}") as ex:
+    with commlab.connect(f"ring://?timeout=20{query}") as ex:
         ex.join()
         try:
             ex.allreduce_async(torch.ones(8 + rank)).wait(20)
         except CommError as exc:
-            result = type(exc).__name__, str(exc)
+            result = type(exc).__name__, str(exc), exc.peer, exc.origin
         else:
             result = None
         ex.store.add("test/done", 1)  # rank 0 hosts the store: it stays until rank 1 has read the report
@@ -230,34 +250,42 @@ def _mismatch(rank, world, query):
     return result
 
 
+TRANSPORTS = pytest.mark.parametrize("transport", ["tcp", "shm"])
+
+
 @pytest.mark.multiproc
-def test_ranks_with_different_sizes_raise_naming_the_sender():
-    results = run_ranks(_mismatch, 2, "&swap_kb=0", timeout=60)
+@TRANSPORTS
+def test_ranks_with_different_sizes_raise_naming_the_sender(transport):
+    results = run_ranks(_mismatch, 2, f"&transport={transport}&swap_kb=0", timeout=60)
     # The two-step ring: rank 0 (8 elements) expects [4, 8) from rank 1 (9 elements), which sends [4, 9):
     # rank 0 sees the lie first; rank 1 then sees rank 0 leave the ring and reads rank 0's report in the store.
-    kind, text = results[0]
+    kind, text, peer, origin = results[0]
     assert kind == "ProtocolError" and "rank 1 (left neighbour) sent chunk with count 5 (expected 4)" in text, text
-    kind, text = results[1]
+    assert (peer, origin) == (1, None)
+    kind, text, peer, origin = results[1]
     assert kind == "PeerLost" and "rank 0 reports" in text and "same size" in text, text
+    assert (peer, origin) == (1, 0)  # the culprit is rank 1 itself (its size differs), as rank 0 saw first
 
 
 @pytest.mark.multiproc
-def test_swapping_ranks_with_different_sizes_raise_naming_each_other():
-    results = run_ranks(_mismatch, 2, "", timeout=60)
+@TRANSPORTS
+def test_swapping_ranks_with_different_sizes_raise_naming_each_other(transport):
+    results = run_ranks(_mismatch, 2, f"&transport={transport}", timeout=60)
     # The one-step swap: both send their whole tensor at once, so each may see the other's wrong count
     # itself, or see the other leave first (it closes without waiting for its own message to go out)
     # and read its report; either way the count that disagrees is named.
     for rank, other, theirs, mine in ((0, 1, 9, 8), (1, 0, 8, 9)):
-        kind, text = results[rank]
+        kind, text, peer, origin = results[rank]
         lie = f"rank {other} (left neighbour) sent chunk with count {theirs} (expected {mine})"
-        assert (kind == "ProtocolError" and lie in text) or (
-            kind == "PeerLost" and f"rank {other} reports" in text and f"count {mine} (expected {theirs})" in text), text
+        assert (kind == "ProtocolError" and lie in text and (peer, origin) == (other, None)) or (
+            kind == "PeerLost" and f"rank {other} reports" in text and f"count {mine} (expected {theirs})" in text
+            and (peer, origin) == (rank, other)), text
 
 
 # ----- several processes: a rank dies ------------------------------------------------------------------
-def _until_killed(rank, world, ready_dir, timeout):
+def _until_killed(rank, world, ready_dir, timeout, transport="tcp"):
     import commlab
-    ex = commlab.connect(f"ring://?transport=tcp&timeout={timeout}&chunk_mb=1")
+    ex = commlab.connect(f"ring://?transport={transport}&timeout={timeout}&chunk_mb=1")
     ex.join()
     x = torch.ones(4 * MIB)
     for _ in range(3):
@@ -268,7 +296,7 @@ def _until_killed(rank, world, ready_dir, timeout):
         while True:
             ex.allreduce_async(x.fill_(1.0)).wait(3 * timeout)
     except CommError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - started
+        return type(exc).__name__, str(exc), time.monotonic() - started, exc.peer
 
 
 def _wait_in_ring(folder, world: int, procs, timeout: float = 60.0) -> None:
@@ -280,28 +308,42 @@ def _wait_in_ring(folder, world: int, procs, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def _shm_entries(pids) -> list[str]:
+    """Entries in /dev/shm owned (by name) by any of ``pids``."""
+    from commlab import shm
+    return [name for name in os.listdir(shm.SHM_DIR)
+            if (m := shm.NAME.fullmatch(name)) is not None and int(m["pid"]) in pids]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,victim", [(4, 1), (3, 0)])  # rank 1: not every survivor is its neighbour;
-def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim):  # rank 0: hosts the store too
+@pytest.mark.parametrize("world,victim,transport", [(4, 1, "tcp"), (3, 0, "tcp"), (4, 1, "shm"), (3, 0, "shm")])
+def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim, transport):
+    # victim rank 1: not every survivor is its neighbour; rank 0: hosts the store too
     timeout = 20.0
+    pids = set()
 
     def kill_when_ready(procs):
+        pids.update(p.pid for p in procs)
         _wait_in_ring(tmp_path, world, procs)
         time.sleep(0.2)  # well inside a collective by now
         os.kill(procs[victim].pid, signal.SIGKILL)
         procs[victim].join(5)
         return {victim}
 
-    results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=kill_when_ready)
+    results = run_ranks(_until_killed, world, str(tmp_path), timeout, transport, timeout=90, on_start=kill_when_ready)
     assert sorted(results) == [r for r in range(world) if r != victim]
-    for rank, (kind, text, elapsed) in results.items():
+    for rank, (kind, text, elapsed, peer) in results.items():
         assert f"rank {victim}" in text, f"rank {rank}: {kind}: {text}"
         assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"  # noticed as a loss, not by running out the clock
+        assert peer == victim, f"rank {rank}: peer={peer}: {text}"
         assert elapsed < timeout, f"rank {rank} took {elapsed:.1f}s"
+    # run_ranks killed the survivors with SIGKILL too: shared memory was unlinked as soon as it was mapped
+    assert _shm_entries(pids) == []
 
 
 @pytest.mark.multiproc
-def test_stalled_rank_is_named_by_every_survivor(tmp_path):
+@TRANSPORTS
+def test_stalled_rank_is_named_by_every_survivor(tmp_path, transport):
     world, victim, timeout = 3, 1, 3.0
 
     def stop_when_ready(procs):
@@ -309,11 +351,13 @@ def test_stalled_rank_is_named_by_every_survivor(tmp_path):
         os.kill(procs[victim].pid, signal.SIGSTOP)  # alive, connected, silent; killed by run_ranks at the end
         return {victim}
 
-    results = run_ranks(_until_killed, world, str(tmp_path), timeout, timeout=90, on_start=stop_when_ready)
-    for rank, (kind, text, elapsed) in results.items():
+    results = run_ranks(_until_killed, world, str(tmp_path), timeout, transport, timeout=90,
+                        on_start=stop_when_ready)
+    for rank, (kind, text, elapsed, peer) in results.items():
         # its right neighbour times out naming it; the rest read that report (or see that neighbour leave)
         assert f"rank {victim}" in text and kind in ("CommTimeout", "PeerLost"), f"rank {rank}: {kind}: {text}"
         assert "did not complete" not in text, text  # the ring's own bounded wait answered, not the caller's
+        assert peer == victim, f"rank {rank}: peer={peer}: {text}"
 
 
 # ----- training equals the single-process large-batch reference ------------------------------------------
@@ -330,9 +374,10 @@ def _train(tmp_path: Path, url: str, workers: int, batch: int, name: str) -> dic
 
 
 @pytest.mark.multiproc
-def test_training_reproduces_local_large_batch(tmp_path):
+@TRANSPORTS
+def test_training_reproduces_local_large_batch(tmp_path, transport):
     # 3 buckets in flight on the communication thread, several chunks per segment
-    url, workers = "ring://?transport=tcp&bucket_mb=0.002&chunk_mb=0.001", 2
+    url, workers = f"ring://?transport={transport}&bucket_mb=0.002&chunk_mb=0.001", 2
     ref = _train(tmp_path, "local://", 1, 8 * workers, "local")
     got = _train(tmp_path, url, workers, 8, "ring")
     for k in ref:

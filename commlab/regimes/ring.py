@@ -1,4 +1,4 @@
-"""``ring://?transport=tcp|ipc|torch&chunk_mb=4``: a hand-written ring all-reduce (pyzmq or torch p2p).
+"""``ring://?transport=tcp|ipc|shm|auto|torch&chunk_mb=4``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -47,16 +47,26 @@ exactly), so they hold the same bits. Each rank adds all S instead of S/2,
 which is why big tensors keep the ring. When the swap's send went zero-copy,
 a chunk is added into only after zmq has let go of it.
 
-Transports: ``tcp`` (zmq PUSH/PULL over TCP, ``host`` is where each rank binds),
-``ipc`` (zmq over Unix sockets, one host), ``torch`` (torch.distributed
-``isend``/``irecv`` to the neighbours: gloo for CPU tensors, NCCL for CUDA ones;
-the default process group is reused if the process already has one).
+The schedule above is written once (:func:`run_schedule`); transports plug in
+below it, one per link, as an outbox on the sender and an inbox on the receiver
+(:mod:`commlab.regimes.ring_links`, where framing and validation live):
+``tcp`` (zmq PUSH/PULL over TCP, ``host`` is where each rank binds; off loopback
+only with CURVE ``keys=`` or ``insecure=1``), ``ipc`` (zmq over Unix sockets,
+one host), ``shm`` (one host: each chunk copied once into the sender's shared
+segment and added or copied straight out of it by the receiver, signals over a
+Unix socket), ``auto`` (per link: shm to a neighbour with the same boot id and
+network namespace, tcp otherwise; :meth:`RingExchanger.facts` says which),
+``torch`` (torch.distributed ``isend``/``irecv`` to the neighbours: gloo for CPU
+tensors, NCCL for CUDA ones; the default process group is reused if the
+process already has one). The zmq paragraph above describes tcp/ipc.
 
 Failure: every wait is bounded by ``timeout``. A neighbour that dies is noticed
-by the zmq monitor at once (:class:`~commlab.errors.PeerLost` naming it); one
-that stalls gives :class:`~commlab.errors.CommTimeout` naming it. The first
-rank to see a failure writes it to the rendezvous store and closes its sockets,
-so ranks further around the ring stop too and name the same culprit.
+at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
+:class:`~commlab.errors.PeerLost` with ``peer`` = its rank; one that stalls
+gives :class:`~commlab.errors.CommTimeout` naming it. The first rank to see a
+failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
+its links, so ranks further around the ring stop too and relay the same
+culprit (``peer``) and who saw it (``origin``).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
@@ -65,9 +75,11 @@ contribute zeros to one all-reduce per bucket; x + 0 is exact).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -78,23 +90,31 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import rendezvous, wire
+from commlab import rendezvous, shm, wire
 from commlab.config import CommonOptions, option
-from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost, ProtocolError
+from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.heap import keep_freed_memory
-from commlab.transport import Link, Transport
+from commlab.regimes.ring_links import (SLOTS, Collective, Inbox, Outbox, ShmInbox, ShmOutbox, Step, TorchInbox,
+                                        TorchOutbox, ZmqInbox, ZmqOutbox)
+from commlab.transport import Link, Transport, is_loopback
 
 HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class RingOptions(CommonOptions):
-    transport: str = option("tcp", "how neighbours talk", choices=("tcp", "ipc", "torch"))
+    transport: str = option("tcp", "how neighbours talk: tcp, ipc (zmq), shm (shared memory, one host), auto (shm "
+                                   "to a neighbour on this host and in this network namespace, tcp to others), "
+                                   "torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
     chunk_mb: float = option(4.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added")
-    host: str = option("127.0.0.1", "address each rank binds for transport=tcp (loopback only: the ring has no "
-                                    "CURVE keys option)")
+    host: str = option("127.0.0.1", "address each rank binds for tcp links; auto: the address this host reaches "
+                                    "the rendezvous store from. Anything but loopback needs keys= or insecure=1")
+    keys: str = option("", "folder made by 'commlab keys' (CURVE on every zmq link: each rank binds with "
+                           "server.key_secret and admits clients/*.key, connects with KEY_NAME.key_secret)")
+    key_name: str = option("worker", "with keys=: which client key pair in that folder is this rank's")
+    insecure: bool = option(False, "bind a non-loopback host without keys: anyone who reaches it may join")
     backend: str = option("gloo", "torch.distributed backend for transport=torch", choices=("gloo", "nccl"))
     io_threads: int = option(2, "zmq I/O threads for tcp/ipc: 2 gives receiving from the left and sending to the "
                                 "right a thread each, 1 makes one thread take turns", choices=(1, 2))
@@ -112,6 +132,15 @@ class RingOptions(CommonOptions):
             raise ConfigError(f"sndbuf_kb must be >= 0 (0: the system's default), got {self.sndbuf_kb}")
         if self.swap_kb < 0:
             raise ConfigError(f"swap_kb must be >= 0 (0: always the two-step ring), got {self.swap_kb}")
+        if self.host != "auto":
+            self.check_bind(self.host)
+
+    def check_bind(self, host: str) -> None:
+        """Refuse, in one line, a non-loopback address without keys or an explicit ``insecure=1``."""
+        if self.transport in ("tcp", "auto") and not self.keys and not self.insecure and \
+                not is_loopback(f"tcp://{host}:0"):
+            raise ConfigError(f"ring://: refusing to bind {host} without authentication (reachable from other "
+                              f"machines): pass keys=DIR (made by 'commlab keys DIR') or insecure=1")
 
 
 def segment_bounds(n: int, world: int) -> list[int]:
@@ -122,9 +151,6 @@ def segment_bounds(n: int, world: int) -> list[int]:
 def ring_schedule(rank: int, world: int, step: int) -> tuple[int, int]:
     """(segment sent, segment received) by ``rank`` at ``step`` of the ring (see the module's table)."""
     return (rank - step) % world, (rank - step - 1) % world
-
-
-Step = tuple[int, int, bool]  # (segment sent, segment received, whether the received one is added)
 
 
 def ring_steps(rank: int, world: int) -> tuple[Step, ...]:
@@ -163,21 +189,19 @@ class RingExchanger(CollectiveExchanger):
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (numel, itemsize) -> bytes_moved()
         self._transport: Transport | None = None
         self._ipc_dir: str | None = None
-        self._inbox: Link | None = None  # PULL from the left neighbour
-        self._outbox: Link | None = None  # PUSH to the right neighbour
+        self._inbox: Inbox | None = None  # from the left neighbour
+        self._outbox: Outbox | None = None  # to the right neighbour
+        self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
         self._group = None
         self._own_group = False
-        # small reduce-scatter chunks land here (and one-frame messages, header first)
-        self._scratch = torch.empty(wire.COPY_THRESHOLD + wire.CHUNK_HEADER.size, dtype=torch.uint8)
-        self._scratch_view = memoryview(self._scratch.numpy())
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
     def join(self, store=None) -> None:
-        """Meet the neighbours (store, sockets or process group) and start the communication thread.
-        Collective; idempotent; setup() calls it. Call it directly to use :meth:`allreduce_async`
+        """Meet the neighbours (store, sockets, segments or process group) and start the communication
+        thread. Collective; idempotent; setup() calls it. Call it directly to use :meth:`allreduce_async`
         without a model (benchmarks). ``store``: the job's rendezvous store, when this process already
         holds it (several exchangers in one process: rank 0 can host the store only once)."""
         if self._joined:
@@ -192,7 +216,7 @@ class RingExchanger(CollectiveExchanger):
             if opts.transport == "torch":
                 self._join_torch(ns)
             else:
-                self._join_zmq(ns)
+                self._join_links(ns)
         self._thread = threading.Thread(target=self._serve, name=f"ring-comm-rank{self.rank}", daemon=True)
         self._thread.start()
         self._joined = True
@@ -200,28 +224,101 @@ class RingExchanger(CollectiveExchanger):
             # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
 
-    def _join_zmq(self, ns: str) -> None:
+    def _wait_key(self, key: str, what: str) -> bytes:
+        try:
+            self.store.wait([key], timedelta(seconds=self.options.timeout))
+        except Exception as exc:
+            peer = int(key.rsplit("/", 1)[1])
+            raise CommTimeout(f"rank {self.rank}: rank {peer} did not publish its {what} within "
+                              f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
+        return self.store.get(key)
+
+    def _link_kinds(self, ns: str) -> tuple[str, str]:
+        """(link from the left, link to the right): the transport asked for, or for ``auto`` shm where
+        the neighbour is on this host and in this network namespace (a namespace "host" keeps its own
+        addresses and tc limits), tcp elsewhere. Both ends of a link reach the same answer."""
+        kind = self.options.transport
+        if kind != "auto":
+            return kind, kind
+        here = host_identity()
+        self.store.set(f"{ns}where/{self.rank}", here)
+        inward, outward = ("shm" if self._wait_key(f"{ns}where/{k}", "host identity").decode() == here else "tcp"
+                           for k in (self.left, self.right))
+        return inward, outward
+
+    def _join_links(self, ns: str) -> None:
+        """zmq and shared-memory links. In an order no rank can block on: publish what the left
+        neighbour needs (our PULL address, or our segment and socket), connect to the right's PULL,
+        attach to the left's segment and socket, then accept the right's connection."""
         opts = self.options
-        if opts.heap == "keep":  # received chunks reuse heap memory instead of faulting in fresh pages
-            self._heap_kept = keep_freed_memory()
-        self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
-        inward, outward = 0, opts.io_threads - 1  # one I/O thread per direction when there are two
-        if opts.transport == "tcp":
-            where = f"tcp://{opts.host}:0"
-        else:
+        inward, outward = self._link_kinds(ns)
+        self._kinds = {"from_left": inward, "to_right": outward}
+        left_who, right_who = f"rank {self.left} (left neighbour)", f"rank {self.right} (right neighbour)"
+        net = None
+        if inward != "shm" or outward != "shm":
+            if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
+                self._heap_kept = keep_freed_memory()
+            net = self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
+        slot_bytes = shm_slot_bytes(opts.chunk_mb)
+        run = ""
+        if "shm" in (inward, outward):
+            shm.sweep_stale()  # what runs killed before they could unlink left behind
+            run = self.store.compare_set(f"{ns}shm-run", "", shm.new_run_id()).decode()
+        curve = _curve_keys(opts.keys, opts.key_name) if opts.keys else None
+        io_in, io_out = 0, opts.io_threads - 1  # one zmq I/O thread per direction when there are two
+
+        pull = offer = None
+        if net is not None and inward != "shm":
+            pull = self._bind_pull(ns, net, inward, io_in, curve)
+        if outward == "shm":
+            offer = ShmOffer(run, self.rank, slot_bytes)
+            self.store.set(f"{ns}shm/{self.rank}", offer.describe())
+        if net is not None and outward != "shm":
+            address = self._wait_key(f"{ns}addr/{self.right}", "ring address").decode()
+            push = net.connect(zmq.PUSH, address, io_thread=io_out, curve=curve[2] if curve else None)
+            self._outbox = ZmqOutbox(Link(push, right_who, self.right), self.rank, self.right, opts.timeout)
+        attached = None
+        if inward == "shm":
+            attached = ShmOffer.attach(json.loads(self._wait_key(f"{ns}shm/{self.left}", "shared-memory segment")))
+        if offer is not None:
+            segment, conn = offer.accept(opts.timeout, right_who, self.right)
+            self._outbox = ShmOutbox(segment, conn, slot_bytes, self.rank, self.right, right_who, opts.timeout,
+                                     self._check_reports)
+        if self._outbox is None:
+            raise CommError(f"rank {self.rank}: no link to {right_who} ({outward})")
+        if attached is not None:
+            mapped, conn, theirs = attached
+            self._inbox = ShmInbox(mapped, conn, theirs, self.rank, self.left, left_who, opts.timeout,
+                                   self._check_reports, self._outbox)
+        elif pull is not None:
+            self._inbox = ZmqInbox(Link(pull, left_who, self.left), self.rank, self.left, opts.timeout,
+                                   self._check_reports, self._outbox)
+
+    def _bind_pull(self, ns: str, net: Transport, kind: str, io_thread: int, curve) -> zmq.Socket:
+        """The socket the left neighbour sends to (tcp or ipc), its address published in the store."""
+        opts = self.options
+        if kind == "ipc":
             self._ipc_dir = tempfile.mkdtemp(prefix="commlab-ring-")
             where = f"ipc://{self._ipc_dir}/r{self.rank}"
-        pull = self._transport.bind(zmq.PULL, where, io_thread=inward)
-        self._inbox = Link(pull, f"rank {self.left} (left neighbour)")
+        else:
+            host = self._bind_host()
+            opts.check_bind(host)
+            where = f"tcp://{host}:0"
+        pull = net.bind(zmq.PULL, where, io_thread=io_thread, curve=curve[0] if curve else None,
+                        authorized=curve[1] if curve else None, insecure=opts.insecure)
         self.store.set(f"{ns}addr/{self.rank}", pull.last_endpoint)
-        key = f"{ns}addr/{self.right}"
+        return pull
+
+    def _bind_host(self) -> str:
+        """``host``, or for ``auto`` the local address of the route to the rendezvous store's host."""
+        if self.options.host != "auto":
+            return self.options.host
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.store.wait([key], timedelta(seconds=opts.timeout))
-        except Exception as exc:
-            raise CommTimeout(f"rank {self.rank}: right neighbour rank {self.right} did not publish its ring "
-                              f"address within {opts.timeout:g}s") from exc
-        push = self._transport.connect(zmq.PUSH, self.store.get(key).decode(), io_thread=outward)
-        self._outbox = Link(push, f"rank {self.right} (right neighbour)")
+            probe.connect((self.rank_info.master_addr, self.rank_info.master_port or 9))  # no packet is sent
+            return probe.getsockname()[0]
+        finally:
+            probe.close()
 
     def _join_torch(self, ns: str) -> None:
         import torch.distributed as dist
@@ -233,12 +330,17 @@ class RingExchanger(CollectiveExchanger):
             if dist.get_world_size() != self.world_size:
                 raise ConfigError(f"the process group has {dist.get_world_size()} ranks, this job {self.world_size}")
             self._group = dist.group.WORLD
-            return
-        if backend == "nccl":
-            torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg/", self.store), rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
-        self._group, self._own_group = dist.group.WORLD, True
+        else:
+            if backend == "nccl":
+                torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
+            dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg/", self.store), rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+            self._group, self._own_group = dist.group.WORLD, True
+        self._kinds = {"from_left": "torch", "to_right": "torch"}
+        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"rank {self.right} (right neighbour)",
+                                   self.options.timeout)
+        self._inbox = TorchInbox(self._group, self.rank, self.left, f"rank {self.left} (left neighbour)",
+                                 self.options.timeout)
 
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -294,6 +396,7 @@ class RingExchanger(CollectiveExchanger):
     def facts(self) -> dict:
         o = self.options
         facts = {"scheme": self.scheme, "transport": o.transport, "chunk_mb": o.chunk_mb,
+                 "links": dict(self._kinds) if self._kinds else "decided when the ring joins",
                  "two_rank_swap_up_to_kb": o.swap_kb if self.world_size == 2 else "n/a (N > 2)",
                  "zero_copy_above_bytes": wire.COPY_THRESHOLD, "half_types_reduce_in": "float32"}
         if o.transport == "torch":
@@ -301,9 +404,14 @@ class RingExchanger(CollectiveExchanger):
             facts["staging"] = ("none: NCCL send/recv on the GPU (GPUDirect RDMA where available)"
                                 if o.backend == "nccl" else "CPU tensors only (gloo)")
         else:
-            facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq)"
+            facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq or shm)"
             facts["io_threads"] = o.io_threads
             facts["sndbuf_kb"] = o.sndbuf_kb or "system"
+            facts["authentication"] = "CURVE (keys folder)" if o.keys else ("none (insecure=1)" if o.insecure
+                                                                             else "none (loopback/ipc/shm only)")
+            if "shm" in self._kinds.values() or o.transport in ("shm", "auto"):
+                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(o.chunk_mb),
+                                "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
             facts.update(self._heap_facts())
         return facts
 
@@ -332,31 +440,35 @@ class RingExchanger(CollectiveExchanger):
         self._joined = False
 
     def _close_links(self, linger_s: float) -> None:
-        for link in (self._inbox, self._outbox):
-            if link is not None:
-                link.close(linger_s)
+        for half in (self._inbox, self._outbox):
+            if half is not None:
+                half.close(linger_s)
         self._inbox = self._outbox = None
 
     # ----- failure reports -------------------------------------------------------------------
+    # The first rank to fail writes {"origin": its rank, "peer": the culprit, "text": its error} to the store;
+    # the others relay it with those fields (op="relay"; origin None where the store itself is gone).
     def _stalled(self) -> str:
         report = self._fault_report()
-        return f" ({report})" if report else rendezvous.stall_report(self.store, self.world_size, self._step,
-                                                                     skip=self.rank)
+        return f" ({_quote(report)})" if report else rendezvous.stall_report(self.store, self.world_size, self._step,
+                                                                               skip=self.rank)
 
-    def _fault_report(self) -> str | None:
+    def _fault_report(self) -> dict | None:
         """What the first rank to fail wrote to the store, or None."""
         try:
             if self.store.check([self._ns + "fault"]):
-                return self.store.get(self._ns + "fault").decode()
+                return json.loads(self.store.get(self._ns + "fault"))
         except Exception:
-            return "the rendezvous store hosted by rank 0 is unreachable: rank 0 is likely dead"
+            return {"origin": None, "peer": 0,
+                    "text": "the rendezvous store hosted by rank 0 is unreachable: rank 0 is likely dead"}
         return None
 
     def _check_reports(self) -> None:
         """Called while waiting: end the wait if another rank already reported the ring broken."""
         report = self._fault_report()
-        if report:
-            raise PeerLost(f"the ring is broken: {report}")
+        if report and report["origin"] != self.rank:
+            raise PeerLost(f"the ring is broken: {_quote(report)}", peer=report["peer"], origin=report["origin"],
+                           op="relay")
 
     def _blame(self, exc: CommTimeout) -> CommTimeout:
         """Our left neighbour was silent for ``timeout``: was it the one that stalled, or was it waiting too?
@@ -383,24 +495,27 @@ class RingExchanger(CollectiveExchanger):
         if k == self.left:
             return exc
         if k in chain:
-            return CommTimeout(f"{exc}: every rank timed out waiting for its left neighbour (nobody sent anything)")
+            return CommTimeout(f"{exc}: every rank timed out waiting for its left neighbour (nobody sent anything)",
+                               peer=None, op="receive")
         waits = ", ".join(f"rank {a} on rank {b}" for a, b in zip(chain, chain[1:] + [k]))
-        return CommTimeout(f"rank {k} stalled: {exc} ({waits})")
+        return CommTimeout(f"rank {k} stalled: {exc} ({waits})", peer=k, op="receive")
 
     def _fail(self, exc: BaseException) -> BaseException:
-        """Record the first failure for every rank to read, and close our sockets so neighbours stop too."""
-        if isinstance(exc, CommTimeout) and self._inbox is not None and str(exc).startswith(
-                f"no message from {self._inbox.who}"):
+        """Record the first failure for every rank to read, and close our links so neighbours stop too."""
+        if not isinstance(exc, CommError) or exc.op == "relay":  # a caller's mistake, or another rank's: as it is
+            self._close_links(linger_s=0)
+            return exc
+        if isinstance(exc, CommTimeout) and exc.op == "receive" and exc.peer == self.left:
             exc = self._blame(exc)
-        if isinstance(exc, CommError) and "the ring is broken" not in str(exc):
-            try:
-                self.store.compare_set(self._ns + "fault", "", f"rank {self.rank} reports: {exc}")
-            except Exception:
-                pass
-        if isinstance(exc, PeerLost) and "disconnected" in str(exc) and "the ring is broken" not in str(exc):
-            report = self._fault_report()  # a neighbour that closed on purpose may have said why
-            if report and not report.startswith(f"rank {self.rank} "):
-                exc = PeerLost(f"{exc}; {report}")
+        try:
+            self.store.compare_set(self._ns + "fault", "",
+                                   json.dumps({"origin": self.rank, "peer": exc.peer, "text": str(exc)}))
+        except Exception:
+            pass
+        if isinstance(exc, PeerLost):  # a neighbour that closed on purpose may have said why
+            report = self._fault_report()
+            if report and report["origin"] != self.rank:
+                exc = PeerLost(f"{exc}; {_quote(report)}", peer=report["peer"], origin=report["origin"], op=exc.op)
         self._close_links(linger_s=0)
         return exc
 
@@ -424,13 +539,15 @@ class RingExchanger(CollectiveExchanger):
         with self._ring_lock:
             try:
                 if self._broken is not None:
-                    raise CommError(f"{what}: the ring broke earlier: {self._broken}")
+                    b = self._broken
+                    raise CommError(f"{what}: the ring broke earlier: {b}", **(b.fields() if isinstance(b, CommError)
+                                                                                else {}))
                 self._allreduce(flat)
             except (CommError, ValueError) as caught:
                 exc: BaseException = caught
                 if self._broken is None:
                     exc = self._fail(caught)
-                    exc = type(exc)(f"{what}: {exc}")
+                    exc = exc.reworded(f"{what}: {exc}") if isinstance(exc, CommError) else type(exc)(f"{what}: {exc}")
                     self._broken = exc
                 raise exc from None
             finally:
@@ -442,15 +559,16 @@ class RingExchanger(CollectiveExchanger):
         self._seq += 1
         if flat.numel() == 0 or self.world_size == 1:
             return
-        if self.options.transport == "torch":
-            work = flat.float() if flat.dtype in HALF else flat
-            self._ring_torch(work, seq)
-        else:
-            work = flat
-            if flat.is_cuda or flat.dtype in HALF:
-                work = flat.to("cpu", torch.float32 if flat.dtype in HALF else flat.dtype)
-            with np.errstate(all="ignore"):  # inf and nan add up silently, as they do in torch
-                self._ring_zmq(work, seq)
+        work = flat
+        if flat.dtype in HALF:  # summed in float32, rounded once at the end
+            work = flat.to("cpu" if self.options.transport != "torch" else flat.device, torch.float32)
+        elif flat.is_cuda and self.options.transport != "torch":  # staged through host memory
+            work = flat.cpu()
+        if self._inbox is None or self._outbox is None:
+            raise CommError("the ring's links are closed")
+        bounds, K, plan = self.plan(work.numel(), work.element_size())
+        with np.errstate(all="ignore"):  # inf and nan add up silently, as they do in torch
+            run_schedule(Collective(work, seq, bounds, K, plan), self._inbox, self._outbox)
         if work is not flat:
             flat.copy_(work)
 
@@ -471,148 +589,97 @@ class RingExchanger(CollectiveExchanger):
                 self._plans[(n, itemsize)] = plan
         return plan
 
+
+def run_schedule(c: Collective, inbox: Inbox, outbox: Outbox) -> None:
+    """The ring's plan of steps and chunks, for any transport (see :mod:`commlab.regimes.ring_links`).
+
+    Every chunk of step 0 goes out at once; then each chunk received is added (or stored) and, unless
+    it was the last step, forwarded at once as chunk j of the next step: reduce-scatter and all-gather
+    overlap, and the transport moves bytes while this thread adds. Between receiving a chunk and
+    forwarding it nothing else happens: on a busy machine every microsecond there costs the whole
+    ring. Where a step adds into the segment it sent (the two-rank swap), the outbox first lets go of
+    that chunk (``release``)."""
+    K, plan, last = c.K, c.plan, len(c.plan) - 1
+    outbox.begin(c)
+    inbox.begin(c)
+    for j in range(K):
+        outbox.send(0, j)
+    for t, (sent, seg, reduce) in enumerate(plan):
+        release = outbox.release if sent == seg else None
+        for j in range(K):
+            if reduce:
+                inbox.reduce(t, j, release)
+            else:
+                inbox.store(t, j)
+            if t < last:
+                outbox.send(t + 1, j)
+    outbox.finish()
+
+
+def shm_slot_bytes(chunk_mb: float) -> int:
+    """Bytes per shared-memory slot: a whole chunk (at most ``chunk_mb`` MiB), 64-byte aligned."""
+    return max(64, -(-int(chunk_mb * 2**20) // 64) * 64)
+
+
+class ShmOffer:
+    """This rank's end of a shared-memory link to its right neighbour while the ring joins: the segment
+    and a listening Unix socket (both under /dev/shm, removed once the neighbour has them)."""
+
+    def __init__(self, run: str, rank: int, slot_bytes: int):
+        self.slot_bytes = slot_bytes
+        self.segment = shm.Segment.create(run, f"r{rank}-out", SLOTS * slot_bytes)
+        self.path = shm.path_for(run, f"r{rank}.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        shm.track(self.path)
+        self.listener.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self.listener.listen(1)
+
+    def describe(self) -> str:
+        return json.dumps({"segment": self.segment.path, "socket": self.path, "slot_bytes": self.slot_bytes})
+
+    def accept(self, timeout: float, who: str, peer: int) -> tuple[shm.Segment, socket.socket]:
+        """Wait (at most ``timeout``) for the right neighbour to connect; it has mapped the segment then."""
+        self.listener.settimeout(timeout)
+        try:
+            conn, _ = self.listener.accept()
+        except socket.timeout:
+            raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s", peer=peer,
+                              op="connect") from None
+        finally:
+            self.listener.close()
+            shm.remove(self.path)
+        conn.setblocking(True)
+        self.segment.unlink()
+        return self.segment, conn
+
     @staticmethod
-    def _chunk(bounds: list[int], seg: int, j: int, k: int) -> tuple[int, int]:
-        lo, length = bounds[seg], bounds[seg + 1] - bounds[seg]
-        return lo + length * j // k, lo + length * (j + 1) // k
+    def attach(offer: dict) -> tuple[shm.Segment, socket.socket, int]:
+        """The left neighbour's segment, mapped (and its file removed), and a connection to it."""
+        slot_bytes = int(offer["slot_bytes"])
+        mapped = shm.Segment.attach(offer["segment"], SLOTS * slot_bytes)
+        mapped.unlink()  # mapped: the file is no longer needed, and a kill -9 can no longer leave it behind
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(offer["socket"])
+        return mapped, conn, slot_bytes
 
-    def _ring_zmq(self, work: torch.Tensor, seq: int) -> None:
-        r, left = self.rank, self.left
-        inbox, outbox = self._inbox, self._outbox
-        if inbox is None or outbox is None:
-            raise CommError("the ring's sockets are closed")
-        isz, dtype = work.element_size(), work.dtype
-        bounds, K, plan = self.plan(work.numel(), isz)
-        flat_np = work.numpy()
-        raw = work.view(torch.uint8).numpy().data
-        scratch, scratch_np = self._scratch_view, self._scratch.numpy()
-        timeout, steps = self.options.timeout, len(plan)
-        hsize = wire.CHUNK_HEADER.size
-        trackers: list = []  # per message sent, in order (step t, chunk j is t * K + j): a tracker, or None (copied)
 
-        def outgoing(t: int, j: int) -> tuple[bytes, memoryview]:
-            lo, hi = self._chunk(bounds, plan[t][0], j, K)
-            return wire.chunk_header(r, seq, t, j, lo, hi - lo, dtype), raw[lo * isz:hi * isz]
+def _curve_keys(folder: str, key_name: str):
+    """(server pair, authorised clients folder, client pair) from a 'commlab keys' folder: every rank
+    is a server to its left neighbour and a client of its right one."""
+    from commlab import keys
+    server, clients = keys.server_keys(folder)
+    return server, clients, keys.client_keys(folder, key_name)
 
-        def send(message: tuple[bytes, memoryview]) -> None:
-            trackers.append(outbox.send(*message))
 
-        def release(t: int, j: int) -> None:  # adding into what step t sent (the swap): zmq must have let go
-            tracker = trackers[t * K + j] if plan[t][0] == plan[t][1] else None
-            if tracker is not None and not tracker.done:
-                try:
-                    tracker.wait(timeout)
-                except zmq.NotDone:
-                    raise CommTimeout(f"sends to {outbox.who} did not leave within {timeout:g}s") from None
+def host_identity() -> str:
+    """This host and network namespace: the boot id (one per running kernel) and the namespace's inode.
+    Two processes that share both can share memory and reach each other's Unix sockets."""
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        boot = fh.read().strip()
+    st = os.stat("/proc/self/ns/net")
+    return f"{boot}/{st.st_dev}:{st.st_ino}"
 
-        for j in range(K):
-            send(outgoing(0, j))
-        # Between receiving a chunk and forwarding it, do as little as possible: on a busy machine every
-        # microsecond there costs the whole ring (the next message is prepared before the wait instead).
-        for t, (_, seg, reduce) in enumerate(plan):
-            last = t == steps - 1
-            watch = () if last else (outbox,)
-            for j in range(K):
-                lo, hi = self._chunk(bounds, seg, j, K)
-                nbytes = (hi - lo) * isz
-                expected = wire.chunk_header(left, seq, t, j, lo, hi - lo, dtype)
-                forward = None if last else outgoing(t + 1, j)
-                if nbytes <= wire.INLINE_MAX:  # one frame, header then data, into the scratch buffer
-                    size = inbox.recv_message_into(scratch, timeout, watch, self._check_reports)
-                    if size != hsize + nbytes or bytes(scratch[:hsize]) != expected:
-                        wire.check_chunk_header(bytes(scratch[:min(size, hsize)]), expected, inbox.who)
-                        raise ProtocolError(f"{inbox.who} sent a {size}-byte message for elements [{lo}, {hi}) of "
-                                            f"collective {seq} step {t}, expected {hsize + nbytes} in one frame")
-                    if not reduce:
-                        raw[lo * isz:hi * isz] = scratch[hsize:hsize + nbytes]
-                    elif nbytes:  # numpy: a tenth of torch's per-call overhead on small chunks
-                        dst = flat_np[lo:hi]
-                        np.add(dst, scratch_np[hsize:hsize + nbytes].view(dst.dtype), out=dst)
-                    if forward is not None:
-                        send(forward)
-                    continue
-                got = inbox.recv_header(timeout, watch, idle=self._check_reports)
-                wire.check_chunk_header(got, expected, inbox.who)
-                if not inbox.more():
-                    raise ProtocolError(f"{inbox.who} sent a chunk header without its data frame")
-                if not reduce:  # all-gather: the final sum, straight into the caller's tensor
-                    size = inbox.recv_into(raw[lo * isz:hi * isz])
-                elif nbytes <= len(scratch) - hsize:  # reduce-scatter, mid-sized: into the reused scratch, then add
-                    size = inbox.recv_into(scratch[:nbytes])
-                    if size == nbytes:
-                        work[lo:hi].add_(self._scratch[:nbytes].view(dtype))
-                else:  # reduce-scatter, large: add straight from zmq's frame
-                    frame = inbox.recv_frame()
-                    size = len(frame)
-                    if size == nbytes:
-                        release(t, j)
-                        work[lo:hi].add_(torch.frombuffer(frame.buffer, dtype=dtype, count=hi - lo))
-                if size != nbytes or inbox.more():
-                    raise ProtocolError(f"{inbox.who} sent {size} bytes for elements [{lo}, {hi}) of collective "
-                                        f"{seq} step {t}, expected {nbytes} in one frame")
-                if forward is not None:
-                    send(forward)
-        for tracker in trackers:  # zmq may still read our buffer until then
-            if tracker is None:
-                continue
-            try:
-                tracker.wait(timeout)
-            except zmq.NotDone:
-                raise CommTimeout(f"sends to {outbox.who} did not leave within {timeout:g}s") from None
 
-    def _ring_torch(self, work: torch.Tensor, seq: int) -> None:
-        """The same schedule over torch.distributed isend/irecv (gloo on CPU, NCCL on CUDA).
-
-        Up to ``window`` receives are posted ahead: reduce-scatter ones into scratch slots, all-gather
-        ones straight into ``work``. Tags number the messages of one collective so none can be matched
-        to the wrong receive."""
-        import torch.distributed as dist
-        bounds, K, plan = self.plan(work.numel(), work.element_size())
-        steps, total = len(plan), len(plan) * K
-        window = min(total, 4)
-        per = max(hi - lo for lo, hi in (self._chunk(bounds, s, j, K) for s in range(len(bounds) - 1)
-                                         for j in range(K)))
-        adding = sum(reduce for _, _, reduce in plan) * K
-        slots = [torch.empty(per, dtype=work.dtype, device=work.device) for _ in range(min(window, adding))]
-        timeout = timedelta(seconds=self.options.timeout)
-        sends: list = []  # per message sent, in order; None once waited for (gloo's second wait never returns)
-        recvs: dict = {}
-
-        def post_recv(m: int) -> None:
-            t, j = divmod(m, K)
-            lo, hi = self._chunk(bounds, plan[t][1], j, K)
-            dest = slots[m % len(slots)][:hi - lo] if plan[t][2] else work[lo:hi]
-            recvs[m] = (dist.irecv(dest, src=self.left, group=self._group, tag=m), dest, lo, hi)
-
-        def send(t: int, j: int) -> None:
-            lo, hi = self._chunk(bounds, plan[t][0], j, K)
-            sends.append(dist.isend(work[lo:hi], dst=self.right, group=self._group, tag=t * K + j))
-
-        def finish(w, who: str, what: str) -> None:
-            try:
-                w.wait(timeout)
-            except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections alike
-                text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                cls = CommTimeout if "time" in text.lower() else PeerLost
-                raise cls(f"{what} {who} failed in collective {seq}: {text}") from exc
-
-        for m in range(window):
-            post_recv(m)
-        for j in range(K):
-            send(0, j)
-        for m in range(total):
-            t, j = divmod(m, K)
-            w, dest, lo, hi = recvs.pop(m)
-            finish(w, f"rank {self.left} (left neighbour)", "receive from")
-            if plan[t][2]:
-                if plan[t][0] == plan[t][1]:  # adding into what step t sent (the swap): gloo/NCCL read it until done
-                    finish(sends[m], f"rank {self.right} (right neighbour)", "send to")
-                    sends[m] = None
-                work[lo:hi].add_(dest)
-            if m + window < total:
-                post_recv(m + window)
-            if t + 1 < steps:
-                send(t + 1, j)
-        for w in sends:
-            if w is not None:
-                finish(w, f"rank {self.right} (right neighbour)", "send to")
+def _quote(report: dict) -> str:
+    return f"rank {report['origin']} reports: {report['text']}" if report.get("origin") is not None else report["text"]
