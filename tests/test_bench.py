@@ -13,10 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from bench import bandwidth, bw_worker
+from bench import bandwidth, bw_worker, verdict
 from commlab import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
@@ -92,6 +93,62 @@ def test_rates_parse_in_tc_units():
     assert links.parse_rate("100mbps") == 100e6
     with pytest.raises(ValueError, match="expected a tc rate"):
         links.parse_rate("fast")
+
+
+# ----- one process: verdicts from samples ------------------------------------------------------------
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_a_clear_difference_names_the_winner(seed, paired):
+    rng = np.random.default_rng(100 + seed)
+    fast = 1.0 + 0.1 * rng.random(60)
+    slow = 2.0 + 0.2 * rng.random(60)
+    v = verdict.compare("ring", fast, "gloo", slow, paired=paired, seed=seed)
+    assert v.winner == "ring" and v.lo > 1.0 and v.lo <= v.ratio <= v.hi
+    assert 1.8 < v.ratio < 2.3
+    assert v.text().startswith("ring faster than gloo, ")
+    back = verdict.compare("gloo", slow, "ring", fast, paired=paired, seed=seed)
+    assert back.winner == "ring" and back.hi < 1.0
+    assert back.text().startswith("ring faster than gloo, ")  # told with the winner first either way
+    assert back.oriented().ratio == pytest.approx(v.ratio)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlapping_samples_are_indistinguishable(seed):
+    rng = np.random.default_rng(seed)
+    base = rng.lognormal(0.0, 0.5, 40)
+    other = base * rng.lognormal(0.02, 0.5, 40)  # 2% apart in the median, spread 50%
+    v = verdict.compare("a", base, "b", other, paired=False, seed=seed)
+    assert v.winner is None and v.lo < 1.0 < v.hi, v
+    assert "indistinguishable on this machine" in v.text()
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_equal_samples_never_name_a_winner(seed, paired):
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(0.0, 1.0, int(rng.integers(3, 80)))
+    for stat in ("median", "mean"):
+        v = verdict.compare("a", x, "b", x.copy(), paired=paired, seed=seed, stat=stat)
+        assert v.winner is None and v.ratio == 1.0, v
+        if paired:  # the same iterations drawn for both: every resample's ratio is exactly 1
+            assert v.lo == v.hi == 1.0
+
+
+def test_verdicts_against_the_best_and_their_arguments():
+    vs = verdict.against_best({"slow": [3.0] * 5 + [3.1] * 5, "fast": [1.0] * 5 + [1.1] * 5,
+                               "mid": [2.0] * 5 + [2.1] * 5}, paired=True)
+    assert [(v.a, v.b, v.winner) for v in vs] == [("fast", "mid", "fast"), ("fast", "slow", "fast")]
+    # time to a target: steps x mean step; fewer steps can win over faster steps
+    v = verdict.compare("a", [1.0, 1.1] * 10, "b", [0.5, 0.55] * 10, paired=False, stat="mean",
+                        scale_a=10, scale_b=40)
+    assert v.winner == "a" and v.ratio == pytest.approx(2.0)
+    assert verdict.against_best({"only": [1.0]}, paired=True) == []
+    with pytest.raises(ValueError, match="equal lengths"):
+        verdict.compare("a", [1.0, 2.0], "b", [1.0], paired=True)
+    with pytest.raises(ValueError, match="both sides"):
+        verdict.compare("a", [], "b", [1.0], paired=False)
+    with pytest.raises(ValueError, match="positive"):
+        verdict.compare("a", [0.0], "b", [1.0], paired=False)
 
 
 # ----- several processes -----------------------------------------------------------------------------
