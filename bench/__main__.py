@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--min-iters", type=int, default=5)
     g.add_argument("--max-iters", type=int, default=60)
     g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,memcpy")
+    g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,zmq-tcp,memcpy",
+                   help="ceilings measured in the same turns as the regimes: " + ", ".join(R.CEILINGS))
     g = p.add_argument_group("convergence")
     g.add_argument("--model", default="mlp")
     g.add_argument("--steps", type=int, default=120)

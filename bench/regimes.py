@@ -58,6 +58,8 @@ BANDWIDTH: dict[str, BandwidthEntry] = {
 CEILINGS = {
     "tcp-oneway": "raw TCP, two processes, sendall -> recv_into a preallocated buffer, 1-byte ack",
     "tcp-duplex": "raw TCP, two processes, both directions at once (what a ring meets)",
+    "zmq-tcp": "pyzmq PUSH/PULL over tcp, both directions at once, the ring's 4 MiB zero-copy frames, not read",
+    "zmq-ipc": "the same over ipc (Unix sockets)",
     "memcpy": "numpy copy in one process (S bytes read + S written)",
 }
 

@@ -68,12 +68,35 @@ def test_busbw_factors_and_iterations():
 
 def test_ranks_results_combine_over_the_sizes_every_rank_finished(tmp_path):
     out = tmp_path / "bw.json"
-    row = lambda size, times, wrong: {"size_bytes": size, "count": size // 4, "times_s": times, "wrong": wrong}
-    out.write_text(json.dumps({"rows": [row(4, [1.0, 5.0], 1), row(8, [1.0], 0), {"facts": {"scheme": "x"}}]}))
-    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [row(4, [2.0, 3.0], 2)]}))  # cut short
-    rows, times, wrong, facts = bandwidth.combine_ranks(out, 2)
-    assert [r["size_bytes"] for r in rows] == [4] and times == [[2.0, 5.0]] and wrong == [3]
-    assert facts == {"scheme": "x"}
+    row = lambda case, size, times, wrong: {"case": case, "size_bytes": size, "count": size // 4, "times_s": times,
+                                            "cpu_s": times, "wrong": wrong}
+    out.write_text(json.dumps({"rows": [row("a", 4, [1.0, 5.0], 1), row("b", 4, [1.0, 1.0], 0), row("a", 8, [1.0], 0),
+                                        {"case": "c", "setup_error": "ConfigError: no"},
+                                        {"case": "b", "failed": "PeerLost: rank 1", "at": 20.0},
+                                        {"facts": {"a": {"scheme": "x"}}}]}))
+    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [
+        row("a", 4, [2.0, 3.0], 2), row("b", 4, [2.0, 0.5], 0),  # cut short: no size 8
+        {"case": "a", "failed": "CommTimeout: b broke first", "at": 10.0}]}))
+    got = bandwidth.combine_ranks(out, 2)
+    assert sorted(got.rows) == [("a", 4), ("b", 4)]
+    assert got.rows[("a", 4)][1:] == ([2.0, 5.0], [1.0, 5.0], 3)  # slowest rank per iteration; rank 0's CPU
+    assert got.rows[("b", 4)][1] == [2.0, 1.0]
+    assert got.setup_errors == {"c": "ConfigError: no"} and got.facts == {"a": {"scheme": "x"}}
+    assert got.failed == ("a", "CommTimeout: b broke first")  # the earliest failure names the culprit
+
+
+def test_cases_share_one_job_and_take_turns_in_the_same_order_on_every_rank(monkeypatch):
+    cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ps-1", "noop"], 2, [4096], ceilings=("tcp-duplex", "memcpy"))
+    jobs, failures = bandwidth.plan(cfg)
+    assert failures == [] and len(jobs) == 1
+    assert [c["name"] for c in jobs[0][0]] == ["gloo", "ring-tcp", "ps-1", "noop", "tcp-duplex", "memcpy"]
+    names = ["a", "b", "c"]
+    assert [bw_worker.turns(names, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                             ["a", "b", "c"]]
+    # a second allreduce:// regime needs a process group of its own: a job of its own
+    monkeypatch.setitem(R.BANDWIDTH, "gloo-2", R.BandwidthEntry("allreduce://?backend=gloo&timeout=30", "allreduce"))
+    jobs, _ = bandwidth.plan(bandwidth.BandwidthConfig(["gloo", "noop", "gloo-2"], 2, [4096], ceilings=()))
+    assert [[c["name"] for c in cases] for cases, _ in jobs] == [["gloo", "noop"], ["gloo-2"]]
 
 
 def test_servers_planned_on_loopback_move_to_their_namespaces():
@@ -273,13 +296,19 @@ def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_
     assert len(curves["local"]) == 4
 
 
-def test_ring_sweep_takes_turns_and_every_sum_is_exact():
-    """bench/ring_bandwidth: three ranks, gloo and two rings taking turns on each size (every rank
-    must pick the same order, or a collective would pair with the wrong one and hang or sum wrong)."""
-    from bench import ring_bandwidth as rb
-
-    cases = [("gloo", 4096), ("ring-tcp", 4096), ("ring-ipc", 4096), ("gloo", 3 << 20), ("ring-tcp", 3 << 20)]
-    records = rb.run_cases(cases, 3, quick=True, timeout=120, timed=4)
-    assert sorted((r["regime"], r["size_bytes"]) for r in records) == sorted(cases)
-    assert [(r["wrong"], r["iterations"], r["workers"]) for r in records] == [(0, 4, 3)] * len(cases)
-    assert all(r["cpu_us"] > 0 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"] for r in records)
+@pytest.mark.multiproc
+def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
+    """Three ranks: gloo, two rings, a parameter server and the ceilings in one job, taking turns on each
+    size (every rank must pick the same order, or a collective would pair with the wrong one and hang or
+    sum wrong); sample i of every record comes from the same turn."""
+    cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ring-ipc", "ps-1"], 3, [4096, 3 << 20], repeat_bytes=0,
+                                    min_iters=4, max_iters=4, warmup=1,
+                                    ceilings=("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"))
+    recs, failures, facts = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(240))
+    assert failures == []
+    names = ["gloo", "ring-tcp", "ring-ipc", "ps-1", "tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"]
+    assert sorted((r["regime"], r["size_bytes"]) for r in recs) == sorted((n, s) for n in names for s in cfg.sizes)
+    assert all((r["wrong"], r["iters"], len(r["samples_us"]), r["workers"]) == (0, 4, 4, 3) for r in recs)
+    assert {r["job"] for r in recs} == {"bw0"}  # one job, one set of processes
+    assert all(r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in recs)
+    assert {"ring-tcp", "gloo"} <= set(facts)
