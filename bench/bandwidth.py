@@ -287,3 +287,25 @@ def nccl_transport_facts(log: Path) -> dict:
     from commlab.doctor import parse_nccl_log
 
     return parse_nccl_log(log.read_text(errors="replace"))
+
+
+def header_cost(n: int = 20000) -> dict:
+    """Microseconds to build and check one header: msgpack (encode + decode) vs the ring's fixed chunk header."""
+    import torch
+
+    from commlab import wire
+    data = torch.zeros(1024)
+    parts = wire.split("grad", data)
+    t0 = time.perf_counter()
+    for i in range(n):
+        wire.decode(wire.encode("chunk", "rank0", i, parts), ops=("chunk",))
+    t1 = time.perf_counter()
+    for i in range(n):
+        expected = wire.chunk_header(0, i, 1, 0, 0, 1024, torch.float32)
+        wire.check_chunk_header(wire.chunk_header(0, i, 1, 0, 0, 1024, torch.float32), expected, "rank 0")
+    t2 = time.perf_counter()
+    return {"msgpack_us": (t1 - t0) / n * 1e6, "chunk_header_us": (t2 - t1) / n * 1e6}
+
+
+if __name__ == "__main__":  # python -m bench.bandwidth: the per-message header cost alone
+    print(json.dumps(header_cost()))

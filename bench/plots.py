@@ -22,37 +22,68 @@ def _size_axis(ax, sizes):
     ax.grid(True, which="both", alpha=0.3)
 
 
-def bandwidth(records: list[dict], path: Path, workers: int) -> Path | None:
+def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo") -> Path | None:
+    """Time and busbw against size, each median with its 95% bootstrap interval as error bars, and
+    (when ``peer`` ran) every regime's busbw over the peer's with the interval of the ratio: the same
+    intervals the report's verdicts read."""
     if not records:
         return None
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+    from bench import verdict
+    from bench.report import _paired
+
+    peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and r.get("samples_us")}
+    fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(19 if peers else 13, 5))
+    ax_t, ax_b = axes[0], axes[1]
     names = list(dict.fromkeys(r["regime"] for r in records))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per regime in both panels
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per regime in every panel
     sizes = sorted({r["size_bytes"] for r in records})
     for name in names:
-        rs = sorted((r for r in records if r["regime"] == name), key=lambda r: r["size_bytes"])
+        rs = sorted((r for r in records if r["regime"] == name and r.get("samples_us")), key=lambda r: r["size_bytes"])
+        if not rs:
+            continue
         x = [r["size_bytes"] for r in rs]
         ceiling = rs[0]["kind"] == "ceiling"
-        style = dict(CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}, color=colors[name])
+        style = dict(CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}, color=colors[name], capsize=3)
         label = f"{name} (ceiling)" if ceiling else name
+        ci = [verdict.median_interval(r["samples_us"]) for r in rs]
         if name != "memcpy":  # a copy in one process has no exchange time to compare
-            line, = ax_t.plot(x, [r["time_us"] for r in rs], label=label, **style)
-            ax_t.fill_between(x, [r["time_us_min"] for r in rs], [r["time_us_p90"] for r in rs],
-                              color=line.get_color(), alpha=0.10)
+            med = [c[0] for c in ci]
+            ax_t.errorbar(x, med, yerr=[[m - c[1] for m, c in zip(med, ci)], [c[2] - m for m, c in zip(med, ci)]],
+                          label=label, **style)
         if any(r["busbw_gbps"] > 0 for r in rs):
-            line, = ax_b.plot(x, [r["busbw_gbps"] for r in rs], label=label, **style)
-            p90 = [r["size_bytes"] / r["time_us_p90"] / 1e3 * r["busbw_gbps"] / r["algbw_gbps"] for r in rs]
-            ax_b.fill_between(x, p90, [r["busbw_gbps_max"] for r in rs], color=line.get_color(), alpha=0.10)
+            f = [r["busbw_gbps"] / r["algbw_gbps"] if r["algbw_gbps"] else 0.0 for r in rs]
+            bw = lambda r, t, k: r["size_bytes"] / t / 1e3 * k  # t in us -> GB/s
+            mid = [bw(r, c[0], k) for r, c, k in zip(rs, ci, f)]
+            lo = [bw(r, c[2], k) for r, c, k in zip(rs, ci, f)]
+            hi = [bw(r, c[1], k) for r, c, k in zip(rs, ci, f)]
+            ax_b.errorbar(x, mid, yerr=[[m - l for m, l in zip(mid, lo)], [h - m for m, h in zip(mid, hi)]],
+                          label=label, **style)
+        if peers and name != peer and rs[0]["method"] not in ("noop", "memcpy"):
+            pts = [(r["size_bytes"], verdict.compare(name, r["samples_us"], peer, peers[r["size_bytes"]]["samples_us"],
+                                                     paired=_paired([r, peers[r["size_bytes"]]])))
+                   for r in rs if r["size_bytes"] in peers and not r["wrong"]]
+            if pts:
+                axes[2].errorbar([p for p, _ in pts], [v.ratio for _, v in pts],
+                                 yerr=[[v.ratio - v.lo for _, v in pts], [v.hi - v.ratio for _, v in pts]],
+                                 label=label, **style)
     ax_t.set_yscale("log")
-    ax_t.set_ylabel("time per exchange (µs): median; band min-p90")
+    ax_t.set_ylabel("time per exchange (µs): median, 95% interval")
     ax_t.set_title(f"Exchange time, {workers} workers (lower is better)")
     _size_axis(ax_t, sizes)
     ax_t.legend(fontsize=8)
     ax_b.set_yscale("log")
-    ax_b.set_ylabel("busbw (GB/s): median; band from p90 time to min time")
+    ax_b.set_ylabel("busbw (GB/s): at the median time, 95% interval")
     ax_b.set_title("Bus bandwidth per worker, each direction (higher is better)")
     _size_axis(ax_b, sizes)
     ax_b.legend(fontsize=8)
+    if peers:
+        ax = axes[2]
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"busbw / {peer}'s busbw, 95% interval")
+        ax.set_title(f"Against {peer} (an interval across 1: indistinguishable)")
+        _size_axis(ax, sizes)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench import plots
+from bench import plots, verdict
 from bench.bandwidth import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
@@ -54,10 +54,29 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
         out += _table(["regime", "N", "repeats", "time median [min–max]", "p90", "algbw GB/s",
                        "busbw GB/s median [min–max]", "wrong"], rows)
         out.append("")
-    out += ["### Verdict: fastest exchange per size", ""] + bandwidth_verdict(records) + [""]
+    out += ["### Verdict: fastest exchange per size", "",
+            "A regime is named faster only where the 95% interval of the ratio of median times, from this run's "
+            "own iterations, excludes 1.0; otherwise the two are indistinguishable on this machine.", ""]
+    out += bandwidth_verdict(records) + [""]
+    out += against_peer(records)
     if png:
         out += [f"![exchange time and busbw against size]({png.name})", ""]
     return out
+
+
+def _paired(rs: list[dict]) -> bool:
+    """Records whose samples were taken turn by turn in one job: sample i of each, the same seconds."""
+    return len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
+
+
+def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
+    """The fastest regime at ``size`` against each other one (bootstrap over iterations, paired when
+    they took turns), from records with samples and no wrong result."""
+    real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
+            and not r["wrong"] and r.get("samples_us")]
+    if len(real) < 2:
+        return []
+    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real))
 
 
 def bandwidth_verdict(records: list[dict]) -> list[str]:
@@ -74,15 +93,19 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
         if not real:
             continue
         best = real[0]
-        text = f"- {human_bytes(size)}: **{best['regime']}**, {fmt_us(best['time_us'])} median"
-        if len(real) > 1:
-            nxt = real[1]
-            text += f", {nxt['time_us'] / best['time_us']:.2f}x faster than {nxt['regime']} ({fmt_us(nxt['time_us'])})"
-            overlap = best["time_us_max"] >= nxt["time_us_min"]
-            text += "; their [min–max] ranges overlap" if overlap else ""
+        vs = size_verdicts(records, size)
+        if not vs:
+            text = f"- {human_bytes(size)}: only {best['regime']} ran ({fmt_us(best['time_us'])} median)"
+        else:
+            paired = vs[0].paired
+            how = "paired over iterations (they took turns)" if paired else "unpaired (separate jobs)"
+            text = (f"- {human_bytes(size)}: " + "; ".join(v.text() for v in vs) +
+                    f" (ratio of median times, 95% bootstrap interval, {how})")
+            if all(v.winner is None for v in vs):
+                text += f". No regime is the fastest here: the best median was {best['regime']}'s, {fmt_us(best['time_us'])}"
         duplex = next((r for r in at if r["regime"] == "tcp-duplex"), None)
         if duplex and best["busbw_gbps"] > 0:
-            text += f"; busbw {best['busbw_gbps']:.3g} GB/s = {best['busbw_gbps'] / duplex['busbw_gbps']:.0%} of " \
+            text += f"; {best['regime']}'s busbw {best['busbw_gbps']:.3g} GB/s = {best['busbw_gbps'] / duplex['busbw_gbps']:.0%} of " \
                     f"raw TCP with both directions busy ({duplex['busbw_gbps']:.3g} GB/s)"
         floor = next((r for r in at if r["method"] == "noop"), None)
         if floor:
@@ -95,6 +118,34 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
                      f"({ps['busbw_gbps'] / ar['busbw_gbps']:.2f}x)")
         lines.append(text + ".")
     return lines or ["- No regime produced a result."]
+
+
+def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
+    """Each regime's busbw against ``peer``'s at every size, with the interval (busbw ratio = inverse
+    time ratio: ``t_peer / t_regime``); "≈" where the interval contains 1."""
+    peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and not r["wrong"] and r.get("samples_us")}
+    names = list(dict.fromkeys(r["regime"] for r in records if r["regime"] != peer and r["method"] != "noop"
+                               and r.get("samples_us")))
+    sizes = sorted(peers)
+    if not peers or not names:
+        return []
+    rows = []
+    for name in names:
+        row = [name]
+        for size in sizes:
+            r = next((x for x in records if x["regime"] == name and x["size_bytes"] == size), None)
+            if r is None or r["wrong"]:
+                row.append("—")
+                continue
+            v = verdict.compare(name, r["samples_us"], peer, peers[size]["samples_us"],
+                                paired=_paired([r, peers[size]]))
+            row.append(f"{'≈ ' if v.winner is None else ''}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
+        rows.append(row)
+    return ([f"### Against {peer}: busbw / {peer}'s busbw (= {peer}'s time / the regime's), 95% interval", "",
+             f"Bootstrap over the timed iterations, paired where the two took turns in one job; ≈ marks an interval "
+             f"that contains 1.0 (indistinguishable on this machine). Ceilings are listed too: how far {peer} is "
+             "from what plain sockets reach.", ""]
+            + _table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
 
 def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[str]:

@@ -115,6 +115,18 @@ def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAM
     return ratio, float(lo), float(hi)
 
 
+def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: float = LEVEL
+                    ) -> tuple[float, float, float]:
+    """``(median, lo, hi)``: one sample's median with its percentile bootstrap interval (plots' error bars)."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("need at least one sample")
+    boot = np.median(x[np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))], axis=1)
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(boot, [tail, 1 - tail])
+    return float(np.median(x)), float(lo), float(hi)
+
+
 def compare(a_name: str, a, b_name: str, b, *, paired: bool, stat: str = "median", seed: int = SEED,
             resamples: int = RESAMPLES, level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0) -> Verdict:
     """Which of two regimes is faster, from their samples (lower is better): see the module's text."""
