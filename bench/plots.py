@@ -107,7 +107,7 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
         label = f"{s['regime']} ({s['kind']})"
         steps = [e["step"] for e in ev]
         ax_acc.plot(steps, [e["test_acc"] for e in ev], label=label, **style)
-        ax_step.plot(steps, [e["test_loss"] for e in ev], label=label, **style)
+        ax_step.plot(steps, [e["test_loss"] for e in ev], label=label, **style)  # step = samples / (N x B)
         ax_time.plot([e["time_s"] for e in ev], [e["test_loss"] for e in ev], label=label, **style)
         if ev[-1]["bytes"] > 0:
             ax_bytes.plot([e["bytes"] / 2**20 for e in ev], [e["test_loss"] for e in ev], label=label, **style)
@@ -115,7 +115,8 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
             no_bytes.append(s["regime"])
     ax_acc.axhline(target, color="red", linewidth=0.8, linestyle="--", label=f"target {target:.0%}")
     ax_acc.set(xlabel="step", ylabel="test accuracy (rank 0's model)", title="Accuracy against step")
-    ax_step.set(xlabel="step", ylabel="test loss", title="Loss against step (sync regimes should lie on local://)")
+    ax_step.set(xlabel="step per worker (= samples processed / global batch, equal for every regime)",
+                ylabel="test loss", title="Loss against step (sync regimes should lie on local://)")
     ax_time.set(xlabel="wall-clock seconds since setup (rank 0)", ylabel="test loss", title="Loss against time")
     title = "Loss against bytes sent by rank 0"
     if no_bytes:
@@ -131,22 +132,59 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
 
 
 def staleness(summaries: list[dict], path: Path) -> Path | None:
-    have = [s for s in summaries if s.get("staleness") and s["kind"] == "async"]
+    """Two histograms per asynchronous regime: the version gap and the clock gap (SSP's bound caps the latter)."""
+    have = [s for s in summaries if s["kind"] == "async" and (s.get("staleness") or s.get("clock_gap"))]
     if not have:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    top = max(max(s["staleness"]) for s in have)
-    width = 0.8 / len(have)
-    for i, s in enumerate(have):
-        vals = s["staleness"]
-        counts = [vals.count(k) / len(vals) for k in range(top + 1)]
-        ax.bar([k + i * width - 0.4 + width / 2 for k in range(top + 1)], counts, width=width,
-               label=f"{s['regime']} (n={len(vals)})")
-    ax.set(xlabel="staleness of an applied update (server versions behind)", ylabel="fraction of updates",
-           title="Staleness distribution of the asynchronous regimes")
-    ax.set_xticks(range(top + 1))
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    for ax, key, xlabel in ((axes[0], "staleness", "version gap: server updates between a gradient's pull and its apply"),
+                            (axes[1], "clock_gap", "clock gap: the pushing worker's step minus the slowest worker's")):
+        rows = [s for s in have if s.get(key)]
+        if not rows:
+            ax.set_title(f"{key}: not reported")
+            continue
+        top = max(max(s[key]) for s in rows)
+        width = 0.8 / len(rows)
+        for i, s in enumerate(rows):
+            vals = s[key]
+            counts = [vals.count(k) / len(vals) for k in range(top + 1)]
+            ax.bar([k + i * width - 0.4 + width / 2 for k in range(top + 1)], counts, width=width,
+                   label=f"{s['regime']} (n={len(vals)}, max {max(vals)})")
+        ax.set(xlabel=xlabel, ylabel="fraction of applied updates")
+        ax.set_xticks(range(top + 1))
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_title("Version gap of the asynchronous regimes")
+    axes[1].set_title("Clock gap (SSP with bound S: never above S)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def scaling(points: list[dict], path: Path, cpus: int | None) -> Path | None:
+    """Step time and exposed communication against N, medians with 95% intervals; N > cores shaded."""
+    if not points:
+        return None
+    from bench import verdict
+
+    fig, (ax_s, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ns = sorted({p["workers"] for p in points})
+    for i, name in enumerate(dict.fromkeys(p["regime"] for p in points)):
+        ps = sorted((p for p in points if p["regime"] == name), key=lambda p: p["workers"])
+        x = [p["workers"] for p in ps]
+        for ax, key in ((ax_s, "step_s_samples"), (ax_c, "comm_s_samples")):
+            ci = [verdict.median_interval([v * 1e3 for v in p[key]]) for p in ps]
+            ax.errorbar(x, [c[0] for c in ci], yerr=[[c[0] - c[1] for c in ci], [c[2] - c[0] for c in ci]],
+                        marker="o", capsize=3, color=f"C{i % 10}", label=name)
+    for ax, what in ((ax_s, "step time"), (ax_c, "exposed communication (step() blocked)")):
+        if cpus and max(ns) > cpus:
+            ax.axvspan(cpus + 0.5, max(ns) + 0.5, color="grey", alpha=0.15, label=f"N > {cpus} cores: oversubscribed")
+        ax.set_xticks(ns)
+        ax.set(xlabel="N workers (same batch per worker)", ylabel=f"{what}, ms: median, 95% interval",
+               title=f"{what.capitalize()} against N")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

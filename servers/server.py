@@ -112,6 +112,9 @@ class Stats:
     bytes_out: int = 0
     copies_on_write: int = 0
     staleness: Counter = field(default_factory=Counter)
+    # async/ssp: per applied update, the pushing worker's clock (the step it pushed) minus the slowest
+    # active worker's clock (the step that one is on): SSP's bound S caps it at S
+    clock_gap: Counter = field(default_factory=Counter)
 
 
 @dataclass
@@ -206,7 +209,8 @@ class ParameterServer:
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "last_step": {str(r): t for r, t in sorted(self.last_step.items())},
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
-                "max_staleness": max(s.staleness, default=0)}
+                "max_staleness": max(s.staleness, default=0),
+                "clock_gap": {str(k): v for k, v in sorted(s.clock_gap.items())}}
 
     def _waiting_for(self) -> list[int]:
         """The ranks that pulls waiting here wait for (sync: not yet in for this step; ssp: the slowest)."""
@@ -466,6 +470,8 @@ class ParameterServer:
             grads = {k: buffers[k] for k in part.seen}
         del self.partial[rank]
         self._step_optimizer(grads)
+        clocks = [self.last_step.get(r, -1) + 1 for r in range(self._world()) if r not in self.detached]
+        self.stats.clock_gap[t - min(clocks, default=t)] += 1
         self.last_step[rank] = t
         self._count_update([self.version - part.base])
 

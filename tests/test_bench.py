@@ -222,11 +222,11 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
             "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
-            "--budget-s", "150"]
+            "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # on SIGTERM the bench stops its jobs (each a session of its own, out of reach of a SIGKILL to
     # the bench's group) and deletes its namespaces: give it 5 s for that before the SIGKILL
-    done = run_group(argv, 170, "commlab bench (tiny run)", grace=5, env=env, cwd=ROOT, capture_output=True,
+    done = run_group(argv, 200, "commlab bench (tiny run)", grace=5, env=env, cwd=ROOT, capture_output=True,
                      text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = (out / "report.md").read_text()
@@ -236,7 +236,8 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
                  "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://"):
         assert what in report, (what, report[report.index("## Failed"):report.index("## Bandwidth")],
                                 (out / "logs" / "conv-gloo.log").read_text()[-2000:])
-    for png in ("busbw.png", "convergence.png", "split.png"):
+    assert "- gloo: step at N=3 / N=2: " in report and "oversubscribed" in report
+    for png in ("busbw.png", "convergence.png", "split.png", "scaling.png"):
         assert (out / png).stat().st_size > 10_000, png
     bw = json.loads((out / "bandwidth.json").read_text())
     noop = [r for r in bw if r["regime"] == "noop"]
@@ -281,6 +282,24 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
     (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
     assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
     assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
+    log.write_text('commlab server shard 0/1: {"staleness": {"0": 2}, "clock_gap": {"0": 3, "1": 1}}\n')
+    assert sorted(read_staleness(tmp_path / "none", [], log, key="clock_gap")) == [0, 0, 0, 1]
+
+
+def test_the_staleness_verdict_states_equal_samples_and_shows_the_ssp_bound():
+    from bench.report import staleness_verdict
+    common = {"kind": "async", "final_test_acc": 0.5, "final_test_loss": 1.5, "samples": 640,
+              "step_s_samples": [0.01, 0.011, 0.012]}
+    sync = dict(common, regime="ps-sync", kind="sync", url="ps://?shards=1&mode=sync", lr=0.1, final_test_loss=1.0)
+    ssp = dict(common, regime="ps-ssp-2", url="ps://?shards=1&mode=ssp&staleness=2", lr=0.05,
+               staleness=[0, 1, 3, 1], clock_gap=[0, 2, 1, 2])
+    broken = dict(ssp, regime="ps-ssp-broken", clock_gap=[0, 3])
+    lines = staleness_verdict([sync, ssp, broken])
+    assert "at equal samples (640 samples, lr 0.1)" in lines[0]
+    assert "(+0.5000 against ps-sync)" in lines[1] and "lr 0.05 per update, 4 updates" in lines[1]
+    assert "SSP's bound S = 2: **max clock gap 2**." in lines[1] and "Version gap" in lines[1]
+    assert "indistinguishable on this machine" in lines[1]  # the same step times
+    assert "ABOVE the bound" in lines[2]
 
 
 @pytest.mark.multiproc
