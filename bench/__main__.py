@@ -26,7 +26,10 @@ from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-BANDWIDTH_SHARE = 0.4  # with later phases, bandwidth may use at most this share of the budget
+BANDWIDTH_SHARE = 0.35  # with later phases, bandwidth may use at most this share of the budget
+# the end of the budget is kept for the later phases: convergence stops starting runs this long before
+# it (for scaling and probes), scaling this long before it (for the probes)
+SCALING_RESERVE_S, PROBES_RESERVE_S = 70.0, 25.0
 DEFAULT_BUDGET_S = 300.0  # jobs stop starting after this; the report follows within seconds
 
 
@@ -86,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("scaling (step time and exposed communication against N)")
     g.add_argument("--scale-regimes", help="convergence regime names (default: " + ",".join(R.DEFAULT_SCALING) + ")")
     g.add_argument("--scale-workers", default="2,3,4", help="the N to run; N > cores oversubscribes the machine")
-    g.add_argument("--scale-steps", type=int, default=25, help="training steps per (regime, N)")
+    g.add_argument("--scale-steps", type=int, default=20, help="training steps per (regime, N)")
     g = p.add_argument_group("probes")
     g.add_argument("--no-probes", action="store_true", help="with 'all': skip the probes (heap faults, a killed rank)")
     return p
@@ -154,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             failures += f
             (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
         if cv_cfg and not any(f["status"] == "interrupted" for f in failures):
-            summaries, f, curves = convergence.run(cv_cfg, run_dir, budget, links, progress=tqdm)
+            reserve = (SCALING_RESERVE_S if sc_cfg else 0.0) + (PROBES_RESERVE_S if run_probes else 0.0)
+            summaries, f, curves = convergence.run(cv_cfg, run_dir, bandwidth.Budget(budget.deadline - reserve),
+                                                   links, progress=tqdm)
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(
                 {"summaries": summaries, "curves": curves}, indent=1))
         if sc_cfg and not any(f["status"] == "interrupted" for f in failures):
-            points, f = convergence.run_scaling(sc_cfg, sc_names, sc_workers, a.scale_steps, run_dir, budget, links,
+            sc_budget = bandwidth.Budget(budget.deadline - (PROBES_RESERVE_S if run_probes else 0.0))
+            points, f = convergence.run_scaling(sc_cfg, sc_names, sc_workers, a.scale_steps, run_dir, sc_budget, links,
                                                 progress=tqdm, have=summaries)
             failures += f
             (run_dir / "scaling.json").write_text(json.dumps(points, indent=1))

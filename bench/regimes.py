@@ -84,9 +84,9 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
 DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring-tcp", "ps-1", "ps-2"]
 # in order of importance: if the time budget runs out, the last are skipped
 DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-async-lr/N", "ps-ssp-1", "ps-ssp-1-lr/N",
-                       "noop", "ps-sync-2", "ps-ssp-4"]
-# step time and exposed communication against N (N = 2 comes from the convergence runs when they ran)
-DEFAULT_SCALING = ["gloo", "ring-tcp", "ps-sync"]
+                       "noop"]
+# step time and exposed communication against N (N = --workers comes from the convergence runs when they ran)
+DEFAULT_SCALING = ["gloo", "ring-tcp"]
 
 
 def unavailable(url: str) -> str | None:
