@@ -148,7 +148,7 @@ class BandwidthConfig:
     max_iters: int = 100
     warmup: int = 2
     ceilings: tuple[str, ...] = ("tcp-oneway", "tcp-duplex", "memcpy")
-    job_timeout: float = 240.0
+    job_timeout: float = 900.0  # one job holds every case and size: the budget is what bounds it
     corrupt: bool = False  # tests: shift one reference element, the wrong column must show it
 
 
