@@ -336,6 +336,33 @@ def probes_section(probes: dict) -> list[str]:
                   "in this run.", ""] + lines(probes) + [""]
 
 
+def _short(v: verdict.Verdict) -> str:
+    v = v.oriented()
+    sign = "≈" if v.winner is None else ">"
+    return f"{v.a} {sign} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
+
+
+def glance(records: list[dict], summaries: list[dict]) -> list[str]:
+    """Every verdict of the run on one line each, ``A > B`` (A faster) or ``A ≈ B`` (indistinguishable),
+    with the ratio and its 95% interval: what to compare between runs."""
+    out = []
+    for size in sorted({r["size_bytes"] for r in records}):
+        vs = size_verdicts(records, size)
+        if vs:
+            out.append(f"- bandwidth {human_bytes(size)}: " + "; ".join(_short(v) for v in vs))
+    hit = [s for s in summaries if s["kind"] != "floor" and s["time_to_target_s"] is not None and s.get("step_s_samples")]
+    if len(hit) > 1:
+        vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
+                                  scales={s["regime"]: s["steps_to_target"] for s in hit})
+        out.append("- time to target: " + "; ".join(_short(v) for v in vs))
+    base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
+    for s in summaries:
+        if base and s["kind"] == "async" and s.get("step_s_samples") and base.get("step_s_samples"):
+            v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"], paired=False)
+            out.append(f"- step time {s['regime']} vs {base['regime']}: {_short(v)}")
+    return out
+
+
 def failures_section(failures: list[dict]) -> list[str]:
     out = ["## Failed, skipped or unavailable", ""]
     if not failures:
@@ -375,6 +402,10 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json", "scaling.json", "probes.json")
                        if (run_dir / n).exists())
            + ", `raw/`, `manifest.json`.", ""]
+    at_a_glance = glance(records, summaries)
+    if at_a_glance:
+        out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
+                "indistinguishable on this machine. Details in the sections below.", ""] + at_a_glance + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]
