@@ -1,9 +1,11 @@
-"""Benchmarks: every regime compared for bandwidth and convergence, with a report a person reads.
+"""Benchmarks: every regime compared for bandwidth, convergence and scaling, with a report a person reads.
 
 ``commlab bench`` runs ``python -m bench``. Modules: :mod:`bench.regimes` (the table of
 regimes, one line each), :mod:`bench.bandwidth` and :mod:`bench.bw_worker` (nccl-tests
-style exchange times), :mod:`bench.convergence` (training through ``commlab train``),
-:mod:`bench.report` and :mod:`bench.plots` (the run folder), :mod:`commlab.netns`
-(capped links in network namespaces), :mod:`bench.jobs` (process groups with deadlines).
-Nothing imports ``bench``.
+style exchange times, every regime and ceiling of a job taking turns), :mod:`bench.convergence`
+(training a pluggable workload, through ``commlab train`` by default; scaling with N),
+:mod:`bench.verdict` (ratios with bootstrap intervals: who is faster, or indistinguishable),
+:mod:`bench.probes` (page faults, a killed rank), :mod:`bench.report` and :mod:`bench.plots`
+(the run folder), :mod:`commlab.netns` (capped links in network namespaces), :mod:`bench.jobs`
+(process groups with deadlines). Nothing imports ``bench``.
 """

@@ -1,8 +1,10 @@
-"""``commlab bench [bandwidth|convergence] ...``: compare the regimes; write a run folder with a report.
+"""``commlab bench [bandwidth|convergence|scaling|probes] ...``: compare the regimes; write a run folder with a report.
 
-With no subcommand, a default comparison of both, sized to finish in about four
+With no subcommand, the default comparison: all four phases, sized to finish within six
 minutes on a 2-core machine. Every run writes ``runs/<UTC timestamp>/`` (or ``--out``)
-with ``report.md``, PNG plots, ``bandwidth.json``/``convergence.json`` and ``manifest.json``.
+with ``report.md``, PNG plots, ``bandwidth.json``/``convergence.json``/``scaling.json``/
+``probes.json`` and ``manifest.json``. Every "A is faster than B" in the report carries the
+ratio and its 95% interval from the run's own samples (:mod:`bench.verdict`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-BANDWIDTH_SHARE = 0.55
-DEFAULT_BUDGET_S = 270.0  # jobs stop starting after this; the report follows within seconds
+BANDWIDTH_SHARE = 0.35  # with later phases, bandwidth may use at most this share of the budget
+# the end of the budget is kept for the later phases: convergence stops starting runs this long before
+# it (for scaling and probes), scaling this long before it (for the probes)
+SCALING_RESERVE_S, PROBES_RESERVE_S = 70.0, 25.0
+DEFAULT_BUDGET_S = 300.0  # jobs stop starting after this; the report follows within seconds
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:
@@ -53,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="bandwidth regimes: " + ", ".join(R.BANDWIDTH) +
                                 "\nconvergence regimes: " + ", ".join(R.CONVERGENCE))
-    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence"),
-                   help="which comparison (default: both, then the report)")
+    p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence", "scaling", "probes"),
+                   help="which comparison (default: all, then the report)")
     p.add_argument("--regimes", help="comma-separated regime names for the chosen phase (see below)")
     p.add_argument("--bw-regimes", help="with 'all': bandwidth regimes")
     p.add_argument("--conv-regimes", help="with 'all': convergence regimes")
@@ -71,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--min-iters", type=int, default=5)
     g.add_argument("--max-iters", type=int, default=60)
     g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,memcpy")
+    g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,zmq-tcp,memcpy",
+                   help="ceilings measured in the same turns as the regimes: " + ", ".join(R.CEILINGS))
     g = p.add_argument_group("convergence")
     g.add_argument("--model", default="mlp")
     g.add_argument("--steps", type=int, default=120)
@@ -80,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--target-acc", type=float, default=0.85)
+    g = p.add_argument_group("scaling (step time and exposed communication against N)")
+    g.add_argument("--scale-regimes", help="convergence regime names (default: " + ",".join(R.DEFAULT_SCALING) + ")")
+    g.add_argument("--scale-workers", default="2,3,4", help="the N to run; N > cores oversubscribes the machine")
+    g.add_argument("--scale-steps", type=int, default=20, help="training steps per (regime, N)")
+    g = p.add_argument_group("probes")
+    g.add_argument("--no-probes", action="store_true", help="with 'all': skip the probes (heap faults, a killed rank)")
     return p
 
 
@@ -95,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             if a.what in ("all", "bandwidth") else []
         cv_names = _names(a.conv_regimes or a.regimes, R.DEFAULT_CONVERGENCE, R.CONVERGENCE, "convergence") \
             if a.what in ("all", "convergence") else []
+        sc_names = _names(a.scale_regimes or (a.regimes if a.what == "scaling" else None), R.DEFAULT_SCALING,
+                          R.CONVERGENCE, "scaling") if a.what in ("all", "scaling") else []
+        sc_workers = sorted({int(n) for n in a.scale_workers.split(",") if n.strip()})
+        if sc_names and (not sc_workers or min(sc_workers) < 2):
+            raise ValueError("--scale-workers must list N >= 2")
         sizes = parse_sizes(a.sizes)
         ceilings = tuple(c for c in a.ceilings.split(",") if c)
         bad = [c for c in ceilings if c not in R.CEILINGS]
@@ -110,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                                        a.warmup, ceilings) if a.what in ("all", "bandwidth") else None
     cv_cfg = convergence.ConvergenceConfig(cv_names, a.workers, a.model, a.steps, a.batch_size, a.lr, a.seed,
                                            a.eval_every, a.target_acc) if a.what in ("all", "convergence") else None
+    # scaling trains the same workload for a few steps (evaluation only at the end)
+    sc_cfg = convergence.ConvergenceConfig(sc_names, a.workers, a.model, a.scale_steps, a.batch_size, a.lr, a.seed,
+                                           a.scale_steps, a.target_acc) if sc_names else None
+    run_probes = a.what == "probes" or (a.what == "all" and not a.no_probes)
     link_note = None
     if a.link:
         link_note = link_unavailable_reason()
@@ -120,25 +141,45 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     budget = bandwidth.Budget.of(a.budget_s)
     t0 = time.monotonic()
-    records, failures, facts, summaries, curves = [], [], {}, [], {}
+    records, failures, facts, summaries, curves, points, probed = [], [], {}, [], {}, [], {}
     links = None
     print(f"commlab bench: writing {run_dir}/ (N={a.workers}"
           + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
     try:
         if a.link and not link_note:
-            links = Links(a.workers + servers_needed(bw_names, cv_names), a.link).__enter__()
+            hosts = max([a.workers] + (sc_workers if sc_cfg else []))
+            links = Links(hosts + servers_needed(bw_names, cv_names + sc_names), a.link).__enter__()
         if bw_cfg:
-            # with both phases, bandwidth may use at most BANDWIDTH_SHARE of the budget
+            # with later phases, bandwidth may use at most BANDWIDTH_SHARE of the budget
             bw_budget = bandwidth.Budget(min(budget.deadline, time.monotonic() + BANDWIDTH_SHARE * a.budget_s)) \
-                if cv_cfg else budget
+                if cv_cfg or sc_cfg else budget
             records, f, facts = bandwidth.run(bw_cfg, run_dir, bw_budget, links, progress=tqdm)
             failures += f
             (run_dir / "bandwidth.json").write_text(json.dumps(records, indent=1))
         if cv_cfg and not any(f["status"] == "interrupted" for f in failures):
-            summaries, f, curves = convergence.run(cv_cfg, run_dir, budget, links, progress=tqdm)
+            reserve = (SCALING_RESERVE_S if sc_cfg else 0.0) + (PROBES_RESERVE_S if run_probes else 0.0)
+            summaries, f, curves = convergence.run(cv_cfg, run_dir, bandwidth.Budget(budget.deadline - reserve),
+                                                   links, progress=tqdm)
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(
                 {"summaries": summaries, "curves": curves}, indent=1))
+        if sc_cfg and not any(f["status"] == "interrupted" for f in failures):
+            sc_budget = bandwidth.Budget(budget.deadline - (PROBES_RESERVE_S if run_probes else 0.0))
+            points, f = convergence.run_scaling(sc_cfg, sc_names, sc_workers, a.scale_steps, run_dir, sc_budget, links,
+                                                progress=tqdm, have=summaries)
+            failures += f
+            (run_dir / "scaling.json").write_text(json.dumps(points, indent=1))
+        if run_probes and not any(f["status"] == "interrupted" for f in failures):
+            if budget.left() > 0 or a.what == "probes":
+                from bench import probes
+                print("commlab bench: probes (heap page faults, a killed ring rank)", file=sys.stderr)
+                probed = {"heap": probes.heap_faults()}
+                if R.unavailable("ring://") is None:
+                    probed["peer_loss"] = probes.peer_loss()
+                (run_dir / "probes.json").write_text(json.dumps(probed, indent=1))
+            else:
+                failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
+                                 "error": "the benchmark's time budget ran out before the probes"})
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
         failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
@@ -150,17 +191,22 @@ def main(argv: list[str] | None = None) -> int:
            "command": "commlab bench " + " ".join(argv),
            "config": {"bandwidth": dataclasses.asdict(bw_cfg) if bw_cfg else None,
                       "convergence": dataclasses.asdict(cv_cfg) if cv_cfg else None,
+                      "scaling": dict(dataclasses.asdict(sc_cfg), workers=a.workers, scale_workers=sc_workers,
+                                      scale_steps=a.scale_steps, scale_warmup=convergence.SCALING_WARMUP)
+                      if sc_cfg else None,
                       "budget_s": a.budget_s, "link": a.link,
                       "seeds": {"model_and_data": a.seed, "bandwidth_inputs": "closed-form (no randomness)"}},
            "regimes": {"bandwidth": {n: R.BANDWIDTH[n].url for n in bw_names} if bw_cfg else {},
-                       "convergence": {n: R.CONVERGENCE[n].url for n in cv_names} if cv_cfg else {}},
+                       "convergence": {n: R.CONVERGENCE[n].url for n in cv_names} if cv_cfg else {},
+                       "scaling": {n: R.CONVERGENCE[n].url for n in sc_names}},
            "regime_facts": facts, "git": manifest.git_facts(), "environment": manifest.environment(),
            "transport": manifest.transport(links, link_note, facts), "failures": failures}
     (run_dir / "manifest.json").write_text(json.dumps(man, indent=1))
     if a.json:
-        data = {"bandwidth": records, "convergence": summaries, "all": {"bandwidth": records, "convergence": summaries}}
+        data = {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed,
+                "all": {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}}
         Path(a.json).write_text(json.dumps(data[a.what], indent=1))
-    path = report.write(run_dir, man, records, summaries, curves, failures)
+    path = report.write(run_dir, man, records, summaries, curves, failures, points, probed)
     print(f"commlab bench: report {path} ({man['seconds']:.0f} s)", file=sys.stderr)
     return 0
 

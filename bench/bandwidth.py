@@ -26,15 +26,12 @@ float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import numpy as np
 
 from bench import regimes as R
 from bench.jobs import python, run_job
@@ -86,8 +83,10 @@ def bus_factor(method: str, workers: int) -> float:
 
 
 def summarize(regime: str, url: str, kind: str, method: str, workers: int, row: dict, times: list[float],
-              wrong: int, link: str) -> dict:
-    """One JSON record from per-iteration times (seconds)."""
+              wrong: int, link: str, cpu: list[float] | None = None) -> dict:
+    """One JSON record (the nccl-tests columns and their spread) from per-iteration times (seconds).
+    ``samples_us`` keeps every timed iteration in the order the cases took turns: sample i of two
+    records from one job were taken in the same seconds (paired, see :mod:`bench.verdict`)."""
     s = row["size_bytes"]
     ts = sorted(times)
     med = statistics.median(ts)
@@ -99,39 +98,44 @@ def summarize(regime: str, url: str, kind: str, method: str, workers: int, row: 
             "time_us": med * 1e6, "time_us_min": ts[0] * 1e6, "time_us_p90": p90 * 1e6, "time_us_max": ts[-1] * 1e6,
             "algbw_gbps": gb(med), "algbw_gbps_min": gb(ts[-1]), "algbw_gbps_max": gb(ts[0]),
             "busbw_gbps": gb(med) * f, "busbw_gbps_min": gb(ts[-1]) * f, "busbw_gbps_max": gb(ts[0]) * f,
-            "wrong": wrong}
+            "wrong": wrong, "cpu_us": statistics.median(cpu) * 1e6 if cpu else None,
+            "job": row.get("job"), "samples_us": [round(t * 1e6, 1) for t in times]}
 
 
-def combine_ranks(out: Path, workers: int) -> tuple[list[dict], list[list[float]], list[int], dict]:
-    """Sizes every rank finished: rank 0's rows, per-iteration slowest-rank times, wrong summed over
-    ranks; and the regime's facts. Ranks write after every size, so a job cut short still has some."""
+@dataclass
+class JobOutcome:
+    """What one bandwidth job's ranks wrote: per (case, size) the combined row, and which cases
+    could not be set up or failed (the earliest failure across ranks is the culprit)."""
+
+    rows: dict = field(default_factory=dict)  # (case, size) -> (row, slowest-rank times, rank 0 cpu, wrong)
+    setup_errors: dict = field(default_factory=dict)
+    failed: tuple | None = None  # (case, error)
+    facts: dict = field(default_factory=dict)
+
+
+def combine_ranks(out: Path, workers: int) -> JobOutcome:
+    """The sizes every rank finished, per case: per-iteration slowest-rank times, wrong summed over
+    ranks; the regimes' facts. Ranks write after every size, so a job cut short still has some."""
     per_rank = []
     for r in range(workers):
         p = out if r == 0 else Path(f"{out}.rank{r}")
         per_rank.append(json.loads(p.read_text())["rows"] if p.exists() else [])
-    facts = next((row["facts"] for row in per_rank[0] if "facts" in row), {})
-    sized = [[row for row in rows if "size_bytes" in row] for rows in per_rank]
-    done = min(len(rows) for rows in sized)
-    times = [[max(t) for t in zip(*(rows[i]["times_s"] for rows in sized))] for i in range(done)]
-    wrong = [sum(rows[i]["wrong"] for rows in sized) for i in range(done)]
-    return sized[0][:done], times, wrong, facts
-
-
-def memcpy_records(sizes: list[int], iters: list[int], warmup: int, link: str) -> list[dict]:
-    out = []
-    for size, n in zip(sizes, iters):
-        src = np.arange(size, dtype=np.uint8)
-        dst = np.empty_like(src)
-        times = []
-        for i in range(warmup + n):
-            t0 = time.perf_counter()
-            np.copyto(dst, src)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        wrong = int((dst != src).sum())
-        row = {"size_bytes": size, "count": size // 4, "warmup": warmup}
-        out.append(summarize("memcpy", "", "ceiling", "memcpy", 1, row, times, wrong, link))
-    return out
+    res = JobOutcome()
+    for rows in per_rank:
+        for row in rows:
+            if "facts" in row and not res.facts:
+                res.facts = row["facts"]
+            if "setup_error" in row:
+                res.setup_errors.setdefault(row["case"], row["setup_error"])
+    fails = sorted((row["at"], row["case"], row["failed"]) for rows in per_rank for row in rows if "failed" in row)
+    if fails:
+        res.failed = (fails[0][1], fails[0][2])
+    keyed = [{(row["case"], row["size_bytes"]): row for row in rows if "times_s" in row} for rows in per_rank]
+    for key, row in keyed[0].items():
+        if all(key in k for k in keyed):
+            times = [max(t) for t in zip(*(k[key]["times_s"] for k in keyed))]
+            res.rows[key] = (row, times, row.get("cpu_s"), sum(k[key]["wrong"] for k in keyed))
+    return res
 
 
 @dataclass
@@ -144,17 +148,18 @@ class BandwidthConfig:
     max_iters: int = 100
     warmup: int = 2
     ceilings: tuple[str, ...] = ("tcp-oneway", "tcp-duplex", "memcpy")
-    job_timeout: float = 90.0
+    job_timeout: float = 900.0  # one job holds every case and size: the budget is what bounds it
     corrupt: bool = False  # tests: shift one reference element, the wrong column must show it
 
 
-def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progress=None) -> tuple[list[dict], list[dict], dict]:
-    """Measure; return (records, failures, facts per regime). Never raises for a regime's failure."""
-    records, failures, facts = [], [], {}
-    (run_dir / "raw").mkdir(parents=True, exist_ok=True)
-    link = f"{links.rate} veth+tbf" if links else "loopback"
-    iters = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in cfg.sizes]
-    jobs, late = [], []  # (name, url, kind, method, sizes)
+def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[int]]], list[dict]]:
+    """The jobs: ``([case, ...], sizes)`` each, and the regimes that cannot run here.
+
+    Everything that can share a job shares one, taking turns iteration by iteration (bench.bw_worker).
+    Jobs of their own: a second ``allreduce://`` regime (one process group per process), and over
+    ``--link`` a regime whose servers must be placed in namespaces, one size per job (bench.launch_job).
+    """
+    together, alone, failures = [], [], []
     for name in cfg.regimes:
         e = R.BANDWIDTH[name]
         why = R.unavailable(e.url)
@@ -166,89 +171,114 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
         if why:
             failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
             continue
-        # one_size_per_job: on loopback the job's rank 0 restarts the servers per size (bench.bw_worker);
-        # over --link, where servers must be placed in namespaces, each size is a job of its own
-        groups = [[s] for s in cfg.sizes] if e.one_size_per_job and links is not None else [cfg.sizes]
-        (late if e.one_size_per_job else jobs).extend((name, e.url, "regime", e.method, g) for g in groups)
-    # cheap jobs first (one each), then the ceilings, then regimes that need a job per size:
-    # if the time budget runs out, it is the last of those that are skipped
-    jobs += [(c, "noop://", "ceiling", c, cfg.sizes) for c in cfg.ceilings if c.startswith("tcp")] + late
-    bar = progress(total=len(jobs) + ("memcpy" in cfg.ceilings), desc="bandwidth", unit="job") if progress else None
-    failed_names: set[str] = set()
+        case = {"name": name, "method": e.method, "url": e.url, "kind": "regime"}
+        if e.one_size_per_job and links is not None:
+            alone += [([dict(case, url=LAUNCHER_URL, launch=e.url)], [s]) for s in cfg.sizes]
+        elif e.url.startswith("allreduce://") and any(c["url"].startswith("allreduce://") for c in together):
+            alone.append(([case], cfg.sizes))
+        else:
+            together.append(case)
+    for c in cfg.ceilings:
+        if links is not None and c.startswith("zmq"):
+            failures.append({"phase": "bandwidth", "regime": c, "url": "", "status": "unavailable",
+                             "error": "not run over --link: pyzmq's ceiling binds 127.0.0.1"})
+            continue
+        together.append({"name": c, "method": c, "url": "", "kind": "ceiling"})
+    jobs = [(together, cfg.sizes)] if together else []
+    return jobs + alone, failures
+
+
+LAUNCHER_URL = "@launcher"  # the case's URL is the one the launcher hands the ranks (--exchanger)
+
+
+def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progress=None) -> tuple[list[dict], list[dict], dict]:
+    """Measure; return (records, failures, facts per regime). Never raises for a regime's failure."""
+    records, facts = [], {}
+    (run_dir / "raw").mkdir(parents=True, exist_ok=True)
+    jobs, failures = plan(cfg, links)
+    bar = progress(total=len(jobs), desc="bandwidth", unit="job") if progress else None
     try:
-        _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names)
+        for i, (cases, sizes) in enumerate(jobs):
+            if bar:
+                bar.set_postfix_str(",".join(c["name"] for c in cases))
+            _run_job(cfg, cases, sizes, f"bw{i}", run_dir, budget, links, records, failures, facts)
+            bar and bar.update(1)
     except KeyboardInterrupt:
         failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
                          "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
-        if bar:
-            bar.close()
-        return records, failures, facts
-    if "memcpy" in cfg.ceilings:
-        records += memcpy_records(cfg.sizes, iters, cfg.warmup, "memory")
-        bar and bar.update(1)
     if bar:
         bar.close()
     return records, failures, facts
 
 
-def _run_jobs(cfg, jobs, iters, run_dir, budget, links, link, bar, records, failures, facts, failed_names) -> None:
-    for name, url, kind, method, sizes in jobs:
-        if bar:
-            bar.set_postfix_str(name)
-        if name in failed_names:
-            bar and bar.update(1)
-            continue
+def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, facts) -> None:
+    """One set of cases taking turns; rerun without a case that failed while running, on the sizes
+    not yet measured, until every case has its sizes or a failure."""
+    link = f"{links.rate} veth+tbf" if links else "loopback"
+    workers = cfg.workers
+    left, todo, attempt = list(cases), list(sizes), 0
+    fail = lambda c, status, error, log=None: failures.append(
+        {"phase": "bandwidth", "regime": c["name"], "url": c.get("launch", c["url"]), "status": status,
+         "error": error, **({"log": str(log.relative_to(run_dir))} if log else {})})
+    while left and todo:
         if not budget.fits():
-            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "skipped",
-                             "error": "the benchmark's time budget ran out before this job"})
-            failed_names.add(name)
-            bar and bar.update(1)
-            continue
-        its = [iters[cfg.sizes.index(s)] for s in sizes]
-        tag = f"{name}-{sizes[0]}" if len(sizes) == 1 and len(cfg.sizes) > 1 else name
-        out = run_dir / "raw" / f"bw-{tag}.json"
-        workers = cfg.workers if not method.startswith("tcp") else 2
-        servers_in_job = R.BANDWIDTH[name].one_size_per_job if kind == "regime" and links is None else False
-        argv = [python(), "-m", "bench.launch_job", "--url", "noop://" if servers_in_job else url,
-                "--workers", str(workers), "--module", "bench.bw_worker"]
+            for c in left:
+                fail(c, "skipped", "the benchmark's time budget ran out before this job"
+                     + (f" (sizes not measured: {', '.join(map(human_bytes, todo))})" if todo != sizes else ""))
+            return
+        name = f"{tag}-{attempt}" if attempt else tag
+        out, log = run_dir / "raw" / f"{name}.json", run_dir / "logs" / f"{name}.log"
+        its = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in todo]
+        launch = next((c["launch"] for c in left if "launch" in c), "noop://")
+        argv = [python(), "-m", "bench.launch_job", "--url", launch, "--workers", str(workers),
+                "--module", "bench.bw_worker"]
         if links is not None:
             argv += ["--link", links.rate, "--link-tag", links.tag]
-        argv += ["--", "--method", method, "--sizes", ",".join(map(str, sizes)), "--iters", ",".join(map(str, its)),
-                 "--warmup", str(cfg.warmup), "--out", str(out), "--timeout", str(min(cfg.job_timeout, 60.0))]
-        if servers_in_job:
-            argv += ["--regime-url", url]
+        wire_cases = [{k: c[k] for k in ("name", "method", "url")} for c in left]
+        argv += ["--", "--cases", json.dumps(wire_cases), "--sizes", ",".join(map(str, todo)),
+                 "--iters", ",".join(map(str, its)), "--warmup", str(cfg.warmup), "--out", str(out),
+                 "--timeout", str(min(cfg.job_timeout, 60.0))]
         if cfg.corrupt:
             argv.append("--corrupt")
         env = None
-        if "nccl" in url:
+        if any("nccl" in c["url"] for c in left):
             from commlab.doctor import NCCL_DEBUG_ENV
             env = dict(os.environ, **NCCL_DEBUG_ENV)  # NCCL's own word on GPUDirect RDMA lands in the log
-        res = run_job(argv, run_dir / "logs" / f"bw-{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+        res = run_job(argv, log, min(cfg.job_timeout, budget.left()), env=env)
         budget.note(res.seconds)
         try:
-            rows, times, wrong, f = combine_ranks(out, workers)
+            got = combine_ranks(out, workers)
         except (OSError, ValueError, KeyError) as exc:
-            rows, times, wrong, f = [], [], [], {}
-            res = dataclasses.replace(res, returncode=res.returncode or 1)
-            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": "failed",
-                             "error": f"its ranks' results could not be read: {type(exc).__name__}: {exc}",
-                             "log": str(res.log.relative_to(run_dir))})
-            failed_names.add(name)
-        if f:
-            facts[name] = f
-        if "nccl" in url:
-            facts.setdefault(name, {})["nccl_log"] = nccl_transport_facts(res.log)
-        for row, t, w in zip(rows, times, wrong):  # what finished counts, also from a job cut short
-            records.append(summarize(name, url, kind, method, workers, row, t, w, link))
-        if not res.ok and name not in failed_names:
+            for c in left:
+                fail(c, "failed", f"its ranks' results could not be read: {type(exc).__name__}: {exc}", res.log)
+            return
+        for c in left:
+            if c["name"] in got.facts:
+                facts[c["name"]] = got.facts[c["name"]]
+            if "nccl" in c["url"]:
+                facts.setdefault(c["name"], {})["nccl_log"] = nccl_transport_facts(res.log)
+        for s in todo:  # what finished counts, also from a job cut short
+            for c in left:
+                if (c["name"], s) in got.rows:
+                    row, times, cpu, wrong = got.rows[(c["name"], s)]
+                    records.append(summarize(c["name"], c.get("launch", c["url"]), c["kind"], c["method"], workers,
+                                             dict(row, job=name), times, wrong, link, cpu))
+        dropped = dict(got.setup_errors)
+        if got.failed:
+            dropped.setdefault(got.failed[0], got.failed[1])
+        for c in [c for c in left if c["name"] in dropped]:
+            fail(c, "failed", dropped[c["name"]], res.log)
+        left = [c for c in left if c["name"] not in dropped]
+        todo = [s for s in todo if not all((c["name"], s) in got.rows for c in left)]
+        if res.ok or not left:
+            return
+        if got.failed is None:  # nobody named: the job as a whole failed (or ran out of time)
             status, error = budget.outcome(res)
-            missing = [s for s in sizes if s not in {row["size_bytes"] for row in rows}]
-            failures.append({"phase": "bandwidth", "regime": name, "url": url, "status": status,
-                             "error": error + (f" (sizes not measured: {', '.join(map(human_bytes, missing))})"
-                                               if rows and missing else ""),
-                             "log": str(res.log.relative_to(run_dir))})
-            failed_names.add(name)
-        bar and bar.update(1)
+            for c in left:
+                fail(c, status, error + (f" (sizes not measured: {', '.join(map(human_bytes, todo))})"
+                                         if todo != sizes else ""), res.log)
+            return
+        attempt += 1
 
 
 def nccl_transport_facts(log: Path) -> dict:
@@ -257,3 +287,25 @@ def nccl_transport_facts(log: Path) -> dict:
     from commlab.doctor import parse_nccl_log
 
     return parse_nccl_log(log.read_text(errors="replace"))
+
+
+def header_cost(n: int = 20000) -> dict:
+    """Microseconds to build and check one header: msgpack (encode + decode) vs the ring's fixed chunk header."""
+    import torch
+
+    from commlab import wire
+    data = torch.zeros(1024)
+    parts = wire.split("grad", data)
+    t0 = time.perf_counter()
+    for i in range(n):
+        wire.decode(wire.encode("chunk", "rank0", i, parts), ops=("chunk",))
+    t1 = time.perf_counter()
+    for i in range(n):
+        expected = wire.chunk_header(0, i, 1, 0, 0, 1024, torch.float32)
+        wire.check_chunk_header(wire.chunk_header(0, i, 1, 0, 0, 1024, torch.float32), expected, "rank 0")
+    t2 = time.perf_counter()
+    return {"msgpack_us": (t1 - t0) / n * 1e6, "chunk_header_us": (t2 - t1) / n * 1e6}
+
+
+if __name__ == "__main__":  # python -m bench.bandwidth: the per-message header cost alone
+    print(json.dumps(header_cost()))

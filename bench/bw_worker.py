@@ -1,9 +1,12 @@
-"""One rank of a bandwidth run. Started by the launcher (``python -m bench.bw_worker``), like a worker.
+"""One rank of a bandwidth job. Started by the launcher (``python -m bench.bw_worker``), like a worker.
 
-For each size S (float32, ``count = S / 4``) it runs ``warmup`` untimed exchanges,
-then ``iters`` timed ones, and writes, per size, the time of every timed
-exchange and the number of wrong elements. Rank r > 0 writes ``OUT.rank<r>``;
-the parent takes, per iteration, the slowest rank's time.
+A job measures several *cases* (regimes and ceilings) at once, and they **take turns iteration by
+iteration**: for each size S (float32, ``count = S / 4``), iteration i runs every case once, the
+first one rotating with i, and every rank picks the same order (as a collective must). A slow
+spell of a shared machine then hits all of them alike, so their ratios are taken over the same
+seconds, and sample i of one case is paired with sample i of another (see :mod:`bench.verdict`).
+The first ``warmup`` iterations are not kept. Rank r > 0 writes ``OUT.rank<r>``; the parent takes,
+per iteration, the slowest rank's time.
 
 Inputs and references are small integers, so every sum is exact in float32 and
 "wrong" means wrong, not rounded. Rank r's input is ``x_r[i] = (r + 1) + (i mod 13)``:
@@ -11,16 +14,25 @@ Inputs and references are small integers, so every sum is exact in float32 and
 - all-reduce: every rank must end with ``sum_r x_r = N(N+1)/2 + N (i mod 13)``;
 - push-pull (parameter server, sync, SGD with lr 1 on a parameter that starts at 0):
   after each round the pulled parameter must be the previous one minus the workers'
-  mean ``(N+1)/2 + (i mod 13)``;
-- noop: the buffer must still hold the input.
+  mean ``(N+1)/2 + (i mod 13)`` (exactly when N is a power of two; otherwise 1/N itself is
+  rounded, and a relative difference above 4e-7, about 3 float32 ulps, counts as wrong);
+- noop: the buffer must still hold the input;
+- ceilings: what was received must be what was sent.
 
-The input is refilled before every timed exchange (outside the timing), and every
-timed result is checked, so ``wrong`` counts over all of them. ``--corrupt`` shifts
-one element of the reference, to prove the check can fail.
+The input is refilled before every exchange (outside the timing), and every result is checked
+(also outside), so ``wrong`` counts over all timed ones. ``--corrupt`` shifts one element of the
+reference, to prove the check can fail.
 
-TCP ceilings (``tcp-oneway``, ``tcp-duplex``) use ranks 0 and 1 only: rank 1
-listens on its own address (``BENCH_ADDR``, loopback unless a ``--link`` namespace
-sets it), publishes it in the job's rendezvous store, rank 0 connects.
+Ceilings, beside the regimes in the same turns: ``tcp-oneway`` and ``tcp-duplex`` (raw TCP between
+ranks 0 and 1: rank 1 listens on ``BENCH_ADDR``, loopback unless a ``--link`` namespace sets it);
+``zmq-tcp`` and ``zmq-ipc`` (both directions at once through pyzmq PUSH/PULL as the ring uses it:
+4 MiB zero-copy frames, received and not even read, the ring's I/O threads, send buffer and heap
+setting: what a ring over that transport meets before it adds a byte); ``memcpy`` (rank 0 copies S
+bytes). Ranks that take no part in a ceiling pass their turn.
+
+A case whose setup fails on any rank is left out on every rank (the ranks agree through the
+store) and reported with its error; a case that fails while running stops the job, naming itself,
+and the parent runs the others again without it.
 """
 
 from __future__ import annotations
@@ -30,9 +42,11 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -42,12 +56,13 @@ from torch import nn
 import commlab
 from commlab import launcher, rendezvous
 from commlab.config import ExchangerURL
-from commlab.registry import regime_class
 from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
 from commlab.optim import OptimizerSpec
+from commlab.registry import regime_class
 
 PATTERN = 13
+CEILINGS = ("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy")
 
 
 def fill_input(buf: torch.Tensor, rank: int) -> None:
@@ -76,6 +91,12 @@ def corrupt(reference: torch.Tensor) -> torch.Tensor:
     return reference
 
 
+def turns(names: list, i: int) -> list:
+    """The order of iteration ``i``: every case once, starting from case ``i mod len``."""
+    k = i % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
 class Results(list):
     """This rank's rows, written to its file after every size (atomically), so a job stopped
     midway (a failure, the time budget) still leaves what it measured."""
@@ -102,10 +123,10 @@ class FlatParam(nn.Module):
         self.weight = nn.Parameter(torch.zeros(count))
 
 
+# ----- one size's exchange under one case ----------------------------------------------------------
 class Exchange:
-    """One size's exchange under one method: ``arm()`` (untimed: refill the input),
-    ``go()`` (timed: one exchange, returns when this rank has its result),
-    ``wrong()`` (untimed: elements of the result that differ from the exact reference)."""
+    """``arm()`` (untimed: refill the input), ``go()`` (timed: one exchange, returns when this rank
+    has its result), ``wrong()`` (untimed: elements of the result that differ from the reference)."""
 
     def __init__(self, count: int, rank: int, world: int, device: torch.device, corrupt_ref: bool):
         self.count, self.world, self.device, self.corrupt_ref = count, world, device, corrupt_ref
@@ -186,25 +207,197 @@ class PushPull(Exchange):
         self.prev = got
         return got, ref
 
+    def wrong(self) -> int:
+        got, ref = self.result_and_reference()
+        ref = corrupt(ref) if self.corrupt_ref else ref
+        if self.world & (self.world - 1) == 0:
+            return count_wrong(got, ref)
+        # the mean of N pushes is exact in float32 only when 1/N is (N a power of two): elsewhere one
+        # rounding per step is allowed, never more (the reference restarts from each pull)
+        return int((~torch.isclose(got, ref, rtol=4e-7, atol=0.0)).sum().item())
+
     def close(self) -> None:
         self.ex.close()
 
 
-def measure(x: Exchange, iters: int, warmup: int) -> tuple[list[float], int]:
-    """``warmup`` + ``iters`` exchanges; the time of each timed one, and wrong elements over them."""
-    times, wrong = [], 0
-    for i in range(warmup + iters):
-        x.arm()
-        t0 = time.perf_counter()
-        x.go()
-        t = time.perf_counter() - t0
-        w = x.wrong()  # also for warm-ups: a push-pull's reference follows the previous pull
-        if i >= warmup:
-            times.append(t)
-            wrong += w
-    return times, wrong
+class Bytes(Exchange):
+    """A ceiling's S bytes: ``go`` moves ``send`` into ``recv``; wrong = whether they differ."""
+
+    def __init__(self, size: int, takes_part: bool):
+        self.takes_part = takes_part
+        self.send = bytearray(bytes(range(256)) * (size // 256 + 1))[:size] if takes_part else bytearray()
+        self.recv = bytearray(len(self.send))
+        self.checked = True  # the one-way sender receives nothing to check
+
+    def arm(self) -> None:
+        pass
+
+    def go(self) -> None:
+        if self.takes_part:
+            self.move()
+
+    def move(self) -> None:
+        raise NotImplementedError
+
+    def wrong(self) -> int:
+        return int(self.takes_part and self.checked and self.recv != self.send)
 
 
+class Memcpy(Bytes):
+    """Rank 0 copies S bytes in memory (numpy): read S, write S."""
+
+    def __init__(self, size: int, rank: int):
+        super().__init__(size, rank == 0)
+        import numpy as np
+        self.src, self.dst = np.frombuffer(self.send, np.uint8), np.frombuffer(self.recv, np.uint8)
+
+    def move(self) -> None:
+        import numpy as np
+        np.copyto(self.dst, self.src)
+
+
+class TcpLink:
+    """One TCP connection between ranks 0 and 1 for the raw ceilings, made once per job."""
+
+    def __init__(self, store, info, timeout: float, tag: str):
+        self.sock, self.rank, self.timeout = None, info.rank, timeout
+        if info.rank > 1:
+            return
+        key = f"bench/{tag}/addr"
+        if info.rank == 1:
+            lsock = socket.socket()
+            lsock.bind((os.environ.get("BENCH_ADDR", "127.0.0.1"), 0))
+            lsock.listen(1)
+            lsock.settimeout(timeout)
+            host, port = lsock.getsockname()
+            store.set(key, f"{host}:{port}")
+            self.sock, _ = lsock.accept()
+            lsock.close()
+        else:
+            store.wait([key], timedelta(seconds=timeout))
+            host, port = store.get(key).decode().rsplit(":", 1)
+            self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.settimeout(timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise commlab.PeerLost("the TCP peer closed the connection mid-message")
+        got += k
+
+
+class TcpOneway(Bytes):
+    """Rank 0 sends S bytes (sendall), rank 1 receives them into a preallocated buffer and acks 1 byte."""
+
+    def __init__(self, link: TcpLink, size: int):
+        super().__init__(size, link.sock is not None)
+        self.link, self.checked = link, link.rank == 1
+
+    def move(self) -> None:
+        sock = self.link.sock
+        if self.link.rank == 0:
+            sock.sendall(self.send)
+            _recv_exact(sock, memoryview(bytearray(1)))
+        else:
+            _recv_exact(sock, memoryview(self.recv))
+            sock.sendall(b"k")
+
+
+class TcpDuplex(Bytes):
+    """Ranks 0 and 1 each send S bytes while receiving S, on one thread (no GIL hand-offs)."""
+
+    def __init__(self, link: TcpLink, size: int):
+        super().__init__(size, link.sock is not None)
+        self.link = link
+
+    def move(self) -> None:
+        sock, timeout, send, recv = self.link.sock, self.link.timeout, memoryview(self.send), memoryview(self.recv)
+        sent = got = 0
+        sock.setblocking(False)
+        try:
+            while sent < len(send) or got < len(recv):
+                r, w, _ = select.select([sock] if got < len(recv) else [], [sock] if sent < len(send) else [], [],
+                                        timeout)
+                if not r and not w:
+                    raise commlab.CommTimeout(f"rank {self.link.rank}: duplex TCP peer silent for {timeout:g}s")
+                if w:
+                    sent += sock.send(send[sent:])
+                if r:
+                    k = sock.recv_into(recv[got:])
+                    if k == 0:
+                        raise commlab.PeerLost(f"rank {self.link.rank}: the TCP peer closed the connection mid-message")
+                    got += k
+        finally:
+            sock.settimeout(timeout)
+
+
+class ZmqLink:
+    """PUSH/PULL between ranks 0 and 1 over ``transport`` (tcp or ipc), set up as the ring sets up
+    its sockets (I/O threads, send buffer, heap setting), once per job."""
+
+    PIECE = 4 << 20
+
+    def __init__(self, store, info, timeout: float, transport: str):
+        import zmq
+
+        from commlab.heap import keep_freed_memory
+        from commlab.regimes.ring import RingOptions
+        from commlab.transport import Transport
+
+        self.rank, self.timeout, self.net, self.folder, self.push = info.rank, timeout, None, None, None
+        if info.rank > 1:
+            return
+        keep_freed_memory()
+        io_threads = RingOptions.io_threads
+        self.net = Transport(io_threads=io_threads, sndbuf=RingOptions.sndbuf_kb * 1024 or None)
+        self.folder = tempfile.mkdtemp(prefix="commlab-bench-") if transport == "ipc" else None
+        where = f"ipc://{self.folder}/r{info.rank}" if self.folder else "tcp://127.0.0.1:0"
+        self.pull = self.net.bind(zmq.PULL, where, io_thread=0)
+        key = f"bench/zmq-{transport}/"
+        store.set(f"{key}{info.rank}", self.pull.last_endpoint.decode())
+        store.wait([f"{key}{1 - info.rank}"], timedelta(seconds=timeout))
+        self.push = self.net.connect(zmq.PUSH, store.get(f"{key}{1 - info.rank}").decode(), io_thread=io_threads - 1)
+        self.push.send(b"hello")
+        self.pull.recv()
+
+    def close(self) -> None:
+        if self.net is not None:
+            self.net.close()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ZmqBothWays(Bytes):
+    """Ranks 0 and 1 each send S bytes to the other at once, 4 MiB zero-copy frames, received and
+    not read (``wrong`` stays 0: nothing is compared)."""
+
+    def __init__(self, link: ZmqLink, size: int):
+        super().__init__(size, link.push is not None)
+        self.link, self.checked = link, False
+
+    def arm(self) -> None:
+        if self.takes_part:  # start together, untimed
+            self.link.push.send(b"go")
+            self.link.pull.recv()
+
+    def move(self) -> None:
+        link, piece, out = self.link, ZmqLink.PIECE, memoryview(self.send)
+        trackers = [link.push.send(out[s:s + piece], copy=False, track=True) for s in range(0, len(out), piece)]
+        for _ in range(0, len(out), piece):
+            link.pull.recv(copy=False)
+        for t in trackers:
+            t.wait(link.timeout)
+
+
+# ----- a job: its cases, set up once, measured size by size --------------------------------------------
 class ServersPerSize:
     """Fresh servers for every size, for a regime whose ``setup()`` binds one model (``ps://``).
 
@@ -214,14 +407,13 @@ class ServersPerSize:
     ranks stay up, only servers restart.
     """
 
-    def __init__(self, url: str, info, timeout: float):
-        self.url, self.info, self.timeout = url, info, timeout
-        self.store = rendezvous.connect_store(info, timeout)
+    def __init__(self, name: str, url: str, info, store, timeout: float):
+        self.name, self.url, self.info, self.timeout, self.store = name, url, info, timeout, store
         self.procs: list[launcher.Proc] = []
         self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.planned_servers
 
     def start(self, size: int) -> str:
-        key = f"bench/servers/{size}"
+        key = f"bench/servers/{self.name}/{size}"
         if self.info.rank == 0:
             url, argvs = self.plan.enter_context(launcher.planned_servers(self.url, self.info.world_size))
             self.procs = [launcher.Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv]))
@@ -236,155 +428,166 @@ class ServersPerSize:
         return self.store.get(key).decode()
 
     def stop(self, size: int) -> None:
-        key = f"bench/servers/{size}/closed"
+        key = f"bench/servers/{self.name}/{size}/closed"
         self.store.add(key, 1)
         if self.info.rank != 0:
             return
         deadline = time.monotonic() + self.timeout
         while int(self.store.add(key, 0)) < self.info.world_size:
             if time.monotonic() > deadline:
-                raise commlab.CommTimeout(f"rank 0: not every rank closed its client for {size} bytes "
+                raise commlab.CommTimeout(f"rank 0: not every rank closed its {self.name} client for {size} bytes "
                                           f"within {self.timeout:g}s")
             time.sleep(0.01)
+        self.close()
+
+    def close(self) -> None:
         launcher.stop_all(self.procs)
         self.procs = []
         self.plan.close()
 
-    def close(self) -> None:
-        launcher.stop_all(self.procs)
-        self.plan.close()
+
+class CaseFailed(Exception):
+    def __init__(self, case: str, exc: BaseException):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.case = case
 
 
-def run_sizes(out: Results, method: str, url: str, info, sizes: list[int], iters: list[int], warmup: int,
-              timeout: float, corrupt_ref: bool) -> None:
-    rank, world = info.rank, info.world_size
-    facts = {}
-    ex, device, servers = None, torch.device("cpu"), None
-    if method == "pushpull":
-        cls = regime_class(ExchangerURL.parse(url).scheme)
-        if issubclass(cls, PlansServers):  # servers the launcher would start: started here, per size
-            servers = ServersPerSize(url, info, timeout)
-    if method == "allreduce":
-        ex = commlab.connect(url, info)
-        if not isinstance(ex, Collective):
-            raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method allreduce")
-        ex.join()
-        if getattr(ex.options, "backend", "") == "nccl":  # join() picked this rank's GPU
-            device = torch.device("cuda", torch.cuda.current_device())
-    try:
-        for size, n_iter in zip(sizes, iters):
-            common = (size // 4, rank, world, device, corrupt_ref)
-            if method == "allreduce":
-                x = AllReduce(ex, timeout, *common)
-            elif method == "noop":
-                x = Noop(*common)
-            elif method == "pushpull":  # setup() binds one model: a fresh client (and servers) per size
-                x = PushPull(servers.start(size) if servers else url, info, timeout, *common)
-            else:
-                raise ValueError(f"unknown method {method!r}")
+class Job:
+    """This rank's cases (``[{"name", "method", "url"}]``), set up in an order every rank shares:
+    an ``allreduce://`` regime first (its process group and store serve the others), then the rest."""
+
+    def __init__(self, cases: list[dict], info, timeout: float, corrupt_ref: bool):
+        self.info, self.timeout, self.corrupt_ref = info, timeout, corrupt_ref
+        self.cases = sorted(cases, key=lambda c: not c["url"].startswith("allreduce://"))
+        self.state: dict[str, object] = {}  # name -> exchanger, link or ServersPerSize
+        self.devices: dict[str, torch.device] = {}
+        self.errors: dict[str, str] = {}
+        self.client_facts: dict[str, dict] = {}  # per-size clients (ps://): the last one's
+        self.store = None
+        for c in self.cases:
             try:
-                times, wrong = measure(x, n_iter, warmup)
-                if method == "pushpull":
-                    facts = x.ex.facts()
-            finally:
+                self._setup(c)
+            except (commlab.CommError, commlab.ConfigError, ImportError, OSError) as exc:
+                self.errors[c["name"]] = f"{type(exc).__name__}: {exc}"
+        if self.store is None:
+            self.store = rendezvous.connect_store(info, timeout)
+        self.errors = self._agree(self.errors)
+        self.names = [c["name"] for c in self.cases if c["name"] not in self.errors]
+
+    def _setup(self, c: dict) -> None:
+        name, method, url = c["name"], c["method"], c["url"]
+        if method == "allreduce":
+            ex = commlab.connect(url, self.info)
+            self.state[name] = ex
+            if not isinstance(ex, Collective):
+                raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method "
+                                          "allreduce")
+            if url.startswith("allreduce://"):
+                ex.join()
+                self.store = ex.store
+            else:
+                ex.join(self._store())
+            self.devices[name] = torch.device("cpu")
+            if getattr(ex.options, "backend", "") == "nccl":  # join() picked this rank's GPU
+                self.devices[name] = torch.device("cuda", torch.cuda.current_device())
+        elif method == "pushpull":
+            if issubclass(regime_class(ExchangerURL.parse(url).scheme), PlansServers):
+                self.state[name] = ServersPerSize(name, url, self.info, self._store(), self.timeout)
+        elif method in ("tcp-oneway", "tcp-duplex"):
+            self.state[name] = TcpLink(self._store(), self.info, self.timeout, name)
+        elif method in ("zmq-tcp", "zmq-ipc"):
+            self.state[name] = ZmqLink(self._store(), self.info, self.timeout, method[4:])
+        elif method not in ("noop", "memcpy"):
+            raise commlab.ConfigError(f"unknown method {method!r}")
+
+    def _store(self):
+        if self.store is None:
+            self.store = rendezvous.connect_store(self.info, self.timeout)
+        return self.store
+
+    def _agree(self, errors: dict[str, str]) -> dict[str, str]:
+        """Every rank's setup errors, so that all leave out the same cases."""
+        self.store.set(f"bench/setup/{self.info.rank}", json.dumps(errors))
+        keys = [f"bench/setup/{r}" for r in range(self.info.world_size)]
+        self.store.wait(keys, timedelta(seconds=self.timeout))
+        out: dict[str, str] = {}
+        for r, k in enumerate(keys):
+            for name, err in json.loads(self.store.get(k)).items():
+                out.setdefault(name, err if r == self.info.rank else f"on rank {r}: {err}")
+        return out
+
+    def exchange(self, c: dict, size: int) -> Exchange:
+        name, method, rank, world = c["name"], c["method"], self.info.rank, self.info.world_size
+        common = (size // 4, rank, world, self.devices.get(name, torch.device("cpu")), self.corrupt_ref)
+        st = self.state.get(name)
+        if method == "allreduce":
+            return AllReduce(st, self.timeout, *common)
+        if method == "noop":
+            return Noop(*common)
+        if method == "pushpull":  # setup() binds one model: a fresh client (and servers) per size
+            return PushPull(st.start(size) if st else c["url"], self.info, self.timeout, *common)
+        if method == "memcpy":
+            return Memcpy(size, rank)
+        if method == "tcp-oneway":
+            return TcpOneway(st, size)
+        if method == "tcp-duplex":
+            return TcpDuplex(st, size)
+        return ZmqBothWays(st, size)
+
+    def measure(self, out: Results, size: int, iters: int, warmup: int) -> None:
+        """Every case on ``size``, taking turns; one row per case."""
+        by_name = {c["name"]: c for c in self.cases}
+        xs: dict[str, Exchange] = {}
+        try:
+            for name in self.names:
+                try:
+                    xs[name] = self.exchange(by_name[name], size)
+                except Exception as exc:
+                    raise CaseFailed(name, exc) from exc
+            times = {n: [] for n in self.names}
+            cpu = {n: [] for n in self.names}
+            wrong = dict.fromkeys(self.names, 0)
+            for i in range(warmup + iters):
+                for name in turns(self.names, i):
+                    x = xs[name]
+                    try:
+                        x.arm()
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        x.go()
+                        t, c = time.perf_counter() - t0, time.process_time() - c0
+                        w = x.wrong()  # also for warm-ups: a push-pull's reference follows the previous pull
+                    except Exception as exc:
+                        raise CaseFailed(name, exc) from exc
+                    if i >= warmup:
+                        times[name].append(t)
+                        cpu[name].append(c)
+                        wrong[name] += w
+        finally:
+            for name, x in xs.items():
+                if isinstance(x, PushPull):
+                    self.client_facts[name] = x.ex.facts()
                 x.close()
-            if servers:
-                servers.stop(size)
-            out.append({"size_bytes": size, "count": size // 4, "iters": n_iter, "warmup": warmup, "times_s": times,
-                        "wrong": wrong})
-    finally:
-        if ex is not None:
-            facts = ex.facts()
-            ex.close()
-        if servers:
-            servers.close()
-        if facts:
-            out.append({"facts": facts})
+        for name in self.names:
+            if isinstance(self.state.get(name), ServersPerSize):
+                self.state[name].stop(size)
+        for name in self.names:
+            out.append({"case": name, "size_bytes": size, "count": size // 4, "iters": iters, "warmup": warmup,
+                        "times_s": times[name], "cpu_s": cpu[name], "wrong": wrong[name]})
 
+    def facts(self) -> dict:
+        facts = {name: st.facts() for name, st in self.state.items() if hasattr(st, "facts")}
+        return {**facts, **self.client_facts}
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise commlab.PeerLost("the TCP peer closed the connection mid-message")
-        got += k
-
-
-def _duplex(sock: socket.socket, send: memoryview, recv: memoryview, timeout: float, rank: int) -> None:
-    """Send all of ``send`` while receiving all of ``recv``, on one thread (no GIL hand-offs)."""
-    sent = got = 0
-    sock.setblocking(False)
-    try:
-        while sent < len(send) or got < len(recv):
-            r, w, _ = select.select([sock] if got < len(recv) else [], [sock] if sent < len(send) else [], [], timeout)
-            if not r and not w:
-                raise commlab.CommTimeout(f"rank {rank}: duplex TCP peer silent for {timeout:g}s")
-            if w:
-                sent += sock.send(send[sent:])
-            if r:
-                k = sock.recv_into(recv[got:])
-                if k == 0:
-                    raise commlab.PeerLost(f"rank {rank}: the TCP peer closed the connection mid-message")
-                got += k
-    finally:
-        sock.settimeout(timeout)
-
-
-def run_tcp(out: Results, method: str, info, sizes: list[int], iters: list[int], warmup: int, timeout: float) -> None:
-    """Raw TCP between ranks 0 and 1 (other ranks idle). Rank 0 times; each message is S bytes."""
-    rank = info.rank
-    store = rendezvous.connect_store(info, timeout)
-    if rank > 1:
-        return
-    if rank == 1:
-        lsock = socket.socket()
-        lsock.bind((os.environ.get("BENCH_ADDR", "127.0.0.1"), 0))
-        lsock.listen(1)
-        lsock.settimeout(timeout)
-        host, port = lsock.getsockname()
-        store.set("tcp/addr", f"{host}:{port}")
-        sock, _ = lsock.accept()
-        lsock.close()
-    else:
-        store.wait(["tcp/addr"])
-        host, port = store.get("tcp/addr").decode().rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
-    sock.settimeout(timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ack = bytearray(1)
-    try:
-        for size, n_iter in zip(sizes, iters):
-            send = bytearray(bytes(range(256)) * (size // 256 + 1))[:size]  # same on both ranks: checkable
-            recv = bytearray(size)
-            sview, rview = memoryview(send), memoryview(recv)
-            times = []
-            for i in range(warmup + n_iter):
-                t0 = time.perf_counter()
-                if method == "tcp-oneway":
-                    if rank == 0:
-                        sock.sendall(sview)
-                        _recv_exact(sock, memoryview(ack))
-                    else:
-                        _recv_exact(sock, rview)
-                        sock.sendall(b"k")
-                else:  # duplex: both send S while receiving S
-                    _duplex(sock, sview, rview, timeout, rank)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            wrong = 0 if method == "tcp-oneway" and rank == 0 else int(recv != send)
-            out.append({"size_bytes": size, "count": size // 4, "iters": n_iter, "warmup": warmup, "times_s": times,
-                        "wrong": wrong})
-    finally:
-        sock.close()
+    def close(self) -> None:
+        for st in reversed(list(self.state.values())):
+            with contextlib.suppress(Exception):
+                st.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.bw_worker")
-    p.add_argument("--exchanger", required=True)
-    p.add_argument("--regime-url", help="the regime to measure, when the launcher is given noop:// so that it starts "
-                                        "no servers (servers are then started per size, see ServersPerSize)")
-    p.add_argument("--method", required=True, choices=("allreduce", "pushpull", "noop", "tcp-oneway", "tcp-duplex"))
+    p.add_argument("--exchanger", required=True, help="set by the launcher (noop://: the job starts its own servers)")
+    p.add_argument("--cases", required=True, help='JSON list of {"name", "method", "url"}')
     p.add_argument("--sizes", required=True, help="bytes, comma-separated")
     p.add_argument("--iters", required=True, help="timed iterations per size, comma-separated")
     p.add_argument("--warmup", type=int, default=2)
@@ -398,16 +601,26 @@ def main(argv: list[str] | None = None) -> int:
     iters = [int(s) for s in a.iters.split(",")]
     info = rendezvous.from_env()
     out = Results(a.out if info.rank == 0 else f"{a.out}.rank{info.rank}", info)
+    job = None
     try:
-        if a.method.startswith("tcp"):
-            if info.world_size < 2:
-                raise commlab.ConfigError(f"{a.method} needs 2 ranks, got {info.world_size}")
-            run_tcp(out, a.method, info, sizes, iters, a.warmup, a.timeout)
-        else:
-            run_sizes(out, a.method, a.regime_url or a.exchanger, info, sizes, iters, a.warmup, a.timeout, a.corrupt)
+        # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.launch_job)
+        cases = [dict(c, url=a.exchanger if c["url"] == "@launcher" else c["url"]) for c in json.loads(a.cases)]
+        job = Job(cases, info, a.timeout, a.corrupt)
+        for name, err in job.errors.items():
+            out.append({"case": name, "setup_error": err})
+        for size, n in zip(sizes, iters):
+            job.measure(out, size, n, a.warmup)
+        out.append({"facts": job.facts()})
+    except CaseFailed as exc:
+        out.append({"case": exc.case, "failed": str(exc), "at": time.time()})
+        print(f"commlab worker rank {info.rank}: {exc.case}: {exc}", file=sys.stderr)
+        return 2
     except (commlab.CommError, commlab.ConfigError) as exc:
         print(f"commlab worker rank {info.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if job is not None:
+            job.close()
     return 0
 
 

@@ -34,6 +34,40 @@ from bench.jobs import python, run_job
 COINCIDE_TOL = 1e-3
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What every regime trains: a program the bench starts once per (regime, N).
+
+    ``python *launch --exchanger URL --workers N --steps S --batch-size B --lr LR --seed K
+    --eval-every E --metrics FILE --no-progress *args``; the program runs N ranks under the regime
+    and each rank writes one JSON line per step to FILE (rank r > 0: ``FILE.rank<r>``) with ``step,
+    loss, compute_s, comm_s, step_s, bytes_sent, time_s`` and, on rank 0 at eval steps, ``test_loss``
+    (and ``test_acc`` where the task has one). ``commlab train`` is the built-in one; a script of
+    one's own (the examples) plugs in with its launch command, e.g. ``("-m", "commlab.cli", "run",
+    "examples/x.py")``, as long as it takes those flags and writes those lines.
+    """
+
+    name: str = "mlp"
+    launch: tuple[str, ...] = ("-m", "commlab.cli", "train")
+    args: tuple[str, ...] = ("--model", "mlp")
+
+    @classmethod
+    def model(cls, model: str) -> "Workload":
+        """``commlab train --model MODEL``."""
+        return cls(model, args=("--model", model))
+
+    def argv(self, url: str, workers: int, *, steps: int, batch: int, lr: float, seed: int, eval_every: int,
+             metrics: Path) -> list[str]:
+        return [python(), *self.launch, "--exchanger", url, "--workers", str(workers), "--steps", str(steps),
+                "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed), "--eval-every", str(eval_every),
+                "--metrics", str(metrics), "--no-progress", *self.args]
+
+    def rank_args(self, *, steps: int, batch: int, lr: float, seed: int, eval_every: int, metrics: Path) -> list[str]:
+        """The per-rank flags alone (``bench.launch_job`` starts the ranks itself over ``--link``)."""
+        return ["--steps", str(steps), "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed),
+                "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress", *self.args]
+
+
 @dataclass
 class ConvergenceConfig:
     regimes: list[str]
@@ -46,6 +80,18 @@ class ConvergenceConfig:
     eval_every: int = 10
     target_acc: float = 0.85
     job_timeout: float = 120.0
+    workload: Workload | None = None  # None: commlab train --model MODEL
+
+    def the_workload(self) -> Workload:
+        return self.workload or Workload.model(self.model)
+
+    def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
+        return self.lr / workers if entry.lr_over_n else self.lr
+
+
+def slug(name: str) -> str:
+    """A regime's name as a file name (``ps-async-lr/N`` -> ``ps-async-lr_N``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def read_metrics(path: Path, workers: int) -> list[list[dict]]:
@@ -77,8 +123,12 @@ def server_stats_from_log(log: Path) -> list[dict]:
     return list(last.values())
 
 
-def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = None) -> list[int] | None:
-    """The staleness of every applied update, or None if the regime did not report it.
+def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = None,
+                   key: str = "staleness") -> list[int] | None:
+    """The staleness of every applied update, or None if the regime did not report it. ``key``:
+    ``"staleness"`` (the version gap: server versions between the parameters a gradient was computed
+    on and the ones it is applied to) or ``"clock_gap"`` (the pushing worker's step minus the slowest
+    worker's).
 
     The seam, in order of preference:
       1. files ``*.json`` in ``stats_dir`` (the job's ``COMMLAB_STATS_DIR``), each a JSON object
@@ -96,10 +146,10 @@ def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = 
             docs.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
-    if not any(isinstance(d, dict) and "staleness" in d for d in docs) and log is not None:
+    if not any(isinstance(d, dict) and key in d for d in docs) and log is not None:
         docs = server_stats_from_log(log)
     for doc in docs:
-        st = doc.get("staleness") if isinstance(doc, dict) else None
+        st = doc.get(key) if isinstance(doc, dict) else None
         if isinstance(st, dict):
             found = True
             for k, n in st.items():
@@ -111,7 +161,7 @@ def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = 
         return values
     for lines in ranks:
         for rec in lines:
-            st = rec.get("staleness")
+            st = rec.get(key)
             if st is None:
                 continue
             found = True
@@ -119,7 +169,8 @@ def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = 
     return values if found else None
 
 
-def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], target: float) -> dict:
+def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], target: float, batch: int = 0,
+              lr: float = float("nan")) -> dict:
     r0 = ranks[0]
     evals = [{"step": x["step"] + 1, "time_s": x["time_s"], "test_loss": x["test_loss"], "test_acc": x["test_acc"],
               "bytes": sum(x2["bytes_sent"] for x2 in r0[: x["step"] + 1])} for x in r0 if "test_acc" in x]
@@ -137,7 +188,8 @@ def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], tar
             "step_s_min": min((x["step_s"] for x in r0), default=float("nan")),
             "step_s_max": max((x["step_s"] for x in r0), default=float("nan")),
             "time_to_target_s": hit["time_s"] if hit else None, "steps_to_target": hit["step"] if hit else None,
-            "evals": evals}
+            "evals": evals, "batch_per_worker": batch, "lr": lr, "samples": batch * sum(map(len, ranks)),
+            "step_s_samples": [x["step_s"] for x in r0], "comm_s_samples": [x["comm_s"] for x in r0]}
 
 
 def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progress=None) -> tuple[list[dict], list[dict], dict]:
@@ -169,6 +221,39 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
     return summaries, failures, curves
 
 
+def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: Path, budget: Budget, links,
+          tag: str) -> tuple[dict | None, dict | None]:
+    """One training job of ``cfg``'s workload under regime ``name`` with ``workers`` ranks (local://: one,
+    with the combined batch). Returns (summary, None) or (None, failure)."""
+    e = R.CONVERGENCE[name]
+    ranks_n, batch = (1, workers * cfg.batch_size) if e.kind == "reference" else (workers, cfg.batch_size)
+    lr = cfg.lr_for(e, workers)
+    metrics = run_dir / "raw" / f"{tag}.jsonl"
+    stats_dir = run_dir / "raw" / f"{tag}.stats"
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    w = cfg.the_workload()
+    flags = dict(steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every, metrics=metrics)
+    if links is None or e.kind == "reference":
+        argv = w.argv(e.url, ranks_n, **flags)
+    else:
+        argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(ranks_n), "--module", "workers",
+                "--link", links.rate, "--link-tag", links.tag, "--", *w.rank_args(**flags)]
+    env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
+    res = run_job(argv, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+    budget.note(res.seconds)
+    ranks = read_metrics(metrics, ranks_n)
+    if not res.ok or len(ranks[0]) < steps:
+        status, error = budget.outcome(res) if not res.ok else ("failed", "")
+        return None, {"phase": "convergence", "regime": name, "url": e.url, "status": status, "workers": workers,
+                      "error": error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
+                      "log": str(res.log.relative_to(run_dir))}
+    s = summarize(name, e, ranks, cfg.target_acc, batch, lr)
+    s["staleness"] = read_staleness(stats_dir, ranks, res.log)
+    s["clock_gap"] = read_staleness(stats_dir, ranks, res.log, key="clock_gap")
+    s["curve"] = ranks[0]
+    return s, None
+
+
 def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves) -> None:
     for name in todo:
         e = R.CONVERGENCE[name]
@@ -178,33 +263,68 @@ def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curve
                              "error": "the benchmark's time budget ran out before this run"})
             bar and bar.update(1)
             continue
-        workers, batch = (1, cfg.workers * cfg.batch_size) if e.kind == "reference" else (cfg.workers, cfg.batch_size)
-        metrics = run_dir / "raw" / f"conv-{name}.jsonl"
-        stats_dir = run_dir / "raw" / f"conv-{name}.stats"
-        stats_dir.mkdir(exist_ok=True)
-        train_args = ["--model", cfg.model, "--steps", str(cfg.steps), "--batch-size", str(batch), "--lr", str(cfg.lr),
-                      "--seed", str(cfg.seed), "--eval-every", str(cfg.eval_every), "--metrics", str(metrics),
-                      "--no-progress"]
-        if links is None or e.kind == "reference":
-            argv = [python(), "-m", "commlab.cli", "train", "--exchanger", e.url, "--workers", str(workers), *train_args]
+        s, failure = train(cfg, name, cfg.workers, cfg.steps, run_dir, budget, links, f"conv-{slug(name)}")
+        if failure:
+            failures.append(failure)
         else:
-            argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(workers), "--module", "workers",
-                    "--link", links.rate, "--link-tag", links.tag, "--", *train_args]
-        env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
-        res = run_job(argv, run_dir / "logs" / f"conv-{name}.log", min(cfg.job_timeout, budget.left()), env=env)
-        budget.note(res.seconds)
-        ranks = read_metrics(metrics, workers)
-        if not res.ok or len(ranks[0]) < cfg.steps:
-            status, error = budget.outcome(res) if not res.ok else ("failed", "")
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": status,
-                             "error": error or f"rank 0 wrote {len(ranks[0])} of {cfg.steps} steps",
-                             "log": str(res.log.relative_to(run_dir))})
-        else:
-            s = summarize(name, e, ranks, cfg.target_acc)
-            s["staleness"] = read_staleness(stats_dir, ranks, res.log)
+            curves[name] = s.pop("curve")
             summaries.append(s)
-            curves[name] = ranks[0]
         bar and bar.update(1)
+
+
+def run_scaling(cfg: ConvergenceConfig, names: list[str], workers: list[int], steps: int, run_dir: Path,
+                budget: Budget, links=None, progress=None, have: list[dict] | None = None
+                ) -> tuple[list[dict], list[dict]]:
+    """Step time and exposed communication of each regime at each N (the same per-worker batch):
+    one short training job per (regime, N). ``have``: convergence summaries of this run at
+    ``cfg.workers``, reused for that N. Returns (points, failures); a point holds the per-step samples."""
+    points, failures = [], []
+    todo = []
+    for name in names:
+        e = R.CONVERGENCE[name]
+        why = R.unavailable(e.url)
+        if why is None and links is not None and e.loopback_only:
+            why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
+        if why:
+            failures.append({"phase": "scaling", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            continue
+        for n in workers:
+            old = next((s for s in have or [] if s["regime"] == name and s["workers"] == n), None)
+            if old is not None:
+                points.append(_point(old, steps_dropped=0))
+            else:
+                todo.append((name, n))
+    bar = progress(total=len(todo), desc="scaling", unit="run") if progress else None
+    try:
+        for name, n in todo:
+            bar and bar.set_postfix_str(f"{name} N={n}")
+            if not budget.fits(8.0):
+                failures.append({"phase": "scaling", "regime": name, "url": R.CONVERGENCE[name].url, "workers": n,
+                                 "status": "skipped", "error": f"N={n}: the benchmark's time budget ran out"})
+            else:
+                s, failure = train(cfg, name, n, steps, run_dir, budget, links, f"scale-{slug(name)}-n{n}")
+                if failure:
+                    failures.append(dict(failure, phase="scaling", error=f"N={n}: {failure['error']}"))
+                else:
+                    s.pop("curve")
+                    points.append(_point(s, steps_dropped=SCALING_WARMUP))
+            bar and bar.update(1)
+    except KeyboardInterrupt:
+        failures.append({"phase": "scaling", "regime": "-", "url": "", "status": "interrupted",
+                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
+    if bar:
+        bar.close()
+    return sorted(points, key=lambda p: (names.index(p["regime"]), p["workers"])), failures
+
+
+SCALING_WARMUP = 3  # first steps of a short run: allocation, connection, first buckets
+
+
+def _point(s: dict, steps_dropped: int) -> dict:
+    step, comm = s["step_s_samples"][steps_dropped:], s["comm_s_samples"][steps_dropped:]
+    return {"regime": s["regime"], "url": s["url"], "kind": s["kind"], "workers": s["workers"],
+            "step_s_median": statistics.median(step), "comm_s_median": statistics.median(comm),
+            "step_s_samples": step, "comm_s_samples": comm}
 
 
 def compare_with_reference(summaries: list[dict]) -> None:

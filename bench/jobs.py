@@ -42,7 +42,8 @@ class JobResult:
 def last_error_line(log: Path) -> str:
     """The most telling line of a failed job's log: a commlab error, else the last exception, else the last line."""
     try:
-        lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip()]
+        # the first line is the command run_job wrote: not the job's own word
+        lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip() and not l.startswith("$ ")]
     except OSError:
         return ""
     for key in ("commlab worker rank", "Error:", "Error", "error:"):

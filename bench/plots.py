@@ -22,37 +22,68 @@ def _size_axis(ax, sizes):
     ax.grid(True, which="both", alpha=0.3)
 
 
-def bandwidth(records: list[dict], path: Path, workers: int) -> Path | None:
+def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo") -> Path | None:
+    """Time and busbw against size, each median with its 95% bootstrap interval as error bars, and
+    (when ``peer`` ran) every regime's busbw over the peer's with the interval of the ratio: the same
+    intervals the report's verdicts read."""
     if not records:
         return None
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5))
+    from bench import verdict
+    from bench.report import _paired
+
+    peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and r.get("samples_us")}
+    fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(19 if peers else 13, 5))
+    ax_t, ax_b = axes[0], axes[1]
     names = list(dict.fromkeys(r["regime"] for r in records))
-    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per regime in both panels
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}  # one colour per regime in every panel
     sizes = sorted({r["size_bytes"] for r in records})
     for name in names:
-        rs = sorted((r for r in records if r["regime"] == name), key=lambda r: r["size_bytes"])
+        rs = sorted((r for r in records if r["regime"] == name and r.get("samples_us")), key=lambda r: r["size_bytes"])
+        if not rs:
+            continue
         x = [r["size_bytes"] for r in rs]
         ceiling = rs[0]["kind"] == "ceiling"
-        style = dict(CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}, color=colors[name])
+        style = dict(CEILING_STYLE if ceiling else {"marker": "o", "linewidth": 2}, color=colors[name], capsize=3)
         label = f"{name} (ceiling)" if ceiling else name
+        ci = [verdict.median_interval(r["samples_us"]) for r in rs]
         if name != "memcpy":  # a copy in one process has no exchange time to compare
-            line, = ax_t.plot(x, [r["time_us"] for r in rs], label=label, **style)
-            ax_t.fill_between(x, [r["time_us_min"] for r in rs], [r["time_us_p90"] for r in rs],
-                              color=line.get_color(), alpha=0.10)
+            med = [c[0] for c in ci]
+            ax_t.errorbar(x, med, yerr=[[m - c[1] for m, c in zip(med, ci)], [c[2] - m for m, c in zip(med, ci)]],
+                          label=label, **style)
         if any(r["busbw_gbps"] > 0 for r in rs):
-            line, = ax_b.plot(x, [r["busbw_gbps"] for r in rs], label=label, **style)
-            p90 = [r["size_bytes"] / r["time_us_p90"] / 1e3 * r["busbw_gbps"] / r["algbw_gbps"] for r in rs]
-            ax_b.fill_between(x, p90, [r["busbw_gbps_max"] for r in rs], color=line.get_color(), alpha=0.10)
+            f = [r["busbw_gbps"] / r["algbw_gbps"] if r["algbw_gbps"] else 0.0 for r in rs]
+            bw = lambda r, t, k: r["size_bytes"] / t / 1e3 * k  # t in us -> GB/s
+            mid = [bw(r, c[0], k) for r, c, k in zip(rs, ci, f)]
+            lo = [bw(r, c[2], k) for r, c, k in zip(rs, ci, f)]
+            hi = [bw(r, c[1], k) for r, c, k in zip(rs, ci, f)]
+            ax_b.errorbar(x, mid, yerr=[[m - l for m, l in zip(mid, lo)], [h - m for m, h in zip(mid, hi)]],
+                          label=label, **style)
+        if peers and name != peer and rs[0]["method"] not in ("noop", "memcpy"):
+            pts = [(r["size_bytes"], verdict.compare(name, r["samples_us"], peer, peers[r["size_bytes"]]["samples_us"],
+                                                     paired=_paired([r, peers[r["size_bytes"]]])))
+                   for r in rs if r["size_bytes"] in peers and not r["wrong"]]
+            if pts:
+                axes[2].errorbar([p for p, _ in pts], [v.ratio for _, v in pts],
+                                 yerr=[[v.ratio - v.lo for _, v in pts], [v.hi - v.ratio for _, v in pts]],
+                                 label=label, **style)
     ax_t.set_yscale("log")
-    ax_t.set_ylabel("time per exchange (µs): median; band min-p90")
+    ax_t.set_ylabel("time per exchange (µs): median, 95% interval")
     ax_t.set_title(f"Exchange time, {workers} workers (lower is better)")
     _size_axis(ax_t, sizes)
     ax_t.legend(fontsize=8)
     ax_b.set_yscale("log")
-    ax_b.set_ylabel("busbw (GB/s): median; band from p90 time to min time")
+    ax_b.set_ylabel("busbw (GB/s): at the median time, 95% interval")
     ax_b.set_title("Bus bandwidth per worker, each direction (higher is better)")
     _size_axis(ax_b, sizes)
     ax_b.legend(fontsize=8)
+    if peers:
+        ax = axes[2]
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"busbw / {peer}'s busbw, 95% interval")
+        ax.set_title(f"Against {peer} (an interval across 1: indistinguishable)")
+        _size_axis(ax, sizes)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -76,7 +107,7 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
         label = f"{s['regime']} ({s['kind']})"
         steps = [e["step"] for e in ev]
         ax_acc.plot(steps, [e["test_acc"] for e in ev], label=label, **style)
-        ax_step.plot(steps, [e["test_loss"] for e in ev], label=label, **style)
+        ax_step.plot(steps, [e["test_loss"] for e in ev], label=label, **style)  # step = samples / (N x B)
         ax_time.plot([e["time_s"] for e in ev], [e["test_loss"] for e in ev], label=label, **style)
         if ev[-1]["bytes"] > 0:
             ax_bytes.plot([e["bytes"] / 2**20 for e in ev], [e["test_loss"] for e in ev], label=label, **style)
@@ -84,7 +115,8 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
             no_bytes.append(s["regime"])
     ax_acc.axhline(target, color="red", linewidth=0.8, linestyle="--", label=f"target {target:.0%}")
     ax_acc.set(xlabel="step", ylabel="test accuracy (rank 0's model)", title="Accuracy against step")
-    ax_step.set(xlabel="step", ylabel="test loss", title="Loss against step (sync regimes should lie on local://)")
+    ax_step.set(xlabel="step per worker (= samples processed / global batch, equal for every regime)",
+                ylabel="test loss", title="Loss against step (sync regimes should lie on local://)")
     ax_time.set(xlabel="wall-clock seconds since setup (rank 0)", ylabel="test loss", title="Loss against time")
     title = "Loss against bytes sent by rank 0"
     if no_bytes:
@@ -100,22 +132,59 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
 
 
 def staleness(summaries: list[dict], path: Path) -> Path | None:
-    have = [s for s in summaries if s.get("staleness") and s["kind"] == "async"]
+    """Two histograms per asynchronous regime: the version gap and the clock gap (SSP's bound caps the latter)."""
+    have = [s for s in summaries if s["kind"] == "async" and (s.get("staleness") or s.get("clock_gap"))]
     if not have:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    top = max(max(s["staleness"]) for s in have)
-    width = 0.8 / len(have)
-    for i, s in enumerate(have):
-        vals = s["staleness"]
-        counts = [vals.count(k) / len(vals) for k in range(top + 1)]
-        ax.bar([k + i * width - 0.4 + width / 2 for k in range(top + 1)], counts, width=width,
-               label=f"{s['regime']} (n={len(vals)})")
-    ax.set(xlabel="staleness of an applied update (server versions behind)", ylabel="fraction of updates",
-           title="Staleness distribution of the asynchronous regimes")
-    ax.set_xticks(range(top + 1))
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    for ax, key, xlabel in ((axes[0], "staleness", "version gap: server updates between a gradient's pull and its apply"),
+                            (axes[1], "clock_gap", "clock gap: the pushing worker's step minus the slowest worker's")):
+        rows = [s for s in have if s.get(key)]
+        if not rows:
+            ax.set_title(f"{key}: not reported")
+            continue
+        top = max(max(s[key]) for s in rows)
+        width = 0.8 / len(rows)
+        for i, s in enumerate(rows):
+            vals = s[key]
+            counts = [vals.count(k) / len(vals) for k in range(top + 1)]
+            ax.bar([k + i * width - 0.4 + width / 2 for k in range(top + 1)], counts, width=width,
+                   label=f"{s['regime']} (n={len(vals)}, max {max(vals)})")
+        ax.set(xlabel=xlabel, ylabel="fraction of applied updates")
+        ax.set_xticks(range(top + 1))
+        ax.legend(fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_title("Version gap of the asynchronous regimes")
+    axes[1].set_title("Clock gap (SSP with bound S: never above S)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def scaling(points: list[dict], path: Path, cpus: int | None) -> Path | None:
+    """Step time and exposed communication against N, medians with 95% intervals; N > cores shaded."""
+    if not points:
+        return None
+    from bench import verdict
+
+    fig, (ax_s, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ns = sorted({p["workers"] for p in points})
+    for i, name in enumerate(dict.fromkeys(p["regime"] for p in points)):
+        ps = sorted((p for p in points if p["regime"] == name), key=lambda p: p["workers"])
+        x = [p["workers"] for p in ps]
+        for ax, key in ((ax_s, "step_s_samples"), (ax_c, "comm_s_samples")):
+            ci = [verdict.median_interval([v * 1e3 for v in p[key]]) for p in ps]
+            ax.errorbar(x, [c[0] for c in ci], yerr=[[c[0] - c[1] for c in ci], [c[2] - c[0] for c in ci]],
+                        marker="o", capsize=3, color=f"C{i % 10}", label=name)
+    for ax, what in ((ax_s, "step time"), (ax_c, "exposed communication (step() blocked)")):
+        if cpus and max(ns) > cpus:
+            ax.axvspan(cpus + 0.5, max(ns) + 0.5, color="grey", alpha=0.15, label=f"N > {cpus} cores: oversubscribed")
+        ax.set_xticks(ns)
+        ax.set(xlabel="N workers (same batch per worker)", ylabel=f"{what}, ms: median, 95% interval",
+               title=f"{what.capitalize()} against N")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

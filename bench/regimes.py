@@ -39,6 +39,9 @@ class ConvergenceEntry:
     kind: str  # "reference" (one worker, combined batch) | "sync" | "async" | "floor"
     note: str = ""
     loopback_only: bool = False
+    # async/ssp apply one update per worker push, N per step where sync applies one of the mean: with
+    # lr_over_n the learning rate is lr / N, so the updates of one step add up to sync's step length
+    lr_over_n: bool = False
 
 
 BANDWIDTH: dict[str, BandwidthEntry] = {
@@ -64,6 +67,8 @@ BANDWIDTH: dict[str, BandwidthEntry] = {
 CEILINGS = {
     "tcp-oneway": "raw TCP, two processes, sendall -> recv_into a preallocated buffer, 1-byte ack",
     "tcp-duplex": "raw TCP, two processes, both directions at once (what a ring meets)",
+    "zmq-tcp": "pyzmq PUSH/PULL over tcp, both directions at once, the ring's 4 MiB zero-copy frames, not read",
+    "zmq-ipc": "the same over ipc (Unix sockets)",
     "memcpy": "numpy copy in one process (S bytes read + S written)",
 }
 
@@ -73,15 +78,21 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
     "ring-tcp": ConvergenceEntry("ring://?transport=tcp", "sync", loopback_only=True),
     "ps-sync": ConvergenceEntry("ps://?shards=1&mode=sync", "sync"),
     "ps-sync-2": ConvergenceEntry("ps://?shards=2&mode=sync", "sync", "sharded PS"),
-    "ps-async": ConvergenceEntry("ps://?shards=1&mode=async", "async"),
+    "ps-async": ConvergenceEntry("ps://?shards=1&mode=async", "async", "the same per-update lr as sync"),
+    "ps-async-lr/N": ConvergenceEntry("ps://?shards=1&mode=async", "async", "lr / N per update", lr_over_n=True),
     "ps-ssp-1": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1"),
+    "ps-ssp-1-lr/N": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1, lr / N",
+                                      lr_over_n=True),
     "ps-ssp-4": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=4", "async", "SSP, bound 4"),
     "noop": ConvergenceEntry("noop://", "floor", "workers never talk: the step-time floor"),
 }
 
 DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring-tcp", "ps-1", "ps-2"]
 # in order of importance: if the time budget runs out, the last are skipped
-DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-ssp-1", "ps-sync-2", "ps-ssp-4", "noop"]
+DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-async-lr/N", "ps-ssp-1", "ps-ssp-1-lr/N",
+                       "noop"]
+# step time and exposed communication against N (N = --workers comes from the convergence runs when they ran)
+DEFAULT_SCALING = ["gloo", "ring-tcp"]
 
 
 def unavailable(url: str) -> str | None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench import plots
+from bench import plots, verdict
 from bench.bandwidth import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
 
-SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Files")
+SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Scaling with N",
+            "## Probes", "## Files")
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -54,10 +55,29 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
         out += _table(["regime", "N", "repeats", "time median [min–max]", "p90", "algbw GB/s",
                        "busbw GB/s median [min–max]", "wrong"], rows)
         out.append("")
-    out += ["### Verdict: fastest exchange per size", ""] + bandwidth_verdict(records) + [""]
+    out += ["### Verdict: fastest exchange per size", "",
+            "A regime is named faster only where the 95% interval of the ratio of median times, from this run's "
+            "own iterations, excludes 1.0; otherwise the two are indistinguishable on this machine.", ""]
+    out += bandwidth_verdict(records) + [""]
+    out += against_peer(records)
     if png:
         out += [f"![exchange time and busbw against size]({png.name})", ""]
     return out
+
+
+def _paired(rs: list[dict]) -> bool:
+    """Records whose samples were taken turn by turn in one job: sample i of each, the same seconds."""
+    return len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
+
+
+def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
+    """The fastest regime at ``size`` against each other one (bootstrap over iterations, paired when
+    they took turns), from records with samples and no wrong result."""
+    real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
+            and not r["wrong"] and r.get("samples_us")]
+    if len(real) < 2:
+        return []
+    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real))
 
 
 def bandwidth_verdict(records: list[dict]) -> list[str]:
@@ -74,15 +94,19 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
         if not real:
             continue
         best = real[0]
-        text = f"- {human_bytes(size)}: **{best['regime']}**, {fmt_us(best['time_us'])} median"
-        if len(real) > 1:
-            nxt = real[1]
-            text += f", {nxt['time_us'] / best['time_us']:.2f}x faster than {nxt['regime']} ({fmt_us(nxt['time_us'])})"
-            overlap = best["time_us_max"] >= nxt["time_us_min"]
-            text += "; their [min–max] ranges overlap" if overlap else ""
+        vs = size_verdicts(records, size)
+        if not vs:
+            text = f"- {human_bytes(size)}: only {best['regime']} ran ({fmt_us(best['time_us'])} median)"
+        else:
+            paired = vs[0].paired
+            how = "paired over iterations (they took turns)" if paired else "unpaired (separate jobs)"
+            text = (f"- {human_bytes(size)}: " + "; ".join(v.text() for v in vs) +
+                    f" (ratio of median times, 95% bootstrap interval, {how})")
+            if all(v.winner is None for v in vs):
+                text += f". No regime is the fastest here: the best median was {best['regime']}'s, {fmt_us(best['time_us'])}"
         duplex = next((r for r in at if r["regime"] == "tcp-duplex"), None)
         if duplex and best["busbw_gbps"] > 0:
-            text += f"; busbw {best['busbw_gbps']:.3g} GB/s = {best['busbw_gbps'] / duplex['busbw_gbps']:.0%} of " \
+            text += f"; {best['regime']}'s busbw {best['busbw_gbps']:.3g} GB/s = {best['busbw_gbps'] / duplex['busbw_gbps']:.0%} of " \
                     f"raw TCP with both directions busy ({duplex['busbw_gbps']:.3g} GB/s)"
         floor = next((r for r in at if r["method"] == "noop"), None)
         if floor:
@@ -97,6 +121,34 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
     return lines or ["- No regime produced a result."]
 
 
+def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
+    """Each regime's busbw against ``peer``'s at every size, with the interval (busbw ratio = inverse
+    time ratio: ``t_peer / t_regime``); "≈" where the interval contains 1."""
+    peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and not r["wrong"] and r.get("samples_us")}
+    names = list(dict.fromkeys(r["regime"] for r in records if r["regime"] != peer and r["method"] != "noop"
+                               and r.get("samples_us")))
+    sizes = sorted(peers)
+    if not peers or not names:
+        return []
+    rows = []
+    for name in names:
+        row = [name]
+        for size in sizes:
+            r = next((x for x in records if x["regime"] == name and x["size_bytes"] == size), None)
+            if r is None or r["wrong"]:
+                row.append("—")
+                continue
+            v = verdict.compare(name, r["samples_us"], peer, peers[size]["samples_us"],
+                                paired=_paired([r, peers[size]]))
+            row.append(f"{'≈ ' if v.winner is None else ''}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
+        rows.append(row)
+    return ([f"### Against {peer}: busbw / {peer}'s busbw (= {peer}'s time / the regime's), 95% interval", "",
+             f"Bootstrap over the timed iterations, paired where the two took turns in one job; ≈ marks an interval "
+             f"that contains 1.0 (indistinguishable on this machine). Ceilings are listed too: how far {peer} is "
+             "from what plain sockets reach.", ""]
+            + _table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
+
+
 def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[str]:
     out = ["## Convergence", ""]
     if not summaries:
@@ -106,17 +158,30 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[st
             f"x {n} workers = global batch {cfg['batch_size'] * n} (local:// runs one worker with the whole "
             f"{cfg['batch_size'] * n}), SGD lr {cfg['lr']}, the same data order; test set evaluated on rank 0 every "
             f"{cfg['eval_every']} steps. Target accuracy {cfg['target_acc']:.0%}. Step times are rank 0's, median "
-            f"[min–max] over the {cfg['steps']} steps.", ""]
+            f"[min–max] over the {cfg['steps']} steps.",
+            "",
+            f"**Equal samples.** Every regime processes the same samples: each of the {n} workers takes {cfg['steps']} "
+            f"steps of batch {cfg['batch_size']} ({cfg['steps'] * cfg['batch_size'] * n} samples in all, as local:// "
+            f"in {cfg['steps']} steps of {cfg['batch_size'] * n}). A synchronous regime applies {cfg['steps']} updates, "
+            f"each of the mean gradient; an asynchronous one applies {n} x {cfg['steps']} updates, each of one worker's "
+            f"gradient. **Learning rate**: at the same per-update lr ({cfg['lr']}) async/SSP move the parameters {n}x as "
+            f"far per step as sync, so a faster descent there is partly a larger step, not a benefit of asynchrony; the "
+            f"`-lr/N` rows use lr / {n} = {cfg['lr'] / n:g} per update, so the updates of one step add up to sync's step. "
+            f"The `-lr/N` rows are the fair comparison of staleness; the others are what a user gets by changing only "
+            f"the URL. Both are shown.", ""]
     rows = []
     for s in summaries:
-        rows.append([s["regime"], s["kind"], str(s["workers"]), f"{s['final_test_acc']:.3f}", f"{s['final_test_loss']:.4f}",
+        rows.append([s["regime"], s["kind"], str(s["workers"]), fmt(s.get("lr")), fmt(s.get("samples")),
+                     fmt(len(s["staleness"])) if s.get("staleness") else ("—" if s["kind"] != "sync" else fmt(s["steps"])),
+                     f"{s['final_test_acc']:.3f}", f"{s['final_test_loss']:.4f}",
                      f"{s['wall_s']:.2f}", fmt(s["steps_to_target"]),
                      "—" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.2f}",
                      human_bytes(s["bytes_sent_per_worker_step"]),
                      f"{s['step_s_median'] * 1e3:.1f} [{s['step_s_min'] * 1e3:.1f}–{s['step_s_max'] * 1e3:.1f}]",
                      f"{s['compute_s_median'] * 1e3:.1f}", f"{s['comm_s_median'] * 1e3:.1f}",
                      fmt(s["max_abs_test_loss_diff"], 2)])
-    out += _table(["regime", "kind", "N", "final test acc", "final test loss", "wall s", "steps to target",
+    out += _table(["regime", "kind", "N", "lr per update", "samples", "updates applied", "final test acc",
+                   "final test loss", "wall s", "steps to target",
                    "s to target", "sent / worker / step", "step ms median [min–max]", "compute ms",
                    "exposed comm ms", "max abs test-loss diff vs local"], rows)
     out += ["", "### Do the synchronous regimes reproduce local:// on the combined batch?", ""]
@@ -159,20 +224,25 @@ def sync_check(summaries: list[dict]) -> list[str]:
 
 
 def accuracy_verdict(summaries: list[dict], target: float) -> list[str]:
+    """Who reached the target first, with intervals: time to target = steps to target x the mean step
+    time, bootstrapped over each regime's steps (unpaired: each regime ran as a job of its own)."""
     cands = [s for s in summaries if s["kind"] != "floor"]
-    hit = sorted((s for s in cands if s["time_to_target_s"] is not None), key=lambda s: s["time_to_target_s"])
+    hit = [s for s in cands if s["time_to_target_s"] is not None and s.get("step_s_samples")]
     lines = []
     if hit:
-        b = hit[0]
-        lines.append(f"- **{b['regime']}** reached {target:.0%} test accuracy first: {b['time_to_target_s']:.2f} s "
-                     f"(step {b['steps_to_target']}).")
-        ref = next((s for s in hit if s["kind"] == "reference"), None)
-        for s in hit[1:]:
-            lines.append(f"- {s['regime']}: {s['time_to_target_s']:.2f} s (step {s['steps_to_target']}), "
-                         f"{s['time_to_target_s'] / b['time_to_target_s']:.2f}x the best.")
-        if ref is not None:
-            lines.append(f"- local:// is one process with no communication: the distributed regimes are run beside "
-                         f"it to show what communication costs on this machine, not to beat it on 2 cores.")
+        samples = {s["regime"]: s["step_s_samples"] for s in hit}
+        scales = {s["regime"]: s["steps_to_target"] for s in hit}
+        vs = verdict.against_best(samples, paired=False, stat="mean", scales=scales)
+        best = next(s for s in hit if s["regime"] == (vs[0].a if vs else hit[0]["regime"]))
+        lines.append(f"- Estimated time to {target:.0%} test accuracy = steps to target x mean step time (rank 0). "
+                     f"Best: {best['regime']}, step {best['steps_to_target']}, about "
+                     f"{best['steps_to_target'] * statistics.fmean(best['step_s_samples']):.2f} s "
+                     f"(measured wall time {best['time_to_target_s']:.2f} s, evaluations included).")
+        for v in vs:
+            lines.append(f"- {v.text('faster to the target')} (95% bootstrap interval over the steps, unpaired).")
+        if any(s["kind"] == "reference" for s in hit):
+            lines.append("- local:// is one process with no communication: the distributed regimes are run beside "
+                         "it to show what communication costs on this machine, not to beat it on 2 cores.")
     missed = [s["regime"] for s in cands if s["time_to_target_s"] is None]
     if missed:
         lines.append(f"- Did not reach {target:.0%} within the run: {', '.join(missed)}.")
@@ -182,7 +252,13 @@ def accuracy_verdict(summaries: list[dict], target: float) -> list[str]:
 def _stale_stats(vals: list[int]) -> str:
     v = sorted(vals)
     return (f"mean {statistics.fmean(v):.2f}, median {statistics.median(v):g}, "
-            f"p90 {v[min(len(v) - 1, int(0.9 * (len(v) - 1)))]}, max {v[-1]} over {len(v)} updates")
+            f"p90 {v[min(len(v) - 1, int(0.9 * (len(v) - 1)))]}, max {v[-1]}")
+
+
+def _bound(url: str) -> int | None:
+    from urllib.parse import parse_qs, urlsplit
+    q = parse_qs(urlsplit(url).query)
+    return int(q["staleness"][0]) if "ssp" in q.get("mode", [""]) and "staleness" in q else None
 
 
 def staleness_verdict(summaries: list[dict]) -> list[str]:
@@ -193,28 +269,98 @@ def staleness_verdict(summaries: list[dict]) -> list[str]:
     base = next((s for s in summaries if s["regime"] == "ps-sync"), None) or \
         next((s for s in summaries if s["kind"] == "reference"), None)
     lines = []
+    if base:
+        lines.append(f"- Against {base['regime']} at equal samples ({base.get('samples', '?')} samples, lr "
+                     f"{fmt(base.get('lr'))}): final test loss {base['final_test_loss']:.4f}, acc "
+                     f"{base['final_test_acc']:.3f}. One run each: the loss differences below are one draw, not an "
+                     "interval; step times come with theirs.")
     for s in asyncs:
-        text = f"- {s['regime']}: final test acc {s['final_test_acc']:.3f}, loss {s['final_test_loss']:.4f}"
+        text = (f"- {s['regime']} (lr {fmt(s.get('lr'))} per update, {len(s['staleness']) if s.get('staleness') else '?'}"
+                f" updates): final test acc {s['final_test_acc']:.3f}, loss {s['final_test_loss']:.4f}")
         if base:
-            text += (f" against {base['regime']}'s {base['final_test_acc']:.3f} / {base['final_test_loss']:.4f} "
-                     f"(loss {s['final_test_loss'] - base['final_test_loss']:+.4f})")
-            if s["time_to_target_s"] is not None and base["time_to_target_s"] is not None:
-                text += (f"; to target in {s['time_to_target_s']:.2f} s / step {s['steps_to_target']} against "
-                         f"{base['time_to_target_s']:.2f} s / step {base['steps_to_target']}")
-        text += f"; median step {s['step_s_median'] * 1e3:.1f} ms"
-        if base:
-            text += f" against {base['step_s_median'] * 1e3:.1f} ms"
+            text += f" ({s['final_test_loss'] - base['final_test_loss']:+.4f} against {base['regime']})"
+            if s.get("step_s_samples") and base.get("step_s_samples"):
+                v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"],
+                                    paired=False)
+                text += f"; step time: {v.text()}"
         if s.get("staleness"):
-            text += f". Staleness: {_stale_stats(s['staleness'])}"
-            if base and base.get("staleness"):
-                text += (f"; the servers applied {len(s['staleness'])} updates (one per worker push) against "
-                         f"{base['regime']}'s {len(base['staleness'])} (one per step, of the combined gradient)")
-            text += "."
+            text += f". Version gap (server updates between pull and apply): {_stale_stats(s['staleness'])}"
         else:
-            text += (". Staleness: not reported by this regime (seam: the PS server writes "
-                     "`{\"staleness\": {...}}` into `$COMMLAB_STATS_DIR/*.json`).")
-        lines.append(text)
+            text += (". Version gap: not reported by this regime (seam: the PS server writes "
+                     "`{\"staleness\": {...}}` into `$COMMLAB_STATS_DIR/*.json`)")
+        if s.get("clock_gap"):
+            text += f". Clock gap (the pushing worker's step minus the slowest worker's): {_stale_stats(s['clock_gap'])}"
+            b = _bound(s["url"])
+            if b is not None:
+                text += (f"; SSP's bound S = {b}: **max clock gap {max(s['clock_gap'])}**"
+                         + ("" if max(s["clock_gap"]) <= b else " (ABOVE the bound: a bug)"))
+        lines.append(text + ".")
     return lines
+
+
+def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus: int | None) -> list[str]:
+    out = ["## Scaling with N", ""]
+    if not points:
+        return out + ["Not measured in this run.", ""]
+    out += [f"The same model and per-worker batch ({cfg['batch_size']}) at each N; step time and exposed "
+            f"communication are rank 0's medians with a 95% bootstrap interval over the steps "
+            f"({cfg['scale_steps']} steps per run, the first {cfg['scale_warmup']} dropped; N = {cfg['workers']} "
+            f"reuses the convergence run). **This machine has {cpus} cores: N > {cpus} puts more ranks than cores "
+            f"on it (oversubscribed), so growth there measures CPU sharing as much as communication.**", ""]
+    rows = []
+    for p in points:
+        st = verdict.median_interval(p["step_s_samples"])
+        cm = verdict.median_interval(p["comm_s_samples"]) if min(p["comm_s_samples"]) > 0 else (p["comm_s_median"],) * 3
+        rows.append([p["regime"], str(p["workers"]), f"{st[0] * 1e3:.1f} [{st[1] * 1e3:.1f}, {st[2] * 1e3:.1f}]",
+                     f"{cm[0] * 1e3:.1f} [{cm[1] * 1e3:.1f}, {cm[2] * 1e3:.1f}]"])
+    out += _table(["regime", "N", "step ms, median [95%]", "exposed comm ms, median [95%]"], rows) + [""]
+    for name in dict.fromkeys(p["regime"] for p in points):
+        ps = sorted((p for p in points if p["regime"] == name), key=lambda p: p["workers"])
+        for a, b in zip(ps, ps[1:]):
+            v = verdict.compare(f"N={a['workers']}", a["step_s_samples"], f"N={b['workers']}", b["step_s_samples"],
+                                paired=False)
+            out.append(f"- {name}: step at N={b['workers']} / N={a['workers']}: {1 / v.ratio:.2f}x "
+                       f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]" + (" (indistinguishable)" if v.winner is None else ""))
+    out.append("")
+    if png:
+        out += [f"![step time and exposed communication against N]({png.name})", ""]
+    return out
+
+
+def probes_section(probes: dict) -> list[str]:
+    from bench.probes import lines
+    out = ["## Probes", ""]
+    if not probes:
+        return out + ["Not run.", ""]
+    return out + ["Facts about this machine that tests do not assert (they depend on it): measured here, "
+                  "in this run.", ""] + lines(probes) + [""]
+
+
+def _short(v: verdict.Verdict) -> str:
+    v = v.oriented()
+    sign = "≈" if v.winner is None else ">"
+    return f"{v.a} {sign} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
+
+
+def glance(records: list[dict], summaries: list[dict]) -> list[str]:
+    """Every verdict of the run on one line each, ``A > B`` (A faster) or ``A ≈ B`` (indistinguishable),
+    with the ratio and its 95% interval: what to compare between runs."""
+    out = []
+    for size in sorted({r["size_bytes"] for r in records}):
+        vs = size_verdicts(records, size)
+        if vs:
+            out.append(f"- bandwidth {human_bytes(size)}: " + "; ".join(_short(v) for v in vs))
+    hit = [s for s in summaries if s["kind"] != "floor" and s["time_to_target_s"] is not None and s.get("step_s_samples")]
+    if len(hit) > 1:
+        vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
+                                  scales={s["regime"]: s["steps_to_target"] for s in hit})
+        out.append("- time to target: " + "; ".join(_short(v) for v in vs))
+    base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
+    for s in summaries:
+        if base and s["kind"] == "async" and s.get("step_s_samples") and base.get("step_s_samples"):
+            v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"], paired=False)
+            out.append(f"- step time {s['regime']} vs {base['regime']}: {_short(v)}")
+    return out
 
 
 def failures_section(failures: list[dict]) -> list[str]:
@@ -228,14 +374,17 @@ def failures_section(failures: list[dict]) -> list[str]:
 
 
 def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[dict], curves: dict,
-          failures: list[dict]) -> Path:
+          failures: list[dict], scaling: list[dict] | None = None, probes: dict | None = None) -> Path:
     """Plots and report.md in ``run_dir``; returns the report's path."""
     bw_cfg, cv_cfg = manifest["config"].get("bandwidth"), manifest["config"].get("convergence")
+    sc_cfg = manifest["config"].get("scaling")
     pngs = {"busbw": plots.bandwidth(records, run_dir / "busbw.png", bw_cfg["workers"]) if bw_cfg else None}
     if cv_cfg:
         pngs["convergence"] = plots.convergence(summaries, curves, run_dir / "convergence.png", cv_cfg["target_acc"])
         pngs["staleness"] = plots.staleness(summaries, run_dir / "staleness.png")
         pngs["split"] = plots.step_split(summaries, run_dir / "split.png")
+    if scaling:
+        pngs["scaling"] = plots.scaling(scaling, run_dir / "scaling.png", manifest["environment"].get("cpus"))
     env = manifest["environment"]
     t = manifest["transport"]
     out = [f"# commlab bench: {manifest['started_utc']}", "",
@@ -250,11 +399,19 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            f"- Code: git {manifest['git']['revision'][:12]}{' (uncommitted changes)' if manifest['git']['dirty'] else ''}; "
            f"torch {env['packages'].get('torch')}, pyzmq {env['packages'].get('pyzmq')}.",
            f"- Took {manifest.get('seconds', 0):.0f} s. Every figure below comes from this run: "
-           + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json") if (run_dir / n).exists())
+           + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json", "scaling.json", "probes.json")
+                       if (run_dir / n).exists())
            + ", `raw/`, `manifest.json`.", ""]
+    at_a_glance = glance(records, summaries)
+    if at_a_glance:
+        out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
+                "indistinguishable on this machine. Details in the sections below.", ""] + at_a_glance + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]
+    out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus")) \
+        if sc_cfg else ["## Scaling with N", "", "Not run.", ""]
+    out += probes_section(probes or {})
     out += ["## Files", ""] + [f"- `{p.name}`" for p in sorted(run_dir.iterdir()) if p.is_file()] + \
            ["- `raw/`: per-job outputs (per-rank times, per-step metrics); `logs/`: each job's output", ""]
     path = run_dir / "report.md"

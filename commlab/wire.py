@@ -189,7 +189,7 @@ def _nbytes(frame) -> int:
 # A ring all-reduce moves thousands of small messages whose every field the receiver can predict
 # (sender, collective number, step, offset, count, dtype). For those, a 40-byte struct replaces the
 # msgpack header: packing and checking it costs about 1 us instead of about 15 us for pack + decode
-# (bench/ring_bandwidth.py --header-cost measures both), which is a third of a 4 KiB all-reduce.
+# (python -m bench.bandwidth measures both), which is a third of a 4 KiB all-reduce.
 # Validation stays strict: the receiver builds the header it expects and compares bytes; any
 # difference is a ProtocolError that says which field differs.
 

@@ -107,6 +107,8 @@ class Async(Mode):
         del srv.partial[rank]
         srv.set_hyper(meta.get("hyper"))
         srv.step_optimizer(grads)
+        clocks = [srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached]
+        srv.stats.clock_gap[t - min(clocks, default=t)] += 1
         srv.last_step[rank] = t
         srv.count_update([srv.version - part.base])
 

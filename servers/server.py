@@ -130,6 +130,9 @@ class Stats:
     bytes_out: int = 0
     copies_on_write: int = 0
     staleness: Counter = field(default_factory=Counter)
+    # async/ssp: per applied update, the pushing worker's clock (the step it pushed) minus the slowest
+    # active worker's clock (the step that one is on): SSP's bound S caps it at S
+    clock_gap: Counter = field(default_factory=Counter)
 
 
 class ParameterServer:
@@ -219,7 +222,8 @@ class ParameterServer:
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "last_step": {str(r): t for r, t in sorted(self.last_step.items())},
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
-                "max_staleness": max(s.staleness, default=0)}
+                "max_staleness": max(s.staleness, default=0),
+                "clock_gap": {str(k): v for k, v in sorted(s.clock_gap.items())}}
 
     # ----- dispatch --------------------------------------------------------------------------
     def handle(self, frames: list) -> None:

@@ -13,10 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from bench import bandwidth, bw_worker
+from bench import bandwidth, bw_worker, verdict
 from commlab import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
@@ -67,12 +68,35 @@ def test_busbw_factors_and_iterations():
 
 def test_ranks_results_combine_over_the_sizes_every_rank_finished(tmp_path):
     out = tmp_path / "bw.json"
-    row = lambda size, times, wrong: {"size_bytes": size, "count": size // 4, "times_s": times, "wrong": wrong}
-    out.write_text(json.dumps({"rows": [row(4, [1.0, 5.0], 1), row(8, [1.0], 0), {"facts": {"scheme": "x"}}]}))
-    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [row(4, [2.0, 3.0], 2)]}))  # cut short
-    rows, times, wrong, facts = bandwidth.combine_ranks(out, 2)
-    assert [r["size_bytes"] for r in rows] == [4] and times == [[2.0, 5.0]] and wrong == [3]
-    assert facts == {"scheme": "x"}
+    row = lambda case, size, times, wrong: {"case": case, "size_bytes": size, "count": size // 4, "times_s": times,
+                                            "cpu_s": times, "wrong": wrong}
+    out.write_text(json.dumps({"rows": [row("a", 4, [1.0, 5.0], 1), row("b", 4, [1.0, 1.0], 0), row("a", 8, [1.0], 0),
+                                        {"case": "c", "setup_error": "ConfigError: no"},
+                                        {"case": "b", "failed": "PeerLost: rank 1", "at": 20.0},
+                                        {"facts": {"a": {"scheme": "x"}}}]}))
+    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [
+        row("a", 4, [2.0, 3.0], 2), row("b", 4, [2.0, 0.5], 0),  # cut short: no size 8
+        {"case": "a", "failed": "CommTimeout: b broke first", "at": 10.0}]}))
+    got = bandwidth.combine_ranks(out, 2)
+    assert sorted(got.rows) == [("a", 4), ("b", 4)]
+    assert got.rows[("a", 4)][1:] == ([2.0, 5.0], [1.0, 5.0], 3)  # slowest rank per iteration; rank 0's CPU
+    assert got.rows[("b", 4)][1] == [2.0, 1.0]
+    assert got.setup_errors == {"c": "ConfigError: no"} and got.facts == {"a": {"scheme": "x"}}
+    assert got.failed == ("a", "CommTimeout: b broke first")  # the earliest failure names the culprit
+
+
+def test_cases_share_one_job_and_take_turns_in_the_same_order_on_every_rank(monkeypatch):
+    cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ps-1", "noop"], 2, [4096], ceilings=("tcp-duplex", "memcpy"))
+    jobs, failures = bandwidth.plan(cfg)
+    assert failures == [] and len(jobs) == 1
+    assert [c["name"] for c in jobs[0][0]] == ["gloo", "ring-tcp", "ps-1", "noop", "tcp-duplex", "memcpy"]
+    names = ["a", "b", "c"]
+    assert [bw_worker.turns(names, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                             ["a", "b", "c"]]
+    # a second allreduce:// regime needs a process group of its own: a job of its own
+    monkeypatch.setitem(R.BANDWIDTH, "gloo-2", R.BandwidthEntry("allreduce://?backend=gloo&timeout=30", "allreduce"))
+    jobs, _ = bandwidth.plan(bandwidth.BandwidthConfig(["gloo", "noop", "gloo-2"], 2, [4096], ceilings=()))
+    assert [[c["name"] for c in cases] for cases, _ in jobs] == [["gloo", "noop"], ["gloo-2"]]
 
 
 def test_servers_planned_on_loopback_move_to_their_namespaces():
@@ -92,6 +116,62 @@ def test_rates_parse_in_tc_units():
     assert links.parse_rate("100mbps") == 100e6
     with pytest.raises(ValueError, match="expected a tc rate"):
         links.parse_rate("fast")
+
+
+# ----- one process: verdicts from samples ------------------------------------------------------------
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_a_clear_difference_names_the_winner(seed, paired):
+    rng = np.random.default_rng(100 + seed)
+    fast = 1.0 + 0.1 * rng.random(60)
+    slow = 2.0 + 0.2 * rng.random(60)
+    v = verdict.compare("ring", fast, "gloo", slow, paired=paired, seed=seed)
+    assert v.winner == "ring" and v.lo > 1.0 and v.lo <= v.ratio <= v.hi
+    assert 1.8 < v.ratio < 2.3
+    assert v.text().startswith("ring faster than gloo, ")
+    back = verdict.compare("gloo", slow, "ring", fast, paired=paired, seed=seed)
+    assert back.winner == "ring" and back.hi < 1.0
+    assert back.text().startswith("ring faster than gloo, ")  # told with the winner first either way
+    assert back.oriented().ratio == pytest.approx(v.ratio)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_overlapping_samples_are_indistinguishable(seed):
+    rng = np.random.default_rng(seed)
+    base = rng.lognormal(0.0, 0.5, 40)
+    other = base * rng.lognormal(0.02, 0.5, 40)  # 2% apart in the median, spread 50%
+    v = verdict.compare("a", base, "b", other, paired=False, seed=seed)
+    assert v.winner is None and v.lo < 1.0 < v.hi, v
+    assert "indistinguishable on this machine" in v.text()
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_equal_samples_never_name_a_winner(seed, paired):
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(0.0, 1.0, int(rng.integers(3, 80)))
+    for stat in ("median", "mean"):
+        v = verdict.compare("a", x, "b", x.copy(), paired=paired, seed=seed, stat=stat)
+        assert v.winner is None and v.ratio == 1.0, v
+        if paired:  # the same iterations drawn for both: every resample's ratio is exactly 1
+            assert v.lo == v.hi == 1.0
+
+
+def test_verdicts_against_the_best_and_their_arguments():
+    vs = verdict.against_best({"slow": [3.0] * 5 + [3.1] * 5, "fast": [1.0] * 5 + [1.1] * 5,
+                               "mid": [2.0] * 5 + [2.1] * 5}, paired=True)
+    assert [(v.a, v.b, v.winner) for v in vs] == [("fast", "mid", "fast"), ("fast", "slow", "fast")]
+    # time to a target: steps x mean step; fewer steps can win over faster steps
+    v = verdict.compare("a", [1.0, 1.1] * 10, "b", [0.5, 0.55] * 10, paired=False, stat="mean",
+                        scale_a=10, scale_b=40)
+    assert v.winner == "a" and v.ratio == pytest.approx(2.0)
+    assert verdict.against_best({"only": [1.0]}, paired=True) == []
+    with pytest.raises(ValueError, match="equal lengths"):
+        verdict.compare("a", [1.0, 2.0], "b", [1.0], paired=True)
+    with pytest.raises(ValueError, match="both sides"):
+        verdict.compare("a", [], "b", [1.0], paired=False)
+    with pytest.raises(ValueError, match="positive"):
+        verdict.compare("a", [0.0], "b", [1.0], paired=False)
 
 
 # ----- several processes -----------------------------------------------------------------------------
@@ -142,11 +222,11 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
             "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
-            "--budget-s", "150"]
+            "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # on SIGTERM the bench stops its jobs (each a session of its own, out of reach of a SIGKILL to
     # the bench's group) and deletes its namespaces: give it 5 s for that before the SIGKILL
-    done = run_group(argv, 170, "commlab bench (tiny run)", grace=5, env=env, cwd=ROOT, capture_output=True,
+    done = run_group(argv, 200, "commlab bench (tiny run)", grace=5, env=env, cwd=ROOT, capture_output=True,
                      text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     report = (out / "report.md").read_text()
@@ -156,7 +236,8 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
                  "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://"):
         assert what in report, (what, report[report.index("## Failed"):report.index("## Bandwidth")],
                                 (out / "logs" / "conv-gloo.log").read_text()[-2000:])
-    for png in ("busbw.png", "convergence.png", "split.png"):
+    assert "- gloo: step at N=3 / N=2: " in report and "oversubscribed" in report
+    for png in ("busbw.png", "convergence.png", "split.png", "scaling.png"):
         assert (out / png).stat().st_size > 10_000, png
     bw = json.loads((out / "bandwidth.json").read_text())
     noop = [r for r in bw if r["regime"] == "noop"]
@@ -201,6 +282,24 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
     (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
     assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
     assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
+    log.write_text('commlab server shard 0/1: {"staleness": {"0": 2}, "clock_gap": {"0": 3, "1": 1}}\n')
+    assert sorted(read_staleness(tmp_path / "none", [], log, key="clock_gap")) == [0, 0, 0, 1]
+
+
+def test_the_staleness_verdict_states_equal_samples_and_shows_the_ssp_bound():
+    from bench.report import staleness_verdict
+    common = {"kind": "async", "final_test_acc": 0.5, "final_test_loss": 1.5, "samples": 640,
+              "step_s_samples": [0.01, 0.011, 0.012]}
+    sync = dict(common, regime="ps-sync", kind="sync", url="ps://?shards=1&mode=sync", lr=0.1, final_test_loss=1.0)
+    ssp = dict(common, regime="ps-ssp-2", url="ps://?shards=1&mode=ssp&staleness=2", lr=0.05,
+               staleness=[0, 1, 3, 1], clock_gap=[0, 2, 1, 2])
+    broken = dict(ssp, regime="ps-ssp-broken", clock_gap=[0, 3])
+    lines = staleness_verdict([sync, ssp, broken])
+    assert "at equal samples (640 samples, lr 0.1)" in lines[0]
+    assert "(+0.5000 against ps-sync)" in lines[1] and "lr 0.05 per update, 4 updates" in lines[1]
+    assert "SSP's bound S = 2: **max clock gap 2**." in lines[1] and "Version gap" in lines[1]
+    assert "indistinguishable on this machine" in lines[1]  # the same step times
+    assert "ABOVE the bound" in lines[2]
 
 
 @pytest.mark.multiproc
@@ -216,13 +315,19 @@ def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_
     assert len(curves["local"]) == 4
 
 
-def test_ring_sweep_takes_turns_and_every_sum_is_exact():
-    """bench/ring_bandwidth: three ranks, gloo and two rings taking turns on each size (every rank
-    must pick the same order, or a collective would pair with the wrong one and hang or sum wrong)."""
-    from bench import ring_bandwidth as rb
-
-    cases = [("gloo", 4096), ("ring-tcp", 4096), ("ring-ipc", 4096), ("gloo", 3 << 20), ("ring-tcp", 3 << 20)]
-    records = rb.run_cases(cases, 3, quick=True, timeout=120, timed=4)
-    assert sorted((r["regime"], r["size_bytes"]) for r in records) == sorted(cases)
-    assert [(r["wrong"], r["iterations"], r["workers"]) for r in records] == [(0, 4, 3)] * len(cases)
-    assert all(r["cpu_us"] > 0 and r["time_min_us"] <= r["time_us"] <= r["time_max_us"] for r in records)
+@pytest.mark.multiproc
+def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
+    """Three ranks: gloo, two rings, a parameter server and the ceilings in one job, taking turns on each
+    size (every rank must pick the same order, or a collective would pair with the wrong one and hang or
+    sum wrong); sample i of every record comes from the same turn."""
+    cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ring-ipc", "ps-1"], 3, [4096, 3 << 20], repeat_bytes=0,
+                                    min_iters=4, max_iters=4, warmup=1,
+                                    ceilings=("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"))
+    recs, failures, facts = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(240))
+    assert failures == []
+    names = ["gloo", "ring-tcp", "ring-ipc", "ps-1", "tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"]
+    assert sorted((r["regime"], r["size_bytes"]) for r in recs) == sorted((n, s) for n in names for s in cfg.sizes)
+    assert all((r["wrong"], r["iters"], len(r["samples_us"]), r["workers"]) == (0, 4, 4, 3) for r in recs)
+    assert {r["job"] for r in recs} == {"bw0"}  # one job, one set of processes
+    assert all(r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in recs)
+    assert {"ring-tcp", "gloo"} <= set(facts)

@@ -334,9 +334,9 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path, world, victim, transpo
     assert sorted(results) == [r for r in range(world) if r != victim]
     for rank, (kind, text, elapsed, peer) in results.items():
         assert f"rank {victim}" in text, f"rank {rank}: {kind}: {text}"
-        assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"  # noticed as a loss, not by running out the clock
+        # noticed as a loss, not by running out the clock (how fast: python -m bench.probes peer-loss)
+        assert kind == "PeerLost", f"rank {rank}: {kind}: {text}"
         assert peer == victim, f"rank {rank}: peer={peer}: {text}"
-        assert elapsed < timeout, f"rank {rank} took {elapsed:.1f}s"
     # run_ranks killed the survivors with SIGKILL too: shared memory was unlinked as soon as it was mapped
     assert _shm_entries(pids) == []
 
