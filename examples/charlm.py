@@ -127,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--data-shards", type=int, default=0,
+                   help="cut the text into this many slices, one window stream each (default: one per rank)")
     return p.parse_args(argv)
 
 
@@ -142,10 +144,24 @@ def main(argv=None) -> None:
     data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     split = int(len(data) * 0.9)
     train, held_out = data[:split], data[split:]
-    shard = len(train) // world  # each rank trains on its own contiguous slice
-    mine = train[rank * shard:(rank + 1) * shard]
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # this rank's windows, reproducibly
-    batches = windows(mine, args.batch_size, args.context, gen)
+    # The text is cut into --data-shards slices (default: one per rank), each with its own stream of
+    # windows; a rank draws its batch from its share of them. So one process with --data-shards N and
+    # N x the batch sees exactly the windows N ranks see together: the reference a synchronous regime
+    # must reproduce (``commlab run --exchanger local:// ... --batch-size 2B --data-shards 2``).
+    shards = args.data_shards or world
+    per = shards // world
+    if shards % world or args.batch_size % per:
+        raise SystemExit(f"--data-shards {shards} must be a multiple of the {world} ranks and divide "
+                         f"--batch-size {args.batch_size} into equal parts")
+    size = len(train) // shards
+    mine = range(rank * per, (rank + 1) * per)
+    gens = [torch.Generator().manual_seed(args.seed * 1000 + s) for s in mine]  # reproducible windows
+    streams = [windows(train[s * size:(s + 1) * size], args.batch_size // per, args.context, g)
+               for s, g in zip(mine, gens)]
+
+    def next_batch():
+        parts = [next(stream) for stream in streams]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
     torch.manual_seed(args.seed)
     model = CharLM(len(chars), args.context, args.d_model, args.layers, args.heads).to(device)
@@ -163,13 +179,14 @@ def main(argv=None) -> None:
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         ex.load_state_dict(state["exchanger"])
-        gen.set_state(state["data_rng"])
+        for g, rng in zip(gens, state["data_rng"]):
+            g.set_state(rng)
         start = state["step"]
 
     def save(step: int) -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 "exchanger": ex.state_dict(), "data_rng": gen.get_state(), "step": step}
+                 "exchanger": ex.state_dict(), "data_rng": [g.get_state() for g in gens], "step": step}
         torch.save(state, args.checkpoint + ".tmp")
         os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a kill never leaves half a checkpoint
 
@@ -181,11 +198,12 @@ def main(argv=None) -> None:
 
     t0, loss = time.perf_counter(), float("nan")
     for step in range(start, args.steps):
+        t_step, sent0, wait0 = time.perf_counter(), ex.stats.bytes_sent, ex.stats.wait_s
         optimizer.zero_grad()
         loss = 0.0
         for micro in range(args.accum):
             with ex.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():  # exchange once a step
-                loss += micro_step(*next(batches))
+                loss += micro_step(*next_batch())
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         scaler.step(optimizer)
@@ -193,7 +211,9 @@ def main(argv=None) -> None:
         scheduler.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             lr = scheduler.get_last_lr()[0]
-            commlab.report(step, loss=loss, lr=lr)
+            now = time.perf_counter()  # what the step cost, and how much of it was waiting on the exchange
+            commlab.report(step, loss=loss, lr=lr, time_s=now - t0, step_s=now - t_step,
+                           comm_s=ex.stats.wait_s - wait0, bytes_sent=ex.stats.bytes_sent - sent0)
             if rank == 0:
                 print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
         if args.checkpoint and rank == 0 and ((step + 1) % args.checkpoint_every == 0 or step == args.steps - 1):

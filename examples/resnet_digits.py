@@ -83,13 +83,16 @@ def main(argv=None) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, args.steps // 3), gamma=0.1)
     t0, loss = time.perf_counter(), torch.tensor(float("nan"))
     for step in range(args.steps):
+        t_step, sent0, wait0 = time.perf_counter(), ex.stats.bytes_sent, ex.stats.wait_s
         x, y = data.batch(step, rank, world, args.batch_size)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         scheduler.step()
-        commlab.report(step, loss=loss.item())
+        now = time.perf_counter()  # what the step cost, and how much of it was waiting on the exchange
+        commlab.report(step, loss=loss.item(), time_s=now - t0, step_s=now - t_step,
+                       comm_s=ex.stats.wait_s - wait0, bytes_sent=ex.stats.bytes_sent - sent0)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.3g}  "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
