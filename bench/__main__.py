@@ -85,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["script"], ["workloads"]):  # bench/script_compare.py, bench/workloads.py: their own flags
+        from bench import script_compare, workloads
+        return {"script": script_compare.main, "workloads": workloads.main}[argv[0]](argv[1:])
     a = parser().parse_args(argv)
     try:
         if a.workers < 2:
