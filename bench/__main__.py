@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = bandwidth.Budget.of(a.budget_s)
     t0 = time.monotonic()
     records, failures, facts, summaries, curves = [], [], {}, [], {}
+    wl_results, wl_pngs = {}, {}  # bench/workloads.py: the examples under each regime (with 'all')
     links = None
     print(f"commlab bench: writing {run_dir}/ (N={a.workers}"
           + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(
                 {"summaries": summaries, "curves": curves}, indent=1))
+        if a.what == "all" and not any(f["status"] == "interrupted" for f in failures):
+            from bench import workloads
+            wl_results, wl_pngs = workloads.run_default(run_dir, workloads.BENCH_BUDGET_S, a.workers)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
         failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         data = {"bandwidth": records, "convergence": summaries, "all": {"bandwidth": records, "convergence": summaries}}
         Path(a.json).write_text(json.dumps(data[a.what], indent=1))
     path = report.write(run_dir, man, records, summaries, curves, failures)
+    if wl_results:
+        from bench import workloads
+        workloads.append_section(path, wl_results, wl_pngs)
     print(f"commlab bench: report {path} ({man['seconds']:.0f} s)", file=sys.stderr)
     return 0
 

@@ -47,7 +47,8 @@ KINDS = ("reference", "sync", "async", "floor")
 
 
 def kind_of(url: str) -> str:
-    """``reference`` (local://), ``floor`` (noop://), ``async`` (ps:// in async or ssp mode), else ``sync``."""
+    """``reference`` (local://), ``floor`` (noop://), ``async`` (ps:// in async or ssp mode), else ``sync``.
+    Raises ValueError (ConfigError) for a URL that does not parse."""
     parsed = ExchangerURL.parse(url)
     if parsed.scheme == "local":
         return "reference"
@@ -174,7 +175,8 @@ def curve(ranks: list[list[dict]]) -> list[dict]:
     if not per_rank or not per_rank[0]:
         return []
     r0 = per_rank[0]
-    t0_unix = min(_num(rec.get("unix_s")) or 0.0 for rec in r0.values())
+    stamps = [_num(rec.get("unix_s")) for rec in r0.values()]
+    t0_unix = min((t for t in stamps if t is not None), default=None)
     points, sent = [], 0.0
     steps = sorted(r0)
     contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
@@ -183,7 +185,7 @@ def curve(ranks: list[list[dict]]) -> list[dict]:
         rec = r0[s]
         losses = [_num(pr[s]["loss"]) for pr in per_rank if s in pr]
         t = _num(rec.get("time_s"))
-        if t is None and _num(rec.get("unix_s")) is not None:
+        if t is None and t0_unix is not None and _num(rec.get("unix_s")) is not None:
             t = rec["unix_s"] - t0_unix
         b = _num(rec.get("bytes_sent"))
         # bytes up to this step: exact when every step was reported, else the mean per reported step x steps

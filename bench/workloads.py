@@ -113,6 +113,9 @@ WORKLOADS = {
                        url_options=(("ps", "buffers=none"),)),
 }
 DEFAULT_WORKLOADS = ["charlm", "resnet"]
+# seconds the default `commlab bench` (after bandwidth and the MLP convergence) may spend starting
+# workload jobs; the LM's regimes go first, what does not fit is listed as skipped
+BENCH_BUDGET_S = 90.0
 
 
 def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
@@ -161,12 +164,12 @@ def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[st
 
     A result holds the workload's config, each regime's summary row (:func:`bench.script_compare.summarize`,
     with its curve and, for synchronous regimes, ``vs_local`` from :func:`coincidence`) and the target
-    loss. Jobs stop starting when ``budget_s`` is spent (their rows say "skipped"). Never raises for a
-    regime's failure.
+    loss. A job starts only while ``budget_s`` holds another like the workload's last (the rows of those
+    that do not say "skipped"); a started job may run ``cfg.job_timeout``. Never raises for a regime's failure.
     """
     deadline = time.monotonic() + budget_s
     results = {}
-    order = sorted(cfg.regimes, key=lambda lr: sc.kind_of(lr[1]) != "reference")
+    order = sorted(cfg.regimes, key=lambda lr: not lr[1].startswith("local://"))  # the reference first
     for wname in cfg.workloads:
         w = WORKLOADS[wname]
         steps = int(cfg.steps.get(wname, w.steps))
@@ -174,16 +177,22 @@ def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[st
         outcomes = []
         wdir = out / "workloads" / wname
         for label, url in order:
-            kind = sc.kind_of(url)
+            try:
+                kind = sc.kind_of(url)
+            except ValueError as exc:
+                outcomes.append(sc.Outcome(sc.Regime(label, url, cfg.workers, base), "unavailable", str(exc)))
+                continue
             local = kind == "reference"
             regime = sc.Regime(label, w.url(url), 1 if local else cfg.workers,
                                base + (w.reference(cfg.workers, w.batch_size) if local else ()), kind)
-            left = deadline - time.monotonic()
-            if left < 10:
+            # a job starts only if the time left holds one like this workload's last (the budget is about
+            # starting jobs: one that started may finish, within job_timeout)
+            need = max(10.0, max((x.seconds for x in outcomes), default=0.0))
+            if deadline - time.monotonic() < need:
                 outcomes.append(sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run"))
                 continue
             progress and progress(f"{wname} {label}")
-            o = sc.run_regime((str(ROOT / w.script),), regime, wdir, min(cfg.job_timeout, left))
+            o = sc.run_regime((str(ROOT / w.script),), regime, wdir, cfg.job_timeout)
             if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
                 o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
             outcomes.append(o)
@@ -278,6 +287,8 @@ def append_section(report: Path, results: dict, pngs: dict) -> None:
 
 def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None) -> tuple[dict, dict]:
     """What the default ``commlab bench`` runs: both workloads, the default regimes; writes the files."""
+    if progress is None:
+        progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
     results = run(WorkloadsConfig(workers=workers), run_dir, budget_s, progress)
     _, pngs = write(run_dir, results)
     return results, pngs

@@ -84,18 +84,20 @@ def test_script_comparison_gives_a_row_per_regime_and_equal_sync_losses(tmp_path
     script.write_text(textwrap.dedent(TINY))
     out = tmp_path / "cmp"
     argv = [sys.executable, "-m", "commlab.cli", "bench", "script", "--regimes",
-            "allreduce://?backend=gloo,ring://", "--workers", "2", "--timeout", "120", "--out", str(out),
+            "allreduce://?backend=gloo,ring://,gone://", "--workers", "2", "--timeout", "120", "--out", str(out),
             "--", str(script)]
     done = run_group(argv, 300, "commlab bench script", env=child_env(), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((out / "script.json").read_text())["regimes"]
-    assert [(r["regime"], r["status"], r["workers"], r["steps"]) for r in rows] == [
-        ("allreduce://?backend=gloo", "ok", 2, 4), ("ring://", "ok", 2, 4)]
-    gloo, ring = rows
+    assert [(r["regime"], r["status"], r["workers"], r.get("steps")) for r in rows] == [
+        ("allreduce://?backend=gloo", "ok", 2, 4), ("ring://", "ok", 2, 4), ("gone://", "unavailable", 2, None)]
+    gloo, ring, gone = rows
+    assert "unknown exchanger scheme" in gone["error"]
     assert gloo["final_loss"] == pytest.approx(ring["final_loss"], abs=1e-6)
     assert [p["loss"] for p in gloo["curve"]] == pytest.approx([p["loss"] for p in ring["curve"]], abs=1e-6)
     md = (out / "script.md").read_text()
     assert md.count("| `allreduce://?backend=gloo` |") == 1 and md.count("| `ring://` |") == 1
+    assert md.count("| `gone://` |") == 1 and "unavailable: " in md
     assert (out / "script.png").stat().st_size > 10_000
 
 
