@@ -118,3 +118,18 @@ def test_lm_sync_regime_coincides_with_local_on_the_combined_batch(tmp_path):
     assert wl.coincidence(rows["local"]["curve"], drifted)["coincides"] is False
     rows["gloo"]["vs_local"] = wl.coincidence(rows["local"]["curve"], drifted)
     assert any("**does NOT coincide**" in line for line in wl.sync_verdict(results["charlm"]))
+
+
+def test_the_workloads_section_goes_before_the_reports_files(tmp_path):
+    report = tmp_path / "report.md"
+    report.write_text("# r\n\n## Convergence\n\nx\n\n## Files\n\n- `a`\n")
+    res = {"workload": "charlm", "script": "examples/charlm.py", "what": "LM", "steps": 2, "workers": 2,
+           "batch_per_rank": 8, "args": [], "reference_args": [], "coincide": True, "why_not": "",
+           "tolerance": wl.COINCIDE_TOL, "target_loss": None,
+           "rows": [{"regime": "gloo", "url": "allreduce://?backend=gloo", "kind": "sync", "workers": 2,
+                     "status": "failed", "error": "rank 1 failed first", "curve": [], "vs_local": None}]}
+    wl.append_section(report, {"charlm": res}, {})
+    text = report.read_text()
+    assert text.index("## Convergence") < text.index("## Real workloads") < text.index("## Files")
+    assert "| gloo | sync | 2 |" in text and "failed: rank 1 failed first" in text
+    assert "local:// did not run" in text
