@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from bench import bandwidth, convergence, manifest, report
 from bench import regimes as R
+from bench import workloads
 from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
@@ -80,13 +81,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--eval-every", type=int, default=10)
     g.add_argument("--target-acc", type=float, default=0.85)
+    p.add_argument("--workloads", default="charlm,resnet", type=workloads.names_arg,
+                   help="with 'all': these examples under each regime afterwards (bench/workloads.py; 'none': skip)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["script"], ["workloads"]):  # bench/script_compare.py, bench/workloads.py: their own flags
-        from bench import script_compare, workloads
+        from bench import script_compare
         return {"script": script_compare.main, "workloads": workloads.main}[argv[0]](argv[1:])
     a = parser().parse_args(argv)
     try:
@@ -143,9 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             failures += f
             (run_dir / "convergence.json").write_text(json.dumps(
                 {"summaries": summaries, "curves": curves}, indent=1))
-        if a.what == "all" and not any(f["status"] == "interrupted" for f in failures):
-            from bench import workloads
-            wl_results, wl_pngs = workloads.run_default(run_dir, workloads.BENCH_BUDGET_S, a.workers)
+        if a.what == "all" and a.workloads and not any(f["status"] == "interrupted" for f in failures):
+            wl_results, wl_pngs = workloads.run_default(run_dir, workloads.BENCH_BUDGET_S, a.workers, a.workloads)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
         failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
@@ -169,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.json).write_text(json.dumps(data[a.what], indent=1))
     path = report.write(run_dir, man, records, summaries, curves, failures)
     if wl_results:
-        from bench import workloads
         workloads.append_section(path, wl_results, wl_pngs)
     print(f"commlab bench: report {path} ({man['seconds']:.0f} s)", file=sys.stderr)
     return 0

@@ -285,11 +285,26 @@ def append_section(report: Path, results: dict, pngs: dict) -> None:
     report.write_text(text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block)
 
 
-def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None) -> tuple[dict, dict]:
-    """What the default ``commlab bench`` runs: both workloads, the default regimes; writes the files."""
+def names_arg(text: str) -> list[str]:
+    """``--workloads charlm,resnet`` -> the names (``none``: []); argparse's ``type``."""
+    names = [] if text.strip() == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}, or none")
+    return names
+
+
+def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None,
+                names: list[str] | None = None) -> tuple[dict, dict]:
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under the default
+    regimes; writes the files. Raises ValueError for an unknown workload name."""
+    names = list(DEFAULT_WORKLOADS) if names is None else names
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     if progress is None:
         progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
-    results = run(WorkloadsConfig(workers=workers), run_dir, budget_s, progress)
+    results = run(WorkloadsConfig(names, workers=workers), run_dir, budget_s, progress)
     _, pngs = write(run_dir, results)
     return results, pngs
 
@@ -299,7 +314,7 @@ def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None)
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commlab bench workloads", description=__doc__.split("\n\n")[0],
                                 epilog="regimes: " + ", ".join(f"{k} = {v}" for k, v in REGIMES.items()))
-    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), type=names_arg, help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--regimes", help="comma-separated names or URLs (default: " + ",".join(DEFAULT_REGIMES) + ")")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lm-steps", type=int, default=WORKLOADS["charlm"].steps)
@@ -313,10 +328,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        names = [n.strip() for n in a.workloads.split(",") if n.strip()]
-        unknown = [n for n in names if n not in WORKLOADS]
-        if unknown:
-            raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+        names = a.workloads
         if a.workers < 2:
             raise ValueError("--workers must be >= 2")
         cfg = WorkloadsConfig(names, resolve_regimes(a.regimes), a.workers,
