@@ -160,52 +160,58 @@ class WorkloadsConfig:
 
 
 def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[str], None] | None = None) -> dict:
-    """Every workload under every regime, local:// first; returns ``{workload: result}``.
+    """Every workload under every regime; returns ``{workload: result}``.
 
-    A result holds the workload's config, each regime's summary row (:func:`bench.script_compare.summarize`,
-    with its curve and, for synchronous regimes, ``vs_local`` from :func:`coincidence`) and the target
-    loss. A job starts only while ``budget_s`` holds another like the workload's last (the rows of those
-    that do not say "skipped"); a started job may run ``cfg.job_timeout``. Never raises for a regime's failure.
+    Jobs go regime by regime (local:// first, then in the order given), each regime for every
+    workload, so when ``budget_s`` runs out the regimes skipped are the last ones, in every workload
+    alike. A job starts only while the budget holds another like that workload's last (the rows of
+    those that do not say "skipped"); a started job may run ``cfg.job_timeout``. A result holds the
+    workload's config, each regime's summary row (:func:`bench.script_compare.summarize`, with its
+    curve and ``vs_local`` from :func:`coincidence`) and the target loss. Never raises for a regime's
+    failure.
     """
     deadline = time.monotonic() + budget_s
-    results = {}
     order = sorted(cfg.regimes, key=lambda lr: not lr[1].startswith("local://"))  # the reference first
+    steps = {n: int(cfg.steps.get(n, WORKLOADS[n].steps)) for n in cfg.workloads}
+    outcomes: dict[str, list[sc.Outcome]] = {n: [] for n in cfg.workloads}
+    for label, url in order:
+        for wname in cfg.workloads:
+            outcomes[wname].append(_one(WORKLOADS[wname], steps[wname], label, url, cfg, out, deadline,
+                                        outcomes[wname], progress))
+    results = {}
     for wname in cfg.workloads:
         w = WORKLOADS[wname]
-        steps = int(cfg.steps.get(wname, w.steps))
-        base = w.args(steps)
-        outcomes = []
-        wdir = out / "workloads" / wname
-        for label, url in order:
-            try:
-                kind = sc.kind_of(url)
-            except ValueError as exc:
-                outcomes.append(sc.Outcome(sc.Regime(label, url, cfg.workers, base), "unavailable", str(exc)))
-                continue
-            local = kind == "reference"
-            regime = sc.Regime(label, w.url(url), 1 if local else cfg.workers,
-                               base + (w.reference(cfg.workers, w.batch_size) if local else ()), kind)
-            # a job starts only if the time left holds one like this workload's last (the budget is about
-            # starting jobs: one that started may finish, within job_timeout)
-            need = max(10.0, max((x.seconds for x in outcomes), default=0.0))
-            if deadline - time.monotonic() < need:
-                outcomes.append(sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run"))
-                continue
-            progress and progress(f"{wname} {label}")
-            o = sc.run_regime((str(ROOT / w.script),), regime, wdir, cfg.job_timeout)
-            if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
-                o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
-            outcomes.append(o)
-        rows, target = sc.summarize_all(outcomes, w.target_loss)
+        rows, target = sc.summarize_all(outcomes[wname], w.target_loss)
         ref = next((r for r in rows if r["kind"] == "reference" and r.get("curve")), None)
         for r in rows:
             r["vs_local"] = coincidence(ref["curve"], r["curve"]) if ref and r is not ref and r.get("curve") else None
-        results[wname] = {"workload": wname, "script": w.script, "what": w.what, "steps": steps,
-                          "workers": cfg.workers, "batch_per_rank": w.batch_size,
-                          "args": list(base), "reference_args": list(w.reference(cfg.workers, w.batch_size)),
+        results[wname] = {"workload": wname, "script": w.script, "what": w.what, "steps": steps[wname],
+                          "workers": cfg.workers, "batch_per_rank": w.batch_size, "args": list(w.args(steps[wname])),
+                          "reference_args": list(w.reference(cfg.workers, w.batch_size)),
                           "coincide": w.coincide, "why_not": w.why_not, "tolerance": COINCIDE_TOL,
                           "target_loss": target, "rows": rows}
     return results
+
+
+def _one(w: Workload, steps: int, label: str, url: str, cfg: WorkloadsConfig, out: Path, deadline: float,
+         before: list[sc.Outcome], progress) -> sc.Outcome:
+    """One job of :func:`run`: workload ``w`` under ``url`` (or the reason it did not run)."""
+    base = w.args(steps)
+    try:
+        kind = sc.kind_of(url)
+    except ValueError as exc:
+        return sc.Outcome(sc.Regime(label, url, cfg.workers, base), "unavailable", str(exc))
+    local = kind == "reference"
+    regime = sc.Regime(label, w.url(url), 1 if local else cfg.workers,
+                       base + (w.reference(cfg.workers, w.batch_size) if local else ()), kind)
+    need = max(10.0, max((x.seconds for x in before), default=0.0))
+    if deadline - time.monotonic() < need:
+        return sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run")
+    progress and progress(f"{w.name} {label}")
+    o = sc.run_regime((str(ROOT / w.script),), regime, out / "workloads" / w.name, cfg.job_timeout)
+    if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
+        o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
+    return o
 
 
 # ----- the report ---------------------------------------------------------------------------------
