@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from bench import bandwidth, convergence, manifest, report
 from bench import regimes as R
+from bench import workloads
 from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
@@ -92,11 +93,16 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-steps", type=int, default=20, help="training steps per (regime, N)")
     g = p.add_argument_group("probes")
     g.add_argument("--no-probes", action="store_true", help="with 'all': skip the probes (heap faults, a killed rank)")
+    g.add_argument("--workloads", default="charlm,resnet", type=workloads.names_arg,
+                   help="with 'all': these examples under each regime afterwards (bench/workloads.py; 'none': skip)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["script"], ["workloads"]):  # bench/script_compare.py, bench/workloads.py: their own flags
+        from bench import script_compare
+        return {"script": script_compare.main, "workloads": workloads.main}[argv[0]](argv[1:])
     a = parser().parse_args(argv)
     try:
         if a.workers < 2:
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = bandwidth.Budget.of(a.budget_s)
     t0 = time.monotonic()
     records, failures, facts, summaries, curves, points, probed = [], [], {}, [], {}, [], {}
+    wl_results, wl_pngs = {}, {}  # bench/workloads.py: the examples under each regime (with 'all')
     links = None
     print(f"commlab bench: writing {run_dir}/ (N={a.workers}"
           + (f", sizes {', '.join(human_bytes(s) for s in sizes)}" if bw_cfg else "") + ")", file=sys.stderr)
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
                                  "error": "the benchmark's time budget ran out before the probes"})
+        if a.what == "all" and a.workloads and not any(f["status"] == "interrupted" for f in failures):
+            wl_results, wl_pngs = workloads.run_default(run_dir, workloads.BENCH_BUDGET_S, a.workers, a.workloads)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
         failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
@@ -207,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                 "all": {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}}
         Path(a.json).write_text(json.dumps(data[a.what], indent=1))
     path = report.write(run_dir, man, records, summaries, curves, failures, points, probed)
+    if wl_results:
+        workloads.append_section(path, wl_results, wl_pngs)
     print(f"commlab bench: report {path} ({man['seconds']:.0f} s)", file=sys.stderr)
     return 0
 

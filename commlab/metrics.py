@@ -10,6 +10,10 @@ Each object has ``step`` (0-based index of the optimizer step it describes) and 
     test_loss       loss on held-out data
     bytes_sent      bytes this rank sent in that step's exchange
     bytes_received  bytes it received
+    time_s          seconds since training began, when the step ended
+    step_s          seconds the step took
+    comm_s          seconds of it spent waiting on the exchange (exposed communication)
+    unix_s          when the line was written (seconds since the epoch); :func:`report` adds it
 
 plus whatever else the script wants to keep (lr, tokens, ...). When the job ends the launcher
 reads rank 0's last line and prints a one-line summary. :func:`report` writes such a line;
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 ENV = "COMMLAB_METRICS"
@@ -39,10 +44,11 @@ def _rank_from_env() -> int:
 
 def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, rank: int | None = None,
            **fields) -> dict | None:
-    """Append ``{"step": step, "rank": rank, **fields}`` as one JSON line to this rank's metrics file.
+    """Append ``{"step": step, "rank": rank, "unix_s": now, **fields}`` as one JSON line to this rank's
+    metrics file.
 
     ``exchange``, a :class:`commlab.StepReport` (``ex.step()``'s result, or ``ex.last_report``
-    after ``optimizer.step()``), adds its ``bytes_sent``, ``bytes_received`` and ``wait_s``.
+    after ``optimizer.step()``), adds its ``bytes_sent``, ``bytes_received`` and its ``wait_s`` as ``comm_s``.
 
     ``path`` defaults to ``$COMMLAB_METRICS``; with neither, nothing is written and ``None`` is
     returned. ``rank`` defaults to the launcher's environment (``RANK`` and its Slurm / Open MPI
@@ -55,10 +61,10 @@ def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, r
     if not base:
         return None
     rank = _rank_from_env() if rank is None else rank
-    record = {"step": int(step), "rank": rank}
+    record = {"step": int(step), "rank": rank, "unix_s": time.time()}
     if exchange is not None:
         record.update(bytes_sent=exchange.bytes_sent, bytes_received=exchange.bytes_received,
-                      wait_s=exchange.wait_s)
+                      comm_s=exchange.wait_s)
     record.update(fields)
     line = json.dumps(record, allow_nan=True)
     with metrics_path(base, rank).open("a") as fh:

@@ -129,6 +129,8 @@ def parse_args(argv=None):
     p.add_argument("--stop-after", type=int, default=0,
                    help="end after this many steps, checkpointed, as if preempted (the schedule still spans --steps)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--data-shards", type=int, default=0,
+                   help="cut the text into this many slices, one window stream each (default: one per rank)")
     return p.parse_args(argv)
 
 
@@ -145,8 +147,23 @@ def main(argv=None) -> None:
     data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     split = int(len(data) * 0.9)
     train, held_out = data[:split], data[split:]
-    shard = len(train) // world  # each rank trains on its own contiguous slice
-    mine = train[rank * shard:(rank + 1) * shard]
+    # The text is cut into --data-shards slices (default: one per rank); a rank draws its batch from
+    # its share of them, each slice's windows a function of (seed, slice, step, micro) alone. So one
+    # process with --data-shards N and N x the batch sees exactly the windows N ranks see together:
+    # the reference a synchronous regime must reproduce (``commlab run --exchanger local:// ...
+    # --batch-size 2B --data-shards 2``), and a resumed run draws what the uninterrupted one would.
+    shards = args.data_shards or world
+    per = shards // world
+    if shards % world or args.batch_size % per:
+        raise SystemExit(f"--data-shards {shards} must be a multiple of the {world} ranks and divide "
+                         f"--batch-size {args.batch_size} into equal parts")
+    size = len(train) // shards
+    mine = range(rank * per, (rank + 1) * per)
+
+    def next_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [windows(train[s * size:(s + 1) * size], args.batch_size // per, args.context,
+                         args.seed, s, step, micro) for s in mine]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
 
     torch.manual_seed(args.seed)
     model = CharLM(len(chars), args.context, args.d_model, args.layers, args.heads).to(device)
@@ -181,11 +198,12 @@ def main(argv=None) -> None:
 
     t0, loss = time.perf_counter(), float("nan")
     for step in range(start, args.steps):
+        t_step = time.perf_counter()
         optimizer.zero_grad()
         loss = 0.0
         for micro in range(args.accum):
             with ex.no_sync() if micro < args.accum - 1 else contextlib.nullcontext():  # exchange once a step
-                loss += micro_step(*windows(mine, args.batch_size, args.context, args.seed, rank, step, micro))
+                loss += micro_step(*next_batch(step, micro))
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         scaler.step(optimizer)
@@ -193,7 +211,8 @@ def main(argv=None) -> None:
         scheduler.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             lr = scheduler.get_last_lr()[0]
-            commlab.report(step, loss=loss, lr=lr, exchange=ex.last_report)
+            now = time.perf_counter()  # what the step cost; the exchange adds its bytes and exposed wait
+            commlab.report(step, loss=loss, lr=lr, time_s=now - t0, step_s=now - t_step, exchange=ex.last_report)
             if rank == 0:
                 print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
         stop = step + 1 == args.stop_after

@@ -85,13 +85,15 @@ def main(argv=None) -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=max(1, args.steps // 3), gamma=0.1)
     t0, loss = time.perf_counter(), torch.tensor(float("nan"))
     for step in range(args.steps):
+        t_step = time.perf_counter()
         x, y = data.batch(step, rank, world, args.batch_size)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         scheduler.step()
-        commlab.report(step, loss=loss.item(), exchange=ex.last_report)
+        now = time.perf_counter()  # what the step cost; the exchange adds its bytes and exposed wait
+        commlab.report(step, loss=loss.item(), time_s=now - t0, step_s=now - t_step, exchange=ex.last_report)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  lr {scheduler.get_last_lr()[0]:.3g}  "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)

@@ -222,7 +222,8 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
             "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
-            "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150"]
+            "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150",
+            "--workloads", "none"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # on SIGTERM the bench stops its jobs (each a session of its own, out of reach of a SIGKILL to
     # the bench's group) and deletes its namespaces: give it 5 s for that before the SIGKILL

@@ -1,0 +1,430 @@
+"""``commlab bench script``: the user's own training script under each chosen regime, side by side.
+
+    commlab bench script --regimes 'local://,allreduce://?backend=gloo,ring://' --workers 2 \\
+        --local-args '--batch-size 64' -- train.py --batch-size 32 --steps 200
+
+Each regime is one ``commlab run`` of the script (the launcher's Job: the ranks get torchrun's
+environment, ``COMMLAB_EXCHANGER`` and ``COMMLAB_METRICS``; a ``ps://?shards=K`` regime gets its
+servers), as a process group of its own with a deadline (:mod:`bench.jobs`). The script reports
+with ``commlab.report(step, loss=..., ...)`` (the fields are in docs/bench.md, "Your own script");
+this module reads every rank's lines and writes, in ``--out``:
+
+- ``script.md``: one row per regime: final loss, time to a target loss, median step time, exposed
+  communication and bytes per step (what the script did not report shows as "—");
+- ``script.json``: the same summaries and each regime's curve;
+- ``script.png``: loss against step, wall time and bytes sent;
+- ``raw/`` (each regime's metrics files) and ``logs/`` (each job's output).
+
+A regime that cannot run here (unknown scheme, missing backend) or fails is a row with its reason;
+the others still run. ``local://`` runs one rank (it has no peers): ``--local-args`` are appended to
+its arguments, so it can be handed the combined batch.
+
+The loss of a step is the mean over the ranks that reported that step (with equal per-rank batches,
+the loss of the combined batch); wall time is rank 0's ``time_s`` (or, if the script does not report
+it, the time since rank 0's first line); bytes are rank 0's ``bytes_sent``, added up over the steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.jobs import python, run_job
+from commlab.config import ExchangerURL
+from commlab.metrics import metrics_path
+
+# how each regime's curve is drawn and which table rows a check applies to
+KINDS = ("reference", "sync", "async", "floor")
+
+
+def kind_of(url: str) -> str:
+    """``reference`` (local://), ``floor`` (noop://), ``async`` (ps:// in async or ssp mode), else ``sync``.
+    Raises ValueError (ConfigError) for a URL that does not parse."""
+    parsed = ExchangerURL.parse(url)
+    if parsed.scheme == "local":
+        return "reference"
+    if parsed.scheme == "noop":
+        return "floor"
+    if parsed.scheme == "ps" and dict(parsed.query).get("mode") in ("async", "ssp"):
+        return "async"
+    return "sync"
+
+
+def split_regimes(text: str) -> list[str]:
+    """``'local://,ps://h:1,h:2?mode=sync,ring://'`` -> the three URLs: a comma starts a new regime only
+    where a scheme (``name://``) follows it, so a PS's HOST:PORT list stays in one URL."""
+    return [u.strip() for u in re.split(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)", text) if u.strip()]
+
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "regime"
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One job of the comparison: the script's ranks under ``url``."""
+
+    label: str  # the table's name for it (the URL, or a short name)
+    url: str
+    workers: int
+    args: tuple[str, ...]  # the script's arguments for this job
+    kind: str = "sync"
+
+
+@dataclass
+class Outcome:
+    """What one job produced: its status and every rank's metric lines."""
+
+    regime: Regime
+    status: str  # "ok" | "failed" | "unavailable" | "skipped"
+    error: str = ""
+    seconds: float = 0.0
+    ranks: list[list[dict]] = field(default_factory=list)
+    log: str = ""
+
+
+def unavailable(url: str) -> str | None:
+    """Why ``url`` cannot run in this checkout (the registry's own words), or None."""
+    from commlab.registry import resolve
+
+    try:
+        resolve(url)
+    except (ImportError, ValueError) as exc:  # ConfigError is a ValueError
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def read_ranks(base: Path, workers: int) -> list[list[dict]]:
+    """Every rank's whole JSON lines (rank r > 0 writes ``base.rank<r>``); a line cut short is skipped."""
+    out = []
+    for r in range(workers):
+        lines = []
+        p = metrics_path(base, r)
+        if p.exists():
+            for text in p.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(text)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    lines.append(rec)
+        out.append(lines)
+    return out
+
+
+def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: float,
+               env: dict | None = None) -> Outcome:
+    """``commlab run`` the script under one regime; never raises for the regime's own failure.
+
+    ``command`` is what follows the interpreter (``("train.py",)`` or ``("-m", "pkg.train")``).
+    Blocks at most ``timeout`` seconds (plus the kill); leaves no process behind.
+    """
+    why = unavailable(regime.url)
+    if why:
+        return Outcome(regime, "unavailable", why)
+    name = slug(regime.label)
+    metrics = out / "raw" / f"{name}.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    for r in range(regime.workers):
+        metrics_path(metrics, r).unlink(missing_ok=True)
+    run_args = ["--workers", str(regime.workers), "--exchanger", regime.url, "--metrics", str(metrics),
+                "--log-dir", str(out / "logs" / name), "--deadline", f"{max(1.0, timeout - 5):g}"]
+    if command[0] == "-m":
+        argv = [python(), "-m", "commlab.cli", "run", *run_args, "-m", command[1], *command[2:], *regime.args]
+    else:
+        argv = [python(), "-m", "commlab.cli", "run", *run_args, *command, *regime.args]
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    res = run_job(argv, out / "logs" / f"{name}.log", timeout, env=env)
+    ranks = read_ranks(metrics, regime.workers)
+    log = str(res.log.relative_to(out))
+    if not res.ok:
+        return Outcome(regime, "failed", res.error(), res.seconds, ranks, log)
+    if not any(rec.get("loss") is not None for rec in ranks[0]):
+        return Outcome(regime, "failed", "rank 0 reported no loss (commlab.report(step, loss=...))",
+                       res.seconds, ranks, log)
+    return Outcome(regime, "ok", "", res.seconds, ranks, log)
+
+
+# ----- from lines to curves and summaries ---------------------------------------------------------
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def curve(ranks: list[list[dict]]) -> list[dict]:
+    """One point per step rank 0 reported a loss for: ``step``, ``loss`` (mean over the ranks that
+    reported that step), ``time_s`` (rank 0's), ``bytes`` (rank 0's bytes sent up to that step) and
+    ``step_s`` / ``comm_s`` / ``bytes_sent`` where rank 0 reported them. A step's first line counts
+    (a script's closing line repeating the last step adds its held-out figures, not a second point)."""
+    per_rank: list[dict[int, dict]] = []
+    for lines in ranks:
+        first: dict[int, dict] = {}
+        for rec in lines:
+            if _num(rec.get("loss")) is not None:
+                first.setdefault(rec["step"], rec)
+        per_rank.append(first)
+    if not per_rank or not per_rank[0]:
+        return []
+    r0 = per_rank[0]
+    stamps = [_num(rec.get("unix_s")) for rec in r0.values()]
+    t0_unix = min((t for t in stamps if t is not None), default=None)
+    points, sent = [], 0.0
+    steps = sorted(r0)
+    contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
+    mean_sent = statistics.fmean([b for b in (_num(r0[s].get("bytes_sent")) for s in steps) if b is not None] or [0.0])
+    for s in steps:
+        rec = r0[s]
+        losses = [_num(pr[s]["loss"]) for pr in per_rank if s in pr]
+        t = _num(rec.get("time_s"))
+        if t is None and t0_unix is not None and _num(rec.get("unix_s")) is not None:
+            t = rec["unix_s"] - t0_unix
+        b = _num(rec.get("bytes_sent"))
+        # bytes up to this step: exact when every step was reported, else the mean per reported step x steps
+        sent = (sent + (b or 0.0)) if contiguous else mean_sent * (s + 1)
+        points.append({"step": s, "loss": statistics.fmean(losses), "ranks": len(losses), "time_s": t,
+                       "bytes": sent, "step_s": _num(rec.get("step_s")), "comm_s": _num(rec.get("comm_s")),
+                       "bytes_sent": b})
+    return points
+
+
+def smooth_window(n: int) -> int:
+    """Points in the trailing mean that the final loss and the time to target use: a tenth of the curve."""
+    return max(1, round(n / 10))
+
+
+def smoothed(points: list[dict]) -> list[float]:
+    """Trailing mean of the loss over :func:`smooth_window` points (a per-batch loss is noisy)."""
+    w = smooth_window(len(points))
+    losses = [p["loss"] for p in points]
+    return [statistics.fmean(losses[max(0, i + 1 - w): i + 1]) for i in range(len(losses))]
+
+
+def _median(values) -> float | None:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(vals) if vals else None
+
+
+def step_times(points: list[dict]) -> list[float]:
+    """Seconds per step: the reported ``step_s``, else the time between reported steps per step."""
+    if any(p["step_s"] is not None for p in points):
+        return [p["step_s"] for p in points if p["step_s"] is not None]
+    out = []
+    for a, b in zip(points, points[1:]):
+        if a["time_s"] is not None and b["time_s"] is not None and b["step"] > a["step"]:
+            out.append((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]))
+    return out
+
+
+def summarize(o: Outcome, target: float | None = None) -> dict:
+    """The table's row for one outcome (and its curve)."""
+    r = o.regime
+    row = {"regime": r.label, "url": r.url, "kind": r.kind, "workers": r.workers, "status": o.status,
+           "error": o.error, "job_s": o.seconds, "log": o.log}
+    pts = curve(o.ranks) if o.status == "ok" else []
+    row["curve"] = pts
+    if not pts:
+        return row
+    sm = smoothed(pts)
+    last0 = next((rec for rec in reversed(o.ranks[0]) if "test_loss" in rec or "test_acc" in rec), {})
+    sent = [p["bytes_sent"] for p in pts if p["bytes_sent"] is not None]
+    row.update({"steps": pts[-1]["step"] + 1, "final_loss": sm[-1], "last_loss": pts[-1]["loss"],
+                "smooth_window": smooth_window(len(pts)), "wall_s": pts[-1]["time_s"],
+                "test_loss": _num(last0.get("test_loss")), "test_acc": _num(last0.get("test_acc")),
+                "step_s_median": _median(step_times(pts)), "comm_s_median": _median(p["comm_s"] for p in pts),
+                "bytes_per_step": statistics.fmean(sent) if sent else None})
+    row.update(time_to_target(pts, sm, target))
+    return row
+
+
+def time_to_target(pts: list[dict], sm: list[float], target: float | None) -> dict:
+    """The first reported step (and its wall time) whose smoothed loss is at or below ``target``."""
+    hit = None if target is None else next((p for p, s in zip(pts, sm) if s <= target), None)
+    return {"target_loss": target, "steps_to_target": hit["step"] + 1 if hit else None,
+            "time_to_target_s": hit["time_s"] if hit else None}
+
+
+def default_target(rows: list[dict]) -> float | None:
+    """The loss every regime that finished reached: the highest of their final (smoothed) losses."""
+    finals = [r["final_loss"] for r in rows if r.get("final_loss") is not None and math.isfinite(r["final_loss"])]
+    return max(finals) if finals else None
+
+
+def summarize_all(outcomes: list[Outcome], target: float | None = None) -> tuple[list[dict], float | None]:
+    rows = [summarize(o) for o in outcomes]
+    target = default_target(rows) if target is None else target
+    for row in rows:
+        if row.get("curve"):
+            row.update(time_to_target(row["curve"], smoothed(row["curve"]), target))
+    return rows, target
+
+
+# ----- the table, the JSON, the plot --------------------------------------------------------------
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f}"
+
+
+def _f(x: float | None, spec: str = ".4f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def table(rows: list[dict], extra: list[tuple[str, callable]] = ()) -> list[str]:
+    """Markdown: one row per regime (those that did not run say why in the last column)."""
+    header = ["regime", "kind", "N", "steps", "final loss", "test loss", "steps to target", "s to target",
+              "step ms (median)", "exposed comm ms (median)", "sent / rank / step", *[h for h, _ in extra], "status"]
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for r in rows:
+        ok = bool(r.get("curve"))
+        status = "ok" if r["status"] == "ok" else f"{r['status']}: " + r["error"].replace("|", "\\|").replace("\n", " ")[:240]
+        cells = [f"`{r['regime']}`" if "://" in r["regime"] else r["regime"], r["kind"], str(r["workers"])]
+        if ok:
+            cells += [str(r["steps"]), _f(r["final_loss"]), _f(r["test_loss"]), _f(r["steps_to_target"], "d"),
+                      _f(r["time_to_target_s"], ".2f"), _ms(r["step_s_median"]), _ms(r["comm_s_median"]),
+                      human_bytes(r["bytes_per_step"])]
+        else:
+            cells += ["—"] * 8
+        cells += [fn(r) for _, fn in extra] + [status]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path | None:
+    """Loss against step, wall time and MiB sent by rank 0, one line per regime; None if nothing ran."""
+    have = [r for r in rows if r.get("curve")]
+    if not have:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    silent = []
+    for r in have:
+        pts = r["curve"]
+        style = ({"linewidth": 5, "color": "black", "alpha": 0.25, "zorder": 1} if r["kind"] == "reference"
+                 else {"linestyle": ":", "color": "grey"} if r["kind"] == "floor" else {"linewidth": 1.2, "zorder": 2})
+        label = f"{r['regime']} ({r['kind']})"
+        axes[0].plot([p["step"] + 1 for p in pts], [p["loss"] for p in pts], label=label, **style)
+        timed = [p for p in pts if p["time_s"] is not None]
+        if timed:
+            axes[1].plot([p["time_s"] for p in timed], [p["loss"] for p in timed], label=label, **style)
+        if pts[-1]["bytes"] > 0:
+            axes[2].plot([p["bytes"] / 2**20 for p in pts], [p["loss"] for p in pts], label=label, **style)
+        else:
+            silent.append(r["regime"])
+    axes[0].set(xlabel="step", ylabel="training loss (mean over ranks)", title=f"{title}: loss against step")
+    axes[1].set(xlabel="seconds since training began (rank 0)", ylabel="training loss", title="loss against wall time")
+    axes[2].set(xlabel="MiB sent by rank 0 (cumulative)", ylabel="training loss",
+                title="loss against bytes sent" + (f"\n(not shown, sent nothing: {', '.join(silent)})" if silent else ""))
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write(out: Path, rows: list[dict], target: float | None, command: list[str], png: Path | None,
+          target_given: bool = False) -> Path:
+    """``script.md`` and ``script.json`` in ``out``; returns the markdown's path."""
+    md = [f"# Your script under each regime", "",
+          f"- Command: `{' '.join(shlex.quote(c) for c in command)}`",
+          f"- Target loss: {_f(target)} ({'given' if target_given else 'the highest final loss among the regimes that finished: every one reached it'}); "
+          "final loss and time to target use the trailing mean over a tenth of each curve's reported steps.",
+          "- Loss is the mean over the ranks of each rank's reported loss (with equal batches: the combined "
+          "batch's); step time, exposed communication (time spent waiting on the exchange) and bytes are rank 0's; "
+          "\"—\" where the script did not report the field.", ""]
+    md += table(rows) + [""]
+    if png:
+        md += [f"![loss against step, wall time and bytes]({png.name})", ""]
+    path = out / "script.md"
+    path.write_text("\n".join(md))
+    (out / "script.json").write_text(json.dumps({"command": command, "target_loss": target, "regimes": rows},
+                                                indent=1))
+    return path
+
+
+# ----- command line -------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench script", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="commlab bench script --regimes URL,URL,... [--workers N] [options] -- "
+                                      "SCRIPT.py [ARGS] | -m MODULE [ARGS]")
+    p.add_argument("--regimes", required=True,
+                   help="comma-separated exchanger URLs (a comma inside a ps:// HOST:PORT list stays in its URL)")
+    p.add_argument("--workers", type=int, default=2, help="ranks per regime (local:// always runs one)")
+    p.add_argument("--local-args", default="", help="extra arguments for local:// (e.g. '--batch-size 64')")
+    p.add_argument("--target-loss", type=float, help="time and steps to this loss (default: the loss every regime reached)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds each regime's job may run")
+    p.add_argument("--out", help="folder for script.md, script.json, script.png (default runs/script-<UTC time>)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT.py ARGS (or -m MODULE ARGS)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if not command or (command[0] == "-m" and len(command) < 2):
+        print("commlab bench script: give the script after --: ... -- train.py [ARGS]", file=sys.stderr)
+        return 2
+    if a.workers < 1:
+        print("commlab bench script: --workers must be >= 1", file=sys.stderr)
+        return 2
+    urls = split_regimes(a.regimes)
+    if not urls:
+        print("commlab bench script: --regimes names no regime", file=sys.stderr)
+        return 2
+    n_script = 2 if command[0] == "-m" else 1
+    head, script_args = tuple(command[:n_script]), tuple(command[n_script:])
+    if head[0] != "-m" and not Path(head[0]).exists():
+        print(f"commlab bench script: {head[0]}: no such script", file=sys.stderr)
+        return 2
+    out = Path(a.out or Path("runs") / time.strftime("script-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for url in urls:
+        try:
+            kind = kind_of(url)
+        except ValueError as exc:
+            outcomes.append(Outcome(Regime(url, url, a.workers, script_args), "unavailable", str(exc)))
+            continue
+        local = kind == "reference"
+        regime = Regime(url, url, 1 if local else a.workers,
+                        script_args + (tuple(shlex.split(a.local_args)) if local else ()), kind)
+        print(f"commlab bench script: {url} x{regime.workers} ...", file=sys.stderr, flush=True)
+        o = run_regime(head, regime, out, a.timeout)
+        print(f"commlab bench script: {url}: {o.status}" + (f" ({o.error})" if o.error else f" in {o.seconds:.1f} s"),
+              file=sys.stderr, flush=True)
+        outcomes.append(o)
+    rows, target = summarize_all(outcomes, a.target_loss)
+    png = plot(rows, out / "script.png", Path(head[-1]).name)
+    path = write(out, rows, target, ["commlab", "bench", "script", *argv], png, a.target_loss is not None)
+    print(path.read_text().split("\n\n", 1)[1] if "\n\n" in path.read_text() else "")
+    print(f"commlab bench script: {path}, {out / 'script.json'}" + (f", {png}" if png else ""), file=sys.stderr)
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Real workloads under every regime: the examples themselves, driven as a user runs them.
+
+    commlab bench workloads                                 # both, the default regimes
+    commlab bench workloads --workloads charlm --regimes local,gloo,ring,ps-sync --lm-steps 300
+
+The character-level GPT (``examples/charlm.py``: AdamW with parameter groups, warm-up + cosine
+schedule, clipping, bf16 autocast, accumulation under ``no_sync``) and the BatchNorm ResNet
+(``examples/resnet_digits.py``: SGD with momentum, StepLR) are started unchanged with
+``commlab run`` (:func:`bench.script_compare.run_regime`), one job per regime; their
+``commlab.report`` lines (``$COMMLAB_METRICS``) are the only thing read. Each regime gives the
+loss against step, wall time and bytes sent, the time to a target loss, the median step time,
+the exposed communication and the bytes per step.
+
+``local://`` is the reference: one process on the combined batch (N x B sequences, and for the
+LM ``--data-shards N``, so it draws exactly the windows the N ranks draw together). A
+synchronous regime computes the same update from the same averaged gradient, so its loss curve
+(the mean of the ranks' losses at each step) must lie on local's: :func:`coincidence` checks every
+step within :data:`COINCIDE_TOL`. For the ResNet the check does not apply: each rank normalises
+with the BatchNorm statistics of its own B samples, local:// with those of all N x B (as under DDP
+without SyncBatchNorm), so the curves differ by design; the difference is shown, not judged.
+
+A regime the registry does not know here, or whose job fails (the LM's AdamW with two parameter
+groups under a ``ps://`` that runs only SGD or Adam with one group on its servers), is a row with
+the reason, and the rest still run. The regime list is a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from bench import script_compare as sc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A synchronous regime "coincides" with local:// when the mean-over-ranks training loss at every
+# reported step is within this of local's. What is left between them is rounding: bf16 autocast and
+# a different summation order (two half batches averaged against one whole batch); measured here:
+# at most 3.0e-4 over 40 LM steps, 4.7e-4 over 120 and 7.9e-4 over 150 (gloo and ring alike), a
+# tenth of the tolerance or less. The loss falls by ~2.4 over those steps, so a regime that changes
+# the update (an unaveraged or stale gradient, a lost schedule step) leaves it within a few steps.
+COINCIDE_TOL = 0.01
+
+# name -> URL; --regimes takes these names or URLs
+REGIMES = {
+    "local": "local://",
+    "gloo": "allreduce://?backend=gloo",
+    "ring": "ring://",
+    "ps-sync": "ps://?shards=1&mode=sync",
+    "ps-async": "ps://?shards=1&mode=async",
+    "ps-ssp-2": "ps://?shards=1&mode=ssp&staleness=2",
+}
+DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    script: str  # relative to the checkout
+    what: str  # one line for the report
+    args: Callable[[int], tuple[str, ...]]  # steps -> the arguments every rank gets
+    batch_size: int  # per rank
+    reference: Callable[[int, int], tuple[str, ...]]  # (workers, batch) -> local://'s extra arguments
+    steps: int
+    target_loss: float | None  # None: the loss every regime reached
+    coincide: bool  # does a synchronous regime reproduce local:// here?
+    why_not: str = ""  # ... and if not, why
+    url_options: tuple[tuple[str, str], ...] = ()  # (scheme, "key=value"): added to that scheme's URLs
+
+    def url(self, url: str) -> str:
+        """``url`` with this workload's options for its scheme (an option the URL names itself wins)."""
+        scheme = url.split("://", 1)[0]
+        for s, opt in self.url_options:
+            if s == scheme and opt.split("=", 1)[0] + "=" not in url:
+                url += ("&" if "?" in url else "?") + opt
+        return url
+
+
+def _lm_args(steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--log-every", "1", "--d-model", "64", "--layers", "2", "--heads", "4",
+            "--context", "64", "--batch-size", "8", "--accum", "2", "--lr", "1e-2", "--warmup", "10",
+            "--eval-batches", "4", "--threads", "1")
+
+
+def _lm_reference(workers: int, batch: int) -> tuple[str, ...]:
+    # the ranks' windows, together; the held-out windows too (4 batches of B = 4/N batches of N x B)
+    return ("--batch-size", str(workers * batch), "--data-shards", str(workers),
+            "--eval-batches", str(max(1, 4 // workers)))
+
+
+def _cnn_args(steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--log-every", "1000", "--batch-size", "32", "--width", "8", "--threads", "1")
+
+
+WORKLOADS = {
+    "charlm": Workload("charlm", "examples/charlm.py",
+                       "GPT-style character LM on pydoc_data.topics (2 layers, d=64, context 64, 2 micro-batches "
+                       "of 8 sequences per rank per step, AdamW groups, warm-up + cosine, clipping, bf16 autocast)",
+                       _lm_args, 8, _lm_reference, steps=120, target_loss=2.6, coincide=True),
+    "resnet": Workload("resnet", "examples/resnet_digits.py",
+                       "BatchNorm ResNet (width 8) on 16x16 digits, batch 32 per rank, SGD momentum 0.9, StepLR",
+                       _cnn_args, 32, lambda n, b: ("--batch-size", str(n * b)), steps=60, target_loss=0.6,
+                       coincide=False,
+                       why_not="each rank normalises with the BatchNorm statistics of its own batch, local:// with "
+                               "those of the combined batch (as DDP without SyncBatchNorm): the curves differ by design",
+                       # ps:// carries no module buffers yet: each rank keeps its own running statistics (they
+                       # change only the held-out loss; training normalises with the batch's own)
+                       url_options=(("ps", "buffers=none"),)),
+}
+DEFAULT_WORKLOADS = ["charlm", "resnet"]
+# seconds the default `commlab bench` (after bandwidth and the MLP convergence) may spend starting
+# workload jobs; the LM's regimes go first, what does not fit is listed as skipped
+BENCH_BUDGET_S = 90.0
+
+
+def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
+    """Compare two loss curves (:func:`bench.script_compare.curve`) at the steps both reported.
+
+    Returns ``{"steps_compared", "max_abs_diff", "at_step", "tolerance", "coincides"}``;
+    ``coincides`` is None when they share no step (nothing to judge), else whether every common
+    step's losses differ by at most ``tol``. A curve that stops early is compared where it has points,
+    and says so through ``steps_compared``.
+    """
+    ref = {p["step"]: p["loss"] for p in reference}
+    diffs = [(abs(p["loss"] - ref[p["step"]]), p["step"]) for p in points if p["step"] in ref]
+    if not diffs:
+        return {"steps_compared": 0, "max_abs_diff": None, "at_step": None, "tolerance": tol, "coincides": None}
+    worst, at = max(diffs, key=lambda d: (not math.isfinite(d[0]), d[0]))
+    return {"steps_compared": len(diffs), "max_abs_diff": worst, "at_step": at, "tolerance": tol,
+            "coincides": math.isfinite(worst) and worst <= tol and len(diffs) == len(ref)}
+
+
+def resolve_regimes(text: str | None) -> list[tuple[str, str]]:
+    """``(label, URL)`` for each comma-separated name (see :data:`REGIMES`) or URL."""
+    if not text:
+        return [(n, REGIMES[n]) for n in DEFAULT_REGIMES]
+    out = []
+    for item in sc.split_regimes(text) if "://" in text else [t.strip() for t in text.split(",") if t.strip()]:
+        if "://" in item:
+            out.append((item, item))
+        elif item in REGIMES:
+            out.append((item, REGIMES[item]))
+        else:
+            raise ValueError(f"unknown regime {item!r}: give a URL or one of {', '.join(REGIMES)}")
+    return out
+
+
+@dataclass
+class WorkloadsConfig:
+    workloads: list[str] = field(default_factory=lambda: list(DEFAULT_WORKLOADS))
+    regimes: list[tuple[str, str]] = field(default_factory=lambda: resolve_regimes(None))
+    workers: int = 2
+    steps: dict = field(default_factory=dict)  # workload -> steps (default: the workload's)
+    job_timeout: float = 120.0
+
+
+def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[str], None] | None = None) -> dict:
+    """Every workload under every regime; returns ``{workload: result}``.
+
+    Jobs go regime by regime (local:// first, then in the order given), each regime for every
+    workload, so when ``budget_s`` runs out the regimes skipped are the last ones, in every workload
+    alike. A job starts only while the budget holds another like that workload's last (the rows of
+    those that do not say "skipped"); a started job may run ``cfg.job_timeout``. A result holds the
+    workload's config, each regime's summary row (:func:`bench.script_compare.summarize`, with its
+    curve and ``vs_local`` from :func:`coincidence`) and the target loss. Never raises for a regime's
+    failure.
+    """
+    deadline = time.monotonic() + budget_s
+    order = sorted(cfg.regimes, key=lambda lr: not lr[1].startswith("local://"))  # the reference first
+    steps = {n: int(cfg.steps.get(n, WORKLOADS[n].steps)) for n in cfg.workloads}
+    outcomes: dict[str, list[sc.Outcome]] = {n: [] for n in cfg.workloads}
+    for label, url in order:
+        for wname in cfg.workloads:
+            outcomes[wname].append(_one(WORKLOADS[wname], steps[wname], label, url, cfg, out, deadline,
+                                        outcomes[wname], progress))
+    results = {}
+    for wname in cfg.workloads:
+        w = WORKLOADS[wname]
+        rows, target = sc.summarize_all(outcomes[wname], w.target_loss)
+        ref = next((r for r in rows if r["kind"] == "reference" and r.get("curve")), None)
+        for r in rows:
+            r["vs_local"] = coincidence(ref["curve"], r["curve"]) if ref and r is not ref and r.get("curve") else None
+        results[wname] = {"workload": wname, "script": w.script, "what": w.what, "steps": steps[wname],
+                          "workers": cfg.workers, "batch_per_rank": w.batch_size, "args": list(w.args(steps[wname])),
+                          "reference_args": list(w.reference(cfg.workers, w.batch_size)),
+                          "coincide": w.coincide, "why_not": w.why_not, "tolerance": COINCIDE_TOL,
+                          "target_loss": target, "rows": rows}
+    return results
+
+
+def _one(w: Workload, steps: int, label: str, url: str, cfg: WorkloadsConfig, out: Path, deadline: float,
+         before: list[sc.Outcome], progress) -> sc.Outcome:
+    """One job of :func:`run`: workload ``w`` under ``url`` (or the reason it did not run)."""
+    base = w.args(steps)
+    try:
+        kind = sc.kind_of(url)
+    except ValueError as exc:
+        return sc.Outcome(sc.Regime(label, url, cfg.workers, base), "unavailable", str(exc))
+    local = kind == "reference"
+    regime = sc.Regime(label, w.url(url), 1 if local else cfg.workers,
+                       base + (w.reference(cfg.workers, w.batch_size) if local else ()), kind)
+    need = max(10.0, max((x.seconds for x in before), default=0.0))
+    if deadline - time.monotonic() < need:
+        return sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run")
+    progress and progress(f"{w.name} {label}")
+    o = sc.run_regime((str(ROOT / w.script),), regime, out / "workloads" / w.name, cfg.job_timeout)
+    if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
+        o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
+    return o
+
+
+# ----- the report ---------------------------------------------------------------------------------
+
+def sync_verdict(res: dict) -> list[str]:
+    """One line per synchronous regime: does its curve lie on local://'s?"""
+    rows = res["rows"]
+    ref = next((r for r in rows if r["kind"] == "reference"), None)
+    if ref is None or not ref.get("curve"):
+        return ["- local:// did not run, so there is nothing to check against."]
+    sync = [r for r in rows if r["kind"] == "sync" and r.get("vs_local")]
+    if not sync:
+        return ["- No synchronous regime finished."]
+    lines = []
+    for r in sync:
+        v = r["vs_local"]
+        d = f"max |loss difference| {v['max_abs_diff']:.2g} at step {v['at_step'] + 1}, over {v['steps_compared']} steps"
+        if not res["coincide"]:
+            lines.append(f"- {r['regime']}: {d} (not judged: {res['why_not']}).")
+        elif v["coincides"]:
+            lines.append(f"- {r['regime']}: **coincides** with local:// ({d}; tolerance {v['tolerance']:g}: bf16 "
+                         "autocast and summation order).")
+        else:
+            lines.append(f"- {r['regime']}: **does NOT coincide** with local:// ({d} > {v['tolerance']:g}, or steps "
+                         "missing): a synchronous regime that changes the arithmetic is a bug.")
+    return lines
+
+
+def _vs_local(r: dict) -> str:
+    v = r.get("vs_local")
+    if not v or v["max_abs_diff"] is None:
+        return "—"
+    return f"{v['max_abs_diff']:.2g}"
+
+
+def section(results: dict, pngs: dict | None = None) -> list[str]:
+    """The report's "Real workloads" section (markdown lines)."""
+    out = ["## Real workloads: the examples under each regime", ""]
+    if not results:
+        return out + ["Not run.", ""]
+    for name, res in results.items():
+        out += [f"### {name}: `{res['script']}`", "",
+                f"{res['what']}. {res['steps']} steps, {res['workers']} ranks x {res['batch_per_rank']} per rank; "
+                f"local:// runs one process on the combined batch (`{' '.join(res['reference_args'])}`). "
+                f"Started with `commlab run` per regime: `{res['script']} {' '.join(res['args'])}`. Loss is the "
+                f"training loss, mean over the ranks at each step; final loss and time to target use the trailing "
+                f"mean over a tenth of the steps; target loss {sc._f(res['target_loss'])}. Step time, exposed "
+                f"communication (time spent waiting on the exchange: backward's end and, for ps://, the pull) and "
+                f"bytes are rank 0's medians.", ""]
+        out += ["Regimes: " + ", ".join(f"{r['regime']} = `{r['url']}`" for r in res["rows"]) + ".", ""]
+        out += sc.table(res["rows"], [("max abs loss diff vs local", _vs_local)]) + [""]
+        out += ["Do the synchronous regimes reproduce local:// on the combined batch?", ""] + sync_verdict(res) + [""]
+        png = (pngs or {}).get(name)
+        if png:
+            out += [f"![{name}: loss against step, wall time and bytes]({png})", ""]
+    return out
+
+
+def write(out: Path, results: dict) -> tuple[Path, dict]:
+    """``workloads.json``, one PNG per workload and ``workloads.md`` in ``out``."""
+    pngs = {}
+    for name, res in results.items():
+        png = sc.plot(res["rows"], out / f"workloads-{name}.png", name)
+        if png:
+            pngs[name] = png.name
+    (out / "workloads.json").write_text(json.dumps(results, indent=1))
+    path = out / "workloads.md"
+    path.write_text("\n".join(["# commlab bench workloads", ""] + section(results, pngs)))
+    return path, pngs
+
+
+def append_section(report: Path, results: dict, pngs: dict) -> None:
+    """Put :func:`section` into a finished ``report.md``, before its "## Files" section (or at its end)."""
+    text = report.read_text()
+    block = "\n".join(section(results, pngs)) + "\n"
+    at = text.find("\n## Files")
+    report.write_text(text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block)
+
+
+def names_arg(text: str) -> list[str]:
+    """``--workloads charlm,resnet`` -> the names (``none``: []); argparse's ``type``."""
+    names = [] if text.strip() == "none" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}, or none")
+    return names
+
+
+def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None,
+                names: list[str] | None = None) -> tuple[dict, dict]:
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under the default
+    regimes; writes the files. Raises ValueError for an unknown workload name."""
+    names = list(DEFAULT_WORKLOADS) if names is None else names
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    if progress is None:
+        progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
+    results = run(WorkloadsConfig(names, workers=workers), run_dir, budget_s, progress)
+    _, pngs = write(run_dir, results)
+    return results, pngs
+
+
+# ----- command line -------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench workloads", description=__doc__.split("\n\n")[0],
+                                epilog="regimes: " + ", ".join(f"{k} = {v}" for k, v in REGIMES.items()))
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), type=names_arg, help=f"of {', '.join(WORKLOADS)}")
+    p.add_argument("--regimes", help="comma-separated names or URLs (default: " + ",".join(DEFAULT_REGIMES) + ")")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--lm-steps", type=int, default=WORKLOADS["charlm"].steps)
+    p.add_argument("--cnn-steps", type=int, default=WORKLOADS["resnet"].steps)
+    p.add_argument("--budget-s", type=float, default=150.0, help="stop starting jobs after this many seconds")
+    p.add_argument("--job-timeout", type=float, default=120.0)
+    p.add_argument("--out", help="folder (default runs/workloads-<UTC time>)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        names = a.workloads
+        if a.workers < 2:
+            raise ValueError("--workers must be >= 2")
+        cfg = WorkloadsConfig(names, resolve_regimes(a.regimes), a.workers,
+                              {"charlm": a.lm_steps, "resnet": a.cnn_steps}, a.job_timeout)
+    except ValueError as exc:
+        print(f"commlab bench workloads: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.out or Path("runs") / time.strftime("workloads-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    results = run(cfg, out, a.budget_s, lambda what: print(f"commlab bench workloads: {what} ...", file=sys.stderr,
+                                                           flush=True))
+    path, _ = write(out, results)
+    print(path.read_text())
+    print(f"commlab bench workloads: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
