@@ -1,4 +1,4 @@
-"""``commlab``: train, server, bench, keys, doctor.
+"""``commlab``: train, server, bench, plan, keys, doctor.
 
 ``train`` runs the local launcher in this process. The other subcommands run
 their module as a process of its own (``python -m MODULE``), so the library
@@ -21,6 +21,7 @@ from commlab.registry import REGIMES, regime_class
 SUBCOMMANDS = {
     "server": ("servers", "run one parameter-server shard"),
     "bench": ("bench", "compare regimes: bandwidth and convergence"),
+    "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.keys", "create CURVE key pairs for servers and workers"),
     "doctor": ("commlab.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }

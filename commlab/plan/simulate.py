@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from commlab.errors import ConfigError
-from commlab.plan.costmodel import Calibration, Regime, Straggler, Topology, ring_bytes_per_rank, ring_time
+from commlab.plan.costmodel import Calibration, Regime, Straggler, Topology
 from commlab.psproto import assign_shards
+from commlab.regimes.ring import segment_bounds
 
 PIECE_BYTES = 16 * 2**20  # ps:// cuts parameters into pieces of at most piece_mb (16 MiB)
 SWAP_BYTES = 4 * 2**20  # ring:// at N = 2: tensors up to swap_kb take one step
@@ -147,9 +148,22 @@ def simulate(cal: Calibration, topo: Topology, regime: Regime, workers: int, bat
 
 
 # ----- all-reduce --------------------------------------------------------------------------------
+def ring_bytes_by_rank(nbytes: int, n: int, itemsize: int = 4) -> np.ndarray:
+    """Bytes each rank sends in one ring all-reduce, from the ring's own segments and schedule
+    (:func:`commlab.regimes.ring.segment_bounds`, :func:`~commlab.regimes.ring.ring_schedule`): in the
+    N-1 reduce-scatter steps rank r sends every segment but (r+1) mod N, in the N-1 all-gather steps
+    every segment but (r+2) mod N. Exactly ``2(N-1)/N x S`` when N divides the element count."""
+    if n <= 1:
+        return np.zeros(max(n, 1))
+    bounds = np.array(segment_bounds(nbytes // itemsize, n)) * itemsize
+    seg = np.diff(bounds)
+    return 2 * seg.sum() - np.roll(seg, -1) - np.roll(seg, -2)
+
+
 def allreduce_bucket_time(size: float, n: int, topo: Topology, regime: Regime, cal: Calibration) -> float:
-    """One bucket's ring all-reduce: ``2(N-1)`` steps, each limited by the slowest edge of the ring (ranks
-    placed host by host: one edge per host crosses its NIC, the others stay inside the host)."""
+    """One bucket's ring all-reduce: ``2(N-1)`` steps, each as long as the largest segment over the
+    slowest edge of the ring (ranks placed host by host: one edge per host crosses its NIC, the others
+    stay inside the host)."""
     if n <= 1:
         return 0.0
     tr = cal.transport(regime.transport)
@@ -157,7 +171,8 @@ def allreduce_bucket_time(size: float, n: int, topo: Topology, regime: Regime, c
     beta = max(tr.beta_over(r) for r in rates)
     if regime.transport == "ring" and n == 2 and size <= SWAP_BYTES:  # commlab's one-step swap
         return tr.alpha_s + size * beta
-    return ring_time(size, n, tr.alpha_s, beta)
+    largest = math.ceil(size / 4 / n) * 4  # segments differ by at most one element
+    return 2 * (n - 1) * (tr.alpha_s + largest * beta)
 
 
 def _sync_allreduce(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
@@ -173,7 +188,7 @@ def _sync_allreduce(cal, topo, regime, n, batch, strag, steps, seed) -> SimResul
         end = max(end, tl.compute[t].max()) + opt
         step_s.append(end)
         exposed.append(float(np.mean(end - tl.compute[t])))
-    sent = sum(ring_bytes_per_rank(s, n) for s in tl.sizes)
+    sent = float(sum(ring_bytes_by_rank(int(s), n).max() for s in tl.sizes)) if n > 1 else 0.0
     hosts = topo.hosts(n)
     nbytes = {"sent_per_worker": sent, "received_per_worker": sent,
               "nic_out_per_host": sent if hosts > 1 else 0.0, "nic_in_per_host": sent if hosts > 1 else 0.0}
@@ -256,38 +271,47 @@ def _async_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
     for b in range(len(tl.sizes)):
         up = np.maximum(tl.ready[:, :, b], up) + a + tl.sizes[b] * wb
     ssp = regime.staleness if regime.mode == "ssp" else None
-    in_free, app_free, out_free = np.zeros(K), np.zeros(K), np.zeros(K)
-    version = np.zeros(K, dtype=np.int64)
-    base = np.zeros((n, K), dtype=np.int64)
-    done = np.zeros(n, dtype=np.int64)  # steps applied per worker
+    # per shard, plain floats (this loop runs once per worker-step): link time, optimizer time per push
+    c_link = [float(x) for x in sk * betas * others / n]
+    c_app = [float(x) * opt for x in sk]
+    shards = range(K)
+    in_free, app_free, out_free = [0.0] * K, [0.0] * K, [0.0] * K
+    version = [0] * K
+    base = [[0] * K for _ in range(n)]
+    done = [0] * n  # steps applied per worker
     at = Counter({0: n})  # workers per done-count, for the slowest's count
     slowest = 0
     waiting: dict[int, list] = {}  # the slowest's count a held worker needs -> [(worker, ready at)]
     stale = Counter()
-    finish = np.full(n, np.inf)
-    events = [(float(up[0, i]), i, 0) for i in range(n)]
+    finish = [math.inf] * n
+    up_list = up.tolist()
+    events = [(up_list[0][i], i, 0) for i in range(n)]
     heapq.heapify(events)
     applied_times = []
+    pull_s = a + S * wb
 
     def start(i: int, t: int, when: float) -> None:
         if t >= steps:
             finish[i] = when
             return
-        heapq.heappush(events, (when + float(up[t, i]), i, t))
+        heapq.heappush(events, (when + up_list[t][i], i, t))
 
     while events:
         arrive, i, t = heapq.heappop(events)
         outs = 0.0
-        for k in range(K):
-            s = sk[k]
-            in_free[k] = max(arrive, in_free[k] + s * betas[k] * others[k] / n)
-            app_free[k] = max(in_free[k], app_free[k]) + s * opt
-            if t > 0:
-                stale[int(version[k] - base[i, k])] += 1
+        mine = base[i]
+        for k in shards:
+            f = in_free[k] + c_link[k]
+            f = in_free[k] = arrive if arrive > f else f
+            g = app_free[k]
+            g = app_free[k] = (f if f > g else g) + c_app[k]
+            stale[version[k] - mine[k]] += 1
             version[k] += 1
-            out_free[k] = max(app_free[k], out_free[k]) + a + s * betas[k] * others[k] / n
-            base[i, k] = version[k]
-            outs = max(outs, out_free[k])
+            o = out_free[k]
+            o = out_free[k] = (g if g > o else o) + a + c_link[k]
+            mine[k] = version[k]
+            if o > outs:
+                outs = o
         pulled = max(outs, arrive + a + S * wb)
         applied_times.append(pulled)
         at[done[i]] -= 1
@@ -299,8 +323,8 @@ def _async_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
             slowest += 1
             released += waiting.pop(slowest, [])
         for j, ready in released:
-            start(j, int(done[j]), max(ready, pulled))
-        nxt = int(done[i])
+            start(j, done[j], max(ready, pulled))
+        nxt = done[i]
         need = nxt + 1 - ssp if ssp is not None else -1
         if nxt < steps and need > slowest:
             waiting.setdefault(need, []).append((i, pulled))
@@ -309,7 +333,7 @@ def _async_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
     # steady state: from when every worker has done one step until the first worker finished
     times = np.sort(np.array(applied_times))
     t0 = times[min(len(times) - 1, n - 1)]
-    t1 = float(np.min(finish))
+    t1 = min(finish)
     inside = np.count_nonzero((times > t0) & (times <= t1))
     step_s = n * (t1 - t0) / inside if inside and t1 > t0 else float(times[-1]) / steps
     compute = float(np.median(tl.compute))
