@@ -13,6 +13,7 @@ from bench import plots
 from bench.bandwidth import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
+from commlab.plan.recommend import at_scale_from_bench
 
 SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Files")
 
@@ -255,6 +256,8 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]
+    if records:  # the planner's "at scale" section, from this run's bandwidth records (docs/plan.md)
+        out += at_scale_from_bench(records, cv_cfg["model"] if cv_cfg else "mlp", cv_cfg["batch_size"] if cv_cfg else 32)
     out += ["## Files", ""] + [f"- `{p.name}`" for p in sorted(run_dir.iterdir()) if p.is_file()] + \
            ["- `raw/`: per-job outputs (per-rank times, per-step metrics); `logs/`: each job's output", ""]
     path = run_dir / "report.md"

@@ -78,6 +78,8 @@ ASSUMED = {
     "nccl": Transport(8e-6, 1 / 200e9, "assumed: NCCL ring, link-bound"),
     "gloo": Transport(60e-6, 1 / 1.5e9, "assumed: gloo on a 2-core box (BASELINES.md)"),
     "ring": Transport(45e-6, 1 / 2.0e9, "assumed: commlab ring on a 2-core box (BASELINES.md)"),
+    "ring-ipc": Transport(45e-6, 1 / 2.2e9, "assumed: commlab ring over ipc on a 2-core box (BASELINES.md)"),
+    "ring-torch": Transport(60e-6, 1 / 1.5e9, "assumed: commlab ring over gloo p2p, as gloo"),
     "ps": Transport(80e-6, 1 / 2.0e9, "assumed: commlab PS on a 2-core box (BASELINES.md)"),
 }
 

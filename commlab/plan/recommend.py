@@ -24,6 +24,7 @@ class Plan:
     regimes: list[Regime]
     results: dict  # (label, N) -> SimResult, or a str saying why it could not be simulated
     crossovers: dict  # N -> {"closed_form": K or None, "simulated": K or None, "against": label}
+    sources: dict  # regime label -> where its transport's constants come from ("fitted: ...", "assumed: ...")
     topology: Topology
     straggler: Straggler
     batch: int
@@ -51,7 +52,8 @@ def sweep(cal: Calibration, topo: Topology, regimes: list[Regime], workers: list
         best = next((x for x in ring if x.regime == "ring"), None) or min(ring, key=lambda x: x.step_s)
         crossovers[n] = {"against": best.regime, "closed_form": shards_to_beat_ring(n),
                          "simulated": _fewest_shards(cal, topo, n, batch, straggler, best.step_s, max_shards, seed)}
-    return Plan(workers, regimes, results, crossovers, topo, straggler, batch)
+    sources = {r.label: cal.transport(r.transport).source for r in regimes}
+    return Plan(workers, regimes, results, crossovers, sources, topo, straggler, batch)
 
 
 def _fewest_shards(cal, topo, n, batch, straggler, target, max_shards, seed) -> int | None:
@@ -78,7 +80,7 @@ def fmt_s(x: float) -> str:
 
 def table(plan: Plan) -> list[str]:
     """Markdown: one row per (N, regime)."""
-    out = ["| N | regime | step | exposed comm | efficiency | samples/s | busiest link per step | staleness mean |",
+    out = ["| N | regime | step | exposed comm | efficiency | samples/s | busiest NIC per step | staleness mean |",
            "|---|---|---|---|---|---|---|---|"]
     for n in plan.workers:
         for r in plan.regimes:
@@ -108,6 +110,8 @@ def recommend(plan: Plan) -> list[str]:
             text += f"; next {sync[1].regime} {fmt_s(sync[1].step_s)} ({sync[1].step_s / best.step_s:.2f}x)"
         text += "."
         reasons = []
+        if plan.sources.get(best.regime, "").startswith("assumed"):
+            reasons.append(f"(its constants are assumed, not measured here: {plan.sources[best.regime]})")
         if best.exposed_s > 0.5 * best.step_s:
             reasons.append(f"communication-bound: {fmt_s(best.exposed_s)} of the step is exposed exchange")
         else:
@@ -214,11 +218,31 @@ def _used(plan: Plan, cal: Calibration) -> dict:
     return {r.transport: cal.transport(r.transport) for r in plan.regimes}
 
 
-def at_scale_section(cal: Calibration, workers=(8, 64, 512, 4096), nic_gbit: float = 100.0,
+def at_scale_from_bench(records: list[dict], model: str, batch: int) -> list[str]:
+    """The "at scale" section for a ``commlab bench`` report: transports fitted to its bandwidth records,
+    the model's compute measured now (a few steps). Never raises: says why when it cannot."""
+    from commlab.plan import calibrate as C
+    try:
+        transports = C.transports_from_records(records)
+        if not transports:
+            raise ConfigError("no bandwidth record of a regime the planner knows")
+        net, shape = C.load_model(model)
+        add, opt = C.measure_server_costs()
+        cal = Calibration(transports, add, opt, C.measure_compute(net, shape, batch, model, reps=3))
+        return at_scale_section(cal)
+    except (ConfigError, ValueError, RuntimeError, ImportError) as exc:
+        return ["## At scale (simulated)", "", f"Not available for this run: {exc}", ""]
+
+
+AT_SCALE_REGIMES = ("ring://", "allreduce://?backend=gloo", "allreduce://?backend=nccl", "ps://?shards=8&mode=sync",
+                    "ps://?shards=8&mode=async")
+
+
+def at_scale_section(cal: Calibration, workers=(8, 512, 4096), nic_gbit: float = 100.0,
                      workers_per_host: int = 8) -> list[str]:
     """A short "at scale" section for the ``commlab bench`` report, from this calibration."""
     topo = Topology(workers_per_host=workers_per_host, nic_bps=nic_gbit * 1e9 / 8)
-    names = [u for u in DEFAULT_REGIMES if parse_regime(u).transport in cal.transports or "nccl" in u]
+    names = [u for u in AT_SCALE_REGIMES if parse_regime(u).transport in cal.transports or "nccl" in u]
     plan = sweep(cal, topo, [parse_regime(u) for u in names], list(workers), max_shards=64)
     return (["## At scale (simulated)", "",
              f"`commlab plan` from this run's calibration (transports fitted to `bandwidth.json`; the model's compute "
