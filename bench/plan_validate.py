@@ -40,6 +40,9 @@ REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo
            "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync"}
 BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
 LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
+# tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
+# in 1514 on the wire, so the transports see this share of the capped rate
+TCP_GOODPUT = 1448 / 1514
 
 
 def quantile(v: list[float], q: float) -> float:
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     url = REGIMES[name]
                     rec = run_point(f"{rate}-n{n}-{name}", url, n, links, a, out)
-                    pred = predict(cal, url, n, parse_rate(rate), a.batch_size)
+                    pred = predict(cal, url, n, parse_rate(rate) * TCP_GOODPUT, a.batch_size)
                     reg = parse_regime(url)
                     rec.update(rate=rate, regime=name, batch=a.batch_size, predicted=pred.step_s,
                                predicted_compute=pred.compute_s,

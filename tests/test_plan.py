@@ -231,3 +231,14 @@ def test_commlab_plan_writes_a_table_plots_and_a_recommendation_up_to_4096_worke
     assert {r["regime"] for r in at_4096} >= {"ring", "ps-sync-K8", "ps-async-K8"}
     assert all(math.isfinite(r["step_s"]) and r["step_s"] > 0 for r in at_4096)
     assert (out / "plan.png").stat().st_size > 0
+
+
+def test_the_bench_reports_at_scale_section_comes_from_its_bandwidth_records():
+    from commlab.plan.recommend import at_scale_from_bench
+    recs = [{"kind": "regime", "regime": name, "workers": 2, "size_bytes": size, "time_us": (a + size * b) * 1e6,
+             "wrong": 0}
+            for size in (65536, 2**20, 8 * 2**20)
+            for name, a, b in (("gloo", 100e-6, 0.8e-9), ("ring-tcp", 60e-6, 0.5e-9), ("ps-1", 150e-6, 1.2e-9))]
+    text = "\n".join(at_scale_from_bench(recs, "tiny", 8))
+    assert "## At scale (simulated)" in text and "| 4096 | ring |" in text and "**N = 512:" in text
+    assert "Not available for this run: no bandwidth record" in "\n".join(at_scale_from_bench([], "tiny", 8))

@@ -80,7 +80,7 @@ def fmt_s(x: float) -> str:
 
 def table(plan: Plan) -> list[str]:
     """Markdown: one row per (N, regime)."""
-    out = ["| N | regime | step | exposed comm | efficiency | samples/s | busiest NIC per step | staleness mean |",
+    out = ["| N | regime | step | exposed comm | efficiency | samples/s | busiest NIC per step | staleness mean (p90, max) |",
            "|---|---|---|---|---|---|---|---|"]
     for n in plan.workers:
         for r in plan.regimes:
@@ -91,8 +91,20 @@ def table(plan: Plan) -> list[str]:
             link = max([res.bytes.get("nic_out_per_host", 0.0)] + res.bytes.get("shard_link_in", [0.0]))
             out.append(f"| {n} | {r.label} | {fmt_s(res.step_s)} | {fmt_s(res.exposed_s)} | {res.efficiency:.0%} | "
                        f"{res.throughput:,.0f} | {link / 2**20:,.0f} MiB | "
-                       f"{'' if res.staleness_mean is None else f'{res.staleness_mean:.1f}'} |")
+                       f"{_staleness(res)} |")
     return out
+
+
+def _staleness(res: SimResult) -> str:
+    if not res.staleness:
+        return ""
+    total = sum(res.staleness.values())
+    run, p90 = 0, None
+    for k, c in sorted(res.staleness.items()):
+        run += c
+        if p90 is None and run >= 0.9 * total:
+            p90 = k
+    return f"{res.staleness_mean:.1f} ({p90}, {max(res.staleness)})"
 
 
 def recommend(plan: Plan) -> list[str]:

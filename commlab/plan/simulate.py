@@ -12,7 +12,7 @@ stretched per worker and per step by its straggler draw. Then each regime's sche
   PS, sync, K shards (per bucket, per shard k; links are resources with a "free at" time)
       push    worker uplink:   up[i]  = max(ready[i,b], up[i]) + alpha + S_b beta_w
               shard k inbound: in[k]  = max(max_i up[i], max(in[k], first start) + alpha + N S_bk beta_s)
-      reduce  shard k's CPU:   app[k] = max(in[k], app[k]) + N S_bk add + S_bk opt
+      reduce  shard k's CPU:   app[k] = max(in[k] + S_bk add, app[k] + N S_bk add) + S_bk opt
       pull    shard k outbound out[k] = max(app[k], out[k]) + alpha + N S_bk beta_s
               worker downlink: got[i] = max(max_k out[k], got[i] + S_b beta_w)
     (co-located: shard k shares host k's NIC with that host's workers, whose pushes to and pulls
@@ -238,7 +238,8 @@ def _sync_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
             start = np.maximum(tl.ready[t, :, b], up)
             up = start + a + s * wb
             nic_in[k] = max(up.max(), max(nic_in[k], start.min()) + a + others[k] * s * betas[k])
-            app[k] = max(nic_in[k], app[k]) + n * s * add + s * opt
+            # the server folds each push in as it lands: only the last one's add is left after the link
+            app[k] = max(nic_in[k] + s * add, app[k] + n * s * add) + s * opt
             nic_out[k] = max(app[k], nic_out[k]) + a + others[k] * s * betas[k]
             got = np.maximum(nic_out[k], got + s * wb)
         end = max(got.max(), tl.compute[t].max())
