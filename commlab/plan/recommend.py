@@ -123,7 +123,7 @@ def recommend(plan: Plan) -> list[str]:
         text += "."
         reasons = []
         if plan.sources.get(best.regime, "").startswith("assumed"):
-            reasons.append(f"(its constants are assumed, not measured here: {plan.sources[best.regime]})")
+            reasons.append(f"its constants are not measured here ({plan.sources[best.regime]})")
         if best.exposed_s > 0.5 * best.step_s:
             reasons.append(f"communication-bound: {fmt_s(best.exposed_s)} of the step is exposed exchange")
         else:
@@ -188,7 +188,7 @@ def plots(plan: Plan, path: Path) -> Path | None:
                label="bandwidth terms: N^2/(2(N-1))")
     ax[2].set_xscale("log", base=2)
     ax[2].set_yscale("log", base=2)
-    ax[2].set_title("dedicated PS shards needed to beat the fastest all-reduce")
+    ax[2].set_title("dedicated sync PS shards needed to beat the ring")
     ax[2].set_xlabel("workers N")
     ax[2].legend(fontsize=7)
     ax[2].grid(alpha=0.3)

@@ -283,7 +283,7 @@ def _async_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
     at = Counter({0: n})  # workers per done-count, for the slowest's count
     slowest = 0
     waiting: dict[int, list] = {}  # the slowest's count a held worker needs -> [(worker, ready at)]
-    stale = Counter()
+    stale: Counter[int] = Counter()
     finish = [math.inf] * n
     up_list = up.tolist()
     events = [(up_list[0][i], i, 0) for i in range(n)]
