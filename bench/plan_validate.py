@@ -136,6 +136,14 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
     return out
 
 
+def between_markers(text: str, lines: list[str]) -> str:
+    """``text`` with what lies between the BEGIN and END markers replaced by ``lines``."""
+    if BEGIN not in text or END not in text or text.index(END) < text.index(BEGIN):
+        raise ValueError(f"no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    return head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + rest.split(END, 1)[1]
+
+
 def hist_stats(values: list[int]) -> tuple[float, int, int]:
     return statistics.fmean(values), quantile(values, 0.9), max(values)
 
@@ -231,12 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if a.docs:
         doc = Path(a.docs)
-        text = doc.read_text()
-        if BEGIN not in text or END not in text:
-            print(f"plan_validate: {doc} has no {BEGIN} ... {END} markers; table not written there", file=sys.stderr)
+        try:
+            doc.write_text(between_markers(doc.read_text(), lines))
+        except ValueError as exc:
+            print(f"plan_validate: {doc}: {exc}; table not written there", file=sys.stderr)
             return 1
-        head, rest = text.split(BEGIN, 1)
-        doc.write_text(head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + rest.split(END, 1)[1])
     print(f"plan_validate: wrote {out}/plan_validate.md ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return 0
 

@@ -242,3 +242,22 @@ def test_the_bench_reports_at_scale_section_comes_from_its_bandwidth_records():
     text = "\n".join(at_scale_from_bench(recs, "tiny", 8))
     assert "## At scale (simulated)" in text and "| 4096 | ring |" in text and "**N = 512:" in text
     assert "Not available for this run: no bandwidth record" in "\n".join(at_scale_from_bench([], "tiny", 8))
+
+
+# ----- the validation driver's arithmetic (bench/plan_validate.py; the runs themselves need root) ---------
+def test_validation_ranks_only_pairs_whose_measured_intervals_do_not_overlap():
+    from bench.plan_validate import rank_check
+    pt = lambda regime, med, lo, hi, pred: {"ok": True, "rate": "1gbit", "workers": 2, "regime": regime,
+                                            "median": med, "p25": lo, "p75": hi, "predicted": pred}
+    points = [pt("ring", 1.0, 0.9, 1.1, 0.8), pt("gloo", 1.05, 1.0, 1.2, 0.7),  # overlap: not ranked
+              pt("ps-1", 2.0, 1.9, 2.1, 1.9), pt("ps-2", 1.5, 1.4, 1.6, 2.5)]  # ps-2 vs ps-1 predicted wrong
+    checked, agree, misses = rank_check(points)
+    assert (checked, agree) == (5, 4) and misses == ["1gbit N=2: ps-1 vs ps-2"]
+
+
+def test_validation_table_replaces_only_what_lies_between_the_markers():
+    from bench.plan_validate import BEGIN, END, between_markers
+    text = f"intro\n{BEGIN}\nold\n{END}\nafter\n"
+    assert between_markers(text, ["| a |", "| b |"]) == f"intro\n{BEGIN}\n| a |\n| b |\n{END}\nafter\n"
+    with pytest.raises(ValueError, match="no <!-- plan-validate:begin -->"):
+        between_markers("no markers", [])

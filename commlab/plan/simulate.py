@@ -10,8 +10,8 @@ stretched per worker and per step by its straggler draw. Then each regime's sche
       step     = end[last] + the worker's optimizer over S
 
   PS, sync, K shards (per bucket, per shard k; links are resources with a "free at" time)
-      push    worker uplink:   up[i]  = max(ready[i,b], up[i]) + alpha + S_b beta_w
-              shard k inbound: in[k]  = max(max_i up[i], max(in[k], first start) + alpha + N S_bk beta_s)
+      push    worker uplink:   up[i]  = max(ready[i,b], up[i]) + alpha + S_bk beta_w
+              shard k inbound: in[k]  = max(max_i up[i], max(in[k], first ready) + alpha + N S_bk beta_s)
       reduce  shard k's CPU:   app[k] = max(in[k] + S_bk add, app[k] + N S_bk add) + S_bk opt
       pull    shard k outbound out[k] = max(app[k], out[k]) + alpha + N S_bk beta_s
               worker downlink: got[i] = max(max_k out[k], got[i] + S_b beta_w)
@@ -235,9 +235,11 @@ def _sync_ps(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:
         nic_out = np.zeros(K)
         app = np.zeros(K)
         for b, k, s in pieces:
-            start = np.maximum(tl.ready[t, :, b], up)
-            up = start + a + s * wb
-            nic_in[k] = max(up.max(), max(nic_in[k], start.min()) + a + others[k] * s * betas[k])
+            ready = tl.ready[t, :, b]
+            up = np.maximum(ready, up) + a + s * wb  # a worker's pushes share its uplink...
+            # ...but go to the K shards at once (a thread per shard): a shard's link takes a piece from
+            # when its bucket is ready, not from when the worker's earlier pieces have left
+            nic_in[k] = max(up.max(), max(nic_in[k], ready.min()) + a + others[k] * s * betas[k])
             # the server folds each push in as it lands: only the last one's add is left after the link
             app[k] = max(nic_in[k] + s * add, app[k] + n * s * add) + s * opt
             nic_out[k] = max(app[k], nic_out[k]) + a + others[k] * s * betas[k]
