@@ -75,7 +75,7 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     return rec
 
 
-def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int, straggler=Straggler()):
+def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int, straggler: Straggler | None = None):
     scale = max(1.0, n / (os.cpu_count() or 1))
     return simulate(cal, Topology(1, rate_bps, rate_bps, scale), parse_regime(url), n, batch, straggler, steps=12)
 

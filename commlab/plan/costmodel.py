@@ -190,7 +190,7 @@ class Regime:
     @property
     def label(self) -> str:
         if self.kind == "allreduce":
-            return {"ring": "ring", "gloo": "gloo", "nccl": "nccl"}.get(self.transport, self.transport)
+            return self.transport
         mode = self.mode + (str(self.staleness) if self.mode == "ssp" else "")
         return f"ps-{mode}-K{self.shards}" + ("-colo" if self.placement == "colocated" else "")
 

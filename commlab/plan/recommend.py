@@ -31,10 +31,11 @@ class Plan:
 
 
 def sweep(cal: Calibration, topo: Topology, regimes: list[Regime], workers: list[int], batch: int | None = None,
-          straggler: Straggler = Straggler(), max_shards: int = 256, seed: int = 0) -> Plan:
+          straggler: Straggler | None = None, max_shards: int = 256, seed: int = 0) -> Plan:
     """Simulate every (regime, N); for each N, the fewest dedicated sync shards that beat the fastest
     all-reduce (searched by doubling, then halving the gap; closed form beside it)."""
     batch = batch or cal.compute.batch
+    straggler = straggler or Straggler()
     results: dict = {}
     for n in workers:
         for r in regimes:

@@ -122,8 +122,10 @@ class _Timeline:
 
 
 def simulate(cal: Calibration, topo: Topology, regime: Regime, workers: int, batch: int | None = None,
-             straggler: Straggler = Straggler(), steps: int | None = None, seed: int = 0) -> SimResult:
-    """Simulate ``steps`` training steps of ``workers`` workers under ``regime``; see the module's text."""
+             straggler: Straggler | None = None, steps: int | None = None, seed: int = 0) -> SimResult:
+    """Simulate ``steps`` training steps of ``workers`` workers under ``regime``; see the module's text.
+    ``straggler``: None for identical workers. Pure: the same arguments give the same result."""
+    straggler = straggler or Straggler()
     if workers < 1:
         raise ConfigError(f"workers must be >= 1, got {workers}")
     batch = batch or cal.compute.batch
