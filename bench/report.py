@@ -13,6 +13,7 @@ from bench import plots, verdict
 from bench.bandwidth import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
+from commlab.plan.recommend import at_scale_from_bench
 
 SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Scaling with N",
             "## Probes", "## Files")
@@ -412,6 +413,8 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
     out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus")) \
         if sc_cfg else ["## Scaling with N", "", "Not run.", ""]
     out += probes_section(probes or {})
+    if records:  # the planner's "at scale" section, from this run's bandwidth records (docs/plan.md)
+        out += at_scale_from_bench(records, cv_cfg["model"] if cv_cfg else "mlp", cv_cfg["batch_size"] if cv_cfg else 32)
     out += ["## Files", ""] + [f"- `{p.name}`" for p in sorted(run_dir.iterdir()) if p.is_file()] + \
            ["- `raw/`: per-job outputs (per-rank times, per-step metrics); `logs/`: each job's output", ""]
     path = run_dir / "report.md"

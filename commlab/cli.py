@@ -1,4 +1,4 @@
-"""``commlab``: train, run, server, bench, keys, doctor.
+"""``commlab``: train, run, server, bench, plan, keys, doctor.
 
 ``train`` (the built-in worker) and ``run`` (the user's script) run the local
 launcher in this process. The other subcommands run their module as a process
@@ -22,6 +22,7 @@ from commlab.registry import ENV_URL, REGIMES, regime_class, resolve
 SUBCOMMANDS = {
     "server": ("servers", "run one parameter-server shard"),
     "bench": ("bench", "compare regimes: bandwidth and convergence"),
+    "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.keys", "create CURVE key pairs for servers and workers"),
     "doctor": ("commlab.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }

@@ -1,0 +1,278 @@
+"""``python -m bench.plan_validate``: the planner's predictions against runs across capped links.
+
+    sudo python -m bench.plan_validate --docs docs/plan.md       # regenerates the table in docs/plan.md
+    sudo python -m bench.plan_validate --rates 1gbit --workers 2 --regimes ring,ps-1
+
+For each link rate, a :class:`commlab.netns.Links` star of network namespaces capped with ``tc tbf``
+(one host per worker, one per PS shard); first the bench's raw-TCP ceiling measures what the capped
+link carries each way with both directions busy (the rate the prediction uses); then each regime trains the communication-heavy model for
+a few steps (``bench.launch_job``, the same path as ``commlab bench --link``), and the median step
+time (every rank's steps after the warm-up) is put beside the simulator's prediction for the same
+model, batch, N, K and link rate. The calibration is this machine's: the model's compute from its
+hooks and the transports from a short loopback ``commlab bench bandwidth`` (or ``--bench-run``,
+``--calibration``). The hosts share this machine's cores, so the prediction stretches compute by
+``N / cores`` when there are more workers than cores (``Topology.compute_scale``).
+
+Then the asynchronous check: ``ps://?mode=async`` on loopback with one worker deliberately slowed
+(:mod:`bench.plan_slow_worker`), the staleness histogram the server reports against the simulated one.
+
+Writes ``OUT/plan_validate.json`` and ``OUT/plan_validate.md``; with ``--docs FILE`` the table also
+replaces the text between ``<!-- plan-validate:begin -->`` and ``<!-- plan-validate:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from bench import bandwidth
+from bench.convergence import read_metrics, read_staleness
+from bench.jobs import python, run_job
+from commlab.netns import Links, link_unavailable_reason, parse_rate
+from commlab.plan import calibrate as C
+from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
+from commlab.plan.simulate import simulate
+
+REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo",
+           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync"}
+BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
+LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
+# tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
+# in 1514 on the wire, so the transports see this share of the capped rate
+TCP_GOODPUT = 1448 / 1514
+
+
+def quantile(v: Sequence[float], q: float) -> float:
+    v = sorted(v)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, module: str = "workers",
+              env_extra: dict | None = None, steps: int | None = None) -> dict:
+    """Train ``n`` workers under ``url`` (over ``links`` if given); the steps after the warm-up."""
+    metrics = out / "raw" / f"{name}.jsonl"
+    stats_dir = out / "raw" / f"{name}.stats"
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    steps = steps or a.steps
+    argv = [python(), "-m", "bench.launch_job", "--url", url, "--workers", str(n), "--module", module]
+    if links is not None:
+        argv += ["--link", str(links.rate), "--link-tag", links.tag]
+    argv += ["--", "--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seed", "0",
+             "--metrics", str(metrics), "--no-progress"]
+    env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir), **(env_extra or {}))
+    res = run_job(argv, out / "logs" / f"{name}.log", a.job_timeout, env=env)
+    ranks = read_metrics(metrics, n)
+    times = [x["step_s"] for lines in ranks for x in lines[a.warmup:]]
+    rec = {"name": name, "url": url, "workers": n, "ok": res.ok and bool(times), "error": res.error(),
+           "seconds": res.seconds, "step_s": times}
+    if times:
+        rec.update(median=statistics.median(times), p25=quantile(times, 0.25), p75=quantile(times, 0.75),
+                   compute_median=statistics.median(x["compute_s"] for lines in ranks for x in lines[a.warmup:]))
+    rec["staleness"] = read_staleness(stats_dir, ranks, res.log)
+    return rec
+
+
+def link_goodput(links: Links, out: Path) -> tuple[float, str]:
+    """Bytes/s each way that TCP carries over one capped link of ``links`` with both directions busy
+    (the bench's ``tcp-duplex`` ceiling between hosts 0 and 1, 16 MiB each way); the tc rate times
+    TCP's framing share if that measurement fails."""
+    cfg = bandwidth.BandwidthConfig([], 2, [16 * 2**20], repeat_bytes=96 * 2**20, min_iters=3, max_iters=6,
+                                    warmup=1, ceilings=("tcp-duplex",), job_timeout=90)
+    recs, _, _ = bandwidth.run(cfg, out / f"link-{links.rate}", bandwidth.Budget.of(120), links)
+    dup = [r for r in recs if r["regime"] == "tcp-duplex"]
+    if dup:
+        rate = dup[0]["size_bytes"] / (dup[0]["time_us"] * 1e-6)
+        return rate, f"measured (raw TCP both ways, {rate / 1e6:.1f} MB/s)"
+    rate = parse_rate(str(links.rate)) * TCP_GOODPUT
+    return rate, f"not measured (the tcp-duplex run failed): tc rate x 1448/1514 = {rate / 1e6:.1f} MB/s"
+
+
+def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int, straggler: Straggler | None = None):
+    scale = max(1.0, n / (os.cpu_count() or 1))
+    return simulate(cal, Topology(1, rate_bps, rate_bps, scale), parse_regime(url), n, batch, straggler, steps=12)
+
+
+def rank_check(points: list[dict]) -> tuple[int, int, list[str]]:
+    """Pairs of regimes at one (rate, N) whose measured [p25, p75] do not overlap: (checked, agreeing, misses)."""
+    checked = agree = 0
+    misses = []
+    groups: dict = {}
+    for p in points:
+        if p["ok"]:
+            groups.setdefault((p["rate"], p["workers"]), []).append(p)
+    for (rate, n), ps in groups.items():
+        for i, x in enumerate(ps):
+            for y in ps[i + 1:]:
+                if x["p75"] < y["p25"] or y["p75"] < x["p25"]:
+                    checked += 1
+                    if (x["median"] < y["median"]) == (x["predicted"] < y["predicted"]):
+                        agree += 1
+                    else:
+                        misses.append(f"{rate} N={n}: {x['regime']} vs {y['regime']}")
+    return checked, agree, misses
+
+
+def table(points: list[dict], stale: dict | None, cal: Calibration, command: str, links_seen: dict) -> list[str]:
+    ok = [p for p in points if p["ok"]]
+    errs = [abs(p["error_pct"]) for p in ok]
+    out = [f"Regenerated by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; model "
+           f"{cal.compute.model}, batch {points[0]['batch'] if points else '?'} per worker, one host per worker and "
+           f"per shard, each link capped both ways with `tc tbf`. Measured: median step over every rank's steps "
+           f"after the warm-up, [p25–p75]. Transports: " + "; ".join(
+               f"{k} {t.alpha_s * 1e6:.0f} us + {1 / t.beta_s / 1e9 if t.beta_s else float('inf'):.2g} GB/s"
+               for k, t in sorted(cal.transports.items())) + ". Link rate the prediction uses: " +
+           "; ".join(f"{r}: {how}" for r, how in links_seen.items()) + ".", "",
+           "| link | N | regime | hosts | measured step [p25–p75] | predicted | error | measured compute | "
+           "predicted compute |", "|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        if not p["ok"]:
+            out.append(f"| {p['rate']} | {p['workers']} | {p['regime']} | {p['hosts']} | failed: "
+                       f"{p['error'][:120].replace('|', '/')} | {p['predicted'] * 1e3:.0f} ms | | | |")
+            continue
+        out.append(f"| {p['rate']} | {p['workers']} | {p['regime']} | {p['hosts']} | {p['median'] * 1e3:.0f} ms "
+                   f"[{p['p25'] * 1e3:.0f}–{p['p75'] * 1e3:.0f}] | {p['predicted'] * 1e3:.0f} ms | "
+                   f"{p['error_pct']:+.1f}% | {p['compute_median'] * 1e3:.0f} ms | {p['predicted_compute'] * 1e3:.0f} ms |")
+    checked, agree, misses = rank_check(points)
+    out.append("")
+    if errs:
+        out.append(f"- Absolute error of the predicted median step: median **{statistics.median(errs):.1f}%**, largest "
+                   f"**{max(errs):.1f}%** over {len(errs)} points (criteria: median <= 10%, none above 25%).")
+    out.append(f"- Ranking: of {checked} pairs of regimes at one point whose measured [p25–p75] do not overlap, the "
+               f"prediction orders **{agree}** the same way" + (f"; not: {', '.join(misses)}" if misses else "") + ".")
+    if stale:
+        out.append(f"- Async staleness, {stale['workers']} workers on loopback, `{stale['url']}`, rank "
+                   f"{stale['slow_rank']} sleeping {stale['delay_s'] * 1e3:.0f} ms per step: measured mean "
+                   f"**{stale['measured_mean']:.2f}** (p90 {stale['measured_p90']}, max {stale['measured_max']}, "
+                   f"{stale['measured_updates']} updates), predicted **{stale['predicted_mean']:.2f}** (p90 "
+                   f"{stale['predicted_p90']}, max {stale['predicted_max']}): {stale['error_pct']:+.1f}% "
+                   f"(criterion: within 25%).")
+    return out
+
+
+def between_markers(text: str, lines: list[str]) -> str:
+    """``text`` with what lies between the BEGIN and END markers replaced by ``lines``."""
+    if BEGIN not in text or END not in text or text.index(END) < text.index(BEGIN):
+        raise ValueError(f"no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    return head + BEGIN + "\n" + "\n".join(lines) + "\n" + END + rest.split(END, 1)[1]
+
+
+def hist_stats(values: Sequence[int]) -> tuple[float, float, float]:
+    return statistics.fmean(values), quantile(values, 0.9), max(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plan_validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="1gbit,2gbit")
+    p.add_argument("--workers", default="2,3", help="worker counts (hosts: N, plus K for a PS)")
+    p.add_argument("--regimes", default=",".join(REGIMES), help=f"from {', '.join(REGIMES)}")
+    p.add_argument("--model", default="mlp-25m")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--job-timeout", type=float, default=150.0)
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no new job after this many seconds")
+    p.add_argument("--calibration", help="a saved calibration JSON (else: measured now)")
+    p.add_argument("--bench-run", help="transports from this 'commlab bench' run folder (else: a short run now)")
+    p.add_argument("--stale-workers", type=int, default=3)
+    p.add_argument("--stale-delay", type=float, default=0.3, help="seconds the slowed worker sleeps per step")
+    p.add_argument("--stale-steps", type=int, default=16)
+    p.add_argument("--no-staleness", action="store_true")
+    p.add_argument("--no-link-measure", action="store_true",
+                   help="predict at the tc rate x 1448/1514 instead of a measured raw TCP rate over the link")
+    p.add_argument("--out", default=None, help="folder (default runs/plan-validate-<UTC time>)")
+    p.add_argument("--docs", help="rewrite the table in this markdown file between the markers")
+    a = p.parse_args(argv)
+    command = "python -m bench.plan_validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    why = link_unavailable_reason()
+    if why:
+        print(f"plan_validate: {why}: the runs across capped links need it", file=sys.stderr)
+        return 2
+    out = Path(a.out or Path("runs") / time.strftime("plan-validate-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if a.calibration:
+        cal = Calibration.load(a.calibration)
+    else:
+        run = a.bench_run or C.calibration_run(out / "calibration")
+        cal = C.calibrate(a.model, a.batch_size, run)
+    cal.save(out / "calibration.json")
+    names = [n.strip() for n in a.regimes.split(",") if n.strip()]
+    bad = [n for n in names if n not in REGIMES]
+    if bad:
+        print(f"plan_validate: unknown regime(s) {bad}; known: {', '.join(REGIMES)}", file=sys.stderr)
+        return 2
+    workers = [int(x) for x in a.workers.split(",")]
+    points = []
+    links_seen: dict[str, str] = {}
+    for rate in a.rates.split(","):
+        shards = max(parse_regime(REGIMES[n]).shards if REGIMES[n].startswith("ps") else 0 for n in names)
+        with Links(max(workers) + shards, rate, tag=f"pv{os.getpid() % 100000}") as links:
+            goodput, how = link_goodput(links, out) if not a.no_link_measure else \
+                (parse_rate(rate) * TCP_GOODPUT, "tc rate x 1448/1514")
+            links_seen[rate] = how
+            print(f"plan_validate: {rate}: the link carries {goodput / 1e6:.1f} MB/s each way ({how})", file=sys.stderr)
+            for n in workers:
+                for name in names:
+                    if time.monotonic() - t0 > a.budget_s:
+                        print(f"plan_validate: budget spent; {rate} N={n} {name} not run", file=sys.stderr)
+                        continue
+                    url = REGIMES[name]
+                    rec = run_point(f"{rate}-n{n}-{name}", url, n, links, a, out)
+                    pred = predict(cal, url, n, goodput, a.batch_size)
+                    reg = parse_regime(url)
+                    rec.update(rate=rate, regime=name, batch=a.batch_size, predicted=pred.step_s,
+                               predicted_compute=pred.compute_s,
+                               hosts=n + (reg.shards if reg.kind == "ps" else 0))
+                    if rec["ok"]:
+                        rec["error_pct"] = 100 * (pred.step_s - rec["median"]) / rec["median"]
+                    points.append(rec)
+                    print(f"plan_validate: {rate} N={n} {name}: measured "
+                          f"{rec.get('median', float('nan')) * 1e3:.0f} ms, predicted {pred.step_s * 1e3:.0f} ms"
+                          + ("" if rec["ok"] else f" (FAILED: {rec['error']})"), file=sys.stderr)
+    stale = None
+    if not a.no_staleness:
+        n, url, d = a.stale_workers, "ps://?shards=1&mode=async", a.stale_delay
+        rec = run_point(f"stale-n{n}", url, n, None, a, out, module="bench.plan_slow_worker",
+                        env_extra={"PLAN_SLOW_RANK": str(n - 1), "PLAN_SLOW_S": str(d)}, steps=a.stale_steps)
+        strag = Straggler(slow_workers=1, slow_delay_s=d)
+        pred = simulate(cal, Topology(1, LOOPBACK_BPS, LOOPBACK_BPS, max(1.0, n / (os.cpu_count() or 1))),
+                        parse_regime(url), n, a.batch_size, strag, steps=a.stale_steps)
+        if rec["staleness"] and pred.staleness:
+            pv = [k for k, c in pred.staleness.items() for _ in range(c)]
+            mm, mp, mx = hist_stats(rec["staleness"])
+            pm, pp, px = hist_stats(pv)
+            stale = {"workers": n, "url": url, "slow_rank": n - 1, "delay_s": d, "measured_mean": mm,
+                     "measured_p90": mp, "measured_max": mx, "measured_updates": len(rec["staleness"]),
+                     "predicted_mean": pm, "predicted_p90": pp, "predicted_max": px,
+                     "error_pct": 100 * (pm - mm) / mm if mm else float("nan"),
+                     "measured_hist": {str(k): rec["staleness"].count(k) for k in sorted(set(rec["staleness"]))},
+                     "predicted_hist": {str(k): v for k, v in pred.staleness.items()}}
+            print(f"plan_validate: staleness mean measured {mm:.2f}, predicted {pm:.2f}", file=sys.stderr)
+        else:
+            print(f"plan_validate: the async run reported no staleness ({rec['error']})", file=sys.stderr)
+    lines = table(points, stale, cal, command, links_seen)
+    (out / "plan_validate.json").write_text(json.dumps({"command": command, "points": points, "staleness": stale,
+                                                        "seconds": time.monotonic() - t0}, indent=1))
+    (out / "plan_validate.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if a.docs:
+        doc = Path(a.docs)
+        try:
+            doc.write_text(between_markers(doc.read_text(), lines))
+        except ValueError as exc:
+            print(f"plan_validate: {doc}: {exc}; table not written there", file=sys.stderr)
+            return 1
+    print(f"plan_validate: wrote {out}/plan_validate.md ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

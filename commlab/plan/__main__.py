@@ -1,0 +1,104 @@
+"""``commlab plan``: which regime wins for this model at 8, 512 or 4,096 workers, and why.
+
+    commlab plan --model mlp-25m --workers 8,64,512,4096 --link 100gbit --workers-per-host 8
+    commlab plan --model mypkg.models:resnet --input-shape 3,32,32 --bench-run runs/20261123T070000Z
+    commlab plan --calibrate --save-calibration cal.json      # a short bench run first (about a minute)
+    commlab plan --calibration cal.json --regimes 'ring://' 'ps://?shards=16&mode=ssp&staleness=2'
+
+Prints a table (step time, exposed communication, scaling efficiency, samples/s, the busiest link's
+bytes, staleness), the crossovers (how many PS shards beat the ring at each N) and a recommendation;
+writes ``plan.md``, ``plan.json`` and ``plan.png`` into ``--out``. See docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from commlab.errors import ConfigError
+from commlab.netns import parse_rate
+from commlab.plan import calibrate as C
+from commlab.plan import recommend as R
+from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mlp-25m", help="built-in model name, or module:function returning a module")
+    p.add_argument("--input-shape", help="shape of one input sample for module:function models, e.g. 3,32,32")
+    p.add_argument("--batch-size", type=int, default=64, help="per worker")
+    p.add_argument("--workers", default="8,64,512,4096", help="worker counts, comma-separated")
+    p.add_argument("--regimes", nargs="+", default=list(R.DEFAULT_REGIMES), metavar="URL",
+                   help="ring://, allreduce://?backend=gloo|nccl, ps://?shards=K&mode=sync|async|ssp&staleness=S"
+                        "&placement=dedicated|colocated")
+    p.add_argument("--link", default="100gbit", help="each host's NIC, each way (tc units: 10gbit, 500mbit, 1gbps)")
+    p.add_argument("--intra", default="20gbps", help="between workers on one host")
+    p.add_argument("--workers-per-host", type=int, default=8)
+    p.add_argument("--compute-scale", type=float, default=1.0, help="stretch the measured compute (other hardware)")
+    p.add_argument("--straggler", default="none", help="none, lognormal:SIGMA, slow:SECONDS[:COUNT], factor:F[:COUNT]; "
+                                                       "join with +")
+    p.add_argument("--max-shards", type=int, default=256, help="largest K searched for the crossover")
+    g = p.add_argument_group("calibration (one of)")
+    g.add_argument("--calibration", help="a calibration JSON saved before (--save-calibration)")
+    g.add_argument("--bench-run", help="a 'commlab bench' run folder: transports fitted to its bandwidth.json")
+    g.add_argument("--calibrate", action="store_true", help="run a short 'commlab bench bandwidth' first")
+    p.add_argument("--save-calibration", help="write the calibration used to this JSON file")
+    p.add_argument("--out", help="folder for plan.md, plan.json, plan.png (default runs/plan-<UTC time>)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def load_calibration(a) -> Calibration:
+    if sum(bool(x) for x in (a.calibration, a.bench_run, a.calibrate)) > 1:
+        raise ConfigError("give at most one of --calibration, --bench-run, --calibrate")
+    if a.calibration:
+        return Calibration.load(a.calibration)
+    shape = tuple(int(x) for x in a.input_shape.split(",")) if a.input_shape else None
+    run = a.bench_run
+    if a.calibrate:
+        run = C.calibration_run(Path(tempfile.mkdtemp(prefix="commlab-plan-cal-")))
+        print(f"commlab plan: calibration run in {run}", file=sys.stderr)
+    return C.calibrate(a.model, a.batch_size, run, input_shape=shape)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        workers = [int(x) for x in a.workers.split(",") if x.strip()]
+        if not workers or min(workers) < 1:
+            raise ConfigError("--workers: give positive worker counts, e.g. 8,64,512")
+        regimes = [parse_regime(u) for u in a.regimes]
+        topo = Topology(a.workers_per_host, parse_rate(a.link), parse_rate(a.intra), a.compute_scale)
+        straggler = Straggler.parse(a.straggler)
+        cal = load_calibration(a)
+    except (ConfigError, ValueError) as exc:
+        print(f"commlab plan: {exc}", file=sys.stderr)
+        return 2
+    if a.save_calibration:
+        cal.save(a.save_calibration)
+    t0 = time.perf_counter()
+    plan = R.sweep(cal, topo, regimes, workers, a.batch_size, straggler, a.max_shards, a.seed)
+    took = time.perf_counter() - t0
+    out = Path(a.out or Path("runs") / time.strftime("plan-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    png = R.plots(plan, out / "plan.png")
+    text = ["# commlab plan", "", f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+            f"simulated in {took:.1f} s.", ""] + R.report(plan, cal, png)
+    (out / "plan.md").write_text("\n".join(text))
+    (out / "plan.json").write_text(json.dumps({
+        "workers": workers, "regimes": [r.url for r in regimes], "batch": a.batch_size,
+        "results": [{"regime": k[0], "workers": k[1], **(v.as_dict() if not isinstance(v, str) else {"error": v})}
+                    for k, v in plan.results.items()],
+        "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took}, indent=1, default=str))
+    print("\n".join(text[4:]))
+    print(f"\ncommlab plan: wrote {out}/plan.md, plan.json" + (", plan.png" if png else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

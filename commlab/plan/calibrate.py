@@ -1,0 +1,212 @@
+"""Calibration: the constants of the cost model, measured on this machine.
+
+- **Transports** (alpha, beta per transport): fitted to a ``commlab bench`` run folder's
+  ``bandwidth.json`` (exchange time against size at the run's N), each regime through its own
+  formula: an all-reduce ``t = 2(N-1) alpha + 2(N-1)/N S beta``, a push-pull against K shards on one
+  host ``t = 2 alpha + 2 max(1, N/K) S beta`` (the shard's link carries N S / K each way). Without a
+  folder, :func:`calibration_run` starts a short ``commlab bench bandwidth`` (a process of its own).
+- **Server costs**: the seconds per byte of adding one gradient into a sum, and of one optimizer
+  step (plain SGD, as the workers' default), timed in this process on 16 MiB tensors, one thread.
+- **Compute**: forward and backward per sample, and the moment each gradient bucket is ready during
+  backward, taken from the real model with a post-accumulate-grad hook on every parameter and
+  commlab's own bucketing (reverse parameter order, ``bucket_mb``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from commlab.errors import ConfigError
+from commlab.exchanger import make_buckets, model_manifest
+from commlab.plan.costmodel import Bucket, Calibration, Compute, Transport
+
+# bench regime name -> transport it calibrates (and shards, for push-pull)
+BENCH_REGIMES = {"gloo": ("gloo", 0), "nccl": ("nccl", 0), "ring-tcp": ("ring", 0), "ring-ipc": ("ring-ipc", 0),
+                 "ring-torch": ("ring-torch", 0), "ps-1": ("ps", 1), "ps-2": ("ps", 2)}
+CALIBRATION_REGIMES = "gloo,ring-tcp,ring-torch,ps-1"
+CALIBRATION_SIZES = "64K,1M,8M"
+
+
+# ----- the model -----------------------------------------------------------------------------------
+def load_model(spec: str, seed: int = 0, input_shape: tuple[int, ...] | None = None) -> tuple[nn.Module, tuple[int, ...]]:
+    """A model and the shape of one input sample, from a built-in name or ``module:function``.
+
+    Built-in names are the training worker's models (``workers.models``), looked up by name at run
+    time like any ``module:function``, so the library does not import ``workers/``. A user's function
+    takes no arguments and returns a module; give the sample's shape with ``input_shape``.
+    """
+    if ":" not in spec:
+        try:
+            models = importlib.import_module("workers.models")
+        except ImportError as exc:
+            raise ConfigError(f"model {spec!r}: built-in models need the checkout's workers/ package "
+                              f"({exc}); or give module:function") from exc
+        if spec not in models.MODELS:
+            raise ConfigError(f"unknown model {spec!r}; built-in: {', '.join(models.MODELS)}, or module:function")
+        model, side = models.build_model(spec, seed)
+        return model, input_shape or (1, side, side)
+    mod, _, fn = spec.partition(":")
+    try:
+        model = getattr(importlib.import_module(mod), fn)()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot load {fn} from {mod}: {exc}") from exc
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {spec!r}: {fn}() returned {type(model).__name__}, not a torch.nn.Module")
+    if input_shape is None:
+        raise ConfigError(f"model {spec!r}: give the shape of one input sample (--input-shape, e.g. 3,32,32)")
+    return model, tuple(input_shape)
+
+
+def measure_compute(model: nn.Module, sample_shape: tuple[int, ...], batch: int, name: str = "model",
+                    reps: int = 5, bucket_mb: float = 25.0, threads: int = 1) -> Compute:
+    """Forward/backward time per sample and each bucket's ready moment, median of ``reps`` timed steps.
+
+    The loss is a plain sum over the outputs (the gradients' shapes and the backward's work are the
+    model's; the loss function's cost is negligible beside it). Blocks for about ``reps + 2`` steps.
+    """
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        buckets = make_buckets(named, int(bucket_mb * 2**20), carry_presence=False)
+        landed: dict[int, float] = {}
+        handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: landed.__setitem__(i, time.perf_counter()))
+                   for i, (_, p) in enumerate(named)]
+        index = {id(p): i for i, (_, p) in enumerate(named)}
+        x = torch.rand(batch, *sample_shape)
+        fwd, bwd, fracs = [], [], []
+        try:
+            for rep in range(reps + 2):
+                model.zero_grad(set_to_none=True)
+                landed.clear()
+                t0 = time.perf_counter()
+                loss = model(x).float().sum()
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                if rep < 2:  # warm-up: first touches of memory, lazy initialisation
+                    continue
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                fracs.append([max(landed[index[id(p)]] for p in b.params) - t1 for b in buckets])
+        finally:
+            for h in handles:
+                h.remove()
+        b_med = statistics.median(bwd)
+        ready = np.median(np.array(fracs), axis=0) / b_med
+        manifest = model_manifest(model)
+        shapes = {n: (s, d) for n, s, d in manifest}
+        out = tuple(Bucket(b.numel * b.buffer.element_size(), float(min(1.0, r)),
+                           tuple((n, shapes[n][0], shapes[n][1]) for n in b.names)) for b, r in zip(buckets, ready))
+        return Compute(name, batch, statistics.median(fwd) / batch, b_med / batch, out, tuple(manifest))
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def measure_server_costs(nbytes: int = 16 * 2**20, reps: int = 7) -> tuple[float, float]:
+    """(seconds per byte to add a gradient into a sum, seconds per byte of one SGD step), one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = nbytes // 4
+        acc, g = torch.rand(n), torch.rand(n)
+        p = nn.Parameter(torch.rand(n))
+        p.grad = torch.rand(n)
+        opt = torch.optim.SGD([p], lr=0.01)
+        adds, steps = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            acc.add_(g, alpha=0.5)
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            adds.append(t1 - t0)
+            steps.append(t2 - t1)
+        return statistics.median(adds) / nbytes, statistics.median(steps) / nbytes
+    finally:
+        torch.set_num_threads(old)
+
+
+# ----- the transports ------------------------------------------------------------------------------
+def fit_line(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """``t = a + b S`` by least squares on relative error (small and large sizes count alike); a, b >= 0."""
+    s, t = np.asarray(sizes, float), np.asarray(times, float)
+    if len(s) == 1 or np.ptp(s) == 0:
+        return 0.0, float(np.median(t / s))
+    A = np.stack([1 / t, s / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if a < 0:
+        a, b = 0.0, float(np.sum(s * t / t**2) / np.sum(s * s / t**2))
+    if b < 0:
+        a, b = float(np.median(t)), 0.0
+    return float(a), float(b)
+
+
+def transports_from_records(records: list[dict]) -> dict[str, Transport]:
+    """alpha and beta per transport from ``bandwidth.json`` records (see the module's text)."""
+    out: dict[str, Transport] = {}
+    groups: dict[tuple, list] = {}
+    for r in records:
+        if r.get("kind", "regime") != "regime" or r["regime"] not in BENCH_REGIMES or r.get("wrong"):
+            continue
+        groups.setdefault((r["regime"], r["workers"]), []).append((r["size_bytes"], r["time_us"] * 1e-6))
+    for (name, n), pts in sorted(groups.items()):
+        key, shards = BENCH_REGIMES[name]
+        a, b = fit_line([p[0] for p in pts], [p[1] for p in pts])
+        if shards:
+            alpha, beta = a / 2, b / (2 * max(1.0, n / shards))
+        else:
+            alpha, beta = a / (2 * (n - 1)), b / (2 * (n - 1) / n)
+        out.setdefault(key, Transport(alpha, beta, f"fitted: {name}, N={n}, {len(pts)} sizes"))
+    return out
+
+
+def transports_from_run(run_dir: str | Path) -> dict[str, Transport]:
+    """Transports calibrated from a ``commlab bench`` run folder (its ``bandwidth.json``)."""
+    path = Path(run_dir) / "bandwidth.json"
+    if not path.exists():
+        raise ConfigError(f"{run_dir} has no bandwidth.json: give a 'commlab bench' run folder that ran the "
+                          f"bandwidth phase, or let plan calibrate (--calibrate)")
+    found = transports_from_records(json.loads(path.read_text()))
+    if not found:
+        raise ConfigError(f"{path} holds no record of {', '.join(BENCH_REGIMES)}: nothing to calibrate from")
+    return found
+
+
+def calibration_run(out_dir: str | Path, workers: int = 2, regimes: str = CALIBRATION_REGIMES,
+                    sizes: str = CALIBRATION_SIZES, timeout: float = 240.0) -> Path:
+    """Run a short ``commlab bench bandwidth`` into ``out_dir`` (a process of its own, at most
+    ``timeout`` seconds) and return the folder."""
+    argv = [sys.executable, "-m", "bench", "bandwidth", "--regimes", regimes, "--workers", str(workers),
+            "--sizes", sizes, "--repeat-mb", "48", "--max-iters", "20", "--ceilings", "",
+            "--budget-s", str(max(30.0, timeout - 30)), "--out", str(out_dir)]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(f"the calibration run did not finish within {timeout:g}s") from exc
+    if res.returncode != 0:
+        raise ConfigError(f"the calibration run failed: {(res.stderr or res.stdout).strip()[-500:]}")
+    return Path(out_dir)
+
+
+def calibrate(model: str, batch: int, run_dir: str | Path | None = None, input_shape=None, seed: int = 0,
+              reps: int = 5, bucket_mb: float = 25.0) -> Calibration:
+    """Measure the model's compute and the server costs here; transports from ``run_dir`` if given
+    (else the assumed figures, marked as such, until a calibration run supplies them)."""
+    net, shape = load_model(model, seed, input_shape)
+    compute = measure_compute(net, shape, batch, model, reps=reps, bucket_mb=bucket_mb)
+    add, opt = measure_server_costs()
+    transports = transports_from_run(run_dir) if run_dir else {}
+    return Calibration(transports, add, opt, compute,
+                       {"run_dir": str(run_dir) if run_dir else None, "torch": torch.__version__,
+                        "measured_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
