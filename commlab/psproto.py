@@ -93,7 +93,7 @@ def assign_shards(manifest: list, shards: int, max_piece: int | None = None) -> 
     """Spread parameters over ``shards`` servers so each carries about 1/K of the bytes.
 
     ``manifest`` is ``[(name, shape, dtype), ...]`` (see
-    :func:`commlab.exchanger.model_manifest`). A tensor larger than the fair
+    :func:`commlab.manifest.model_manifest`). A tensor larger than the fair
     share ``ceil(total / K)``, or than ``max_piece`` bytes, is cut into equal
     ranges no larger than that; then the pieces, largest first (ties in
     manifest order), each go to the least-loaded shard (ties to the lowest

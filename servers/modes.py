@@ -44,7 +44,7 @@ class Partial:
 class Mode:
     name = ""
     refuses_nonfinite = True  # a NaN/Inf push poisons every worker's parameters: refuse it
-    placements = ("server",)
+    placements: tuple[str, ...] = ("server",)
     buffers_wait = False  # buffer pulls wait for their round (sync) or take the latest (async, ssp)
 
     def __init__(self, srv):

@@ -46,6 +46,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import zmq
@@ -54,7 +55,7 @@ from commlab import psproto, transport, wire
 from commlab.errors import ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
 from commlab.optim import OptimizerSpec
-from servers.modes import MODES, Partial, Refused
+from servers.modes import MODES, Partial, Refused, Sync
 
 
 _MIN_FRAMES = 16  # data frames a message may carry before any hello fixed the shard's pieces
@@ -70,7 +71,7 @@ def _finite(spec: wire.FrameSpec, frame) -> bool:
     return bool(torch.isfinite(total))
 
 
-def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+def optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
     """The torch.optim class a description names (``torch.optim.adamw.AdamW``): only torch.optim's own
     classes, looked up by name, are built; nothing is imported or unpickled from the wire."""
     short = name.rsplit(".", 1)[-1]
@@ -574,10 +575,12 @@ class ParameterServer:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
         if what == "report":
+            assert isinstance(self.mode, Sync)  # _op_pull refused report and sum pulls under other modes
             self._reply(ident, "ok", rid, {"report": self.mode.report}, step=h.step)
             return
         if what == "sum":
             mode = self.mode
+            assert isinstance(mode, Sync)
             current = mode.step == h.meta["after_step"]
             sums = mode.sums if current else mode.last_sums
             keys = h.meta.get("keys") or list(self.pieces)

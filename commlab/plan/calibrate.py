@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from commlab.errors import ConfigError
-from commlab.exchanger import make_buckets, model_manifest
+from commlab.exchanger import make_buckets
+from commlab.manifest import model_manifest
 from commlab.plan.costmodel import Bucket, Calibration, Compute, Transport
 
 # bench regime name -> transport it calibrates (and shards, for push-pull)

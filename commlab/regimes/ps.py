@@ -467,7 +467,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _start_bucket(self, bucket) -> Handle:
         step = self._wire_step()
-        hyper = _hypers(self.optimizer) if self.update == "server" and self.mode != "sync" else None
+        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
             shard = self.shards[k]
@@ -617,6 +617,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.options.clip_norm:
             total = self._norm * abs(factor)
             factor *= min(1.0, self.options.clip_norm / (total + 1e-6))  # clip_grad_norm_'s coefficient
+        assert self.optimizer is not None  # setup() took it
         meta = {"factor": factor, "hyper": _hypers(self.optimizer)}
 
         def commit(s: _Shard):
@@ -647,8 +648,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
 
     def _param_order(self) -> list[tuple[int, str, torch.nn.Parameter]]:
+        assert self.model is not None and self.optimizer is not None  # after setup()
         names = {id(p): n for n, p in self.model.named_parameters()}
-        out = []
+        out: list[tuple[int, str, torch.nn.Parameter]] = []
         for g in self.optimizer.param_groups:
             for p in g["params"]:
                 out.append((len(out), names[id(p)], p))
@@ -668,7 +670,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 got.setdefault(key, {})[name] = v
 
         self._on_all(fetch, "optimizer state")
-        pieces = {}
+        pieces: dict[str, list] = {}
         for shard in self._pieces:
             for pc in shard:
                 pieces.setdefault(pc.param, []).append(pc)
@@ -691,6 +693,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.rank != 0:
             return
         by_name = {name: state.get(index, state.get(str(index))) for index, name, _ in self._param_order()}
+        assert self.model is not None
         params = dict(self.model.named_parameters())
 
         def send(s: _Shard):
