@@ -57,9 +57,9 @@ BANDWIDTH: dict[str, BandwidthEntry] = {
     "ring-hosts": BandwidthEntry("ring://?transport=tcp&host=auto&insecure=1", "allreduce",
                                  "pyzmq ring all-reduce over tcp between hosts (no keys: bench namespaces only)"),
     "ring-torch": BandwidthEntry("ring://?transport=torch", "allreduce", "ring all-reduce over torch isend/irecv"),
-    "ps-1": BandwidthEntry("ps://?shards=1&mode=sync", "pushpull", "parameter server, 1 shard, sync",
+    "ps-1": BandwidthEntry("ps://?shards=1&mode=sync&update=server", "pushpull", "parameter server, 1 shard, sync",
                            one_size_per_job=True),
-    "ps-2": BandwidthEntry("ps://?shards=2&mode=sync", "pushpull", "parameter server, 2 shards, sync",
+    "ps-2": BandwidthEntry("ps://?shards=2&mode=sync&update=server", "pushpull", "parameter server, 2 shards, sync",
                            one_size_per_job=True),
 }
 

@@ -21,7 +21,7 @@ import commlab
 from commlab.errors import ConfigError, RemoteError
 from commlab.rendezvous import RankInfo
 from faultkit import Procs
-from test_user_loop import assert_close, assert_ranks_identical, run_loop
+from test_user_loop import BN_RANKS, BN_STEPS, assert_close, assert_ranks_identical, ddp_rank0, run_loop  # noqa: F401 (a fixture)
 
 import userloop
 
@@ -104,15 +104,20 @@ def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path,
 
 
 @pytest.mark.parametrize("update,how", [("worker", "broadcast"), ("server", "broadcast"), ("worker", "average")])
-def test_batchnorm_buffers_are_equal_on_every_rank_after_every_step(tmp_path, servers, update, how):
+def test_batchnorm_buffers_are_equal_on_every_rank_after_every_step(tmp_path, servers, update, how, ddp_rank0):
+    """Every rank's buffers equal after every step; with buffers=broadcast (the default, DDP's), rank 0's
+    parameters, buffers and optimizer state equal rank 0's under DistributedDataParallel on the same data."""
     url = f"{servers(1)}?update={update}&buffers={how}&timeout=60"
-    results = run_loop(tmp_path, 2, url=url, variant="bn", steps=6)
+    results = run_loop(tmp_path, BN_RANKS, url=url, variant="bn", steps=BN_STEPS)
     for res in results[1:]:  # after every step, not only the last
         assert res["seen"]["buffers_equal"] == results[0]["seen"]["buffers_equal"]
     assert_ranks_identical(results)
     start = dict(userloop.build("bn")[0].named_buffers())
-    assert results[0]["buffers"]["mid.0.num_batches_tracked"] == [12.0]  # 6 steps x 2 micro-steps, rank 0's
+    assert results[0]["buffers"]["mid.0.num_batches_tracked"] == [2.0 * BN_STEPS]  # 2 micro-steps a step, rank 0's
     assert results[0]["buffers"]["mid.0.running_mean"] != start["mid.0.running_mean"].double().tolist()
+    if how == "broadcast":
+        assert_close(results[0], ddp_rank0, f"ps update={update} rank 0 against DDP rank 0",
+                     parts=("params", "buffers", "state"))
 
 
 def test_update_worker_with_async_is_refused_in_one_line():

@@ -278,9 +278,16 @@ class _Shard:
                   what=f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)")
         return self.collect()
 
-    def push_then_pull(self, step: int, parts: list, meta: dict, what: str) -> int:
-        """Push and pull back to back (the pull goes out before the push is acknowledged)."""
+    def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None) -> int:
+        """Push and pull back to back (the pull goes out before the push is acknowledged). With
+        ``commit`` (update=server, sync), the step is committed in between, as ``optimizer.step()`` does:
+        the shard's report is read once every worker's push is in, then the commit goes out."""
         self.post("push", step, parts, meta, what)
+        if commit is not None:
+            self.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
+                      take=lambda h, _data: 0)
+            self.collect()
+            self.post("commit", step, meta=commit, what=f"commit of step {step}")
         return self.pull(step)
 
     def close(self, bye: bool) -> None:
@@ -746,6 +753,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """
         if self.model is None:
             raise ConfigError("call setup(model, optim) before push_pull_async()")
+        if self.update != "server":
+            raise ConfigError("push_pull_async() pulls the parameter the servers updated: it needs update=server "
+                              f"(this client runs update={self.update})")
         params = [p for b in self.buckets for p in b.params]
         if len(params) != 1 or tensor.shape != params[0].shape or tensor.dtype != params[0].dtype:
             raise ValueError(f"push_pull_async needs a model with one parameter shaped like the tensor "
@@ -753,12 +763,14 @@ class PSExchanger(BucketedExchanger, PlansServers):
         step = self._base + self._step
         flat = tensor.detach().contiguous().view(-1)
         handles = []
+        commit = {"factor": 1.0, "hyper": _hypers(self.optimizer)} if self.mode == "sync" and self.optimizer else None
         for s in self.shards:
             parts = self._parts(s.index, flat)
             self.stats.bytes_sent += sum(spec.nbytes for spec, _ in parts)
             meta = {"base": s.version, "absent": []}
             what = f"push+pull of step {step}"
-            handles.append(FutureHandle(s.submit(s.push_then_pull, step, parts, meta, what), f"{what} on {s.name}"))
+            handles.append(FutureHandle(s.submit(s.push_then_pull, step, parts, meta, what, commit),
+                                        f"{what} on {s.name}"))
 
         def done(received):
             self.stats.bytes_received += sum(received)
