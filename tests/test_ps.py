@@ -120,6 +120,9 @@ def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints(tmp_path)
     _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, lambda: str(tmp_path))
     assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
     assert list(tmp_path.iterdir()) == []  # the caller's folder; the plan makes nothing itself
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=shm"), 2, lambda: str(tmp_path))
+    assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
+    assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "shm"
     with pytest.raises(ConfigError, match="names no servers"):
         attach("ps://?mode=sync", nn.Linear(2, 2))
 
