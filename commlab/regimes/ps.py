@@ -140,6 +140,10 @@ class _Shard:
         self.link: psshm.Link | None = None
         self.payloads = "zmq frames"  # or "shm": what this connection carries payloads in, after hello
         self.shm_note = ""  # auto: why not shm
+        # update=server: a key's place in the outbound segment is written only by pulls of that key's
+        # parameters, so a whole parameter may live there (no copy out); update=worker reuses the place
+        # for averages, which must not land in a parameter
+        self.adopt_shm = False
 
     def submit(self, fn, *args) -> cf.Future:
         return self.pool.submit(fn, *args)
@@ -321,9 +325,12 @@ class _Shard:
                 raise ModelMismatch(f"{self.name} sent {spec.key}[{spec.offset}:{spec.offset + spec.count}], "
                                     f"which this worker does not hold")
             values = wire.frame_tensor(spec, frame)
-            if spec.count == param.numel() and not isinstance(frame, memoryview):
-                # the whole parameter in one received frame: adopt its (writable) buffer, no copy
-                param.data = values.view(param.shape)
+            shared = isinstance(frame, memoryview)  # a view of the outbound segment (transport=shm)
+            if spec.count == param.numel() and (not shared or self.adopt_shm):
+                # the whole parameter in one received frame, or in its place in the segment, which the
+                # server writes again only when this worker next pulls it: adopt the buffer, no copy
+                if param.data.data_ptr() != values.data_ptr():
+                    param.data = values.view(param.shape)
             else:
                 param.data.view(-1)[start + spec.offset:start + spec.offset + spec.count].copy_(values)
         self.version = max(self.version, h.meta["version"])
@@ -489,6 +496,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
+        for s in self.shards:
+            s.adopt_shm = self.update == "server"
         self._on_all(lambda s: None if replies[s.index]["initialized"] else
                      s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
                                what="init"), "init")
