@@ -6,6 +6,7 @@ workers of rounds / seconds. Configurations, all on one host, in one run:
 
   ps tcp         commlab server (async) over tcp://127.0.0.1
   ps ipc         the same over ipc://
+  ps shm         the same with transport=shm: headers over ipc://, payloads through shared memory
   rpc uv-basic   torch.distributed.rpc, TensorPipe forced onto TCP (transport uv, channel basic)
   rpc default    torch.distributed.rpc, TensorPipe's own choice (shared memory / cross-memory copies)
 
@@ -58,7 +59,8 @@ def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
     return out
 
 
-def run_ps(bind: str, numel: int, rounds: int, warmup: int, workers: int, timeout: float) -> list[dict]:
+def run_ps(bind: str, numel: int, rounds: int, warmup: int, workers: int, timeout: float,
+           transport: str = "") -> list[dict]:
     server = subprocess.Popen([sys.executable, "-m", "servers", "--bind", bind, "--mode", "async", "--log-every", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
     try:
@@ -68,7 +70,7 @@ def run_ps(bind: str, numel: int, rounds: int, warmup: int, workers: int, timeou
         if "listening on" not in line:
             raise RuntimeError(f"server did not start: {line!r}")
         endpoint = line.split("listening on")[1].strip()
-        url = f"ps://?endpoints={endpoint}&mode=async&timeout=60"
+        url = f"ps://?endpoints={endpoint}&mode=async&timeout=60" + (f"&transport={transport}" if transport else "")
         procs = [subprocess.Popen([sys.executable, "-m", "bench.ps_rounds", "--worker", url, "--rank", str(r),
                                    "--workers", str(workers), "--numel", str(numel), "--rounds", str(rounds),
                                    "--warmup", str(warmup)],
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--json", default="ps_rounds.json", help="where to write the results")
-    p.add_argument("--only", nargs="*", help="subset of: ps-tcp ps-ipc rpc-uv-basic rpc-default")
+    p.add_argument("--only", nargs="*", help="subset of: ps-tcp ps-ipc ps-shm rpc-uv-basic rpc-default")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one ps:// worker
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
@@ -147,6 +149,7 @@ def _compare(a, numel: int, ipc_dir: str) -> int:
     configs = {
         "ps-tcp": lambda: run_ps("tcp://127.0.0.1:0", numel, a.rounds, a.warmup, a.workers, a.timeout),
         "ps-ipc": lambda: run_ps(f"ipc://{ipc_dir}/ps", numel, a.rounds, a.warmup, a.workers, a.timeout),
+        "ps-shm": lambda: run_ps(f"ipc://{ipc_dir}/ps-shm", numel, a.rounds, a.warmup, a.workers, a.timeout, "shm"),
         "rpc-uv-basic": lambda: run_rpc("uv-basic", numel, a.rounds, a.warmup, a.workers, a.timeout),
         "rpc-default": lambda: run_rpc("default", numel, a.rounds, a.warmup, a.workers, a.timeout),
     }
@@ -164,7 +167,8 @@ def _compare(a, numel: int, ipc_dir: str) -> int:
     for r in results.values():
         r["rounds_per_s"] = statistics.median(r["samples"])
     rate = {k: v["rounds_per_s"] for k, v in results.items()}
-    goals = [("ps-tcp", "rpc-uv-basic", 1.5), ("ps-tcp", "rpc-default", 1.3), ("ps-ipc", "rpc-default", 2.0)]
+    goals = [("ps-tcp", "rpc-uv-basic", 1.5), ("ps-tcp", "rpc-default", 1.3), ("ps-ipc", "rpc-default", 2.0),
+             ("ps-shm", "rpc-default", 2.0), ("ps-shm", "rpc-uv-basic", 3.0)]
     ratios = {f"{x} / {y}": {"ratio": rate[x] / rate[y], "goal": g} for x, y, g in goals if x in rate and y in rate}
     print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull")
     print(f"{'configuration':15} {'rounds/s':>10} {'GB/s (in+out)':>14}   runs")

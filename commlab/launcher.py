@@ -44,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from commlab import metrics
+from commlab import metrics, shm
 from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import PlansServers
@@ -425,6 +425,7 @@ def _run(job: Job) -> int:
             _watch(job, procs, ranks, started)
         finally:
             stop_all(procs)
+            shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             print(f"{job.name}: {job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, "

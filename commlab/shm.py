@@ -63,6 +63,15 @@ def owner_alive(pid: int, start: int) -> bool:
     return start_time(pid) == start
 
 
+def host_identity() -> str:
+    """This host and network namespace: the boot id (one per running kernel) and the namespace's inode.
+    Two processes that share both can share memory and reach each other's Unix sockets."""
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        boot = fh.read().strip()
+    st = os.stat("/proc/self/ns/net")
+    return f"{boot}/{st.st_dev}:{st.st_ino}"
+
+
 def path_for(run: str, what: str, directory: str = SHM_DIR) -> str:
     """Where this process puts its entry ``what`` of run ``run`` (the name carries the owner)."""
     if not re.fullmatch(r"[0-9a-f]{4,32}", run) or not re.fullmatch(r"[A-Za-z0-9._-]+", what):

@@ -91,11 +91,20 @@ def split(key: str, flat: torch.Tensor, offset: int = 0, max_frame: int = MAX_FR
 
 
 def encode(op: str, sender: str, step: int, parts: Sequence[tuple[FrameSpec, torch.Tensor]] = (),
-           meta: dict | None = None) -> list:
-    """The frames of one message: header bytes, then each part's raw bytes (no copy here)."""
+           meta: dict | None = None, at: Sequence[int] | None = None) -> list:
+    """The frames of one message: header bytes, then each part's raw bytes (no copy here).
+
+    ``at``: the parts' bytes are already in a region both ends map (shared memory), at these byte
+    offsets, one per part; the message is the header alone, its ``meta["shm"]`` the offsets."""
+    if at is not None:
+        if len(at) != len(parts):
+            raise ValueError(f"{len(at)} offsets for {len(parts)} parts")
+        meta = dict(meta or {}, shm=list(at))
     header = {"v": VERSION, "op": op, "from": sender, "step": step,
               "frames": [[s.key, s.dtype, s.offset, s.count] for s, _ in parts], "meta": meta or {}}
     out: list = [msgpack.packb(header, use_bin_type=True)]
+    if at is not None:
+        return out
     for spec, t in parts:
         if t.numel() != spec.count or t.is_cuda:
             raise ValueError(f"{spec.key}: frame holds {t.numel()} elements on {t.device}, header says {spec.count} on cpu")
@@ -109,11 +118,15 @@ def _expect(cond: bool, what: str) -> None:
 
 
 def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = MAX_FRAME,
-           max_bytes: int | None = None) -> Header:
+           max_bytes: int | None = None, region: int | None = None) -> Header:
     """Validate a received message's header against its frames; raise :class:`ProtocolError` on any lie.
 
     ``frames`` are bytes or zmq Frames, header first. ``ops`` restricts the op;
-    ``max_bytes`` bounds the total data the message may carry.
+    ``max_bytes`` bounds the total data the message may carry. ``region``: the size in bytes of
+    the shared region this connection may name instead of data frames (None: it has none). A
+    message with ``meta["shm"]`` is its header alone and names one byte offset per frame spec;
+    each run ``[offset, offset + nbytes)`` must lie inside the region, aligned to its dtype's size
+    (then :func:`region_frames` views it).
     """
     _expect(len(frames) >= 1, "empty message")
     raw = _bytes(frames[0])
@@ -134,8 +147,15 @@ def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = 
     _expect(isinstance(step, int) and not isinstance(step, bool) and step >= -1, f"bad step {step!r}")
     _expect(isinstance(specs, list), "header 'frames' is not a list")
     _expect(isinstance(meta, dict), "header 'meta' is not a map")
-    _expect(len(frames) == len(specs) + 1,
-            f"header declares {len(specs)} data frame(s) but {len(frames) - 1} arrived")
+    at = meta.get("shm")
+    if at is None:
+        _expect(len(frames) == len(specs) + 1,
+                f"header declares {len(specs)} data frame(s) but {len(frames) - 1} arrived")
+    else:
+        _expect(region is not None, "data said to be in shared memory, but this connection has no shared-memory link")
+        _expect(len(frames) == 1, f"data in shared memory, yet {len(frames) - 1} data frame(s) arrived too")
+        _expect(isinstance(at, list) and len(at) == len(specs),
+                f"meta 'shm' must list one offset per frame spec ({len(specs)})")
     out, total = [], 0
     for i, s in enumerate(specs):
         _expect(isinstance(s, list) and len(s) == 4, f"frame spec {i} is not [key, dtype, offset, count]")
@@ -146,13 +166,27 @@ def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = 
                 f"frame {i} ({key}): offset/count must be non-negative integers")
         spec = FrameSpec(key, dt, off, cnt)
         _expect(spec.nbytes <= max_frame, f"frame {i} ({key}) declares {spec.nbytes} bytes, limit {max_frame}")
-        got = _nbytes(frames[i + 1])
-        _expect(got == spec.nbytes, f"frame {i} ({key}) has {got} bytes, header declares {spec.nbytes}")
+        if at is None:
+            got = _nbytes(frames[i + 1])
+            _expect(got == spec.nbytes, f"frame {i} ({key}) has {got} bytes, header declares {spec.nbytes}")
+        else:
+            o = at[i]
+            _expect(isinstance(o, int) and not isinstance(o, bool) and o >= 0 and o % DTYPES[dt].itemsize == 0,
+                    f"frame {i} ({key}): shared-memory offset {o!r} is not a non-negative multiple of its item size")
+            assert region is not None
+            _expect(o + spec.nbytes <= region, f"frame {i} ({key}): bytes [{o}, {o + spec.nbytes}) lie outside the "
+                                               f"shared region of {region} bytes")
+            got = spec.nbytes
         total += got
         out.append(spec)
     if max_bytes is not None:
         _expect(total <= max_bytes, f"message carries {total} bytes, limit {max_bytes}")
     return Header(op, str(sender), step, tuple(out), meta)
+
+
+def region_frames(h: Header, region: memoryview) -> list[memoryview]:
+    """The data of a message :func:`decode` accepted with ``meta["shm"]``: views of ``region`` (no copy)."""
+    return [region[o:o + spec.nbytes] for spec, o in zip(h.frames, h.meta["shm"])]
 
 
 def frame_tensor(spec: FrameSpec, frame) -> torch.Tensor:

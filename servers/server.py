@@ -51,7 +51,7 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import psproto, transport, wire
+from commlab import psproto, psshm, shm, transport, wire
 from commlab.errors import ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
 from commlab.optim import OptimizerSpec
@@ -173,6 +173,11 @@ class ParameterServer:
         self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
         self.max_parts = 2 + _MIN_FRAMES  # identity + header + data frames; grows with the pieces at hello
         self.max_bytes = 0  # data bytes a request may carry: the whole shard, once the pieces are known
+        # transport=shm: per worker connection (zmq identity), two segments its payloads cross through
+        self.links: dict[bytes, psshm.Link] = {}
+        self.link_of: dict[str, bytes] = {}  # sender -> the identity its link belongs to (one link per sender)
+        self.shm_run = shm.new_run_id()
+        self._links_made = 0
         if cfg.resume:
             self._load(Path(cfg.resume) / self._checkpoint_name())
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
@@ -183,6 +188,7 @@ class ParameterServer:
         """Serve until SIGTERM/SIGINT; then write a checkpoint (if configured) and return."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        shm.sweep_stale()  # segments of servers and workers killed before they could remove them
         print(f"commlab server {self.cfg.name} mode={self.cfg.mode} listening on {self.endpoint}", flush=True)
         next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
         while not self._stop:
@@ -200,8 +206,23 @@ class ParameterServer:
         if self.cfg.checkpoint_dir or self.cfg.resume:
             self.checkpoint()
         self.log()
+        self._close_links()
+
+    def _close_links(self) -> None:
+        for ident in list(self.links):
+            self._drop_link(ident)
+
+    def _drop_link(self, ident: bytes) -> None:
+        link = self.links.pop(ident, None)
+        if link is None:
+            return
+        for sender, owner in list(self.link_of.items()):
+            if owner == ident:
+                del self.link_of[sender]
+        link.close()
 
     def close(self) -> None:
+        self._close_links()
         self.sock.close(linger=0)
         self.transport.close()
 
@@ -221,6 +242,7 @@ class ParameterServer:
                 "waiting_for": self.mode.waiting_for() if self.waiting and self.world else [],
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
+                "shm_links": len(self.links),
                 "last_step": {str(r): t for r, t in sorted(self.last_step.items())},
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
                 "max_staleness": max(s.staleness, default=0),
@@ -233,11 +255,19 @@ class ParameterServer:
             return
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
+        link = self.links.get(ident)
         try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes)
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
+                            region=link.inbound.size if link is not None else None)
             req_id = h.meta.get("id")
             self.stats.bytes_in += h.data_bytes
-            getattr(self, "_op_" + h.op)(ident, h, body[1:])
+            if "shm" in h.meta:
+                assert link is not None  # decode refuses offsets from a connection without a link
+                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
+                data = link.inbound.frames(h)
+            else:
+                data = body[1:]
+            getattr(self, "_op_" + h.op)(ident, h, data)
         except (ProtocolError, Refused) as exc:
             self.stats.refused += 1
             self._reply(ident, "error", req_id, {"reason": str(exc)})
@@ -247,8 +277,20 @@ class ParameterServer:
             self._reply(ident, "error", req_id, {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
-               tracked: bool = True) -> None:
-        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id))]
+               tracked: bool = True, link: psshm.Link | None = None) -> None:
+        at = None
+        if link is not None and parts:  # copied into the worker's outbound segment; the reply is a header
+            at = psshm.place(link.offsets, list(parts))
+            for (spec, t), o in zip(parts, at):
+                link.outbound.write(o, t)
+            self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
+        if at is not None:
+            try:
+                transport.send(self.sock, frames, timeout=5.0, who="a worker")
+            except Exception as exc:
+                print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
+            return
         try:
             if parts:
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
@@ -333,10 +375,36 @@ class ParameterServer:
         self.senders[h.sender] = rank
         self.detached.discard(rank)
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
-        self._reply(ident, "ok", m.get("id"), {"initialized": self.initialized,
-                                                "next_step": self.mode.expected_step(rank), "boot": self.boot,
-                                                "version": self.version, "mode": self.cfg.mode,
-                                                "staleness": self.cfg.staleness, "update": self.update})
+        reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
+                 "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
+                 "update": self.update}
+        if "shm_host" in m:
+            reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
+        self._reply(ident, "ok", m.get("id"), reply)
+
+    def _open_link(self, ident: bytes, sender: str, where) -> dict:
+        """transport=shm: two segments for this connection's payloads (see :mod:`commlab.psshm`), or
+        ``{"refused": why}``. One link per sender (a reconnect's hello replaces it), at most
+        ``2 * world + 2`` in all: each costs twice the shard's bytes of memory."""
+        if not isinstance(where, str) or where != shm.host_identity():
+            return {"refused": f"{self.cfg.name} runs on another host or network namespace (its boot id and "
+                               f"namespace differ from the worker's)"}
+        old = self.link_of.get(sender)
+        if old is not None:
+            self._drop_link(old)
+        self._drop_link(ident)
+        limit = 2 * self.world_size() + 2
+        if len(self.links) >= limit:
+            return {"refused": f"{self.cfg.name} holds {len(self.links)} shared-memory links already (limit {limit})"}
+        pieces = [(k, d, n) for k, (d, n) in self.pieces.items()]
+        try:
+            link = psshm.Link.create(self.shm_run, f"s{self.cfg.shard}-{self._links_made}", pieces)
+        except OSError as exc:
+            return {"refused": f"{self.cfg.name} cannot create shared memory: {exc}"}
+        self._links_made += 1
+        self.links[ident] = link
+        self.link_of[sender] = ident
+        return link.describe()
 
     def _fix_limits(self) -> None:
         """Most frames and data bytes a request can need: every piece and buffer of the shard, in frames of
@@ -447,8 +515,12 @@ class ParameterServer:
         if not isinstance(base, int) or base > self.version:
             raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
         # -- validated: fold it in
-        self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
-        self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
+        if "shm" in h.meta:  # acknowledged once read: the worker may write the place again after the ack
+            self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
+            self._reply(ident, "ok", h.meta.get("id"), step=t)
+        else:
+            self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
+            self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
         self._serve_waiting()
 
     def _op_commit(self, ident, h, _data):
@@ -574,6 +646,12 @@ class ParameterServer:
     def _send(self, ident, h) -> None:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
+        link = self.links.get(ident) if h.meta.get("shm_reply") else None
+        if h.meta.get("shm_reply") and link is None:
+            self.stats.refused += 1
+            self._reply(ident, "error", rid, {"reason": f"pull from {h.sender} asks for a reply in shared memory, "
+                                                        f"but its connection has no link to {self.cfg.name}"})
+            return
         if what == "report":
             assert isinstance(self.mode, Sync)  # _op_pull refused report and sum pulls under other modes
             self._reply(ident, "ok", rid, {"report": self.mode.report}, step=h.step)
@@ -587,7 +665,7 @@ class ParameterServer:
             absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
-                        tracked=False)
+                        tracked=False, link=link)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
@@ -595,7 +673,7 @@ class ParameterServer:
             return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
-        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step)
+        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, link=link)
 
     # ----- buffers, optimizer state ----------------------------------------------------------
     def _op_buffers(self, ident, h, data):
@@ -696,6 +774,7 @@ class ParameterServer:
         rank = self._rank_of(h)
         self.detached.add(rank)
         self._reply(ident, "ok", h.meta.get("id"))
+        self._drop_link(ident)
         self._serve_waiting()  # ssp: the slowest worker may just have left
 
     # ----- durability ------------------------------------------------------------------------

@@ -125,13 +125,15 @@ class Raw:
         self.tp = transport.Transport(curve=curve)
         self.sock = self.tp.connect(zmq.DEALER, endpoint)
         self.sender, self.id = sender, 1000
+        self.link = None  # a commlab.psshm.Link, once the caller mapped what a hello with shm_host offered
 
     def send(self, frames) -> None:
         transport.send(self.sock, frames, timeout=10, who="server")
 
     def reply(self, timeout: float = 20.0) -> wire.Header:
         msg = transport.recv(self.sock, timeout, "server")
-        return wire.decode(msg, ops=psproto.REPLIES, max_bytes=2**24), msg[1:]
+        region = self.link.outbound.size if self.link is not None else None
+        return wire.decode(msg, ops=psproto.REPLIES, max_bytes=2**24, region=region), msg[1:]
 
     def request(self, op: str, step: int = -1, parts=(), **meta) -> wire.Header:
         self.id += 1

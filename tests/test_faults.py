@@ -9,6 +9,7 @@ Every process is killed at the end (:class:`faultkit.Procs`), every wait is boun
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import keys
+from commlab import keys, shm
 from commlab.errors import CommTimeout
 from commlab.rendezvous import RankInfo
 
@@ -183,15 +184,16 @@ def _train(url: str, out) -> subprocess.Popen:
                             start_new_session=True)  # so finish() and Procs.close() kill its ranks too
 
 
-def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(procs, tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(procs, tmp_path, transport):
     """Checkpoint every update; kill -9 mid-run; restart with --resume on the same port. The
-    workers time out, find a new server process, hello again and resend the step's pushes; the
-    result equals, bit for bit, a run against a server that never died (2 workers: the mean of
-    two gradients does not depend on their arrival order)."""
+    workers time out, find a new server process, hello again (shm: a new link) and resend the
+    step's pushes; the result equals, bit for bit, a run against a server that never died (2
+    workers: the mean of two gradients does not depend on their arrival order)."""
     ckpt = tmp_path / "ckpt"
     victim = procs.server("--mode", "sync", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
     steady = procs.server("--mode", "sync")
-    query = f"mode=sync&timeout={TIMEOUT}&bucket_mb=0.004"
+    query = f"mode=sync&timeout={TIMEOUT}&bucket_mb=0.004&transport={transport}"
     interrupted = _train(f"ps://{victim.address}?{query}", tmp_path / "interrupted.pt")
     reference = _train(f"ps://{steady.address}?{query}", tmp_path / "reference.pt")
     procs.procs += [interrupted, reference]
@@ -206,6 +208,8 @@ def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(proc
     got, ref = torch.load(tmp_path / "interrupted.pt"), torch.load(tmp_path / "reference.pt")
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+    dead = str(victim.proc.pid)
+    assert not [n for n in os.listdir(shm.SHM_DIR) if (m := shm.NAME.fullmatch(n)) and m["pid"] == dead]
     print(f"server killed after {at_kill} of {STEPS} sync updates; resumed; duplicates seen after the "
           f"restart: {stats['duplicates']}; result bit-identical to the uninterrupted run")
 

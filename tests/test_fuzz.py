@@ -7,6 +7,11 @@ Every crafted message has at least one defect and must get exactly one ``error``
 order (the server is one thread). Afterwards: nothing was applied (version 0, parameters
 bit-identical to before), the server's counters match what was sent, and one valid sync step
 from both ranks lands exactly on its closed form.
+
+Every test runs twice: over tcp (payloads in zmq frames), and with ``transport=shm``, where
+rank 0's client and the fuzzer both hold a shared-memory link to the server; the fuzzer then
+also sends pushes whose data it claims lies in the segment at crafted offsets (outside it,
+misaligned, negative, too few, beside real frames, deep defects at valid offsets).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import commlab
-from commlab import psproto, transport, wire
+from commlab import psproto, psshm, shm, transport, wire
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
@@ -42,24 +47,33 @@ _LINEAR = nn.Linear(3, 2)
 OPTIM = describe_optimizer(OPT.build(list(_LINEAR.parameters())), _LINEAR)  # what the client's hello says
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    """The server, rank 0 attached through the real client, rank 1 as a raw DEALER after hello."""
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def rig(tmp_path_factory, request):
+    """The server, rank 0 attached through the real client, rank 1 as a raw DEALER after hello
+    (with ``shm``: both hold a shared-memory link; ``raw.link`` is the fuzzer's, else None)."""
     procs = Procs(tmp_path_factory.mktemp("fuzz"))
     try:
         server = procs.server("--mode", "sync")
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
-        ex = commlab.connect(f"ps://{server.address}?timeout=30", RankInfo(0, 2, 0, "127.0.0.1", 0, "flags"))
+        ex = commlab.connect(f"ps://{server.address}?timeout=30&transport={request.param}",
+                             RankInfo(0, 2, 0, "127.0.0.1", 0, "flags"))
         ex.setup(model, OPT)
         raw = Raw(server.endpoint, "rank1")
         manifest = [[n, list(s), d] for n, s, d in model_manifest(model)]
         pieces = psproto.assign_shards(model_manifest(model), 1, 16 * 2**20)[0]
+        extra = {"shm_host": shm.host_identity()} if request.param == "shm" else {}
         hello = raw.request("hello", rank=1, world=2, mode="sync", manifest=manifest, shard=[0, 1],
-                            pieces=[[p.key, p.dtype, p.count] for p in pieces], optim=OPTIM)
+                            pieces=[[p.key, p.dtype, p.count] for p in pieces], optim=OPTIM, **extra)
         assert hello.op == "ok", hello.meta
+        if request.param == "shm":
+            assert ex.facts()["transport"]["payloads"] == {ex.shards[0].endpoint: "shm"}
+            raw.link = psshm.Link.attach(hello.meta["shm_link"], [(p.key, p.dtype, p.count) for p in pieces])
+            assert server.stats()["shm_links"] == 2
         yield server, ex, model, raw, manifest
         raw.close()
+        if raw.link is not None:
+            raw.link.close()
         ex.close()
     finally:
         procs.close()
@@ -95,16 +109,61 @@ def _full_push(rng: random.Random) -> tuple[list, list]:
     return specs, [_floats(n, rng) for n in KEYS.values()]
 
 
-def crafted(rng: random.Random):
-    """Yield ``(kind, frames, expected reason fragment or None)``; every case has a defect."""
+SHM_AT = [0, 64]  # where weight and bias lie in a link's segments (psshm.layout: 64-byte aligned)
+SHM_SIZE = 128
+
+
+def crafted(rng: random.Random, link: psshm.Link | None = None):
+    """Yield ``(kind, frames, expected reason fragment or None)``; every case has a defect. With a
+    shared-memory ``link``, also pushes whose data is said to lie in its inbound segment."""
     kinds = ["bytes", "truncated", "trailing", "not_map", "version", "op", "sender", "step_type", "frames_type",
              "spec_shape", "dtype_unknown", "dtype_lie", "count_lie", "huge", "offset", "fewer_frames",
              "extra_frames", "many_frames", "key_unknown", "key_len", "wrong_step", "coverage",
              "absent_junk", "base", "meta_type", "pull_bad", "pull_future", "hello_bad", "stranger"]
+    if link is None:
+        kinds += ["shm_no_link", "shm_reply_no_link"]
+    else:
+        assert link.inbound.size == SHM_SIZE
+        kinds += ["shm_outside", "shm_misaligned", "shm_count", "shm_type", "shm_with_frames", "shm_deep"]
     while True:
         kind = rng.choice(kinds)
         specs, data = _full_push(rng)
-        if kind == "bytes":
+        if kind.startswith("shm_") and link is not None:  # valid bytes in place; the defect is in the header
+            link.inbound.write(SHM_AT[0], torch.frombuffer(bytearray(data[0]), dtype=torch.float32))
+            link.inbound.write(SHM_AT[1], torch.frombuffer(bytearray(data[1]), dtype=torch.float32))
+        if kind == "shm_no_link":
+            yield kind, [_pack(_header(frames=specs, shm=SHM_AT))], "has no shared-memory link"
+        elif kind == "shm_reply_no_link":
+            yield kind, [_pack({"v": 1, "op": "pull", "from": "rank1", "step": 0, "frames": [],
+                                "meta": {"id": 7, "after_step": -1, "shm_reply": True}})], "has no link"
+        elif kind == "shm_outside":  # past the end, or so far that offset + length overflows 64 bits
+            at = list(SHM_AT)
+            at[rng.randrange(2)] = rng.choice([SHM_SIZE - 4, SHM_SIZE, 4096, 2**40, 2**63, 2**64 - 8])
+            yield kind, [_pack(_header(frames=specs, shm=at))], "outside the shared region"
+        elif kind == "shm_misaligned":
+            at = list(SHM_AT)
+            at[rng.randrange(2)] = rng.choice([1, 2, 3, 66, -4, -2**40, True, 1.5, "0", None])
+            yield kind, [_pack(_header(frames=specs, shm=at))], "is not a non-negative multiple"
+        elif kind == "shm_count":
+            yield kind, [_pack(_header(frames=specs, shm=rng.choice([[0], [0, 64, 96], []])))], \
+                "one offset per frame spec"
+        elif kind == "shm_type":
+            yield kind, [_pack(_header(frames=specs, shm=rng.choice([0, "0,64", {"weight": 0}, True])))], \
+                "one offset per frame spec"
+        elif kind == "shm_with_frames":
+            yield kind, [_pack(_header(frames=specs, shm=SHM_AT)), *data[:rng.randrange(1, 3)]], \
+                "data frame\\(s\\) arrived too"
+        elif kind == "shm_deep":  # in bounds and aligned: the same checks as for frames still refuse it
+            choice = rng.randrange(3)
+            if choice == 0:
+                specs = [["weight", "float32", 0, 3], ["weight", "float32", 4, 2]]
+                yield kind, [_pack(_header(frames=specs, shm=[0, 16]))], "do not cover"
+            elif choice == 1:
+                specs[0] = ["weight", "float64", 0, 3]
+                yield kind, [_pack(_header(frames=specs, shm=SHM_AT))], "weight is float32 on shard 0/1"
+            else:
+                yield kind, [_pack(_header(frames=specs, shm=SHM_AT, base=7))], "bad base version"
+        elif kind == "bytes":
             yield kind, [rng.randbytes(rng.randrange(0, 80)) for _ in range(rng.randrange(1, 5))], None
         elif kind == "truncated":
             raw = _pack(_header(frames=specs))
@@ -218,7 +277,7 @@ def test_thousands_of_crafted_messages_get_errors_and_change_nothing(rig):
     before = checksum(raw)
     s0 = server.stats()
     rss0 = server.rss_kib()
-    gen = crafted(random.Random(SEED))
+    gen = crafted(random.Random(SEED), raw.link)
     kinds: dict[str, int] = {}
     sent = 0
     while sent < CASES:
@@ -299,7 +358,15 @@ def test_after_the_fuzz_a_valid_step_lands_on_its_closed_form(rig):
     t.start()
     g1 = {"weight": torch.full((6,), 0.75), "bias": torch.full((2,), -0.5)}
     parts = [p for k, g in g1.items() for p in wire.split(k, g)]
-    assert raw.request("push", 0, parts, base=0, absent=[]).op == "ok"
+    if raw.link is None:
+        assert raw.request("push", 0, parts, base=0, absent=[]).op == "ok"
+    else:  # through the fuzzer's segment, as the client would
+        at = psshm.place(raw.link.offsets, parts)
+        for (_, t_), o in zip(parts, at):
+            raw.link.inbound.write(o, t_)
+        raw.id += 1
+        raw.send(wire.encode("push", raw.sender, 0, parts, {"id": raw.id, "base": 0, "absent": []}, at))
+        assert raw.reply()[0].op == "ok"
     t.join(60)
     assert done == [True]
     # rank 0's gradient is 1 everywhere (d/dp of sum of params); mean with rank 1's, lr 0.5
@@ -307,6 +374,20 @@ def test_after_the_fuzz_a_valid_step_lands_on_its_closed_form(rig):
         expected = start[k].view(-1) - 0.5 * (1.0 + g1[k]) / 2
         torch.testing.assert_close(p.detach().view(-1), expected, rtol=0, atol=0)
     assert server.stats()["updates"] == 1
+    if raw.link is not None:  # a pull answered through the segment carries what one in frames does
+        raw.id += 1
+        raw.send(wire.encode("pull", raw.sender, -1, (), {"id": raw.id, "after_step": -1}))
+        h, data = raw.reply()
+        framed = {spec.key: wire.frame_tensor(spec, f).clone() for spec, f in zip(h.frames, data)}
+        raw.id += 1
+        raw.send(wire.encode("pull", raw.sender, -1, (), {"id": raw.id, "after_step": -1, "shm_reply": True}))
+        h, data = raw.reply()
+        assert h.op == "params" and data == [] and len(h.meta["shm"]) == 2
+        got = {spec.key: wire.frame_tensor(spec, f).clone()
+               for spec, f in zip(h.frames, wire.region_frames(h, raw.link.outbound.view))}
+        assert got.keys() == framed.keys() == KEYS.keys()
+        for k in KEYS:
+            assert torch.equal(got[k], framed[k])
 
 
 def _step(ex, model) -> bool:

@@ -24,6 +24,7 @@ from conftest import GroupTimeout, kill_group
 from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
 
 RUN_TIMEOUT = 150.0
+TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.psshm): same results
 
 
 @pytest.fixture
@@ -61,10 +62,15 @@ def driver(url: str, rank: int, workers: int, steps: int, *extra: str) -> list[s
     return [sys.executable, DRIVER, url, "--rank", str(rank), "--workers", str(workers), "--steps", str(steps), *extra]
 
 
-def attach(server_or_url, model: nn.Module, optim=None, rank: int = 0, world: int = 1) -> PSExchanger:
+def attach(server_or_url, model: nn.Module, optim=None, rank: int = 0, world: int = 1,
+           transport: str = "tcp") -> PSExchanger:
     url = server_or_url if isinstance(server_or_url, str) else f"ps://{server_or_url.address}?timeout=20"
+    if transport != "tcp":
+        url += f"&transport={transport}"
     ex = commlab.connect(url, RankInfo(rank, world, rank, "127.0.0.1", 0, "flags"))
     ex.setup(model, optim or commlab.OptimizerSpec("sgd", lr=0.5))
+    if transport == "shm":  # the payloads really take the shared-memory path
+        assert set(ex.facts()["transport"]["payloads"].values()) == {"shm"}
     return ex
 
 
@@ -114,6 +120,9 @@ def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints(tmp_path)
     _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, lambda: str(tmp_path))
     assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
     assert list(tmp_path.iterdir()) == []  # the caller's folder; the plan makes nothing itself
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=shm"), 2, lambda: str(tmp_path))
+    assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
+    assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "shm"
     with pytest.raises(ConfigError, match="names no servers"):
         attach("ps://?mode=sync", nn.Linear(2, 2))
 
@@ -126,14 +135,15 @@ CASES = [(opt, k) for opt in OPTIMIZERS for k in (1, 3)]
 PIECES = {1: "", 3: "&piece_mb=0.002"}  # K=3 also cuts the 8 KiB weight into 2 KiB pieces
 
 
-@pytest.fixture(scope="module")
-def sync_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def sync_runs(tmp_path_factory, request):
     """All four `commlab train` runs at once (2 workers each, K servers): their final state_dicts."""
     tmp = tmp_path_factory.mktemp("sync")
     cmds, paths = [], {}
     for opt, k in CASES:
         paths[opt, k] = tmp / f"{opt}-{k}.pt"
-        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", f"ps://?shards={k}&mode=sync&bucket_mb=0.004{PIECES[k]}",
+        url = f"ps://?shards={k}&mode=sync&bucket_mb=0.004{PIECES[k]}&transport={request.param}"
+        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", url,
                      "--workers", "2", "--model", "tiny", "--steps", "20", "--batch-size", "16", "--no-progress",
                      "--save-params", str(paths[opt, k]), *OPTIMIZERS[opt]])
     run_all(cmds)
@@ -160,9 +170,10 @@ def test_sync_matches_one_process_on_the_combined_batch(sync_runs, opt, shards, 
 # ----- async and ssp (driver workers with constant gradients) ----------------------------------------
 
 @pytest.mark.multiproc
-def test_async_applies_every_push_exactly_once_and_ends_at_the_closed_form(start_server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_async_applies_every_push_exactly_once_and_ends_at_the_closed_form(start_server, transport):
     server = start_server("--mode", "async")
-    url = f"ps://{server.address}?mode=async&timeout=60"
+    url = f"ps://{server.address}?mode=async&timeout=60&transport={transport}"
     run_all([driver(url, r, 4, 200, "--grad", "0.25", "--lr", "0.5") for r in range(4)])
     stats = server.stats()
     assert stats["updates"] == 800 and stats["version"] == 800 and stats["duplicates"] == 0
@@ -173,14 +184,15 @@ def test_async_applies_every_push_exactly_once_and_ends_at_the_closed_form(start
 
 
 @pytest.mark.multiproc
-def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server, transport):
     s = 2
     bound = psproto.ssp_staleness_bound(2, s)
     ssp = start_server("--mode", "ssp", "--staleness", str(s))
     asy = start_server("--mode", "async")
     cmds = []
     for server, mode in ((ssp, "ssp"), (asy, "async")):
-        url = f"ps://{server.address}?mode={mode}&timeout=60"
+        url = f"ps://{server.address}?mode={mode}&timeout=60&transport={transport}"
         # rank 0 is slow: its first gradient waits until 10 more updates landed (async lets rank 1
         # run that far ahead; ssp blocks it, so there the wait ends after 3 s), then 20 ms per step
         slow = ["--sleep", "0.02", "--lag-until-version", "10", "--lag-timeout", "3", "--barrier"]
@@ -268,13 +280,14 @@ def test_a_second_model_that_differs_is_refused_naming_the_parameter(start_serve
 # ----- durability ----------------------------------------------------------------------------------
 
 @pytest.mark.multiproc
-def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path, transport):
     ckpt = tmp_path / "ckpt"
     server = start_server("--mode", "async", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2")
     model = nn.Linear(3, 2)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     optim = commlab.OptimizerSpec("sgd", lr=0.25, momentum=0.5)
-    ex = attach(server, model, optim)
+    ex = attach(server, model, optim, transport=transport)
 
     def step(ex, model):
         ex.zero_grad()
@@ -290,7 +303,7 @@ def test_checkpoint_on_stop_and_resume_continue_exactly(start_server, tmp_path):
 
     resumed = start_server("--mode", "async", "--resume", str(ckpt))
     fresh = nn.Linear(3, 2)  # other initial values: the server's win
-    ex2 = attach(resumed, fresh, optim)
+    ex2 = attach(resumed, fresh, optim, transport=transport)
     try:
         step(ex2, fresh)
         assert resumed.stats()["updates"] == 4 and resumed.stats()["last_step"] == {"0": 3}
@@ -334,11 +347,12 @@ def test_a_server_refuses_to_bind_beyond_loopback_without_keys():
 
 
 @pytest.mark.multiproc
-def test_push_pull_async_is_one_step_of_a_bare_vector(start_server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_push_pull_async_is_one_step_of_a_bare_vector(start_server, transport):
     """The benchmark hook: after setup on a one-parameter model, push a tensor as its gradient, pull it."""
     server = start_server("--mode", "async")
     model = nn.ParameterList([nn.Parameter(torch.zeros(3 * 2**20 + 1))])  # not a multiple of anything
-    ex = attach(server, model, commlab.OptimizerSpec("sgd", lr=0.5))
+    ex = attach(server, model, commlab.OptimizerSpec("sgd", lr=0.5), transport=transport)
     try:
         grad = torch.full((3 * 2**20 + 1,), 0.25)
         for k in range(1, 4):
@@ -437,13 +451,14 @@ def test_a_scheduler_made_after_setup_drives_the_update(start_server, update):
 
 
 @pytest.mark.multiproc
-def test_nan_and_inf_are_summed_in_sync_and_refused_in_async(start_server):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nan_and_inf_are_summed_in_sync_and_refused_in_async(start_server, transport):
     """Sync: a non-finite gradient is summed, so every worker sees it (and every GradScaler skips); its
     frames are still checked like any other. Async: refused, counted, nothing applied."""
     for mode in ("sync", "async"):
         server = start_server("--mode", mode)
         model = nn.Linear(3, 2)
-        ex = attach(f"ps://{server.address}?timeout=20&mode={mode}", model, rank=0, world=2)
+        ex = attach(f"ps://{server.address}?timeout=20&mode={mode}", model, rank=0, world=2, transport=transport)
         raw = Raw(server.endpoint, "rank1")
         try:
             raw.request("hello", **dict(ex.shards[0].hello_meta, rank=1))

@@ -28,6 +28,7 @@ import userloop
 pytestmark = pytest.mark.multiproc
 
 STEPS = 20
+TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.psshm)
 
 
 @pytest.fixture
@@ -43,18 +44,19 @@ def servers(tmp_path):
     procs.close()
 
 
-def ps_url(base: str, update: str, k: int) -> str:
-    query = f"update={update}&timeout=60" + ("&piece_mb=0.0001" if k > 1 else "")  # K > 1: tensors cut in pieces
+def ps_url(base: str, update: str, k: int, transport: str = "tcp") -> str:
+    query = f"update={update}&timeout=60&transport={transport}" + ("&piece_mb=0.0001" if k > 1 else "")  # K > 1: pieces
     if update == "server":
         query += f"&clip_norm={userloop.CLIP}"
     return f"{base}?{query}"
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("update", ["worker", "server"])
-def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, servers, update, k, n):
-    url = ps_url(servers(k), update, k)
+def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, servers, update, k, n, transport):
+    url = ps_url(servers(k), update, k, transport)
     results = run_loop(tmp_path, n, url=url, variant="mlp", steps=STEPS, clip=update == "worker")
     want = userloop.reference("mlp", n, STEPS)
     assert min(want["seen"]["norms"]) > userloop.CLIP  # clipping acted at every step of the reference
@@ -68,10 +70,11 @@ def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, servers, 
         assert len(res["state"]) == 3 * len(res["params"])  # step, exp_avg, exp_avg_sq of every parameter
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("update", ["worker", "server"])
-def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, servers, update):
+def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, servers, update, transport):
     steps = 8
-    results = run_loop(tmp_path, 2, url=ps_url(servers(1), update, 1), variant="amp", steps=steps,
+    results = run_loop(tmp_path, 2, url=ps_url(servers(1), update, 1, transport), variant="amp", steps=steps,
                        clip=update == "worker")
     assert_ranks_identical(results)
     for res in results:
@@ -83,18 +86,19 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, serv
         assert all(math.isfinite(v) for vals in res["params"].values() for v in vals)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("update,k", [("worker", 1), ("server", 2)])
-def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path, servers, update, k):
+def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path, servers, update, k, transport):
     """Stopped at step 10 (model, optimizer, scheduler, scaler and exchanger state_dicts saved), resumed by
     new ranks against new servers: with update=server the optimizer state was gathered from the shards
     into a torch state_dict and is scattered to the new ones."""
     ck = str(tmp_path / "ck")
     n = 2
-    run_loop(tmp_path, n, url=ps_url(servers(k), update, k), variant="mlp", steps=STEPS, stop_at=10, save=ck,
+    run_loop(tmp_path, n, url=ps_url(servers(k), update, k, transport), variant="mlp", steps=STEPS, stop_at=10, save=ck,
              clip=update == "worker")
     saved = torch.load(ck + ".rank0", weights_only=False)
     assert len(saved["optimizer"]["state"]) == len(saved["model"])  # a torch state_dict, every parameter
-    resumed = run_loop(tmp_path, n, url=ps_url(servers(k), update, k), variant="mlp", steps=STEPS, resume=ck,
+    resumed = run_loop(tmp_path, n, url=ps_url(servers(k), update, k, transport), variant="mlp", steps=STEPS, resume=ck,
                        clip=update == "worker")
     want = userloop.reference("mlp", n, STEPS)
     assert_ranks_identical(resumed)
@@ -103,11 +107,13 @@ def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path,
         assert res["exchanges"] == STEPS  # the exchanger's own counters carried over
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("update,how", [("worker", "broadcast"), ("server", "broadcast"), ("worker", "average")])
-def test_batchnorm_buffers_are_equal_on_every_rank_after_every_step(tmp_path, servers, update, how, ddp_rank0):
+def test_batchnorm_buffers_are_equal_on_every_rank_after_every_step(tmp_path, servers, update, how, transport,
+                                                                   ddp_rank0):
     """Every rank's buffers equal after every step; with buffers=broadcast (the default, DDP's), rank 0's
     parameters, buffers and optimizer state equal rank 0's under DistributedDataParallel on the same data."""
-    url = f"{servers(1)}?update={update}&buffers={how}&timeout=60"
+    url = f"{servers(1)}?update={update}&buffers={how}&timeout=60&transport={transport}"
     results = run_loop(tmp_path, BN_RANKS, url=url, variant="bn", steps=BN_STEPS)
     for res in results[1:]:  # after every step, not only the last
         assert res["seen"]["buffers_equal"] == results[0]["seen"]["buffers_equal"]

@@ -84,3 +84,31 @@ def test_describe_is_one_line():
 def test_unsupported_dtype_is_a_caller_error():
     with pytest.raises(ValueError, match="cannot travel on the wire"):
         wire.split("c", torch.zeros(2, dtype=torch.complex64))
+
+
+def test_data_in_a_shared_region_is_bounded_by_it():
+    """``meta["shm"]``: one byte offset per frame spec into a region the connection maps; a run that
+    ends exactly at the region's end is inside, one byte past is not, and only a connection given a
+    region may name one."""
+    region = bytearray(128)
+    torch.frombuffer(region, dtype=torch.float32)[16:18] = torch.tensor([1.5, -2.0])
+    parts = wire.split("b", torch.zeros(2))
+    msg = wire.encode("push", "rank0", 0, parts, {}, at=[64])
+    assert len(msg) == 1  # the header alone
+    h = wire.decode(msg, region=len(region))
+    data = wire.region_frames(h, memoryview(region))
+    assert wire.frame_tensor(h.frames[0], data[0]).tolist() == [1.5, -2.0]
+    assert wire.decode(wire.encode("push", "rank0", 0, parts, {}, at=[120]), region=128).meta["shm"] == [120]
+    for at, reason in [([124], "outside the shared region"), ([2**64 - 4], "outside the shared region"),
+                       ([2], "not a non-negative multiple"), ([-8], "not a non-negative multiple"),
+                       ([True], "not a non-negative multiple")]:
+        with pytest.raises(ProtocolError, match=reason):
+            wire.decode([msgpack.packb({"v": 1, "op": "push", "from": "r", "step": 0, "frames": [["b", "float32", 0, 2]],
+                                        "meta": {"shm": at}})], region=128)
+    with pytest.raises(ProtocolError, match="no shared-memory link"):
+        wire.decode(msg)
+    with pytest.raises(ProtocolError, match="arrived too"):
+        wire.decode([*msg, b"\0" * 8], region=128)
+    with pytest.raises(ProtocolError, match="one offset per frame spec"):
+        wire.decode([msgpack.packb({"v": 1, "op": "push", "from": "r", "step": 0, "frames": [["b", "float32", 0, 2]],
+                                    "meta": {"shm": [0, 64]}})], region=128)

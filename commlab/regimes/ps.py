@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import math
+import os
 import time
 import types
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import psproto, transport, wire
+from commlab import psproto, psshm, shm, transport, wire
 from commlab.config import CommonOptions, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
@@ -50,7 +51,10 @@ class PSOptions(CommonOptions):
                        choices=("",) + psproto.MODES)
     staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
     shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)")
-    transport: str = option("tcp", "servers commlab train starts listen on tcp or ipc", choices=("tcp", "ipc"))
+    transport: str = option("tcp", "tcp or ipc: payloads in zmq frames (servers commlab train starts listen so); "
+                                   "shm: payloads through shared memory (the servers must share this host); auto: "
+                                   "shm with each server on this host and network namespace, zmq frames elsewhere",
+                            choices=("tcp", "ipc", "shm", "auto"))
     endpoints: str = option("", "comma-separated zmq endpoints, instead of HOST:PORT in the URL (e.g. ipc://...)")
     piece_mb: float = option(16.0, "parameters are cut into pieces of at most this many MiB, each reduced, "
                                    "updated and returned on its own (pipelining); every worker must agree")
@@ -130,6 +134,16 @@ class _Shard:
         self.hello_meta: dict = {}
         self.targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}  # key -> (param, start, count)
         self.max_reply = 0
+        # transport=shm|auto (see commlab.psshm): payloads through two segments the server made for this connection
+        self.shm_want = ""  # "", "shm" or "auto"
+        self.shm_pieces: list[tuple[str, str, int]] = []  # (key, dtype, numel) in hello order: the layout
+        self.link: psshm.Link | None = None
+        self.payloads = "zmq frames"  # or "shm": what this connection carries payloads in, after hello
+        self.shm_note = ""  # auto: why not shm
+        # update=server: a key's place in the outbound segment is written only by pulls of that key's
+        # parameters, so a whole parameter may live there (no copy out); update=worker reuses the place
+        # for averages, which must not land in a parameter
+        self.adopt_shm = False
 
     def submit(self, fn, *args) -> cf.Future:
         return self.pool.submit(fn, *args)
@@ -152,7 +166,15 @@ class _Shard:
     def _transmit(self, req: _Request) -> None:
         if self.sock is None:
             self.sock = self.tp.connect(zmq.DEALER, self.endpoint)
-        frames = wire.encode(req.op, self.sender, req.step, req.parts, dict(req.meta, id=req.rid))
+        meta, at = dict(req.meta, id=req.rid), None
+        link = self.link
+        if link is not None and req.op == "push" and req.parts:  # one copy in; the server reads it there
+            at = psshm.place(link.offsets, req.parts)
+            for (spec, t), o in zip(req.parts, at):
+                link.inbound.write(o, t)
+        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum"):
+            meta["shm_reply"] = True
+        frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name)
 
     def answer(self, req: _Request) -> tuple:
@@ -169,10 +191,13 @@ class _Shard:
             except CommTimeout:
                 raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s") from None
             limit = max([self.max_reply, *(r.max_bytes for r in self.outstanding)])
-            h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit)
+            link = self.link
+            h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit,
+                            region=link.outbound.size if link is not None else None)
             rid = h.meta.get("id")
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
-                self.inbox[rid] = (h, msg[1:])
+                assert link is not None or "shm" not in h.meta  # decode refuses offsets without a link
+                self.inbox[rid] = (h, link.outbound.frames(h) if link is not None and "shm" in h.meta else msg[1:])
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
         if h.op == "error":
@@ -185,9 +210,45 @@ class _Shard:
 
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta
+        self._drop_link()
+        if self.shm_want:
+            meta = dict(meta, shm_host=shm.host_identity())
         reply = self.request("hello", -1, meta=meta, what="hello")[0].meta
         self.boot = reply.get("boot", "")
+        if self.shm_want:
+            self._take_link(reply.get("shm_link"))
         return reply
+
+    def _take_link(self, offer) -> None:
+        """Map the segments the server made for this connection (transport=shm), or say why not (auto)."""
+        why = ""
+        if not isinstance(offer, dict):
+            why = f"{self.name} offered no shared memory (an older server?)"
+        elif "refused" in offer:
+            why = str(offer["refused"])
+        else:
+            try:
+                self.link = psshm.Link.attach(offer, self.shm_pieces)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                why = f"this worker cannot map {self.name}'s shared memory: {exc}"
+                for path in (offer.get("in"), offer.get("out")):  # the server's files: do not strand them
+                    if isinstance(path, str) and shm.NAME.fullmatch(os.path.basename(path)):
+                        try:
+                            os.unlink(path)
+                        except OSError:
+                            pass
+        if self.link is not None:
+            self.payloads, self.shm_note = "shm", ""
+            return
+        if self.shm_want == "shm":
+            raise ConfigError(f"ps:// transport=shm: {why}; use transport=auto (shm where it can, zmq frames "
+                              f"elsewhere) or tcp")
+        self.payloads, self.shm_note = "zmq frames", why
+
+    def _drop_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     def collect(self) -> int:
         """Wait for every posted request's reply, in order; copy pulled parameters in; bytes received.
@@ -264,9 +325,12 @@ class _Shard:
                 raise ModelMismatch(f"{self.name} sent {spec.key}[{spec.offset}:{spec.offset + spec.count}], "
                                     f"which this worker does not hold")
             values = wire.frame_tensor(spec, frame)
-            if spec.count == param.numel():
-                # the whole parameter in one received frame: adopt its (writable) buffer, no copy
-                param.data = values.view(param.shape)
+            shared = isinstance(frame, memoryview)  # a view of the outbound segment (transport=shm)
+            if spec.count == param.numel() and (not shared or self.adopt_shm):
+                # the whole parameter in one received frame, or in its place in the segment, which the
+                # server writes again only when this worker next pulls it: adopt the buffer, no copy
+                if param.data.data_ptr() != values.data_ptr():
+                    param.data = values.view(param.shape)
             else:
                 param.data.view(-1)[start + spec.offset:start + spec.offset + spec.count].copy_(values)
         self.version = max(self.version, h.meta["version"])
@@ -300,6 +364,7 @@ class _Shard:
                     pass
             self.sock.close(linger=0)
             self.sock = None
+        self._drop_link()
 
 
 class PSExchanger(BucketedExchanger, PlansServers):
@@ -326,7 +391,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if opts.endpoint_list:
             return url.text, []
         k = opts.shards or 1
-        if opts.transport == "ipc":
+        if opts.transport in ("ipc", "shm", "auto"):  # shm: the headers go over ipc, the payloads not at all
             folder = scratch()
             endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
         else:
@@ -342,6 +407,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             argvs.append(argv)
         query = [(key, v) for key, v in url.query if key not in ("shards", "transport", "endpoints", "mode")]
         query += [("mode", mode), ("endpoints", ",".join(endpoints))]
+        if opts.transport in ("shm", "auto"):
+            query.append(("transport", opts.transport))
         return "ps://?" + "&".join(f"{key}={v}" for key, v in query), argvs
 
     def __init__(self, options, rank):
@@ -405,8 +472,13 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
+        if self.options.transport in ("shm", "auto"):
+            shm.sweep_stale()  # what killed runs left behind
         for shard, pieces in zip(self.shards, self._pieces):
             shard.targets = {pc.key: (params[pc.param], pc.start, pc.count) for pc in pieces}
+            if self.options.transport in ("shm", "auto"):
+                shard.shm_want = self.options.transport
+                shard.shm_pieces = [(pc.key, pc.dtype, pc.count) for pc in pieces]
             shard.max_reply = sum(pc.nbytes for pc in pieces) + (self._buffer_bytes() if shard.index == 0 else 0)
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
@@ -431,6 +503,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
+        for s in self.shards:
+            s.adopt_shm = self.update == "server"
         self._on_all(lambda s: None if replies[s.index]["initialized"] else
                      s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
                                what="init"), "init")
@@ -784,8 +858,14 @@ class PSExchanger(BucketedExchanger, PlansServers):
         return self._on_all(lambda s: s.request("stats", -1, what="stats")[0].meta["stats"], "stats")
 
     def facts(self) -> dict:
-        return {"scheme": self.scheme, "mode": self.options.mode or "server's",
-                "servers": [s.endpoint for s in self.shards], **self._heap_facts()}
+        facts = {"scheme": self.scheme, "mode": self.options.mode or "server's",
+                 "servers": [s.endpoint for s in self.shards], **self._heap_facts()}
+        if self.options.transport in ("shm", "auto"):  # what each connection carries its payloads in, and why
+            facts["transport"] = {"asked": self.options.transport,
+                                  "payloads": {s.endpoint: s.payloads for s in self.shards},
+                                  **({"why_not_shm": {s.endpoint: s.shm_note for s in self.shards if s.shm_note}}
+                                     if any(s.shm_note for s in self.shards) else {})}
+        return facts
 
     def close(self) -> None:
         super().close()

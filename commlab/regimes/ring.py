@@ -672,13 +672,7 @@ def _curve_keys(folder: str, key_name: str):
     return server, clients, keys.client_keys(folder, key_name)
 
 
-def host_identity() -> str:
-    """This host and network namespace: the boot id (one per running kernel) and the namespace's inode.
-    Two processes that share both can share memory and reach each other's Unix sockets."""
-    with open("/proc/sys/kernel/random/boot_id") as fh:
-        boot = fh.read().strip()
-    st = os.stat("/proc/self/ns/net")
-    return f"{boot}/{st.st_dev}:{st.st_ino}"
+host_identity = shm.host_identity  # moved to commlab.shm (the ps:// client uses it too)
 
 
 def _quote(report: dict) -> str:
