@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.jobs import python, run_job
+from bench.regimes import unavailable
 from commlab.config import ExchangerURL
 from commlab.metrics import metrics_path
 
@@ -90,17 +91,6 @@ class Outcome:
     seconds: float = 0.0
     ranks: list[list[dict]] = field(default_factory=list)
     log: str = ""
-
-
-def unavailable(url: str) -> str | None:
-    """Why ``url`` cannot run in this checkout (the registry's own words), or None."""
-    from commlab.registry import resolve
-
-    try:
-        resolve(url)
-    except (ImportError, ValueError) as exc:  # ConfigError is a ValueError
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def read_ranks(base: Path, workers: int) -> list[list[dict]]:

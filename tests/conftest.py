@@ -181,3 +181,13 @@ def max_rel_diff(a: dict, b: dict) -> float:
     """max over tensors of max|a-b| / max|b| (state_dicts with equal keys)."""
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """A :class:`faultkit.Procs` whose processes (servers, ranks) are killed at the end of the test."""
+    from faultkit import Procs
+
+    p = Procs(tmp_path)
+    yield p
+    p.close()

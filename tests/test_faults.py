@@ -24,17 +24,10 @@ from commlab import keys, shm
 from commlab.errors import CommTimeout
 from commlab.rendezvous import RankInfo
 
-from faultkit import ENV, REPO, Procs, finish, kill9, kill_rank_under_launcher
+from faultkit import ENV, REPO, finish, kill9, kill_rank_under_launcher
 from test_security import RecordingProxy
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 def wait_until(cond, timeout: float, what: str, every: float = 0.05):

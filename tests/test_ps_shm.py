@@ -22,16 +22,9 @@ from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
 from conftest import kill_group
-from faultkit import ENV, REPO, START_TIMEOUT, Procs, Raw, children_of, kill9, wait_for_rank_process
+from faultkit import ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = Procs(tmp_path)
-    yield p
-    p.close()
 
 
 def segments_of(pids) -> list[str]:
