@@ -245,14 +245,16 @@ def test_the_bench_reports_at_scale_section_comes_from_its_bandwidth_records():
 
 
 # ----- the validation driver's arithmetic (bench/plan_validate.py; the runs themselves need root) ---------
-def test_validation_ranks_only_pairs_whose_measured_intervals_do_not_overlap():
-    from bench.plan_validate import rank_check
-    pt = lambda regime, med, lo, hi, pred: {"ok": True, "rate": "1gbit", "workers": 2, "regime": regime,
-                                            "median": med, "p25": lo, "p75": hi, "predicted": pred}
-    points = [pt("ring", 1.0, 0.9, 1.1, 0.8), pt("gloo", 1.05, 1.0, 1.2, 0.7),  # overlap: not ranked
-              pt("ps-1", 2.0, 1.9, 2.1, 1.9), pt("ps-2", 1.5, 1.4, 1.6, 2.5)]  # ps-2 vs ps-1 predicted wrong
+def test_validation_ranks_only_pairs_whose_measured_difference_is_outside_its_interval():
+    from bench.plan_validate import iqr_rank_check, rank_check
+    pt = lambda regime, steps, pred: {"ok": True, "rate": "1gbit", "workers": 2, "regime": regime, "steps_s": steps,
+                                      "median": sorted(steps)[len(steps) // 2], "p25": min(steps), "p75": max(steps),
+                                      "predicted": pred}
+    points = [pt("ring", [0.9, 1.0, 1.1, 1.0, 0.95], 0.8), pt("gloo", [1.0, 1.05, 1.15, 0.92, 1.1], 0.7),  # not ranked
+              pt("ps-1", [2.0, 1.9, 2.1, 2.05, 1.95], 1.9), pt("ps-2", [1.5, 1.4, 1.6, 1.45, 1.55], 2.5)]  # ps-2 wrong
     checked, agree, misses = rank_check(points)
     assert (checked, agree) == (5, 4) and misses == ["1gbit N=2: ps-1 vs ps-2"]
+    assert iqr_rank_check(points) == (5, 4)
 
 
 def test_validation_table_replaces_only_what_lies_between_the_markers():
