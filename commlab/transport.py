@@ -238,6 +238,10 @@ def recv_bounded(sock: zmq.Socket, max_parts: int) -> tuple[list[zmq.Frame], int
     return frames, count
 
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
 class Link:
     """One direction of a point-to-point stream with one named peer: a PUSH that sends to it or a
     PULL that receives from it, plus a monitor that notices at once when the peer's connection drops.
@@ -259,15 +263,25 @@ class Link:
         sock.sndhwm = 0
         sock.rcvhwm = 0
         sock.rcvtimeo = int(self.SLICE_S * 1000)
-        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.dropped = False
+        self.failed = 0  # connections whose handshake failed and whose DISCONNECTED is still to come
 
     def poll_drop(self) -> bool:
-        """Drain monitor events; True once the peer's connection has dropped."""
+        """Drain monitor events; True once the peer's connection has dropped. A connection whose
+        handshake failed (a stranger without the CURVE keys, or one that left before the greeting) is
+        not the peer: libzmq reports its HANDSHAKE_FAILED_* before its DISCONNECTED, and that
+        DISCONNECTED is not counted, so a stranger knocking on a bound socket cannot end the run."""
         from zmq.utils.monitor import recv_monitor_message
         while self.monitor.poll(0):
-            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                self.dropped = True
+            event = recv_monitor_message(self.monitor)["event"]
+            if event & _HANDSHAKE_FAILED:
+                self.failed += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                if self.failed:
+                    self.failed -= 1
+                else:
+                    self.dropped = True
         return self.dropped
 
     # ----- sending ----------------------------------------------------------------------------

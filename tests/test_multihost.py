@@ -146,8 +146,9 @@ def test_ring_across_hosts_with_keys_sums_exactly_and_strangers_get_nothing(ring
         stranger = procs.popen([*links.prefix(3), sys.executable, "-c", STRANGER, links.addr(0), str(port),
                                 str(d / "server.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         results = finish(ranks + [stranger], timeout=240)
+        failed = {r: err[-3000:] for r, (code, _, err) in enumerate(results[:3]) if code != 0}
+        assert not failed, "\n".join(f"rank {r}: {err}" for r, err in failed.items())
         for r, (code, out, err) in enumerate(results[:3]):
-            assert code == 0, f"rank {r}: {err[-3000:]}"
             got = json.loads(out.strip().splitlines()[-1])
             assert got["wrong"] == 0 and got["authentication"].startswith("CURVE"), got
             assert got["links"] == {"from_left": "tcp", "to_right": "tcp"}, got
