@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
 
-.PHONY: setup test bench clean gpu-test
+.PHONY: setup test test-full bench clean gpu-test
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# every point of the test matrices (each transport under every case), ~18 minutes here
+test-full: setup
+	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/commlab bench $(BENCH_ARGS)

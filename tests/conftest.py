@@ -191,3 +191,33 @@ def procs(tmp_path):
     p = Procs(tmp_path)
     yield p
     p.close()
+
+
+# The default run covers every path once; these further points of the matrices run under
+# `make test-full` (marker "full"): shm beside tcp on every PS user-loop case, and the repeats of a
+# case at a second N or optimizer that the user-loop tests already cover.
+FULL_ONLY = {
+    "test_ps_update.py::test_users_loop_equals_one_process_on_the_combined_batch":
+        lambda p: p["transport"] == "shm" and (p["update"], p["k"], p["n"]) != ("server", 3, 2),
+    "test_ps_update.py::test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank":
+        lambda p: p["transport"] == "shm" and p["update"] != "server",
+    "test_ps_update.py::test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run":
+        lambda p: p["transport"] == "shm" and p["update"] != "server",
+    "test_ps_update.py::test_batchnorm_buffers_are_equal_on_every_rank_after_every_step":
+        lambda p: p["transport"] == "shm" and (p["update"], p["how"]) != ("server", "broadcast"),
+    "test_allreduce.py::test_reproduces_single_process_large_batch":
+        lambda p: (p["n"] == 2) == (p["optim"][1] == "sgd"),  # sgd at N=3 and adam at N=2 stay
+    "test_faults.py::test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted":
+        lambda p: p["transport"] == "shm",
+    "test_ps.py::test_ssp_keeps_staleness_within_its_bound_and_async_does_not":
+        lambda p: p["transport"] == "shm",
+    "test_ps.py::test_sync_matches_one_process_on_the_combined_batch":  # shm: test_ps_update's user loop
+        lambda p: p["sync_runs"] == "shm",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rule = FULL_ONLY.get(f"{item.path.name}::{item.originalname}")
+        if rule is not None and hasattr(item, "callspec") and rule(item.callspec.params):
+            item.add_marker(pytest.mark.full)
