@@ -44,7 +44,6 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -410,14 +409,13 @@ class ServersPerSize:
     def __init__(self, name: str, url: str, info, store, timeout: float):
         self.name, self.url, self.info, self.timeout, self.store = name, url, info, timeout, store
         self.procs: list[launcher.Proc] = []
-        self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.planned_servers
+        self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.server_plan
 
     def start(self, size: int) -> str:
         key = f"bench/servers/{self.name}/{size}"
         if self.info.rank == 0:
-            url, argvs = self.plan.enter_context(launcher.planned_servers(self.url, self.info.world_size))
-            self.procs = [launcher.Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv]))
-                          for i, argv in enumerate(argvs)]
+            template, argvs = self.plan.enter_context(launcher.server_plan(self.url, self.info.world_size))
+            url = launcher.start_servers(template, argvs, os.environ, None, self.timeout, self.procs)
             self.store.set(key, url)
             return url
         try:

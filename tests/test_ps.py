@@ -382,26 +382,26 @@ def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
     assert glob.glob(str(tmp / "commlab-ps-*")) == []
 
 
-def test_planned_servers_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypatch):
+def test_server_plans_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypatch):
     import glob
     import tempfile
 
-    from commlab.launcher import planned_servers
+    from commlab.launcher import server_plan
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # only this test's folders are counted
     pattern = str(tmp_path / "commlab-ps-*")
     with pytest.raises(RuntimeError, match="the caller failed"):
-        with planned_servers("ps://?shards=2&transport=ipc", 2) as (url, argvs):
+        with server_plan("ps://?shards=2&transport=ipc", 2) as (url, argvs):
             folders = glob.glob(pattern)
             assert len(folders) == 1
             assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{folders[0]}/shard{i}" for i in range(2)]
             raise RuntimeError("the caller failed")
     assert glob.glob(pattern) == []
-    with planned_servers("ps://?shards=2", 2) as (url, argvs):  # tcp: no folder at all
+    with server_plan("ps://?shards=2", 2) as (url, argvs):  # tcp: no folder at all
         assert len(argvs) == 2 and list(tmp_path.iterdir()) == []
-    with planned_servers("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
+    with server_plan("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
         assert planned == ("ps://127.0.0.1:5000?mode=sync", [])
-    with planned_servers("noop://", 2) as planned:  # a regime without plan_local
+    with server_plan("noop://", 2) as planned:  # a regime without plan_local
         assert planned == ("noop://", [])
     assert list(tmp_path.iterdir()) == []
 
