@@ -40,7 +40,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -168,32 +167,35 @@ def kill_groups(popens: Sequence[subprocess.Popen], grace: float = 5.0, *, reap_
     """The one way commlab stops processes: each process's group, with whatever it started.
 
     With ``grace`` > 0 every group first gets SIGTERM (a server checkpoints, a launcher stops its
-    ranks) and the leaders up to ``grace`` seconds, shared, to exit; then every group gets SIGKILL,
-    exited leaders' groups too (what they started goes with them). Reaps each leader (at most
-    ``reap_s`` seconds for all: a SIGKILLed process still there after that is stuck in the kernel,
+    ranks) and up to ``grace`` seconds, shared, to empty; then every group gets SIGKILL, exited
+    leaders' groups too (what they started goes with them). Reaps each leader (at most ``reap_s``
+    seconds for all: a SIGKILLed process still there after that is stuck in the kernel,
     TimeoutExpired) and waits up to 1 s for the groups to empty. SIGKILL is sent even when the
-    wait for the grace period is interrupted (Ctrl-C). Blocks at most ``grace + reap_s + 1`` s.
+    grace period is cut short (Ctrl-C). Blocks at most ``grace + reap_s + 1`` seconds.
     """
     try:
         if grace > 0:
             for p in popens:
                 _signal_group(p, signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for p in popens:
-                try:
-                    p.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            _wait_empty(popens, grace)
     finally:
         for p in popens:
             _signal_group(p, signal.SIGKILL)
         deadline = time.monotonic() + reap_s
         for p in popens:
             p.wait(max(0.0, deadline - time.monotonic()))
-    # a leader reaped, its group may still hold members dying of the SIGKILL; zombies that init
-    # has not reaped yet count as members, hence the bound
-    deadline = time.monotonic() + 1.0
-    while any(_group_alive(p.pid) for p in popens) and time.monotonic() < deadline:
+    # a leader reaped, its group may still hold members dying of the SIGKILL (or zombies init has
+    # not reaped yet): hence the bound
+    _wait_empty(popens, 1.0)
+
+
+def _wait_empty(popens: Sequence[subprocess.Popen], within: float) -> None:
+    """Until every leader exited (reaped: an unreaped leader keeps its group alive as a zombie) and
+    every group is empty, at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in popens) and not any(_group_alive(p.pid) for p in popens):
+            return
         time.sleep(0.02)
 
 
