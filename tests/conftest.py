@@ -120,23 +120,16 @@ class GroupTimeout(subprocess.TimeoutExpired):
                 + (f"; last stderr:\n{tail[-2000:]}" if tail.strip() else ""))
 
 
-def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
-    """SIGKILL ``proc`` and, where it leads a process group, everything in that group; reap ``proc``
-    (:func:`commlab.launcher.kill_groups`, the one way to stop processes; with ``grace`` > 0 the
-    group first gets SIGTERM and ``grace`` seconds)."""
-    launcher.kill_groups([proc], grace)
-
-
 def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace: float = 0.0,
               capture_output: bool = False, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, timeout=timeout, ...)`` for a command that starts processes of its own.
 
     On a timeout ``subprocess.run`` kills only ``argv``'s own process: a launcher's ranks, its
     parameter servers or a benchmark's jobs would run on with nobody waiting for them. Here
-    ``argv`` starts a new session, so it and all it starts share one process group, and when the
-    deadline passes, or anything is raised while waiting (Ctrl-C, pytest-timeout), the whole group
-    is killed (:func:`kill_group`, with ``grace`` for a command that cleans up on SIGTERM). The
-    timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
+    ``argv`` starts a new session (:func:`commlab.launcher.start_group`), so it and all it starts
+    share one process group, and when the deadline passes, or anything is raised while waiting
+    (Ctrl-C, pytest-timeout), the whole group is killed (:func:`commlab.launcher.kill_groups`, with
+    ``grace`` for a command that cleans up on SIGTERM). The timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
     A command that finishes in time is left alone: whatever it left running is still there for a
     test to find. Blocks at most ``timeout`` + ``grace`` seconds, plus reaping.
     """
@@ -146,14 +139,14 @@ def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            kill_group(proc, grace)
+            launcher.kill_groups([proc], grace)
             try:  # the rest of the output; the pipes close once the group is gone
                 out, err = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:  # someone outside the group holds them
                 out, err = exc.output, exc.stderr
             raise GroupTimeout(what or " ".join(map(str, argv)), argv, timeout, out, err) from None
         except BaseException:
-            kill_group(proc, grace)
+            launcher.kill_groups([proc], grace)
             raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 

@@ -19,7 +19,7 @@ import zmq
 from commlab import launcher, psproto, transport, wire
 from commlab.regimes.ps import server_stats
 
-from conftest import GroupTimeout, kill_group
+from conftest import GroupTimeout
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
@@ -107,7 +107,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
         try:
             o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            kill_group(p)
+            launcher.kill_groups([p], grace=0)
             o, e = p.communicate()
             e += f"\n[killed after {timeout}s]"
         out.append((p.returncode, o, e))
@@ -214,5 +214,5 @@ def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -
         # the launcher has exited: by now its children were reparented, so look for them by group
         left = group_members(cli.pid)
     finally:
-        kill_group(cli)  # what it left behind is reported above, and goes now
+        launcher.kill_groups([cli], grace=0)  # what it left behind is reported above, and goes now
     return cli.returncode, err, left

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import commlab
+from commlab import launcher
 
-from conftest import child_env, kill_group, run_group
+from conftest import child_env, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,7 +105,7 @@ def test_sigterm_stops_every_server_and_rank_and_says_so(command, tmp_path):
         assert f"commlab {command}: terminated (SIGTERM); stopped every process" in err, err
         assert not _gone(started), f"left running after SIGTERM: {started}"
     finally:
-        kill_group(proc)
+        launcher.kill_groups([proc], grace=0)
 
 
 @pytest.mark.multiproc
@@ -125,7 +126,7 @@ def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
         assert "commlab run: interrupted; stopped every process" in err, err
         assert not _gone(started), f"left running after Ctrl-C: {started}"
     finally:
-        kill_group(proc)
+        launcher.kill_groups([proc], grace=0)
 
 
 @pytest.mark.multiproc
@@ -145,8 +146,8 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
         proc.wait(30)
         assert not _gone(started), f"outlived their launcher: {started}"
     finally:
-        kill_group(proc)
-        for pid in started:  # in their own process groups: not reached by kill_group
+        launcher.kill_groups([proc], grace=0)
+        for pid in started:  # in their own process groups: not reached by kill_groups
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
@@ -168,7 +169,7 @@ def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped_with_what
         started.append(int(grandchild.read_text()))  # rank 0's own child, in rank 0's process group
         assert not _gone(started), f"left running after rank 1 failed: {started}"
     finally:
-        kill_group(proc)
+        launcher.kill_groups([proc], grace=0)
 
 
 @pytest.mark.multiproc
