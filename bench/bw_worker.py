@@ -57,6 +57,7 @@ from commlab import launcher, rendezvous
 from commlab.config import ExchangerURL
 from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
+from commlab.metrics import metrics_path
 from commlab.optim import OptimizerSpec
 from commlab.registry import regime_class
 
@@ -598,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")]
     iters = [int(s) for s in a.iters.split(",")]
     info = rendezvous.from_env()
-    out = Results(a.out if info.rank == 0 else f"{a.out}.rank{info.rank}", info)
+    out = Results(str(metrics_path(a.out, info.rank)), info)
     job = None
     try:
         # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.launch_job)
