@@ -36,6 +36,7 @@ from pathlib import Path
 from bench import regimes as R
 from bench.jobs import python, run_job
 from bench.text import human_bytes
+from commlab.metrics import metrics_path
 
 DTYPE = "float32"
 
@@ -118,7 +119,7 @@ def combine_ranks(out: Path, workers: int) -> JobOutcome:
     ranks; the regimes' facts. Ranks write after every size, so a job cut short still has some."""
     per_rank = []
     for r in range(workers):
-        p = out if r == 0 else Path(f"{out}.rank{r}")
+        p = metrics_path(out, r)
         per_rank.append(json.loads(p.read_text())["rows"] if p.exists() else [])
     res = JobOutcome()
     for rows in per_rank:

@@ -44,7 +44,6 @@ import os
 import select
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +57,7 @@ from commlab import launcher, rendezvous
 from commlab.config import ExchangerURL
 from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
+from commlab.metrics import metrics_path
 from commlab.optim import OptimizerSpec
 from commlab.registry import regime_class
 
@@ -410,14 +410,13 @@ class ServersPerSize:
     def __init__(self, name: str, url: str, info, store, timeout: float):
         self.name, self.url, self.info, self.timeout, self.store = name, url, info, timeout, store
         self.procs: list[launcher.Proc] = []
-        self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.planned_servers
+        self.plan = contextlib.ExitStack()  # rank 0: the current size's launcher.server_plan
 
     def start(self, size: int) -> str:
         key = f"bench/servers/{self.name}/{size}"
         if self.info.rank == 0:
-            url, argvs = self.plan.enter_context(launcher.planned_servers(self.url, self.info.world_size))
-            self.procs = [launcher.Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv]))
-                          for i, argv in enumerate(argvs)]
+            template, argvs = self.plan.enter_context(launcher.server_plan(self.url, self.info.world_size))
+            url = launcher.start_servers(template, argvs, os.environ, None, self.timeout, self.procs)
             self.store.set(key, url)
             return url
         try:
@@ -600,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")]
     iters = [int(s) for s in a.iters.split(",")]
     info = rendezvous.from_env()
-    out = Results(a.out if info.rank == 0 else f"{a.out}.rank{info.rank}", info)
+    out = Results(str(metrics_path(a.out, info.rank)), info)
     job = None
     try:
         # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.launch_job)

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench import regimes as R
 from bench.bandwidth import Budget
 from bench.jobs import python, run_job
+from commlab.metrics import metrics_path
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
 # step is within this of local's. Summation order differs (bucketed all-reduce vs one
@@ -98,7 +99,7 @@ def read_metrics(path: Path, workers: int) -> list[list[dict]]:
     """Per rank, the JSON lines it wrote (rank r > 0 writes PATH.rank<r>)."""
     out = []
     for r in range(workers):
-        p = path if r == 0 else Path(f"{path}.rank{r}")
+        p = metrics_path(path, r)
         out.append([json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else [])
     return out
 

@@ -1,22 +1,24 @@
 """Every benchmark job is a process group of its own, with a deadline, a log, and no survivors.
 
-A job (``commlab train ...`` or one bandwidth run) starts in a new session, so
-the job's launcher, its ranks and its servers share one process group. When the
-job ends, fails, runs past its deadline, or the benchmark is interrupted, the
-whole group is signalled (SIGTERM, then SIGKILL after a grace period): nothing a
-job started outlives it. Its stdout and stderr go to a log file; when a job
-fails, the last meaningful line of that log becomes the error the report shows.
+A job (``commlab train ...`` or one bandwidth run) starts in a new session, through the
+launcher's :func:`commlab.launcher.start_group`, and dies with the benchmark. When the job
+ends, fails, runs past its deadline, or the benchmark is interrupted, the whole group is
+stopped by the launcher's one kill (:func:`commlab.launcher.kill_groups`: SIGTERM, then
+SIGKILL after a grace period): nothing a job started outlives it. Its stdout and stderr go
+to a log file; when a job fails, the last meaningful line of that log becomes the error the
+report shows.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from commlab import launcher
 
 
 @dataclass(frozen=True)
@@ -53,30 +55,10 @@ def last_error_line(log: Path) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def kill_group(pgid: int, grace: float = 3.0, leader: subprocess.Popen | None = None) -> None:
-    """SIGTERM the process group we started, then SIGKILL whatever is still there after ``grace``.
-
-    Pass the group's ``leader`` if it is our child: it is reaped while we wait. Unreaped, it would
-    stay in the group as a zombie, and the group would look alive until each wait ran out.
-    """
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 1.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if leader is not None:
-                leader.poll()
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-
-
 def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None) -> JobResult:
-    """Run ``argv`` as a new process group; block at most ``timeout`` seconds; leave nothing running."""
+    """Run ``argv`` as a new process group (:func:`commlab.launcher.start_group`); block at most
+    ``timeout`` seconds; leave nothing running (:func:`commlab.launcher.kill_groups`, SIGTERM then,
+    after 3 s, SIGKILL to the whole group, also when the job ended by itself)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ if env is None else env)
     root = str(Path(__file__).resolve().parent.parent)  # the checkout, so `python -m workers` resolves
@@ -85,26 +67,21 @@ def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None)
     with log.open("w") as fh:
         fh.write("$ " + " ".join(argv) + "\n")
         fh.flush()
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True)
+        proc = launcher.start_group(argv, full_env, stdout=fh, stderr=subprocess.STDOUT)
         timed_out = False
         try:
             proc.wait(timeout=max(0.1, timeout))
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:  # also on KeyboardInterrupt: the group goes with us
-            kill_group(proc.pid, leader=proc)
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+            launcher.kill_groups([proc], grace=3.0)
     return JobResult(proc.returncode, time.monotonic() - started, log, timed_out)
 
 
 def stop_groups(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL the process group each of ``procs`` leads (started with ``start_new_session=True``),
-    with whatever the process started; reap each. Blocks up to about a second per group."""
-    for p in procs:
-        kill_group(p.pid, grace=0.0, leader=p)
+    """SIGKILL the process group each of ``procs`` leads, with whatever the process started; reap
+    each (:func:`commlab.launcher.kill_groups` with no grace, which new code calls directly)."""
+    launcher.kill_groups(procs, grace=0)
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[int]:

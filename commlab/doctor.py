@@ -177,7 +177,7 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
     2 processes (one GPU each) if there are >= 2 GPUs, else 1 process of world size 1.
     Blocks up to ``timeout`` seconds; every process is stopped on return.
     """
-    from commlab.launcher import Proc, free_port, stop_all
+    from commlab import launcher, store
 
     if not torch.cuda.is_available():
         return {"ran": False, "reason": cuda_facts().get("why_no_cuda", "no CUDA")}
@@ -185,25 +185,25 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
         return {"ran": False, "reason": f"torch {torch.__version__} has no NCCL"}
     world = 2 if torch.cuda.device_count() >= 2 else 1
     here = str(Path(__file__).resolve().parents[1])  # the probe imports this very commlab
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+    hosted = store.host("127.0.0.1", timeout)  # every rank a client of a port already bound, as under run_job
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(hosted.port), WORLD_SIZE=str(world),
                 LOCAL_WORLD_SIZE=str(world), PYTHONUNBUFFERED="1", **NCCL_DEBUG_ENV,
                 PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    procs: list[Proc] = []
+    base[launcher.AGENT_STORE] = "True"
+    procs: list[launcher.Proc] = []
     with tempfile.TemporaryDirectory(prefix="commlab-doctor-") as tmp:
         logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
         try:
             for r in range(world):
-                with logs[r].open("w") as fh:
-                    procs.append(Proc(f"rank {r}", subprocess.Popen(
-                        [sys.executable, "-m", "commlab.doctor", "--probe-worker", "--numel", str(numel),
-                         "--probe-timeout", str(timeout)],
-                        env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=fh, stderr=subprocess.STDOUT)))
+                argv = [sys.executable, "-m", "commlab.doctor", "--probe-worker", "--numel", str(numel),
+                        "--probe-timeout", str(timeout)]
+                procs.append(launcher.spawn(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), logs[r]))
             deadline = time.monotonic() + timeout
             while any(p.popen.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.05)
             stuck = [p.name for p in procs if p.popen.poll() is None]
         finally:
-            stop_all(procs, grace=2.0)
+            launcher.stop_all(procs, grace=2.0)
         text = "\n".join(log.read_text(errors="replace") for log in logs)
     result: dict = {"ran": True, "world_size": world, "numel": numel, "env": dict(NCCL_DEBUG_ENV)}
     result.update(parse_nccl_log(text))

@@ -13,9 +13,10 @@ torchrun. The job, in order:
    is picked and released before its server binds it.
 2. The rendezvous store (torch's ``TCPStore``) is hosted here, bound to port 0, as torchrun's
    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE=True``): every rank, rank 0 included, is a
-   client of a port that is already bound. (Ranks placed in other network namespaces by
-   ``rank_prefix`` cannot reach this process; there rank 0 hosts the store on a port of its
-   fresh namespace, where nothing else listens.)
+   client of a port that is already bound. Ranks placed in other network namespaces by
+   ``rank_prefix`` cannot reach this process: for them a process started like rank 0
+   (``python -m commlab.store``) hosts it at ``master_addr``, port 0, and reports the port as
+   servers report theirs. Servers may be placed likewise (``server_prefix``, ``place_servers``).
 3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), the servers' output
    reaches stderr, the other ranks' only their logs; every process's output goes to its log
    (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
@@ -33,35 +34,26 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from commlab import metrics, shm
+from commlab import store as store_mod
 from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import PlansServers
 from commlab.registry import ENV_URL, regime_class
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store is hosted for you"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
 TAIL_LINES = 20
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago. Racy by nature (another process may take it before the
-    caller binds it): the launcher itself never uses it for a loopback job; tests and benchmarks
-    that start ranks by hand still do."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ----- servers a regime plans ---------------------------------------------------------------------
@@ -121,21 +113,6 @@ def with_endpoints(url: str, binds: Sequence[str], endpoints: Sequence[str]) -> 
     return out
 
 
-@contextlib.contextmanager
-def planned_servers(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]:
-    """:func:`server_plan` with the ports picked here, for callers that start servers themselves
-    and cannot read back what they bound (the benchmarks' namespaced jobs).
-
-    Yields ``(url for the workers, [server argv, ...])`` ready to run. Each tcp port 0 becomes a
-    :func:`free_port`: the race :func:`start_servers` avoids. Prefer that.
-    """
-    with server_plan(url, workers) as (template, argvs):
-        binds = [bind_of(a) for a in argvs]
-        fixed = [re.sub(r"^(tcp://[^/]+):0$", lambda m: f"{m.group(1)}:{free_port()}", b) for b in binds]
-        argvs = [[fixed[i] if a == binds[i] else a for a in argv] for i, argv in enumerate(argvs)]
-        yield with_endpoints(template, binds, fixed), argvs
-
-
 # ----- processes ----------------------------------------------------------------------------------
 
 @dataclass
@@ -163,32 +140,68 @@ class Proc:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _signal(p: Proc, sig: int) -> None:
-    """``sig`` to ``p``'s process group (it leads one when the launcher started it), else to ``p``."""
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process group ``popen`` leads (:func:`start_group`), else to ``popen`` alone.
+
+    A live process that leads no group has no group of its pid (a pid is never reused while a group
+    of that id exists), so ``killpg`` finds none and only the process itself is signalled.
+    """
     try:
-        os.killpg(p.popen.pid, sig)
+        os.killpg(popen.pid, sig)
     except ProcessLookupError:  # not a group leader (started by someone else), or the group is gone
-        if p.popen.poll() is None:
-            p.popen.send_signal(sig)
+        if popen.poll() is None:
+            popen.send_signal(sig)
     except PermissionError:
         pass
 
 
-def stop_all(procs: list[Proc], grace: float = 5.0) -> None:
-    """SIGTERM each process's group, then SIGKILL what did not stop within ``grace``; reap them.
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
-    Groups of processes that already exited are signalled too: what they started goes with them.
+
+def kill_groups(popens: Sequence[subprocess.Popen], grace: float = 5.0, *, reap_s: float = 30.0) -> None:
+    """The one way commlab stops processes: each process's group, with whatever it started.
+
+    With ``grace`` > 0 every group first gets SIGTERM (a server checkpoints, a launcher stops its
+    ranks) and up to ``grace`` seconds, shared, to empty; then every group gets SIGKILL, exited
+    leaders' groups too (what they started goes with them). Reaps each leader (at most ``reap_s``
+    seconds for all: a SIGKILLed process still there after that is stuck in the kernel,
+    TimeoutExpired) and waits up to 1 s for the groups to empty. SIGKILL is sent even when the
+    grace period is cut short (Ctrl-C). Blocks at most ``grace + reap_s + 1`` seconds.
     """
-    for p in procs:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _signal(p, signal.SIGKILL)
-        p.popen.wait()
+    try:
+        if grace > 0:
+            for p in popens:
+                _signal_group(p, signal.SIGTERM)
+            _wait_empty(popens, grace)
+    finally:
+        for p in popens:
+            _signal_group(p, signal.SIGKILL)
+        deadline = time.monotonic() + reap_s
+        for p in popens:
+            p.wait(max(0.0, deadline - time.monotonic()))
+    # a leader reaped, its group may still hold members dying of the SIGKILL (or zombies init has
+    # not reaped yet): hence the bound
+    _wait_empty(popens, 1.0)
+
+
+def _wait_empty(popens: Sequence[subprocess.Popen], within: float) -> None:
+    """Until every leader exited (reaped: an unreaped leader keeps its group alive as a zombie) and
+    every group is empty, at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if all(p.poll() is not None for p in popens) and not any(_group_alive(p.pid) for p in popens):
+            return
+        time.sleep(0.02)
+
+
+def stop_all(procs: Sequence[Proc], grace: float = 5.0) -> None:
+    """:func:`kill_groups` for launcher processes, then wait for their output pumps."""
+    kill_groups([p.popen for p in procs], grace)
     for p in procs:
         p.drain()
 
@@ -216,6 +229,17 @@ def _pump(src, sinks: list, lock: threading.Lock, on_line: Callable[[bytes], Non
     src.close()
 
 
+def start_group(argv: Sequence[str], env: Mapping[str, str] | None = None, **popen_kw) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen_kw)`` as the leader of a process group of its own, which
+    dies with this process (``commlab/childexec.py``: SIGKILLed if the thread that called this
+    exits). :func:`kill_groups` stops it with whatever it started. ``env`` defaults to this
+    process's; stdin defaults to /dev/null. The pid is ``argv``'s own. Does not block.
+    """
+    popen_kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv],
+                            env=dict(os.environ if env is None else env), start_new_session=True, **popen_kw)
+
+
 def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: str | None = None,
           report_endpoint: bool = False) -> Proc:
     """Start ``argv`` in a process group of its own that dies with this process.
@@ -227,11 +251,9 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
     With ``report_endpoint`` the first ``... listening on ENDPOINT`` line on its stdout sets
     ``Proc.endpoint`` and ``Proc.reported``. Does not block.
     """
-    wrapped = [sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv]
     terminal = forward == "both" and _is_terminal(sys.stderr)
     stderr = None if terminal else subprocess.PIPE if forward == "both" else subprocess.STDOUT
-    popen = subprocess.Popen(wrapped, env=dict(env), start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=stderr)
+    popen = start_group(argv, env, stdout=subprocess.PIPE, stderr=stderr)
     proc = Proc(name, popen, log, forward is not None)
     lock = threading.Lock()
     fh = log.open("ab") if log is not None else None
@@ -278,19 +300,12 @@ def _how(code: int) -> str:
     return f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
 
 
-def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
-                  timeout: float, procs: list[Proc]) -> str:
-    """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
-    return the workers' URL with the endpoints they reported. Blocks until every server reported,
-    at most ``timeout`` seconds; raises JobFailed naming a server that exited or never reported."""
-    servers = []
-    for i, argv in enumerate(argvs):
-        p = spawn(f"server {i}", [sys.executable, "-m", "servers", *argv], env,
-                  logs / f"server{i}.log" if logs else None, forward="stderr", report_endpoint=True)
-        procs.append(p)
-        servers.append(p)
+def await_endpoints(procs: Sequence[Proc], timeout: float) -> list[str]:
+    """The endpoints ``procs`` (spawned with ``report_endpoint``) report, in order. Blocks until each
+    reported, at most ``timeout`` seconds for all; raises JobFailed naming the first that exited
+    or never reported."""
     deadline = time.monotonic() + timeout
-    for p in servers:
+    for p in procs:
         while not p.reported.wait(0.05):
             code = p.popen.poll()
             if code is not None:
@@ -301,7 +316,42 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
                                 + _tail_text(p), code if code > 0 else 1)
             if time.monotonic() > deadline:
                 raise JobFailed(f"{p.name} did not report its endpoint within {timeout:g}s" + _tail_text(p), 1)
-    return with_endpoints(template, [bind_of(a) for a in argvs], [p.endpoint or "" for p in servers])
+    return [p.endpoint or "" for p in procs]
+
+
+def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
+                  timeout: float, procs: list[Proc], prefix: Callable[[int], Sequence[str]] | None = None) -> str:
+    """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
+    return the workers' URL with the endpoints they reported. ``prefix(i)`` goes before server i's
+    command line (``ip netns exec NS``: a server in another network namespace binds there and
+    reports what it bound all the same). Blocks until every server reported, at most ``timeout``
+    seconds; raises JobFailed naming a server that exited or never reported."""
+    servers = []
+    for i, argv in enumerate(argvs):
+        cmd = [*(prefix(i) if prefix else ()), sys.executable, "-m", "servers", *argv]
+        p = spawn(f"server {i}", cmd, env, logs / f"server{i}.log" if logs else None, forward="stderr",
+                  report_endpoint=True)
+        procs.append(p)
+        servers.append(p)
+    endpoints = await_endpoints(servers, timeout)
+    return with_endpoints(template, [bind_of(a) for a in argvs], endpoints)
+
+
+def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
+                procs: list[Proc]) -> int:
+    """Host the rendezvous store in a process of its own (``python -m commlab.store``) started with
+    ``prefix`` (``ip netns exec NS``), bound to ``addr`` and port 0; return the port it reports.
+
+    For ranks that cannot reach this process's own store (:func:`commlab.store.host`): ranks in
+    other network namespaces. The process is appended to ``procs`` at once (the caller stops it);
+    ``timeout`` bounds its start-up and each of its waits. Blocks until it reported; raises
+    JobFailed if it exits or does not report within ``timeout``.
+    """
+    p = spawn("store", [*prefix, sys.executable, "-m", "commlab.store", "--bind", addr, "--timeout", f"{timeout:g}"],
+              env, log, forward="stderr", report_endpoint=True)
+    procs.append(p)
+    endpoint = await_endpoints([p], timeout)[0]
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 def _tail_text(p: Proc) -> str:
@@ -309,13 +359,6 @@ def _tail_text(p: Proc) -> str:
         return ""
     text = p.tail()
     return f"; the last lines of its log:\n{text}" if text.strip() else ""
-
-
-def _host_store(addr: str, timeout: float):
-    """torch's TCPStore, served by this process on a port of its choosing (``store.port``)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True)
 
 
 # ----- the job ------------------------------------------------------------------------------------
@@ -336,7 +379,14 @@ class Job:
     log_dir: str | None = None  # keep per-process logs here (default: a scratch folder, removed)
     metrics: str | None = None  # $COMMLAB_METRICS for the ranks (default: in the scratch folder)
     master_addr: str = "127.0.0.1"
-    rank_prefix: Callable[[int], list[str]] | None = None  # e.g. ip netns exec NS
+    # Ranks and servers elsewhere (network namespaces): prefix(i) goes before rank or server i's command
+    # line (ip netns exec NS); with rank_prefix the store is hosted by a process started with
+    # rank_prefix(0), at master_addr, port 0 (start_store). place_servers(template, argvs) rewrites the
+    # plan before its servers start (binds on their namespace's address); each bind it puts in an argv
+    # must appear in the template it returns, in server order (with_endpoints).
+    rank_prefix: Callable[[int], list[str]] | None = None
+    server_prefix: Callable[[int], list[str]] | None = None
+    place_servers: Callable[[str, list[list[str]]], tuple[str, list[list[str]]]] | None = None
     name: str = "commlab run"  # how the launcher's own lines start
     summary: bool = True
     poll_s: float = 0.05
@@ -401,14 +451,17 @@ def _run(job: Job) -> int:
         base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
                     PYTHONUNBUFFERED="1")
         base[metrics.ENV] = metrics_base
-        if job.rank_prefix is None:
-            store = _host_store(job.master_addr, job.start_timeout_s)
-            base.update(MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
-        else:  # each rank in a namespace of its own: rank 0's port there is free
-            base.update(MASTER_PORT=str(free_port()))
-            base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        if job.place_servers is not None:
+            template, server_argvs = job.place_servers(template, server_argvs)
+        base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
         try:
-            url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs)
+            if job.rank_prefix is None:
+                store = store_mod.host(job.master_addr, job.start_timeout_s)  # served while _run runs
+                base["MASTER_PORT"] = str(store.port)
+            else:  # ranks in other namespaces: the store runs where rank 0 runs
+                base["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), base, logs / "store.log",
+                                                      job.start_timeout_s, procs))
+            url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix)
             base[ENV_URL] = url
             ranks = []
             for r in range(job.workers):
@@ -453,18 +506,21 @@ def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float) -> No
         time.sleep(job.poll_s)
 
 
+def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: str = "workers",
+               quiet_ranks: bool = True, name: str = "commlab train", **fields) -> Job:
+    """The :class:`Job` of ``python -m MODULE --exchanger URL WORKER_ARGS`` as ``workers`` ranks.
+
+    ``quiet_ranks`` adds ``--no-progress`` to every rank but 0; ``fields`` are the Job's others
+    (``env``, ``deadline_s``, ``rank_prefix``, ...).
+    """
+    return Job(("-m", module), tuple(worker_args), workers, url, url_flag="--exchanger",
+               rank_args=(lambda r: ["--no-progress"] if r > 0 else []) if quiet_ranks else None, name=name, **fields)
+
+
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
            poll_s: float = 0.05, quiet_ranks: bool = True, module: str = "workers",
-           master_addr: str = "127.0.0.1", rank_prefix: Callable[[int], list[str]] | None = None,
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
            name: str = "commlab train") -> int:
-    """Run ``python -m MODULE --exchanger URL WORKER_ARGS`` as ``workers`` ranks (:func:`run_job`).
-
-    ``quiet_ranks`` adds ``--no-progress`` to every rank but 0. ``rank_prefix(r)`` is put before
-    rank r's command line and ``master_addr`` is where rank 0's store listens: together they
-    place ranks in other network namespaces (``ip netns exec NS ...``) for runs over capped links.
-    """
-    return run_job(Job(("-m", module), tuple(worker_args), workers, url, url_flag="--exchanger",
-                       rank_args=(lambda r: ["--no-progress"] if r > 0 else []) if quiet_ranks else None,
-                       env=env, deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path,
-                       master_addr=master_addr, rank_prefix=rank_prefix, name=name, poll_s=poll_s))
+    """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
+    return run_job(worker_job(url, workers, worker_args, module=module, quiet_ranks=quiet_ranks, name=name, env=env,
+                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, poll_s=poll_s))

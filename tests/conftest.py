@@ -1,9 +1,11 @@
 """Fixtures shared by the test groups.
 
 ``run_ranks`` is the multi-process harness: it writes a rank program to a file,
-starts N real processes with torchrun's environment on a free loopback port,
-waits with a deadline, kills every sibling when one fails, and hands back each
-rank's exit code and output so a failing child's traceback shows in the test.
+starts N real processes through the launcher's primitives (:func:`commlab.launcher.start_group`)
+with torchrun's environment and a rendezvous store this process hosts on a port
+the kernel picked (:func:`commlab.store.host`), waits with a deadline, kills every
+sibling when one fails, and hands back each rank's exit code and output so a
+failing child's traceback shows in the test.
 
 Test modules import helpers by their bare names (``from conftest import ...``,
 ``from faultkit import ...``): tests/ has no ``__init__.py``, so pytest puts
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from commlab.launcher import free_port
+from commlab import launcher, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,29 +53,38 @@ def child_env(**extra) -> dict:
     return env
 
 
-def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = None) -> list[subprocess.Popen]:
+@dataclass
+class Ranks:
+    """Rank processes and the store they meet in (served by this process while it is referenced)."""
+
+    procs: list[subprocess.Popen]
+    store: object
+
+
+def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = None, timeout: float = 300) -> Ranks:
+    """Start ``program`` as ``n`` ranks, each a process group of its own; every rank, rank 0 too, is a
+    client of a store hosted here (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun)."""
     path = tmp_path / f"rank_program_{time.monotonic_ns()}.py"
     path.write_text(textwrap.dedent(program))
-    port = free_port()
+    hosted = store.host("127.0.0.1", timeout)
     procs = []
     for r in range(n):
-        env = child_env(RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                        **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(path)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    return procs
+        env = child_env(RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=hosted.port,
+                        **{launcher.AGENT_STORE: "True"}, **(extra_env or {}))
+        procs.append(launcher.start_group([sys.executable, str(path)], env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    return Ranks(procs, hosted)
 
 
-def collect(procs: list[subprocess.Popen], timeout: float, check: bool = True) -> list[RankResult]:
+def collect(ranks: Ranks, timeout: float, check: bool = True) -> list[RankResult]:
     """Wait for every rank (deadline shared); on the first failure or the deadline, kill the rest."""
+    procs = ranks.procs
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if check and any(p.poll() not in (None, 0) for p in procs):
             break
         time.sleep(0.02)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    launcher.kill_groups(procs, grace=0)  # what an exited rank started goes too
     results = []
     for r, p in enumerate(procs):
         out, err = p.communicate()
@@ -110,63 +120,33 @@ class GroupTimeout(subprocess.TimeoutExpired):
                 + (f"; last stderr:\n{tail[-2000:]}" if tail.strip() else ""))
 
 
-def kill_group(proc: subprocess.Popen, grace: float = 0.0) -> None:
-    """SIGKILL ``proc`` and, where it leads a process group (started with ``start_new_session=True``),
-    everything in that group; reap ``proc``.
-
-    With ``grace`` > 0 the group first gets SIGTERM and ``proc`` up to ``grace`` seconds to exit.
-    Blocks until ``proc`` is reaped, at most ``grace`` + 30 s (a SIGKILLed process still there after
-    that is stuck in the kernel: TimeoutExpired); SIGKILL is sent even if the wait is interrupted.
-    For a process that leads no group, ``killpg`` finds none (a live process's pid is never another
-    group's id) and only ``proc`` itself is killed.
-    """
-    try:
-        if grace > 0:
-            _signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        _signal_group(proc, signal.SIGKILL)
-        proc.kill()  # no-op once reaped
-        proc.wait(30)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:  # the group is gone already
-        pass
-
-
 def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace: float = 0.0,
               capture_output: bool = False, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(argv, timeout=timeout, ...)`` for a command that starts processes of its own.
 
     On a timeout ``subprocess.run`` kills only ``argv``'s own process: a launcher's ranks, its
     parameter servers or a benchmark's jobs would run on with nobody waiting for them. Here
-    ``argv`` starts a new session, so it and all it starts share one process group, and when the
-    deadline passes, or anything is raised while waiting (Ctrl-C, pytest-timeout), the whole group
-    is killed (:func:`kill_group`, with ``grace`` for a command that cleans up on SIGTERM). The
-    timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
+    ``argv`` starts a new session (:func:`commlab.launcher.start_group`), so it and all it starts
+    share one process group, and when the deadline passes, or anything is raised while waiting
+    (Ctrl-C, pytest-timeout), the whole group is killed (:func:`commlab.launcher.kill_groups`, with
+    ``grace`` for a command that cleans up on SIGTERM). The timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
     A command that finishes in time is left alone: whatever it left running is still there for a
     test to find. Blocks at most ``timeout`` + ``grace`` seconds, plus reaping.
     """
     if capture_output:
         popen_kw.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with subprocess.Popen(argv, start_new_session=True, **popen_kw) as proc:
+    with launcher.start_group(argv, popen_kw.pop("env", None), **popen_kw) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
-            kill_group(proc, grace)
+            launcher.kill_groups([proc], grace)
             try:  # the rest of the output; the pipes close once the group is gone
                 out, err = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:  # someone outside the group holds them
                 out, err = exc.output, exc.stderr
             raise GroupTimeout(what or " ".join(map(str, argv)), argv, timeout, out, err) from None
         except BaseException:
-            kill_group(proc, grace)
+            launcher.kill_groups([proc], grace)
             raise
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 

@@ -8,7 +8,6 @@ starts a session of its own, so that a kill reaches whatever it started too (a l
 from __future__ import annotations
 
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -17,15 +16,16 @@ from pathlib import Path
 
 import zmq
 
-from commlab import psproto, transport, wire
+from commlab import launcher, psproto, transport, wire
 from commlab.regimes.ps import server_stats
 
-from conftest import GroupTimeout, kill_group
+from conftest import GroupTimeout
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            PYTHONUNBUFFERED="1")
 DRIVER = str(REPO / "tests" / "ps_driver.py")
+AGENT_ENV = {launcher.AGENT_STORE: "True"}  # a rank's store is hosted for it (Procs.store): rank 0 is a client too
 START_TIMEOUT = 60.0
 
 
@@ -59,31 +59,34 @@ class Server:
 
 
 class Procs:
-    """Starts servers and workers; :meth:`close` kills whatever still runs (by process group or pid,
-    never by name)."""
+    """Starts servers, workers and stores through the launcher's primitives (each process leads a
+    group of its own and dies with the test's process); :meth:`close` stops whatever still runs,
+    by process group (:func:`commlab.launcher.stop_all`), never by name."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.procs = tmp, []
 
-    def popen(self, cmd: list[str], **kw) -> subprocess.Popen:
-        p = subprocess.Popen(cmd, env=ENV, cwd=REPO, start_new_session=True, **kw)
-        self.procs.append(p)
+    def popen(self, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+        """``cmd`` with the tests' environment (plus ``env``), from the repository root."""
+        p = launcher.start_group(cmd, {**ENV, **(env or {})}, cwd=REPO, **kw)
+        self.procs.append(launcher.Proc(f"process {len(self.procs)}", p))
         return p
 
-    def server(self, *args: str, bind: str = "tcp://127.0.0.1:0", prefix: tuple[str, ...] = (),
-               expect_fail: bool = False) -> Server:
+    def server(self, *args: str, bind: str = "tcp://127.0.0.1:0", prefix: tuple[str, ...] = ()) -> Server:
+        """``python -m servers`` (its output in a log), once it reported the endpoint it bound."""
         log = self.tmp / f"server{len(self.procs)}.log"
-        proc = self.popen([*prefix, sys.executable, "-m", "servers", "--bind", bind, "--log-every", "0", *args],
-                          stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        ready = sel.select(START_TIMEOUT)
-        sel.close()
-        line = proc.stdout.readline() if ready else ""
-        if "listening on" not in line:
-            kill_group(proc)
-            raise RuntimeError(f"server did not start within {START_TIMEOUT}s: {line!r} {log.read_text()}")
-        return Server(proc, line.split("listening on")[1].strip(), log)
+        p = launcher.spawn(f"server {len(self.procs)}", [*prefix, sys.executable, "-m", "servers", "--bind", bind,
+                                                           "--log-every", "0", *args], ENV, log, report_endpoint=True)
+        self.procs.append(p)
+        endpoint = launcher.await_endpoints([p], START_TIMEOUT)[0]
+        return Server(p.popen, endpoint, log)
+
+    def store(self, addr: str, prefix: tuple[str, ...] = ()) -> int:
+        """A rendezvous store in a process of its own (:func:`commlab.launcher.start_store`) at
+        ``addr``, started with ``prefix`` (a namespace); its port. Ranks that use it need
+        ``TORCHELASTIC_USE_AGENT_STORE=True`` (:data:`AGENT_ENV`)."""
+        return launcher.start_store(addr, prefix, ENV, self.tmp / f"store{len(self.procs)}.log", START_TIMEOUT,
+                                    self.procs)
 
     def worker(self, url: str, rank: int, workers: int, steps: int, *extra: str,
                prefix: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -92,9 +95,7 @@ class Procs:
         return self.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                kill_group(p)
+        launcher.stop_all(self.procs, grace=0)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
@@ -106,7 +107,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
         try:
             o, e = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            kill_group(p)
+            launcher.kill_groups([p], grace=0)
             o, e = p.communicate()
             e += f"\n[killed after {timeout}s]"
         out.append((p.returncode, o, e))
@@ -198,20 +199,20 @@ def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -
     has run ``settle_s`` seconds. Returns the launcher's exit code, its stderr and the pids it left
     running (its ranks and servers share its process group). Blocks at most ~START_TIMEOUT + 60 s;
     nothing it started outlives the call."""
-    launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
-                                 "--workers", "3", "--model", model, "--steps", "100000"], env=ENV, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
+                                "--workers", "3", "--model", model, "--steps", "100000"], ENV, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        victim = wait_for_rank_process(launcher.pid, rank=rank, timeout=START_TIMEOUT)
+        victim = wait_for_rank_process(cli.pid, rank=rank, timeout=START_TIMEOUT)
         time.sleep(settle_s)  # let training start
         os.kill(victim, signal.SIGKILL)
         try:
-            _, err = launcher.communicate(timeout=60)
+            _, err = cli.communicate(timeout=60)
         except subprocess.TimeoutExpired as exc:  # the group is killed below, on the way out
             raise GroupTimeout(f"the launcher of {url} after rank {rank} was killed", exc.cmd, exc.timeout,
                                exc.output, exc.stderr) from None
         # the launcher has exited: by now its children were reparented, so look for them by group
-        left = group_members(launcher.pid)
+        left = group_members(cli.pid)
     finally:
-        kill_group(launcher)  # what it left behind is reported above, and goes now
-    return launcher.returncode, err, left
+        launcher.kill_groups([cli], grace=0)  # what it left behind is reported above, and goes now
+    return cli.returncode, err, left

@@ -109,6 +109,12 @@ def test_servers_planned_on_loopback_move_to_their_namespaces():
     assert argvs2[1] == ["--bind", "tcp://10.77.0.4:4002", "--shard", "1/2", "--insecure"]
     with pytest.raises(ValueError, match="cannot place it"):
         place_servers(url, [["--bind", "ipc:///tmp/x"]], ls, first_host=2)
+    # as planned: every server on port 0, told apart by their order in the URL
+    url = "ps://?mode=sync&endpoints=tcp://127.0.0.1:0,tcp://127.0.0.1:0"
+    argvs = [["--bind", "tcp://127.0.0.1:0", "--shard", f"{i}/2"] for i in range(2)]
+    url2, argvs2 = place_servers(url, argvs, ls, first_host=2)
+    assert url2 == "ps://?mode=sync&endpoints=tcp://10.77.0.3:0,tcp://10.77.0.4:0"
+    assert [a[1] for a in argvs2] == ["tcp://10.77.0.3:0", "tcp://10.77.0.4:0"]
 
 
 def test_rates_parse_in_tc_units():

@@ -24,7 +24,7 @@ from commlab import keys, shm
 from commlab.errors import CommTimeout
 from commlab.rendezvous import RankInfo
 
-from faultkit import ENV, REPO, finish, kill9, kill_rank_under_launcher
+from faultkit import finish, kill9, kill_rank_under_launcher
 from test_security import RecordingProxy
 
 pytestmark = pytest.mark.multiproc
@@ -169,12 +169,12 @@ def test_launcher_exits_non_zero_naming_the_killed_ps_worker():
 STEPS = 150
 
 
-def _train(url: str, out) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
-                             "--workers", "2", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "16",
-                             "--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--save-params", str(out)],
-                            env=ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # so finish() and Procs.close() kill its ranks too
+def _train(procs, url: str, out) -> subprocess.Popen:
+    # a process group of its own (Procs.popen): finish() and Procs.close() stop its ranks too
+    return procs.popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
+                        "--workers", "2", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "16",
+                        "--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--save-params", str(out)],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -187,9 +187,8 @@ def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(proc
     victim = procs.server("--mode", "sync", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
     steady = procs.server("--mode", "sync")
     query = f"mode=sync&timeout={TIMEOUT}&bucket_mb=0.004&transport={transport}"
-    interrupted = _train(f"ps://{victim.address}?{query}", tmp_path / "interrupted.pt")
-    reference = _train(f"ps://{steady.address}?{query}", tmp_path / "reference.pt")
-    procs.procs += [interrupted, reference]
+    interrupted = _train(procs, f"ps://{victim.address}?{query}", tmp_path / "interrupted.pt")
+    reference = _train(procs, f"ps://{steady.address}?{query}", tmp_path / "reference.pt")
     at_kill = wait_until(lambda: (u := victim.stats()["updates"]) >= 20 and u, 120, "the run never reached step 20")
     kill9(victim.proc)
     restarted = procs.server("--mode", "sync", "--resume", str(ckpt), "--checkpoint-every", "1",

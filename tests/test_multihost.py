@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 
 from commlab import keys, netns
-from commlab.launcher import free_port
 
-from faultkit import Procs, finish
+from faultkit import AGENT_ENV, Procs, finish
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc,
               pytest.mark.skipif(netns.link_unavailable_reason() is not None,
@@ -126,23 +125,24 @@ def ring_hosts(tmp_path_factory):
     assert namespaces(tag) == []
 
 
-def _ring_ranks(procs: Procs, links, hosts: list[int], url: str, port: int, *extra: str):
-    """One ring driver per rank, rank r in namespace host ``hosts[r]``; the store on host ``hosts[0]``."""
+def _ring_ranks(procs: Procs, links, hosts: list[int], url: str, *extra: str):
+    """One ring driver per rank, rank r in namespace host ``hosts[r]``; the store in a process of its own
+    on host ``hosts[0]``, bound to port 0 there. Returns the ranks and the store's port."""
+    port = procs.store(links.addr(hosts[0]), tuple(links.prefix(hosts[0])))
     out = []
     for r, h in enumerate(hosts):
         cmd = [*links.prefix(h), sys.executable, RING_DRIVER, url.format(r=r), "--rank", str(r), "--workers",
                str(len(hosts)), "--master-addr", links.addr(hosts[0]), "--master-port", str(port), *extra]
-        out.append(procs.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return out
+        out.append(procs.popen(cmd, AGENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return out, port
 
 
 def test_ring_across_hosts_with_keys_sums_exactly_and_strangers_get_nothing(ring_hosts, tmp_path):
     links, d, _ = ring_hosts
     procs = Procs(tmp_path)
     try:
-        port = free_port()
         url = f"ring://?transport=tcp&host=auto&keys={d}&key_name=w{{r}}&chunk_mb=1&timeout=60"
-        ranks = _ring_ranks(procs, links, [0, 1, 2], url, port, "--rounds", "3", "--await", "stranger/knocking")
+        ranks, port = _ring_ranks(procs, links, [0, 1, 2], url, "--rounds", "3", "--await", "stranger/knocking")
         stranger = procs.popen([*links.prefix(3), sys.executable, "-c", STRANGER, links.addr(0), str(port),
                                 str(d / "server.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         results = finish(ranks + [stranger], timeout=240)
@@ -162,9 +162,8 @@ def test_ring_insecure_control_a_stranger_breaks_it(ring_hosts, tmp_path):
     links, d, _ = ring_hosts
     procs = Procs(tmp_path)
     try:
-        port = free_port()
         url = "ring://?transport=tcp&host=auto&insecure=1&chunk_mb=1&timeout=20"
-        ranks = _ring_ranks(procs, links, [0, 1, 2], url, port, "--rounds", "30", "--await", "stranger/knocking")
+        ranks, port = _ring_ranks(procs, links, [0, 1, 2], url, "--rounds", "30", "--await", "stranger/knocking")
         stranger = procs.popen([*links.prefix(3), sys.executable, "-c", STRANGER, links.addr(0), str(port),
                                 str(d / "server.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         results = finish(ranks + [stranger], timeout=240)
@@ -182,7 +181,7 @@ def test_ring_auto_shares_memory_within_a_host_and_keeps_tcp_between_hosts(ring_
     procs = Procs(tmp_path)
     try:
         url = f"ring://?transport=auto&host=auto&keys={d}&key_name=w{{r}}&chunk_mb=1&timeout=60"
-        results = finish(_ring_ranks(procs, links, [0, 0, 1], url, free_port(), "--rounds", "2"), timeout=240)
+        results = finish(_ring_ranks(procs, links, [0, 0, 1], url, "--rounds", "2")[0], timeout=240)
         expected = [{"from_left": "tcp", "to_right": "shm"}, {"from_left": "shm", "to_right": "tcp"},
                     {"from_left": "tcp", "to_right": "tcp"}]
         for r, (code, out, err) in enumerate(results):
@@ -203,14 +202,14 @@ def test_ring_training_across_hosts_equals_local(ring_hosts, tmp_path):
         local = procs.popen([sys.executable, "-m", "workers", "--exchanger", "local://", "--batch-size", "16",
                              "--save-params", str(ref), *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-        port, out = free_port(), tmp_path / "ring.pt"
+        port, out = procs.store(links.addr(0), tuple(links.prefix(0))), tmp_path / "ring.pt"
         ranks = []
         for r in range(2):
             url = f"ring://?transport=tcp&host=auto&keys={d}&key_name=w{r}&timeout=60&bucket_mb=0.002&chunk_mb=0.001"
             ranks.append(procs.popen([*links.prefix(r), sys.executable, "-m", "workers", "--exchanger", url,
                                       "--rank", str(r), "--workers", "2", "--master-addr", links.addr(0),
                                       "--master-port", str(port), "--batch-size", "8", "--save-params", str(out),
-                                      *common], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      *common], AGENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for i, (code, _, err) in enumerate(finish([local, *ranks], timeout=240)):
             assert code == 0, f"process {i}: {err[-3000:]}"
         import torch
@@ -219,3 +218,32 @@ def test_ring_training_across_hosts_equals_local(ring_hosts, tmp_path):
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     finally:
         procs.close()
+
+
+# ----- the launcher across hosts --------------------------------------------------------------------------
+def test_launch_job_places_ranks_store_and_servers_in_namespaces_and_trains(tmp_path):
+    """bench.launch_job over a Links topology: two ranks on hosts 0 and 1 (the store beside rank 0),
+    the two shards ps:// plans on hosts 2 and 3, each bound to port 0 on its namespace's address
+    and reporting what it bound. Sync PS with SGD equals local:// on the combined batch."""
+    from conftest import child_env, run_group
+
+    tag = f"cj{os.getpid() % 100000}"
+    common = ["--model", "tiny", "--steps", "5", "--lr", "0.1"]
+    with netns.Links(4, None, tag=tag) as links:  # launch_job finds it again by its tag: the default subnet
+        ps = tmp_path / "ps.pt"
+        r = run_group([sys.executable, "-m", "bench.launch_job", "--url", "ps://?shards=2&mode=sync&timeout=60",
+                       "--workers", "2", "--link-tag", tag, "--", "--batch-size", "8", "--save-params", str(ps),
+                       *common], 240, "bench.launch_job over namespaces", env=child_env(), capture_output=True,
+                      text=True, cwd=str(Path(__file__).resolve().parents[1]))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert all(f"listening on tcp://{links.addr(h)}:" in r.stderr for h in (2, 3)), r.stderr[-3000:]
+        assert f"listening on tcp://{links.addr(0)}:" in r.stderr, r.stderr[-3000:]  # the store, beside rank 0
+    assert namespaces(tag) == []
+    ref = tmp_path / "local.pt"
+    r = run_group([sys.executable, "-m", "workers", "--exchanger", "local://", "--batch-size", "16", "--no-progress",
+                   "--save-params", str(ref), *common], 240, env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import torch
+    want, got = torch.load(ref), torch.load(ps)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

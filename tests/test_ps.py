@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import psproto, wire
+from commlab import launcher, psproto, wire
 from commlab.errors import ConfigError, RemoteError
 from commlab.manifest import model_manifest
 from commlab.regimes.ps import PSExchanger
@@ -20,7 +20,7 @@ from commlab.rendezvous import RankInfo
 from commlab.config import ExchangerURL
 from workers.models import build_model
 
-from conftest import GroupTimeout, kill_group
+from conftest import GroupTimeout
 from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
 
 RUN_TIMEOUT = 150.0
@@ -29,7 +29,8 @@ TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory 
 
 @pytest.fixture
 def start_server(tmp_path):
-    """Start ``python -m servers`` on a free loopback port; every one is killed at the end."""
+    """Start ``python -m servers`` on loopback, port 0 (each reports what it bound); every one is killed
+    at the end."""
     procs = Procs(tmp_path)
     yield procs.server
     procs.close()
@@ -39,8 +40,8 @@ def run_all(cmds: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[str]:
     """Run processes concurrently; return their stdouts; kill all and raise if one fails or hangs.
 
     Each runs in a session of its own, so that killing a 'commlab train' kills its servers and ranks too."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=REPO,
-                              start_new_session=True) for c in cmds]
+    procs = [launcher.start_group(c, ENV, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
     outs = []
     try:
         for cmd, p in zip(cmds, procs):
@@ -52,9 +53,7 @@ def run_all(cmds: list[list[str]], timeout: float = RUN_TIMEOUT) -> list[str]:
                 raise AssertionError(f"{' '.join(cmd[-8:])} exited {p.returncode}:\n{err[-3000:]}")
             outs.append(out)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_group(p)
+        launcher.kill_groups([p for p in procs if p.poll() is None], grace=0)
     return outs
 
 
@@ -382,26 +381,26 @@ def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
     assert glob.glob(str(tmp / "commlab-ps-*")) == []
 
 
-def test_planned_servers_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypatch):
+def test_server_plans_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypatch):
     import glob
     import tempfile
 
-    from commlab.launcher import planned_servers
+    from commlab.launcher import server_plan
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # only this test's folders are counted
     pattern = str(tmp_path / "commlab-ps-*")
     with pytest.raises(RuntimeError, match="the caller failed"):
-        with planned_servers("ps://?shards=2&transport=ipc", 2) as (url, argvs):
+        with server_plan("ps://?shards=2&transport=ipc", 2) as (url, argvs):
             folders = glob.glob(pattern)
             assert len(folders) == 1
             assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{folders[0]}/shard{i}" for i in range(2)]
             raise RuntimeError("the caller failed")
     assert glob.glob(pattern) == []
-    with planned_servers("ps://?shards=2", 2) as (url, argvs):  # tcp: no folder at all
+    with server_plan("ps://?shards=2", 2) as (url, argvs):  # tcp: no folder at all
         assert len(argvs) == 2 and list(tmp_path.iterdir()) == []
-    with planned_servers("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
+    with server_plan("ps://127.0.0.1:5000?mode=sync", 2) as planned:  # names its servers: none to start
         assert planned == ("ps://127.0.0.1:5000?mode=sync", [])
-    with planned_servers("noop://", 2) as planned:  # a regime without plan_local
+    with server_plan("noop://", 2) as planned:  # a regime without plan_local
         assert planned == ("noop://", [])
     assert list(tmp_path.iterdir()) == []
 

@@ -16,12 +16,11 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import psproto, psshm, shm
+from commlab import launcher, psproto, psshm, shm
 from commlab.errors import ConfigError
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
-from conftest import kill_group
 from faultkit import ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
 
 pytestmark = pytest.mark.multiproc
@@ -122,23 +121,23 @@ def test_launcher_trains_over_shm_and_a_killed_rank_leaves_no_segment(tmp_path):
     """``commlab train --exchanger 'ps://?shards=2&transport=shm'``: servers on ipc sockets for the
     headers, payloads in segments; kill -9 of a rank: the launcher stops the rest and nothing of any
     of its processes stays in /dev/shm."""
-    launcher = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
-                                 "ps://?shards=2&mode=async&transport=shm&timeout=20", "--workers", "2",
-                                 "--model", "tiny", "--steps", "100000"], env=ENV, cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    seen: set[int] = {launcher.pid}
+    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
+                                "ps://?shards=2&mode=async&transport=shm&timeout=20", "--workers", "2",
+                                "--model", "tiny", "--steps", "100000"], ENV, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: set[int] = {cli.pid}
     try:
-        victim = wait_for_rank_process(launcher.pid, rank=1, timeout=START_TIMEOUT)
+        victim = wait_for_rank_process(cli.pid, rank=1, timeout=START_TIMEOUT)
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:  # training runs; remember every process of the job
-            seen |= set(children_of(launcher.pid))
+            seen |= set(children_of(cli.pid))
             time.sleep(0.1)
         assert len(seen) >= 5, seen  # launcher, 2 servers, 2 ranks
         os.kill(victim, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=90)
+        _, err = cli.communicate(timeout=90)
     finally:
-        kill_group(launcher)
-    assert launcher.returncode != 0 and "rank 1 failed first (signal SIGKILL)" in err, err[-3000:]
+        launcher.kill_groups([cli], grace=0)
+    assert cli.returncode != 0 and "rank 1 failed first (signal SIGKILL)" in err, err[-3000:]
     assert segments_of(seen) == []
 
 

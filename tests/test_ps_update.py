@@ -18,6 +18,7 @@ import torch
 
 import commlab
 from commlab.errors import ConfigError, RemoteError
+from commlab.metrics import metrics_path
 from commlab.rendezvous import RankInfo
 from faultkit import Procs
 from test_user_loop import (BN_RANKS, BN_STEPS, assert_close, assert_inf_step_skipped, assert_ranks_identical,  # noqa: F401
@@ -88,7 +89,7 @@ def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path,
     n = 2
     run_loop(tmp_path, n, url=ps_url(servers(k), update, k, transport), variant="mlp", steps=STEPS, stop_at=10, save=ck,
              clip=update == "worker")
-    saved = torch.load(ck + ".rank0", weights_only=False)
+    saved = torch.load(metrics_path(ck, 0), weights_only=False)
     assert len(saved["optimizer"]["state"]) == len(saved["model"])  # a torch state_dict, every parameter
     resumed = run_loop(tmp_path, n, url=ps_url(servers(k), update, k, transport), variant="mlp", steps=STEPS, resume=ck,
                        clip=update == "worker")

@@ -1,6 +1,7 @@
 """ring://: sums equal a float64 reference, training equals local://, a killed rank is named.
 
-Multi-process tests spawn real ranks (torchrun's environment on a free loopback port), forward
+Multi-process tests spawn real ranks (torchrun's environment; rank 0's process hosts the store on a
+loopback port the kernel picks and hands it to the others), forward
 child tracebacks, kill the siblings on any failure and never wait without a deadline.
 """
 
@@ -18,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from commlab.errors import CommError, ConfigError, ProtocolError
-from commlab.launcher import free_port
+from commlab.store import host as host_store
 from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
 from commlab import wire
 
@@ -29,14 +30,24 @@ MIB = 2**20
 
 
 # ----- a small multi-process harness ----------------------------------------------------------------
-def _child(fn, rank, world, port, args, results):
+def _child(fn, rank, world, ports, args, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     try:
+        if rank == 0:  # rank 0's process hosts the store on a port of the kernel's choosing: it dies with rank 0
+            hosted = host_store("127.0.0.1", 60)
+            for _ in range(world - 1):
+                ports.put(hosted.port)
+            port = hosted.port
+        else:
+            port = ports.get(timeout=60)
+        os.environ["MASTER_PORT"] = str(port)
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         results.put((rank, "error", traceback.format_exc()))
+    if rank == 0:  # the others may still read reports in the store: it stays until run_ranks kills this process
+        time.sleep(300)
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> dict[int, object]:
@@ -47,9 +58,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
     that will not report.
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
+    results, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, ports, args, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

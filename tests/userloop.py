@@ -25,6 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from commlab.metrics import metrics_path
+
 FEATURES, HIDDEN, OUT, BATCH, MICRO = 6, 8, 3, 4, 2
 CLIP = 0.05  # below every pre-clip norm of this loop: clipping always acts
 INF_STEP, INF_RANK = 4, 1  # amp variant: this rank's gradient is inf at this step
@@ -130,7 +132,7 @@ def rank_main(cfg: dict) -> None:
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
     start = 0
     if cfg.get("resume"):
-        ck = torch.load(cfg["resume"] + f".rank{rank}", weights_only=False)
+        ck = torch.load(metrics_path(cfg["resume"], rank), weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
@@ -145,7 +147,7 @@ def rank_main(cfg: dict) -> None:
         if cfg.get("stop_at") == step:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                         "scaler": scaler.state_dict(), "exchanger": ex.state_dict(), "step": step},
-                       cfg["save"] + f".rank{rank}")
+                       metrics_path(cfg["save"], rank))
             break
         x, y = (t.to(device) for t in data(step, world))
         if variant == "amp" and rank == INF_RANK:
