@@ -35,6 +35,7 @@ from pathlib import Path
 
 from bench import regimes as R
 from bench.jobs import python, run_job
+from bench.records import record
 from bench.text import human_bytes
 from commlab.metrics import metrics_path
 
@@ -75,32 +76,15 @@ def iters_for(size: int, repeat_bytes: int, min_iters: int, max_iters: int) -> i
     return max(min_iters, min(max_iters, repeat_bytes // max(size, 1)))
 
 
-def bus_factor(method: str, workers: int) -> float:
-    if method == "allreduce":
-        return 2 * (workers - 1) / workers
-    if method == "noop":
-        return 0.0
-    return 1.0
-
-
 def summarize(regime: str, url: str, kind: str, method: str, workers: int, row: dict, times: list[float],
               wrong: int, link: str, cpu: list[float] | None = None) -> dict:
-    """One JSON record (the nccl-tests columns and their spread) from per-iteration times (seconds).
+    """One record (:func:`bench.records.record`: the nccl-tests columns and their spread) from
+    per-iteration times (seconds), with bandwidth's own ``wrong``, ``cpu_us`` and ``job``.
     ``samples_us`` keeps every timed iteration in the order the cases took turns: sample i of two
     records from one job were taken in the same seconds (paired, see :mod:`bench.verdict`)."""
-    s = row["size_bytes"]
-    ts = sorted(times)
-    med = statistics.median(ts)
-    p90 = ts[min(len(ts) - 1, int(round(0.9 * (len(ts) - 1))))]
-    f = bus_factor(method, workers)
-    gb = lambda t: s / t / 1e9 if t > 0 else float("inf")
-    return {"regime": regime, "url": url, "kind": kind, "method": method, "workers": workers, "link": link,
-            "size_bytes": s, "count": row["count"], "dtype": DTYPE, "iters": len(ts), "warmup": row.get("warmup", 0),
-            "time_us": med * 1e6, "time_us_min": ts[0] * 1e6, "time_us_p90": p90 * 1e6, "time_us_max": ts[-1] * 1e6,
-            "algbw_gbps": gb(med), "algbw_gbps_min": gb(ts[-1]), "algbw_gbps_max": gb(ts[0]),
-            "busbw_gbps": gb(med) * f, "busbw_gbps_min": gb(ts[-1]) * f, "busbw_gbps_max": gb(ts[0]) * f,
-            "wrong": wrong, "cpu_us": statistics.median(cpu) * 1e6 if cpu else None,
-            "job": row.get("job"), "samples_us": [round(t * 1e6, 1) for t in times]}
+    return record("bandwidth", regime, kind=kind, method=method, workers=workers, size_bytes=row["size_bytes"],
+                  times_s=times, url=url, dtype=DTYPE, warmup=row.get("warmup", 0), link=link, wrong=wrong,
+                  cpu_us=statistics.median(cpu) * 1e6 if cpu else None, job=row.get("job"))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 
 from bench import plots, verdict
-from bench.bandwidth import bus_factor
+from bench.records import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
 from commlab.plan.recommend import at_scale_from_bench

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import bandwidth, bw_worker, verdict
+from bench import bandwidth, bw_worker, records, verdict
 from commlab import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
@@ -57,10 +57,10 @@ def test_count_wrong_counts_elements_and_nan():
 
 
 def test_busbw_factors_and_iterations():
-    assert bandwidth.bus_factor("allreduce", 2) == 1.0
-    assert bandwidth.bus_factor("allreduce", 4) == 1.5
-    assert bandwidth.bus_factor("pushpull", 4) == 1.0
-    assert bandwidth.bus_factor("noop", 4) == 0.0
+    assert records.bus_factor("allreduce", 2) == 1.0
+    assert records.bus_factor("allreduce", 4) == 1.5
+    assert records.bus_factor("pushpull", 4) == 1.0
+    assert records.bus_factor("noop", 4) == 0.0
     assert bandwidth.iters_for(2**20, 2**24, 5, 100) == 16
     assert bandwidth.iters_for(4, 2**24, 5, 100) == 100
     assert bandwidth.iters_for(2**30, 2**24, 5, 100) == 5

@@ -1,0 +1,185 @@
+"""The one record shape of every benchmark case: the nccl-tests columns, per case and regime.
+
+``commlab bench`` (bandwidth) and its cases ``train-step``, ``ps-rounds`` and ``gpu-sweep`` all
+write lists of these records (JSON objects), one per (case, regime, size), so one reader, one
+table and one verdict serve them all. :func:`record` builds one from the timed iterations:
+
+    case          which benchmark: "bandwidth", "train-step", "ps-rounds", "gpu-sweep"
+    regime        the entry's name: a regime name ("ring-tcp"), a URL, or a peer's ("ddp", "rpc-default")
+    kind          "regime" (a commlab exchanger), "peer" (not commlab: DDP, torch.distributed.rpc),
+                  "ceiling" (raw TCP, pyzmq, memcpy), "reference" (one process, nothing exchanged)
+    url           the exchanger URL ("" for peers and ceilings)
+    method        how the bytes move, which sets busbw: "allreduce" | "pushpull" | "noop" | a ceiling's name
+    workers       N ranks; link: "loopback" or the capped link
+    size_bytes    bytes exchanged per iteration (the tensor; a training step's gradients); count; dtype
+    iters         timed iterations; warmup: iterations before them, not timed
+    time_us       median time of one iteration (an exchange, a training step, a push + pull round),
+                  with time_us_min, time_us_p90, time_us_max
+    algbw_gbps    size / time (GB/s), with _min (at the slowest iteration) and _max (at the fastest)
+    busbw_gbps    algbw x the method's bus factor (bandwidth.py's table), with _min and _max
+    samples_us    every timed iteration in the order taken: what the verdicts bootstrap over
+
+and whatever the case adds (``wrong``, ``cpu_us`` and ``job`` for bandwidth; ``step_ms``,
+``comm_ms``, ``model`` for train-step; ``rounds_per_s`` for ps-rounds; ``device`` for gpu-sweep).
+A training step's "bandwidth" includes its compute: it reads as "gradient bytes per second of
+training", comparable between entries of one run, not against a link.
+
+Also here: what the cases share besides the record. :func:`run_ranks` runs a job of ranks through
+the launcher (:func:`commlab.launcher.run_job`, which hosts the rendezvous store and starts the
+regime's servers itself) and returns what each rank wrote with :func:`commlab.metrics.report`;
+:func:`ratio_line` words a ratio with its interval; :func:`write` writes a case's document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from bench import manifest
+from bench.text import fmt_us, human_bytes
+from bench.verdict import Verdict
+
+KINDS = ("regime", "peer", "ceiling", "reference")
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+FIELDS = ("case", "regime", "kind", "url", "method", "workers", "link", "size_bytes", "count", "dtype", "iters",
+          "warmup", "time_us", "time_us_min", "time_us_p90", "time_us_max", "algbw_gbps", "algbw_gbps_min",
+          "algbw_gbps_max", "busbw_gbps", "busbw_gbps_min", "busbw_gbps_max", "samples_us")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bus_factor(method: str, workers: int) -> float:
+    """busbw / algbw: bytes each worker's link carries per direction, per byte of result (nccl-tests)."""
+    if method == "allreduce":
+        return 2 * (workers - 1) / workers
+    if method == "noop":
+        return 0.0
+    return 1.0
+
+
+def method_of(url: str) -> str:
+    """How a regime URL moves bytes: all-reduce regimes, parameter servers, or nothing."""
+    scheme = url.split("://", 1)[0]
+    return {"allreduce": "allreduce", "ring": "allreduce", "ps": "pushpull"}.get(scheme, "noop")
+
+
+def record(case: str, regime: str, *, kind: str, method: str, workers: int, size_bytes: int, times_s: Sequence[float],
+           url: str = "", dtype: str = "float32", warmup: int = 0, link: str = "loopback", **extra) -> dict:
+    """One record (module docstring) from the timed iterations ``times_s`` (seconds), plus ``extra``.
+
+    Raises ValueError for no samples or an unknown kind or dtype. A case's extra field may not
+    shadow a common one.
+    """
+    if not times_s:
+        raise ValueError(f"{case} {regime}: no timed iterations")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"dtype must be one of {sorted(ITEMSIZE)}, got {dtype!r}")
+    clash = sorted(set(extra) & set(FIELDS))
+    if clash:
+        raise ValueError(f"extra fields {clash} would replace common ones")
+    ts = sorted(times_s)
+    med = statistics.median(ts)
+    p90 = ts[min(len(ts) - 1, int(round(0.9 * (len(ts) - 1))))]
+    f = bus_factor(method, workers)
+    gb = lambda t: size_bytes / t / 1e9 if t > 0 else float("inf")
+    return {"case": case, "regime": regime, "kind": kind, "url": url, "method": method, "workers": workers,
+            "link": link, "size_bytes": size_bytes, "count": size_bytes // ITEMSIZE[dtype], "dtype": dtype,
+            "iters": len(ts), "warmup": warmup,
+            "time_us": med * 1e6, "time_us_min": ts[0] * 1e6, "time_us_p90": p90 * 1e6, "time_us_max": ts[-1] * 1e6,
+            "algbw_gbps": gb(med), "algbw_gbps_min": gb(ts[-1]), "algbw_gbps_max": gb(ts[0]),
+            "busbw_gbps": gb(med) * f, "busbw_gbps_min": gb(ts[-1]) * f, "busbw_gbps_max": gb(ts[0]) * f,
+            "samples_us": [round(t * 1e6, 1) for t in times_s], **extra}
+
+
+def failure(case: str, regime: str, error: str, url: str = "", status: str = "failed") -> dict:
+    """An entry that produced no record, in the shape ``commlab bench``'s manifest lists failures."""
+    return {"phase": case, "regime": regime, "url": url, "status": status, "error": error}
+
+
+def ratio_line(label: str, v: Verdict) -> str:
+    """``"LABEL: 0.78x [0.74, 0.83], ddp faster"``: ``v.ratio`` as computed (``stat(b) / stat(a)``, not
+    turned round), its 95% interval, and the verdict ("indistinguishable on this machine" when the
+    interval contains 1.0)."""
+    said = "indistinguishable on this machine" if v.winner is None else f"{v.winner} faster"
+    return f"{label}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}], {said}"
+
+
+def goal_text(v: Verdict, goal: float) -> str:
+    """Whether ``v.ratio >= goal`` holds over the whole interval, fails over it, or the run cannot say."""
+    if v.lo >= goal:
+        return f"goal >= {goal:g}x: meets"
+    if v.hi < goal:
+        return f"goal >= {goal:g}x: misses"
+    return f"goal >= {goal:g}x: the interval straddles it"
+
+
+def table(records: list[dict], extra: Sequence[tuple[str, str]] = ()) -> list[str]:
+    """Markdown lines: the common columns and the ``(header, key)`` extras, one row per record."""
+    head = ["regime", "kind", "N", "size", "time (median [min–max])", "algbw GB/s", "busbw GB/s", *(h for h, _ in extra)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in records:
+        cells = [r["regime"], r["kind"], str(r["workers"]), human_bytes(r["size_bytes"]),
+                 f"{fmt_us(r['time_us'])} [{fmt_us(r['time_us_min'])}–{fmt_us(r['time_us_max'])}]",
+                 f"{r['algbw_gbps']:.3g}", "—" if r["method"] == "noop" else f"{r['busbw_gbps']:.3g}"]
+        cells += [_cell(r.get(key)) for _, key in extra]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cell(x) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+def write(path: str | os.PathLike, case: str, config: dict, records: list[dict], verdicts: list[tuple[str, Verdict]],
+          failures: list[dict]) -> None:
+    """A case's document: what ran (config, git, environment), its records, its labelled verdicts, its failures."""
+    doc = {"case": case, "config": config, "git": manifest.git_facts(), "environment": manifest.environment(),
+           "records": records, "verdicts": [dict(label=label, **v.as_dict()) for label, v in verdicts],
+           "failures": failures}
+    Path(path).write_text(json.dumps(doc, indent=1))
+
+
+class CaseFailed(RuntimeError):
+    """A job of a case failed; the message names the first process's error (its log's telling line)."""
+
+
+def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, workers: int, deadline_s: float,
+              exchanger: str = "local://", url_flag: str | None = None) -> list[list[dict]]:
+    """Run ``python COMMAND ARGS`` as ``workers`` ranks through the launcher; each rank's metrics lines.
+
+    :func:`commlab.launcher.run_job` starts the servers ``exchanger``'s regime plans (they bind
+    port 0 and report), hosts the rendezvous TCPStore on port 0 (``MASTER_PORT``, with
+    ``TORCHELASTIC_USE_AGENT_STORE=True``, so torch's ``env://`` init of a process group or of
+    torch.distributed.rpc connects as a client), and stops everything when a process fails or
+    ``deadline_s`` passes. Ranks write with :func:`commlab.metrics.report` (``$COMMLAB_METRICS``).
+    Blocks until the job ends. Raises CaseFailed for a failed job, KeyboardInterrupt when the job
+    was stopped by Ctrl-C or SIGTERM.
+    """
+    from bench.jobs import last_error_line
+    from commlab import launcher, metrics
+
+    with tempfile.TemporaryDirectory(prefix="commlab-case-") as tmp:
+        base, logs = Path(tmp) / "metrics.jsonl", Path(tmp) / "logs"
+        # the checkout's bench/ and workers/ for `python -m`, whichever directory we run from
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        job = launcher.Job(tuple(command), tuple(args), workers, exchanger, url_flag=url_flag, env=env,
+                           deadline_s=deadline_s, log_dir=str(logs), metrics=str(base), name=name, summary=False)
+        code = launcher.run_job(job)
+        if code in (130, 143):
+            raise KeyboardInterrupt(f"{name}: stopped (exit {code})")
+        if code:
+            said = [line for log in sorted(logs.glob("*.log")) if (line := last_error_line(log))]
+            said.sort(key=lambda line: "Error" not in line)  # an exception's line before a stopped rank's last
+            raise CaseFailed(f"{name}: exit {code}" + (f": {said[0]}" if said else ""))
+        out = []
+        for r in range(workers):
+            p = metrics.metrics_path(base, r)
+            out.append([json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else [])
+        return out
