@@ -1,11 +1,11 @@
 """The peer: torch DistributedDataParallel (gloo) running the same model, data, batch and optimizer
-as ``python -m workers``. Run by :mod:`bench.train_step` with torchrun's environment; rank 0
-writes one JSON line per step (step_s) to the metrics file, like a commlab worker does."""
+as ``python -m workers``. Run by ``commlab bench train-step`` (:mod:`bench.train_step`) through the
+launcher, with torchrun's environment (its hosted store: ``env://`` connects as a client); rank 0
+writes one JSON line per step (step_s) to ``$COMMLAB_METRICS``, like a commlab worker does."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import timedelta
@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from commlab import metrics
 from workers.data import load_digits
 from workers.models import build_model
 
@@ -26,7 +27,6 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics", required=True)
     p.add_argument("--heap", choices=("system", "keep"), default="system",
                    help="keep: the same glibc heap setting commlab's exchangers make (commlab.heap)")
     a = p.parse_args()
@@ -40,14 +40,14 @@ def main() -> None:
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
     data = load_digits(side, a.seed)
-    with open(a.metrics if rank == 0 else os.devnull, "w") as out:
-        for step in range(a.steps):
-            x, y = data.batch(step, rank, world, a.batch_size)
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            out.write(json.dumps({"step": step, "step_s": time.perf_counter() - t0}) + "\n")
+    for step in range(a.steps):
+        x, y = data.batch(step, rank, world, a.batch_size)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        if rank == 0:
+            metrics.report(step, rank=rank, step_s=time.perf_counter() - t0)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -138,11 +138,12 @@ def _cell(x) -> str:
 
 
 def write(path: str | os.PathLike, case: str, config: dict, records: list[dict], verdicts: list[tuple[str, Verdict]],
-          failures: list[dict]) -> None:
-    """A case's document: what ran (config, git, environment), its records, its labelled verdicts, its failures."""
+          failures: list[dict], **extra) -> None:
+    """A case's document: what ran (config, git, environment), its records, its labelled verdicts, its
+    failures, and the case's ``extra`` top-level facts."""
     doc = {"case": case, "config": config, "git": manifest.git_facts(), "environment": manifest.environment(),
            "records": records, "verdicts": [dict(label=label, **v.as_dict()) for label, v in verdicts],
-           "failures": failures}
+           "failures": failures, **extra}
     Path(path).write_text(json.dumps(doc, indent=1))
 
 

@@ -1,113 +1,151 @@
-"""Training-step time of commlab regimes against DistributedDataParallel, side by side in one run.
+"""``commlab bench train-step``: training-step time of commlab regimes beside DistributedDataParallel.
 
-    python -m bench.train_step --model mlp-25m --workers 2 --batch-size 64 \
+    commlab bench train-step --model mlp-25m --workers 2 --batch-size 64 \\
         --regimes 'allreduce://?backend=gloo' 'ring://' 'ps://?shards=1&mode=sync' --json step.json
 
 Every entry trains the same model on the same data with the same per-rank batch, 1 torch thread
-per rank. Entries run in interleaved rounds (DDP, regime A, regime B, DDP, ...) so drift of the
-machine hits them alike; each entry's median is over all its post-warm-up steps, with min-max.
-Also measured: one process with no exchange at all (``local://``), for scale, and DDP a second
-time with the heap setting commlab's exchangers make (``ddp+heap``, see :mod:`commlab.heap`). In
-the run in bench/results/train_step-mlp25m.json the setting alone took DDP's step from 250 to 206 ms (mlp-25m), so the ratio to
-``ddp+heap`` shows what the exchange itself gains over DDP's, and the ratio to plain ``ddp`` what a
-user gains by switching.
+per rank, as a job of the launcher (:func:`bench.records.run_ranks`). Entries run in interleaved
+rounds (DDP, regime A, regime B, DDP, ...) so drift of the machine hits them alike; each entry's
+samples are all its post-warm-up steps of all rounds (rank 0's step times). The peers, beside
+the regimes: ``ddp`` (DistributedDataParallel over gloo, :mod:`bench.ddp_worker`), ``ddp+heap``
+(DDP with the heap setting commlab's exchangers make, see :mod:`commlab.heap`; in the run in
+bench/results/train_step-mlp25m.json the setting alone took DDP's step from 250 to 206 ms), and
+``local`` (one process, no exchange, for scale). The ratio to ``ddp+heap`` shows what the
+exchange itself gains over DDP's, the ratio to plain ``ddp`` what a user gains by switching.
+
+Records: :mod:`bench.records` (size = the model's gradient bytes, time = one training step,
+``step_ms`` and, for commlab regimes, ``comm_ms``: the median time ``step()`` blocked). Each
+"X / ddp step time" ratio carries its 95% bootstrap interval over the steps (:mod:`bench.verdict`,
+unpaired: each entry is a job of its own).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from bench.jobs import stop_groups, wait_all
-from commlab.launcher import free_port
+from bench import records as rec
+from bench import verdict
+from bench.text import human_bytes
+
+CASE = "train-step"
+PEERS = {"local": "one process, the same per-rank batch, no exchange", "ddp": "DistributedDataParallel (gloo)",
+         "ddp+heap": "DDP with commlab's heap setting (commlab.heap)"}
 
 
-def run_entry(entry: str, a, workdir: Path, tag: str) -> list[float]:
-    metrics = workdir / f"{tag}.jsonl"
+def gradient_bytes(model: str, seed: int = 0) -> int:
+    """Bytes of one step's float32 gradients: what every entry exchanges."""
+    from workers.models import build_model
+
+    return 4 * sum(p.numel() for p in build_model(model, seed)[0].parameters())
+
+
+def url_of(entry: str) -> str:
+    """The exchanger URL an entry's ranks get ("" for DDP, which is no commlab regime)."""
+    return "" if entry.startswith("ddp") else "local://" if entry == "local" else entry
+
+
+def run_entry(entry: str, a) -> list[dict]:
+    """One job of ``entry`` (a peer's name or a regime URL); rank 0's step lines, warm-up included."""
     common = ["--model", a.model, "--steps", str(a.steps + a.warmup), "--batch-size", str(a.batch_size),
-              "--metrics", str(metrics)]
-    # every process below leads a process group of its own, so that a deadline or Ctrl-C stops it
-    # with all it started (wait_all): main() goes on to the next entry, and nothing stays behind
-    if entry in ("ddp", "ddp+heap"):
-        import os
-        port = free_port()
+              "--lr", "0.01"]
+    if entry.startswith("ddp"):
         heap = ["--heap", "keep"] if entry == "ddp+heap" else []
-        procs: list[subprocess.Popen] = []
-        try:
-            for r in range(a.workers):
-                procs.append(subprocess.Popen([sys.executable, "-m", "bench.ddp_worker", *common, *heap],
-                                              env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(a.workers),
-                                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                                              start_new_session=True))
-        except BaseException:  # a rank that did not start: the ones started would wait for it
-            stop_groups(procs)
-            raise
-        codes = wait_all(procs, a.timeout, f"{entry} ({a.workers} ranks)")
+        ranks = rec.run_ranks(f"train-step {entry}", ("-m", "bench.ddp_worker"), [*common, *heap],
+                              workers=a.workers, deadline_s=a.timeout)
     else:
-        workers = 1 if entry == "local://" else a.workers
-        job = subprocess.Popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", entry,
-                                "--workers", str(workers), "--lr", "0.01", *common], start_new_session=True)
-        codes = wait_all([job], a.timeout, f"commlab train --exchanger {entry}")
-    if any(codes):
-        raise RuntimeError(f"{entry} failed with exit codes {codes}")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["step_s"] for r in rows[a.warmup:]]
+        ranks = rec.run_ranks(f"train-step {entry}", ("-m", "workers"), [*common, "--no-progress"],
+                              workers=1 if entry == "local" else a.workers, deadline_s=a.timeout,
+                              exchanger=url_of(entry), url_flag="--exchanger")
+    return [r for r in ranks[0] if "step_s" in r]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def to_record(entry: str, rows: list[dict], a, size: int) -> dict:
+    kind = "reference" if entry == "local" else "peer" if entry in PEERS else "regime"
+    steps = [r["step_s"] for r in rows]
+    comm = [r["comm_s"] for r in rows if r.get("comm_s") is not None]
+    return rec.record(CASE, entry, kind=kind, method="allreduce" if entry.startswith("ddp") else
+                      rec.method_of(url_of(entry)), workers=1 if entry == "local" else a.workers, size_bytes=size,
+                      times_s=steps, url=url_of(entry), warmup=a.warmup, model=a.model, batch_size=a.batch_size,
+                      rounds=a.rounds, step_ms=statistics.median(steps) * 1e3,
+                      comm_ms=statistics.median(comm) * 1e3 if comm else None)
+
+
+def verdicts(records: list[dict]) -> list[tuple[str, verdict.Verdict]]:
+    """``X / P step time`` for every entry X against each DDP peer P that ran: ratio, interval, winner."""
+    by = {r["regime"]: r for r in records}
+    out = []
+    for peer in ("ddp", "ddp+heap"):
+        if peer not in by:
+            continue
+        for r in records:
+            if r["regime"] != peer:
+                out.append((f"{r['regime']} / {peer} step time",
+                            verdict.compare(peer, by[peer]["samples_us"], r["regime"], r["samples_us"], paired=False)))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench train-step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="mlp-25m")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20, help="measured steps per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--regimes", nargs="+", default=["allreduce://?backend=gloo"])
-    p.add_argument("--json", help="write the records here")
+    p.add_argument("--timeout", type=float, default=300, help="seconds one entry's job may take")
+    p.add_argument("--regimes", nargs="+", default=["allreduce://?backend=gloo"], help="exchanger URLs")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of: " + ", ".join(PEERS))
+    p.add_argument("--json", help="write the records, verdicts and failures here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
-    entries = ["local://", "ddp", "ddp+heap", *a.regimes]
-    times: dict[str, list[float]] = {e: [] for e in entries}
-    errors: dict[str, str] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    peers = [s for s in a.peers.split(",") if s]
+    bad = [s for s in peers if s not in PEERS]
+    if bad:
+        p.error(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
+    if a.workers < 2 or a.steps < 1 or a.warmup < 0 or a.rounds < 1:
+        p.error("--workers must be >= 2, --steps and --rounds >= 1, --warmup >= 0")
+    from commlab.cli import check_url
+    problems = [x for x in map(check_url, a.regimes) if x]
+    if problems:
+        p.error("; ".join(problems))
+    entries = [*peers, *a.regimes]
+    size = gradient_bytes(a.model)
+    rows: dict[str, list[dict]] = {e: [] for e in entries}
+    failures: dict[str, str] = {}
+    try:
         for rnd in range(a.rounds):
-            for i, e in enumerate(entries):
-                if e in errors:
+            for e in entries:
+                if e in failures:
                     continue
                 print(f"[round {rnd + 1}/{a.rounds}] {e}", file=sys.stderr, flush=True)
                 try:
-                    times[e] += run_entry(e, a, Path(tmp), f"r{rnd}e{i}")
-                except Exception as exc:  # one failing regime must not sink the comparison
-                    errors[e] = str(exc)
-    ddp = statistics.median(times["ddp"]) if times["ddp"] else float("nan")
-    ddp_heap = statistics.median(times["ddp+heap"]) if times["ddp+heap"] else float("nan")
-    records = []
-    print(f"\n{a.model}, {a.workers} ranks x batch {a.batch_size}, 1 thread each, "
-          f"{a.rounds} rounds x {a.steps} steps (after {a.warmup} warm-up)\n")
-    print("| entry | median step ms | min-max ms | / DDP | / DDP+heap |\n|---|---|---|---|---|")
-    for e in entries:
-        if e in errors:
-            print(f"| {e} | failed: {errors[e]} | | |")
-            records.append({"entry": e, "error": errors[e]})
-            continue
-        t = times[e]
-        med = statistics.median(t)
-        label = "local:// (1 process, batch %d, no exchange)" % a.batch_size if e == "local://" else e
-        print(f"| {label} | {med * 1e3:.1f} | {min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} | {med / ddp:.2f}x "
-              f"| {med / ddp_heap:.2f}x |")
-        records.append({"entry": e, "model": a.model, "workers": 1 if e == "local://" else a.workers,
-                        "batch_size": a.batch_size, "median_step_s": med, "min_step_s": min(t),
-                        "max_step_s": max(t), "steps": len(t), "ratio_to_ddp": med / ddp,
-                        "ratio_to_ddp_heap": med / ddp_heap})
+                    rows[e] += run_entry(e, a)[a.warmup:]
+                except rec.CaseFailed as exc:  # one failing regime must not sink the comparison
+                    failures[e] = str(exc)
+    except KeyboardInterrupt:
+        print("commlab bench train-step: interrupted; reporting what finished", file=sys.stderr)
+    records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
+    vs = verdicts(records)
+    print(f"\n{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch {a.batch_size}, "
+          f"1 thread each, {a.rounds} rounds x {a.steps} steps (after {a.warmup} warm-up)\n")
+    print("\n".join(rec.table(records, [("step ms", "step_ms"), ("blocked ms", "comm_ms")])))
+    print()
+    for label, v in vs:
+        print(rec.ratio_line(label, v))
+    for e, err in failures.items():
+        print(f"{e}: failed: {err}")
     if a.json:
-        Path(a.json).write_text(json.dumps(records, indent=1))
-    return 1 if errors else 0
+        rec.write(a.json, CASE, vars(a), records, vs,
+                  [rec.failure(CASE, e, err, url_of(e)) for e, err in failures.items()])
+    return 1 if failures else 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m bench.train_step: the same as commlab bench train-step
     sys.exit(main())
