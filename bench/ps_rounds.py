@@ -1,194 +1,240 @@
-"""Parameter-server rounds: commlab's ps:// beside a torch.distributed.rpc parameter server.
+"""``commlab bench ps-rounds``: commlab's ps:// beside a torch.distributed.rpc parameter server.
 
-One server, two workers, a 4 MiB float32 vector; a round is "push the
-gradient, then pull the parameters". Aggregate rounds/s = the sum over
-workers of rounds / seconds. Configurations, all on one host, in one run:
+One server, N workers (default 2), a 4 MiB float32 vector; a round is "push the gradient, then
+pull the parameters". Configurations, all on one host, in one run, each a job of the launcher
+(:func:`bench.records.run_ranks`):
 
-  ps tcp         commlab server (async) over tcp://127.0.0.1
-  ps ipc         the same over ipc://
-  ps shm         the same with transport=shm: headers over ipc://, payloads through shared memory
-  rpc uv-basic   torch.distributed.rpc, TensorPipe forced onto TCP (transport uv, channel basic)
-  rpc default    torch.distributed.rpc, TensorPipe's own choice (shared memory / cross-memory copies)
+  ps-tcp         regime  commlab server (async) over tcp://127.0.0.1 (the server binds port 0)
+  ps-ipc         regime  the same over ipc://
+  ps-shm         regime  transport=shm: headers over ipc://, payloads through shared memory
+  rpc-uv-basic   peer    torch.distributed.rpc, TensorPipe forced onto TCP (transport uv, channel basic)
+  rpc-default    peer    torch.distributed.rpc, TensorPipe's own choice (shared memory / cross-memory copies)
 
-Each configuration runs ``--repeats`` times, alternating with the others; the
-median is reported. Prints a table of rounds/s and the ratios the goals name,
-and writes JSON.
+The rpc peer: rank 0 of its job is the server, holding the vector; ``push(grad)`` applies
+``p -= lr * grad`` under a lock, ``pull()`` returns a copy. Its rendezvous is torch's ``env://``
+against the TCPStore the launcher hosts on port 0 (``TORCHELASTIC_USE_AGENT_STORE=True``: every
+rank, the server included, is a client), so no port is picked and released. The ps:// worker uses
+the client regime's benchmark hook ``PSExchanger.push_pull_async(tensor)`` after ``setup`` on a
+one-parameter model.
 
-    python -m bench.ps_rounds [--rounds 200] [--json ps_rounds.json]
+Each configuration runs ``--repeats`` times, alternating with the others. Records
+(:mod:`bench.records`): time = one round of one worker (every timed round of every worker and
+repeat is a sample), ``rounds_per_s`` = the sum over workers of rounds / seconds (median over
+repeats). The ratios the goals name ("ps-tcp / rpc-uv-basic rounds/s" = the rpc round's mean time
+over ps's) carry a 95% bootstrap interval over the rounds (:mod:`bench.verdict`, unpaired).
 
-The worker side of ``ps`` uses the client regime's benchmark hook
-``PSExchanger.push_pull_async(tensor)`` after ``setup`` on a one-parameter model.
+    commlab bench ps-rounds [--rounds 200] [--only ps-shm rpc-default] [--json ps_rounds.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import selectors
 import statistics
-import subprocess
 import sys
-import shutil
-import tempfile
+import threading
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
-REPO = Path(__file__).resolve().parents[1]
+from bench import records as rec
+from bench import verdict
 
-
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                PYTHONUNBUFFERED="1")
+CASE = "ps-rounds"
 
 
-def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"{' '.join(map(str, p.args[:6]))} exited {p.returncode}: {stderr[-2000:]}")
-            out += [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+@dataclass(frozen=True)
+class Config:
+    kind: str  # "regime" | "peer"
+    url: str = ""  # ps://: the workers' exchanger (the launcher starts its server)
+    rpc: str = ""  # the rpc peer's TensorPipe choice: "uv-basic" | "default"
 
 
-def run_ps(bind: str, numel: int, rounds: int, warmup: int, workers: int, timeout: float,
-           transport: str = "") -> list[dict]:
-    server = subprocess.Popen([sys.executable, "-m", "servers", "--bind", bind, "--mode", "async", "--log-every", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
-    try:
-        sel = selectors.DefaultSelector()
-        sel.register(server.stdout, selectors.EVENT_READ)
-        line = server.stdout.readline() if sel.select(60) else ""
-        if "listening on" not in line:
-            raise RuntimeError(f"server did not start: {line!r}")
-        endpoint = line.split("listening on")[1].strip()
-        url = f"ps://?endpoints={endpoint}&mode=async&timeout=60" + (f"&transport={transport}" if transport else "")
-        procs = [subprocess.Popen([sys.executable, "-m", "bench.ps_rounds", "--worker", url, "--rank", str(r),
-                                   "--workers", str(workers), "--numel", str(numel), "--rounds", str(rounds),
-                                   "--warmup", str(warmup)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
-                 for r in range(workers)]
-        return _collect(procs, timeout)
-    finally:
-        server.terminate()
-        server.wait(10)
+PS = "ps://?shards=1&mode=async&timeout=60"
+CONFIGS = {
+    "ps-tcp": Config("regime", PS),
+    "ps-ipc": Config("regime", PS + "&transport=ipc"),
+    "ps-shm": Config("regime", PS + "&transport=shm"),
+    "rpc-uv-basic": Config("peer", rpc="uv-basic"),
+    "rpc-default": Config("peer", rpc="default"),
+}
+# (a, b, goal): a's rounds/s >= goal x b's
+GOALS = [("ps-tcp", "rpc-uv-basic", 1.5), ("ps-tcp", "rpc-default", 1.3), ("ps-ipc", "rpc-default", 2.0),
+         ("ps-shm", "rpc-default", 2.0), ("ps-shm", "rpc-uv-basic", 3.0)]
 
 
-def run_rpc(kind: str, numel: int, rounds: int, warmup: int, workers: int, timeout: float) -> list[dict]:
-    from commlab.launcher import free_port
+# ----- the ranks ----------------------------------------------------------------------------------
+def _timed_rounds(one_round, rounds: int, warmup: int) -> list[float]:
+    times = []
+    for i in range(warmup + rounds):
+        t0 = time.perf_counter()
+        one_round()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
 
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.rpc_ps", "--rank", str(r), "--world", str(workers + 1),
-                               "--port", str(port), "--numel", str(numel), "--rounds", str(rounds),
-                               "--warmup", str(warmup), "--transport", kind],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO)
-             for r in range(workers + 1)]
-    return _collect(procs, timeout)
 
-
-def worker(url: str, rank: int, workers: int, numel: int, rounds: int, warmup: int) -> None:
-    """One ps:// worker: attach, wait until every worker is attached, time push+pull rounds."""
+def ps_rank(numel: int, rounds: int, warmup: int) -> None:
+    """One ps:// worker ($COMMLAB_EXCHANGER): attach, wait until every worker is attached, time rounds."""
     import torch
     from torch import nn
 
     import commlab
-    from commlab.rendezvous import RankInfo
+    from commlab import metrics, rendezvous
 
     torch.set_num_threads(1)
+    info = rendezvous.from_env()
     model = nn.ParameterList([nn.Parameter(torch.zeros(numel))])
-    with commlab.connect(url, RankInfo(rank, workers, rank, "127.0.0.1", 0, "flags")) as ex:
+    with commlab.connect(rank=info) as ex:
         ex.setup(model, commlab.OptimizerSpec("sgd", lr=1e-6))
         deadline = time.monotonic() + 60
-        while any(len(s["workers"]) < workers for s in ex.server_stats()):
+        while any(len(s["workers"]) < info.world_size for s in ex.server_stats()):
             if time.monotonic() > deadline:
-                raise commlab.CommTimeout(f"rank {rank}: the other workers did not attach within 60s")
+                raise commlab.CommTimeout(f"rank {info.rank}: the other workers did not attach within 60s")
             time.sleep(0.01)
         grad = torch.full((numel,), 1e-3)
-        for i in range(warmup + rounds):
-            if i == warmup:
-                t0 = time.perf_counter()
-            ex.push_pull_async(grad).wait(60)
-        seconds = time.perf_counter() - t0
-    print(json.dumps({"rounds": rounds, "seconds": seconds}), flush=True)
+        times = _timed_rounds(lambda: ex.push_pull_async(grad).wait(60), rounds, warmup)
+    metrics.report(0, rank=info.rank, round_s=times)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.ps_rounds", description=__doc__.split("\n\n")[0])
+_STATE: dict = {}  # the rpc server's vector and lock; set only in its process
+
+
+def _push(grad, lr: float) -> None:
+    with _STATE["lock"]:
+        _STATE["param"].add_(grad, alpha=-lr)
+
+
+def _pull():
+    with _STATE["lock"]:
+        return _STATE["param"].clone()  # the reply is serialised after we return: hand it a stable copy
+
+
+def rpc_rank(kind: str, numel: int, rounds: int, warmup: int, lr: float = 1e-6) -> None:
+    """One rank of the rpc peer: rank 0 serves, the others time rounds. ``init_rpc``'s rendezvous is
+    ``env://`` (MASTER_ADDR/MASTER_PORT): the launcher's store."""
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from commlab import metrics
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=120, init_method="env://",
+                                           **({"_transports": ["uv"], "_channels": ["basic"]}
+                                              if kind == "uv-basic" else {}))
+    if rank == 0:
+        _STATE.update(param=torch.zeros(numel), lock=threading.Lock())
+        rpc.init_rpc("ps", rank=0, world_size=world, rpc_backend_options=opts)
+        rpc.shutdown()  # waits for every worker to finish
+        return
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    grad = torch.full((numel,), 1e-3)
+
+    def one_round():
+        rpc.rpc_sync("ps", _push, args=(grad, lr))
+        rpc.rpc_sync("ps", _pull)
+    times = _timed_rounds(one_round, rounds, warmup)
+    metrics.report(0, rank=rank, round_s=times)
+    rpc.shutdown()
+
+
+# ----- the case -----------------------------------------------------------------------------------
+def run_config(name: str, a, numel: int) -> list[list[float]]:
+    """One job of configuration ``name``: each worker's round times."""
+    c = CONFIGS[name]
+    args = ["--numel", str(numel), "--rounds", str(a.rounds), "--warmup", str(a.warmup)]
+    if c.kind == "regime":
+        ranks = rec.run_ranks(f"ps-rounds {name}", ("-m", "bench.ps_rounds", "--rank-of", "ps"), args,
+                              workers=a.workers, deadline_s=a.timeout, exchanger=c.url)
+    else:  # rank 0 is the rpc server
+        ranks = rec.run_ranks(f"ps-rounds {name}", ("-m", "bench.ps_rounds", "--rank-of", f"rpc-{c.rpc}"), args,
+                              workers=a.workers + 1, deadline_s=a.timeout)[1:]
+    got = [next((r["round_s"] for r in rows if "round_s" in r), None) for rows in ranks]
+    if any(g is None for g in got):
+        raise rec.CaseFailed(f"ps-rounds {name}: a worker reported no rounds")
+    return [g for g in got if g is not None]
+
+
+def to_record(name: str, repeats: list[list[list[float]]], a, numel: int) -> dict:
+    """``repeats[i][w]``: worker w's round times in repeat i."""
+    c = CONFIGS[name]
+    rates = [sum(len(t) / sum(t) for t in workers) for workers in repeats]
+    return rec.record(CASE, name, kind=c.kind, method="pushpull", workers=a.workers, size_bytes=numel * 4,
+                      times_s=[t for workers in repeats for w in workers for t in w], url=c.url, warmup=a.warmup,
+                      rounds_per_s=statistics.median(rates), rounds_per_s_samples=rates,
+                      note="torch.distributed.rpc, TensorPipe " + c.rpc if c.rpc else "")
+
+
+def verdicts(records: list[dict]) -> list[tuple[str, verdict.Verdict, float]]:
+    """The goals' ratios (a's rounds/s over b's = mean round time of b over a's), with their intervals."""
+    by = {r["regime"]: r for r in records}
+    return [(f"{x} / {y} rounds/s", verdict.compare(x, by[x]["samples_us"], y, by[y]["samples_us"], paired=False,
+                                                     stat="mean"), goal)
+            for x, y, goal in GOALS if x in by and y in by]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench ps-rounds", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=200, help="timed rounds per worker")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (the median is reported)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration, alternating")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--mib", type=float, default=4.0, help="vector size in MiB (float32)")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--json", default="ps_rounds.json", help="where to write the results")
-    p.add_argument("--only", nargs="*", help="subset of: ps-tcp ps-ipc ps-shm rpc-uv-basic rpc-default")
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run one ps:// worker
-    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=300, help="seconds one configuration's job may take")
+    p.add_argument("--json", help="write the records, verdicts and failures here")
+    p.add_argument("--only", nargs="*", choices=list(CONFIGS), help="a subset of the configurations")
+    p.add_argument("--rank-of", choices=("ps", "rpc-uv-basic", "rpc-default"), help=argparse.SUPPRESS)
     p.add_argument("--numel", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     a = p.parse_args(argv)
-    if a.worker:
-        worker(a.worker, a.rank, a.workers, a.numel, a.rounds, a.warmup)
+    if a.rank_of == "ps":
+        ps_rank(a.numel, a.rounds, a.warmup)
         return 0
-    numel = int(a.mib * 2**20) // 4
-    ipc_dir = tempfile.mkdtemp(prefix="commlab-bench-")
+    if a.rank_of:
+        rpc_rank(a.rank_of.removeprefix("rpc-"), a.numel, a.rounds, a.warmup)
+        return 0
+    if a.rounds < 1 or a.repeats < 1 or a.warmup < 0 or a.workers < 1 or a.mib <= 0:
+        p.error("--rounds, --repeats and --workers must be >= 1, --warmup >= 0, --mib > 0")
+    numel = max(1, int(a.mib * 2**20) // 4)
+    names = [n for n in CONFIGS if not a.only or n in a.only]
+    samples: dict[str, list[list[list[float]]]] = {n: [] for n in names}
+    failures: dict[str, str] = {}
     try:
-        return _compare(a, numel, ipc_dir)
-    finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        for rep in range(a.repeats):  # configurations alternate, so drift on a shared machine hits all alike
+            for name in names:
+                if name in failures:
+                    continue
+                try:
+                    samples[name].append(run_config(name, a, numel))
+                except rec.CaseFailed as exc:  # one failing configuration must not sink the comparison
+                    failures[name] = str(exc)
+                    continue
+                rate = sum(len(t) / sum(t) for t in samples[name][-1])
+                print(f"  [{rep + 1}/{a.repeats}] {name:13} {rate:8.1f} rounds/s", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("commlab bench ps-rounds: interrupted; reporting what finished", file=sys.stderr)
+    records = [to_record(n, samples[n], a, numel) for n in names if samples[n] and n not in failures]
+    vs = verdicts(records)
+    print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull, "
+          f"{a.repeats} repeats x {a.rounds} rounds (after {a.warmup} warm-up)\n")
+    print("\n".join(rec.table(records, [("rounds/s", "rounds_per_s")])))
+    print()
+    for label, v, goal in vs:
+        print(f"{rec.ratio_line(label, v)} ({rec.goal_text(v, goal)})")
+    for name, err in failures.items():
+        print(f"{name}: failed: {err}")
+    if a.json:
+        rec.write(a.json, CASE, {k: v for k, v in vars(a).items() if k not in ("rank_of", "numel")}, records,
+                  [(label, v) for label, v, _ in vs],
+                  [rec.failure(CASE, n, err, CONFIGS[n].url) for n, err in failures.items()])
+        print(f"wrote {a.json}")
+    return 1 if failures else 0
 
 
-def _compare(a, numel: int, ipc_dir: str) -> int:
-    configs = {
-        "ps-tcp": lambda: run_ps("tcp://127.0.0.1:0", numel, a.rounds, a.warmup, a.workers, a.timeout),
-        "ps-ipc": lambda: run_ps(f"ipc://{ipc_dir}/ps", numel, a.rounds, a.warmup, a.workers, a.timeout),
-        "ps-shm": lambda: run_ps(f"ipc://{ipc_dir}/ps-shm", numel, a.rounds, a.warmup, a.workers, a.timeout, "shm"),
-        "rpc-uv-basic": lambda: run_rpc("uv-basic", numel, a.rounds, a.warmup, a.workers, a.timeout),
-        "rpc-default": lambda: run_rpc("default", numel, a.rounds, a.warmup, a.workers, a.timeout),
-    }
-    results: dict = {}
-    for rep in range(a.repeats):  # configurations alternate, so drift on a shared machine hits all alike
-        for name, run in configs.items():
-            if a.only and name not in a.only:
-                continue
-            per_worker = run()
-            rate = sum(w["rounds"] / w["seconds"] for w in per_worker)
-            results.setdefault(name, {"samples": [], "workers": []})
-            results[name]["samples"].append(rate)
-            results[name]["workers"].append(per_worker)
-            print(f"  [{rep + 1}/{a.repeats}] {name:13} {rate:8.1f} rounds/s", file=sys.stderr, flush=True)
-    for r in results.values():
-        r["rounds_per_s"] = statistics.median(r["samples"])
-    rate = {k: v["rounds_per_s"] for k, v in results.items()}
-    goals = [("ps-tcp", "rpc-uv-basic", 1.5), ("ps-tcp", "rpc-default", 1.3), ("ps-ipc", "rpc-default", 2.0),
-             ("ps-shm", "rpc-default", 2.0), ("ps-shm", "rpc-uv-basic", 3.0)]
-    ratios = {f"{x} / {y}": {"ratio": rate[x] / rate[y], "goal": g} for x, y, g in goals if x in rate and y in rate}
-    print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull")
-    print(f"{'configuration':15} {'rounds/s':>10} {'GB/s (in+out)':>14}   runs")
-    for name, r in rate.items():
-        runs = " ".join(f"{x:.0f}" for x in results[name]["samples"])
-        print(f"{name:15} {r:10.1f} {2 * r * numel * 4 / 1e9:14.2f}   {runs}")
-    for name, v in ratios.items():
-        verdict = "meets" if v["ratio"] >= v["goal"] else "misses"
-        print(f"{name:28} {v['ratio']:5.2f} x   (goal >= {v['goal']:g} x: {verdict})")
-    import torch
-    import zmq
-    manifest = {"python": platform.python_version(), "torch": torch.__version__, "pyzmq": zmq.__version__,
-                "libzmq": zmq.zmq_version(), "cpus": os.cpu_count(), "host": platform.node(),
-                "mib": a.mib, "workers": a.workers, "rounds": a.rounds, "warmup": a.warmup, "repeats": a.repeats,
-                "loadavg": os.getloadavg(),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(a.json).write_text(json.dumps({"manifest": manifest, "results": results, "ratios": ratios}, indent=2))
-    print(f"wrote {a.json}")
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m bench.ps_rounds: the same as commlab bench ps-rounds
     raise SystemExit(main())
