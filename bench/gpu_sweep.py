@@ -1,49 +1,45 @@
-"""GPU bandwidth sweep: each regime on CUDA tensors beside the same regime on CPU tensors.
+"""``commlab bench gpu-sweep``: each regime on CUDA tensors beside the same regime on CPU tensors.
 
-For every regime and size, N workers (sharing the GPUs there are: rank r uses
-GPU r % count) train a "model" of one flat parameter of S bytes through the
-Exchanger contract: backward gives a gradient of ones, ``step()`` exchanges it.
-The figure is the algorithm bandwidth S / (median step time), the step timed
-from before backward until the result is back in the parameter (a CUDA
-synchronize included). The CUDA row of ``ring://`` over zmq pays two extra
-copies through host memory (``.to("cpu")`` and back); the goal is that it keeps
->= 80% of the same regime's CPU-tensor bandwidth.
+For every regime and size, N workers (sharing the GPUs there are: rank r uses GPU r % count) train
+a "model" of one flat parameter of S bytes through the Exchanger contract: backward gives a
+gradient of ones, ``step()`` exchanges it. A sample is one step, timed from before backward until
+the result is back in the parameter (a CUDA synchronize included); the record's algbw is
+S / (median step time). The CUDA row of ``ring://`` over zmq pays two extra copies through host
+memory (``.to("cpu")`` and back); the goal is that it keeps >= 80% of the same regime's
+CPU-tensor bandwidth: "URL S CUDA / CPU algbw" carries its 95% bootstrap interval over the steps
+(:mod:`bench.verdict`, unpaired).
 
-Rows: ``ring://`` (host-staged, the goal applies), ``ps://`` on CPU tensors only
-(a CPU parameter server: it refuses CUDA parameters, and the sweep says so), gloo (which
-stages CUDA tensors itself: a peer for our staging), and NCCL on CUDA alone
-when there are at least as many GPUs as workers (its transport, and whether it
-used GPUDirect RDMA, are in the manifest from ``commlab doctor``'s probe).
-Regimes not registered in ``commlab.registry.REGIMES`` are skipped by name.
+Rows: ``ring://`` (host-staged, the goal applies), ``ps://`` on CPU tensors only (a CPU parameter
+server: it refuses CUDA parameters, and the sweep says so), gloo (which stages CUDA tensors itself:
+a peer for our staging, run through commlab's ``allreduce://`` regime), and NCCL on CUDA alone when
+there are at least as many GPUs as workers (its transport, and whether it used GPUDirect RDMA, are
+in the document from ``commlab doctor``'s probe). Regimes not registered in
+``commlab.registry.REGIMES`` are skipped by name. Every case is a job of the launcher
+(:func:`bench.records.run_ranks`).
 
-Writes ``bench/results/gpu-<device>.json`` and ``.md``, the device named.
-Without CUDA it says so and measures nothing; ``--devices cpu`` dry-runs the
-harness on CPU alone (files named ``gpu-dryrun-cpu``).
+Writes ``bench/results/gpu-<device>.json`` (:mod:`bench.records`' document) and ``.md``, the device
+named. Without CUDA it says so and measures nothing; ``--devices cpu`` dry-runs the harness on CPU
+alone (files named ``gpu-dryrun-cpu``).
 
-    python bench/gpu_sweep.py [--regimes ring:// ps://] [--sizes-mib 1 4 16 64] [--workers 2]
+    commlab bench gpu-sweep [--regimes ring:// ps://] [--sizes-mib 1 4 16 64] [--workers 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import re
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from bench import records as rec
+from bench import verdict
+
+CASE = "gpu-sweep"
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 GOAL = 0.8  # CUDA-tensor bandwidth / CPU-tensor bandwidth, host-staged regimes
 STAGED = ("ring",)  # schemes the goal applies to (their zmq transport copies through the host)
 CPU_ONLY = {"ps": "ps:// keeps parameters on the CPU (it refuses CUDA ones)"}  # no CUDA row for these
@@ -64,10 +60,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def worker(url: str, device_spec: str, numel: int, steps: int, warmup: int, result: str | None) -> int:
-    """One rank of one case (run as ``gpu_sweep.py --worker``)."""
+def rank_main(device_spec: str, numel: int, steps: int, warmup: int) -> int:
+    """One rank of one case ($COMMLAB_EXCHANGER, torchrun's environment); rank 0 reports the step times."""
+    import json
+
     import commlab
-    from commlab import rendezvous
+    from commlab import metrics, rendezvous
     from commlab.optim import OptimizerSpec
     from commlab.staging import resolve_device
 
@@ -75,7 +73,7 @@ def worker(url: str, device_spec: str, numel: int, steps: int, warmup: int, resu
     info = rendezvous.from_env()
     device = resolve_device(device_spec, info.local_rank)
     model = Flat(numel, device)
-    ex = commlab.connect(url, info)
+    ex = commlab.connect(rank=info)
     try:
         ex.setup(model, OptimizerSpec("sgd", lr=1e-6))
         times = []
@@ -88,11 +86,11 @@ def worker(url: str, device_spec: str, numel: int, steps: int, warmup: int, resu
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        if result and info.rank == 0:
+        if info.rank == 0:
             n = ex.stats.steps
-            Path(result).write_text(json.dumps({"step_s": times, "bytes_sent_per_step": ex.stats.bytes_sent / n,
-                                                "bytes_received_per_step": ex.stats.bytes_received / n,
-                                                "facts": ex.facts()}, default=str))
+            metrics.report(0, rank=0, step_s=times, bytes_sent_per_step=ex.stats.bytes_sent / n,
+                           bytes_received_per_step=ex.stats.bytes_received / n,
+                           facts=json.loads(json.dumps(ex.facts(), default=str)))
     finally:
         ex.close()
     return 0
@@ -114,49 +112,36 @@ def registered(url: str) -> str | None:
 
 
 def run_case(url: str, device: str, numel: int, workers: int, steps: int, warmup: int, timeout: float) -> dict:
-    """Start servers (if the regime plans any) and ``workers`` ranks; return rank 0's timings or the error."""
-    from commlab.launcher import Proc, free_port, planned_servers, stop_all
+    """``workers`` ranks of ``url`` (the launcher starts the servers its regime plans) on ``device``
+    tensors; rank 0's report (``step_s``, bytes per step, the regime's ``facts``), or ``{"error": ...}``."""
+    try:
+        ranks = rec.run_ranks(f"gpu-sweep {url} on {device}", ("-m", "bench.gpu_sweep", "--rank-of"),
+                              ["--device", device, "--numel", str(numel), "--steps", str(steps),
+                               "--warmup", str(warmup)], workers=workers, deadline_s=timeout, exchanger=url)
+    except rec.CaseFailed as exc:
+        return {"error": str(exc)}
+    got = next((r for r in ranks[0] if "step_s" in r), None)
+    return got if got is not None else {"error": "rank 0 reported no steps"}
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(workers),
-               LOCAL_WORLD_SIZE=str(workers), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs: list[Proc] = []
-    with (planned_servers(url, workers) as (url_w, server_argvs),
-          tempfile.TemporaryDirectory(prefix="gpu-sweep-") as tmp):
-        result, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
-        with log.open("w") as fh:
-            try:
-                for i, argv in enumerate(server_argvs):
-                    procs.append(Proc(f"server {i}", subprocess.Popen([sys.executable, "-m", "servers", *argv],
-                                                                      env=env, stdout=fh, stderr=subprocess.STDOUT)))
-                for r in range(workers):
-                    argv = [sys.executable, __file__, "--worker", "--url", str(url_w), "--device", device,
-                            "--numel", str(numel), "--steps", str(steps), "--warmup", str(warmup),
-                            "--result", str(result)]
-                    procs.append(Proc(f"rank {r}", subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                                                     stdout=fh, stderr=subprocess.STDOUT)))
-                ranks = [p for p in procs if p.name.startswith("rank")]
-                deadline = time.monotonic() + timeout
-                failed = None
-                while time.monotonic() < deadline:
-                    failed = next((p for p in procs if p.popen.poll() not in (None, 0)), None)
-                    if failed or all(p.popen.poll() == 0 for p in ranks):
-                        break
-                    time.sleep(0.05)
-                stuck = [p.name for p in ranks if p.popen.poll() is None]
-            finally:
-                stop_all(procs, grace=3.0)
-        tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
-        if failed is not None:
-            return {"error": f"{failed.name} failed (exit {failed.popen.returncode}): {tail}"}
-        if stuck:
-            return {"error": f"{', '.join(stuck)} did not finish within {timeout:g}s: {tail}"}
-        if not result.exists():
-            return {"error": f"rank 0 wrote no result: {tail}"}
-        out = json.loads(result.read_text())
-    med = statistics.median(out["step_s"])
-    out.update(median_s=med, p90_s=sorted(out["step_s"])[int(0.9 * (len(out["step_s"]) - 1))],
-               algbw_gbps=numel * 4 / med / 1e9)
+
+def to_record(url: str, device: str, got: dict, a, numel: int) -> dict:
+    return rec.record(CASE, url, kind="regime", method=rec.method_of(url), workers=a.workers, size_bytes=numel * 4,
+                      times_s=got["step_s"], url=url, warmup=a.warmup, device=device,
+                      bytes_sent_per_step=got["bytes_sent_per_step"],
+                      bytes_received_per_step=got["bytes_received_per_step"], facts=got["facts"])
+
+
+def verdicts(records: list[dict]) -> list[tuple[str, verdict.Verdict]]:
+    """CUDA / CPU algbw (= the CPU step's time over the CUDA step's) per regime and size that ran on both."""
+    out = []
+    for r in records:
+        if r["device"] != "cuda":
+            continue
+        cpu = next((c for c in records if c["device"] == "cpu" and c["url"] == r["url"]
+                    and c["size_bytes"] == r["size_bytes"]), None)
+        if cpu is not None:
+            out.append((f"{r['url']} {r['size_bytes'] / 2**20:g} MiB CUDA / CPU algbw",
+                        verdict.compare("cuda", r["samples_us"], "cpu", cpu["samples_us"], paired=False)))
     return out
 
 
@@ -164,30 +149,22 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def markdown(doc: dict) -> str:
-    facts = doc["transport_facts"]
-    lines = [f"# GPU sweep on {doc['device']}", "",
-             f"{doc['date']}, commit {doc['commit']}, {doc['workers']} workers, {doc['steps']} timed steps per case "
-             f"(median), torch {facts['cuda']['torch']}, CUDA {facts['cuda']['torch_cuda']}, "
+def markdown(device: str, a, records: list[dict], vs: list[tuple[str, verdict.Verdict]], skipped: list,
+             failures: list[dict], facts: dict) -> str:
+    cuda = facts["cuda"]
+    lines = [f"# GPU sweep on {device}", "",
+             f"{a.workers} workers, {a.steps} timed steps per case, torch {cuda['torch']}, CUDA {cuda['torch_cuda']}, "
              f"NCCL {facts['nccl_version']}.", "",
-             "algbw = bytes of the parameter / median step time (backward + exchange + update, synchronized). "
-             f"Goal: a host-staged regime on CUDA tensors keeps >= {GOAL:.0%} of its CPU-tensor algbw.", "",
-             "| regime | MiB | CPU GB/s | CUDA GB/s | CUDA / CPU | goal |", "|---|---|---|---|---|---|"]
-    for row in doc["rows"]:
-        cpu, cuda = row.get("cpu", {}), row.get("cuda", {})
-
-        def cell(r):
-            return f"{r['algbw_gbps']:.2f}" if "algbw_gbps" in r else ("-" if not r else "error")
-        ratio = row.get("ratio")
-        goal = "" if ratio is None or row["scheme"] not in STAGED else ("met" if ratio >= GOAL else "NOT met")
-        lines.append(f"| `{row['url']}` | {row['mib']:g} | {cell(cpu)} | {cell(cuda)} | "
-                     f"{'' if ratio is None else f'{ratio:.2f}'} | {goal} |")
-    problems = [(row["url"], row["mib"], dev, row[dev]["error"]) for row in doc["rows"] for dev in ("cpu", "cuda")
-                if "error" in row.get(dev, {})]
-    if doc["skipped"] or problems:
+             "time = one step (backward + exchange + update, synchronized); algbw = bytes of the parameter / median "
+             f"step time. Goal: a host-staged regime on CUDA tensors keeps >= {GOAL:.0%} of its CPU-tensor algbw.", "",
+             *rec.table(records, [("device", "device")]), ""]
+    for label, v in vs:
+        goal = f" ({rec.goal_text(v, GOAL)})" if label.split("://")[0] in STAGED else ""
+        lines.append(f"- {rec.ratio_line(label, v)}{goal}")
+    if skipped or failures:
         lines += ["", "## Not measured"]
-        lines += [f"- `{url}`: {why}" for url, why in doc["skipped"]]
-        lines += [f"- `{url}` {mib:g} MiB on {dev}: {err}" for url, mib, dev, err in problems]
+        lines += [f"- `{url}`: {why}" for url, why in skipped]
+        lines += [f"- `{f['regime']}`: {f['error']}" for f in failures]
     g = facts["gpudirect_rdma"]
     probe = facts["nccl_probe"]
     lines += ["", "## Data paths",
@@ -198,16 +175,9 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="gpu_sweep", description=__doc__.split("\n\n")[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="commlab bench gpu-sweep", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regimes", nargs="+", default=list(DEFAULT_REGIMES))
     ap.add_argument("--sizes-mib", nargs="+", type=float, default=[1, 4, 16, 64])
     ap.add_argument("--workers", type=int, default=2)
@@ -217,23 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-nccl", action="store_true", help="leave out the NCCL reference row")
     ap.add_argument("--case-timeout", type=float, default=300.0, help="seconds one case may take")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--rank-of", action="store_true", help=argparse.SUPPRESS)  # one rank of one case
     ap.add_argument("--device", help=argparse.SUPPRESS)
     ap.add_argument("--numel", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--result", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     a = ap.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.workers < 1:
         ap.error("--steps and --workers must be >= 1, --warmup >= 0")
-    if a.worker:
-        return worker(a.url, a.device, a.numel, a.steps, a.warmup, a.result)
+    if a.rank_of:
+        return rank_main(a.device, a.numel, a.steps, a.warmup)
 
     from commlab import doctor
 
     cuda = "cuda" in a.devices
     if cuda and not torch.cuda.is_available():
         why = doctor.cuda_facts().get("why_no_cuda", "torch sees no GPU")
-        print(f"gpu_sweep: skipped: no CUDA ({why}); nothing measured. "
+        print(f"commlab bench gpu-sweep: skipped: no CUDA ({why}); nothing measured. "
               f"`--devices cpu` dry-runs the harness on CPU tensors alone.")
         return 0
     regimes = list(a.regimes)
@@ -245,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append((NCCL_URL, f"needs a GPU per worker: {torch.cuda.device_count()} GPU(s) for "
                                       f"{a.workers} workers"))
     device_name = torch.cuda.get_device_name(0) if cuda else "dryrun-cpu"
-    print(f"gpu_sweep on {device_name}: {a.workers} workers, sizes {a.sizes_mib} MiB", flush=True)
-    rows = []
+    print(f"gpu-sweep on {device_name}: {a.workers} workers, sizes {a.sizes_mib} MiB", flush=True)
+    records, failures = [], []
     for url in regimes:
         why = registered(url)
         if why:
@@ -261,31 +234,28 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append((f"{url} on cuda", cpu_only))
         for mib in a.sizes_mib:
             numel = max(1, int(mib * 2**20) // 4)
-            row: dict = {"url": url, "scheme": url.split("://")[0], "mib": mib}
             for dev in devices:
-                row[dev] = run_case(url, dev, numel, a.workers, a.steps, a.warmup, a.case_timeout)
-                got = row[dev]
-                text = f"{got['algbw_gbps']:.2f} GB/s" if "algbw_gbps" in got else got["error"]
-                print(f"  {url} {mib:g} MiB on {dev}: {text}", flush=True)
-            if "algbw_gbps" in row.get("cuda", {}) and "algbw_gbps" in row.get("cpu", {}):
-                row["ratio"] = row["cuda"]["algbw_gbps"] / row["cpu"]["algbw_gbps"]
-            rows.append(row)
-    doc = {"device": device_name, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "argv": sys.argv[1:], "workers": a.workers, "steps": a.steps, "goal": GOAL,
-           "rows": rows, "skipped": skipped, "transport_facts": doctor.transport_facts(run_nccl_probe=cuda)}
+                got = run_case(url, dev, numel, a.workers, a.steps, a.warmup, a.case_timeout)
+                if "error" in got:
+                    failures.append(rec.failure(CASE, f"{url} {mib:g} MiB on {dev}", got["error"], url))
+                    print(f"  {url} {mib:g} MiB on {dev}: {got['error']}", flush=True)
+                    continue
+                records.append(to_record(url, dev, got, a, numel))
+                print(f"  {url} {mib:g} MiB on {dev}: {records[-1]['algbw_gbps']:.2f} GB/s", flush=True)
+    vs = verdicts(records)
+    facts = doctor.transport_facts(run_nccl_probe=cuda)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     base = out / f"gpu-{slug(device_name)}"
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=2))
-    base.with_suffix(".md").write_text(markdown(doc))
+    config = {k: v for k, v in vars(a).items() if k not in ("rank_of", "device", "numel")}
+    rec.write(base.with_suffix(".json"), CASE, dict(config, goal=GOAL), records, vs, failures, device=device_name,
+              skipped=skipped, transport_facts=facts)
+    base.with_suffix(".md").write_text(markdown(device_name, a, records, vs, skipped, failures, facts))
+    for label, v in vs:
+        print(rec.ratio_line(label, v))
     print(f"wrote {base}.json and {base}.md")
-    staged = [r for r in rows if r["scheme"] in STAGED and "ratio" in r]
-    if staged:
-        worst = min(staged, key=lambda r: r["ratio"])
-        print(f"worst host-staged CUDA/CPU ratio: {worst['ratio']:.2f} ({worst['url']} {worst['mib']:g} MiB); "
-              f"goal {GOAL}")
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m bench.gpu_sweep: the same as commlab bench gpu-sweep
     sys.exit(main())
