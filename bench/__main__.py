@@ -1,5 +1,11 @@
 """``commlab bench [bandwidth|convergence|scaling|probes] ...``: compare the regimes; write a run folder with a report.
 
+``commlab bench CASE ...`` runs one case with its own flags (``commlab bench CASE --help``):
+``train-step`` (training-step time beside DDP), ``ps-rounds`` (ps:// beside torch.distributed.rpc),
+``gpu-sweep`` (CUDA tensors beside CPU tensors), ``script`` (your script under each regime),
+``workloads`` (the examples under each regime). The first three write :mod:`bench.records`'
+records, the bandwidth phase's shape, and give each ratio its 95% interval.
+
 With no subcommand, the default comparison: all four phases, sized to finish within six
 minutes on a 2-core machine. Every run writes ``runs/<UTC timestamp>/`` (or ``--out``)
 with ``report.md``, PNG plots, ``bandwidth.json``/``convergence.json``/``scaling.json``/
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import signal
 import sys
@@ -32,6 +39,11 @@ BANDWIDTH_SHARE = 0.35  # with later phases, bandwidth may use at most this shar
 # it (for scaling and probes), scaling this long before it (for the probes)
 SCALING_RESERVE_S, PROBES_RESERVE_S = 70.0, 25.0
 DEFAULT_BUDGET_S = 300.0  # jobs stop starting after this; the report follows within seconds
+
+
+# the cases with flags of their own: CASE -> the module whose main(argv) runs it
+CASES = {"train-step": "bench.train_step", "ps-rounds": "bench.ps_rounds", "gpu-sweep": "bench.gpu_sweep",
+         "script": "bench.script_compare", "workloads": "bench.workloads"}
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:
@@ -57,7 +69,8 @@ def _interrupt(signum, frame):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commlab bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="bandwidth regimes: " + ", ".join(R.BANDWIDTH) +
+                                epilog="cases with their own flags: " + ", ".join(CASES) +
+                                "\nbandwidth regimes: " + ", ".join(R.BANDWIDTH) +
                                 "\nconvergence regimes: " + ", ".join(R.CONVERGENCE))
     p.add_argument("what", nargs="?", default="all", choices=("all", "bandwidth", "convergence", "scaling", "probes"),
                    help="which comparison (default: all, then the report)")
@@ -100,9 +113,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["script"], ["workloads"]):  # bench/script_compare.py, bench/workloads.py: their own flags
-        from bench import script_compare
-        return {"script": script_compare.main, "workloads": workloads.main}[argv[0]](argv[1:])
+    if argv[:1] and argv[0] in CASES:
+        return importlib.import_module(CASES[argv[0]]).main(argv[1:])
     a = parser().parse_args(argv)
     try:
         if a.workers < 2:

@@ -21,7 +21,7 @@ from commlab.registry import ENV_URL, REGIMES, regime_class, resolve
 # subcommand -> (module run as ``python -m``, one line of help)
 SUBCOMMANDS = {
     "server": ("servers", "run one parameter-server shard"),
-    "bench": ("bench", "compare regimes: bandwidth and convergence"),
+    "bench": ("bench", "compare regimes: bandwidth, convergence; cases train-step, ps-rounds, gpu-sweep"),
     "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.keys", "create CURVE key pairs for servers and workers"),
     "doctor": ("commlab.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
