@@ -15,7 +15,8 @@ exchange itself gains over DDP's, the ratio to plain ``ddp`` what a user gains b
 
 Records: :mod:`bench.records` (size = the model's gradient bytes, time = one training step,
 ``step_ms`` and, for commlab regimes, ``comm_ms``: the median time ``step()`` blocked). Each
-"X / ddp step time" ratio carries its 95% bootstrap interval over the steps (:mod:`bench.verdict`,
+"X / ddp step time" ratio, and each later regime's to the first of ``--regimes`` ("ps:// /
+allreduce:// step time"), carries its 95% bootstrap interval over the steps (:mod:`bench.verdict`,
 unpaired: each entry is a job of its own).
 """
 
@@ -72,17 +73,20 @@ def to_record(entry: str, rows: list[dict], a, size: int) -> dict:
                       comm_ms=statistics.median(comm) * 1e3 if comm else None)
 
 
-def verdicts(records: list[dict]) -> list[tuple[str, verdict.Verdict]]:
-    """``X / P step time`` for every entry X against each DDP peer P that ran: ratio, interval, winner."""
+def verdicts(records: list[dict], regimes: list[str]) -> list[tuple[str, verdict.Verdict]]:
+    """``X / P step time`` for every entry X against each DDP peer P that ran, and every later regime
+    against the first of ``regimes`` (``ps:// / allreduce://``): ratio, interval, winner."""
     by = {r["regime"]: r for r in records}
+    bases = [p for p in ("ddp", "ddp+heap") if p in by]
+    if regimes[0] in by:
+        bases.append(regimes[0])
     out = []
-    for peer in ("ddp", "ddp+heap"):
-        if peer not in by:
-            continue
-        for r in records:
-            if r["regime"] != peer:
-                out.append((f"{r['regime']} / {peer} step time",
-                            verdict.compare(peer, by[peer]["samples_us"], r["regime"], r["samples_us"], paired=False)))
+    for base in bases:
+        others = [r for r in records if r["regime"] != base] if base in PEERS else \
+            [by[x] for x in regimes[1:] if x in by]
+        out += [(f"{r['regime']} / {base} step time",
+                 verdict.compare(base, by[base]["samples_us"], r["regime"], r["samples_us"], paired=False))
+                for r in others]
     return out
 
 
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("commlab bench train-step: interrupted; reporting what finished", file=sys.stderr)
     records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
-    vs = verdicts(records)
+    vs = verdicts(records, a.regimes)
     print(f"\n{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch {a.batch_size}, "
           f"1 thread each, {a.rounds} rounds x {a.steps} steps (after {a.warmup} warm-up)\n")
     print("\n".join(rec.table(records, [("step ms", "step_ms"), ("blocked ms", "comm_ms")])))
