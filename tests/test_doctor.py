@@ -240,9 +240,9 @@ def test_worker_refuses_cuda_without_it_by_name():
 def test_gpu_sweep_skips_plainly_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("checks the no-CUDA answer")
-    out = run("bench/gpu_sweep.py", "--out", str(tmp_path))
+    out = run("-m", "commlab.cli", "bench", "gpu-sweep", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
-    assert "gpu_sweep: skipped: no CUDA" in out.stdout
+    assert "commlab bench gpu-sweep: skipped: no CUDA" in out.stdout
     assert list(tmp_path.iterdir()) == []
 
 
