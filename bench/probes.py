@@ -97,19 +97,22 @@ def _rank_peer_loss(a) -> int:
 
 def peer_loss(world: int = 3, victim: int = 1, timeout: float = 20.0, deadline: float = 90.0) -> dict:
     """Kill rank ``victim`` of a ``world``-rank ring mid-collective; how long each survivor took to raise."""
-    from commlab.launcher import free_port
+    from commlab import store as store_mod
+    from commlab.launcher import AGENT_STORE
 
     out = {"world": world, "victim": victim, "timeout_s": timeout, "survivors": {}}
     with tempfile.TemporaryDirectory(prefix="commlab-probe-") as tmp:
         ready = Path(tmp, "ready")
         ready.mkdir()
-        port = free_port()
+        # the rendezvous store, hosted here on port 0 as the launcher hosts it: every rank is a client.
+        # Not launcher.run_job: it would stop the survivors the moment the victim dies, before they report.
+        store = store_mod.host("127.0.0.1", deadline)
         root = str(Path(__file__).resolve().parent.parent)
         procs: list[subprocess.Popen] = []
         try:
             for r in range(world):
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **{AGENT_STORE: "True"},
                            PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
                 procs.append(subprocess.Popen([python(), "-m", "bench.probes", "peer-loss-rank", "--ready", str(ready),
                                                "--victim", str(victim), "--timeout", str(timeout),
