@@ -339,3 +339,134 @@ def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
     assert {r["job"] for r in recs} == {"bw0"}  # one job, one set of processes
     assert all(r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in recs)
     assert {"ring-tcp", "gloo"} <= set(facts)
+
+
+# ----- the cases: one record shape, ratios with their intervals ---------------------------------------
+RATIO_LINE = r"{}: \d+\.\d\dx \[\d+\.\d\d, \d+\.\d\d\], (indistinguishable on this machine|\S+ faster)"
+
+
+def test_a_record_holds_the_nccl_tests_columns_of_its_samples():
+    r = records.record("train-step", "ring://", kind="regime", method="allreduce", workers=4, size_bytes=8000,
+                       times_s=[0.003, 0.001, 0.002, 0.004], url="ring://", warmup=2, step_ms=2.5)
+    assert set(records.FIELDS) <= set(r) and r["step_ms"] == 2.5
+    assert (r["case"], r["count"], r["iters"], r["warmup"]) == ("train-step", 2000, 4, 2)
+    assert r["samples_us"] == [3000.0, 1000.0, 2000.0, 4000.0]  # in the order taken
+    assert (r["time_us"], r["time_us_min"], r["time_us_max"]) == pytest.approx((2500.0, 1000.0, 4000.0))
+    assert r["time_us_p90"] == pytest.approx(4000.0)
+    assert r["algbw_gbps"] == pytest.approx(8000 / 0.0025 / 1e9)
+    assert (r["algbw_gbps_min"], r["algbw_gbps_max"]) == pytest.approx((8000 / 0.004 / 1e9, 8000 / 0.001 / 1e9))
+    assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * 1.5)  # 2(N-1)/N at N = 4
+    assert records.record("x", "noop", kind="reference", method="noop", workers=2, size_bytes=4,
+                          times_s=[1.0])["busbw_gbps"] == 0.0
+    with pytest.raises(ValueError, match="no timed iterations"):
+        records.record("x", "a", kind="regime", method="allreduce", workers=2, size_bytes=4, times_s=[])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        records.record("x", "a", kind="other", method="allreduce", workers=2, size_bytes=4, times_s=[1.0])
+    with pytest.raises(ValueError, match="would replace common ones"):
+        records.record("x", "a", kind="peer", method="allreduce", workers=2, size_bytes=4, times_s=[1.0], iters=3)
+    assert [records.method_of(u) for u in ("ring://", "allreduce://?backend=gloo", "ps://?shards=2", "local://")] \
+        == ["allreduce", "allreduce", "pushpull", "noop"]
+
+
+def test_ratio_lines_carry_the_interval_and_say_indistinguishable_around_one():
+    import re
+    v = verdict.compare("ddp", [2.0] * 6, "ring://", [1.0] * 6, paired=False)
+    line = records.ratio_line("ring:// / ddp step time", v)
+    assert line == "ring:// / ddp step time: 0.50x [0.50, 0.50], ring:// faster"
+    rng = np.random.default_rng(0)
+    x = rng.lognormal(0.0, 0.5, 30)
+    same = records.ratio_line("b / a", verdict.compare("a", x, "b", x * rng.lognormal(0.0, 0.5, 30), paired=False))
+    assert re.fullmatch(RATIO_LINE.format("b / a"), same) and same.endswith("indistinguishable on this machine")
+    assert records.goal_text(v, 0.4) == "goal >= 0.4x: meets" and records.goal_text(v, 0.6) == "goal >= 0.6x: misses"
+
+
+def test_each_case_compares_against_its_peer_in_the_ratio_it_names():
+    from bench import gpu_sweep, ps_rounds, train_step
+    rec = lambda case, name, times, **kw: records.record(case, name, kind="peer" if name in ("ddp", "rpc-default")
+                                                         else "regime", method="allreduce", workers=2, size_bytes=40,
+                                                         times_s=times, **kw)
+    steps = [rec("train-step", "ddp", [0.2] * 4), rec("train-step", "allreduce://", [0.1] * 4),
+             rec("train-step", "ps://", [0.3] * 4)]
+    got = {label: v.ratio for label, v in train_step.verdicts(steps, ["allreduce://", "ps://"])}
+    assert got == pytest.approx({"allreduce:// / ddp step time": 0.5, "ps:// / ddp step time": 1.5,
+                                 "ps:// / allreduce:// step time": 3.0})
+    rounds = [rec("ps-rounds", "ps-shm", [0.001, 0.003]), rec("ps-rounds", "rpc-default", [0.004, 0.004])]
+    (label, v, goal), = ps_rounds.verdicts(rounds)
+    assert (label, goal) == ("ps-shm / rpc-default rounds/s", 2.0) and v.ratio == pytest.approx(2.0)  # of the means
+    sweep = [rec("gpu-sweep", "ring://", [0.5] * 3, url="ring://", device="cuda"),
+             rec("gpu-sweep", "ring://", [0.4] * 3, url="ring://", device="cpu")]
+    (label, v), = gpu_sweep.verdicts(sweep)
+    assert label == f"ring:// {40 / 2**20:g} MiB CUDA / CPU algbw" and v.ratio == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("case", ["train-step", "ps-rounds", "gpu-sweep"])
+def test_each_case_is_a_subcommand_of_commlab_bench(case, capsys):
+    from bench.__main__ import main
+    with pytest.raises(SystemExit) as exc:
+        main([case, "--help"])
+    assert exc.value.code == 0
+    assert f"usage: commlab bench {case}" in capsys.readouterr().out
+
+
+def _case(tmp_path, *argv, timeout=240):
+    out = tmp_path / "case.json"
+    done = run_group([sys.executable, "-m", "commlab.cli", "bench", *argv, "--json", str(out)], timeout, argv[0],
+                     env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["case"] == argv[0] and doc["failures"] == []
+    for r in doc["records"]:
+        assert set(records.FIELDS) <= set(r) and r["case"] == argv[0], r
+        assert r["iters"] == len(r["samples_us"]) and r["time_us_min"] <= r["time_us"] <= r["time_us_max"]
+    return doc, done.stdout
+
+
+@pytest.mark.multiproc
+def test_train_step_runs_a_regime_beside_ddp_and_words_the_ratio(tmp_path):
+    import re
+    from workers.models import build_model
+    doc, stdout = _case(tmp_path, "train-step", "--model", "tiny", "--workers", "2", "--steps", "2", "--warmup", "0",
+                        "--rounds", "1", "--peers", "ddp", "--regimes", "allreduce://?backend=gloo")
+    by = {r["regime"]: r for r in doc["records"]}
+    assert sorted(by) == ["allreduce://?backend=gloo", "ddp"]
+    assert (by["ddp"]["kind"], by["ddp"]["url"], by["allreduce://?backend=gloo"]["kind"]) == ("peer", "", "regime")
+    params = sum(p.numel() for p in build_model("tiny", 0)[0].parameters())
+    for r in by.values():
+        assert (r["workers"], r["iters"], r["size_bytes"], r["method"]) == (2, 2, 4 * params, "allreduce")
+        assert r["step_ms"] == pytest.approx(r["time_us"] / 1e3)
+    assert by["allreduce://?backend=gloo"]["comm_ms"] is not None and by["ddp"]["comm_ms"] is None
+    (v,) = doc["verdicts"]
+    assert v["label"] == "allreduce://?backend=gloo / ddp step time" and v["lo"] <= v["ratio"] <= v["hi"]
+    assert re.search(RATIO_LINE.format(re.escape(v["label"])), stdout), stdout
+
+
+@pytest.mark.multiproc
+def test_ps_rounds_runs_ps_beside_rpc_and_words_the_goal_ratio(tmp_path):
+    import re
+    doc, stdout = _case(tmp_path, "ps-rounds", "--only", "ps-tcp", "rpc-uv-basic", "--rounds", "3", "--warmup", "1",
+                        "--repeats", "1", "--mib", "0.01", "--workers", "2")
+    by = {r["regime"]: r for r in doc["records"]}
+    assert (by["ps-tcp"]["kind"], by["rpc-uv-basic"]["kind"]) == ("regime", "peer")
+    for r in by.values():
+        assert (r["workers"], r["iters"], r["method"], r["count"]) == (2, 6, "pushpull", int(0.01 * 2**20) // 4)
+        # rounds/s = the sum over the workers of rounds / seconds; the samples are worker 0's rounds, then worker 1's
+        s = r["samples_us"]
+        assert r["rounds_per_s"] == pytest.approx(3e6 / sum(s[:3]) + 3e6 / sum(s[3:]), rel=1e-3)
+    (v,) = doc["verdicts"]
+    assert v["label"] == "ps-tcp / rpc-uv-basic rounds/s" and v["lo"] <= v["ratio"] <= v["hi"]
+    assert re.search(RATIO_LINE.format(re.escape(v["label"])) + r" \(goal >= 1.5x: ", stdout), stdout
+
+
+@pytest.mark.multiproc
+def test_gpu_sweep_dry_runs_on_cpu_tensors_in_the_same_records(tmp_path):
+    out = tmp_path / "sweep"
+    done = run_group([sys.executable, "-m", "commlab.cli", "bench", "gpu-sweep", "--devices", "cpu", "--regimes",
+                      "ring://", "--sizes-mib", "0.01", "--steps", "2", "--warmup", "0", "--out", str(out)], 180,
+                     "gpu-sweep", env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "gpu-dryrun-cpu.json").read_text())
+    (r,) = doc["records"]
+    assert set(records.FIELDS) <= set(r)
+    assert (r["case"], r["regime"], r["device"], r["iters"], r["size_bytes"]) == \
+        ("gpu-sweep", "ring://", "cpu", 2, int(0.01 * 2**20) // 4 * 4)
+    assert "| ring:// | regime | 2 |" in (out / "gpu-dryrun-cpu.md").read_text()
