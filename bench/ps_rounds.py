@@ -119,9 +119,11 @@ def rpc_rank(kind: str, numel: int, rounds: int, warmup: int, lr: float = 1e-6) 
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=120, init_method="env://",
-                                           **({"_transports": ["uv"], "_channels": ["basic"]}
-                                              if kind == "uv-basic" else {}))
+    if kind == "uv-basic":
+        opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=120, init_method="env://", _transports=["uv"],
+                                               _channels=["basic"])
+    else:
+        opts = rpc.TensorPipeRpcBackendOptions(rpc_timeout=120, init_method="env://")
     if rank == 0:
         _STATE.update(param=torch.zeros(numel), lock=threading.Lock())
         rpc.init_rpc("ps", rank=0, world_size=world, rpc_backend_options=opts)
