@@ -108,6 +108,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-probes", action="store_true", help="with 'all': skip the probes (heap faults, a killed rank)")
     g.add_argument("--workloads", default="charlm,resnet", type=workloads.names_arg,
                    help="with 'all': these examples under each regime afterwards (bench/workloads.py; 'none': skip)")
+    g.add_argument("--workloads-budget-s", type=float, default=workloads.BENCH_BUDGET_S,
+                   help="with 'all': the workloads start no job after this many seconds (default %(default)g)")
     return p
 
 
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
                                  "error": "the benchmark's time budget ran out before the probes"})
         if a.what == "all" and a.workloads and not any(f["status"] == "interrupted" for f in failures):
-            wl_results, wl_pngs = workloads.run_default(run_dir, workloads.BENCH_BUDGET_S, a.workers, a.workloads)
+            wl_results, wl_pngs = workloads.run_default(run_dir, a.workloads_budget_s, a.workers, names=a.workloads)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
         failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",

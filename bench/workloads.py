@@ -207,6 +207,7 @@ def _one(w: Workload, steps: int, label: str, url: str, cfg: WorkloadsConfig, ou
                        base + (w.reference(cfg.workers, w.batch_size) if local else ()), kind)
     need = max(10.0, max((x.seconds for x in before), default=0.0))
     if deadline - time.monotonic() < need:
+        progress and progress(f"{w.name} {label}: skipped (the workloads' time budget ran out)")
         return sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run")
     progress and progress(f"{w.name} {label}")
     o = sc.run_regime((str(ROOT / w.script),), regime, out / "workloads" / w.name, cfg.job_timeout)
@@ -301,7 +302,7 @@ def names_arg(text: str) -> list[str]:
     return names
 
 
-def run_default(run_dir: Path, budget_s: float, workers: int = 2, progress=None,
+def run_default(run_dir: Path, budget_s: float, workers: int = 2, *, progress=None,
                 names: list[str] | None = None) -> tuple[dict, dict]:
     """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under the default
     regimes; writes the files. Raises ValueError for an unknown workload name."""

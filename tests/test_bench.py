@@ -229,7 +229,7 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
             "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
             "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150",
-            "--workloads", "none"]
+            "--workloads", "charlm", "--workloads-budget-s", "0"]  # the workloads' phase, every run skipped
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # on SIGTERM the bench stops its jobs (each a session of its own, out of reach of a SIGKILL to
     # the bench's group) and deletes its namespaces: give it 5 s for that before the SIGKILL
@@ -244,6 +244,7 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
         assert what in report, (what, report[report.index("## Failed"):report.index("## Bandwidth")],
                                 (out / "logs" / "conv-gloo.log").read_text()[-2000:])
     assert "- gloo: step at N=3 / N=2: " in report and "oversubscribed" in report
+    assert "commlab bench: workload charlm gloo: skipped" in done.stderr
     for png in ("busbw.png", "convergence.png", "split.png", "scaling.png"):
         assert (out / png).stat().st_size > 10_000, png
     bw = json.loads((out / "bandwidth.json").read_text())
