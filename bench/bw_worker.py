@@ -45,7 +45,6 @@ import select
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -53,7 +52,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, rendezvous
+from commlab import launcher, rendezvous, scratch
 from commlab.config import ExchangerURL
 from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
@@ -358,7 +357,7 @@ class ZmqLink:
         keep_freed_memory()
         io_threads = RingOptions.io_threads
         self.net = Transport(io_threads=io_threads, sndbuf=RingOptions.sndbuf_kb * 1024 or None)
-        self.folder = tempfile.mkdtemp(prefix="commlab-bench-") if transport == "ipc" else None
+        self.folder = scratch.mkdtemp("bench") if transport == "ipc" else None
         where = f"ipc://{self.folder}/r{info.rank}" if self.folder else "tcp://127.0.0.1:0"
         self.pull = self.net.bind(zmq.PULL, where, io_thread=0)
         key = f"bench/zmq-{transport}/"

@@ -21,10 +21,10 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from commlab import scratch
 from bench.jobs import python, run_job, stop_groups, wait_all
 
 GRAD_BYTES = 64 * 2**20
@@ -50,7 +50,7 @@ print(json.dumps(counts))
 def heap_faults(timeout: float = 90.0) -> dict:
     """Page faults per backward, glibc's default heap against the kept one (12 backwards each)."""
     out = {"grad_bytes": GRAD_BYTES, "pages": GRAD_BYTES // 4096}
-    with tempfile.TemporaryDirectory(prefix="commlab-probe-") as tmp:
+    with scratch.folder("probe") as tmp:
         for mode in ("system", "keep"):
             log = Path(tmp) / f"{mode}.log"
             res = run_job([python(), "-c", FAULTS, mode], log, timeout)
@@ -101,7 +101,7 @@ def peer_loss(world: int = 3, victim: int = 1, timeout: float = 20.0, deadline: 
     from commlab.launcher import AGENT_STORE
 
     out = {"world": world, "victim": victim, "timeout_s": timeout, "survivors": {}}
-    with tempfile.TemporaryDirectory(prefix="commlab-probe-") as tmp:
+    with scratch.folder("probe") as tmp:
         ready = Path(tmp, "ready")
         ready.mkdir()
         # the rendezvous store, hosted here on port 0 as the launcher hosts it: every rank is a client.

@@ -35,11 +35,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 from bench import manifest
+from commlab import scratch
 from bench.text import fmt_us, human_bytes
 from bench.verdict import Verdict
 
@@ -166,7 +166,7 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
     from bench.jobs import last_error_line
     from commlab import launcher, metrics
 
-    with tempfile.TemporaryDirectory(prefix="commlab-case-") as tmp:
+    with scratch.folder("case") as tmp:
         base, logs = Path(tmp) / "metrics.jsonl", Path(tmp) / "logs"
         # the checkout's bench/ and workers/ for `python -m`, whichever directory we run from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))

@@ -32,12 +32,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from commlab import scratch
 from commlab.regimes.allreduce import nccl_version  # noqa: F401  (doctor reports it; the regime owns it)
 
 
@@ -191,7 +191,7 @@ def nccl_probe(timeout: float = 90.0, numel: int = PROBE_NUMEL) -> dict:
                 PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     base[launcher.AGENT_STORE] = "True"
     procs: list[launcher.Proc] = []
-    with tempfile.TemporaryDirectory(prefix="commlab-doctor-") as tmp:
+    with scratch.folder("doctor") as tmp:
         logs = [Path(tmp) / f"rank{r}.log" for r in range(world)]
         try:
             for r in range(world):

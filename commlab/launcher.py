@@ -36,7 +36,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from commlab import metrics, shm
+from commlab import scratch as scratch_dirs
 from commlab import store as store_mod
 from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
@@ -79,7 +79,7 @@ def server_plan(url: str, workers: int) -> Iterator[tuple[str, list[list[str]]]]
     def scratch() -> str:
         # made on first use: a tcp plan makes nothing that a killed launcher could leave behind
         if not made:
-            made.append(tempfile.mkdtemp(prefix=f"commlab-{parsed.scheme}-"))
+            made.append(scratch_dirs.mkdtemp(parsed.scheme))
         return made[0]
 
     try:
@@ -440,7 +440,8 @@ def _run(job: Job) -> int:
     started = time.monotonic()
     procs: list[Proc] = []
     with contextlib.ExitStack() as stack:
-        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="commlab-job-")))
+        scratch_dirs.sweep_stale()  # folders of launchers and ranks killed before they could remove them
+        scratch = Path(stack.enter_context(scratch_dirs.folder("job")))
         logs = Path(job.log_dir) if job.log_dir else scratch
         logs.mkdir(parents=True, exist_ok=True)
         metrics_base = job.metrics or str(scratch / "metrics.jsonl")

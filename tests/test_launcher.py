@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import commlab
-from commlab import launcher
+from commlab import launcher, scratch
 
 from conftest import child_env, run_group
 
@@ -133,11 +133,14 @@ def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
 @NEEDS_PROC_CHILDREN
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL leaves the launcher no chance to clean up: its ranks, each in a process group of its
-    own, must still go (the parent-death signal set by commlab/childexec.py)."""
+    own, must still go (the parent-death signal set by commlab/childexec.py), and the scratch folder
+    it leaves is removed by the next start's sweep (commlab.scratch)."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.Popen(_cli(["run", "--workers", "2", "--exchanger", "noop://", str(script)]), cwd=ROOT,
-                            env=child_env(), start_new_session=True, stdout=subprocess.DEVNULL,
+                            env=child_env(TMPDIR=tmp), start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     started: list[int] = []
     try:
@@ -145,6 +148,9 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
         proc.kill()
         proc.wait(30)
         assert not _gone(started), f"outlived their launcher: {started}"
+        left = sorted(str(p) for p in tmp.iterdir())
+        assert len(left) == 1 and Path(left[0]).name.startswith(f"commlab-job-{proc.pid}."), left
+        assert scratch.sweep_stale(str(tmp)) == left and not any(tmp.iterdir())
     finally:
         launcher.kill_groups([proc], grace=0)
         for pid in started:  # in their own process groups: not reached by kill_groups

@@ -80,7 +80,6 @@ import os
 import queue
 import shutil
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -90,7 +89,7 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import rendezvous, shm, wire
+from commlab import rendezvous, scratch, shm, wire
 from commlab.config import CommonOptions, option
 from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.exchanger import CollectiveExchanger
@@ -298,7 +297,8 @@ class RingExchanger(CollectiveExchanger):
         """The socket the left neighbour sends to (tcp or ipc), its address published in the store."""
         opts = self.options
         if kind == "ipc":
-            self._ipc_dir = tempfile.mkdtemp(prefix="commlab-ring-")
+            scratch.sweep_stale()  # socket folders of ranks killed before they could remove them
+            self._ipc_dir = scratch.mkdtemp("ring")
             where = f"ipc://{self._ipc_dir}/r{self.rank}"
         else:
             host = self._bind_host()
