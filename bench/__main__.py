@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--min-iters", type=int, default=5)
     g.add_argument("--max-iters", type=int, default=60)
     g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--launches", type=int, default=3,
+                   help="run the bandwidth job this many times, the iterations split between them; verdicts "
+                        "resample launches, then iterations (a launch's own spread is not the run-to-run spread)")
     g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,zmq-tcp,memcpy",
                    help="ceilings measured in the same turns as the regimes: " + ", ".join(R.CEILINGS))
     g = p.add_argument_group("convergence")
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.out or Path("runs") / started.strftime("%Y%m%dT%H%M%SZ"))
     run_dir.mkdir(parents=True, exist_ok=True)
     bw_cfg = bandwidth.BandwidthConfig(bw_names, a.workers, sizes, int(a.repeat_mb * 2**20), a.min_iters, a.max_iters,
-                                       a.warmup, ceilings) if a.what in ("all", "bandwidth") else None
+                                       a.warmup, ceilings, launches=max(1, a.launches)) \
+        if a.what in ("all", "bandwidth") else None
     cv_cfg = convergence.ConvergenceConfig(cv_names, a.workers, a.model, a.steps, a.batch_size, a.lr, a.seed,
                                            a.eval_every, a.target_acc) if a.what in ("all", "convergence") else None
     # scaling trains the same workload for a few steps (evaluation only at the end)

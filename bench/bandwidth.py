@@ -26,7 +26,9 @@ float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -134,6 +136,7 @@ class BandwidthConfig:
     warmup: int = 2
     ceilings: tuple[str, ...] = ("tcp-oneway", "tcp-duplex", "memcpy")
     job_timeout: float = 900.0  # one job holds every case and size: the budget is what bounds it
+    launches: int = 3  # each job runs this many times, the iterations split between them (bench.verdict: launches)
     corrupt: bool = False  # tests: shift one reference element, the wrong column must show it
 
 
@@ -181,19 +184,76 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
     records, facts = [], {}
     (run_dir / "raw").mkdir(parents=True, exist_ok=True)
     jobs, failures = plan(cfg, links)
-    bar = progress(total=len(jobs), desc="bandwidth", unit="job") if progress else None
+    launches = max(1, cfg.launches)
+    # each launch gets its share of the iterations: the run moves as many bytes as one launch would
+    per = dataclasses.replace(cfg, repeat_bytes=math.ceil(cfg.repeat_bytes / launches),
+                              max_iters=max(2, math.ceil(cfg.max_iters / launches)),
+                              min_iters=max(2, math.ceil(cfg.min_iters / launches)))
+    bar = progress(total=len(jobs) * launches, desc="bandwidth", unit="job") if progress else None
     try:
-        for i, (cases, sizes) in enumerate(jobs):
-            if bar:
-                bar.set_postfix_str(",".join(c["name"] for c in cases))
-            _run_job(cfg, cases, sizes, f"bw{i}", run_dir, budget, links, records, failures, facts)
-            bar and bar.update(1)
+        for launch in range(launches):  # launch by launch, every job in each: drift spreads over all
+            for i, (cases, sizes) in enumerate(jobs):
+                if launch:  # the cases that measured something in the first launch; a failure is reported once
+                    ran = {r["regime"] for r in records if str(r.get("job", "")).split("-")[0] == f"bw{i}"}
+                    cases = [c for c in cases if c["name"] in ran]
+                    if not cases:
+                        continue
+                if bar:
+                    bar.set_postfix_str(f"launch {launch + 1}/{launches}: " + ",".join(c["name"] for c in cases))
+                seen = len(failures)
+                _run_job(per, cases, sizes, f"bw{i}" + (f"-l{launch}" if launches > 1 else ""), run_dir, budget,
+                         links, records, failures, facts)
+                if launch:  # a case that fails again: one line of the first launch's is enough
+                    known = {(f["regime"], f["status"]) for f in failures[:seen]}
+                    failures[seen:] = [f for f in failures[seen:] if (f["regime"], f["status"]) not in known]
+                bar and bar.update(1)
     except KeyboardInterrupt:
         failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
                          "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
     if bar:
         bar.close()
-    return records, failures, facts
+    return merge_launches(records), failures, facts
+
+
+def merge_launches(records: list[dict]) -> list[dict]:
+    """One record per (regime, size, workers) from the records of its launches (``job`` ``bwI-lL``):
+    the samples of launch 0, then 1, ... in ``samples_us``, their counts in ``launch_sizes`` (what
+    :mod:`bench.verdict` resamples launch by launch), ``wrong`` summed, ``job`` the job without its
+    launch. Records of one launch pass through unchanged."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["regime"], r["size_bytes"], r["workers"]), []).append(r)
+    out = []
+    for parts in groups.values():
+        if len(parts) == 1 and "-l" not in str(parts[0].get("job", "")):
+            out.append(parts[0])
+            continue
+        first = parts[0]
+        job = str(first.get("job", "")).split("-l")[0]
+        times = [us * 1e-6 for p in parts for us in p["samples_us"]]
+        cpus = [p["cpu_us"] for p in parts if p.get("cpu_us") is not None]
+        merged = summarize(first["regime"], first["url"], first["kind"], first["method"], first["workers"],
+                           {"size_bytes": first["size_bytes"], "warmup": first["warmup"], "job": job}, times,
+                           sum(p["wrong"] for p in parts), first["link"])
+        merged["cpu_us"] = statistics.median(cpus) if cpus else None
+        merged["launch_sizes"] = [len(p["samples_us"]) for p in parts]
+        merged["launch_jobs"] = [p.get("job") for p in parts]
+        out.append(merged)
+    return out
+
+
+def launch_groups(records: list[dict]) -> list[list[list[float]]]:
+    """Per record of several launches, its samples launch by launch (for :func:`bench.verdict.launch_sigma`)."""
+    groups = []
+    for r in records:
+        sizes = r.get("launch_sizes") or []
+        if len(sizes) >= 2 and not r.get("wrong") and r.get("method") != "noop":
+            at, parts = 0, []
+            for n in sizes:
+                parts.append(r["samples_us"][at:at + n])
+                at += n
+            groups.append(parts)
+    return groups
 
 
 def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, facts) -> None:

@@ -90,7 +90,7 @@ def link_goodput(links: Links, out: Path) -> tuple[float, str]:
     (the bench's ``tcp-duplex`` ceiling between hosts 0 and 1, 16 MiB each way); the tc rate times
     TCP's framing share if that measurement fails."""
     cfg = bandwidth.BandwidthConfig([], 2, [16 * 2**20], repeat_bytes=96 * 2**20, min_iters=3, max_iters=6,
-                                    warmup=1, ceilings=("tcp-duplex",), job_timeout=90)
+                                    warmup=1, ceilings=("tcp-duplex",), job_timeout=90, launches=1)
     recs, _, _ = bandwidth.run(cfg, out / f"link-{links.rate}", bandwidth.Budget.of(120), links)
     dup = [r for r in recs if r["regime"] == "tcp-duplex"]
     if dup:

@@ -29,7 +29,7 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
     if not records:
         return None
     from bench import verdict
-    from bench.report import _paired
+    from bench.report import _clusters, _paired
 
     peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and r.get("samples_us")}
     fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(19 if peers else 13, 5))
@@ -60,7 +60,8 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
                           label=label, **style)
         if peers and name != peer and rs[0]["method"] not in ("noop", "memcpy"):
             pts = [(r["size_bytes"], verdict.compare(name, r["samples_us"], peer, peers[r["size_bytes"]]["samples_us"],
-                                                     paired=_paired([r, peers[r["size_bytes"]]])))
+                                                     paired=_paired([r, peers[r["size_bytes"]]]),
+                                                     clusters=_clusters([r, peers[r["size_bytes"]]])))
                    for r in rs if r["size_bytes"] in peers and not r["wrong"]]
             if pts:
                 axes[2].errorbar([p for p, _ in pts], [v.ratio for _, v in pts],

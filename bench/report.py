@@ -6,10 +6,12 @@ Every figure here is read from the records this run wrote (``bandwidth.json``,
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
 from bench import plots, verdict
+from bench.bandwidth import launch_groups
 from bench.records import bus_factor
 from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes
@@ -68,7 +70,13 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
 
 def _paired(rs: list[dict]) -> bool:
     """Records whose samples were taken turn by turn in one job: sample i of each, the same seconds."""
-    return len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
+    return (len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
+            and len({tuple(r.get("launch_sizes") or ()) for r in rs}) == 1)
+
+
+def _clusters(rs: list[dict]):
+    """The launches paired records' samples came from (None: one launch, or not paired)."""
+    return rs[0].get("launch_sizes") if _paired(rs) else None
 
 
 def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
@@ -78,7 +86,8 @@ def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
             and not r["wrong"] and r.get("samples_us")]
     if len(real) < 2:
         return []
-    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real))
+    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
+                                clusters=_clusters(real))
 
 
 def bandwidth_verdict(records: list[dict]) -> list[str]:
@@ -140,7 +149,7 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
                 row.append("—")
                 continue
             v = verdict.compare(name, r["samples_us"], peer, peers[size]["samples_us"],
-                                paired=_paired([r, peers[size]]))
+                                paired=_paired([r, peers[size]]), clusters=_clusters([r, peers[size]]))
             row.append(f"{'≈ ' if v.winner is None else ''}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
         rows.append(row)
     return ([f"### Against {peer}: busbw / {peer}'s busbw (= {peer}'s time / the regime's), 95% interval", "",
@@ -150,7 +159,7 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
             + _table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
 
-def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[str]:
+def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0) -> list[str]:
     out = ["## Convergence", ""]
     if not summaries:
         return out + ["Not measured in this run.", ""]
@@ -187,8 +196,8 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict) -> list[st
                    "exposed comm ms", "max abs test-loss diff vs local"], rows)
     out += ["", "### Do the synchronous regimes reproduce local:// on the combined batch?", ""]
     out += sync_check(summaries) + [""]
-    out += ["### Verdict: fastest to accuracy", ""] + accuracy_verdict(summaries, cfg["target_acc"]) + [""]
-    out += ["### Verdict: the cost of staleness", ""] + staleness_verdict(summaries) + [""]
+    out += ["### Verdict: fastest to accuracy", ""] + accuracy_verdict(summaries, cfg["target_acc"], sigma) + [""]
+    out += ["### Verdict: the cost of staleness", ""] + staleness_verdict(summaries, sigma) + [""]
     if pngs.get("staleness"):
         out += [f"![staleness histogram]({pngs['staleness'].name})", ""]
     out += ["### Step time: compute against exposed communication", "",
@@ -224,7 +233,7 @@ def sync_check(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def accuracy_verdict(summaries: list[dict], target: float) -> list[str]:
+def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -> list[str]:
     """Who reached the target first, with intervals: time to target = steps to target x the mean step
     time, bootstrapped over each regime's steps (unpaired: each regime ran as a job of its own)."""
     cands = [s for s in summaries if s["kind"] != "floor"]
@@ -233,7 +242,8 @@ def accuracy_verdict(summaries: list[dict], target: float) -> list[str]:
     if hit:
         samples = {s["regime"]: s["step_s_samples"] for s in hit}
         scales = {s["regime"]: s["steps_to_target"] for s in hit}
-        vs = verdict.against_best(samples, paired=False, stat="mean", scales=scales)
+        vs = verdict.against_best(samples, paired=False, stat="mean", scales=scales,
+                                  launch_sigma=sigma)
         best = next(s for s in hit if s["regime"] == (vs[0].a if vs else hit[0]["regime"]))
         lines.append(f"- Estimated time to {target:.0%} test accuracy = steps to target x mean step time (rank 0). "
                      f"Best: {best['regime']}, step {best['steps_to_target']}, about "
@@ -262,7 +272,7 @@ def _bound(url: str) -> int | None:
     return int(q["staleness"][0]) if "ssp" in q.get("mode", [""]) and "staleness" in q else None
 
 
-def staleness_verdict(summaries: list[dict]) -> list[str]:
+def staleness_verdict(summaries: list[dict], sigma: float = 0.0) -> list[str]:
     asyncs = [s for s in summaries if s["kind"] == "async"]
     if not asyncs:
         return ["- No asynchronous regime ran in this run (see the failed/unavailable list), so its cost is not "
@@ -282,7 +292,7 @@ def staleness_verdict(summaries: list[dict]) -> list[str]:
             text += f" ({s['final_test_loss'] - base['final_test_loss']:+.4f} against {base['regime']})"
             if s.get("step_s_samples") and base.get("step_s_samples"):
                 v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"],
-                                    paired=False)
+                                    paired=False, launch_sigma=sigma)
                 text += f"; step time: {v.text()}"
         if s.get("staleness"):
             text += f". Version gap (server updates between pull and apply): {_stale_stats(s['staleness'])}"
@@ -299,7 +309,8 @@ def staleness_verdict(summaries: list[dict]) -> list[str]:
     return lines
 
 
-def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus: int | None) -> list[str]:
+def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus: int | None,
+                    sigma: float = 0.0) -> list[str]:
     out = ["## Scaling with N", ""]
     if not points:
         return out + ["Not measured in this run.", ""]
@@ -319,7 +330,7 @@ def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus
         ps = sorted((p for p in points if p["regime"] == name), key=lambda p: p["workers"])
         for a, b in zip(ps, ps[1:]):
             v = verdict.compare(f"N={a['workers']}", a["step_s_samples"], f"N={b['workers']}", b["step_s_samples"],
-                                paired=False)
+                                paired=False, launch_sigma=sigma)
             out.append(f"- {name}: step at N={b['workers']} / N={a['workers']}: {1 / v.ratio:.2f}x "
                        f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]" + (" (indistinguishable)" if v.winner is None else ""))
     out.append("")
@@ -343,7 +354,7 @@ def _short(v: verdict.Verdict) -> str:
     return f"{v.a} {sign} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
 
 
-def glance(records: list[dict], summaries: list[dict]) -> list[str]:
+def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> list[str]:
     """Every verdict of the run on one line each, ``A > B`` (A faster) or ``A ≈ B`` (indistinguishable),
     with the ratio and its 95% interval: what to compare between runs."""
     out = []
@@ -354,12 +365,13 @@ def glance(records: list[dict], summaries: list[dict]) -> list[str]:
     hit = [s for s in summaries if s["kind"] != "floor" and s["time_to_target_s"] is not None and s.get("step_s_samples")]
     if len(hit) > 1:
         vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
-                                  scales={s["regime"]: s["steps_to_target"] for s in hit})
+                                  scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma)
         out.append("- time to target: " + "; ".join(_short(v) for v in vs))
     base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
     for s in summaries:
         if base and s["kind"] == "async" and s.get("step_s_samples") and base.get("step_s_samples"):
-            v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"], paired=False)
+            v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"], paired=False,
+                                launch_sigma=sigma)
             out.append(f"- step time {s['regime']} vs {base['regime']}: {_short(v)}")
     return out
 
@@ -403,14 +415,20 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            + ", ".join(f"`{n}`" for n in ("bandwidth.json", "convergence.json", "scaling.json", "probes.json")
                        if (run_dir / n).exists())
            + ", `raw/`, `manifest.json`.", ""]
-    at_a_glance = glance(records, summaries)
+    # the spread between launches of one regime, from the bandwidth phase's launches: training jobs run
+    # one launch each, so their comparisons carry it as a random launch effect (bench.verdict)
+    sigma = verdict.launch_sigma(launch_groups(records))
+    at_a_glance = glance(records, summaries, sigma)
     if at_a_glance:
         out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
-                "indistinguishable on this machine. Details in the sections below.", ""] + at_a_glance + [""]
+                "indistinguishable on this machine. Bandwidth intervals resample the run's launches, then the "
+                "iterations within each; training comparisons (one launch per regime) add the spread between "
+                f"launches measured here (sd of log medians {sigma:.3f}, i.e. x{math.exp(sigma):.2f}). "
+                "Details in the sections below.", ""] + at_a_glance + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
-    out += convergence_section(summaries, cv_cfg, pngs) if cv_cfg else ["## Convergence", "", "Not run.", ""]
-    out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus")) \
+    out += convergence_section(summaries, cv_cfg, pngs, sigma) if cv_cfg else ["## Convergence", "", "Not run.", ""]
+    out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus"), sigma) \
         if sc_cfg else ["## Scaling with N", "", "Not run.", ""]
     out += probes_section(probes or {})
     if records:  # the planner's "at scale" section, from this run's bandwidth records (docs/plan.md)

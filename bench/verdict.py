@@ -11,6 +11,16 @@ report written twice from the same records says the same thing.
 - **Unpaired** otherwise (each regime's training run is a job of its own): A and B are resampled
   independently.
 
+- **Launches.** A benchmark process started again runs differently (where its threads land, how
+  its memory is laid out): on this machine one regime's median moved 1.4x between two launches while
+  its iterations within each launch agreed. An interval from one launch's samples misses that
+  spread, so the same question got a winner in one run and none in the next. Two remedies:
+  samples from several launches (``clusters``: how many consecutive samples each launch gave,
+  the same for both sides when paired) are resampled in two stages, launches with replacement and
+  then iterations within each; and comparisons of regimes that ran one launch each (training jobs)
+  take ``launch_sigma``, the spread of log medians between launches measured in the same run
+  (:func:`launch_sigma`), as a random launch effect on each side of the ratio.
+
 The verdict names a winner only when the whole interval lies on one side of 1.0; otherwise the
 two are "indistinguishable on this machine". Equal samples give the interval [1, 1] (paired) or
 one around 1 (unpaired), so they never name a winner.
@@ -89,12 +99,55 @@ def _stat(x: np.ndarray, stat: str, axis=None):
     raise ValueError(f"stat must be 'median' or 'mean', got {stat!r}")
 
 
+def _draw(rng, n: int, clusters, resamples: int) -> np.ndarray:
+    """Indices of ``resamples`` bootstrap samples of ``n``: iid, or two-stage over ``clusters`` (sizes)."""
+    if not clusters or len(clusters) < 2:
+        return rng.integers(0, n, size=(resamples, n))
+    sizes = np.asarray(clusters, dtype=np.int64)
+    if sizes.sum() != n or np.any(sizes <= 0):
+        raise ValueError(f"clusters {list(clusters)} do not add up to the {n} samples")
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    out = np.empty((resamples, n), dtype=np.int64)
+    picks = rng.integers(0, len(sizes), size=(resamples, len(sizes)))
+    for i in range(resamples):
+        parts = [starts[c] + rng.integers(0, sizes[c], size=sizes[c]) for c in picks[i]]
+        row = np.concatenate(parts)
+        out[i] = row[:n] if row.size >= n else np.resize(row, n)
+    return out
+
+
+def launch_sigma(groups, *, seed: int = SEED, resamples: int = 200) -> float:
+    """The spread of a regime's median between launches, from ``groups`` (each: one regime and
+    size's per-launch sample lists): the pooled variance of the launches' log medians less what the
+    sampling of each median alone explains (its bootstrap variance), as a standard deviation. 0.0
+    without a group of two or more launches, or where sampling explains all the spread."""
+    rng = np.random.default_rng(seed)
+    between, within, dof, count = 0.0, 0.0, 0, 0
+    for launches in groups:
+        xs = [np.asarray(x, dtype=np.float64) for x in launches if len(x)]
+        if len(xs) < 2:
+            continue
+        meds = np.log([np.median(x) for x in xs])
+        between += float(np.sum((meds - meds.mean()) ** 2))
+        dof += len(xs) - 1
+        for x in xs:
+            boot = np.log(np.median(x[rng.integers(0, x.size, size=(resamples, x.size))], axis=1))
+            within += float(np.var(boot, ddof=1))
+            count += 1
+    if not dof:
+        return 0.0
+    return float(np.sqrt(max(0.0, between / dof - within / count)))
+
+
 def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAMPLES, seed: int = SEED,
-             level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0) -> tuple[float, float, float]:
+             level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0, clusters=None,
+             launch_sigma: float = 0.0) -> tuple[float, float, float]:
     """``(ratio, lo, hi)`` of ``scale_b * stat(b) / (scale_a * stat(a))`` with a percentile bootstrap interval.
 
     ``scale_*`` turn a per-sample statistic into a total (time to a target = steps x mean step time).
-    Paired samples must have equal lengths. Raises ValueError on empty samples or non-positive data.
+    Paired samples must have equal lengths. ``clusters`` (paired only): the sizes of the launches
+    the samples came from, in order; ``launch_sigma``: a launch-to-launch spread to add where each
+    side is one launch (module text). Raises ValueError on empty samples or non-positive data.
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.size == 0 or b.size == 0:
@@ -107,9 +160,13 @@ def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAM
         raise ValueError(f"level must be in (0, 1), got {level}")
     ratio = float(scale_b * _stat(b, stat) / (scale_a * _stat(a, stat)))
     rng = np.random.default_rng(seed)
-    ia = rng.integers(0, a.size, size=(resamples, a.size))
+    if clusters and not paired:
+        raise ValueError("clusters are for paired samples (both sides from the same launches)")
+    ia = _draw(rng, a.size, clusters, resamples)
     ib = ia if paired else rng.integers(0, b.size, size=(resamples, b.size))
     boot = (scale_b * _stat(b[ib], stat, axis=1)) / (scale_a * _stat(a[ia], stat, axis=1))
+    if launch_sigma > 0:  # one launch each side: each carries its own launch effect
+        boot = boot * np.exp(rng.normal(0.0, launch_sigma * np.sqrt(2.0), size=resamples))
     tail = (1 - level) / 2
     lo, hi = np.quantile(boot, [tail, 1 - tail])
     return ratio, float(lo), float(hi)
@@ -128,15 +185,16 @@ def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: f
 
 
 def compare(a_name: str, a, b_name: str, b, *, paired: bool, stat: str = "median", seed: int = SEED,
-            resamples: int = RESAMPLES, level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0) -> Verdict:
+            resamples: int = RESAMPLES, level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0,
+            clusters=None, launch_sigma: float = 0.0) -> Verdict:
     """Which of two regimes is faster, from their samples (lower is better): see the module's text."""
     ratio, lo, hi = interval(a, b, paired=paired, stat=stat, resamples=resamples, seed=seed, level=level,
-                             scale_a=scale_a, scale_b=scale_b)
+                             scale_a=scale_a, scale_b=scale_b, clusters=clusters, launch_sigma=launch_sigma)
     return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level)
 
 
 def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,
-                 scales: dict[str, float] | None = None) -> list[Verdict]:
+                 scales: dict[str, float] | None = None, clusters=None, launch_sigma: float = 0.0) -> list[Verdict]:
     """The regime with the best statistic against each of the others, best first in every verdict's
     ``a`` (before orientation). Empty for fewer than two regimes."""
     scales = scales or {}
@@ -146,4 +204,5 @@ def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "
     order = sorted(samples, key=total)
     best = order[0]
     return [compare(best, samples[best], other, samples[other], paired=paired, stat=stat, seed=seed,
-                    scale_a=scales.get(best, 1.0), scale_b=scales.get(other, 1.0)) for other in order[1:]]
+                    scale_a=scales.get(best, 1.0), scale_b=scales.get(other, 1.0), clusters=clusters,
+                    launch_sigma=launch_sigma) for other in order[1:]]

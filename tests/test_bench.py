@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def tiny_bw(regimes, **kw) -> bandwidth.BandwidthConfig:
     return bandwidth.BandwidthConfig(regimes, workers=2, sizes=[4096, 12], repeat_bytes=0, min_iters=3, max_iters=3,
-                                     warmup=1, ceilings=(), job_timeout=60, **kw)
+                                     warmup=1, ceilings=(), job_timeout=60, **{"launches": 1, **kw})
 
 
 # ----- one process: the check's arithmetic --------------------------------------------------------
@@ -163,6 +163,57 @@ def test_equal_samples_never_name_a_winner(seed, paired):
             assert v.lo == v.hi == 1.0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_launches_widen_the_interval_only_when_they_disagree(seed):
+    """Two regimes 10% apart in every iteration of launches 0 and 2, while in launch 1 a's median is
+    1.5x its usual: iid over iterations names a; resampled launch by launch, the launch that
+    disagrees makes it indistinguishable. Launches that agree keep the winner; equal samples never
+    name one; the launch spread is ~0 for launches that agree and near the truth otherwise."""
+    rng = np.random.default_rng(seed)
+    noise = lambda n: 1 + 0.05 * rng.random(n)
+    b = np.concatenate([1.1 * noise(20) for _ in range(3)])
+    a_agree = np.concatenate([noise(20) for _ in range(3)])
+    a_off = np.concatenate([noise(20), 1.5 * noise(20), noise(20)])
+    sizes = [20, 20, 20]
+    assert verdict.compare("a", a_off, "b", b, paired=True, seed=seed).winner == "a"
+    v = verdict.compare("a", a_off, "b", b, paired=True, seed=seed, clusters=sizes)
+    assert v.winner is None and v.lo < 1.0 < v.hi, v
+    assert verdict.compare("a", a_agree, "b", b, paired=True, seed=seed, clusters=sizes).winner == "a"
+    v = verdict.compare("a", a_off, "b", a_off.copy(), paired=True, seed=seed, clusters=sizes)
+    assert v.winner is None and v.lo == v.hi == 1.0
+    with pytest.raises(ValueError, match="add up"):
+        verdict.compare("a", a_off, "b", b, paired=True, clusters=[20, 20])
+    with pytest.raises(ValueError, match="paired"):
+        verdict.compare("a", a_off, "b", b, paired=False, clusters=sizes)
+    agree = [[noise(40) for _ in range(3)] for _ in range(6)]
+    assert verdict.launch_sigma(agree) < 0.01
+    shifted = [[np.exp(m) * noise(40) for m in rng.normal(0, 0.2, 3)] for _ in range(30)]
+    assert 0.12 < verdict.launch_sigma(shifted) < 0.3
+    # one launch each side: the launch effect widens the interval around the same ratio
+    x, y = noise(60), 1.1 * noise(60)
+    plain = verdict.compare("x", x, "y", y, paired=False, seed=seed)
+    wide = verdict.compare("x", x, "y", y, paired=False, seed=seed, launch_sigma=0.2)
+    assert plain.winner == "x" and wide.winner is None and wide.ratio == plain.ratio
+    assert wide.lo < plain.lo and wide.hi > plain.hi
+
+
+def test_merged_launches_keep_every_sample_in_launch_order():
+    def rec(job, times, wrong=0):
+        return bandwidth.summarize("gloo", "allreduce://?backend=gloo", "regime", "allreduce", 2,
+                                   {"size_bytes": 4096, "warmup": 2, "job": job}, times, wrong, "loopback", [1e-6])
+    parts = [rec("bw0-l0", [1e-3, 2e-3]), rec("bw0-l1-1", [3e-3, 4e-3, 5e-3], wrong=1), rec("bw0-l2", [6e-3])]
+    single = rec("bw1", [7e-3])
+    merged = bandwidth.merge_launches(parts + [dict(single, regime="ring-tcp")])
+    m = next(r for r in merged if r["regime"] == "gloo")
+    assert m["samples_us"] == [1000.0, 2000.0, 3000.0, 4000.0, 5000.0, 6000.0] and m["launch_sizes"] == [2, 3, 1]
+    assert m["job"] == "bw0" and m["wrong"] == 1 and m["iters"] == 6 and m["time_us"] == pytest.approx(3500.0)
+    assert m["launch_jobs"] == ["bw0-l0", "bw0-l1-1", "bw0-l2"]
+    assert next(r for r in merged if r["regime"] == "ring-tcp")["samples_us"] == [7000.0]
+    assert bandwidth.launch_groups(merged) == []  # a wrong result's times do not count
+    assert [[list(p) for p in g] for g in bandwidth.launch_groups([dict(m, wrong=0)])] == [[[1000.0, 2000.0],
+                                                                             [3000.0, 4000.0, 5000.0], [6000.0]]]
+
+
 def test_verdicts_against_the_best_and_their_arguments():
     vs = verdict.against_best({"slow": [3.0] * 5 + [3.1] * 5, "fast": [1.0] * 5 + [1.1] * 5,
                                "mid": [2.0] * 5 + [2.1] * 5}, paired=True)
@@ -270,7 +321,7 @@ def test_capped_links_carry_tcp_and_vanish(tmp_path):
         return [l for l in listed.splitlines() if l.split()[0] in {f"{tag}hub", f"{tag}h0", f"{tag}h1"}]
     with links.Links(2, "200mbit", tag=tag) as ls:
         assert len(ours()) == 3
-        cfg = bandwidth.BandwidthConfig(["gloo"], 2, [65536], 0, 3, 3, 1, ("tcp-oneway",), 60)
+        cfg = bandwidth.BandwidthConfig(["gloo"], 2, [65536], 0, 3, 3, 1, ("tcp-oneway",), 60, launches=1)
         recs, failures, _ = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(120), links=ls)
     assert ours() == []
     assert failures == []
@@ -327,9 +378,10 @@ def test_a_training_run_that_fails_is_reported_and_the_reference_still_runs(tmp_
 def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
     """Three ranks: gloo, two rings, a parameter server and the ceilings in one job, taking turns on each
     size (every rank must pick the same order, or a collective would pair with the wrong one and hang or
-    sum wrong); sample i of every record comes from the same turn."""
+    sum wrong); sample i of every record comes from the same turn. Two launches of the job, two
+    iterations each: every record has both, launch by launch."""
     cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ring-ipc", "ps-1"], 3, [4096, 3 << 20], repeat_bytes=0,
-                                    min_iters=4, max_iters=4, warmup=1,
+                                    min_iters=4, max_iters=4, warmup=1, launches=2,
                                     ceilings=("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"))
     recs, failures, facts = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(240))
     assert failures == []
@@ -337,7 +389,8 @@ def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
     assert sorted((r["regime"], r["size_bytes"]) for r in recs) == sorted((n, s) for n in names for s in cfg.sizes)
     assert [r["regime"] for r in recs if (r["wrong"], r["iters"], len(r["samples_us"]), r["workers"]) != (0, 4, 4, 3)] \
         == [], [(r["regime"], r["size_bytes"], r["wrong"], r["iters"]) for r in recs]
-    assert {r["job"] for r in recs} == {"bw0"}  # one job, one set of processes
+    assert {r["job"] for r in recs} == {"bw0"}  # one job, one set of processes per launch
+    assert all(r["launch_sizes"] == [2, 2] and r["launch_jobs"] == ["bw0-l0", "bw0-l1"] for r in recs), recs[0]
     assert all(r["time_us_min"] <= r["time_us"] <= r["time_us_max"] for r in recs)
     assert {"ring-tcp", "gloo"} <= set(facts)
 
