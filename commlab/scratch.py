@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from commlab.shm import owner_alive, start_time
+from commlab.shm import orphans, start_time
 
 NAME = re.compile(r"commlab-(?P<kind>[a-z0-9]+)-(?P<pid>\d+)\.(?P<start>\d+)-[a-z0-9_]+")
 
@@ -43,17 +43,8 @@ def folder(kind: str, directory: str | None = None) -> Iterator[str]:
 def sweep_stale(directory: str | None = None) -> list[str]:
     """Remove the scratch folders in ``directory`` (default ``$TMPDIR``) whose owner is gone; the
     paths removed. Safe to run in any number of processes at once."""
-    directory = directory or tempfile.gettempdir()
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = NAME.fullmatch(name)
-        if m is None or owner_alive(int(m["pid"]), int(m["start"])):
-            continue
-        path = os.path.join(directory, name)
+    for path in orphans(directory or tempfile.gettempdir(), NAME):
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
             removed.append(path)

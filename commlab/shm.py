@@ -80,19 +80,26 @@ def path_for(run: str, what: str, directory: str = SHM_DIR) -> str:
     return os.path.join(directory, f"commlab-{run}-{pid}.{start_time(pid)}-{what}")
 
 
+def orphans(directory: str, pattern: re.Pattern) -> list[str]:
+    """The paths in ``directory`` whose names match ``pattern`` (groups ``pid`` and ``start``: the
+    owner) and whose owner process is gone. Names that do not match are never listed."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is not None and not owner_alive(int(m["pid"]), int(m["start"])):
+            found.append(os.path.join(directory, name))
+    return found
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove the entries in ``directory`` whose owner process is gone; the paths removed.
     Safe to call from any number of processes at once (a lost race is a missing file)."""
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = NAME.fullmatch(name)
-        if m is None or owner_alive(int(m["pid"]), int(m["start"])):
-            continue
-        path = os.path.join(directory, name)
+    for path in orphans(directory, NAME):
         try:
             os.unlink(path)
             removed.append(path)
