@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -207,6 +208,15 @@ FULL_ONLY = {
     "test_ps.py::test_sync_matches_one_process_on_the_combined_batch":  # shm: test_ps_update's user loop
         lambda p: p["sync_runs"] == "shm",
 }
+
+
+def pytest_configure(config):
+    # A shell without job control starts a background command with SIGINT ignored, and children
+    # inherit an ignored signal across exec: the Ctrl-C tests' programs would then never see their
+    # SIGINT (a suite started with `make test &` failed exactly those). Python's own handler is reset
+    # to the default on exec, so the programs the tests start get Ctrl-C as in a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
