@@ -90,6 +90,15 @@ def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
                                 clusters=_clusters(real))
 
 
+def size_pairs(records: list[dict], size: int) -> list[verdict.Verdict]:
+    """Every pair of regimes at ``size``, in the order the run listed them (the same lines in every
+    run, whichever is fastest), from records with samples and no wrong result."""
+    real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
+            and not r["wrong"] and r.get("samples_us")]
+    return verdict.pairs({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
+                         clusters=_clusters(real)) if len(real) > 1 else []
+
+
 def bandwidth_verdict(records: list[dict]) -> list[str]:
     lines = []
     wrong = [r for r in records if r["wrong"]]
@@ -359,13 +368,20 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> li
     with the ratio and its 95% interval: what to compare between runs."""
     out = []
     for size in sorted({r["size_bytes"] for r in records}):
-        vs = size_verdicts(records, size)
+        vs = size_pairs(records, size)
         if vs:
             out.append(f"- bandwidth {human_bytes(size)}: " + "; ".join(_short(v) for v in vs))
     hit = [s for s in summaries if s["kind"] != "floor" and s["time_to_target_s"] is not None and s.get("step_s_samples")]
     if len(hit) > 1:
-        vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
-                                  scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma)
+        # against the one-process reference where it ran (the same lines in every run), else the best
+        ref = next((s for s in hit if s["kind"] == "reference"), None)
+        if ref is None:
+            vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
+                                      scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma)
+        else:
+            vs = [verdict.compare(ref["regime"], ref["step_s_samples"], s["regime"], s["step_s_samples"], paired=False,
+                                  stat="mean", scale_a=ref["steps_to_target"], scale_b=s["steps_to_target"],
+                                  launch_sigma=sigma) for s in hit if s is not ref]
         out.append("- time to target: " + "; ".join(_short(v) for v in vs))
     base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
     for s in summaries:
@@ -417,13 +433,16 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
            + ", `raw/`, `manifest.json`.", ""]
     # the spread between launches of one regime, from the bandwidth phase's launches: training jobs run
     # one launch each, so their comparisons carry it as a random launch effect (bench.verdict)
-    sigma = verdict.launch_sigma(launch_groups(records))
+    measured = verdict.launch_sigma(launch_groups(records))
+    sigma = verdict.spread(measured)
     at_a_glance = glance(records, summaries, sigma)
     if at_a_glance:
         out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
                 "indistinguishable on this machine. Bandwidth intervals resample the run's launches, then the "
                 "iterations within each; training comparisons (one launch per regime) add the spread between "
-                f"launches measured here (sd of log medians {sigma:.3f}, i.e. x{math.exp(sigma):.2f}). "
+                f"launches (sd of log medians {sigma:.3f}, i.e. x{math.exp(sigma):.2f}: measured here {measured:.3f}, "
+                f"never less than this machine's pooled {verdict.LAUNCH_SIGMA_FLOOR:.2f}). Bandwidth lists every pair of "
+                "regimes in the same order in every run. "
                 "Details in the sections below.", ""] + at_a_glance + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]

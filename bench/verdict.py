@@ -19,7 +19,9 @@ report written twice from the same records says the same thing.
   the same for both sides when paired) are resampled in two stages, launches with replacement and
   then iterations within each; and comparisons of regimes that ran one launch each (training jobs)
   take ``launch_sigma``, the spread of log medians between launches measured in the same run
-  (:func:`launch_sigma`), as a random launch effect on each side of the ratio.
+  (:func:`launch_sigma`), as a random launch effect on each side of the ratio; never less than
+  this machine's pooled spread (:func:`spread`, :data:`LAUNCH_SIGMA_FLOOR`), since a few launches
+  can make one run's estimate far too small.
 
 The verdict names a winner only when the whole interval lies on one side of 1.0; otherwise the
 two are "indistinguishable on this machine". Equal samples give the interval [1, 1] (paired) or
@@ -37,6 +39,11 @@ import numpy as np
 LEVEL = 0.95
 RESAMPLES = 2000
 SEED = 0
+# The launch-to-launch spread (sd of log medians) pooled over the three back-to-back default runs of
+# docs/bench.md (0.090, 0.050 and 0.151 measured in each: sqrt of the mean variance, 0.105). One
+# run's estimate rests on a few launches and came out as low as 0.050, which made two launches of
+# equal regimes look 1.2x apart with confidence; :func:`spread` never goes below this floor.
+LAUNCH_SIGMA_FLOOR = 0.10
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,12 @@ def launch_sigma(groups, *, seed: int = SEED, resamples: int = 200) -> float:
     return float(np.sqrt(max(0.0, between / dof - within / count)))
 
 
+def spread(measured: float, floor: float = LAUNCH_SIGMA_FLOOR) -> float:
+    """The launch spread a one-launch comparison carries: this run's estimate, or ``floor`` (this
+    machine's pooled value, :data:`LAUNCH_SIGMA_FLOOR`) where the run measured less."""
+    return max(float(measured), float(floor))
+
+
 def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAMPLES, seed: int = SEED,
              level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0, clusters=None,
              launch_sigma: float = 0.0) -> tuple[float, float, float]:
@@ -191,6 +204,15 @@ def compare(a_name: str, a, b_name: str, b, *, paired: bool, stat: str = "median
     ratio, lo, hi = interval(a, b, paired=paired, stat=stat, resamples=resamples, seed=seed, level=level,
                              scale_a=scale_a, scale_b=scale_b, clusters=clusters, launch_sigma=launch_sigma)
     return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level)
+
+
+def pairs(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,
+          clusters=None, launch_sigma: float = 0.0) -> list[Verdict]:
+    """Every pair of regimes, in the order ``samples`` lists them (``a`` the earlier one): the same
+    pairs in every run, whichever is fastest, so that two runs' verdicts compare line by line."""
+    names = list(samples)
+    return [compare(a, samples[a], b, samples[b], paired=paired, stat=stat, seed=seed, clusters=clusters,
+                    launch_sigma=launch_sigma) for i, a in enumerate(names) for b in names[i + 1:]]
 
 
 def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,

@@ -197,6 +197,21 @@ def test_launches_widen_the_interval_only_when_they_disagree(seed):
     assert wide.lo < plain.lo and wide.hi > plain.hi
 
 
+def test_every_pair_in_the_listed_order_and_the_launch_spread_floor():
+    rng = np.random.default_rng(7)
+    noise = lambda n: 1 + 0.05 * rng.random(n)
+    samples = {"gloo": 2.0 * noise(40), "ring": noise(40), "ps": 2.0 * noise(40)}
+    vs = verdict.pairs(samples, paired=False)
+    assert [(v.a, v.b) for v in vs] == [("gloo", "ring"), ("gloo", "ps"), ("ring", "ps")]
+    assert [v.winner for v in vs] == ["ring", None, "ring"]  # gloo and ps: the same law, never a winner
+    assert verdict.pairs({"only": [1.0]}, paired=True) == []
+    # a one-launch comparison never carries less than the machine's pooled spread
+    assert verdict.spread(0.02) == verdict.LAUNCH_SIGMA_FLOOR and verdict.spread(0.3) == 0.3
+    x, y = noise(60), 1.15 * noise(60)
+    assert verdict.compare("x", x, "y", y, paired=False, launch_sigma=verdict.spread(0.0)).winner is None
+    assert verdict.compare("x", x, "y", 2 * y, paired=False, launch_sigma=verdict.spread(0.0)).winner == "x"
+
+
 def test_merged_launches_keep_every_sample_in_launch_order():
     def rec(job, times, wrong=0):
         return bandwidth.summarize("gloo", "allreduce://?backend=gloo", "regime", "allreduce", 2,
