@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-# every point of the test matrices (each transport under every case), ~18 minutes here
+# every point of the test matrices (each transport under every case), a few minutes more than test
 test-full: setup
 	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
 
