@@ -105,10 +105,13 @@ def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int, str
     return simulate(cal, Topology(1, rate_bps, rate_bps, scale), parse_regime(url), n, batch, straggler, steps=12)
 
 
-def rank_check(points: list[dict]) -> tuple[int, int, list[str]]:
+def rank_check(points: list[dict], launch_sigma: float = verdict.LAUNCH_SIGMA_FLOOR) -> tuple[int, int, list[str]]:
     """Pairs of regimes at one (rate, N) whose measured difference lies outside its interval: the 95%
     bootstrap interval of the ratio of their median steps (:mod:`bench.verdict`, unpaired, a step's mean
-    over the ranks as one sample) excludes 1. Returns (checked, agreeing, misses)."""
+    over the ranks as one sample) excludes 1. Each point is one launch of its own, so the interval
+    carries the launch-to-launch spread as ``commlab bench``'s training verdicts do (``launch_sigma``,
+    by default this machine's pooled value; 0: the steps' own spread alone). Returns (checked,
+    agreeing, misses)."""
     checked = agree = 0
     misses = []
     groups: dict = {}
@@ -118,7 +121,8 @@ def rank_check(points: list[dict]) -> tuple[int, int, list[str]]:
     for (rate, n), ps in groups.items():
         for i, x in enumerate(ps):
             for y in ps[i + 1:]:
-                faster = verdict.compare(x["regime"], x["steps_s"], y["regime"], y["steps_s"], paired=False).winner
+                faster = verdict.compare(x["regime"], x["steps_s"], y["regime"], y["steps_s"], paired=False,
+                                         launch_sigma=launch_sigma).winner
                 if faster is None:
                     continue
                 checked += 1
@@ -171,6 +175,7 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                    f"[{p['p25'] * 1e3:.0f}–{p['p75'] * 1e3:.0f}] | {p['predicted'] * 1e3:.0f} ms | "
                    f"{p['error_pct']:+.1f}% | {p['compute_median'] * 1e3:.0f} ms | {p['predicted_compute'] * 1e3:.0f} ms |")
     checked, agree, misses = rank_check(points)
+    one_checked, one_agree, one_misses = rank_check(points, launch_sigma=0.0)
     iqr_checked, iqr_agree = iqr_rank_check(points)
     out.append("")
     if errs:
@@ -178,9 +183,13 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                    f"**{max(errs):.1f}%** over {len(errs)} points (criteria: median <= 10%: "
                    f"{met(statistics.median(errs) <= 10)}; none above 25%: {met(max(errs) <= 25)}).")
     out.append(f"- Ranking: of {checked} pairs of regimes at one point whose measured difference lies outside its "
-               f"interval (the 95% bootstrap interval of the ratio of median steps, one sample per step, excludes 1), "
+               f"interval (the 95% bootstrap interval of the ratio of median steps, one sample per step, with the "
+               f"launch-to-launch spread of `commlab bench`'s verdicts, sd {verdict.LAUNCH_SIGMA_FLOOR:.2f} of log medians, "
+               f"since every point is a launch of its own; it excludes 1), "
                f"the prediction orders **{agree}** the same way" + (f"; not: {', '.join(misses)}" if misses else "") +
-               f" (criterion: all: {met(agree == checked)}). By the rougher rule of non-overlapping [p25–p75] (each rank's step a sample): "
+               f" (criterion: all: {met(agree == checked)}). With the steps' own spread alone (no launch spread): "
+               f"{one_agree} of {one_checked}" + (f" (not: {', '.join(one_misses)})" if one_misses else "") +
+               f". By the rougher rule of non-overlapping [p25–p75] (each rank's step a sample): "
                f"{iqr_agree} of {iqr_checked}.")
     if stale:
         out.append(f"- Async staleness, {stale['workers']} workers on loopback, `{stale['url']}`, rank "

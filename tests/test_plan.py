@@ -251,10 +251,14 @@ def test_validation_ranks_only_pairs_whose_measured_difference_is_outside_its_in
                                       "median": sorted(steps)[len(steps) // 2], "p25": min(steps), "p75": max(steps),
                                       "predicted": pred}
     points = [pt("ring", [0.9, 1.0, 1.1, 1.0, 0.95], 0.8), pt("gloo", [1.0, 1.05, 1.15, 0.92, 1.1], 0.7),  # not ranked
-              pt("ps-1", [2.0, 1.9, 2.1, 2.05, 1.95], 1.9), pt("ps-2", [1.5, 1.4, 1.6, 1.45, 1.55], 2.5)]  # ps-2 wrong
+              pt("ps-1", [3.0, 2.9, 3.1, 3.05, 2.95], 2.9), pt("ps-2", [1.5, 1.4, 1.6, 1.45, 1.55], 3.5)]  # ps-2 wrong
     checked, agree, misses = rank_check(points)
     assert (checked, agree) == (5, 4) and misses == ["1gbit N=2: ps-1 vs ps-2"]
     assert iqr_rank_check(points) == (5, 4)
+    # 8% apart in every step: clear from the steps alone, not once each point carries a launch's spread
+    close = [pt("ring", [1.0, 1.01, 0.99, 1.0, 1.0], 1.0), pt("gloo", [1.08, 1.09, 1.07, 1.08, 1.08], 0.9)]
+    assert rank_check(close, launch_sigma=0.0) == (1, 0, ["1gbit N=2: ring vs gloo"])
+    assert rank_check(close) == (0, 0, [])
 
 
 def test_validation_table_replaces_only_what_lies_between_the_markers():
