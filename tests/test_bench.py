@@ -396,7 +396,7 @@ def test_regimes_and_ceilings_take_turns_and_every_sum_is_exact(tmp_path):
     sum wrong); sample i of every record comes from the same turn. Two launches of the job, two
     iterations each: every record has both, launch by launch."""
     cfg = bandwidth.BandwidthConfig(["gloo", "ring-tcp", "ring-ipc", "ps-1"], 3, [4096, 3 << 20], repeat_bytes=0,
-                                    min_iters=4, max_iters=4, warmup=1, launches=2,
+                                    min_iters=2, max_iters=2, warmup=1, launches=2,
                                     ceilings=("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy"))
     recs, failures, facts = bandwidth.run(cfg, tmp_path, bandwidth.Budget.of(240))
     assert failures == []
