@@ -57,7 +57,7 @@ def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
     """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
     from commlab.config import ExchangerURL
     most = 0
-    for url in [R.BANDWIDTH[n].url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
+    for url in [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
         query = dict(ExchangerURL.parse(url).query)
         if url.startswith("ps://"):
             most = max(most, int(query.get("shards", 1)))
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                       if sc_cfg else None,
                       "budget_s": a.budget_s, "link": a.link,
                       "seeds": {"model_and_data": a.seed, "bandwidth_inputs": "closed-form (no randomness)"}},
-           "regimes": {"bandwidth": {n: R.BANDWIDTH[n].url for n in bw_names} if bw_cfg else {},
+           "regimes": {"bandwidth": {n: R.bandwidth_entry(n).url for n in bw_names} if bw_cfg else {},
                        "convergence": {n: R.CONVERGENCE[n].url for n in cv_names} if cv_cfg else {},
                        "scaling": {n: R.CONVERGENCE[n].url for n in sc_names}},
            "regime_facts": facts, "git": manifest.git_facts(), "environment": manifest.environment(),

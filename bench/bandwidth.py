@@ -149,7 +149,7 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
     """
     together, alone, failures = [], [], []
     for name in cfg.regimes:
-        e = R.BANDWIDTH[name]
+        e = R.bandwidth_entry(name)
         why = R.unavailable(e.url)
         if why is None and e.needs_cuda:
             import torch

@@ -104,8 +104,30 @@ def unavailable(url: str) -> str | None:
     return None
 
 
+def bandwidth_entry(name: str) -> BandwidthEntry:
+    """The table's entry for ``name``, or for a regime URL given as is (``ring://?transport=shm&chunk_mb=1``):
+    ``ps://`` is driven by push-pull with fresh servers per size, ``noop://`` by nothing, the rest by
+    all-reduce; a ring that binds loopback (no ``host=``, or a loopback one) cannot cross ``--link``."""
+    if name in BANDWIDTH:
+        return BANDWIDTH[name]
+    if "://" not in name:
+        raise ValueError(f"unknown bandwidth regime {name!r}; known: {', '.join(BANDWIDTH)}, or a regime URL")
+    url = ExchangerURL.parse(name)
+    query = dict(url.query)
+    method = {"ps": "pushpull", "noop": "noop"}.get(url.scheme, "allreduce")
+    loopback = url.scheme == "ring" and query.get("transport", "tcp") != "torch" and \
+        query.get("host", "127.0.0.1") in ("127.0.0.1", "localhost", "::1")
+    return BandwidthEntry(name, method, "given as a URL", one_size_per_job=url.scheme == "ps", loopback_only=loopback,
+                          needs_cuda=query.get("backend") == "nccl")
+
+
 def pick(table: dict, names: list[str], what: str) -> list[str]:
-    unknown = [n for n in names if n not in table]
+    """``names`` checked against ``table``; bandwidth regimes may also be URLs (:func:`bandwidth_entry`)."""
+    unknown = [n for n in names if n not in table and not (table is BANDWIDTH and "://" in n)]
     if unknown:
-        raise ValueError(f"unknown {what} regime(s) {unknown}; known: {', '.join(table)}")
+        raise ValueError(f"unknown {what} regime(s) {unknown}; known: {', '.join(table)}"
+                         + (", or a regime URL" if table is BANDWIDTH else ""))
+    if table is BANDWIDTH:
+        for n in names:
+            bandwidth_entry(n)  # a URL that does not parse fails here, before any process starts
     return names

@@ -99,6 +99,52 @@ def test_cases_share_one_job_and_take_turns_in_the_same_order_on_every_rank(monk
     assert [[c["name"] for c in cases] for cases, _ in jobs] == [["gloo", "noop"], ["gloo-2"]]
 
 
+def test_a_bandwidth_regime_given_as_a_url_is_driven_by_its_scheme():
+    e = R.bandwidth_entry("ring://?transport=shm&chunk_mb=1")
+    assert (e.url, e.method, e.loopback_only, e.one_size_per_job) == ("ring://?transport=shm&chunk_mb=1", "allreduce",
+                                                                      True, False)
+    assert not R.bandwidth_entry("ring://?transport=tcp&host=auto&insecure=1").loopback_only
+    assert not R.bandwidth_entry("ring://?transport=torch").loopback_only
+    ps = R.bandwidth_entry("ps://?shards=2&mode=sync")
+    assert (ps.method, ps.one_size_per_job) == ("pushpull", True)
+    assert R.bandwidth_entry("allreduce://?backend=nccl").needs_cuda
+    assert R.bandwidth_entry("noop://").method == "noop"
+    assert R.pick(R.BANDWIDTH, ["gloo", "ring://?chunk_mb=2"], "bandwidth") == ["gloo", "ring://?chunk_mb=2"]
+    with pytest.raises(ValueError, match=r"unknown bandwidth regime\(s\) \['ring-fast'\].*or a regime URL"):
+        R.pick(R.BANDWIDTH, ["gloo", "ring-fast"], "bandwidth")
+    _, failures = bandwidth.plan(bandwidth.BandwidthConfig(["nosuch://"], 2, [4096], ceilings=()))
+    assert [(f["regime"], f["status"]) for f in failures] == [("nosuch://", "unavailable")]
+    # planned like the table's own: a URL that shares the job with gloo, a ps:// URL over --link alone per size
+    jobs, failures = bandwidth.plan(bandwidth.BandwidthConfig(["gloo", "ring://?transport=ipc&chunk_mb=1"], 2, [4096],
+                                                              ceilings=()))
+    assert failures == [] and [c["url"] for c in jobs[0][0]] == ["allreduce://?backend=gloo",
+                                                                  "ring://?transport=ipc&chunk_mb=1"]
+
+
+def test_the_start_line_holds_every_rank_and_names_the_one_that_never_came():
+    import threading
+    from datetime import timedelta
+    import torch.distributed as dist
+    import commlab
+    store = dist.TCPStore("127.0.0.1", 0, 3, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    passed = []
+
+    def rank(r):
+        client = dist.TCPStore("127.0.0.1", store.port, 3, False, timeout=timedelta(seconds=10)) if r else store
+        bw_worker.start_line(client, r, 2, 1, 10.0, "case x")
+        passed.append(r)
+
+    t = threading.Thread(target=rank, args=(1,))
+    t.start()
+    t.join(0.3)
+    assert passed == []  # rank 1 waits for rank 0
+    rank(0)
+    t.join(10)
+    assert sorted(passed) == [0, 1]
+    with pytest.raises(commlab.CommTimeout, match=r"rank 0: rank\(s\) \[1, 2\] did not reach the start of case y"):
+        bw_worker.start_line(store, 0, 3, 2, 0.3, "case y")
+
+
 def test_servers_planned_on_loopback_move_to_their_namespaces():
     from bench.launch_job import place_servers
     ls = links.Links(2, "1gbit", tag="clplan")  # not entered: nothing is created
