@@ -32,6 +32,7 @@ tracker unlinks and warns on its own schedule, which would fight rule 1.
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import os
 import re
@@ -222,6 +223,17 @@ class Segment:
         track(path)
         try:
             os.ftruncate(fd, HEADER_BYTES + size)
+            # Reserve the pages now: a tmpfs without room for them (a container's 64 MiB /dev/shm) would
+            # otherwise kill this process with SIGBUS at the first write past what fits.
+            try:
+                os.posix_fallocate(fd, 0, HEADER_BYTES + size)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                free = os.statvfs(directory)
+                raise OSError(exc.errno, f"{directory} has no room for a {HEADER_BYTES + size}-byte segment "
+                                         f"({free.f_bavail * free.f_frsize} bytes free): give it more (docker: "
+                                         f"--shm-size) or use transport=tcp") from None
             mm = mmap.mmap(fd, HEADER_BYTES + size)
         except BaseException:
             os.close(fd)

@@ -127,6 +127,10 @@ def test_two_ranks_swap_small_tensors_in_one_step_and_ring_the_rest():
         assert plan("ring://", rank, 2, 7) == ([0, 7], 1, SWAP_STEPS)
         assert plan("ring://", rank, 2, MIB) == ([0, MIB], 1, SWAP_STEPS)  # 4 MiB: the default swap_kb
         assert plan("ring://?chunk_mb=1", rank, 2, MIB) == ([0, MIB], 4, SWAP_STEPS)
+        # chunk_mb=0 (the default): the transport's own, decided by the option so every rank cuts alike
+        assert plan("ring://?transport=shm", rank, 2, MIB) == ([0, MIB], 2, SWAP_STEPS)  # 2 MiB chunks
+        assert plan("ring://?transport=auto", rank, 2, MIB) == ([0, MIB], 1, SWAP_STEPS)  # tcp's 4 MiB
+        assert plan("ring://?transport=shm&chunk_mb=4", rank, 2, MIB) == ([0, MIB], 1, SWAP_STEPS)
         assert plan("ring://", rank, 2, MIB + 1) == ([0, MIB // 2, MIB + 1], 1, ring_steps(rank, 2))
         assert plan("ring://?swap_kb=0", rank, 2, 7) == ([0, 3, 7], 1, ring_steps(rank, 2))
         assert plan("ring://?swap_kb=1", rank, 2, 128, 8) == ([0, 128], 1, SWAP_STEPS)
@@ -154,7 +158,7 @@ def test_options_are_validated():
     from commlab.registry import connect
     from commlab.rendezvous import RankInfo
     with pytest.raises(ConfigError, match="chunk_mb must be > 0"):
-        connect("ring://?chunk_mb=0", RankInfo.single())
+        connect("ring://?chunk_mb=-1", RankInfo.single())
     with pytest.raises(ConfigError, match=r"'transport': 'udp' is not one of"):
         connect("ring://?transport=udp", RankInfo.single())
     with pytest.raises(ConfigError, match=r"'io_threads': '3' is not one of \[1, 2\]"):
@@ -193,6 +197,8 @@ def _sums(rank, world, queries, big_queries):
             ex.join(store)
             if "auto" in query or "shm" in query:  # one host, one network namespace: shared memory both ways
                 assert ex.facts()["links"] == {"from_left": "shm", "to_right": "shm"}, ex.facts()
+                if "chunk_mb" not in query:  # the transport's own chunk; auto takes shm's with the whole ring here
+                    assert ex.facts()["chunk_mb"] == 2.0, ex.facts()
             for i, (n, dtype) in enumerate(cases):
                 x = _data(i, rank, n, dtype) if dtype.is_floating_point else torch.arange(n) * (rank + 1)
                 inputs = [_data(i, k, n, dtype).double() if dtype.is_floating_point else torch.arange(n) * (k + 1)
@@ -223,7 +229,7 @@ N2 = ("transport=tcp&chunk_mb=0.25", "transport=ipc&chunk_mb=0.25&swap_kb=0", "t
 N2_SHM = ("transport=shm&chunk_mb=0.25", "transport=shm&chunk_mb=0.25&swap_kb=0",
           "transport=shm&chunk_mb=2&swap_kb=65536")
 N3 = ("transport=ipc&chunk_mb=0.25", "transport=torch&chunk_mb=0.25", "transport=tcp&chunk_mb=0.25&io_threads=1&sndbuf_kb=0")
-N3_SHM = ("transport=shm&chunk_mb=0.25", "transport=auto&chunk_mb=1")
+N3_SHM = ("transport=shm&chunk_mb=0.25", "transport=auto")  # auto on one host: shm links, shm's 2 MiB chunks
 
 
 @pytest.mark.multiproc

@@ -115,3 +115,30 @@ def test_sigterm_guard_is_set_only_while_something_is_tracked():
         assert sg.getsignal(sg.SIGTERM) is before  # the process's own disposition again
     finally:
         seg.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (a container's small /dev/shm in miniature); needs root and mount(2)."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_tmpfs_is_a_clear_error_at_create_not_a_sigbus_later(tiny_tmpfs):
+    import errno
+    with pytest.raises(OSError, match=r"has no room for a 4198400-byte segment \(1048576 bytes free\).*--shm-size.*"
+                                      r"transport=tcp") as info:
+        shm.Segment.create(shm.new_run_id(), "r0-out", 4 << 20, directory=tiny_tmpfs)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tiny_tmpfs) == []  # nothing left behind
+    seg = shm.Segment.create(shm.new_run_id(), "r0-out", 512 << 10, directory=tiny_tmpfs)
+    seg.array()[:] = 7  # every page is there: no SIGBUS
+    seg.close()
+    assert os.listdir(tiny_tmpfs) == []

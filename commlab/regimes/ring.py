@@ -1,4 +1,4 @@
-"""``ring://?transport=tcp|ipc|shm|auto|torch&chunk_mb=4``: a hand-written ring all-reduce.
+"""``ring://?transport=tcp|ipc|shm|auto|torch&chunk_mb=0``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -25,8 +25,8 @@ per-message latency a and link bandwidth B one all-reduce takes about
 ``2(N-1) a + 2(N-1)/N x S/B`` (plus the adds, (N-1)/N x S of reads and writes):
 the bandwidth term does not grow with N, which is why rings win on big tensors.
 
-Pipelining: each segment is further cut into chunks of about ``chunk_mb``; a
-chunk is forwarded to the right as soon as it has been added (or stored), so the
+Pipelining: each segment is further cut into chunks of about ``chunk_mb`` (4 MiB;
+2 MiB through shared memory); a chunk is forwarded to the right as soon as it has been added (or stored), so the
 reduce-scatter of later chunks overlaps the all-gather of earlier ones and zmq's
 I/O thread moves bytes while this thread adds. Sends above 1 MiB are zero-copy
 (tracked: the collective returns only after zmq let go of the caller's buffer),
@@ -100,6 +100,8 @@ from commlab.regimes.ring_links import (SLOTS, Collective, Inbox, Outbox, ShmInb
 from commlab.transport import Link, Transport, is_loopback
 
 HALF = (torch.float16, torch.bfloat16)
+CHUNK_MB = 4.0  # zmq and torch links (docs/ring.md: 1 and 2 MiB were slower at 8-32 MiB over tcp/ipc)
+SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.md, "Shared memory and across hosts")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,10 @@ class RingOptions(CommonOptions):
     transport: str = option("tcp", "how neighbours talk: tcp, ipc (zmq), shm (shared memory, one host), auto (shm "
                                    "to a neighbour on this host and in this network namespace, tcp to others), "
                                    "torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
-    chunk_mb: float = option(4.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added")
+    chunk_mb: float = option(0.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added; 0: the "
+                                  f"transport's own ({SHM_CHUNK_MB:g} through shared memory, where a chunk read "
+                                  f"back soon is still in cache, also for auto with the whole ring on one host; "
+                                  f"{CHUNK_MB:g} otherwise)")
     host: str = option("127.0.0.1", "address each rank binds for tcp links; auto: the address this host reaches "
                                     "the rendezvous store from. Anything but loopback needs keys= or insecure=1")
     keys: str = option("", "folder made by 'commlab keys' (CURVE on every zmq link: each rank binds with "
@@ -125,14 +130,21 @@ class RingOptions(CommonOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.chunk_mb <= 0:
-            raise ConfigError(f"chunk_mb must be > 0, got {self.chunk_mb}")
+        if self.chunk_mb < 0:
+            raise ConfigError(f"chunk_mb must be > 0 (or 0: the transport's own), got {self.chunk_mb}")
         if self.sndbuf_kb < 0:
             raise ConfigError(f"sndbuf_kb must be >= 0 (0: the system's default), got {self.sndbuf_kb}")
         if self.swap_kb < 0:
             raise ConfigError(f"swap_kb must be >= 0 (0: always the two-step ring), got {self.swap_kb}")
         if self.host != "auto":
             self.check_bind(self.host)
+
+    @property
+    def chunk(self) -> float:
+        """The pipeline chunk in MiB: ``chunk_mb``, or the transport's own when it is 0. Decided by the
+        option alone, so every rank cuts a collective the same way; ``auto`` starts from tcp's and
+        takes shm's at join when every rank of the ring is on one host (all ranks see the same)."""
+        return self.chunk_mb or (SHM_CHUNK_MB if self.transport == "shm" else CHUNK_MB)
 
     def check_bind(self, host: str) -> None:
         """Refuse, in one line, a non-loopback address without keys or an explicit ``insecure=1``."""
@@ -191,6 +203,7 @@ class RingExchanger(CollectiveExchanger):
         self._inbox: Inbox | None = None  # from the left neighbour
         self._outbox: Outbox | None = None  # to the right neighbour
         self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
+        self._chunk_mb = self.options.chunk  # auto: shm's once join() finds every link of the ring on one host
         self._group = None
         self._own_group = False
         self.left = (self.rank - 1) % self.world_size
@@ -241,8 +254,13 @@ class RingExchanger(CollectiveExchanger):
             return kind, kind
         here = host_identity()
         self.store.set(f"{ns}where/{self.rank}", here)
-        inward, outward = ("shm" if self._wait_key(f"{ns}where/{k}", "host identity").decode() == here else "tcp"
-                           for k in (self.left, self.right))
+        where = [self._wait_key(f"{ns}where/{k}", "host identity").decode() for k in range(self.world_size)]
+        if not self.options.chunk_mb and all(where[k] == where[(k + 1) % self.world_size]
+                                             for k in range(self.world_size)):
+            # every link of the ring is shared memory (every rank sees the same): shm's chunk
+            self._chunk_mb = SHM_CHUNK_MB
+            self._plans.clear()
+        inward, outward = ("shm" if where[k] == here else "tcp" for k in (self.left, self.right))
         return inward, outward
 
     def _join_links(self, ns: str) -> None:
@@ -258,7 +276,7 @@ class RingExchanger(CollectiveExchanger):
             if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
                 self._heap_kept = keep_freed_memory()
             net = self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
-        slot_bytes = shm_slot_bytes(opts.chunk_mb)
+        slot_bytes = shm_slot_bytes(self._chunk_mb)
         run = ""
         if "shm" in (inward, outward):
             shm.sweep_stale()  # what runs killed before they could unlink left behind
@@ -395,7 +413,7 @@ class RingExchanger(CollectiveExchanger):
 
     def facts(self) -> dict:
         o = self.options
-        facts = {"scheme": self.scheme, "transport": o.transport, "chunk_mb": o.chunk_mb,
+        facts = {"scheme": self.scheme, "transport": o.transport, "chunk_mb": self._chunk_mb,
                  "links": dict(self._kinds) if self._kinds else "decided when the ring joins",
                  "two_rank_swap_up_to_kb": o.swap_kb if self.world_size == 2 else "n/a (N > 2)",
                  "zero_copy_above_bytes": wire.COPY_THRESHOLD, "half_types_reduce_in": "float32"}
@@ -410,7 +428,7 @@ class RingExchanger(CollectiveExchanger):
             facts["authentication"] = "CURVE (keys folder)" if o.keys else ("none (insecure=1)" if o.insecure
                                                                              else "none (loopback/ipc/shm only)")
             if "shm" in self._kinds.values() or o.transport in ("shm", "auto"):
-                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(o.chunk_mb),
+                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(self._chunk_mb),
                                 "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
             facts.update(self._heap_facts())
         return facts
@@ -582,7 +600,7 @@ class RingExchanger(CollectiveExchanger):
                 bounds, steps = [0, n], SWAP_STEPS
             else:
                 bounds, steps = segment_bounds(n, self.world_size), self._ring_steps
-            per = max(1, int(self.options.chunk_mb * 2**20) // itemsize)
+            per = max(1, int(self._chunk_mb * 2**20) // itemsize)
             longest = max(bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1))
             plan = bounds, max(1, -(-longest // per)), steps
             if len(self._plans) < 256:
