@@ -1,4 +1,4 @@
-"""``ring://?transport=tcp|ipc|shm|auto|torch&chunk_mb=0``: a hand-written ring all-reduce.
+"""``ring://?transport=auto|tcp|ipc|shm|torch&chunk_mb=0``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -106,9 +106,9 @@ SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.
 
 @dataclass(frozen=True)
 class RingOptions(CommonOptions):
-    transport: str = option("tcp", "how neighbours talk: tcp, ipc (zmq), shm (shared memory, one host), auto (shm "
-                                   "to a neighbour on this host and in this network namespace, tcp to others), "
-                                   "torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
+    transport: str = option("auto", "how neighbours talk: auto (shm to a neighbour on this host and in this "
+                                    "network namespace, tcp to others), tcp, ipc (zmq), shm (shared memory, one "
+                                    "host), torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
     chunk_mb: float = option(0.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added; 0: the "
                                   f"transport's own ({SHM_CHUNK_MB:g} through shared memory, where a chunk read "
                                   f"back soon is still in cache, also for auto with the whole ring on one host; "
