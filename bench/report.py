@@ -242,6 +242,13 @@ def sync_check(summaries: list[dict]) -> list[str]:
     return lines
 
 
+def steps_sigmas(summaries: list[dict]) -> dict[str, float]:
+    """Each regime's spread of log steps to the target: asynchronous regimes reach it at a different
+    step from run to run (:data:`bench.verdict.STEPS_SIGMA_ASYNC`); synchronous ones and the reference
+    at the same step (the same arithmetic from the same seed)."""
+    return {s["regime"]: verdict.STEPS_SIGMA_ASYNC if s["kind"] == "async" else 0.0 for s in summaries}
+
+
 def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -> list[str]:
     """Who reached the target first, with intervals: time to target = steps to target x the mean step
     time, bootstrapped over each regime's steps (unpaired: each regime ran as a job of its own)."""
@@ -252,14 +259,15 @@ def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -
         samples = {s["regime"]: s["step_s_samples"] for s in hit}
         scales = {s["regime"]: s["steps_to_target"] for s in hit}
         vs = verdict.against_best(samples, paired=False, stat="mean", scales=scales,
-                                  launch_sigma=sigma)
+                                  launch_sigma=sigma, steps_sigmas=steps_sigmas(hit))
         best = next(s for s in hit if s["regime"] == (vs[0].a if vs else hit[0]["regime"]))
         lines.append(f"- Estimated time to {target:.0%} test accuracy = steps to target x mean step time (rank 0). "
                      f"Best: {best['regime']}, step {best['steps_to_target']}, about "
                      f"{best['steps_to_target'] * statistics.fmean(best['step_s_samples']):.2f} s "
                      f"(measured wall time {best['time_to_target_s']:.2f} s, evaluations included).")
         for v in vs:
-            lines.append(f"- {v.text('faster to the target')} (95% bootstrap interval over the steps, unpaired).")
+            lines.append(f"- {v.text('faster to the target')} (95% bootstrap interval over the steps, unpaired, with "
+                         f"the launch spread and, for asynchronous regimes, the spread of steps to the target).")
         if any(s["kind"] == "reference" for s in hit):
             lines.append("- local:// is one process with no communication: the distributed regimes are run beside "
                          "it to show what communication costs on this machine, not to beat it on 2 cores.")
@@ -377,11 +385,14 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> li
         ref = next((s for s in hit if s["kind"] == "reference"), None)
         if ref is None:
             vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
-                                      scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma)
+                                      scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma,
+                                      steps_sigmas=steps_sigmas(hit))
         else:
+            sig = steps_sigmas(hit)
             vs = [verdict.compare(ref["regime"], ref["step_s_samples"], s["regime"], s["step_s_samples"], paired=False,
                                   stat="mean", scale_a=ref["steps_to_target"], scale_b=s["steps_to_target"],
-                                  launch_sigma=sigma) for s in hit if s is not ref]
+                                  launch_sigma=sigma, steps_sigma_a=sig[ref["regime"]],
+                                  steps_sigma_b=sig[s["regime"]]) for s in hit if s is not ref]
         out.append("- time to target: " + "; ".join(_short(v) for v in vs))
     base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
     for s in summaries:
@@ -441,7 +452,10 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
                 "indistinguishable on this machine. Bandwidth intervals resample the run's launches, then the "
                 "iterations within each; training comparisons (one launch per regime) add the spread between "
                 f"launches (sd of log medians {sigma:.3f}, i.e. x{math.exp(sigma):.2f}: measured here {measured:.3f}, "
-                f"never less than this machine's pooled {verdict.LAUNCH_SIGMA_FLOOR:.2f}). Bandwidth lists every pair of "
+                f"never less than this machine's pooled {verdict.LAUNCH_SIGMA_FLOOR:.2f}); times to the target of "
+                f"asynchronous regimes also carry the spread of their steps to the target (sd of log steps "
+                f"{verdict.STEPS_SIGMA_ASYNC:.2f}, pooled over eight default runs: the order of their updates is "
+                "chance; synchronous regimes reach it at the same step every run). Bandwidth lists every pair of "
                 "regimes in the same order in every run. "
                 "Details in the sections below.", ""] + at_a_glance + [""]
     out += failures_section(failures)

@@ -23,6 +23,12 @@ report written twice from the same records says the same thing.
   this machine's pooled spread (:func:`spread`, :data:`LAUNCH_SIGMA_FLOOR`), since a few launches
   can make one run's estimate far too small.
 
+- **Steps to a target.** Time to a target is steps to the target x the mean step time. A synchronous
+  regime reaches the target at the same step in every run (it does local's arithmetic from the same
+  seed); an asynchronous one does not (the order in which pushes land is chance). ``steps_sigma_a``
+  / ``steps_sigma_b`` add each side's spread of log steps to the target as a random effect
+  (:data:`STEPS_SIGMA_ASYNC` for asynchronous regimes, 0 for the rest).
+
 The verdict names a winner only when the whole interval lies on one side of 1.0; otherwise the
 two are "indistinguishable on this machine". Equal samples give the interval [1, 1] (paired) or
 one around 1 (unpaired), so they never name a winner.
@@ -44,6 +50,11 @@ SEED = 0
 # run's estimate rests on a few launches and came out as low as 0.050, which made two launches of
 # equal regimes look 1.2x apart with confidence; :func:`spread` never goes below this floor.
 LAUNCH_SIGMA_FLOOR = 0.10
+# The spread of log steps to the target of the asynchronous regimes (ps-async, ps-async-lr/N, ps-ssp-1,
+# ps-ssp-1-lr/N), pooled over eight default runs of 2026-11-23 (27 degrees of freedom; per regime 0.36,
+# 0.23, 0.23, 0.06): ps-async took 30 to 70 steps to the same target. Without it one run called local
+# 2.0x faster than ps-async to the target and the next called ps-async 1.4x faster than local.
+STEPS_SIGMA_ASYNC = 0.25
 
 
 @dataclass(frozen=True)
@@ -154,13 +165,16 @@ def spread(measured: float, floor: float = LAUNCH_SIGMA_FLOOR) -> float:
 
 def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAMPLES, seed: int = SEED,
              level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0, clusters=None,
-             launch_sigma: float = 0.0) -> tuple[float, float, float]:
+             launch_sigma: float = 0.0, steps_sigma_a: float = 0.0, steps_sigma_b: float = 0.0
+             ) -> tuple[float, float, float]:
     """``(ratio, lo, hi)`` of ``scale_b * stat(b) / (scale_a * stat(a))`` with a percentile bootstrap interval.
 
     ``scale_*`` turn a per-sample statistic into a total (time to a target = steps x mean step time).
     Paired samples must have equal lengths. ``clusters`` (paired only): the sizes of the launches
     the samples came from, in order; ``launch_sigma``: a launch-to-launch spread to add where each
-    side is one launch (module text). Raises ValueError on empty samples or non-positive data.
+    side is one launch (module text); ``steps_sigma_*``: each side's spread of log ``scale_*`` where
+    that scale is itself one random draw (steps to a target). Raises ValueError on empty samples or
+    non-positive data.
     """
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.size == 0 or b.size == 0:
@@ -180,6 +194,9 @@ def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAM
     boot = (scale_b * _stat(b[ib], stat, axis=1)) / (scale_a * _stat(a[ia], stat, axis=1))
     if launch_sigma > 0:  # one launch each side: each carries its own launch effect
         boot = boot * np.exp(rng.normal(0.0, launch_sigma * np.sqrt(2.0), size=resamples))
+    steps_sigma = float(np.hypot(steps_sigma_a, steps_sigma_b))
+    if steps_sigma > 0:  # the scales themselves are draws: steps to a target
+        boot = boot * np.exp(rng.normal(0.0, steps_sigma, size=resamples))
     tail = (1 - level) / 2
     lo, hi = np.quantile(boot, [tail, 1 - tail])
     return ratio, float(lo), float(hi)
@@ -199,10 +216,12 @@ def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: f
 
 def compare(a_name: str, a, b_name: str, b, *, paired: bool, stat: str = "median", seed: int = SEED,
             resamples: int = RESAMPLES, level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0,
-            clusters=None, launch_sigma: float = 0.0) -> Verdict:
+            clusters=None, launch_sigma: float = 0.0, steps_sigma_a: float = 0.0,
+            steps_sigma_b: float = 0.0) -> Verdict:
     """Which of two regimes is faster, from their samples (lower is better): see the module's text."""
     ratio, lo, hi = interval(a, b, paired=paired, stat=stat, resamples=resamples, seed=seed, level=level,
-                             scale_a=scale_a, scale_b=scale_b, clusters=clusters, launch_sigma=launch_sigma)
+                             scale_a=scale_a, scale_b=scale_b, clusters=clusters, launch_sigma=launch_sigma,
+                             steps_sigma_a=steps_sigma_a, steps_sigma_b=steps_sigma_b)
     return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level)
 
 
@@ -216,10 +235,12 @@ def pairs(samples: dict[str, list[float]], *, paired: bool, stat: str = "median"
 
 
 def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,
-                 scales: dict[str, float] | None = None, clusters=None, launch_sigma: float = 0.0) -> list[Verdict]:
+                 scales: dict[str, float] | None = None, clusters=None, launch_sigma: float = 0.0,
+                 steps_sigmas: dict[str, float] | None = None) -> list[Verdict]:
     """The regime with the best statistic against each of the others, best first in every verdict's
     ``a`` (before orientation). Empty for fewer than two regimes."""
     scales = scales or {}
+    sig = steps_sigmas or {}
     if len(samples) < 2:
         return []
     total = lambda n: scales.get(n, 1.0) * float(_stat(np.asarray(samples[n], dtype=np.float64), stat))
@@ -227,4 +248,5 @@ def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "
     best = order[0]
     return [compare(best, samples[best], other, samples[other], paired=paired, stat=stat, seed=seed,
                     scale_a=scales.get(best, 1.0), scale_b=scales.get(other, 1.0), clusters=clusters,
-                    launch_sigma=launch_sigma) for other in order[1:]]
+                    launch_sigma=launch_sigma, steps_sigma_a=sig.get(best, 0.0), steps_sigma_b=sig.get(other, 0.0))
+            for other in order[1:]]

@@ -258,6 +258,29 @@ def test_every_pair_in_the_listed_order_and_the_launch_spread_floor():
     assert verdict.compare("x", x, "y", 2 * y, paired=False, launch_sigma=verdict.spread(0.0)).winner == "x"
 
 
+def test_time_to_target_of_an_async_regime_carries_the_spread_of_its_steps():
+    from bench.report import steps_sigmas
+    rng = np.random.default_rng(3)
+    step = lambda n: 0.1 * (1 + 0.05 * rng.random(n))
+    a, b = step(60), step(60)
+    # the same step time; the async regime took 50 steps where the sync one took 70 (one draw of 30-70)
+    plain = verdict.compare("sync", a, "async", b, paired=False, stat="mean", scale_a=70, scale_b=50)
+    assert plain.winner == "async"  # step times alone: 1.4x, confidently
+    s = steps_sigmas([{"regime": "sync", "kind": "sync"}, {"regime": "async", "kind": "async"},
+                      {"regime": "local", "kind": "reference"}])
+    assert s == {"sync": 0.0, "async": verdict.STEPS_SIGMA_ASYNC, "local": 0.0}
+    with_steps = verdict.compare("sync", a, "async", b, paired=False, stat="mean", scale_a=70, scale_b=50,
+                                 steps_sigma_a=s["sync"], steps_sigma_b=s["async"])
+    assert with_steps.ratio == pytest.approx(plain.ratio) and with_steps.winner is None
+    assert with_steps.lo < plain.lo and with_steps.hi > plain.hi
+    # a difference far beyond that spread still names its winner; two sync regimes keep their narrow interval
+    assert verdict.compare("sync", a, "async", b, paired=False, stat="mean", scale_a=70, scale_b=10,
+                           steps_sigma_b=s["async"]).winner == "async"
+    assert verdict.compare("x", a, "y", b, paired=False, stat="mean", scale_a=70, scale_b=70,
+                           steps_sigma_a=0.0, steps_sigma_b=0.0) == verdict.compare("x", a, "y", b, paired=False,
+                                                                                    stat="mean", scale_a=70, scale_b=70)
+
+
 def test_merged_launches_keep_every_sample_in_launch_order():
     def rec(job, times, wrong=0):
         return bandwidth.summarize("gloo", "allreduce://?backend=gloo", "regime", "allreduce", 2,
