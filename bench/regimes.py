@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from commlab.config import ExchangerURL
 from commlab.registry import regime_class, resolve
+from commlab.transport import is_loopback
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def bandwidth_entry(name: str) -> BandwidthEntry:
     url = ExchangerURL.parse(name)
     query = dict(url.query)
     method = {"ps": "pushpull", "noop": "noop"}.get(url.scheme, "allreduce")
-    loopback = url.scheme == "ring" and query.get("transport", "tcp") != "torch" and \
-        query.get("host", "127.0.0.1") in ("127.0.0.1", "localhost", "::1")
+    host = query.get("host", "127.0.0.1")
+    loopback = url.scheme == "ring" and query.get("transport") != "torch" and \
+        is_loopback(f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0")
     return BandwidthEntry(name, method, "given as a URL", one_size_per_job=url.scheme == "ps", loopback_only=loopback,
                           needs_cuda=query.get("backend") == "nccl")
 

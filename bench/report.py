@@ -383,12 +383,12 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> li
     if len(hit) > 1:
         # against the one-process reference where it ran (the same lines in every run), else the best
         ref = next((s for s in hit if s["kind"] == "reference"), None)
+        sig = steps_sigmas(hit)
         if ref is None:
             vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
                                       scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma,
-                                      steps_sigmas=steps_sigmas(hit))
+                                      steps_sigmas=sig)
         else:
-            sig = steps_sigmas(hit)
             vs = [verdict.compare(ref["regime"], ref["step_s_samples"], s["regime"], s["step_s_samples"], paired=False,
                                   stat="mean", scale_a=ref["steps_to_target"], scale_b=s["steps_to_target"],
                                   launch_sigma=sigma, steps_sigma_a=sig[ref["regime"]],

@@ -255,8 +255,7 @@ class RingExchanger(CollectiveExchanger):
         here = host_identity()
         self.store.set(f"{ns}where/{self.rank}", here)
         where = [self._wait_key(f"{ns}where/{k}", "host identity").decode() for k in range(self.world_size)]
-        if not self.options.chunk_mb and all(where[k] == where[(k + 1) % self.world_size]
-                                             for k in range(self.world_size)):
+        if not self.options.chunk_mb and len(set(where)) == 1:
             # every link of the ring is shared memory (every rank sees the same): shm's chunk
             self._chunk_mb = SHM_CHUNK_MB
             self._plans.clear()
