@@ -4,13 +4,13 @@ For every regime and size, N workers (sharing the GPUs there are: rank r uses GP
 a "model" of one flat parameter of S bytes through the Exchanger contract: backward gives a
 gradient of ones, ``step()`` exchanges it. A sample is one step, timed from before backward until
 the result is back in the parameter (a CUDA synchronize included); the record's algbw is
-S / (median step time). The CUDA row of ``ring://`` over zmq pays two extra copies through host
-memory (``.to("cpu")`` and back); the goal is that it keeps >= 80% of the same regime's
+S / (median step time). The CUDA rows of ``ring://`` (zmq or shared memory) and ``ps://`` pay two
+extra copies through pinned host memory (:mod:`commlab.staging`: down on a copy stream from the backward
+hook on, up as each range arrives); the goal is that they keep >= 80% of the same regime's
 CPU-tensor bandwidth: "URL S CUDA / CPU algbw" carries its 95% bootstrap interval over the steps
 (:mod:`bench.verdict`, unpaired).
 
-Rows: ``ring://`` (host-staged, the goal applies), ``ps://`` on CPU tensors only (a CPU parameter
-server: it refuses CUDA parameters, and the sweep says so), gloo (which stages CUDA tensors itself:
+Rows: ``ring://`` and ``ps://`` (host-staged, the goal applies), gloo (which stages CUDA tensors itself:
 a peer for our staging, run through commlab's ``allreduce://`` regime), and NCCL on CUDA alone when
 there are at least as many GPUs as workers (its transport, and whether it used GPUDirect RDMA, are
 in the document from ``commlab doctor``'s probe). Regimes not registered in
@@ -41,8 +41,8 @@ from bench import verdict
 CASE = "gpu-sweep"
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.8  # CUDA-tensor bandwidth / CPU-tensor bandwidth, host-staged regimes
-STAGED = ("ring",)  # schemes the goal applies to (their zmq transport copies through the host)
-CPU_ONLY = {"ps": "ps:// keeps parameters on the CPU (it refuses CUDA ones)"}  # no CUDA row for these
+STAGED = ("ring", "ps")  # schemes the goal applies to (they copy CUDA buckets through pinned host mirrors)
+CPU_ONLY: dict[str, str] = {}  # scheme -> why it has no CUDA row (none since ps:// stages CUDA buckets)
 DEFAULT_REGIMES = ("ring://", "ps://", "allreduce://?backend=gloo")
 NCCL_URL = "allreduce://?backend=nccl"
 

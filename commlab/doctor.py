@@ -45,9 +45,9 @@ PEER_MEMORY_MODULES = ("nvidia_peermem", "nv_peer_mem")
 NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET,GRAPH"}
 PROBE_MARK = "COMMLAB_PROBE "
 PROBE_NUMEL = 4 * 2**20  # 16 MiB of float32: big enough that NCCL sets up its channels
-ZMQ_DATA_PATH = ("ring:// over zmq copies CUDA tensors to host memory and back (not yet through "
-                 "commlab.staging's pinned host memory); ps:// refuses CUDA parameters; neither uses "
-                 "GPUDirect RDMA")
+ZMQ_DATA_PATH = ("ring:// over zmq or shared memory and ps:// copy CUDA buckets through pinned host memory "
+                 "(commlab.staging: down on a copy stream from the backward hook on, up as each range "
+                 "arrives); neither uses GPUDirect RDMA")
 
 
 def _run(argv: list[str], timeout: float = 20.0) -> str | None:

@@ -34,13 +34,18 @@ that once for every such regime::
   buffer, nothing is copied and nothing waits, so a regime calls the same
   three methods whatever the device.
 
-No regime calls it yet: ``ring://`` over zmq still copies a CUDA tensor to
-pageable host memory and back with ``.to()`` on every collective, and ``ps://``
-refuses CUDA parameters (tests/test_doctor.py and tests/gpu exercise this
-module). Either way it is not GPUDirect: :meth:`HostStaging.facts` says so for
-the run's manifest. Only NCCL moves GPU
-memory without the host, and only ``commlab doctor``'s NCCL probe may say
-whether it used GPUDirect RDMA.
+Who uses it: ``ring://`` over zmq or shared memory stages each CUDA bucket
+(the copy to the host starts in the backward hook, the ring runs on the host
+mirror, the result goes back on the copy stream), and ``ps://`` pushes from
+the mirrors, receives averages (``update=worker``) or parameters
+(``update=server``) into them, and copies each received range to the GPU as
+it arrives. Neither is GPUDirect: :meth:`HostStaging.facts` says so for the
+run's manifest. Only NCCL moves GPU memory without the host, and only
+``commlab doctor``'s NCCL probe may say whether it used GPUDirect RDMA.
+
+``mirror_cpu`` (``COMMLAB_STAGE_CPU=1`` for the regimes) gives CPU buckets a
+mirror of their own that is copied synchronously, so the regimes' staged path
+runs, and is tested, on a machine without a GPU.
 
 How a regime uses it (``BucketedExchanger`` subclass)::
 
@@ -60,6 +65,7 @@ staging CPU buckets needs no GPU.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -71,10 +77,21 @@ from commlab.errors import BackendUnavailable, CommTimeout, ConfigError
 if TYPE_CHECKING:
     from commlab.exchanger import Bucket
 
+STAGE_CPU_ENV = "COMMLAB_STAGE_CPU"
+
 # What a manifest records about each data path (worded once, here).
 HOST_STAGED = "staged through pinned host memory (device->host and host->device copies on a dedicated CUDA stream)"
 CPU_RESIDENT = "CPU tensors: nothing to stage"
+CPU_MIRRORED = (f"CPU tensors copied through a host mirror as CUDA ones would be ({STAGE_CPU_ENV}=1: the staged "
+                f"path's arithmetic, tested without a GPU)")
 NOT_GPUDIRECT = "no: zmq moves host memory; GPUDirect RDMA is used only by NCCL, where commlab doctor's probe reports it"
+
+
+def stage_cpu_asked() -> bool:
+    """Whether this process was asked (``COMMLAB_STAGE_CPU=1``) to send CPU buckets through a mirror, as
+    CUDA buckets go: the regimes' staged path (mirror ranges, copies back, the order of both) then runs
+    and is tested on a machine without a GPU. Only the CUDA streams and events themselves are left out."""
+    return os.environ.get(STAGE_CPU_ENV, "") not in ("", "0")
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -130,18 +147,19 @@ class HostStaging:
     have left the process by then.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], chunk_bytes: int = 4 * 2**20):
+    def __init__(self, tensors: Sequence[torch.Tensor], chunk_bytes: int = 4 * 2**20, mirror_cpu: bool = False):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
+        self.mirror_cpu = mirror_cpu
         self._slots: list[_Slot] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._consumers: dict[torch.device, torch.cuda.Stream] = {}
         for i, t in enumerate(tensors):
             if t.dim() != 1 or not t.is_contiguous():
                 raise ValueError(f"staged tensor {i} must be flat and contiguous, got shape {list(t.shape)}")
-            if not t.is_cuda:
-                self._slots.append(_Slot(t, t))
+            if not t.is_cuda:  # passes through, or (mirror_cpu) a plain mirror copied synchronously
+                self._slots.append(_Slot(t, torch.empty_like(t) if mirror_cpu else t))
                 continue
             if t.device not in self._streams:
                 self._streams[t.device] = torch.cuda.Stream(device=t.device)
@@ -152,19 +170,25 @@ class HostStaging:
             self._slots.append(_Slot(t, host))
 
     @classmethod
-    def for_buckets(cls, buckets: Iterable["Bucket"], chunk_bytes: int = 4 * 2**20) -> "HostStaging":
-        """Stage each bucket's whole buffer (gradients and presence flags), indexed by ``bucket.index``."""
+    def for_buckets(cls, buckets: Iterable["Bucket"], chunk_bytes: int = 4 * 2**20,
+                    mirror_cpu: bool | None = None) -> "HostStaging":
+        """Stage each bucket's whole buffer (gradients and presence flags), indexed by ``bucket.index``.
+        ``mirror_cpu`` None: as :func:`stage_cpu_asked` says (the environment)."""
         buckets = list(buckets)
         if [b.index for b in buckets] != list(range(len(buckets))):
             raise ValueError("buckets must be given in index order 0..n-1")
-        return cls([b.buffer for b in buckets], chunk_bytes)
+        return cls([b.buffer for b in buckets], chunk_bytes, stage_cpu_asked() if mirror_cpu is None else mirror_cpu)
+
+    @property
+    def any_staged(self) -> bool:
+        return any(s.staged for s in self._slots)
 
     def __len__(self) -> int:
         return len(self._slots)
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(s.host.numel() * s.host.element_size() for s in self._slots if s.staged)
+        return sum(s.host.numel() * s.host.element_size() for s in self._slots if s.staged and s.device_buf.is_cuda)
 
     def is_staged(self, i: int) -> bool:
         """True if slot ``i`` is a CUDA tensor with a pinned host mirror."""
@@ -182,6 +206,10 @@ class HostStaging:
         slot = self._slot(i)
         slot.started = True
         if not slot.staged:
+            return slot.host, None
+        if not slot.device_buf.is_cuda:  # mirror_cpu: what the GPU's copy would do, done now
+            slot.host.copy_(slot.device_buf)
+            slot.to_host_done = []
             return slot.host, None
         dev = slot.device_buf.device
         stream = self._streams[dev]
@@ -270,10 +298,12 @@ class HostStaging:
 
     def facts(self) -> dict:
         """For the run's manifest: how this regime's tensors reach the wire."""
-        staged = [s for s in self._slots if s.staged]
+        staged = [s for s in self._slots if s.staged and s.device_buf.is_cuda]
+        mirrored = [s for s in self._slots if s.staged and not s.device_buf.is_cuda]
         return {
-            "data_path": HOST_STAGED if staged else CPU_RESIDENT,
+            "data_path": HOST_STAGED if staged else (CPU_MIRRORED if mirrored else CPU_RESIDENT),
             "gpudirect": NOT_GPUDIRECT if staged else "no (CPU tensors)",
+            "mirrored_cpu_buckets": len(mirrored),
             "staged_buckets": len(staged),
             "pinned_bytes": self.pinned_bytes,
             "devices": sorted({str(s.device_buf.device) for s in self._slots}),

@@ -156,14 +156,14 @@ def test_misuse_is_named():
         ex.setup(nn.ReLU(), commlab.OptimizerSpec())
 
 
-def test_ps_refuses_a_model_off_the_cpu_before_contacting_servers():
-    """ps:// is a CPU parameter server: a model on another device (the meta device here, standing in
-    for a GPU on this machine) is refused, naming the parameter and device, before any socket opens
-    (nothing listens on the port given)."""
+def test_ps_refuses_a_model_neither_on_the_cpu_nor_on_cuda_before_contacting_servers():
+    """ps:// serves CPU and CUDA workers (CUDA buckets through pinned host mirrors); a model on another
+    device (meta here) is refused, naming the parameter and device, before any socket opens (nothing
+    listens on the port given)."""
     ex = commlab.connect("ps://127.0.0.1:9?timeout=5", RankInfo.single())
     model = nn.Sequential(nn.Linear(3, 2)).to("meta")
-    with pytest.raises(ConfigError, match=r"ps:// keeps parameters on the CPU and 0.weight is on meta: train with "
-                                          r"--device cpu, or use allreduce:// or ring:// for GPU workers"):
+    with pytest.raises(ConfigError, match=r"ps:// serves workers whose parameters are on the CPU or a CUDA GPU, "
+                                          r"and 0.weight is on meta"):
         ex.setup(model, commlab.OptimizerSpec())
 
 

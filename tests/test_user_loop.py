@@ -34,11 +34,11 @@ SYNC_REGIMES = {
 }
 
 
-def run_loop(tmp_path: Path, n: int, timeout: float = 150, **cfg) -> list[dict]:
+def run_loop(tmp_path: Path, n: int, timeout: float = 150, env: dict | None = None, **cfg) -> list[dict]:
     program = f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.rank_main({cfg!r})"
     if cfg.get("ddp"):
         program = program.replace("rank_main", "ddp_main")
-    results = collect(start_ranks(program, n, tmp_path), timeout)
+    results = collect(start_ranks(program, n, tmp_path, extra_env=env), timeout)
     return [res.json() for res in results]
 
 

@@ -164,7 +164,8 @@ def rank_main(cfg: dict) -> None:
         finish_step(model, opt, sched, scaler, seen, clip=variant != "bn" and cfg.get("clip", True))
         if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
             seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
-    out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps)
+    out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps,
+               staging=ex.facts().get("staging"))
     ex.close()
     print(json.dumps(out), flush=True)
 

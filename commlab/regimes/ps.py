@@ -43,6 +43,7 @@ from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, Re
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.staging import HostStaging
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ class _Shard:
         # parameters, so a whole parameter may live there (no copy out); update=worker reuses the place
         # for averages, which must not land in a parameter
         self.adopt_shm = False
+        # CUDA parameters (HostStaging): key, offset, values -> True when the exchanger took the values
+        self.put_staged: Callable[[str, int, torch.Tensor], bool] | None = None
 
     def submit(self, fn, *args) -> cf.Future:
         return self.pool.submit(fn, *args)
@@ -325,6 +328,8 @@ class _Shard:
                 raise ModelMismatch(f"{self.name} sent {spec.key}[{spec.offset}:{spec.offset + spec.count}], "
                                     f"which this worker does not hold")
             values = wire.frame_tensor(spec, frame)
+            if self.put_staged is not None and self.put_staged(spec.key, spec.offset, values):
+                continue  # a CUDA parameter: through its bucket's pinned mirror, copied up on the copy stream
             shared = isinstance(frame, memoryview)  # a view of the outbound segment (transport=shm)
             if spec.count == param.numel() and (not shared or self.adopt_shm):
                 # the whole parameter in one received frame, or in its place in the segment, which the
@@ -421,13 +426,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self.mode = ""  # the servers' (from hello)
         self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
         self.updates_remotely = False
-        self._grad_slots: dict[str, torch.Tensor] = {}  # piece key -> its range of the bucket buffer
+        # piece key -> (bucket, the parameter's slot there, the piece's first element in the parameter, count)
+        self._grad_slots: dict[str, tuple[int, int, int, int]] = {}
         self._absent: set[str] = set()  # update=worker: keys no worker had a gradient for, this step
         self._buffer_targets: dict[str, torch.Tensor] = {}
         self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
         self._skipped = False  # update=server, sync: this step's summed gradient was not finite
         self._norm = 0.0  # update=server, sync: global L2 norm of this step's averaged (pushed) gradient
         self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
+        self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -446,17 +453,19 @@ class PSExchanger(BucketedExchanger, PlansServers):
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
         for name, shape, dtype in manifest:
-            if params[name].device.type != "cpu":
-                raise ConfigError(f"ps:// keeps parameters on the CPU and {name} is on {params[name].device}: train "
-                                  f"with --device cpu, or use allreduce:// or ring:// for GPU workers")
+            if params[name].device.type not in ("cpu", "cuda"):
+                raise ConfigError(f"ps:// serves workers whose parameters are on the CPU or a CUDA GPU, and {name} is "
+                                  f"on {params[name].device}")
             if not params[name].is_contiguous():
                 raise ConfigError(f"ps:// needs contiguous parameters; {name} is not")
         buffers = self.module_buffers if self.options.buffers != "none" else []
         for name, b in buffers:
-            if b.device.type != "cpu" or not b.is_contiguous() or b.dtype not in wire.DTYPE_NAMES:
-                raise ConfigError(f"ps:// carries CPU contiguous buffers of {sorted(wire.DTYPES)}; {name} is "
+            if b.device.type not in ("cpu", "cuda") or not b.is_contiguous() or b.dtype not in wire.DTYPE_NAMES:
+                raise ConfigError(f"ps:// carries contiguous CPU or CUDA buffers of {sorted(wire.DTYPES)}; {name} is "
                                   f"{b.dtype} on {b.device}: use buffers=none")
         self._buffer_targets = {name: b for name, b in buffers}
+        # CUDA buckets through pinned host mirrors: pushes read them, averages and parameters land in them
+        self._staging = HostStaging.for_buckets(self.buckets)
         self._pieces = psproto.assign_shards(manifest, len(endpoints), max(1, int(self.options.piece_mb * 2**20)))
         curve = None
         if self.options.keys:
@@ -482,8 +491,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
             shard.max_reply = sum(pc.nbytes for pc in pieces) + (self._buffer_bytes() if shard.index == 0 else 0)
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
-                at = self.buckets[bi].offsets[slot] + pc.start
-                self._grad_slots[pc.key] = self.buckets[bi].buffer[at:at + pc.count]
+                self._grad_slots[pc.key] = (bi, slot, pc.start, pc.count)
+            if self._staging.any_staged:
+                shard.put_staged = self._put_param
         self._plan = [{} for _ in self.buckets]
         for shard, pieces in zip(self.shards, self._pieces):
             for pc in pieces:
@@ -516,11 +526,28 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.update == "server":
             self._take_over_state(optimizer)
 
+    def _put_param(self, key: str, offset: int, values: torch.Tensor) -> bool:
+        """On a shard's thread: pulled values of a staged (CUDA) parameter into its bucket's host mirror, then
+        to the parameter on the copy stream (the training stream waits for it). False: not staged."""
+        bi, slot, first, count = self._grad_slots.get(key, (0, 0, 0, -1))
+        if count < 0 or not self._staging.is_staged(bi):
+            return False
+        n = values.numel()
+        if offset + n > count:
+            raise ModelMismatch(f"a shard sent {key}[{offset}:{offset + n}], which this worker does not hold")
+        bucket = self.buckets[bi]
+        start = first + offset  # in the parameter
+        at = bucket.offsets[slot] + start  # in the bucket's layout, which the mirror has
+        self._staging.host(bi)[at:at + n].copy_(values)
+        self._staging.to_device(bi, dst=bucket.params[slot].data.view(-1)[start:start + n], start=at, stop=at + n)
+        return True
+
     def _buffer_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffer_targets.values())
 
     def _buffer_parts(self) -> list:
-        return [part for name, b in self._buffer_targets.items() for part in wire.split(name, b.detach().view(-1))]
+        return [part for name, b in self._buffer_targets.items()
+                for part in wire.split(name, b.detach().view(-1).cpu())]  # .cpu(): a CUDA buffer's small copy
 
     def _on_all(self, fn, what: str) -> list:
         """Run ``fn(shard)`` on every shard's thread at once; wait for all (each has its own timeout)."""
@@ -537,6 +564,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 src = flat
             elif self.model is not None:
                 src = self.model.get_parameter(pc.param).detach().view(-1)
+                if src.is_cuda:  # init, load: once, not per step
+                    src = src.cpu()
             else:
                 raise ConfigError("call setup(model, optim) before exchanging parameters")
             out += wire.split(pc.key, src[pc.start:pc.start + pc.count])
@@ -548,6 +577,10 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _start_bucket(self, bucket) -> Handle:
         step = self._wire_step()
+        st = self._staging
+        staged = st.is_staged(bucket.index)
+        # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
+        src = st.to_host_async(bucket.index)[0] if staged else bucket.buffer
         hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
@@ -564,18 +597,23 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 if not bucket.present[slot]:
                     absent.append(pc.key)
                     continue
-                parts += wire.split(pc.key, bucket.view(slot).view(-1)[pc.start:pc.start + pc.count])
+                at = bucket.offsets[slot] + pc.start
+                parts += wire.split(pc.key, src[at:at + pc.count])
                 self.stats.bytes_sent += pc.nbytes
             what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper), what))
+            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper,
+                                                     bucket.index if staged else None), what))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
 
-    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper) -> None:
+    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper, staged: int | None = None) -> None:
         """On the shard's thread: send the pushes; with update=worker also ask at once for those keys'
         averages, which the server sends as soon as every worker's gradient for them is in, while
-        backward is still busy with earlier layers."""
+        backward is still busy with earlier layers. ``staged``: the parts are that bucket's host mirror,
+        ready once its copy from the GPU is."""
+        if staged is not None:
+            self._staging.wait(staged, self.options.timeout)
         for parts, absent, keys in messages:
             shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
             meta = {"base": shard.version, "absent": absent}
@@ -588,12 +626,17 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _take_sum(self, h: wire.Header, data) -> int:
         """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
+        st = self._staging
         for spec, frame in zip(h.frames, data):
-            slot = self._grad_slots.get(spec.key)
-            if slot is None or spec.offset + spec.count > slot.numel():
+            bi, slot, first, count = self._grad_slots.get(spec.key, (0, 0, 0, -1))
+            if count < 0 or spec.offset + spec.count > count:
                 raise ModelMismatch(f"a shard sent the average of {spec.key}[{spec.offset}:{spec.offset + spec.count}],"
                                     f" which this worker does not hold")
-            slot[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            # in the bucket's layout: p.grad's view, or (CUDA) its host mirror
+            start = self.buckets[bi].offsets[slot] + first + spec.offset
+            st.host(bi)[start:start + spec.count].copy_(wire.frame_tensor(spec, frame))
+            if st.is_staged(bi):
+                st.to_device(bi, start=start, stop=start + spec.count)
         absent = h.meta.get("absent", [])
         if absent:
             self._absent.update(absent)
@@ -836,6 +879,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
                              f"({list(tensor.shape)} {tensor.dtype})")
         step = self._base + self._step
         flat = tensor.detach().contiguous().view(-1)
+        if flat.is_cuda:  # a benchmark's tensor: one copy down; the pull comes back through the staging
+            flat = flat.cpu()
         handles = []
         commit = {"factor": 1.0, "hyper": _hypers(self.optimizer)} if self.mode == "sync" and self.optimizer else None
         for s in self.shards:
@@ -859,7 +904,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "mode": self.options.mode or "server's",
-                 "servers": [s.endpoint for s in self.shards], **self._heap_facts()}
+                 "servers": [s.endpoint for s in self.shards], "staging": self._staging.facts(),
+                 **self._heap_facts()}
         if self.options.transport in ("shm", "auto"):  # what each connection carries its payloads in, and why
             facts["transport"] = {"asked": self.options.transport,
                                   "payloads": {s.endpoint: s.payloads for s in self.shards},

@@ -34,9 +34,12 @@ smaller ones are copied (cheaper than tracking). Received chunks are added
 straight from zmq's frame (reduce-scatter) or written straight into the caller's
 tensor (all-gather); small reduce-scatter chunks land in one reused scratch
 buffer. Half types (float16, bfloat16) are summed in a float32 copy, sent as
-float32, and rounded once at the end. CUDA tensors are staged through host
-memory for tcp/ipc; only ``transport=torch`` with NCCL keeps them on the GPU
-(GPUDirect RDMA where the machine has it).
+float32, and rounded once at the end. CUDA buckets are staged through pinned
+host mirrors for tcp/ipc/shm (:mod:`commlab.staging`: the copy to the host
+starts in the backward hook on a stream of its own; other CUDA tensors, such as
+the initial broadcast, are copied to host memory and back); only
+``transport=torch`` with NCCL keeps them on the GPU (GPUDirect RDMA where the
+machine has it).
 
 Two ranks: at N = 2 both neighbours are the same rank, and a tensor of up to
 ``swap_kb`` (4 MiB) takes one step instead of two: each rank sends the whole
@@ -95,6 +98,7 @@ from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigErr
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.heap import keep_freed_memory
+from commlab.staging import HostStaging
 from commlab.regimes.ring_links import (SLOTS, Collective, Inbox, Outbox, ShmInbox, ShmOutbox, Step, TorchInbox,
                                         TorchOutbox, ZmqInbox, ZmqOutbox)
 from commlab.transport import Link, Transport, is_loopback
@@ -206,6 +210,7 @@ class RingExchanger(CollectiveExchanger):
         self._chunk_mb = self.options.chunk  # auto: shm's once join() finds every link of the ring on one host
         self._group = None
         self._own_group = False
+        self._staging: HostStaging | None = None  # after setup: the buckets' host mirrors (CUDA ones staged)
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
@@ -363,18 +368,34 @@ class RingExchanger(CollectiveExchanger):
     def _connect(self, model, optimizer):
         self.join()
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
+        if self.options.transport != "torch":  # CUDA buckets through pinned mirrors (CPU ones pass through)
+            self._staging = HostStaging.for_buckets(self.buckets)
 
-    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
+    def _start_bucket(self, bucket) -> Handle:
+        """A staged (CUDA) bucket: its copy to the host starts here, in the backward hook, on the copy stream,
+        after the kernels that wrote it; the communication thread waits for it, runs the ring on the host
+        mirror and queues the copy back, which the training stream waits for. Others: as all-reduces do."""
+        st = self._staging
+        if st is None or not st.is_staged(bucket.index):
+            return super()._start_bucket(bucket)
+        if bucket.index == 0:  # the stall report reads how far each rank got
+            rendezvous.heartbeat(self.store, self.rank, self._step)
+        host, _ = st.to_host_async(bucket.index)
+        what = f"ring:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
+        return self.allreduce_async(host, what, staged=bucket.index)
+
+    def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce", staged: int | None = None) -> Handle:
         """Sum ``tensor`` in place over all ranks. Collective: every rank calls it with a tensor of the same
         size and dtype, in the same order. Does not block: the ring runs on this exchanger's
         communication thread, one collective after another in call order. Don't touch ``tensor`` until
-        the handle is done. Needs :meth:`join` (or setup) first. Thread-safe to call."""
+        the handle is done. Needs :meth:`join` (or setup) first. Thread-safe to call. ``staged``: ``tensor``
+        is that bucket's host mirror (:class:`~commlab.staging.HostStaging`), its copy from the GPU under way."""
         flat = self._check(tensor, what)
         future: cf.Future = cf.Future()
         self._account(flat)
         with self._order:
             self._pending += 1
-            self._jobs.put((flat, future, what))
+            self._jobs.put((flat, future, what, staged))
         return FutureHandle(future, f"{what} on rank {self.rank}", on_timeout=self._stalled)
 
     def allreduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
@@ -421,7 +442,9 @@ class RingExchanger(CollectiveExchanger):
             facts["staging"] = ("none: NCCL send/recv on the GPU (GPUDirect RDMA where available)"
                                 if o.backend == "nccl" else "CPU tensors only (gloo)")
         else:
-            facts["staging"] = "CUDA tensors are copied to host memory and back (no GPUDirect over zmq or shm)"
+            facts["staging"] = (self._staging.facts() if self._staging is not None else
+                                "decided at setup: CUDA buckets through pinned host mirrors (no GPUDirect over zmq "
+                                "or shm); other CUDA tensors copied to host memory and back")
             facts["io_threads"] = o.io_threads
             facts["sndbuf_kb"] = o.sndbuf_kb or "system"
             facts["authentication"] = "CURVE (keys folder)" if o.keys else ("none (insecure=1)" if o.insecure
@@ -542,24 +565,32 @@ class RingExchanger(CollectiveExchanger):
             job = self._jobs.get()
             if job is None:
                 return
-            flat, future, what = job
+            flat, future, what, staged = job
             if not future.set_running_or_notify_cancel():
+                with self._order:
+                    self._pending -= 1
                 continue
             try:
-                self._run(flat, what)
+                self._run(flat, what, staged)
                 future.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                 future.set_exception(exc)
 
-    def _run(self, flat: torch.Tensor, what: str) -> None:
-        """One collective, on whichever thread holds the ring; a failure breaks the ring for good."""
+    def _run(self, flat: torch.Tensor, what: str, staged: int | None = None) -> None:
+        """One collective, on whichever thread holds the ring; a failure breaks the ring for good. ``staged``:
+        ``flat`` is that bucket's host mirror: wait for its copy from the GPU first, copy the sum back after."""
         with self._ring_lock:
             try:
                 if self._broken is not None:
                     b = self._broken
                     raise CommError(f"{what}: the ring broke earlier: {b}", **(b.fields() if isinstance(b, CommError)
                                                                                 else {}))
+                st = self._staging if staged is not None else None
+                if st is not None and staged is not None:
+                    st.wait(staged, self.options.timeout)
                 self._allreduce(flat)
+                if st is not None and staged is not None:
+                    st.to_device(staged)
             except (CommError, ValueError) as caught:
                 exc: BaseException = caught
                 if self._broken is None:

@@ -211,8 +211,6 @@ def needs(url: str, workers: int, nccl: bool) -> None:
         pytest.skip("no GPU")
     if nccl and scheme == "ring" and workers < 2:
         pytest.skip(f"{url} needs >= 2 GPUs (one per rank); {workers} here")
-    if scheme == "ps" and ON_CUDA:
-        pytest.skip("ps:// keeps parameters on the CPU: tests/test_exchanger.py checks it refuses a device model")
 
 
 # (url, workers or "gpus": one worker per GPU, moves data with NCCL)
@@ -222,8 +220,11 @@ CASES = [
     ("ring://", 2, False),
     ("ring://", 3, False),
     ("ring://?transport=torch", "gpus", True),
-    ("ps://", 2, False),
+    ("ps://", 2, False),  # update=worker: averages back through the mirrors
     ("ps://?shards=2", 3, False),
+    ("ps://?shards=2&update=server&piece_mb=0.001", 2, False),  # parameters back through the mirrors, in pieces
+    ("ps://?transport=shm", 2, False),
+    ("ring://?transport=tcp", 2, False),
 ]
 
 
