@@ -116,12 +116,19 @@ def test_plan_local_starts_k_servers_and_hands_workers_their_endpoints(tmp_path)
     assert opts.endpoint_list == [a[a.index("--bind") + 1] for a in argvs] and opts.mode == "ssp"
     same, none = PSExchanger.plan_local(ExchangerURL.parse("ps://127.0.0.1:5000?mode=sync"), 2, no_folder)
     assert none == [] and same == "ps://127.0.0.1:5000?mode=sync"
-    _, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, lambda: str(tmp_path))
+    url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=ipc"), 2, lambda: str(tmp_path))
     assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
+    assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "ipc"
+    url, _ = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=tcp"), 2, no_folder)
+    assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "tcp"
     assert list(tmp_path.iterdir()) == []  # the caller's folder; the plan makes nothing itself
     url, argvs = PSExchanger.plan_local(ExchangerURL.parse("ps://?shards=2&transport=shm"), 2, lambda: str(tmp_path))
     assert [a[a.index("--bind") + 1] for a in argvs] == [f"ipc://{tmp_path}/shard{i}" for i in range(2)]
     assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "shm"
+    for given in ("&transport=auto", ""):  # auto, the default: loopback tcp, which a benchmark can move into namespaces
+        url, argvs = PSExchanger.plan_local(ExchangerURL.parse(f"ps://?shards=2{given}"), 2, no_folder)
+        assert [a[a.index("--bind") + 1] for a in argvs] == ["tcp://127.0.0.1:0"] * 2
+        assert PSExchanger.from_url(ExchangerURL.parse(url), RankInfo.single()).options.transport == "auto"
     with pytest.raises(ConfigError, match="names no servers"):
         attach("ps://?mode=sync", nn.Linear(2, 2))
 

@@ -52,9 +52,11 @@ class PSOptions(CommonOptions):
                        choices=("",) + psproto.MODES)
     staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
     shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)")
-    transport: str = option("tcp", "tcp or ipc: payloads in zmq frames (servers commlab train starts listen so); "
-                                   "shm: payloads through shared memory (the servers must share this host); auto: "
-                                   "shm with each server on this host and network namespace, zmq frames elsewhere",
+    transport: str = option("auto", "auto: payloads through shared memory with each server on this host and in this "
+                                    "network namespace, zmq frames with the others (servers commlab train starts "
+                                    "listen on loopback tcp); tcp or ipc: payloads in zmq frames (servers commlab "
+                                    "train starts listen so); shm: shared memory only (every server on this host; "
+                                    "ipc sockets carry the headers)",
                             choices=("tcp", "ipc", "shm", "auto"))
     endpoints: str = option("", "comma-separated zmq endpoints, instead of HOST:PORT in the URL (e.g. ipc://...)")
     piece_mb: float = option(16.0, "parameters are cut into pieces of at most this many MiB, each reduced, "
@@ -389,14 +391,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         A URL that already names servers starts none. Otherwise ``shards`` (default 1) servers
         listen on loopback port 0 (each reports the port it got; the launcher puts it in the
         workers' URL in place of the ``:0`` listed there, in server order), or with
-        ``transport=ipc`` on sockets in ``scratch()``, a folder the caller owns and removes (call
-        this through :func:`commlab.launcher.server_plan`).
+        ``transport=ipc|shm`` on sockets in ``scratch()``, a folder the caller owns and removes (call
+        this through :func:`commlab.launcher.server_plan`). ``auto`` listens on loopback tcp, as a plan
+        a benchmark moves into network namespaces must (the payloads take shared memory where they can).
         """
         opts = _options(url)
         if opts.endpoint_list:
             return url.text, []
         k = opts.shards or 1
-        if opts.transport in ("ipc", "shm", "auto"):  # shm: the headers go over ipc, the payloads not at all
+        if opts.transport in ("ipc", "shm"):  # shm: the headers go over ipc, the payloads not at all
             folder = scratch()
             endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
         else:
@@ -411,9 +414,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 argv += ["--keys", opts.keys]
             argvs.append(argv)
         query = [(key, v) for key, v in url.query if key not in ("shards", "transport", "endpoints", "mode")]
-        query += [("mode", mode), ("endpoints", ",".join(endpoints))]
-        if opts.transport in ("shm", "auto"):
-            query.append(("transport", opts.transport))
+        # the transport always travels: a tcp or ipc plan left without one would get the default (auto)
+        query += [("mode", mode), ("endpoints", ",".join(endpoints)), ("transport", opts.transport)]
         return "ps://?" + "&".join(f"{key}={v}" for key, v in query), argvs
 
     def __init__(self, options, rank):
