@@ -51,7 +51,7 @@ class Config:
 
 PS = "ps://?shards=1&mode=async&timeout=60"
 CONFIGS = {
-    "ps-tcp": Config("regime", PS),
+    "ps-tcp": Config("regime", PS + "&transport=tcp"),
     "ps-ipc": Config("regime", PS + "&transport=ipc"),
     "ps-shm": Config("regime", PS + "&transport=shm"),
     "rpc-uv-basic": Config("peer", rpc="uv-basic"),

@@ -64,12 +64,14 @@ def driver(url: str, rank: int, workers: int, steps: int, *extra: str) -> list[s
 def attach(server_or_url, model: nn.Module, optim=None, rank: int = 0, world: int = 1,
            transport: str = "tcp") -> PSExchanger:
     url = server_or_url if isinstance(server_or_url, str) else f"ps://{server_or_url.address}?timeout=20"
-    if transport != "tcp":
+    if "transport=" not in url:  # said every time: tcp is not the default (auto is)
         url += f"&transport={transport}"
     ex = commlab.connect(url, RankInfo(rank, world, rank, "127.0.0.1", 0, "flags"))
     ex.setup(model, optim or commlab.OptimizerSpec("sgd", lr=0.5))
     if transport == "shm":  # the payloads really take the shared-memory path
         assert set(ex.facts()["transport"]["payloads"].values()) == {"shm"}
+    elif transport == "tcp":  # and here they really do not
+        assert "transport" not in ex.facts()
     return ex
 
 
