@@ -179,9 +179,11 @@ def _open(sock: zmq.Socket, attach, verb: str, endpoint: str, sndbuf: int | None
     return sock
 
 
-def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer") -> int:
-    """Send one multipart message; small frames copied, large ones zero-copy. Returns data bytes."""
-    return _send(sock, frames, timeout, who, track=False)[0]
+def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer",
+         peer: int | str | None = None) -> int:
+    """Send one multipart message; small frames copied, large ones zero-copy. Returns data bytes.
+    ``peer``: the rank or shard the errors carry (:class:`~commlab.errors.CommError` fields)."""
+    return _send(sock, frames, timeout, who, track=False, peer=peer)[0]
 
 
 def send_tracked(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None,
@@ -194,7 +196,7 @@ def send_tracked(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = 
     return _send(sock, frames, timeout, who, track=True)
 
 
-def _send(sock, frames, timeout, who, track):
+def _send(sock, frames, timeout, who, track, peer=None):
     last = len(frames) - 1
     total = 0
     trackers: list = []
@@ -204,23 +206,25 @@ def _send(sock, frames, timeout, who, track):
             total += n
             flags = zmq.SNDMORE if i < last else 0
             if timeout is not None and not sock.poll(int(timeout * 1000), zmq.POLLOUT):
-                raise CommTimeout(f"sending to {who} blocked for {timeout:g}s (its queue is full: is it alive?)")
+                raise CommTimeout(f"sending to {who} blocked for {timeout:g}s (its queue is full: is it alive?)",
+                                  peer=peer, op="send")
             copy = n <= wire.COPY_THRESHOLD
             tracker = sock.send(f, flags, copy=copy, track=track and not copy)
             trackers.append(tracker if track and not copy else None)
     except zmq.ZMQError as exc:
-        raise PeerLost(f"send to {who} failed: {exc}") from exc
+        raise PeerLost(f"send to {who} failed: {exc}", peer=peer, op="send") from exc
     return total, trackers
 
 
-def recv(sock: zmq.Socket, timeout: float, who: str) -> list[zmq.Frame]:
-    """Receive one multipart message within ``timeout`` seconds or raise naming ``who``."""
+def recv(sock: zmq.Socket, timeout: float, who: str, peer: int | str | None = None) -> list[zmq.Frame]:
+    """Receive one multipart message within ``timeout`` seconds or raise naming ``who`` (and carrying
+    ``peer``)."""
     try:
         if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            raise CommTimeout(f"no message from {who} within {timeout:g}s")
+            raise CommTimeout(f"no message from {who} within {timeout:g}s", peer=peer, op="receive")
         return sock.recv_multipart(copy=False)
     except zmq.ZMQError as exc:
-        raise PeerLost(f"receive from {who} failed: {exc}") from exc
+        raise PeerLost(f"receive from {who} failed: {exc}", peer=peer, op="receive") from exc
 
 
 def recv_bounded(sock: zmq.Socket, max_parts: int) -> tuple[list[zmq.Frame], int]:

@@ -102,8 +102,9 @@ def test_keys_encrypt_the_real_server_and_shut_out_strangers(procs, tmp_path):
         model = Probe()
         before = model.w.detach().clone()
         url = f"ps://{secure.address}?timeout=2&retries=0{query}"
-        with pytest.raises(CommTimeout, match=r"did not answer hello within 2s"):
+        with pytest.raises(CommTimeout, match=r"did not answer hello within 2s") as caught:
             commlab.connect(url, RankInfo(0, 1, 0, "127.0.0.1", 0, "flags")).setup(model, commlab.OptimizerSpec())
+        assert (caught.value.peer, caught.value.op) == ("shard 0", "receive")  # typed fields, not only the text
         assert torch.equal(model.w.detach(), before)
     stats = _secure_stats(secure, d)
     assert stats["workers"] == [0] and stats["updates"] == 2  # the authorised worker's two steps only

@@ -39,7 +39,7 @@ import zmq
 
 from commlab import psproto, psshm, shm, transport, wire
 from commlab.config import CommonOptions, ExchangerURL, option, parse_options
-from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, RemoteError
+from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
@@ -125,6 +125,7 @@ class _Shard:
                  timeout: float, retries: int, rank: int | None = None):
         self.index, self.count, self.endpoint = index, count, endpoint
         self.name = f"shard {index}/{count} at {endpoint}"
+        self.peer = f"shard {index}"  # what errors carry as their ``peer`` field (CommError)
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
@@ -180,7 +181,7 @@ class _Shard:
         elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum"):
             meta["shm_reply"] = True
         frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
-        transport.send(self.sock, frames, timeout=self.timeout, who=self.name)
+        transport.send(self.sock, frames, timeout=self.timeout, who=self.name, peer=self.peer)
 
     def answer(self, req: _Request) -> tuple:
         """Wait (at most ``timeout``) for ``req``'s reply: ``(header, data frames)``; raise its error."""
@@ -191,14 +192,19 @@ class _Shard:
                 if left <= 0:
                     raise CommTimeout("")
                 if self.sock is None:
-                    raise PeerLost(f"{self.name}: the connection is closed")
-                msg = transport.recv(self.sock, left, self.name)
+                    raise PeerLost(f"{self.name}: the connection is closed", peer=self.peer, op="receive")
+                msg = transport.recv(self.sock, left, self.name, self.peer)
             except CommTimeout:
-                raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s") from None
+                raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s", peer=self.peer,
+                                  op="receive") from None
             limit = max([self.max_reply, *(r.max_bytes for r in self.outstanding)])
             link = self.link
-            h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit,
-                            region=link.outbound.size if link is not None else None)
+            try:
+                h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit,
+                                region=link.outbound.size if link is not None else None)
+            except ProtocolError as exc:
+                raise ProtocolError(f"{self.name} sent a reply that breaks the protocol: {exc}", peer=self.peer,
+                                    op="receive") from None
             rid = h.meta.get("id")
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
                 assert link is not None or "shm" not in h.meta  # decode refuses offsets without a link
@@ -206,7 +212,7 @@ class _Shard:
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
         if h.op == "error":
-            raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}")
+            raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}", peer=self.peer)
         return h, data
 
     def request(self, op: str, step: int, parts=(), meta: dict | None = None, what: str = "",
@@ -274,9 +280,10 @@ class _Shard:
                 state = self.probe()
                 if state is not None and state.get("boot") == self.boot:
                     stalled = [r for r in state.get("waiting_for", []) if r != self.rank]
-                    if stalled:
+                    if stalled:  # the culprit is a rank: the field names it when there is one
                         raise CommTimeout(f"{exc}: the shard is up and its step {state.get('sync_step')} waits for "
-                                          f"rank(s) {stalled} (dead or stalled?)") from None
+                                          f"rank(s) {stalled} (dead or stalled?)",
+                                          peer=stalled[0] if len(stalled) == 1 else None, op="receive") from None
                 if attempts >= self.retries:
                     if state is None:
                         seen = "no answer to a probe either"
@@ -284,7 +291,8 @@ class _Shard:
                         seen = "the shard restarted"
                     else:
                         seen = f"the shard is up, {len(self.outstanding)} request(s) unanswered, its stats: {state}"
-                    raise CommTimeout(f"{exc} ({seen}; gave up after {attempts} reconnect(s))") from None
+                    raise CommTimeout(f"{exc} ({seen}; gave up after {attempts} reconnect(s))", peer=self.peer,
+                                      op="receive") from None
                 attempts += 1
                 self._reconnect_and_resend()
                 continue
