@@ -154,6 +154,64 @@ def test_chunk_header_checks_every_field():
         wire.check_chunk_header(b"abc", good, "rank 1")
 
 
+def _shm_link(run: str, rank: int, slot_bytes: int):
+    """A real shared-memory link, both ends in this process: (sender's segment and socket, receiver's)."""
+    import json
+    from commlab.regimes.ring import ShmOffer
+    offer = ShmOffer(run, rank, slot_bytes)
+    receiver = ShmOffer.attach(json.loads(offer.describe()))
+    return offer.accept(5.0, f"rank {rank + 1}", rank + 1), receiver
+
+
+def test_shm_link_delivers_what_was_sent_before_the_sender_closed():
+    """The left neighbour placed its last chunks and closed (its part of the collective was done) while
+    this rank had read only the first: the rest is still read, although the kernel reports a reset
+    first (the closed end left a TAKEN signal unread). And a sender that closes with linger waits until
+    its chunks were taken, so it leaves nothing unread."""
+    import threading
+    from commlab import shm
+    from commlab.regimes.ring import shm_slot_bytes
+    from commlab.regimes.ring_links import SLOTS, Collective, ShmInbox, ShmOutbox
+
+    slot, k, n = shm_slot_bytes(0.001), SLOTS, 256 * SLOTS  # k chunks of 256 floats, one per slot
+    run = shm.new_run_id()
+    store_all = ((0, 0, False),)  # one step that stores: the all-gather's last
+    try:
+        for linger in (0.0, 5.0):
+            (seg_out, conn_out), (seg_in, conn_in, theirs) = _shm_link(run, 2, slot)
+            (seg_next, conn_next), right_end = _shm_link(run, 0, slot)  # rank 0's own link to its right
+            outbox = ShmOutbox(seg_out, conn_out, slot, 2, 0, "rank 0 (right)", 5.0, lambda: None)
+            mine = ShmOutbox(seg_next, conn_next, slot, 0, 1, "rank 1 (right)", 5.0, lambda: None)
+            inbox = ShmInbox(seg_in, conn_in, theirs, 0, 2, "rank 2 (left)", 5.0, lambda: None, mine)
+            sent = torch.arange(n, dtype=torch.float32) + linger
+            got = torch.zeros(n)
+            outbox.begin(Collective(sent, 0, [0, n], k, store_all))
+            inbox.begin(Collective(got, 0, [0, n], k, store_all))
+            for j in range(k):
+                outbox.send(0, j)
+            outbox.finish()  # every chunk placed: the sender's part is done
+            inbox.store(0, 0)  # this rank reads the first and says TAKEN
+            if linger:
+                reader = threading.Thread(target=lambda: [inbox.store(0, j) for j in range(1, k)])
+                timer = threading.Timer(0.3, reader.start)  # the rest is read while the sender lingers
+                timer.start()
+                outbox.close(linger)
+                timer.join()
+                reader.join(5)
+                assert outbox.taken == outbox.sent == k  # it waited for every chunk to be taken
+            else:
+                outbox.close(0.0)  # gone with a TAKEN signal unread
+                for j in range(1, k):
+                    inbox.store(0, j)
+            assert torch.equal(got, sent)
+            for half in (inbox, mine):
+                half.close()
+            right_end[0].close()
+            right_end[1].close()
+    finally:
+        shm.sweep_stale()
+
+
 def test_options_are_validated():
     from commlab.registry import connect
     from commlab.rendezvous import RankInfo

@@ -54,7 +54,7 @@ import torch
 import zmq
 
 from commlab import wire
-from commlab.errors import CommTimeout, PeerLost, ProtocolError
+from commlab.errors import CommError, CommTimeout, PeerLost, ProtocolError
 from commlab.transport import Link
 
 Step = tuple[int, int, bool]  # (segment sent, segment received, whether the received one is added)
@@ -479,6 +479,20 @@ class ShmOutbox(Outbox):
         return self.hung_up
 
     def close(self, linger_s: float = 0.0) -> None:
+        """With ``linger_s``: first wait (that long at most) until the right neighbour has taken every chunk
+        placed, reading its TAKEN signals. Closing with signals unread would make the kernel report a
+        reset to the neighbour ahead of READY signals it has not read yet (see :meth:`ShmInbox._recv_now`)."""
+        if linger_s > 0 and not self.hung_up and self.slots is not None:
+            deadline = time.monotonic() + linger_s
+            try:
+                while self.taken < self.sent:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    if self.poller.poll(int(min(SLICE_S, left) * 1000)):
+                        self._drain_taken()
+            except (CommError, OSError):  # gone or confused: nothing left to wait for
+                pass
         self.queue.clear()
         self.conn.close()
         self.slots = None
@@ -505,14 +519,30 @@ class ShmInbox(Inbox):
         self.flat = c.work.numpy()
         self.raw = c.work.view(torch.uint8).numpy()
 
+    def _recv_now(self) -> bytes | None:
+        """A signal from the left if one is here (b"": it hung up), None if none is (no waiting).
+
+        A left neighbour that closed with our TAKEN signals unread makes the kernel report ECONNRESET
+        once, ahead of the READY signals it sent before it closed (a Unix socket's pending error is
+        returned before its queue): those are still ours, so read again."""
+        for attempt in range(2):
+            try:
+                return self.conn.recv(64, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+            except ConnectionResetError as exc:
+                if attempt:
+                    raise PeerLost(f"{self.who} disconnected ({exc.strerror})", peer=self.peer,
+                                   op="receive") from None
+            except OSError as exc:
+                raise PeerLost(f"{self.who} disconnected ({exc.strerror})", peer=self.peer, op="receive") from None
+        return None
+
     def _ready(self, t: int) -> bytes:
         """The next READY signal from the left (waiting, pumping the outbox, bounded)."""
-        try:
-            msg = self.conn.recv(64, socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        msg = self._recv_now()
+        if msg is None:
             msg = self._wait(t)
-        except OSError as exc:
-            raise PeerLost(f"{self.who} disconnected ({exc.strerror})", peer=self.peer, op="receive") from None
         if not msg:
             raise PeerLost(f"{self.who} disconnected", peer=self.peer, op="receive")
         return msg
@@ -541,13 +571,10 @@ class ShmInbox(Inbox):
             wait_ms = max(0, int(min(SLICE_S, deadline - now) * 1000))
             for fd, events in poller.poll(wait_ms):
                 if fd == mine:
-                    try:
-                        return self.conn.recv(64, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
+                    msg = self._recv_now()
+                    if msg is None:
                         continue
-                    except OSError as exc:
-                        raise PeerLost(f"{self.who} disconnected ({exc.strerror})", peer=self.peer,
-                                       op="receive") from None
+                    return msg
                 if events & (select.POLLHUP | select.POLLERR):
                     raise PeerLost(f"{outbox.who} disconnected", peer=outbox.peer, op="receive")
             if out_fd is not None and outbox.pending:
