@@ -665,8 +665,12 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got
             rendezvous.heartbeat(self.store, self.rank, self._step)
-        return self.allreduce_async(bucket.buffer, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
-                                                   f"({bucket.names[0]}...) at step {self._step}")
+        return self._allreduce_bucket(bucket, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
+                                              f"({bucket.names[0]}...) at step {self._step}")
+
+    def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
+        """Start summing ``bucket``'s buffer (a regime that stages CUDA buckets through the host overrides it)."""
+        return self.allreduce_async(bucket.buffer, what)
 
     def _finish(self) -> None:
         self._drop_absent_grads()

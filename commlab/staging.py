@@ -134,6 +134,11 @@ class _Slot:
     def staged(self) -> bool:
         return self.host is not self.device_buf
 
+    @property
+    def pinned(self) -> bool:
+        """A CUDA tensor's pinned mirror (not a CPU tensor's mirror_cpu one)."""
+        return self.staged and self.device_buf.is_cuda
+
 
 class HostStaging:
     """Pinned host mirrors of a fixed list of flat tensors (a regime's buckets).
@@ -151,7 +156,6 @@ class HostStaging:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self.mirror_cpu = mirror_cpu
         self._slots: list[_Slot] = []
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._consumers: dict[torch.device, torch.cuda.Stream] = {}
@@ -188,10 +192,11 @@ class HostStaging:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(s.host.numel() * s.host.element_size() for s in self._slots if s.staged and s.device_buf.is_cuda)
+        return sum(s.host.numel() * s.host.element_size() for s in self._slots if s.pinned)
 
     def is_staged(self, i: int) -> bool:
-        """True if slot ``i`` is a CUDA tensor with a pinned host mirror."""
+        """True if slot ``i`` has a host mirror of its own: a CUDA tensor's pinned one, or (mirror_cpu) a CPU
+        tensor's."""
         return self._slot(i).staged
 
     def host(self, i: int) -> torch.Tensor:
@@ -298,8 +303,8 @@ class HostStaging:
 
     def facts(self) -> dict:
         """For the run's manifest: how this regime's tensors reach the wire."""
-        staged = [s for s in self._slots if s.staged and s.device_buf.is_cuda]
-        mirrored = [s for s in self._slots if s.staged and not s.device_buf.is_cuda]
+        staged = [s for s in self._slots if s.pinned]
+        mirrored = [s for s in self._slots if s.staged and not s.pinned]
         return {
             "data_path": HOST_STAGED if staged else (CPU_MIRRORED if mirrored else CPU_RESIDENT),
             "gpudirect": NOT_GPUDIRECT if staged else "no (CPU tensors)",

@@ -536,18 +536,23 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.update == "server":
             self._take_over_state(optimizer)
 
+    def _locate(self, key: str, offset: int, n: int, what: str) -> tuple[int, int, int]:
+        """(bucket, slot, first element in the bucket's layout) of elements ``[offset, offset + n)`` of piece
+        ``key``; ModelMismatch if this worker holds no such range."""
+        bi, slot, first, count = self._grad_slots.get(key, (0, 0, 0, -1))
+        if count < 0 or offset + n > count:
+            raise ModelMismatch(f"a shard sent {what}{key}[{offset}:{offset + n}], which this worker does not hold")
+        return bi, slot, self.buckets[bi].offsets[slot] + first + offset
+
     def _put_param(self, key: str, offset: int, values: torch.Tensor) -> bool:
         """On a shard's thread: pulled values of a staged (CUDA) parameter into its bucket's host mirror, then
         to the parameter on the copy stream (the training stream waits for it). False: not staged."""
-        bi, slot, first, count = self._grad_slots.get(key, (0, 0, 0, -1))
-        if count < 0 or not self._staging.is_staged(bi):
-            return False
         n = values.numel()
-        if offset + n > count:
-            raise ModelMismatch(f"a shard sent {key}[{offset}:{offset + n}], which this worker does not hold")
+        bi, slot, at = self._locate(key, offset, n, "")
+        if not self._staging.is_staged(bi):
+            return False
         bucket = self.buckets[bi]
-        start = first + offset  # in the parameter
-        at = bucket.offsets[slot] + start  # in the bucket's layout, which the mirror has
+        start = at - bucket.offsets[slot]  # in the parameter
         self._staging.host(bi)[at:at + n].copy_(values)
         self._staging.to_device(bi, dst=bucket.params[slot].data.view(-1)[start:start + n], start=at, stop=at + n)
         return True
@@ -587,10 +592,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _start_bucket(self, bucket) -> Handle:
         step = self._wire_step()
-        st = self._staging
-        staged = st.is_staged(bucket.index)
         # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
-        src = st.to_host_async(bucket.index)[0] if staged else bucket.buffer
+        src, _ = self._staging.to_host_async(bucket.index)
         hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
@@ -611,19 +614,18 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 parts += wire.split(pc.key, src[at:at + pc.count])
                 self.stats.bytes_sent += pc.nbytes
             what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper,
-                                                     bucket.index if staged else None), what))
+            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper, bucket.index),
+                                        what))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
 
-    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper, staged: int | None = None) -> None:
+    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper, bucket: int) -> None:
         """On the shard's thread: send the pushes; with update=worker also ask at once for those keys'
         averages, which the server sends as soon as every worker's gradient for them is in, while
-        backward is still busy with earlier layers. ``staged``: the parts are that bucket's host mirror,
-        ready once its copy from the GPU is."""
-        if staged is not None:
-            self._staging.wait(staged, self.options.timeout)
+        backward is still busy with earlier layers. The parts are read from ``bucket``'s host mirror (the
+        bucket itself unless it is staged), ready once its copy from the GPU is."""
+        self._staging.wait(bucket, self.options.timeout)
         for parts, absent, keys in messages:
             shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
             meta = {"base": shard.version, "absent": absent}
@@ -638,12 +640,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
         st = self._staging
         for spec, frame in zip(h.frames, data):
-            bi, slot, first, count = self._grad_slots.get(spec.key, (0, 0, 0, -1))
-            if count < 0 or spec.offset + spec.count > count:
-                raise ModelMismatch(f"a shard sent the average of {spec.key}[{spec.offset}:{spec.offset + spec.count}],"
-                                    f" which this worker does not hold")
+            bi, _, start = self._locate(spec.key, spec.offset, spec.count, "the average of ")
             # in the bucket's layout: p.grad's view, or (CUDA) its host mirror
-            start = self.buckets[bi].offsets[slot] + first + spec.offset
             st.host(bi)[start:start + spec.count].copy_(wire.frame_tensor(spec, frame))
             if st.is_staged(bi):
                 st.to_device(bi, start=start, stop=start + spec.count)

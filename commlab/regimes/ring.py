@@ -371,17 +371,14 @@ class RingExchanger(CollectiveExchanger):
         if self.options.transport != "torch":  # CUDA buckets through pinned mirrors (CPU ones pass through)
             self._staging = HostStaging.for_buckets(self.buckets)
 
-    def _start_bucket(self, bucket) -> Handle:
+    def _allreduce_bucket(self, bucket, what: str) -> Handle:
         """A staged (CUDA) bucket: its copy to the host starts here, in the backward hook, on the copy stream,
         after the kernels that wrote it; the communication thread waits for it, runs the ring on the host
-        mirror and queues the copy back, which the training stream waits for. Others: as all-reduces do."""
+        mirror and queues the copy back, which the training stream waits for. Others: in place."""
         st = self._staging
         if st is None or not st.is_staged(bucket.index):
-            return super()._start_bucket(bucket)
-        if bucket.index == 0:  # the stall report reads how far each rank got
-            rendezvous.heartbeat(self.store, self.rank, self._step)
+            return self.allreduce_async(bucket.buffer, what)
         host, _ = st.to_host_async(bucket.index)
-        what = f"ring:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
         return self.allreduce_async(host, what, staged=bucket.index)
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce", staged: int | None = None) -> Handle:
@@ -585,12 +582,13 @@ class RingExchanger(CollectiveExchanger):
                     b = self._broken
                     raise CommError(f"{what}: the ring broke earlier: {b}", **(b.fields() if isinstance(b, CommError)
                                                                                 else {}))
-                st = self._staging if staged is not None else None
-                if st is not None and staged is not None:
+                st = self._staging
+                if staged is not None and st is not None:
                     st.wait(staged, self.options.timeout)
-                self._allreduce(flat)
-                if st is not None and staged is not None:
+                    self._allreduce(flat)
                     st.to_device(staged)
+                else:
+                    self._allreduce(flat)
             except (CommError, ValueError) as caught:
                 exc: BaseException = caught
                 if self._broken is None:
