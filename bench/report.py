@@ -403,6 +403,34 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> li
     return out
 
 
+def clusters_of(records: list[dict]) -> list[int]:
+    """The launch sizes of the run's bandwidth records (the first record with several launches)."""
+    return next((list(r["launch_sizes"]) for r in records if len(r.get("launch_sizes") or ()) > 1), [])
+
+
+def launch_notes(records: list[dict]) -> list[str]:
+    """The bandwidth pairs called indistinguishable although a launch alone (the bootstrap over its own
+    iterations, paired) names a winner: the launches disagree (gloo's small all-reduces do,
+    docs/bench.md), and with a few launches the interval, which resamples launches, reaches across 1.
+    Each launch's verdict, so a reader sees why; not a verdict of the run."""
+    out = []
+    for size in sorted({r["size_bytes"] for r in records}):
+        real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
+                and not r["wrong"] and r.get("samples_us")]
+        clusters = _clusters(real)
+        if not clusters or len(clusters) < 2:
+            continue
+        samples = {r["regime"]: r["samples_us"] for r in real}
+        for v in size_pairs(records, size):
+            if v.winner is not None:
+                continue
+            each = verdict.per_launch(v.a, samples[v.a], v.b, samples[v.b], clusters)
+            if any(x.winner is not None for x in each):
+                out.append(f"- bandwidth {human_bytes(size)}, {v.a} vs {v.b}: "
+                           + "; ".join(f"launch {i + 1} {_short(x)}" for i, x in enumerate(each)))
+    return out
+
+
 def failures_section(failures: list[dict]) -> list[str]:
     out = ["## Failed, skipped or unavailable", ""]
     if not failures:
@@ -458,6 +486,12 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
                 "chance; synchronous regimes reach it at the same step every run). Bandwidth lists every pair of "
                 "regimes in the same order in every run. "
                 "Details in the sections below.", ""] + at_a_glance + [""]
+        notes = launch_notes(records)
+        if notes:
+            out += [f"Indistinguishable above, though a launch alone names a winner: the launches disagree, and "
+                    f"{len(clusters_of(records))} launches are too few for the run's interval to settle it "
+                    "(docs/bench.md, \"Why lines move\"). Each launch's own verdict (its iterations alone), not a "
+                    "verdict of the run; more launches (`--launches 6`) can settle these.", ""] + notes + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
     out += convergence_section(summaries, cv_cfg, pngs, sigma) if cv_cfg else ["## Convergence", "", "Not run.", ""]

@@ -202,6 +202,22 @@ def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAM
     return ratio, float(lo), float(hi)
 
 
+def per_launch(a_name: str, a, b_name: str, b, clusters, *, stat: str = "median", seed: int = SEED,
+               resamples: int = RESAMPLES) -> list[Verdict]:
+    """One paired verdict per launch of paired samples (``clusters``: the launches' sample counts, in
+    order), each from that launch's iterations alone: whether the launches agree on the winner."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.size != b.size or sum(clusters) != a.size:
+        raise ValueError(f"per-launch verdicts need paired samples in launches {list(clusters)}, "
+                         f"got {a.size} and {b.size}")
+    out, at = [], 0
+    for n in clusters:
+        out.append(compare(a_name, a[at:at + n], b_name, b[at:at + n], paired=True, stat=stat, seed=seed,
+                           resamples=resamples))
+        at += n
+    return out
+
+
 def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: float = LEVEL
                     ) -> tuple[float, float, float]:
     """``(median, lo, hi)``: one sample's median with its percentile bootstrap interval (plots' error bars)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -296,6 +297,41 @@ def test_merged_launches_keep_every_sample_in_launch_order():
     assert bandwidth.launch_groups(merged) == []  # a wrong result's times do not count
     assert [[list(p) for p in g] for g in bandwidth.launch_groups([dict(m, wrong=0)])] == [[[1000.0, 2000.0],
                                                                              [3000.0, 4000.0, 5000.0], [6000.0]]]
+
+
+def test_launches_that_disagree_are_shown_launch_by_launch_and_only_for_indistinguishable_lines():
+    """Two launches: in one ring is 5x faster than gloo, in the other they tie. The run's interval, which
+    resamples launches, reaches across 1 (≈); the note gives each launch's own verdict. Lines the run
+    settles, and launches that agree, get no note."""
+    from bench.report import launch_notes, size_pairs
+    rng = np.random.default_rng(3)
+    noise = lambda n: 1 + 0.05 * rng.random(n)
+
+    def records(gloo, ring, sizes=(30, 30)):
+        def rec(regime, times):
+            merged = bandwidth.merge_launches([
+                bandwidth.summarize(regime, "x://", "regime", "allreduce", 2, {"size_bytes": 4096, "warmup": 2,
+                                    "job": f"bw0-l{i}"}, list(part), 0, "loopback", [1e-6])
+                for i, part in enumerate(np.split(np.asarray(times), np.cumsum(sizes)[:-1]))])
+            return merged[0]
+        return [rec("gloo", gloo), rec("ring", ring)]
+
+    ring = 1e-4 * noise(60)
+    gloo = np.concatenate([1e-4 * noise(30), 5e-4 * noise(30)])  # launch 1: a tie; launch 2: ring 5x faster
+    recs = records(gloo, ring)
+    (v,) = size_pairs(recs, 4096)
+    assert v.winner is None, v  # two launches this far apart: the run cannot say
+    (note,) = launch_notes(recs)
+    assert note.startswith("- bandwidth 4 KiB, gloo vs ring: launch 1 "), note
+    assert "launch 1 ring ≈ gloo" in note or "launch 1 gloo ≈ ring" in note, note
+    assert 4.5 < float(re.search(r"launch 2 ring > gloo ([0-9.]+)x", note).group(1)) < 5.5, note
+    # both launches 5x: the run names ring, and there is nothing to explain
+    assert size_pairs(records(5e-4 * noise(60), ring), 4096)[0].winner == "ring"
+    assert launch_notes(records(5e-4 * noise(60), ring)) == []
+    # the same law on both sides: no launch names a winner, so no note
+    assert launch_notes(records(1e-4 * noise(60), ring)) == []
+    with pytest.raises(ValueError, match="launches"):
+        verdict.per_launch("a", [1.0, 2.0], "b", [1.0, 2.0], [1, 2])
 
 
 def test_verdicts_against_the_best_and_their_arguments():
