@@ -34,8 +34,8 @@ from commlab.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
-# with later phases, bandwidth may use at most this share of the budget: two launches of the default
-# job (about 55 s each here, most of it starting the ranks and each size's PS servers)
+# with later phases, bandwidth may use at most this share of the budget: three launches of the default
+# job (about 37 s each here, most of it starting the ranks and each size's PS servers)
 BANDWIDTH_SHARE = 0.45
 # the end of the budget is kept for the later phases: convergence stops starting runs this long before
 # it (for scaling and probes), scaling this long before it (for the probes)
@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--min-iters", type=int, default=5)
     g.add_argument("--max-iters", type=int, default=60)
     g.add_argument("--warmup", type=int, default=2)
-    g.add_argument("--launches", type=int, default=2,
+    g.add_argument("--launches", type=int, default=3,
                    help="run the bandwidth job this many times, each with the iterations above; verdicts "
                         "resample launches, then iterations (a launch's own spread is not the run-to-run spread)")
     g.add_argument("--ceilings", default="tcp-oneway,tcp-duplex,zmq-tcp,memcpy",

@@ -136,7 +136,7 @@ class BandwidthConfig:
     warmup: int = 2
     ceilings: tuple[str, ...] = ("tcp-oneway", "tcp-duplex", "memcpy")
     job_timeout: float = 900.0  # one job holds every case and size: the budget is what bounds it
-    launches: int = 2  # each job runs this many times, each time with all its iterations (bench.verdict: launches)
+    launches: int = 3  # each job runs this many times, each time with all its iterations (bench.verdict: launches)
     corrupt: bool = False  # tests: shift one reference element, the wrong column must show it
 
 
