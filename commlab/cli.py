@@ -146,5 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``commlab`` command: :func:`main`, then out without the interpreter's teardown
+    (:mod:`commlab.exiting`); an exception leaves the normal way."""
+    from commlab.exiting import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from commlab import psproto
@@ -65,21 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown of torch's modules (0.5 s of CPU here, a second on a
-    loaded machine, every time a server stops). Only once the server is done: sockets closed,
-    checkpoint written, stats logged; what the exit handlers would do that matters (the shared-memory
-    entries this process still tracks) is done here first."""
-    from commlab import shm
-
-    shm.remove_all()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    # done: sockets closed, checkpoint written, stats logged (commlab.exiting says why and what it keeps)
+    from commlab.exiting import exit_now
+
     exit_now(main())

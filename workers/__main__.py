@@ -1,5 +1,4 @@
-import sys
-
+from commlab.exiting import exit_now
 from workers.loop import main
 
-sys.exit(main())
+exit_now(main())  # done: results written and printed (commlab.exiting says why and what it keeps)
