@@ -79,11 +79,16 @@ def _clusters(rs: list[dict]):
     return rs[0].get("launch_sizes") if _paired(rs) else None
 
 
+def _compared(records: list[dict], size: int) -> list[dict]:
+    """The records at ``size`` that verdicts compare: regimes (not noop) with samples and no wrong result."""
+    return [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
+            and not r["wrong"] and r.get("samples_us")]
+
+
 def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
     """The fastest regime at ``size`` against each other one (bootstrap over iterations, paired when
     they took turns), from records with samples and no wrong result."""
-    real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
-            and not r["wrong"] and r.get("samples_us")]
+    real = _compared(records, size)
     if len(real) < 2:
         return []
     return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
@@ -93,8 +98,7 @@ def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
 def size_pairs(records: list[dict], size: int) -> list[verdict.Verdict]:
     """Every pair of regimes at ``size``, in the order the run listed them (the same lines in every
     run, whichever is fastest), from records with samples and no wrong result."""
-    real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
-            and not r["wrong"] and r.get("samples_us")]
+    real = _compared(records, size)
     return verdict.pairs({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
                          clusters=_clusters(real)) if len(real) > 1 else []
 
@@ -371,12 +375,18 @@ def _short(v: verdict.Verdict) -> str:
     return f"{v.a} {sign} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
 
 
-def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> list[str]:
+def bandwidth_pairs(records: list[dict]) -> dict[int, list[verdict.Verdict]]:
+    """:func:`size_pairs` at every size of the run, smallest first."""
+    return {size: size_pairs(records, size) for size in sorted({r["size_bytes"] for r in records})}
+
+
+def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0,
+           pairs: dict[int, list[verdict.Verdict]] | None = None) -> list[str]:
     """Every verdict of the run on one line each, ``A > B`` (A faster) or ``A ≈ B`` (indistinguishable),
-    with the ratio and its 95% interval: what to compare between runs."""
+    with the ratio and its 95% interval: what to compare between runs. ``pairs``: :func:`bandwidth_pairs`
+    of ``records`` where the caller has it already."""
     out = []
-    for size in sorted({r["size_bytes"] for r in records}):
-        vs = size_pairs(records, size)
+    for size, vs in (bandwidth_pairs(records) if pairs is None else pairs).items():
         if vs:
             out.append(f"- bandwidth {human_bytes(size)}: " + "; ".join(_short(v) for v in vs))
     hit = [s for s in summaries if s["kind"] != "floor" and s["time_to_target_s"] is not None and s.get("step_s_samples")]
@@ -403,25 +413,19 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0) -> li
     return out
 
 
-def clusters_of(records: list[dict]) -> list[int]:
-    """The launch sizes of the run's bandwidth records (the first record with several launches)."""
-    return next((list(r["launch_sizes"]) for r in records if len(r.get("launch_sizes") or ()) > 1), [])
-
-
-def launch_notes(records: list[dict]) -> list[str]:
+def launch_notes(records: list[dict], pairs: dict[int, list[verdict.Verdict]] | None = None) -> list[str]:
     """The bandwidth pairs called indistinguishable although a launch alone (the bootstrap over its own
     iterations, paired) names a winner: the launches disagree (gloo's small all-reduces do,
     docs/bench.md), and with a few launches the interval, which resamples launches, reaches across 1.
-    Each launch's verdict, so a reader sees why; not a verdict of the run."""
+    Each launch's verdict, so a reader sees why; not a verdict of the run. ``pairs``: as for :func:`glance`."""
     out = []
-    for size in sorted({r["size_bytes"] for r in records}):
-        real = [r for r in records if r["size_bytes"] == size and r["kind"] == "regime" and r["method"] != "noop"
-                and not r["wrong"] and r.get("samples_us")]
+    for size, vs in (bandwidth_pairs(records) if pairs is None else pairs).items():
+        real = _compared(records, size)
         clusters = _clusters(real)
         if not clusters or len(clusters) < 2:
             continue
         samples = {r["regime"]: r["samples_us"] for r in real}
-        for v in size_pairs(records, size):
+        for v in vs:
             if v.winner is not None:
                 continue
             each = verdict.per_launch(v.a, samples[v.a], v.b, samples[v.b], clusters)
@@ -474,7 +478,8 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
     # one launch each, so their comparisons carry it as a random launch effect (bench.verdict)
     measured = verdict.launch_sigma(launch_groups(records))
     sigma = verdict.spread(measured)
-    at_a_glance = glance(records, summaries, sigma)
+    pairs = bandwidth_pairs(records)  # the glance's bandwidth lines and the launch notes read the same verdicts
+    at_a_glance = glance(records, summaries, sigma, pairs)
     if at_a_glance:
         out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
                 "indistinguishable on this machine. Bandwidth intervals resample the run's launches, then the "
@@ -486,10 +491,10 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
                 "chance; synchronous regimes reach it at the same step every run). Bandwidth lists every pair of "
                 "regimes in the same order in every run. "
                 "Details in the sections below.", ""] + at_a_glance + [""]
-        notes = launch_notes(records)
+        notes = launch_notes(records, pairs)
         if notes:
-            out += [f"Indistinguishable above, though a launch alone names a winner: the launches disagree, and "
-                    f"{len(clusters_of(records))} launches are too few for the run's interval to settle it "
+            out += ["Indistinguishable above, though a launch alone names a winner: the launches disagree, and "
+                    "this run's launches are too few for its interval to settle it "
                     "(docs/bench.md, \"Why lines move\"). Each launch's own verdict (its iterations alone), not a "
                     "verdict of the run; more launches (`--launches 6`) can settle these.", ""] + notes + [""]
     out += failures_section(failures)
