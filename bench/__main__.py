@@ -35,7 +35,7 @@ from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
 # with later phases, bandwidth may use at most this share of the budget: three launches of the default
-# job (about 37 s each here, most of it starting the ranks and each size's PS servers)
+# job (32-39 s each here, most of it starting the ranks and each size's PS servers)
 BANDWIDTH_SHARE = 0.45
 # the end of the budget is kept for the later phases: convergence stops starting runs this long before
 # it (for scaling and probes), scaling this long before it (for the probes)
