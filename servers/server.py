@@ -160,6 +160,10 @@ class ParameterServer:
         self.buf_acc: dict[int, tuple[set, dict]] = {}  # round -> (ranks in, key -> sum)
         self.optimizer: torch.optim.Optimizer | None = None
         self.initialized = False
+        # the start gate: a worker's first pull ("start") is answered once rank 0 initialised the shard and
+        # every rank of the job asked, so no worker can push before every worker holds the same start
+        self.starters: set[int] = set()
+        self.started = False
         self.version = 0
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.senders: dict[str, int] = {}  # wire sender -> rank
@@ -239,7 +243,7 @@ class ParameterServer:
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
                 "skipped": s.skipped, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
-                "waiting_for": self.mode.waiting_for() if self.waiting and self.world else [],
+                "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "shm_links": len(self.links),
@@ -247,6 +251,21 @@ class ParameterServer:
                 "staleness": {str(k): v for k, v in sorted(s.staleness.items())},
                 "max_staleness": max(s.staleness, default=0),
                 "clock_gap": {str(k): v for k, v in sorted(s.clock_gap.items())}}
+
+    def _gate(self) -> str:
+        """What the start pulls wait for ("" once the start gate is open)."""
+        if self.started or not self.world:
+            return ""
+        if not self.initialized:
+            return "the initial parameters from rank 0"
+        return "every rank's setup"
+
+    def _waiting_for(self) -> list[int]:
+        if not self.world:
+            return []
+        if not self.started and any(w.meta.get("start") for _, w in self.waiting):
+            return [0] if not self.initialized else sorted(set(range(self.world)) - self.starters)
+        return self.mode.waiting_for() if self.waiting else []
 
     # ----- dispatch --------------------------------------------------------------------------
     def handle(self, frames: list) -> None:
@@ -415,7 +434,8 @@ class ParameterServer:
         self.max_parts = 2 + max(_MIN_FRAMES, need)
 
     def _op_init(self, ident, h, data):
-        self._rank_of(h)
+        if self._rank_of(h) != 0:  # a fresh job starts from rank 0's parameters and buffers, as under DDP
+            raise Refused(f"init from {h.sender}: only rank 0 initialises {self.cfg.name}")
         if self.initialized:
             self._reply(ident, "ok", h.meta.get("id"), {"ignored": True})
             return
@@ -427,6 +447,7 @@ class ParameterServer:
         self.initialized = True
         self._reply(ident, "ok", h.meta.get("id"))
         self._serve_waiting()
+        self._open_gate()
 
     @staticmethod
     def _gather(key: str, parts: list, table: dict) -> torch.Tensor:
@@ -619,13 +640,24 @@ class ParameterServer:
                           f"{latest - 1}'s")
         if sum(1 for _, w in self.waiting if w.sender == h.sender) >= len(self.pieces) + 4:
             raise Refused(f"pull from {h.sender}: {len(self.pieces) + 4} of its pulls wait already")
+        if h.meta.get("start") is True:
+            self.starters.add(rank)
         if self._ready(h):
             self._send(ident, h)
         else:
             self.waiting.append((ident, h))
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        """Open the start gate once the shard is initialised and every rank sent its start pull."""
+        if not self.started and self.initialized and self.world and len(self.starters) >= self.world:
+            self.started = True
+            self._serve_waiting()
 
     def _ready(self, h: wire.Header) -> bool:
         if not self.initialized:
+            return False
+        if h.meta.get("start") is True and not self.started:
             return False
         rank, after, what = self.senders[h.sender], h.meta["after_step"], h.meta.get("what", "params")
         if after < 0:

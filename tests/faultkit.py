@@ -7,6 +7,7 @@ starts a session of its own, so that a kill reaches whatever it started too (a l
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import signal
 import subprocess
@@ -144,6 +145,27 @@ class Raw:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.tp.close()
+
+
+def setup_beside_raw(ex, model, optim, raw: Raw, timeout: float = 30.0, **extra) -> wire.Header:
+    """``ex.setup(model, optim)`` on a thread while ``raw`` plays the job's other rank: it says hello with
+    ``ex``'s own hello (its rank, and ``extra``, replaced) and makes its start pull, as a real worker's
+    setup does (a shard answers start pulls once every rank made one). Returns ``raw``'s hello reply."""
+    with cf.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(ex.setup, model, optim)
+        deadline = time.monotonic() + timeout
+        while not (ex.shards and ex.shards[0].hello_meta):
+            if done.done() or time.monotonic() > deadline:
+                done.result(0)
+                raise GroupTimeout(f"rank 0 sent no hello within {timeout:g}s")
+            time.sleep(0.005)
+        rank = int(raw.sender.removeprefix("rank"))
+        hello = raw.request("hello", **dict(ex.shards[0].hello_meta, rank=rank, **extra))
+        assert hello.op == "ok", hello.meta
+        start = raw.request("pull", -1, after_step=-1, start=True)
+        assert start.op == "params", start.meta
+        done.result(timeout)
+    return hello
 
 
 def _stat_fields(pid: str) -> list[str]:

@@ -34,7 +34,7 @@ from commlab import psproto, psshm, shm, transport, wire
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
-from faultkit import Procs, Raw
+from faultkit import Procs, Raw, setup_beside_raw
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,14 +58,11 @@ def rig(tmp_path_factory, request):
         model = nn.Linear(3, 2)
         ex = commlab.connect(f"ps://{server.address}?timeout=30&transport={request.param}",
                              RankInfo(0, 2, 0, "127.0.0.1", 0, "flags"))
-        ex.setup(model, OPT)
         raw = Raw(server.endpoint, "rank1")
         manifest = [[n, list(s), d] for n, s, d in model_manifest(model)]
         pieces = psproto.assign_shards(model_manifest(model), 1, 16 * 2**20)[0]
         extra = {"shm_host": shm.host_identity()} if request.param == "shm" else {}
-        hello = raw.request("hello", rank=1, world=2, mode="sync", manifest=manifest, shard=[0, 1],
-                            pieces=[[p.key, p.dtype, p.count] for p in pieces], optim=OPTIM, **extra)
-        assert hello.op == "ok", hello.meta
+        hello = setup_beside_raw(ex, model, OPT, raw, **extra)
         if request.param == "shm":
             assert ex.facts()["transport"]["payloads"] == {ex.shards[0].endpoint: "shm"}
             raw.link = psshm.Link.attach(hello.meta["shm_link"], [(p.key, p.dtype, p.count) for p in pieces])

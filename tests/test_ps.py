@@ -21,7 +21,7 @@ from commlab.config import ExchangerURL
 from workers.models import build_model
 
 from conftest import GroupTimeout
-from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw
+from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw, setup_beside_raw
 
 RUN_TIMEOUT = 150.0
 TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.psshm): same results
@@ -276,7 +276,7 @@ def test_a_worker_asking_for_another_mode_is_refused_by_name(start_server):
 @pytest.mark.multiproc
 def test_a_second_model_that_differs_is_refused_naming_the_parameter(start_server):
     server = start_server("--mode", "async")
-    first = attach(server, nn.Linear(4, 3), rank=0, world=2)
+    first = attach(server, nn.Linear(4, 3), rank=0, world=1)  # (the hello refuses it before any world check)
     try:
         with pytest.raises(RemoteError, match=r"model mismatch on shard 0/1: parameter 'weight' is "
                                               r"float32\[3, 4\] here but float32\[3, 5\] on worker rank1"):
@@ -466,10 +466,11 @@ def test_nan_and_inf_are_summed_in_sync_and_refused_in_async(start_server, trans
     for mode in ("sync", "async"):
         server = start_server("--mode", mode)
         model = nn.Linear(3, 2)
-        ex = attach(f"ps://{server.address}?timeout=20&mode={mode}", model, rank=0, world=2, transport=transport)
+        ex = commlab.connect(f"ps://{server.address}?timeout=20&mode={mode}&transport={transport}",
+                             RankInfo(0, 2, 0, "127.0.0.1", 0, "flags"))
         raw = Raw(server.endpoint, "rank1")
         try:
-            raw.request("hello", **dict(ex.shards[0].hello_meta, rank=1))
+            setup_beside_raw(ex, model, commlab.OptimizerSpec("sgd", lr=0.5), raw)
             g = torch.ones(6)
             g[4] = math.nan if mode == "sync" else math.inf
             parts = [*wire.split("weight", g), *wire.split("bias", torch.ones(2))]

@@ -31,6 +31,7 @@ import math
 import os
 import time
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -281,8 +282,10 @@ class _Shard:
                 if state is not None and state.get("boot") == self.boot:
                     stalled = [r for r in state.get("waiting_for", []) if r != self.rank]
                     if stalled:  # the culprit is a rank: the field names it when there is one
-                        raise CommTimeout(f"{exc}: the shard is up and its step {state.get('sync_step')} waits for "
-                                          f"rank(s) {stalled} (dead or stalled?)",
+                        waits = (f"its start waits for {state['gate']}, from rank(s) {stalled} (not yet at "
+                                 f"ex.setup, dead or stalled?)" if state.get("gate") else
+                                 f"its step {state.get('sync_step')} waits for rank(s) {stalled} (dead or stalled?)")
+                        raise CommTimeout(f"{exc}: the shard is up and {waits}",
                                           peer=stalled[0] if len(stalled) == 1 else None, op="receive") from None
                 if attempts >= self.retries:
                     if state is None:
@@ -355,6 +358,12 @@ class _Shard:
         """Fetch every key as the mode allows after ``after_step`` (and collect what is posted)."""
         self.post("pull", after_step, meta={"after_step": after_step},
                   what=f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)")
+        return self.collect()
+
+    def start(self, after_step: int) -> int:
+        """The first pull of setup: answered once the shard is initialised and every rank made this call."""
+        self.post("pull", after_step, meta={"after_step": after_step, "start": True},
+                  what=f"start pull (rank 0's initial parameters; every rank must reach setup)")
         return self.collect()
 
     def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None) -> int:
@@ -444,6 +453,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._skipped = False  # update=server, sync: this step's summed gradient was not finite
         self._norm = 0.0  # update=server, sync: global L2 norm of this step's averaged (pushed) gradient
         self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
+        self._warned_loop = False  # said once that the servers cannot do what the loop does to p.grad
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
 
     # ----- setup ---------------------------------------------------------------------------
@@ -451,7 +461,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         endpoints = self.options.endpoint_list
         if not endpoints:
             raise ConfigError("ps:// names no servers: give ps://HOST:PORT[,HOST:PORT...] (servers started with "
-                              "'commlab server'), or let 'commlab train' start them with ps://?shards=K")
+                              "'commlab server'), or let the launcher start them with ps://?shards=K: "
+                              "'commlab run' for your script, 'commlab train' for the built-in worker")
         if self.options.shards and self.options.shards != len(endpoints):
             raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
         desc = describe_optimizer(optimizer, model)
@@ -525,10 +536,16 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self.updates_remotely = self.update == "server"
         for s in self.shards:
             s.adopt_shm = self.update == "server"
-        self._on_all(lambda s: None if replies[s.index]["initialized"] else
-                     s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
-                               what="init"), "init")
-        self._on_all(lambda s: s.pull(self._base - 1), "initial pull")
+        fresh = not all(r["initialized"] for r in replies)
+        if fresh and self.rank == 0:  # a fresh start takes rank 0's parameters and buffers, as DDP does
+            self._on_all(lambda s: None if replies[s.index]["initialized"] else
+                         s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
+                                   what="init"), "init")
+        if self.update == "server" and optimizer.state:
+            self._carry_state(optimizer, fresh)  # before the start pull: no push can reach a shard before it
+        # the start pull: each shard answers it once rank 0 initialised it and every rank asked, so no
+        # worker pushes (async, ssp) before every worker holds the same start
+        self._on_all(lambda s: s.start(self._base - 1), "start pull (rank 0's parameters, once every rank is in setup)")
         if buffers:
             first = self.shards[0]
             first.submit(self._pull_buffers, first, -1).result()
@@ -663,6 +680,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         elif self.mode == "sync":
             self._drop_absent_grads()  # p.grad: this worker's own gradient
             self._report(step)
+        else:
+            self._note_probe()  # (only to say so if the loop changes p.grad, which async never sees)
 
     def _report(self, step: int) -> None:
         """update=server, sync: every shard's squared norm of its part of the average and whether it is
@@ -695,13 +714,43 @@ class PSExchanger(BucketedExchanger, PlansServers):
                         p.grad.view(-1)[0] = math.inf
                         return
             return
-        best = 0.0
-        for b in self.buckets:  # one element to measure what the loop does to p.grad before step()
+        self._note_probe()
+
+    def _note_probe(self) -> None:
+        """Note one element of this worker's gradient (the largest) to measure, when ``optimizer.step()``
+        runs, what the loop did to ``p.grad`` in between (:meth:`_loop_factor`)."""
+        best, self._probe = 0.0, None
+        for b in self.buckets:
             if b.numel:
                 i = int(b.grads.abs().argmax())
                 v = float(b.grads[i])
                 if abs(v) > best:
                     best, self._probe = abs(v), (b.grads, i, v)
+
+    def _loop_factor(self) -> float:
+        """What the loop multiplied ``p.grad`` by between backward and ``optimizer.step()``: GradScaler's
+        ``unscale_`` (a power of two), a ``clip_grad_norm_`` (anything else), or 1. Says once when the
+        servers cannot do what the loop meant: a clip in the loop under update=server clips this worker's
+        own gradient (local clipping), and under async or ssp no change of ``p.grad`` reaches the servers."""
+        if self._probe is None:
+            return 1.0
+        grads, i, pushed = self._probe
+        factor = float(grads[i]) / pushed
+        if factor == 1.0 or self._warned_loop:
+            return factor
+        if self.mode != "sync":
+            self._warned_loop = True
+            warnings.warn(f"ps:// mode={self.mode}: the loop changed the gradients between backward and "
+                          f"optimizer.step() (scaled them by {factor:.4g}); the servers apply the gradient pushed "
+                          f"during backward, so the change is lost (clipping there needs mode=sync and "
+                          f"ps://?clip_norm=X)", stacklevel=5)
+        elif math.frexp(abs(factor))[0] != 0.5:  # not a power of two: not GradScaler's unscale_ alone
+            self._warned_loop = True
+            warnings.warn(f"ps:// update=server: the loop scaled the gradients between backward and "
+                          f"optimizer.step() by {factor:.4g}, as clip_grad_norm_ does; it sees this worker's own "
+                          f"gradient, so the servers apply local clipping, not DDP's clipping of the average: "
+                          f"drop it from the loop and use ps://?clip_norm=X", stacklevel=5)
+        return factor
 
     def _sync_buffers(self, mode: str) -> None:
         """Buffers travel as non-trainable keys on shard 0: ``broadcast``, rank 0 pushes its own; ``average``,
@@ -737,15 +786,13 @@ class PSExchanger(BucketedExchanger, PlansServers):
     def _remote_update(self, timeout: float) -> None:
         step = self._wire_step() - 1  # the exchange backward just finished
         if self.mode != "sync":
+            self._loop_factor()
             received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
             self.stats.bytes_received += sum(received)
             return
         if self._skipped:
             return  # every shard dropped this step (its summed gradient was not finite)
-        factor = 1.0
-        if self._probe is not None:  # GradScaler's unscale_ (and a clip in the loop) scaled p.grad in place
-            grads, i, pushed = self._probe
-            factor = float(grads[i]) / pushed
+        factor = self._loop_factor()  # GradScaler's unscale_ (and a clip in the loop) scaled p.grad in place
         if self.options.clip_norm:
             total = self._norm * abs(factor)
             factor *= min(1.0, self.options.clip_norm / (total + 1e-6))  # clip_grad_norm_'s coefficient
@@ -778,6 +825,19 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
         optimizer.state_dict = types.MethodType(state_dict, optimizer)  # type: ignore[method-assign]
         optimizer.load_state_dict = types.MethodType(load_state_dict, optimizer)  # type: ignore[method-assign]
+
+    def _carry_state(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
+        """update=server: the state the user's optimizer holds at setup (a checkpoint loaded before
+        ``ex.setup``, as DDP scripts do) moves to the shards, where the update runs: rank 0 sends its own
+        on a fresh start. Servers that already hold a model (a restarted job) keep theirs, and say so."""
+        if fresh:
+            if self.rank == 0:
+                self._scatter_state(type(optimizer).state_dict(optimizer)["state"])
+        elif self.rank == 0:
+            warnings.warn("ps:// update=server: the servers already hold this model and its optimizer state; the "
+                          "state your optimizer held at setup is not used (call optimizer.load_state_dict after "
+                          "ex.setup to replace the servers' state)", stacklevel=4)
+        optimizer.state.clear()  # it lives on the servers
 
     def _param_order(self) -> list[tuple[int, str, torch.nn.Parameter]]:
         assert self.model is not None and self.optimizer is not None  # after setup()
