@@ -5,15 +5,19 @@ Both sides import this module: the ``ps://`` client regime
 imports the other.
 
 One DEALER socket per shard on each worker, one ROUTER socket per server.
-Every request carries ``meta["id"]``; every reply echoes it. Replies are
+Every request carries ``meta["id"]``; every reply echoes it. A request names
+its key space in ``meta["space"]`` (absent: ``""``, a job's first exchanger):
+each exchanger of a job has its own (ps-lite's applications), made by its
+first hello and freed by the last bye of its job. Replies are
 ``ok``, ``params`` (with data frames) or ``error`` (``meta["reason"]``, raised
 on the client as :class:`~commlab.errors.RemoteError`)::
 
     worker                                   shard k (holds its pieces, an optimizer over them)
       hello {rank, world, mode?, manifest,  ->  checks manifest/mode/shard/optimizer against the
              pieces, shard, optim}          <-  first worker's; ok {initialized, next_step, version}
-      init  [frames: every piece]           ->  the first init sets the values; later ones ignored
-      pull  {after_step: -1}                <-  params [frames] {version}   (waits for init)
+      init  [frames: every piece]           ->  rank 0's sets the values (others are refused)
+      pull  {after_step: -1, start: true}   <-  params [frames] {version}   (the start gate: once rank 0's
+                                                init is in and every rank made this pull)
       pull  {after_step: -1, what: buffers} <-  params [module buffers] (shard 0 holds them)
       --- each step t ---
       push  step=t {base, absent, hyper?} [frames]  ->  acknowledged on arrival; folded once per (rank, t)
@@ -29,7 +33,8 @@ on the client as :class:`~commlab.errors.RemoteError`)::
       state                                 <-  params [key/name: optimizer state] {shapes, scalars}
       load  [key or key/name frames] {shapes, scalars}  ->  parameters / optimizer state replaced
       stats                                 <-  ok {updates, bytes_in, bytes_out, queue, staleness}
-      bye                                   ->  the rank stops counting for ssp's slowest worker
+      bye                                   ->  the rank stops counting for ssp's slowest worker; the
+                                                last rank's frees the key space
 
 Modes (the server's; a worker that names another one is refused):
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     import torch
 
-    from servers.server import ParameterServer, ServerConfig  # torch import after --help
+    from servers.server import ServerConfig, ShardServer  # torch import after --help
 
     torch.set_num_threads(a.threads)  # the update is memory-bound; more threads only contend with zmq's
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
         cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
                            a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized)
-        server = ParameterServer(cfg)
+        server = ShardServer(cfg)
     except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
         print(f"commlab server: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -137,12 +138,13 @@ class Stats:
 
 
 class ParameterServer:
-    def __init__(self, cfg: ServerConfig):
+    """One key space of a shard: one model's pieces, buffers, mode and optimizer (ps-lite's
+    "application"). Its requests reach it through the :class:`ShardServer` that owns the socket."""
+
+    def __init__(self, cfg: ServerConfig, host: "ShardServer", space: str = ""):
         self.cfg = cfg
-        curve = transport.CurveKeys.load(cfg.curve_secret) if cfg.curve_secret else None
-        self.transport = transport.Transport(io_threads=cfg.io_threads, curve=curve)
-        self.sock = self.transport.bind(zmq.ROUTER, cfg.bind, insecure=cfg.insecure, authorized=cfg.authorized)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.host = host
+        self.space = space  # the name workers give it ("" : a job's first exchanger)
         self.stats = Stats()
         self.mode = MODES[cfg.mode](self)
         # what the first hello fixed
@@ -172,45 +174,18 @@ class ParameterServer:
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
-        self._stop = False
         self._since_checkpoint = 0
-        self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
+        self.boot = host.boot  # the process's incarnation: a worker that sees it change resends
         self.max_parts = 2 + _MIN_FRAMES  # identity + header + data frames; grows with the pieces at hello
         self.max_bytes = 0  # data bytes a request may carry: the whole shard, once the pieces are known
         # transport=shm: per worker connection (zmq identity), two segments its payloads cross through
         self.links: dict[bytes, psshm.Link] = {}
         self.link_of: dict[str, bytes] = {}  # sender -> the identity its link belongs to (one link per sender)
-        self.shm_run = shm.new_run_id()
-        self._links_made = 0
-        if cfg.resume:
-            self._load(Path(cfg.resume) / self._checkpoint_name())
-        # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
-        OptimizerSpec().build([torch.zeros(1)])
+        self.shm_run = host.shm_run
 
-    # ----- main loop -------------------------------------------------------------------------
-    def serve(self) -> None:
-        """Serve until SIGTERM/SIGINT; then write a checkpoint (if configured) and return."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-        shm.sweep_stale()  # segments of servers and workers killed before they could remove them
-        print(f"commlab server {self.cfg.name} mode={self.cfg.mode} listening on {self.endpoint}", flush=True)
-        next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
-        while not self._stop:
-            if self.sock.poll(100, zmq.POLLIN):
-                frames, count = transport.recv_bounded(self.sock, self.max_parts)
-                if count > len(frames):
-                    self.stats.refused += 1
-                    self._reply(frames[0].bytes, "error", None, {"reason": f"message of {count} frames; "
-                                                                           f"{self.cfg.name} takes at most {self.max_parts}"})
-                else:
-                    self.handle(frames)
-            if time.monotonic() >= next_log:
-                self.log()
-                next_log = time.monotonic() + self.cfg.log_every
-        if self.cfg.checkpoint_dir or self.cfg.resume:
-            self.checkpoint()
-        self.log()
-        self._close_links()
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.host.sock
 
     def _close_links(self) -> None:
         for ident in list(self.links):
@@ -225,21 +200,9 @@ class ParameterServer:
                 del self.link_of[sender]
         link.close()
 
-    def close(self) -> None:
-        self._close_links()
-        self.sock.close(linger=0)
-        self.transport.close()
-
-    def _on_signal(self, *_):
-        self._stop = True
-
-    def log(self) -> None:
-        s = self.stats_dict()
-        print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
-
     def stats_dict(self) -> dict:
         s = self.stats
-        return {"shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
+        return {"space": self.space, "shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
                 "skipped": s.skipped, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
@@ -266,34 +229,6 @@ class ParameterServer:
         if not self.started and any(w.meta.get("start") for _, w in self.waiting):
             return [0] if not self.initialized else sorted(set(range(self.world)) - self.starters)
         return self.mode.waiting_for() if self.waiting else []
-
-    # ----- dispatch --------------------------------------------------------------------------
-    def handle(self, frames: list) -> None:
-        if len(frames) < 2:
-            self.stats.dropped += 1  # an identity with nothing after it: nothing to answer
-            return
-        ident, body = frames[0].bytes, frames[1:]
-        req_id = None
-        link = self.links.get(ident)
-        try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
-                            region=link.inbound.size if link is not None else None)
-            req_id = h.meta.get("id")
-            self.stats.bytes_in += h.data_bytes
-            if "shm" in h.meta:
-                assert link is not None  # decode refuses offsets from a connection without a link
-                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
-                data = link.inbound.frames(h)
-            else:
-                data = body[1:]
-            getattr(self, "_op_" + h.op)(ident, h, data)
-        except (ProtocolError, Refused) as exc:
-            self.stats.refused += 1
-            self._reply(ident, "error", req_id, {"reason": str(exc)})
-        except Exception as exc:  # a bug here must not take every worker's shard down with it
-            traceback.print_exc()
-            self.stats.refused += 1
-            self._reply(ident, "error", req_id, {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, link: psshm.Link | None = None) -> None:
@@ -417,10 +352,10 @@ class ParameterServer:
             return {"refused": f"{self.cfg.name} holds {len(self.links)} shared-memory links already (limit {limit})"}
         pieces = [(k, d, n) for k, (d, n) in self.pieces.items()]
         try:
-            link = psshm.Link.create(self.shm_run, f"s{self.cfg.shard}-{self._links_made}", pieces)
+            link = psshm.Link.create(self.shm_run, f"s{self.cfg.shard}-{self.host.links_made}", pieces)
         except OSError as exc:
             return {"refused": f"{self.cfg.name} cannot create shared memory: {exc}"}
-        self._links_made += 1
+        self.host.links_made += 1
         self.links[ident] = link
         self.link_of[sender] = ident
         return link.describe()
@@ -799,9 +734,6 @@ class ParameterServer:
             self.optimizer.state[self.params[key]].update(values)
         self._reply(ident, "ok", h.meta.get("id"))
 
-    def _op_stats(self, ident, h, _data):
-        self._reply(ident, "ok", h.meta.get("id"), {"stats": self.stats_dict()})
-
     def _op_bye(self, ident, h, _data):
         rank = self._rank_of(h)
         self.detached.add(rank)
@@ -809,9 +741,14 @@ class ParameterServer:
         self._drop_link(ident)
         self._serve_waiting()  # ssp: the slowest worker may just have left
 
+    @property
+    def closed(self) -> bool:
+        """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
+        return self.world is not None and self.detached >= set(range(self.world))
+
     # ----- durability ------------------------------------------------------------------------
     def _checkpoint_name(self) -> str:
-        return f"shard-{self.cfg.shard}-of-{self.cfg.shards}.pt"
+        return checkpoint_name(self.cfg, self.space)
 
     def checkpoint(self) -> Path | None:
         """Write the shard atomically (temp file + os.replace). Nothing to write before init."""
@@ -824,7 +761,7 @@ class ParameterServer:
         folder = Path(target)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self._checkpoint_name()
-        state = {"format": 2, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
+        state = {"format": 2, "space": self.space, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
                  "version": self.version, "last_step": dict(self.last_step), "mode_state": self.mode.state(),
                  "world": self.world, "senders": dict(self.senders), "manifest": self.manifest,
                  "pieces": self.pieces, "piece_param": self.piece_param, "buffer_keys": self.buffer_keys,
@@ -867,3 +804,203 @@ class ParameterServer:
         self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})
+
+
+SPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def checkpoint_name(cfg: ServerConfig, space: str) -> str:
+    """A key space's checkpoint file: ``shard-I-of-K.pt`` for a job's first (unnamed) space."""
+    return f"shard-{cfg.shard}-of-{cfg.shards}{'.' + space if space else ''}.pt"
+
+
+class ShardServer:
+    """One shard process: the ROUTER socket and the loop that serves every key space on it.
+
+    Each exchanger of a job gets a key space of its own (ps-lite's "applications"): a model set up
+    after another one closed, two models at once, the replica groups of a hybrid-parallel job. A
+    request names its space in the header's ``space`` (none: ``""``, a job's first exchanger);
+    a hello makes the space, the last ``bye`` of its job frees it (after writing its checkpoint
+    where the shard keeps them). Counters survive the space: ``stats`` adds up every space the
+    process served, and lists the live ones."""
+
+    MAX_SPACES = 64
+
+    def __init__(self, cfg: ServerConfig):
+        self.cfg = cfg
+        curve = transport.CurveKeys.load(cfg.curve_secret) if cfg.curve_secret else None
+        self.transport = transport.Transport(io_threads=cfg.io_threads, curve=curve)
+        self.sock = self.transport.bind(zmq.ROUTER, cfg.bind, insecure=cfg.insecure, authorized=cfg.authorized)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
+        self.shm_run = shm.new_run_id()
+        self.links_made = 0
+        self.spaces: dict[str, ParameterServer] = {}
+        self.retired: dict[str, dict] = {}  # freed spaces' last stats
+        self.stats = Stats()  # what no space could be charged with (unreadable or oversized messages)
+        self._stop = False
+        if cfg.resume:
+            self._resume(Path(cfg.resume))
+        # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
+        OptimizerSpec().build([torch.zeros(1)])
+
+    def _resume(self, folder: Path) -> None:
+        first = folder / checkpoint_name(self.cfg, "")
+        if not first.exists():
+            raise FileNotFoundError(f"--resume: no checkpoint {first} for {self.cfg.name}")
+        prefix = checkpoint_name(self.cfg, "")[:-len(".pt")]
+        for path in sorted(folder.glob(prefix + "*.pt")):
+            space = path.name[len(prefix):-len(".pt")].removeprefix(".")
+            if path.name != checkpoint_name(self.cfg, space):
+                continue  # another shard's (shard-1-of-10 beside shard-1-of-1)
+            self.spaces[space] = ParameterServer(self.cfg, self, space)
+            self.spaces[space]._load(path)
+
+    # ----- main loop -------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Serve until SIGTERM/SIGINT; then write the checkpoints (if configured) and return."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        shm.sweep_stale()  # segments of servers and workers killed before they could remove them
+        print(f"commlab server {self.cfg.name} mode={self.cfg.mode} listening on {self.endpoint}", flush=True)
+        next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
+        while not self._stop:
+            if self.sock.poll(100, zmq.POLLIN):
+                limit = self.max_parts
+                frames, count = transport.recv_bounded(self.sock, limit)
+                if count > len(frames):
+                    self.stats.refused += 1
+                    self._answer(frames[0].bytes, None, "error", {"reason": f"message of {count} frames; "
+                                                                            f"{self.cfg.name} takes at most {limit}"})
+                else:
+                    self.handle(frames)
+            if time.monotonic() >= next_log:
+                self.log()
+                next_log = time.monotonic() + self.cfg.log_every
+        if self.cfg.checkpoint_dir or self.cfg.resume:
+            for space in self.spaces.values():
+                space.checkpoint()
+        self.log()
+        for space in self.spaces.values():
+            space._close_links()
+
+    @property
+    def max_parts(self) -> int:
+        return max([2 + _MIN_FRAMES, *(sp.max_parts for sp in self.spaces.values())])
+
+    @property
+    def max_bytes(self) -> int:
+        return max([0, *(sp.max_bytes for sp in self.spaces.values())])
+
+    def close(self) -> None:
+        for space in self.spaces.values():
+            space._close_links()
+        self.sock.close(linger=0)
+        self.transport.close()
+
+    def _on_signal(self, *_):
+        self._stop = True
+
+    def log(self) -> None:
+        s = self.stats_dict()
+        print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
+
+    COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped",
+                "bytes_in", "bytes_out", "copies_on_write")
+
+    def stats_dict(self, space: str | None = None) -> dict:
+        """One space's stats (``space``; by default the job's first, else the newest) with the counters
+        added up over every space this process served, and ``spaces``: each live and freed space's."""
+        every = {name: sp.stats_dict() for name, sp in self.spaces.items()}
+        every.update({name: st for name, st in self.retired.items() if name not in every})
+        if space is None:
+            space = "" if "" in every else next(reversed(every), "")
+        base = dict(every.get(space) or {"space": space, "shard": self.cfg.shard, "shards": self.cfg.shards,
+                                          "mode": self.cfg.mode, "update": None, "version": 0, "sync_step": None,
+                                          "waiting_for": [], "gate": "", "queue": 0, "workers": [], "shm_links": 0,
+                                          "last_step": {}, "staleness": {}, "max_staleness": 0, "clock_gap": {}})
+        for key in self.COUNTERS:
+            base[key] = getattr(self.stats, key) + sum(st[key] for st in every.values())
+        base["boot"] = self.boot
+        base["shm_links"] = sum(len(sp.links) for sp in self.spaces.values())
+        base["spaces"] = {name: {"live": name in self.spaces, "updates": st["updates"], "version": st["version"],
+                                 "workers": st["workers"], "update": st["update"]} for name, st in every.items()}
+        return base
+
+    # ----- dispatch --------------------------------------------------------------------------
+    def _link(self, ident: bytes) -> psshm.Link | None:
+        for sp in self.spaces.values():
+            link = sp.links.get(ident)
+            if link is not None:
+                return link
+        return None
+
+    def handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            self.stats.dropped += 1  # an identity with nothing after it: nothing to answer
+            return
+        ident, body = frames[0].bytes, frames[1:]
+        req_id = None
+        link = self._link(ident)
+        space = None
+        try:
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
+                            region=link.inbound.size if link is not None else None)
+            req_id = h.meta.get("id")
+            if h.op == "stats":
+                self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
+                return
+            space = self._space(h)
+            space.stats.bytes_in += h.data_bytes
+            if "shm" in h.meta:
+                assert link is not None  # decode refuses offsets from a connection without a link
+                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
+                data = link.inbound.frames(h)
+            else:
+                data = body[1:]
+            getattr(space, "_op_" + h.op)(ident, h, data)
+            if h.op == "bye" and space.closed:
+                self._free(space)
+        except (ProtocolError, Refused) as exc:
+            (space.stats if space is not None else self.stats).refused += 1
+            self._answer(ident, req_id, "error", {"reason": str(exc)})
+        except Exception as exc:  # a bug here must not take every worker's shard down with it
+            traceback.print_exc()
+            (space.stats if space is not None else self.stats).refused += 1
+            self._answer(ident, req_id, "error", {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
+
+    def _space_name(self, h: wire.Header) -> str:
+        name = h.meta.get("space", "")
+        if not isinstance(name, str) or (name and not SPACE.fullmatch(name)):
+            raise Refused(f"{h.op} from {h.sender}: a key space is named by 1-64 of [A-Za-z0-9_.-], not {name!r}")
+        return name
+
+    def _space(self, h: wire.Header) -> ParameterServer:
+        """The request's key space; a hello makes it."""
+        name = self._space_name(h)
+        space = self.spaces.get(name)
+        if space is None:
+            if h.op != "hello":
+                raise Refused(f"{h.op} from {h.sender} for key space {name or '(the first)'!r}, which "
+                              f"{self.cfg.name} does not hold (no hello, or every rank closed it)")
+            if len(self.spaces) >= self.MAX_SPACES:
+                raise Refused(f"{self.cfg.name} holds {len(self.spaces)} key spaces already (limit {self.MAX_SPACES})")
+            space = self.spaces[name] = ParameterServer(self.cfg, self, name)
+            self.retired.pop(name, None)
+        return space
+
+    def _free(self, space: ParameterServer) -> None:
+        """Every rank closed the exchanger: keep its checkpoint (where the shard keeps them) and counters."""
+        if self.cfg.checkpoint_dir or self.cfg.resume:
+            space.checkpoint()
+        space._close_links()
+        self.retired[space.space] = space.stats_dict()
+        del self.spaces[space.space]
+
+    def _answer(self, ident: bytes, req_id, op: str, meta: dict) -> None:
+        """A reply no space sends: an error before a space was found, or the stats."""
+        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))]
+        try:
+            transport.send(self.sock, frames, timeout=5.0, who="a worker")
+        except Exception as exc:  # a worker that went away must not take the server with it
+            print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)

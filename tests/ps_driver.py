@@ -36,6 +36,9 @@ def main() -> int:
                    help="a slow worker: before pushing its first step, wait until the servers applied this many "
                         "more updates (or --lag-timeout passed, as when the mode blocks the others)")
     p.add_argument("--lag-timeout", type=float, default=2.0)
+    p.add_argument("--final-version", type=int, default=0,
+                   help="after the steps, wait until every shard applied this many updates, then pull the newest "
+                        "parameters and print those (async: what the job ended with)")
     a = p.parse_args()
     torch.set_num_threads(1)
     model = nn.ParameterList([nn.Parameter(torch.zeros(a.size))])
@@ -59,6 +62,14 @@ def main() -> int:
                 time.sleep(0.01)
             model[0].grad = torch.full_like(model[0], a.grad)  # a gradient of our own (no backward)
             ex.step()
+        deadline = time.monotonic() + 60
+        while a.final_version and min(s["version"] for s in ex.server_stats()) < a.final_version:
+            if time.monotonic() > deadline:
+                raise commlab.CommTimeout(f"rank {a.rank}: the shards did not reach version {a.final_version} "
+                                          f"within 60s: {[s['version'] for s in ex.server_stats()]}")
+            time.sleep(0.01)
+        if a.final_version:
+            ex.pull_latest()
         print(json.dumps({"rank": a.rank, "param": model[0].detach().tolist()}), flush=True)
     return 0
 

@@ -209,8 +209,9 @@ def test_killed_sync_shard_resumes_and_the_run_ends_as_if_never_interrupted(proc
 
 # ----- load ----------------------------------------------------------------------------------------
 
-def _constant_worker(url: str, rank: int, world: int, steps: int, size: int, errors: list) -> None:
-    """tests/ps_driver.py's worker, as a thread: gradient 0.25 everywhere, ``steps`` steps."""
+def _constant_worker(url: str, rank: int, world: int, steps: int, size: int, errors: list, finals: dict) -> None:
+    """tests/ps_driver.py's worker, as a thread: gradient 0.25 everywhere, ``steps`` steps; then, once the
+    server applied every worker's steps, the newest parameters (``finals[rank]``)."""
     try:
         model = nn.ParameterList([nn.Parameter(torch.zeros(size))])
         with commlab.connect(url, RankInfo(rank, world, rank, "127.0.0.1", 0, "flags")) as ex:
@@ -219,6 +220,10 @@ def _constant_worker(url: str, rank: int, world: int, steps: int, size: int, err
                 ex.zero_grad()
                 (model[0] * 0.25).sum().backward()
                 ex.step()
+            wait_until(lambda: ex.server_stats()[0]["version"] >= world * steps, 120, "not every update landed",
+                       every=0.01)
+            ex.pull_latest()
+            finals[rank] = model[0].detach().tolist()
     except BaseException as exc:  # reported by the test
         errors.append(f"rank {rank}: {exc!r}")
 
@@ -230,7 +235,8 @@ def test_eight_workers_500_async_pushes_each_exact_count_and_flat_memory(procs):
     url = f"ps://{server.address}?mode=async&timeout=60"
     rss_idle = server.rss_kib()
     errors: list = []
-    threads = [threading.Thread(target=_constant_worker, args=(url, r, 8, 500, 1024, errors), daemon=True)
+    finals: dict = {}
+    threads = [threading.Thread(target=_constant_worker, args=(url, r, 8, 500, 1024, errors, finals), daemon=True)
                for r in range(8)]
     for t in threads:
         t.start()
@@ -247,9 +253,8 @@ def test_eight_workers_500_async_pushes_each_exact_count_and_flat_memory(procs):
     stats = server.stats()
     assert stats["updates"] == 4000 and stats["version"] == 4000 and stats["duplicates"] == 0
     assert stats["queue"] == 0
-    code, out, err = finish([procs.worker(url, 0, 8, 0, "--size", "1024")], 60)[0]
-    assert code == 0, err
-    assert param_of(out) == [-0.125 * 4000] * 1024  # 4000 updates of lr * grad, exact in float32
+    # 4000 updates of lr * grad, exact in float32: what every worker pulls once all landed
+    assert [finals[r] for r in range(8)] == [[-0.125 * 4000] * 1024] * 8
     params_kib = 1024 * 4 // 1024
     growth = rss_end - rss_start
     print(f"server RSS: {rss_idle} KiB idle, {rss_start} KiB with 8 workers stepping, {rss_end} KiB after "

@@ -182,13 +182,13 @@ def test_sync_matches_one_process_on_the_combined_batch(sync_runs, opt, shards, 
 def test_async_applies_every_push_exactly_once_and_ends_at_the_closed_form(start_server, transport):
     server = start_server("--mode", "async")
     url = f"ps://{server.address}?mode=async&timeout=60&transport={transport}"
-    run_all([driver(url, r, 4, 200, "--grad", "0.25", "--lr", "0.5") for r in range(4)])
+    outs = run_all([driver(url, r, 4, 200, "--grad", "0.25", "--lr", "0.5", "--final-version", "800")
+                    for r in range(4)])
     stats = server.stats()
     assert stats["updates"] == 800 and stats["version"] == 800 and stats["duplicates"] == 0
     assert sum(stats["staleness"].values()) == 800
-    # 800 updates of -0.5 * 0.25, all exact in float32
-    final = json.loads(run_all([driver(url, 0, 4, 0)])[0])["param"]
-    assert final == [-100.0] * 5
+    # 800 updates of -0.5 * 0.25, all exact in float32, pulled by every rank once all were applied
+    assert [json.loads(out)["param"] for out in outs] == [[-100.0] * 5] * 4
 
 
 @pytest.mark.multiproc

@@ -17,6 +17,7 @@ import concurrent.futures as cf
 import copy
 import time
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -193,3 +194,87 @@ def test_a_rank_that_never_reaches_setup_is_named(servers):
     with connect(f"{servers(1)}?timeout=2&retries=0&transport=tcp", 0) as ex:
         with pytest.raises(CommTimeout, match=r"its start waits for every rank's setup, from rank\(s\) \[1\]"):
             ex.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+# ----- key spaces: more than one model on the same servers ----------------------------------------
+
+def _mlp(rank: int, widths: tuple[int, ...]) -> nn.Module:
+    torch.manual_seed(7 + 31 * rank + sum(widths))
+    layers: list[nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+MODELS = {"first": (4, 3), "second": (4, 5, 1), "beside": (4, 2, 2)}  # one after another, then two at once
+STEPS = {"first": 3, "second": 4, "beside": 4}
+
+
+def _loss(name: str, model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(zlib.crc32(f'{name}/{rank}/{step}'.encode())))
+    return model(x).pow(2).mean()
+
+
+def _reference(name: str) -> dict:
+    """One process: rank 0's start, each step on the average of the N ranks' gradients."""
+    model = _mlp(0, MODELS[name])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS[name]):
+        optimizer.zero_grad()
+        (sum(_loss(name, model, r, step) for r in range(N)) / N).backward()
+        optimizer.step()
+    return snapshot(model)
+
+
+@pytest.mark.parametrize("update,k", [("worker", 1), ("server", 3), pytest.param("worker", 3, marks=pytest.mark.full),
+                                      pytest.param("server", 1, marks=pytest.mark.full)])
+def test_models_one_after_another_and_two_at_once_each_get_a_key_space(servers, update, k):
+    from commlab.regimes.ps import server_stats
+
+    base = servers(k)
+    url = f"{base}?update={update}&timeout=30&transport=tcp" + ("&piece_mb=0.00002" if k > 1 else "")
+
+    def rank_main(rank: int) -> dict:
+        def start(name):
+            model = _mlp(rank, MODELS[name])
+            ex = connect(url, rank)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            ex.setup(model, optimizer)
+            return model, ex, optimizer
+
+        def step(name, model, ex, optimizer, t):
+            optimizer.zero_grad()
+            _loss(name, model, rank, t).backward()
+            optimizer.step()
+
+        out = {}
+        model, ex, optimizer = start("first")
+        for t in range(STEPS["first"]):
+            step("first", model, ex, optimizer, t)
+        out["first"] = snapshot(model)
+        ex.close()  # the first model is done: a second one (a new head, the next run of a sweep) follows
+        runs = {name: start(name) for name in ("second", "beside")}  # two exchangers at once
+        for t in range(STEPS["second"]):
+            for name, (model, ex, optimizer) in runs.items():
+                step(name, model, ex, optimizer, t)
+        for name, (model, ex, _) in runs.items():
+            out[name] = snapshot(model)
+            out[name + "/space"] = ex.space
+            ex.close()
+        return out
+
+    results = on_ranks(rank_main)
+    for name in MODELS:
+        want = _reference(name)
+        for rank, got in enumerate(results):
+            for key in want:
+                assert torch.allclose(got[name][key], want[key], rtol=1e-5, atol=1e-6), \
+                    f"{name} model, rank {rank}: {key} differs from one process on the combined batch"
+    assert [r["second/space"] for r in results] == ["model2"] * N and results[0]["beside/space"] == "model3"
+    for address in base.removeprefix("ps://").split(","):
+        stats = server_stats(address)
+        spaces = stats["spaces"]
+        assert set(spaces) == {"", "model2", "model3"}, spaces
+        assert not any(sp["live"] for sp in spaces.values()), "a closed exchanger's key space was not freed"
+        assert [spaces[s]["updates"] for s in ("", "model2", "model3")] == [3, 4, 4], spaces
+        assert stats["updates"] == 11  # the counters add up every space the shard served

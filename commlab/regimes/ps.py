@@ -29,6 +29,7 @@ import concurrent.futures as cf
 import dataclasses
 import math
 import os
+import re
 import time
 import types
 import warnings
@@ -73,6 +74,10 @@ class PSOptions(CommonOptions):
                          choices=("", "worker", "server"))
     clip_norm: float = option(0.0, "update=server, sync: the servers clip the averaged gradient to this global "
                                    "L2 norm, as clip_grad_norm_ would (0: off)")
+    space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
+                            "first exchanger on these servers gets the first space, each later one in the same "
+                            "process (a second model, a new head) the next (model2, model3, ...), in the order "
+                            "every rank sets them up")
 
     def __post_init__(self):
         super().__post_init__()
@@ -91,6 +96,8 @@ class PSOptions(CommonOptions):
             raise ConfigError(f"piece_mb must be > 0, got {self.piece_mb}")
         if self.staleness < -1:
             raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
+        if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
+            raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
 
     @property
     def endpoint_list(self) -> list[str]:
@@ -128,6 +135,7 @@ class _Shard:
         self.name = f"shard {index}/{count} at {endpoint}"
         self.peer = f"shard {index}"  # what errors carry as their ``peer`` field (CommError)
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
+        self.space = ""  # the exchanger's key space on the server ("": the first)
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -174,6 +182,8 @@ class _Shard:
         if self.sock is None:
             self.sock = self.tp.connect(zmq.DEALER, self.endpoint)
         meta, at = dict(req.meta, id=req.rid), None
+        if self.space:
+            meta["space"] = self.space
         link = self.link
         if link is not None and req.op == "push" and req.parts:  # one copy in; the server reads it there
             at = psshm.place(link.offsets, req.parts)
@@ -442,6 +452,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._base = 0  # wire step = _base + _step (the servers' numbering; see load_state_dict)
         self._plan: list[dict[int, list]] = []  # bucket -> shard -> [(piece, slot in bucket)]
         self._pieces: list[list[psproto.Piece]] = []
+        self.space = ""  # this exchanger's key space on the servers (setup names it)
         self.mode = ""  # the servers' (from hello)
         self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
         self.updates_remotely = False
@@ -501,6 +512,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        self.space = self.options.space or _next_space(self.rank, endpoints)
+        for shard in self.shards:
+            shard.space = self.space
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -966,6 +980,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
         return GroupHandle(handles, f"push+pull of step {step}", then=done)
 
+    def pull_latest(self) -> None:
+        """Fetch the servers' current parameters into the model (async, ssp: the newest, with every
+        update applied so far, e.g. to evaluate what the job ended with; sync: those after this worker's
+        last step). Blocks (each shard's timeout); not collective."""
+        if not self.shards:
+            raise ConfigError("call setup(model, optimizer) before pull_latest()")
+        after = self._wire_step() - 1
+        self.stats.bytes_received += sum(self._on_all(lambda s: s.pull(after), f"pull of the latest parameters"))
+
     def server_stats(self) -> list[dict]:
         """Each shard's ``stats`` reply (updates, bytes, queue depth, staleness histogram)."""
         return self._on_all(lambda s: s.request("stats", -1, what="stats")[0].meta["stats"], "stats")
@@ -996,6 +1019,18 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+
+
+_SPACES_OPENED: dict[tuple[int, tuple[str, ...]], int] = {}  # (rank, servers) -> exchangers set up in this process
+
+
+def _next_space(rank: int, endpoints: list[str]) -> str:
+    """The key space of this process's next exchanger on these servers: "" for the first, then model2,
+    model3, ... Every rank sets its exchangers up in the same order (setup is collective), so the
+    names agree; a restarted job's processes count from the start again and find their spaces."""
+    key = (rank, tuple(endpoints))
+    n = _SPACES_OPENED[key] = _SPACES_OPENED.get(key, 0) + 1
+    return "" if n == 1 else f"model{n}"
 
 
 def _hypers(optimizer: torch.optim.Optimizer) -> list[dict]:
