@@ -1,0 +1,41 @@
+"""Gradient compression: compressors found by name, error feedback around any of them, and the seam a
+regime moves their payloads through. See :mod:`commlab.compress.base` for the contract,
+:mod:`commlab.compress.codecs` and :mod:`commlab.compress.powersgd` for the compressors and their byte
+counts, :mod:`commlab.compress.seam` for how a regime moves payloads.
+
+A regime that compresses takes :class:`CompressOptions` as the base of its options: ``compress=SPEC``
+(``none`` by default) and ``ef=0|1``; a bad spec fails when the URL is parsed, in one line naming
+``compress``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commlab.compress.base import (REGISTRY, Compressor, ErrorFeedback, build, check_fits, known, parse_spec,
+                                   register)
+from commlab.config import CommonOptions, option
+
+__all__ = ["Compressor", "ErrorFeedback", "REGISTRY", "build", "check_fits", "known", "parse_spec", "register",
+           "CompressOptions", "from_options"]
+
+
+@dataclass(frozen=True)
+class CompressOptions(CommonOptions):
+    """Options of a regime that compresses gradients (besides every bucketed regime's)."""
+
+    compress: str = option("none", "gradient compression per bucket: none, fp16, bf16, powersgd:R, topk:F, "
+                                   "randomk:F or sign (settings after commas, e.g. powersgd:4,start_iter=10)")
+    ef: bool = option(True, "error feedback: what compression lost is added to the next step's gradient")
+
+    def __post_init__(self):
+        super().__post_init__()
+        build(self.compress, self.ef)  # refuses a bad spec now, before anything starts
+
+
+def from_options(options, world_size: int) -> Compressor | None:
+    """The compressor ``options`` ask for (None without ``compress=``, or for options that have none)."""
+    comp = build(getattr(options, "compress", "none"), getattr(options, "ef", True))
+    if comp is not None:
+        comp.bind(world_size)
+    return comp
