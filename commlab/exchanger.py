@@ -68,7 +68,8 @@ from commlab.errors import ConfigError, ModelMismatch
 from commlab.handles import CallHandle, Handle
 from commlab.manifest import describe_optimizer
 from commlab.optim import OptimizerSpec
-from commlab import rendezvous
+from commlab import compress, rendezvous
+from commlab.compress import seam as compress_seam
 from commlab.rendezvous import RankInfo
 
 
@@ -310,6 +311,7 @@ class BucketedExchanger(Exchanger):
         self._step = 0  # exchanges finished; the running exchange's index while one is collecting
         self._open_step: Handle | None = None
         self.last_report: StepReport | None = None
+        self.compressor = compress.from_options(options, rank.world_size)  # None unless compress= (commlab.compress)
         self._reset_step_state()
 
     # ----- primitives a regime supplies -------------------------------------------------
@@ -407,10 +409,13 @@ class BucketedExchanger(Exchanger):
         return self._open_step
 
     def state_dict(self) -> dict:
-        return dict(super().state_dict(), step=self._step)
+        extra = {"compress": self.compressor.state_dict()} if self.compressor is not None else {}
+        return dict(super().state_dict(), step=self._step, **extra)
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        if self.compressor is not None and "compress" in state:
+            self.compressor.load_state_dict(state["compress"])
         if state.get("scheme", self.scheme) != self.scheme:
             pass  # resuming under another regime is allowed: the counters carry over
         self._step = int(state.get("step", self.stats.exchanges))
@@ -665,8 +670,10 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got
             rendezvous.heartbeat(self.store, self.rank, self._step)
-        return self._allreduce_bucket(bucket, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
-                                              f"({bucket.names[0]}...) at step {self._step}")
+        what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
+        if self.compressor is not None:  # the regime moves the payloads: allreduce_async, allgather_async
+            return compress_seam.start_compressed(self.compressor, bucket, self, what, self.carry_presence)
+        return self._allreduce_bucket(bucket, what)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
         """Start summing ``bucket``'s buffer (a regime that stages CUDA buckets through the host overrides it)."""
