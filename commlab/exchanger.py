@@ -58,7 +58,7 @@ import contextlib
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -672,7 +672,8 @@ class CollectiveExchanger(BucketedExchanger, Collective):
             rendezvous.heartbeat(self.store, self.rank, self._step)
         what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
         if self.compressor is not None:  # the regime moves the payloads: allreduce_async, allgather_async
-            return compress_seam.start_compressed(self.compressor, bucket, self, what, self.carry_presence)
+            mover = cast(compress_seam.Mover, self)  # a regime that compresses also gathers (allgather_async)
+            return compress_seam.start_compressed(self.compressor, bucket, mover, what, self.carry_presence)
         return self._allreduce_bucket(bucket, what)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:

@@ -40,7 +40,7 @@ error feedback (``ef=1``, the default) wraps whichever was named (:class:`ErrorF
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import torch
 
@@ -52,10 +52,10 @@ Payload = list  # of tensors
 class Compressor(abc.ABC):
     """One compressor, with its own state, for every bucket of one exchanger (keyed by bucket index)."""
 
-    name: ClassVar[str]
-    summable: ClassVar[bool]
-    rounds: ClassVar[int] = 1
-    sync_only: ClassVar[bool] = False
+    name: str
+    summable: bool
+    rounds: int = 1
+    sync_only: bool = False
 
     def __init__(self) -> None:
         self.world_size = 1

@@ -24,7 +24,7 @@ buckets in index order (the order every rank issues them in), each under the sam
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -95,6 +95,8 @@ class CompressedExchange(Handle):
                  mover: Mover, what: str):
         self.comp, self.key, self.out, self.flags, self.mover, self.what = comp, key, x, flags, mover, what
         self.round = 0
+        self._handle: Handle
+        self._flat: torch.Tensor | None
         payload = comp.start(key, x, shapes)
         extra = [flags] if flags is not None and flags.numel() else []
         self._send(payload, extra)
@@ -114,11 +116,11 @@ class CompressedExchange(Handle):
             self._flat = pack(tensors)
             self._handle = self.mover.allgather_async(self._flat, what)
 
-    def _received(self, result) -> tuple[object, list[torch.Tensor]]:
+    def _received(self, result) -> tuple[Any, list[torch.Tensor]]:
         """(what the compressor gets, the summed extra tensors) from the finished round."""
         like, k = self._like, self._extra
         if self._flat is None:
-            combined = [[] for _ in range(self.mover.world_size)] if not self.comp.summable else []
+            combined: list = [[] for _ in range(self.mover.world_size)] if not self.comp.summable else []
             return combined, []
         if self._how == "sum":
             parts, offset = [], 0
@@ -138,7 +140,7 @@ class CompressedExchange(Handle):
         deadline = time.monotonic() + timeout
         while True:
             combined, extra = self._received(self._handle.wait(max(1e-3, deadline - time.monotonic())))
-            if extra:
+            if extra and self.flags is not None:
                 self.flags.copy_(extra[0])
             if self.round + 1 < self.comp.rounds:
                 self.round += 1

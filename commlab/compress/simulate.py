@@ -8,6 +8,8 @@ for closed forms (no process, no socket) and as the oracle of multi-process runs
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from commlab.compress.base import Compressor
@@ -18,6 +20,7 @@ def exchange(comps: list[Compressor], key: int, xs: list[torch.Tensor], shapes) 
     payloads = [c.start(key, x, shapes) for c, x in zip(comps, xs)]
     for rnd in range(comps[0].rounds):
         copies = [[t.detach().clone() for t in p] for p in payloads]  # what travels: no aliasing of inputs
+        combined: Any
         if comps[0].summable:
             combined = summed(copies) if copies[0] else []
         else:
