@@ -170,3 +170,11 @@ def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_r
         mine = results[0][query]
         assert sum(mine["bytes"]) < sum(plain["bytes"]), query
         assert mine["digests"][-1] != plain["digests"][-1], query
+
+
+def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+    from conftest import commlab_train
+    proc = commlab_train(["--exchanger", "allreduce://?compress=powersgd:0", "--workers", "2"], timeout=60)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1" in lines[0], proc.stderr

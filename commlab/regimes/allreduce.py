@@ -97,8 +97,8 @@ class AllReduceExchanger(CollectiveExchanger):
         if (rank, world) != (self.rank, self.world_size):
             raise ConfigError(f"the default process group has rank {rank} of {world}, but the launcher's "
                               f"environment says rank {self.rank} of {self.world_size}")
-        backend = dist.get_backend()
-        if backend != self.options.backend:
+        backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
+        if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
         from torch.distributed import distributed_c10d  # its store: the only one every rank surely reaches
         self.store = dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
