@@ -82,6 +82,7 @@ class ExchangeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0
+    bytes_uncompressed: int = 0  # under compress=: what the same exchanges would have sent uncompressed
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class StepReport:
     wait_s: float  # time the end of backward (and a remote update) blocked: communication backward did not hide
     bytes_sent: int  # by this worker in this step
     bytes_received: int
+    bytes_uncompressed: int = 0  # under compress=: what this step would have sent uncompressed (else 0)
 
 
 class Collective(abc.ABC):
@@ -437,6 +439,7 @@ class BucketedExchanger(Exchanger):
         self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since the last exchange
         self._queued: set[int] = set()  # backward (graph task) ids with an end-of-backward callback queued
         self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
+        self._raw0 = self.stats.bytes_uncompressed
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
@@ -491,7 +494,8 @@ class BucketedExchanger(Exchanger):
         self.stats.wait_s += waited
         self.stats.exchanges += 1
         self.last_report = StepReport(self._step, waited, self.stats.bytes_sent - self._sent0,
-                                      self.stats.bytes_received - self._recv0)
+                                      self.stats.bytes_received - self._recv0,
+                                      self.stats.bytes_uncompressed - self._raw0)
         self._step += 1
         self._phase = "exchanged"
 
@@ -520,7 +524,7 @@ class BucketedExchanger(Exchanger):
             if self.last_report is not None:
                 r = self.last_report
                 self.last_report = StepReport(r.step, r.wait_s + waited, self.stats.bytes_sent - self._sent0,
-                                              self.stats.bytes_received - self._recv0)
+                                              self.stats.bytes_received - self._recv0, r.bytes_uncompressed)
             self._after_step()
 
         # A bound method, as the class's step is: an LR scheduler made after setup wraps ``step.__func__``
@@ -673,6 +677,8 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
         if self.compressor is not None:  # the regime moves the payloads: allreduce_async, allgather_async
             mover = cast(compress_seam.Mover, self)  # a regime that compresses also gathers (allgather_async)
+            n = self.world_size  # uncompressed, the bucket would have been all-reduced: 2(N-1)/N of it sent
+            self.stats.bytes_uncompressed += 2 * (n - 1) * bucket.nbytes // n
             return compress_seam.start_compressed(self.compressor, bucket, mover, what, self.carry_presence)
         return self._allreduce_bucket(bucket, what)
 

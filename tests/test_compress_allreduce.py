@@ -54,7 +54,7 @@ def digest(model):
 
 
 def run(query, model, opt, ex, steps, sims=None):
-    seen = {"digests": [], "errors": [], "bytes": []}
+    seen = {"digests": [], "errors": [], "bytes": [], "raw": []}
     for step in steps:
         x, y = data(step)
         want = []
@@ -76,6 +76,7 @@ def run(query, model, opt, ex, steps, sims=None):
             seen["errors"].append(max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)))
         opt.step()
         seen["bytes"].append(ex.last_report.bytes_sent)
+        seen["raw"].append(ex.last_report.bytes_uncompressed)
         seen["digests"].append(digest(model))
     return seen
 
@@ -103,7 +104,7 @@ for query in QUERIES:
     t = torch.ones(1)
     dist.all_reduce(t)  # the borrowed group still works after every close()
     out[query] = {"digests": first["digests"] + rest["digests"], "errors": first["errors"] + rest["errors"],
-                  "bytes": first["bytes"] + rest["bytes"], "resumed": again["digests"], "shapes": shapes,
+                  "bytes": first["bytes"] + rest["bytes"], "raw": first["raw"] + rest["raw"], "resumed": again["digests"], "shapes": shapes,
                   "group_alive": dist.is_initialized() and t.item() == world}
 dist.destroy_process_group()
 print(json.dumps(out))
@@ -164,6 +165,8 @@ def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_r
             assert m["group_alive"]
             want = [wire_bytes(query, m["shapes"], s, n) for s in range(STEPS)]
             assert m["bytes"] == want, f"{query}: bytes sent {m['bytes']}, closed form {want}"
+            raw = [0] * STEPS if query == "compress=none" else [wire_bytes("compress=none", m["shapes"], 0, n)] * STEPS
+            assert m["raw"] == raw, f"{query}: uncompressed equivalent {m['raw']}, closed form {raw}"
     plain = results[0]["compress=none"]
     assert len(plain["shapes"]) == 2  # two buckets: rounds of several buckets interleave
     for query in QUERIES[1:]:  # every compressor sent fewer bytes than the uncompressed exchange, and changed the run
