@@ -115,8 +115,8 @@ class PowerSGD(Compressor):
         lay = f["layout"]
         k = len(lay.plain)
         f["plain_sums"] = combined[:k]
-        f["ps"] = ps = [orthonormalise(p) for p in combined[k:]]
-        return [mat.t() @ p for mat, p in zip(f["ms"], ps)]
+        f["ps"] = ps = [orthonormalise(p) for p in combined[k:]]  # sums come in float32 or wider
+        return [mat.t() @ p.to(mat.dtype) for mat, p in zip(f["ms"], ps)]
 
     def finish(self, key, combined, out):
         f = self._flight.pop(key)

@@ -106,7 +106,7 @@ class CompressedExchange(Handle):
         self._extra = len(extra)
         tensors = list(payload) + extra
         self._like = tensors
-        self._how = how(self.comp, payload + extra if self.comp.summable else payload, self.mover)
+        self._how = how(self.comp, tensors, self.mover)
         if not tensors or sum(t.numel() for t in tensors) == 0:
             self._handle, self._flat = DoneHandle(what=what), None
         elif self._how == "sum":
