@@ -16,6 +16,11 @@ Above rank R, repeated steps on a fixed M are a subspace iteration: the result t
 approximation (with a gap between the R-th and (R+1)-th singular values). QR, not Gram-Schmidt, keeps P
 orthonormal when M has rank below R (or is zero), where Gram-Schmidt would divide by ~0.
 
+With error feedback (:class:`~commlab.compress.base.ErrorFeedback`) a rank's residual is its input minus
+the aggregate over N everywhere: the approximated matrices (torch's hook's residual), the uncompressed
+tensors (torch's too) and the warm-up steps (torch keeps no residual there). Where the aggregate is exact
+those residuals sum to zero over ranks, so the next aggregate is unchanged by them.
+
 The first ``start_iter`` steps of each bucket send it uncompressed (round 1 is then empty). Payload
 bytes for float32 gradients: round 0 ``4 * (uncompressed elements + sum n*r)``, round 1 ``4 * sum m*r``.
 State: per-bucket step counters and Qs, and the seed of the first draw.
