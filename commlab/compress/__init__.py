@@ -10,14 +10,17 @@ A regime that compresses takes :class:`CompressOptions` as the base of its optio
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from datetime import timedelta
 
 from commlab.compress.base import (REGISTRY, Compressor, ErrorFeedback, build, check_fits, known, parse_spec,
                                    register)
 from commlab.config import CommonOptions, option
+from commlab.errors import CommTimeout, ConfigError
 
 __all__ = ["Compressor", "ErrorFeedback", "REGISTRY", "build", "check_fits", "known", "parse_spec", "register",
-           "CompressOptions", "from_options"]
+           "CompressOptions", "from_options", "agree"]
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,24 @@ def from_options(options, world_size: int) -> Compressor | None:
     if comp is not None:
         comp.bind(world_size)
     return comp
+
+
+_agreements = itertools.count()  # the n-th exchanger of this process meets the n-th of every other rank
+
+
+def agree(store, info, options, timeout: float) -> None:
+    """Every rank compresses as rank 0 does (``compress=`` and ``ef=``), before any payload of mismatched size
+    reaches a collective: else a rank that differs, and rank 0 (which reads every rank's), raise
+    :class:`ConfigError` naming both."""
+    mine = f"compress={getattr(options, 'compress', 'none')}&ef={int(getattr(options, 'ef', True))}"
+    key = f"compress/{next(_agreements)}/"
+    store.set(key + str(info.rank), mine)
+    for r in range(info.world_size) if info.rank == 0 else [0]:
+        try:
+            store.wait([key + str(r)], timedelta(seconds=timeout))
+        except Exception as exc:
+            raise CommTimeout(f"rank {info.rank}: rank {r} did not say how it compresses within {timeout:g}s") from exc
+        other = store.get(key + str(r)).decode()
+        if other != mine:
+            odd, odd_has, zero_has = (r, other, mine) if info.rank == 0 else (info.rank, mine, other)
+            raise ConfigError(f"rank {odd} has {odd_has} but rank 0 has {zero_has}: every rank must compress alike")

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commlab import rendezvous
+from commlab import compress, rendezvous
 from commlab.config import option
 from commlab.compress import CompressOptions
 from commlab.errors import BackendUnavailable, ConfigError
@@ -68,6 +68,7 @@ class AllReduceExchanger(CollectiveExchanger):
         if self.options.backend == "nccl" and not all(p.is_cuda for p in params):
             raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
         self.join()
+        compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)
 
     def join(self) -> None:
