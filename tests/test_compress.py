@@ -271,3 +271,52 @@ def test_the_url_carries_compress_and_ef():
     assert resolve("allreduce://")[1].compress == "none"
     with pytest.raises(ConfigError, match="does not know option 'compress'"):  # not wired there yet
         resolve("ring://?compress=fp16")
+
+
+class RecordingMover:
+    """One rank's transport, recording the order collectives are issued in."""
+
+    world_size = 1
+
+    def __init__(self):
+        self.issued = []
+
+    def allreduce_async(self, tensor, what=""):
+        from commlab.handles import DoneHandle
+        self.issued.append(("sum", what.split(", ")[-1]))
+        return DoneHandle(what=what)
+
+    def allgather_async(self, tensor, what=""):
+        from commlab.handles import DoneHandle
+        self.issued.append(("gather", what.split(", ")[-1]))
+        return DoneHandle([tensor.clone()], what=what)
+
+    @staticmethod
+    def sums_exactly(dtype):
+        return dtype in (torch.float32, torch.float64)
+
+
+def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first():
+    from types import SimpleNamespace
+    from commlab.compress.seam import start_compressed
+    comp = build("powersgd:2,start_iter=0")
+    comp.bind(1)
+    mover = RecordingMover()
+    buckets = []
+    for i in range(3):
+        params = [torch.nn.Parameter(torch.zeros(24, 20)), torch.nn.Parameter(torch.zeros(20))]
+        buffer = torch.randn(500 + 2)
+        buckets.append(SimpleNamespace(index=i, params=params, grads=buffer[:500], flags=buffer[500:], buffer=buffer))
+    handles = [start_compressed(comp, b, mover, f"bucket {b.index}", True) for b in buckets]
+    handles[0].wait(10)
+    r0, r1 = "powersgd:2 round 0", "powersgd:2 round 1"
+    assert mover.issued == [("sum", r0)] * 3 + [("sum", r1)] * 3  # every Q in flight before bucket 0 is finished
+    for h in handles[1:]:
+        h.wait(10)
+    assert len(mover.issued) == 6  # nothing more once every bucket is in its last round
+    # and gather-only payloads travel as bytes, once per bucket
+    topk = build("topk:0.1")
+    topk.bind(1)
+    mover.issued.clear()
+    start_compressed(topk, buckets[0], mover, "bucket 0", True).wait(10)
+    assert mover.issued == [("gather", "topk:0.1 round 0")]

@@ -17,8 +17,10 @@ every rank's has the same layout, since payload shapes depend only on the bucket
 bucket's presence flags ride in round 0 uncompressed and are summed exactly. An empty round (PowerSGD's
 round 1 during its uncompressed warm-up, the same on every rank) moves nothing.
 
-Round 0 starts in the backward hook; later rounds start when the end of backward waits for the bucket,
-buckets in index order (the order every rank issues them in), each under the same deadline.
+Round 0 starts in the backward hook. Later rounds start when the end of backward waits for the buckets,
+in index order: waiting for bucket i first brings every bucket from i on to its last round (waiting each
+one's earlier rounds), so PowerSGD's Q all-reduces of all buckets are in flight together, issued in the
+same order on every rank, whatever the timing. Every wait is under the one deadline.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ class CompressedExchange(Handle):
     into ``out``. The presence flags (``flags``, or None) are summed exactly alongside round 0."""
 
     def __init__(self, comp: Compressor, key: int, x: torch.Tensor, shapes, flags: torch.Tensor | None,
-                 mover: Mover, what: str):
+                 mover: Mover, what: str, train: list | None = None):
         self.comp, self.key, self.out, self.flags, self.mover, self.what = comp, key, x, flags, mover, what
+        self.train = train if train is not None else [self]  # this step's exchanges, in bucket order
         self.round = 0
         self._handle: Handle
         self._flat: torch.Tensor | None
@@ -136,22 +139,37 @@ class CompressedExchange(Handle):
     def done(self) -> bool:
         return self._outcome is not None
 
+    def _take(self, deadline: float):
+        """Wait for the round in flight; the presence flags come with round 0. Returns the combined payload."""
+        combined, extra = self._received(self._handle.wait(max(1e-3, deadline - time.monotonic())))
+        if extra and self.flags is not None:
+            self.flags.copy_(extra[0])
+        return combined
+
+    def _to_last_round(self, deadline: float) -> None:
+        while self.round + 1 < self.comp.rounds:
+            combined = self._take(deadline)
+            self.round += 1
+            self._send(self.comp.advance(self.key, self.round, combined), [])
+
     def _wait(self, timeout: float):
         deadline = time.monotonic() + timeout
-        while True:
-            combined, extra = self._received(self._handle.wait(max(1e-3, deadline - time.monotonic())))
-            if extra and self.flags is not None:
-                self.flags.copy_(extra[0])
-            if self.round + 1 < self.comp.rounds:
-                self.round += 1
-                self._send(self.comp.advance(self.key, self.round, combined), [])
-                continue
-            self.comp.finish(self.key, combined, self.out)
-            return None
+        later = self.train[next(i for i, h in enumerate(self.train) if h is self):]
+        for h in later:  # this bucket and every later one, in bucket order: the same issue order on every rank
+            h._to_last_round(deadline)
+        self.comp.finish(self.key, self._take(deadline), self.out)
+        return None
 
 
 def start_compressed(comp: Compressor, bucket, mover: Mover, what: str, carry_presence: bool) -> Handle:
-    """Begin ``bucket``'s compressed exchange (its gradients and presence flags are filled in)."""
+    """Begin ``bucket``'s compressed exchange (its gradients and presence flags are filled in). Buckets start in
+    index order every step (bucket 0 first), as the shared mechanics start them."""
+    train = getattr(mover, "_compress_train", None)  # this step's exchanges, kept on the mover (the exchanger)
+    if bucket.index == 0 or train is None:
+        train = []
+        setattr(mover, "_compress_train", train)
     shapes = tuple(p.shape for p in bucket.params)
-    return CompressedExchange(comp, bucket.index, bucket.grads, shapes, bucket.flags if carry_presence else None,
-                              mover, what)
+    handle = CompressedExchange(comp, bucket.index, bucket.grads, shapes, bucket.flags if carry_presence else None,
+                                mover, what, train)
+    train.append(handle)
+    return handle
