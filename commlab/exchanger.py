@@ -58,7 +58,7 @@ import contextlib
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence, cast
 
 import torch
 from torch import nn
@@ -68,7 +68,8 @@ from commlab.errors import ConfigError, ModelMismatch
 from commlab.handles import CallHandle, Handle
 from commlab.manifest import describe_optimizer
 from commlab.optim import OptimizerSpec
-from commlab import rendezvous
+from commlab import compress, rendezvous
+from commlab.compress import seam as compress_seam
 from commlab.rendezvous import RankInfo
 
 
@@ -81,6 +82,7 @@ class ExchangeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     wait_s: float = 0.0
+    bytes_uncompressed: int = 0  # under compress=: what the same exchanges would have sent uncompressed
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class StepReport:
     wait_s: float  # time the end of backward (and a remote update) blocked: communication backward did not hide
     bytes_sent: int  # by this worker in this step
     bytes_received: int
+    bytes_uncompressed: int = 0  # under compress=: what this step would have sent uncompressed (else 0)
 
 
 class Collective(abc.ABC):
@@ -310,6 +313,7 @@ class BucketedExchanger(Exchanger):
         self._step = 0  # exchanges finished; the running exchange's index while one is collecting
         self._open_step: Handle | None = None
         self.last_report: StepReport | None = None
+        self.compressor = compress.from_options(options, rank.world_size)  # None unless compress= (commlab.compress)
         self._reset_step_state()
 
     # ----- primitives a regime supplies -------------------------------------------------
@@ -407,10 +411,13 @@ class BucketedExchanger(Exchanger):
         return self._open_step
 
     def state_dict(self) -> dict:
-        return dict(super().state_dict(), step=self._step)
+        extra = {"compress": self.compressor.state_dict()} if self.compressor is not None else {}
+        return dict(super().state_dict(), step=self._step, **extra)
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        if self.compressor is not None and "compress" in state:
+            self.compressor.load_state_dict(state["compress"])
         if state.get("scheme", self.scheme) != self.scheme:
             pass  # resuming under another regime is allowed: the counters carry over
         self._step = int(state.get("step", self.stats.exchanges))
@@ -432,6 +439,7 @@ class BucketedExchanger(Exchanger):
         self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since the last exchange
         self._queued: set[int] = set()  # backward (graph task) ids with an end-of-backward callback queued
         self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
+        self._raw0 = self.stats.bytes_uncompressed
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
@@ -486,7 +494,8 @@ class BucketedExchanger(Exchanger):
         self.stats.wait_s += waited
         self.stats.exchanges += 1
         self.last_report = StepReport(self._step, waited, self.stats.bytes_sent - self._sent0,
-                                      self.stats.bytes_received - self._recv0)
+                                      self.stats.bytes_received - self._recv0,
+                                      self.stats.bytes_uncompressed - self._raw0)
         self._step += 1
         self._phase = "exchanged"
 
@@ -515,7 +524,7 @@ class BucketedExchanger(Exchanger):
             if self.last_report is not None:
                 r = self.last_report
                 self.last_report = StepReport(r.step, r.wait_s + waited, self.stats.bytes_sent - self._sent0,
-                                              self.stats.bytes_received - self._recv0)
+                                              self.stats.bytes_received - self._recv0, r.bytes_uncompressed)
             self._after_step()
 
         # A bound method, as the class's step is: an LR scheduler made after setup wraps ``step.__func__``
@@ -665,8 +674,13 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got
             rendezvous.heartbeat(self.store, self.rank, self._step)
-        return self._allreduce_bucket(bucket, f"{self.scheme}:// all-reduce of bucket {bucket.index} "
-                                              f"({bucket.names[0]}...) at step {self._step}")
+        what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
+        if self.compressor is not None:  # the regime moves the payloads: allreduce_async, allgather_async
+            mover = cast(compress_seam.Mover, self)  # a regime that compresses also gathers (allgather_async)
+            n = self.world_size  # uncompressed, the bucket would have been all-reduced: 2(N-1)/N of it sent
+            self.stats.bytes_uncompressed += 2 * (n - 1) * bucket.nbytes // n
+            return compress_seam.start_compressed(self.compressor, bucket, mover, what, self.carry_presence)
+        return self._allreduce_bucket(bucket, what)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
         """Start summing ``bucket``'s buffer (a regime that stages CUDA buckets through the host overrides it)."""

@@ -10,6 +10,7 @@ Each object has ``step`` (0-based index of the optimizer step it describes) and 
     test_loss       loss on held-out data
     bytes_sent      bytes this rank sent in that step's exchange
     bytes_received  bytes it received
+    bytes_uncompressed  under compress=: what that step would have sent uncompressed
     time_s          seconds since training began, when the step ended
     step_s          seconds the step took
     comm_s          seconds of it spent waiting on the exchange (exposed communication)
@@ -65,6 +66,8 @@ def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, r
     if exchange is not None:
         record.update(bytes_sent=exchange.bytes_sent, bytes_received=exchange.bytes_received,
                       comm_s=exchange.wait_s)
+        if exchange.bytes_uncompressed:
+            record.update(bytes_uncompressed=exchange.bytes_uncompressed)
     record.update(fields)
     line = json.dumps(record, allow_nan=True)
     with metrics_path(base, rank).open("a") as fh:
@@ -113,5 +116,7 @@ def summary(record: dict | None, wall_s: float) -> str:
         moved = human_bytes(sent) + " sent"
         if isinstance(received, (int, float)):
             moved += f", {human_bytes(received)} received"
-        parts.append(moved + " per step by rank 0")
+        raw = record.get("bytes_uncompressed")
+        ratio = f" ({sent / raw:.3g}x of uncompressed)" if isinstance(raw, (int, float)) and raw > 0 else ""
+        parts.append(moved + " per step by rank 0" + ratio)
     return ", ".join(parts)

@@ -26,7 +26,7 @@ def test_missing_scheme():
 
 
 def test_unknown_option_lists_known():
-    with pytest.raises(ConfigError, match=r"allreduce:// does not know option 'backnd'; known options: backend, bucket_mb, buffers, heap, timeout"):
+    with pytest.raises(ConfigError, match=r"allreduce:// does not know option 'backnd'; known options: backend, bucket_mb, buffers, compress, ef, heap, timeout"):
         commlab.connect("allreduce://?backnd=gloo", RankInfo.single())
 
 

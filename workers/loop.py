@@ -116,6 +116,8 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
                       "compute_s": t1 - t0, "comm_s": report.wait_s, "step_s": t2 - t0,
                       "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                       "time_s": t2 - t_start}
+            if report.bytes_uncompressed:  # compress=: what the step would have sent without it
+                record["bytes_uncompressed"] = report.bytes_uncompressed
             last = step == cfg.steps - 1
             if rank == 0 and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 record["test_loss"], record["test_acc"] = evaluate(model, data.test_x.to(device), data.test_y.to(device))

@@ -1,4 +1,4 @@
-"""``allreduce://?backend=gloo|nccl``: gradients averaged by torch.distributed.
+"""``allreduce://?backend=gloo|nccl[&compress=SPEC&ef=0|1]``: gradients averaged by torch.distributed.
 
 Each bucket is all-reduced (sum) as soon as backward fills it; ``step()``
 waits for the last one (gradients were scaled by 1/N as they entered their bucket)
@@ -7,6 +7,17 @@ CPU tensors and on CUDA tensors (which it copies through host memory
 itself); NCCL needs CUDA tensors and a GPU per rank, and moves data with
 GPUDirect RDMA where the hardware offers it (``commlab doctor`` records
 whether it did). Nothing falls back: asking for NCCL without CUDA raises.
+
+``compress=`` (:mod:`commlab.compress`): each bucket goes through the compressor instead, moved as its
+declaration allows (:mod:`commlab.compress.seam`): float32 payloads that sum (PowerSGD's P and Q,
+random-k's values) by all-reduce, one per round; gather-only payloads (top-k, sign) by all-gather. fp16
+and bf16 are gathered too and added in float32 on every rank: gloo's all-reduce adds a half tensor in
+half precision, rounding every partial sum, which the issue's "sums in float32" rules out. That costs
+(N-1) x n x 2 bytes sent per rank against 2(N-1)/N x n x 4 for an uncompressed float32 all-reduce: less
+for N < 4, more beyond (ring:// can cast per hop instead). Bytes counted are those sent and received.
+
+Under DDP (or any code that made the default process group first) the exchanger uses that group and
+its store, and never destroys it: only a group it created itself.
 """
 
 from __future__ import annotations
@@ -17,15 +28,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commlab import rendezvous
-from commlab.config import CommonOptions, option
+from commlab import compress, rendezvous
+from commlab.config import option
+from commlab.compress import CompressOptions
 from commlab.errors import BackendUnavailable, ConfigError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
 
 
 @dataclass(frozen=True)
-class AllReduceOptions(CommonOptions):
+class AllReduceOptions(CompressOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
 
 
@@ -49,12 +61,14 @@ class AllReduceExchanger(CollectiveExchanger):
     Options = AllReduceOptions
 
     group = None  # the process group, once connected (``store`` is CollectiveExchanger's)
+    owns_group = False  # False when the default group was there already (DDP's): close() leaves it
 
     def _connect(self, model, optimizer):
         params = [p for b in self.buckets for p in b.params]
         if self.options.backend == "nccl" and not all(p.is_cuda for p in params):
             raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
         self.join()
+        compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)
 
     def join(self) -> None:
@@ -68,12 +82,28 @@ class AllReduceExchanger(CollectiveExchanger):
                                      "use backend=gloo for CPU tensors")
         if backend == "nccl" and not dist.is_nccl_available():
             raise BackendUnavailable("allreduce://?backend=nccl: this torch build has no NCCL")
+        if dist.is_initialized():
+            self._borrow_default_group()
+            return
         self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
                                 world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
-        self.group = dist.group.WORLD
+        self.group, self.owns_group = dist.group.WORLD, True
+
+    def _borrow_default_group(self) -> None:
+        """The default process group exists (DDP's, the user's): use it and its store, as they are."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if (rank, world) != (self.rank, self.world_size):
+            raise ConfigError(f"the default process group has rank {rank} of {world}, but the launcher's "
+                              f"environment says rank {self.rank} of {self.world_size}")
+        backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
+        if self.options.backend not in backend.replace(",", ":").split(":"):
+            raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
+        from torch.distributed import distributed_c10d  # its store: the only one every rank surely reaches
+        self.store = dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
+        self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:
         return rendezvous.stall_report(self.store, self.world_size, self._step, skip=self.rank)
@@ -88,8 +118,24 @@ class AllReduceExchanger(CollectiveExchanger):
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
         return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
 
+    def allgather_async(self, tensor: torch.Tensor, what: str = "all-gather") -> Handle:
+        """Every rank's ``tensor`` (the same size on each): the handle's result is the list, in rank order."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        moved = (self.world_size - 1) * tensor.numel() * tensor.element_size()
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
+        work = dist.all_gather(gathered, tensor, async_op=True, group=self.group)
+        return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled, then=lambda: gathered)
+
+    @staticmethod
+    def sums_exactly(dtype: torch.dtype) -> bool:
+        """gloo and NCCL add in the tensor's own dtype: only float32 and wider are summed as float32 is."""
+        return dtype in (torch.float32, torch.float64)
+
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "backend": self.options.backend, **self._heap_facts()}
+        if self.compressor is not None:
+            facts["compress"] = self.compressor.describe()
         if self.options.backend == "nccl" and torch.cuda.is_available():
             facts["nccl_version"] = nccl_version()
             facts["data_path"] = "GPU memory, moved by NCCL (transport and GPUDirect RDMA: see commlab doctor's probe)"
@@ -99,7 +145,7 @@ class AllReduceExchanger(CollectiveExchanger):
 
     def close(self):
         super().close()
-        if self.group is not None and dist.is_initialized():
+        if self.group is not None and self.owns_group and dist.is_initialized():
             rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
             dist.destroy_process_group()
-            self.group = None
+        self.group = None

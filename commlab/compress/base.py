@@ -1,0 +1,232 @@
+"""The compressor contract, error feedback as a wrapper, and the registry that turns a spec into one.
+
+A compressor turns one bucket's flat gradient into the payload of each communication round and the
+combined payloads back into the aggregate. It declares what its payloads allow, and a regime picks the
+way to move them from that declaration alone, never from the compressor's name:
+
+``summable``
+    Payloads of different ranks may be added elementwise on their way (fp16/bf16 casts, PowerSGD's P
+    and Q, random-k values at indices every rank drew from the same seed). The regime sums them (an
+    all-reduce, a ring, a server's sum); the compressor then sees one summed payload, in at least
+    float32. A regime whose transport cannot add a narrow wire dtype in float32 may instead gather
+    the payloads and add them itself: the compressor cannot tell the difference.
+``not summable`` (gather-only)
+    Each rank's payload must arrive as it was sent (top-k values with their indices, sign bits with a
+    scale): the regime gathers them, and the compressor decodes and adds them in rank order.
+``rounds``
+    How many communication rounds a step takes; round ``r + 1``'s payload is computed from round
+    ``r``'s combined result (PowerSGD: 2, P then Q).
+``sync_only``
+    Needs every rank's payload at every step (PowerSGD's shared P and warm-started Q): a regime that
+    lets ranks run ahead of each other must refuse it.
+
+One step of one bucket ``key`` (a bucket index; buckets are the same on every rank), in this order::
+
+    payload = c.start(key, x, shapes)          # round 0; x is this rank's flat gradient (left untouched
+    for r in 1 .. c.rounds - 1:                #   until finish), shapes those of its parameters
+        payload = c.advance(key, r, combined)  # combined: round r - 1's summed payload, or the list of
+    c.finish(key, combined, out)               #   every rank's payloads (gather-only); out: the aggregate
+    c.share(key)                               # this rank's part of that aggregate (for error feedback)
+
+Payload tensors belong to the regime once returned (it may add into them in place or copy them).
+Gradients enter their bucket scaled by ``1/N``, so the aggregate is the average. Every piece of state
+(residuals, PowerSGD's Q, step counters, seeds) is in :meth:`Compressor.state_dict`.
+
+Specs (``compress=`` in an exchanger URL): ``fp16``, ``bf16``, ``powersgd:R``, ``topk:F``,
+``randomk:F``, ``sign``, each optionally followed by ``,key=value`` settings (``powersgd:4,start_iter=10``);
+error feedback (``ef=1``, the default) wraps whichever was named (:class:`ErrorFeedback`).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+import torch
+
+from commlab.errors import ConfigError
+
+Payload = list  # of tensors
+
+
+class Compressor(abc.ABC):
+    """One compressor, with its own state, for every bucket of one exchanger (keyed by bucket index)."""
+
+    name: str
+    summable: bool
+    rounds: int = 1
+    sync_only: bool = False
+
+    def __init__(self) -> None:
+        self.world_size = 1
+
+    def bind(self, world_size: int) -> None:
+        """The number of ranks whose payloads are combined (a rank's share of a summed aggregate is 1/N)."""
+        self.world_size = world_size
+
+    @abc.abstractmethod
+    def start(self, key: int, x: torch.Tensor, shapes: tuple[torch.Size, ...]) -> Payload:
+        """Round 0's payload for ``x`` (1-D, its parameters' shapes in order); ``x`` stays untouched until
+        :meth:`finish` returns."""
+
+    def advance(self, key: int, rnd: int, combined) -> Payload:
+        """Round ``rnd``'s payload (1 <= rnd < rounds) from round ``rnd - 1``'s combined payload."""
+        raise NotImplementedError(f"{self.name} has one round")
+
+    @abc.abstractmethod
+    def finish(self, key: int, combined, out: torch.Tensor) -> None:
+        """Write the aggregate (sum over ranks of what they sent) into ``out`` (``x``'s shape; may be ``x``)."""
+
+    @abc.abstractmethod
+    def share(self, key: int) -> torch.Tensor:
+        """This rank's part of the aggregate :meth:`finish` last wrote for ``key``: what it effectively sent."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def describe(self) -> str:
+        return self.name
+
+
+class ErrorFeedback(Compressor):
+    """Error feedback around any compressor: what a rank did not get across is added to its next input.
+
+    ``start`` compresses ``x + e`` instead of ``x``; after ``finish``, ``e = (x + e) - share``, where
+    ``share`` is this rank's part of the aggregate. Summed over steps: what was sent plus the last residual
+    equals the sum of the inputs, on every rank. For a compressor whose aggregate is a sum of per-rank
+    decodings (casts, top-k, random-k, sign) the share is this rank's own decoding (the classic EF-SGD
+    residual); for PowerSGD, whose approximation exists only for the aggregate, it is the aggregate over N
+    (torch's PowerSGD hook keeps input minus aggregated approximation, in its unscaled units).
+    """
+
+    def __init__(self, inner: Compressor):
+        super().__init__()
+        self.inner = inner
+        self.name = inner.name
+        self.summable, self.rounds, self.sync_only = inner.summable, inner.rounds, inner.sync_only
+        self.residuals: dict[int, torch.Tensor] = {}
+        self._inputs: dict[int, torch.Tensor] = {}
+
+    def bind(self, world_size: int) -> None:
+        super().bind(world_size)
+        self.inner.bind(world_size)
+
+    def start(self, key, x, shapes):
+        e = self.residuals.get(key)
+        corrected = x.clone() if e is None else x + e
+        self._inputs[key] = corrected
+        return self.inner.start(key, corrected, shapes)
+
+    def advance(self, key, rnd, combined):
+        return self.inner.advance(key, rnd, combined)
+
+    def finish(self, key, combined, out):
+        self.inner.finish(key, combined, out)
+        corrected = self._inputs.pop(key)
+        self.residuals[key] = corrected.sub_(self.inner.share(key))
+
+    def share(self, key):
+        return self.inner.share(key)
+
+    def state_dict(self):
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state):
+        self.residuals = {int(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        self.inner.load_state_dict(state.get("inner", {}))
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()} with error feedback"
+
+
+# ----- the registry ----------------------------------------------------------------------------------
+# name -> (factory(arg text or None, settings) -> Compressor, the spec's form for messages)
+REGISTRY: dict[str, tuple[Callable[[str | None, dict[str, str]], Compressor], str]] = {}
+
+
+def register(name: str, form: str):
+    """Class or function decorator: ``name`` in a spec builds it via ``factory(arg, settings)``."""
+
+    def put(factory):
+        REGISTRY[name] = (factory, form)
+        return factory
+
+    return put
+
+
+def known() -> str:
+    return ", ".join(form for _, form in REGISTRY.values())
+
+
+def _fail(spec: str, why: str) -> ConfigError:
+    return ConfigError(f"option 'compress': {spec!r} {why}")
+
+
+def parse_spec(spec: str) -> tuple[str, str | None, dict[str, str]]:
+    """``'powersgd:4,start_iter=10'`` -> ``('powersgd', '4', {'start_iter': '10'})``; unknown names raise."""
+    _load_builtins()
+    head, *rest = spec.strip().split(",")
+    name, _, arg = head.partition(":")
+    name = name.strip().lower()
+    if name not in REGISTRY:
+        raise _fail(spec, f"names no compressor; known: none, {known()}")
+    settings = {}
+    for item in rest:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
+            raise _fail(spec, f"has a setting {item!r} that is not key=value")
+        settings[k.strip()] = v.strip()
+    return name, (arg.strip() if _ else None), settings
+
+
+def build(spec: str, ef: bool = True) -> Compressor | None:
+    """The compressor a spec names (wrapped in :class:`ErrorFeedback` when ``ef``), or None for ``none``.
+    Raises :class:`ConfigError` in one line naming ``compress`` for anything wrong in it."""
+    if spec.strip().lower() in ("", "none"):
+        return None
+    name, arg, settings = parse_spec(spec)
+    factory, form = REGISTRY[name]
+    try:
+        comp = factory(arg, settings)
+    except ConfigError as exc:
+        raise _fail(spec, f"({form}): {exc}") from None
+    return ErrorFeedback(comp) if ef else comp
+
+
+def take(settings: dict[str, str], key: str, kind: type, default: Any, check: Callable[[Any], bool] = lambda v: True,
+         need: str = ""):
+    """Pop one ``key=value`` setting, converted, or ``default``; a bad value raises ConfigError."""
+    if key not in settings:
+        return default
+    raw = settings.pop(key)
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {kind.__name__}") from None
+    if not check(value):
+        raise ConfigError(f"{key}={raw!r}: {need}")
+    return value
+
+
+def no_more(settings: dict[str, str]) -> None:
+    if settings:
+        raise ConfigError(f"unknown setting(s) {sorted(settings)}")
+
+
+def no_arg(arg: str | None) -> None:
+    if arg is not None:
+        raise ConfigError(f"takes no ':' argument, got {arg!r}")
+
+
+def check_fits(comp: Compressor | None, scheme: str, synchronous: bool) -> None:
+    """A regime's check of a compressor's declaration against what it can do."""
+    if comp is not None and comp.sync_only and not synchronous:
+        raise ConfigError(f"option 'compress': {comp.name} needs every rank's payload at every step; "
+                          f"{scheme}:// in this mode lets ranks run apart")
+
+
+def _load_builtins() -> None:
+    from commlab.compress import codecs, powersgd  # noqa: F401  (they register themselves)

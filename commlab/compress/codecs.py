@@ -1,0 +1,228 @@
+"""The one-round compressors: fp16/bf16 casts, top-k, random-k and scaled sign.
+
+Payload sizes for a bucket of ``n`` float32 gradients (what :mod:`commlab.compress.seam` moves, without
+the bucket's presence flags), with ``k = ceil(F * n)`` (at least 1), F read exactly as written:
+
+============  =========================  ==========================================
+spec          payload                    bytes
+============  =========================  ==========================================
+fp16, bf16    the cast values            2n
+topk:F        k values, k int32 indices  8k (int64 indices, 12k, past 2**31 elements)
+randomk:F     k values                   4k (indices: drawn from a seed every rank shares)
+sign          ceil(n/8) bit bytes, scale ceil(n/8) + 4
+============  =========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from commlab.compress.base import Compressor, no_arg, no_more, register, take
+from commlab.errors import ConfigError
+
+
+def fraction(arg: str | None) -> Fraction:
+    """F of ``topk:F`` / ``randomk:F``, exactly as written, in (0, 1]."""
+    if arg is None:
+        raise ConfigError("needs a fraction F in (0, 1], e.g. topk:0.01")
+    try:
+        f = Fraction(arg)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(f"F={arg!r} is not a number") from None
+    if not 0 < f <= 1:
+        raise ConfigError(f"F={arg} is outside (0, 1]")
+    return f
+
+
+def kept(f: Fraction, n: int) -> int:
+    """How many of ``n`` elements a fraction ``f`` keeps: ceil(f * n), at least 1 (0 of 0)."""
+    return min(n, max(1, math.ceil(f * n))) if n else 0
+
+
+def index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < 2**31 else torch.int64
+
+
+class OwnDecoding(Compressor):
+    """A compressor whose aggregate is the sum of every rank's own decoding: its share is its decoding."""
+
+    def __init__(self):
+        super().__init__()
+        self._own: dict[int, tuple] = {}  # key -> what share() needs to decode this rank's payload
+
+    def share(self, key):
+        return self._decode_own(key, *self._own[key])
+
+    def _decode_own(self, key, *own) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Cast(OwnDecoding):
+    """fp16 / bf16 on the wire; the regime adds them in float32 (or wider: the bucket's dtype)."""
+
+    summable = True
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        super().__init__()
+        self.name, self.dtype = name, dtype
+
+    def start(self, key, x, shapes):
+        wire = x.to(self.dtype)
+        self._own[key] = (wire, x.dtype)
+        return [wire]
+
+    def finish(self, key, combined, out):
+        out.copy_(combined[0])
+
+    def _decode_own(self, key, wire, dtype):
+        return wire.to(dtype)
+
+
+@register("fp16", "fp16")
+def _fp16(arg, settings):
+    no_arg(arg)
+    no_more(settings)
+    return Cast("fp16", torch.float16)
+
+
+@register("bf16", "bf16")
+def _bf16(arg, settings):
+    no_arg(arg)
+    no_more(settings)
+    return Cast("bf16", torch.bfloat16)
+
+
+class TopK(OwnDecoding):
+    """The k largest magnitudes of the bucket, with their indices (gather-only: indices differ by rank)."""
+
+    summable = False
+
+    def __init__(self, f: Fraction):
+        super().__init__()
+        self.f, self.name = f, f"topk:{float(f):g}"
+
+    def start(self, key, x, shapes):
+        k = kept(self.f, x.numel())
+        idx = torch.topk(x.abs(), k, sorted=False).indices
+        values = x[idx]
+        self._own[key] = (values, idx, x.numel())
+        return [values, idx.to(index_dtype(x.numel()))]
+
+    def finish(self, key, combined, out):
+        out.zero_()
+        for values, idx in combined:  # rank order: the same sum on every rank
+            out.index_add_(0, idx.long(), values.to(out.dtype))
+
+    def _decode_own(self, key, values, idx, n):
+        return torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, idx, values)
+
+
+@register("topk", "topk:F")
+def _topk(arg, settings):
+    no_more(settings)
+    return TopK(fraction(arg))
+
+
+def mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64's finaliser): the same on every rank, different per input."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class RandomK(OwnDecoding):
+    """k random indices, drawn alike on every rank from (seed, bucket, step): the k values are summed densely.
+
+    Values are sent as they are (not scaled by 1/F): with error feedback nothing is lost, only delayed."""
+
+    summable = True
+
+    def __init__(self, f: Fraction, seed: int):
+        super().__init__()
+        self.f, self.seed, self.name = f, seed, f"randomk:{float(f):g}"
+        self.steps: dict[int, int] = {}
+
+    def indices(self, key: int, n: int, device) -> torch.Tensor:
+        """This step's indices for bucket ``key`` (the same on every rank); advances nothing."""
+        g = torch.Generator().manual_seed(mix(self.seed, key, self.steps.get(key, 0)))
+        return torch.randperm(n, generator=g)[: kept(self.f, n)].to(device)
+
+    def start(self, key, x, shapes):
+        idx = self.indices(key, x.numel(), x.device)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        values = x[idx]
+        self._own[key] = (values, idx, x.numel())
+        return [values]
+
+    def finish(self, key, combined, out):
+        _, idx, _ = self._own[key]
+        out.zero_()
+        out[idx] = combined[0].to(out.dtype)
+
+    def _decode_own(self, key, values, idx, n):
+        out = torch.zeros(n, dtype=values.dtype, device=values.device)
+        out[idx] = values
+        return out
+
+    def state_dict(self):
+        return {"seed": self.seed, "steps": dict(self.steps)}
+
+    def load_state_dict(self, state):
+        self.seed = int(state.get("seed", self.seed))
+        self.steps = {int(k): int(v) for k, v in state.get("steps", {}).items()}
+
+
+@register("randomk", "randomk:F")
+def _randomk(arg, settings):
+    f = fraction(arg)
+    seed = take(settings, "seed", int, 0)
+    no_more(settings)
+    return RandomK(f, seed)
+
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bytes, 8 to a byte, most significant bit first (zero-padded)."""
+    n = bits.numel()
+    padded = torch.zeros(8 * math.ceil(n / 8), dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return (packed.unsqueeze(1) & _BIT_WEIGHTS.to(packed.device)).ne(0).reshape(-1)[:n]
+
+
+class Sign(OwnDecoding):
+    """One bit per element (x >= 0) and one scale, mean |x|: decodes to scale * (+1 or -1). Gather-only."""
+
+    summable = False
+    name = "sign"
+
+    def start(self, key, x, shapes):
+        scale = x.abs().mean().reshape(1) if x.numel() else x.new_zeros(1)
+        bits = pack_bits(x >= 0)
+        self._own[key] = (bits, scale, x.numel())
+        return [bits, scale]
+
+    def finish(self, key, combined, out):
+        out.zero_()
+        for bits, scale in combined:
+            out.add_(self._decode_own(key, bits, scale.to(out.dtype), out.numel()))
+
+    def _decode_own(self, key, bits, scale, n):
+        return unpack_bits(bits, n).to(scale.dtype).mul_(2).sub_(1).mul_(scale)
+
+
+@register("sign", "sign")
+def _sign(arg, settings):
+    no_arg(arg)
+    no_more(settings)
+    return Sign()

@@ -1,0 +1,169 @@
+"""``powersgd:R``: rank-R PowerSGD (Vogels et al., 2019) with a warm-started Q, in two summed rounds.
+
+Each parameter of a bucket is viewed as a matrix M (n = its first dimension, m = the rest). One that
+gains (``(n + m) * r * min_rate < n * m``, r = min(n, m, R)) is compressed; the others (vectors, small
+matrices) travel uncompressed in round 0. Per step, for every compressed M (every rank's share summed):
+
+    round 0:  P = M Q           (Q: the last step's summed Q, orthonormalised; at first a seeded normal draw)
+              sum P over ranks, then orthonormalise it (QR)
+    round 1:  Q = M^T P         sum Q over ranks (kept as the next step's warm start)
+    result:   P Q^T             (= P P^T sum(M), the sum projected on span(P))
+
+What holds exactly (in exact arithmetic; up to float32 rounding in practice): if the summed M of a
+matrix has rank <= R and ``rank(M Q) = rank(M)`` for the Q the step starts from (true for almost every
+Q, the random first draw in particular), span(P) contains M's column space and one step returns M.
+Above rank R, repeated steps on a fixed M are a subspace iteration: the result tends to M's best rank-R
+approximation (with a gap between the R-th and (R+1)-th singular values). QR, not Gram-Schmidt, keeps P
+orthonormal when M has rank below R (or is zero), where Gram-Schmidt would divide by ~0.
+
+With error feedback (:class:`~commlab.compress.base.ErrorFeedback`) a rank's residual is its input minus
+the aggregate over N everywhere: the approximated matrices (torch's hook's residual), the uncompressed
+tensors (torch's too) and the warm-up steps (torch keeps no residual there). Where the aggregate is exact
+those residuals sum to zero over ranks, so the next aggregate is unchanged by them.
+
+The first ``start_iter`` steps of each bucket send it uncompressed (round 1 is then empty). Payload
+bytes for float32 gradients: round 0 ``4 * (uncompressed elements + sum n*r)``, round 1 ``4 * sum m*r``.
+State: per-bucket step counters and Qs, and the seed of the first draw.
+
+Spec: ``powersgd:R[,start_iter=S][,min_rate=X][,seed=K]`` (defaults 10, 2, 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from commlab.compress.base import Compressor, register, take, no_more
+from commlab.compress.codecs import mix
+from commlab.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a bucket's parameters sit, split into compressed matrices and uncompressed runs."""
+
+    matrices: tuple[tuple[int, int, int, int], ...]  # (offset, n, m, r)
+    plain: tuple[tuple[int, int], ...]  # (offset, numel)
+
+    @property
+    def plain_numel(self) -> int:
+        return sum(k for _, k in self.plain)
+
+
+def layout(shapes, rank: int, min_rate: float) -> Layout:
+    matrices, plain, offset = [], [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) else 1
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        if len(shape) >= 2 and (n + m) * r * min_rate < n * m:
+            matrices.append((offset, n, m, r))
+        elif numel:
+            plain.append((offset, numel))
+        offset += numel
+    return Layout(tuple(matrices), tuple(plain))
+
+
+def orthonormalise(a: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning (at least) ``a``'s columns, a tall matrix."""
+    return torch.linalg.qr(a.double() if a.dtype != torch.float64 else a)[0].to(a.dtype)
+
+
+class PowerSGD(Compressor):
+    summable = True
+    rounds = 2
+    sync_only = True
+
+    def __init__(self, rank: int, start_iter: int = 10, min_rate: float = 2.0, seed: int = 0):
+        super().__init__()
+        self.rank, self.start_iter, self.min_rate, self.seed = rank, start_iter, min_rate, seed
+        self.name = f"powersgd:{rank}"
+        self.steps: dict[int, int] = {}
+        self.qs: dict[int, list[torch.Tensor]] = {}
+        self._layouts: dict[tuple, Layout] = {}
+        self._flight: dict[int, dict] = {}  # key -> this step's matrices, Ps, mode
+        self._out: dict[int, torch.Tensor] = {}  # key -> the aggregate finish() wrote, until share() reads it
+
+    def _layout(self, shapes) -> Layout:
+        shapes = tuple(tuple(s) for s in shapes)
+        if shapes not in self._layouts:
+            self._layouts[shapes] = layout(shapes, self.rank, self.min_rate)
+        return self._layouts[shapes]
+
+    def _start_qs(self, key: int, lay: Layout, x: torch.Tensor) -> list[torch.Tensor]:
+        qs = self.qs.get(key)
+        if qs is None or [tuple(q.shape) for q in qs] != [(m, r) for _, _, m, r in lay.matrices]:
+            g = torch.Generator().manual_seed(mix(self.seed, key))
+            qs = [torch.randn(m, r, generator=g, dtype=torch.float64).to(x.dtype) for _, _, m, r in lay.matrices]
+        return [orthonormalise(q.to(device=x.device, dtype=x.dtype)) for q in qs]
+
+    def start(self, key, x, shapes):
+        step = self.steps.get(key, 0)
+        self.steps[key] = step + 1
+        if step < self.start_iter:
+            self._flight[key] = {"plain": True}
+            return [x]
+        lay = self._layout(shapes)
+        ms = [x[o:o + n * m].view(n, m) for o, n, m, _ in lay.matrices]
+        qs = self._start_qs(key, lay, x)
+        self._flight[key] = {"plain": False, "layout": lay, "ms": ms}
+        return [x[o:o + k] for o, k in lay.plain] + [mat @ q for mat, q in zip(ms, qs)]
+
+    def advance(self, key, rnd, combined):
+        f = self._flight[key]
+        if f["plain"]:
+            f["sum"] = combined[0]
+            return []
+        lay = f["layout"]
+        k = len(lay.plain)
+        f["plain_sums"] = combined[:k]
+        f["ps"] = ps = [orthonormalise(p) for p in combined[k:]]  # sums come in float32 or wider
+        return [mat.t() @ p.to(mat.dtype) for mat, p in zip(f["ms"], ps)]
+
+    def finish(self, key, combined, out):
+        f = self._flight.pop(key)
+        if f["plain"]:
+            out.copy_(f["sum"])
+            self._out[key] = out
+            return
+        lay = f["layout"]
+        for (o, k), s in zip(lay.plain, f["plain_sums"]):
+            out[o:o + k].copy_(s)
+        for (o, n, m, _), p, q in zip(lay.matrices, f["ps"], combined):
+            out[o:o + n * m].view(n, m).copy_(p @ q.t())
+        self.qs[key] = [q.clone() for q in combined]
+        self._out[key] = out
+
+    def share(self, key):
+        return self._out[key] / self.world_size
+
+    def state_dict(self):
+        return {"seed": self.seed, "steps": dict(self.steps), "q": {k: [q.clone() for q in v] for k, v in self.qs.items()}}
+
+    def load_state_dict(self, state):
+        self.seed = int(state.get("seed", self.seed))
+        self.steps = {int(k): int(v) for k, v in state.get("steps", {}).items()}
+        self.qs = {int(k): [q.clone() for q in v] for k, v in state.get("q", {}).items()}
+
+    def describe(self) -> str:
+        return f"{self.name} (start_iter={self.start_iter}, min_rate={self.min_rate:g})"
+
+
+@register("powersgd", "powersgd:R")
+def _powersgd(arg, settings):
+    if arg is None:
+        raise ConfigError("needs a rank R >= 1, e.g. powersgd:4")
+    try:
+        rank = int(arg)
+    except ValueError:
+        raise ConfigError(f"R={arg!r} is not an integer") from None
+    if rank <= 0:
+        raise ConfigError(f"R={rank} must be >= 1")
+    start_iter = take(settings, "start_iter", int, 10, lambda v: v >= 0, "must be >= 0")
+    min_rate = take(settings, "min_rate", float, 2.0, lambda v: v > 0, "must be > 0")
+    seed = take(settings, "seed", int, 0)
+    no_more(settings)
+    return PowerSGD(rank, start_iter, min_rate, seed)

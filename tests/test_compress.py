@@ -1,0 +1,322 @@
+"""commlab.compress in one process: closed forms of every compressor, error feedback's conservation,
+payload bytes, state round trips, and refusals. N ranks are simulated in lockstep (commlab.compress.simulate)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from commlab import ConfigError
+from commlab.compress import build, check_fits
+from commlab.compress.codecs import pack_bits, unpack_bits
+from commlab.compress.powersgd import layout
+from commlab.compress.seam import nbytes, pack, unpack
+from commlab.compress.simulate import exchange
+from commlab.registry import resolve
+
+SPECS = ["fp16", "bf16", "powersgd:2,start_iter=0", "topk:0.1", "randomk:0.25", "sign"]
+# a bucket as the exchanger makes one: parameters' shapes in order, flattened back to back
+SHAPES = (torch.Size([64, 32]), torch.Size([32]), torch.Size([10, 32]), torch.Size([10]))
+N_EL = sum(math.prod(s) for s in SHAPES)  # 2410
+
+
+def ranks(spec: str, n: int, ef: bool = False):
+    comps = [build(spec, ef) for _ in range(n)]
+    for c in comps:
+        c.bind(n)
+    return comps
+
+
+def vectors(draw_size=st.integers(1, 300), lo=2.0**-14, hi=6e4):
+    mags = st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+    signed = st.tuples(mags, st.booleans()).map(lambda t: -t[0] if t[1] else t[0])
+    return draw_size.flatmap(lambda n: st.lists(signed, min_size=n, max_size=n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(vectors(), st.sampled_from([("fp16", torch.float16, 2.0**-11), ("bf16", torch.bfloat16, 2.0**-8)]))
+def test_casts_round_trip_within_unit_roundoff(values, case):
+    spec, dtype, u = case
+    x = torch.tensor(values, dtype=torch.float32)
+    (out,) = exchange(ranks(spec, 1), 0, [x], (x.shape,))
+    assert bool(((out - x).abs() <= u * x.abs()).all())
+    assert torch.equal(out, x.to(dtype).float())
+
+
+def test_casts_are_summed_in_float32_in_rank_order():
+    xs = [torch.randn(500, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    outs = exchange(ranks("fp16", 3), 0, xs, (xs[0].shape,))
+    want = xs[0].half().float() + xs[1].half().float() + xs[2].half().float()
+    assert all(torch.equal(o, want) for o in outs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(vectors(lo=0.0, hi=1e3), st.sampled_from(["0.01", "0.1", "0.5", "1"]))
+def test_topk_keeps_the_k_largest_magnitudes(values, f):
+    x = torch.tensor(values, dtype=torch.float32)
+    comp = build(f"topk:{f}", ef=False)
+    comp.bind(1)
+    values_sent, idx = comp.start(0, x, (x.shape,))
+    k = max(1, math.ceil(float(f) * x.numel() - 1e-9))
+    assert idx.numel() == k == len(set(idx.tolist())) and idx.dtype == torch.int32
+    kept = torch.zeros(x.numel(), dtype=torch.bool)
+    kept[idx.long()] = True
+    assert torch.equal(values_sent, x[idx.long()])
+    if k < x.numel():
+        assert x[kept].abs().min() >= x[~kept].abs().max()
+    out = torch.empty_like(x)
+    comp.finish(0, [[values_sent, idx]], out)
+    assert torch.equal(out, torch.where(kept, x, torch.zeros_like(x)))
+
+
+def test_topk_fraction_is_read_exactly():
+    comp = build("topk:0.01", ef=False)
+    x = torch.arange(100, dtype=torch.float32)
+    assert comp.start(0, x, (x.shape,))[0].numel() == 1  # ceil(0.01 * 100) = 1, not 2 from 1.0000000000000002
+
+
+def test_randomk_draws_the_same_indices_on_every_rank_and_new_ones_each_step():
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    comps = ranks("randomk:0.05", 3)
+    seen = []
+    for step in range(2):
+        idx = comps[0].indices(0, 1000, "cpu")
+        assert all(torch.equal(c.indices(0, 1000, "cpu"), idx) for c in comps)
+        outs = exchange(comps, 0, xs, (xs[0].shape,))
+        want = torch.zeros(1000)
+        want[idx] = xs[0][idx] + xs[1][idx] + xs[2][idx]
+        assert idx.numel() == 50 and all(torch.allclose(o, want, rtol=0, atol=1e-6) for o in outs)
+        seen.append(set(idx.tolist()))
+    assert seen[0] != seen[1]
+
+
+def test_sign_is_one_bit_and_a_scale():
+    x = torch.tensor([0.5, -2.0, 0.0, 3.5, -1.0])
+    comp = build("sign", ef=False)
+    comp.bind(1)
+    bits, scale = comp.start(0, x, (x.shape,))
+    assert bits.tolist() == [0b10110000] and scale.item() == pytest.approx(7.0 / 5)
+    out = torch.empty_like(x)
+    comp.finish(0, [[bits, scale]], out)
+    assert torch.allclose(out, torch.tensor([1.0, -1, 1, 1, -1]) * 7.0 / 5)
+    b = torch.rand(37) > 0.5
+    assert torch.equal(unpack_bits(pack_bits(b), 37), b)
+
+
+def low_rank(n, m, r, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, r, generator=g) @ torch.randn(r, m, generator=g)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("n_ranks", [1, 3])
+def test_powersgd_is_exact_on_a_gradient_of_rank_at_most_R(r, n_ranks):
+    # every rank's matrix shares the column space of A, so their sum has rank <= r <= R = 3: one step from the
+    # random first Q (rank(M Q) = rank(M) almost surely) returns the sum; the vector travels uncompressed
+    R = 3
+    a = torch.randn(64, r, generator=torch.Generator().manual_seed(1))
+    xs = []
+    for w in range(n_ranks):
+        g = torch.Generator().manual_seed(10 + w)
+        xs.append(torch.cat([(a @ torch.randn(r, 48, generator=g)).reshape(-1), torch.randn(64, generator=g)]))
+    shapes = (torch.Size([64, 48]), torch.Size([64]))
+    outs = exchange(ranks(f"powersgd:{R},start_iter=0", n_ranks), 0, xs, shapes)
+    want = sum(xs)
+    for out in outs:
+        assert torch.equal(out, outs[0])
+        assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+        assert torch.equal(out[64 * 48:], want[64 * 48:]) or n_ranks > 1  # one rank: the vector's bits as sent
+
+
+def test_powersgd_warm_start_converges_to_the_best_rank_R_approximation():
+    # above rank R, steps on a fixed M are a subspace iteration: with singular values 8, 4, 2 | 0.2, 0.1 the
+    # result tends to the truncated SVD (Eckart-Young), geometrically at rate 0.2 / 2 per step
+    g = torch.Generator().manual_seed(5)
+    u, _ = torch.linalg.qr(torch.randn(40, 5, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 5, generator=g, dtype=torch.float64))
+    s = torch.tensor([8.0, 4.0, 2.0, 0.2, 0.1], dtype=torch.float64)
+    m = (u * s) @ v.t()
+    best = (u[:, :3] * s[:3]) @ v[:, :3].t()
+    comps = ranks("powersgd:3,start_iter=0", 1)
+    errors = []
+    for _ in range(12):
+        (out,) = exchange(comps, 0, [m.reshape(-1).clone()], (torch.Size([40, 30]),))
+        errors.append(float((out.view(40, 30) - best).norm() / m.norm()))
+    assert errors[-1] < 1e-9 and errors[-1] < errors[0]
+
+
+def test_powersgd_warm_up_is_uncompressed_and_small_tensors_stay_uncompressed():
+    lay = layout(SHAPES, 4, 2.0)
+    assert [(o, n, m, r) for o, n, m, r in lay.matrices] == [(0, 64, 32, 4)]  # (10+32)*4*2 = 336 > 320: plain
+    assert lay.plain == ((2048, 32), (2080, 320), (2400, 10))
+    x = torch.randn(N_EL)
+    comps = ranks("powersgd:4,start_iter=2", 1)
+    for step in range(3):
+        (out,) = exchange(comps, 0, [x], SHAPES)
+        assert torch.equal(out, x) == (step < 2)
+
+
+def payload_bytes(spec: str, steps: int = 1):
+    """Bytes of each round's payload, per step, as the regime receives them from the compressor."""
+    comp = build(spec, ef=True)
+    comp.bind(1)
+    x = torch.randn(N_EL)
+    sizes = []
+    for _ in range(steps):
+        payload, rounds = comp.start(0, x, SHAPES), []
+        for rnd in range(comp.rounds):
+            rounds.append(nbytes(payload))
+            assert pack(payload).numel() == nbytes(payload)
+            combined = payload if comp.summable else [payload]
+            payload = comp.advance(0, rnd + 1, combined) if rnd + 1 < comp.rounds else None
+        comp.finish(0, combined, torch.empty_like(x))
+        sizes.append(rounds)
+    return sizes
+
+
+def test_payload_bytes_equal_the_closed_forms():
+    n = N_EL
+    assert payload_bytes("fp16") == payload_bytes("bf16") == [[2 * n]]
+    assert payload_bytes("topk:0.01") == [[8 * math.ceil(0.01 * n)]]  # k = 25 values and int32 indices
+    assert payload_bytes("randomk:0.01") == [[4 * 25]]
+    assert payload_bytes("sign") == [[math.ceil(n / 8) + 4]]
+    # powersgd:4: one warm-up step (all of it), then P of the 64x32 matrix with the rest uncompressed, and Q
+    assert payload_bytes("powersgd:4,start_iter=1", 2) == [[4 * n, 0], [4 * (362 + 64 * 4), 4 * 32 * 4]]
+
+
+def test_pack_unpack_round_trip():
+    parts = [torch.randn(5), torch.arange(3, dtype=torch.int32), torch.tensor([7], dtype=torch.uint8),
+             torch.randn(2, 2).half()]
+    back = unpack(pack(parts), parts)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(parts, back))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_error_feedback_conserves_what_was_not_sent(spec):
+    # per rank: sum over steps of its share of the aggregate, plus its last residual, equals the sum of its inputs
+    n_ranks, steps = 2, 6
+    comps = ranks(spec, n_ranks, ef=True)
+    shapes = (torch.Size([24, 20]), torch.Size([20]))
+    g = torch.Generator().manual_seed(3)
+    sent = [torch.zeros(500, dtype=torch.float64) for _ in comps]
+    total = [torch.zeros(500, dtype=torch.float64) for _ in comps]
+    for _ in range(steps):
+        xs = [torch.randn(500, generator=g) for _ in comps]
+        exchange(comps, 0, xs, shapes)
+        for w, c in enumerate(comps):
+            sent[w] += c.share(0).double()
+            total[w] += xs[w].double()
+    for w, c in enumerate(comps):
+        assert c.residuals[0].abs().max() > 0  # something was held back, so the identity is not vacuous
+        assert (sent[w] + c.residuals[0].double() - total[w]).abs().max() < 1e-5 * total[w].abs().max()
+
+
+def test_without_error_feedback_nothing_is_kept():
+    comps = ranks("topk:0.1", 1, ef=False)
+    exchange(comps, 0, [torch.randn(100)], (torch.Size([100]),))
+    assert comps[0].state_dict() == {}
+
+
+@pytest.mark.parametrize("spec", SPECS + ["powersgd:2,start_iter=2"])
+def test_state_dict_round_trip_resumes_identically(spec):
+    shapes = (torch.Size([24, 20]), torch.Size([20]))
+    inputs = [[torch.randn(500, generator=torch.Generator().manual_seed(10 * s + w)) for w in range(2)]
+              for s in range(6)]
+    straight = ranks(spec, 2, ef=True)
+    for s in range(3):
+        exchange(straight, 0, inputs[s], shapes)
+    resumed = ranks(spec, 2, ef=True)
+    for c, old in zip(resumed, straight):
+        c.load_state_dict(old.state_dict())
+    for s in range(3, 6):
+        a = exchange(straight, 0, inputs[s], shapes)
+        b = exchange(resumed, 0, inputs[s], shapes)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), f"step {s}"
+
+
+def test_declarations():
+    decl = {s.split(":")[0]: (c.summable, c.rounds, c.sync_only) for s in SPECS for c in [build(s)]}
+    assert decl == {"fp16": (True, 1, False), "bf16": (True, 1, False), "powersgd": (True, 2, True),
+                    "topk": (False, 1, False), "randomk": (True, 1, False), "sign": (False, 1, False)}
+    check_fits(build("powersgd:2"), "ps", synchronous=True)
+    with pytest.raises(ConfigError, match="powersgd:2 needs every rank's payload at every step"):
+        check_fits(build("powersgd:2"), "ps", synchronous=False)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("zip", "'zip' names no compressor; known: none, fp16, bf16"),
+    ("powersgd:0", "R=0 must be >= 1"), ("powersgd:-2", "R=-2 must be >= 1"), ("powersgd", "needs a rank R"),
+    ("powersgd:2.5", "R='2.5' is not an integer"), ("topk:0", "F=0 is outside (0, 1]"),
+    ("randomk:1.01", "F=1.01 is outside (0, 1]"), ("topk:abc", "F='abc' is not a number"),
+    ("sign:2", "takes no ':' argument"), ("powersgd:2,start_iter=-1", "start_iter='-1': must be >= 0"),
+    ("fp16,x=1", "unknown setting(s) ['x']"),
+])
+def test_bad_specs_fail_in_one_line_naming_the_option(spec, words):
+    with pytest.raises(ConfigError) as info:
+        resolve(f"allreduce://?compress={spec}")
+    text = str(info.value)
+    assert text.startswith("option 'compress': ") and words in text and "\n" not in text
+
+
+def test_the_summary_gives_the_ratio_to_uncompressed():
+    from commlab.metrics import summary
+    line = summary({"step": 9, "bytes_sent": 1500, "bytes_received": 1500, "bytes_uncompressed": 12000}, 2.0)
+    assert line == "10 steps in 2.0 s, 1.5 kB sent, 1.5 kB received per step by rank 0 (0.125x of uncompressed)"
+
+
+def test_the_url_carries_compress_and_ef():
+    _, opts = resolve("allreduce://?compress=topk:0.01&ef=0")
+    assert (opts.compress, opts.ef) == ("topk:0.01", False)
+    assert resolve("allreduce://")[1].compress == "none"
+    with pytest.raises(ConfigError, match="does not know option 'compress'"):  # not wired there yet
+        resolve("ring://?compress=fp16")
+
+
+class RecordingMover:
+    """One rank's transport, recording the order collectives are issued in."""
+
+    world_size = 1
+
+    def __init__(self):
+        self.issued = []
+
+    def allreduce_async(self, tensor, what=""):
+        from commlab.handles import DoneHandle
+        self.issued.append(("sum", what.split(", ")[-1]))
+        return DoneHandle(what=what)
+
+    def allgather_async(self, tensor, what=""):
+        from commlab.handles import DoneHandle
+        self.issued.append(("gather", what.split(", ")[-1]))
+        return DoneHandle([tensor.clone()], what=what)
+
+    @staticmethod
+    def sums_exactly(dtype):
+        return dtype in (torch.float32, torch.float64)
+
+
+def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first():
+    from types import SimpleNamespace
+    from commlab.compress.seam import start_compressed
+    comp = build("powersgd:2,start_iter=0")
+    comp.bind(1)
+    mover = RecordingMover()
+    buckets = []
+    for i in range(3):
+        params = [torch.nn.Parameter(torch.zeros(24, 20)), torch.nn.Parameter(torch.zeros(20))]
+        buffer = torch.randn(500 + 2)
+        buckets.append(SimpleNamespace(index=i, params=params, grads=buffer[:500], flags=buffer[500:], buffer=buffer))
+    handles = [start_compressed(comp, b, mover, f"bucket {b.index}", True) for b in buckets]
+    handles[0].wait(10)
+    r0, r1 = "powersgd:2 round 0", "powersgd:2 round 1"
+    assert mover.issued == [("sum", r0)] * 3 + [("sum", r1)] * 3  # every Q in flight before bucket 0 is finished
+    for h in handles[1:]:
+        h.wait(10)
+    assert len(mover.issued) == 6  # nothing more once every bucket is in its last round
+    # and gather-only payloads travel as bytes, once per bucket
+    topk = build("topk:0.1")
+    topk.bind(1)
+    mover.issued.clear()
+    start_compressed(topk, buckets[0], mover, "bucket 0", True).wait(10)
+    assert mover.issued == [("gather", "topk:0.1 round 0")]

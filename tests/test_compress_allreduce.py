@@ -1,0 +1,203 @@
+"""allreduce://?compress= with real processes over gloo: every compressor (and none) in one program per N.
+
+The program makes the default process group itself first (as a DDP script would), so every exchanger
+borrows it: each must leave it working after close(). Per compressor, every step: each rank's exchanged
+gradient equals what the in-process simulation of N ranks' compressors (commlab.compress.simulate)
+computes from every rank's gradient; the parameters are bitwise equal on every rank; the bytes the step
+reports equal the closed form; and resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
+"""
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+QUERIES = ["compress=none", "compress=fp16", "compress=bf16", "compress=powersgd:2,start_iter=2",
+           "compress=powersgd:2,start_iter=2&ef=0", "compress=topk:0.1", "compress=topk:0.1&ef=0",
+           "compress=randomk:0.25", "compress=sign"]
+STEPS, RESUME_AT = 6, 3
+
+PROGRAM = """
+import copy, hashlib, json, torch, torch.distributed as dist, commlab
+from urllib.parse import parse_qsl
+from torch import nn
+from commlab.compress import build
+from commlab.compress.simulate import exchange
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
+rank, world = dist.get_rank(), dist.get_world_size()
+QUERIES, STEPS, RESUME_AT = %r, %d, %d
+
+
+def fresh(query):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ex = commlab.connect("allreduce://?timeout=30&bucket_mb=0.0005&" + query)
+    ex.setup(model, opt)
+    return model, opt, ex
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(world, 8, 12, generator=g), torch.randn(world, 8, 3, generator=g)
+
+
+def loss(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def digest(model):
+    return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+
+
+def run(query, model, opt, ex, steps, sims=None):
+    seen = {"digests": [], "errors": [], "bytes": [], "raw": []}
+    for step in steps:
+        x, y = data(step)
+        want = []
+        if sims is not None:  # every rank's gradient at these (equal) parameters, through simulated compressors
+            params = [p for b in ex.buckets for p in b.params]
+            flats = []
+            for w in range(world):
+                grads = dict(zip(map(id, params), torch.autograd.grad(loss(model, x[w], y[w]), params)))
+                flats.append([torch.cat([(grads[id(p)] * (1.0 / world)).reshape(-1) for p in b.params])
+                              for b in ex.buckets])
+            for b in ex.buckets:
+                xs = [f[b.index] for f in flats]
+                shapes = tuple(p.shape for p in b.params)
+                want.append(exchange(sims, b.index, xs, shapes)[rank] if sims else sum(xs[1:], xs[0].clone()))
+        opt.zero_grad()
+        loss(model, x[rank], y[rank]).backward()
+        if want:
+            got = [torch.cat([p.grad.reshape(-1) for p in b.params]) for b in ex.buckets]
+            seen["errors"].append(max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)))
+        opt.step()
+        seen["bytes"].append(ex.last_report.bytes_sent)
+        seen["raw"].append(ex.last_report.bytes_uncompressed)
+        seen["digests"].append(digest(model))
+    return seen
+
+
+out = {}
+for query in QUERIES:
+    q = dict(parse_qsl(query))
+    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
+    sims = [] if sims[0] is None else sims
+    for s in sims:
+        s.bind(world)
+    model, opt, ex = fresh(query)
+    first = run(query, model, opt, ex, range(RESUME_AT), sims)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # torch's: references
+    saved["ex"] = ex.state_dict()  # the exchanger's is a snapshot already
+    rest = run(query, model, opt, ex, range(RESUME_AT, STEPS), sims)
+    shapes = [[list(p.shape) for p in b.params] for b in ex.buckets]
+    ex.close()
+    model, opt, ex = fresh(query)  # a restart: fresh objects, then the checkpoint
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    ex.load_state_dict(saved["ex"])
+    again = run(query, model, opt, ex, range(RESUME_AT, STEPS))
+    ex.close()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the borrowed group still works after every close()
+    out[query] = {"digests": first["digests"] + rest["digests"], "errors": first["errors"] + rest["errors"],
+                  "bytes": first["bytes"] + rest["bytes"], "raw": first["raw"] + rest["raw"], "resumed": again["digests"], "shapes": shapes,
+                  "group_alive": dist.is_initialized() and t.item() == world}
+dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int) -> int:
+    """Bytes one rank sends in one step: an all-reduce of S bytes counts 2(N-1)/N x S (a ring's), an all-gather
+    (N-1) x S; each bucket's presence flags (4 bytes a parameter) travel with round 0."""
+    spec = dict(p.split("=", 1) for p in query.split("&"))["compress"]
+    name, _, arg = spec.partition(",")[0].partition(":")
+    total = 0
+    for bucket in shapes:
+        numel, flags = sum(math.prod(s) for s in bucket), 4 * len(bucket)
+        allreduce = lambda size: 2 * (n - 1) * size // n
+        gather = lambda size: (n - 1) * size
+        k = max(1, math.ceil(float(arg or 1) * numel - 1e-9))
+        if name == "none":
+            total += allreduce(4 * numel + flags)
+        elif name in ("fp16", "bf16"):
+            total += gather(2 * numel + flags)
+        elif name == "topk":
+            total += gather(8 * k + flags)
+        elif name == "sign":
+            total += gather(math.ceil(numel / 8) + 4 + flags)
+        elif name == "randomk":
+            total += allreduce(4 * k + flags)
+        elif name == "powersgd":
+            rank, start_iter = int(arg), 2
+            if step < start_iter:
+                total += allreduce(4 * numel + flags)
+                continue
+            p = q = plain = 0
+            for s in bucket:
+                rows, cols = s[0], math.prod(s) // s[0]
+                r = min(rows, cols, rank)
+                if len(s) >= 2 and (rows + cols) * r * 2 < rows * cols:
+                    p, q = p + rows * r, q + cols * r
+                else:
+                    plain += math.prod(s)
+            total += allreduce(4 * (plain + p) + flags) + allreduce(4 * q)
+    return total
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n):
+    results = [r.json() for r in run_ranks(PROGRAM % (QUERIES, STEPS, RESUME_AT), n, timeout=150)]
+    for query in QUERIES:
+        mine = [res[query] for res in results]
+        for step in range(STEPS):
+            assert len({m["digests"][step] for m in mine}) == 1, f"{query}: ranks differ after step {step}"
+        for m in mine:
+            # N=2: one addition, the same in gloo as in the simulation, bit for bit; N=3: gloo's ring adds in
+            # another order than rank order, and PowerSGD's state carries the rounding difference on
+            assert max(m["errors"]) <= (0.0 if n == 2 else 1e-5), \
+                f"{query}: exchanged gradient off the simulation by {max(m['errors'])}"
+            assert m["resumed"] == m["digests"][RESUME_AT:], f"{query}: resuming at step {RESUME_AT} diverged"
+            assert m["group_alive"]
+            want = [wire_bytes(query, m["shapes"], s, n) for s in range(STEPS)]
+            assert m["bytes"] == want, f"{query}: bytes sent {m['bytes']}, closed form {want}"
+            raw = [0] * STEPS if query == "compress=none" else [wire_bytes("compress=none", m["shapes"], 0, n)] * STEPS
+            assert m["raw"] == raw, f"{query}: uncompressed equivalent {m['raw']}, closed form {raw}"
+    plain = results[0]["compress=none"]
+    assert len(plain["shapes"]) == 2  # two buckets: rounds of several buckets interleave
+    for query in QUERIES[1:]:  # every compressor sent fewer bytes than the uncompressed exchange, and changed the run
+        mine = results[0][query]
+        assert sum(mine["bytes"]) < sum(plain["bytes"]), query
+        assert mine["digests"][-1] != plain["digests"][-1], query
+
+
+def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+    from conftest import commlab_train
+    proc = commlab_train(["--exchanger", "allreduce://?compress=powersgd:0", "--workers", "2"], timeout=60)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1" in lines[0], proc.stderr
+
+
+DIFFERENT = """
+import os, torch, commlab
+from torch import nn
+spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
+ex = commlab.connect("allreduce://?timeout=20&compress=" + spec)
+try:
+    ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
+    print("no error")
+except commlab.ConfigError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_ranks_that_compress_differently_are_refused_by_name(run_ranks):
+    res = run_ranks(DIFFERENT, 2, check=False, timeout=60)
+    for r in res:  # both: rank 1, and rank 0, which reads every rank's
+        assert "REFUSED rank 1 has compress=topk:0.01&ef=1 but rank 0 has compress=fp16&ef=1: every rank must " \
+               "compress alike" in r.out, r.out + r.err
