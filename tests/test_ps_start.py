@@ -134,7 +134,7 @@ def _train(url: str, steps: range, resume: dict | None = None, stop_at: int | No
     return on_ranks(rank_main)
 
 
-@pytest.mark.parametrize("update,k", [("server", 3), pytest.param("server", 1, marks=pytest.mark.full),
+@pytest.mark.parametrize("update,k", [("server", 1), pytest.param("server", 3, marks=pytest.mark.full),
                                       pytest.param("worker", 1, marks=pytest.mark.full)])
 def test_optimizer_state_loaded_before_setup_resumes_exactly(servers, update, k):
     def url() -> str:
