@@ -82,10 +82,11 @@ START_CASES = [("sync", "worker", 1), ("async", "server", 3)] + [
 @pytest.mark.parametrize("mode,update,k", START_CASES)
 def test_every_rank_starts_from_rank0_even_when_rank0_arrives_last(servers, mode, update, k):
     url = f"{servers(k, mode)}?mode={mode}&update={update}&timeout=30&transport=tcp" + ("&piece_mb=0.00002" if k > 1 else "")
-    rank0 = snapshot(seeded_model(0))
+    models = [seeded_model(r) for r in range(N)]  # here: torch's global RNG is not the threads' to share
+    rank0 = snapshot(models[0])
 
     def rank_main(rank: int) -> dict:
-        model = seeded_model(rank)
+        model = models[rank]
         if rank == 0:
             time.sleep(LATE_S)
         with connect(url, rank) as ex:
@@ -110,8 +111,10 @@ def _train(url: str, steps: range, resume: dict | None = None, stop_at: int | No
     """N ranks of AdamW; ``resume`` (the per-rank snapshot of a run stopped earlier) is loaded before
     ``ex.setup``, as DDP scripts load a checkpoint before wrapping the model. Returns each rank's
     parameters and optimizer state at the end (and at ``stop_at``, under "stop")."""
+    models = [seeded_model(r, bn=False) for r in range(N)]  # here: torch's global RNG is not the threads' to share
+
     def rank_main(rank: int) -> dict:
-        model = seeded_model(rank, bn=False)
+        model = models[rank]
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
         if resume is not None:
             model.load_state_dict(resume[rank]["model"])
@@ -234,9 +237,11 @@ def test_models_one_after_another_and_two_at_once_each_get_a_key_space(servers, 
     base = servers(k)
     url = f"{base}?update={update}&timeout=30&transport=tcp" + ("&piece_mb=0.00002" if k > 1 else "")
 
+    built = [{name: _mlp(r, widths) for name, widths in MODELS.items()} for r in range(N)]  # (global RNG: here)
+
     def rank_main(rank: int) -> dict:
         def start(name):
-            model = _mlp(rank, MODELS[name])
+            model = built[rank][name]
             ex = connect(url, rank)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             ex.setup(model, optimizer)
