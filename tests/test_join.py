@@ -1,0 +1,78 @@
+"""Uneven inputs: ``with ex.join():`` around a loop whose ranks have different numbers of batches, compared
+rank by rank with DistributedDataParallel's ``with ddp.join():`` on the same data (tests/userloop.py's
+``uneven_main``: the BatchNorm model, SGD with momentum, two micro-steps, the first under no_sync).
+
+A rank that runs out contributes zeros to the others' exchanges (divided by the initial world size, as
+DDP does by default) and receives their buffers; when every rank is out, all hold the last joiner's
+parameters and buffers. Every rank's parameters, buffers and optimizer state are compared (a joined
+rank's optimizer state stays where its last step left it, under DDP as here).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_user_loop import assert_close, run_loop
+
+pytestmark = pytest.mark.multiproc
+
+BATCHES = {2: [10, 14], 3: [10, 12, 14]}
+PARTS = ("params", "buffers", "state")
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """``ddp(n, divide=True)``: every rank's result under DDP's join (run once per case, kept for the module)."""
+    runs: dict = {}
+
+    def get(n: int, divide: bool = True) -> list[dict]:
+        if (n, divide) not in runs:
+            out = run_loop(tmp_path_factory.mktemp("ddp"), n, ddp=True, batches=BATCHES[n], divide=divide)
+            runs[n, divide] = sorted(out, key=lambda r: r["rank"])
+        return runs[n, divide]
+
+    return get
+
+
+def assert_equals_ddp(results: list[dict], want: list[dict], what: str) -> None:
+    results = sorted(results, key=lambda r: r["rank"])
+    for got, ref in zip(results, want):
+        assert_close(got, ref, f"{what} rank {got['rank']} against DDP's", parts=PARTS)
+    last = results[-1]  # the last joiner: every rank ends with its parameters and buffers
+    for got in results:
+        assert got["params"] == last["params"] and got["buffers"] == last["buffers"], f"{what} rank {got['rank']}"
+
+
+def assert_counts(results: list[dict], batches: list[int]) -> None:
+    for res in results:
+        mine = batches[res["rank"]]
+        assert res["exchanges"] == mine and res["steps"] == mine  # a joined rank's zeros are not its exchanges
+
+
+@pytest.mark.parametrize("url,n", [("allreduce://?timeout=60", 2), ("ring://?timeout=60", 3)])
+def test_uneven_inputs_under_join_equal_ddps_join(tmp_path, ddp, url, n):
+    results = run_loop(tmp_path, n, url=url, batches=BATCHES[n])
+    assert_equals_ddp(results, ddp(n), url)
+    assert_counts(results, BATCHES[n])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("url,n", [("allreduce://?timeout=60", 3), ("ring://?timeout=60", 2),
+                                   ("ring://?transport=torch&timeout=60", 2)])
+def test_uneven_inputs_under_join_equal_ddps_join_further_cases(tmp_path, ddp, url, n):
+    results = run_loop(tmp_path, n, url=url, batches=BATCHES[n])
+    assert_equals_ddp(results, ddp(n), url)
+
+
+def test_divide_by_the_ranks_still_training_equals_ddps(tmp_path, ddp):
+    results = run_loop(tmp_path, 2, url="ring://?timeout=60", batches=BATCHES[2], divide=False)
+    assert_equals_ddp(results, ddp(2, divide=False), "divide_by_initial_world_size=False")
+
+
+def test_throw_on_early_termination_raises_on_every_rank(tmp_path):
+    """The first rank to run out raises; every other rank raises at its next exchange, before any bucket."""
+    results = sorted(run_loop(tmp_path, 2, url="allreduce://?timeout=60", batches=[2, 4], throw=True),
+                     key=lambda r: r["rank"])
+    assert results[0] == {"rank": 0, "raised": "Rank 0 exhausted all inputs.", "steps": 2}
+    assert results[1]["raised"] == "Detected at least one rank that exhausted inputs. Throwing across all ranks."
+    assert results[1]["steps"] == 2
