@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from faultkit import Procs
 from test_user_loop import assert_close, run_loop
 
 pytestmark = pytest.mark.multiproc
@@ -34,10 +35,26 @@ def ddp(tmp_path_factory):
     return get
 
 
-def assert_equals_ddp(results: list[dict], want: list[dict], what: str) -> None:
+@pytest.fixture
+def servers(tmp_path):
+    """``servers(k, mode, *args) -> "ps://a,b,..."``: K shards on loopback, killed at the end."""
+    procs = Procs(tmp_path)
+
+    def start(k: int, mode: str = "sync", *args: str) -> str:
+        return "ps://" + ",".join(procs.server("--mode", mode, "--shard", f"{i}/{k}", *args).address
+                                  for i in range(k))
+
+    yield start
+    procs.close()
+
+
+def assert_equals_ddp(results: list[dict], want: list[dict], what: str, state_of_all: bool = True) -> None:
+    """Every rank against DDP's same rank. ``state_of_all`` False (ps:// update=server, where the optimizer
+    state lives on the servers, so a joined rank reads the final one): only the last joiner's state."""
     results = sorted(results, key=lambda r: r["rank"])
     for got, ref in zip(results, want):
-        assert_close(got, ref, f"{what} rank {got['rank']} against DDP's", parts=PARTS)
+        parts = PARTS if state_of_all or got is results[-1] else ("params", "buffers")
+        assert_close(got, ref, f"{what} rank {got['rank']} against DDP's", parts=parts)
     last = results[-1]  # the last joiner: every rank ends with its parameters and buffers
     for got in results:
         assert got["params"] == last["params"] and got["buffers"] == last["buffers"], f"{what} rank {got['rank']}"
@@ -76,3 +93,44 @@ def test_throw_on_early_termination_raises_on_every_rank(tmp_path):
     assert results[0] == {"rank": 0, "raised": "Rank 0 exhausted all inputs.", "steps": 2}
     assert results[1]["raised"] == "Detected at least one rank that exhausted inputs. Throwing across all ranks."
     assert results[1]["steps"] == 2
+
+
+@pytest.mark.parametrize("update,n,k", [("worker", 2, 1), ("server", 2, 1),
+                                        pytest.param("worker", 3, 2, marks=pytest.mark.full),
+                                        pytest.param("server", 3, 2, marks=pytest.mark.full)])
+def test_ps_sync_uneven_inputs_under_join_equal_ddps_join(tmp_path, ddp, servers, update, n, k):
+    """The shards count a joined worker as zeros (divided by N) and take buffers from the highest worker still
+    training; update=worker: the last joiner's parameters reach every worker through the shards."""
+    url = f"{servers(k)}?update={update}&timeout=60" + ("&piece_mb=0.0001" if k > 1 else "")
+    results = run_loop(tmp_path, n, url=url, batches=BATCHES[n])
+    assert_equals_ddp(results, ddp(n), f"ps update={update} K={k}", state_of_all=update == "worker")
+    assert_counts(results, BATCHES[n])
+    for res in results:
+        assert res["updates"] == [max(BATCHES[n])] * k  # one per step of the longest loop, on every shard
+
+
+@pytest.mark.full
+def test_ps_divide_by_the_workers_still_training_equals_ddps(tmp_path, ddp, servers):
+    url = f"{servers(2)}?update=worker&timeout=60&piece_mb=0.0001"
+    results = run_loop(tmp_path, 2, url=url, batches=BATCHES[2], divide=False)
+    assert_equals_ddp(results, ddp(2, divide=False), "ps divide_by_initial_world_size=False")
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_workers_that_run_out_leave_the_clock(tmp_path, servers, mode):
+    """Rank 0 runs 3 steps, rank 1 ten: under ssp with bound 1 rank 1 would wait for rank 0's clock from its
+    fifth step on; joined, rank 0 is off the clock, rank 1 finishes, and the shards applied every push once.
+    Every rank ends with the shards' final parameters."""
+    batches = [3, 10]
+    results = run_loop(tmp_path, 2, url=f"{servers(1, mode, '--staleness', '1')}?timeout=30", batches=batches)
+    assert_counts(results, batches)
+    for res in results:
+        assert res["updates"] == [sum(batches)]
+    assert results[0]["params"] == results[1]["params"] and results[0]["buffers"] == results[1]["buffers"]
+
+
+def test_ps_throw_on_early_termination_raises_on_every_rank(tmp_path, servers):
+    results = sorted(run_loop(tmp_path, 2, url=f"{servers(1)}?update=worker&timeout=60", batches=[2, 4], throw=True),
+                     key=lambda r: r["rank"])
+    assert results[0] == {"rank": 0, "raised": "Rank 0 exhausted all inputs.", "steps": 2}
+    assert "rank 0 exhausted all inputs" in results[1]["raised"] and results[1]["steps"] == 2

@@ -221,6 +221,8 @@ def uneven_main(cfg: dict) -> None:
         dist.destroy_process_group()
     else:
         out.update(exchanges=ex.stats.exchanges, steps=ex.stats.steps)
+        if ex.scheme == "ps":  # every shard's update count, read once every worker has joined
+            out["updates"] = [s["updates"] for s in ex.server_stats()]
         ex.close()
     print(json.dumps(out), flush=True)
 
