@@ -699,9 +699,11 @@ class ParameterServer:
             return  # sent again after a reconnect
         # inside ex.join() every worker still training sends its buffers, and those of the highest one count
         # (DDP's); the mean is over those workers
-        active = self.active_at(t) if h.meta.get("joining") else list(range(self.world_size()))
+        joining = bool(h.meta.get("joining"))
+        active = self.active_at(t) if joining else list(range(self.world_size()))
+        source = max(active) if joining else 0
         if how == "broadcast":
-            if rank == max(active):
+            if rank == source:
                 self.buffers = {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()}
                 self.buf_round = t
         else:
@@ -712,7 +714,7 @@ class ParameterServer:
                     v = self._gather(k, parts, self.buffer_keys)
                     if v.is_floating_point():
                         acc[k] = acc[k].add_(v, alpha=1.0 / len(active)) if k in acc else v.mul_(1.0 / len(active))
-                    elif rank == max(active):
+                    elif rank == source:
                         acc[k] = v
             if ranks.issuperset(active):
                 self.buffers = acc
