@@ -396,9 +396,9 @@ class BucketedExchanger(Exchanger):
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
         if self.model is not None:
             raise ConfigError("setup() was already called on this exchanger")
-        wrapper = None
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
-            wrapper, model = model, model._orig_mod
+        wrapper, inner = None, getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):  # torch.compile's OptimizedModule
+            wrapper, model = model, inner
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ModelMismatch("the model has no trainable parameters to exchange")
@@ -784,7 +784,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
                 self._broadcast_from(src, flat, f"parameters of rank {src}, bucket {b.index}")
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
-            rest = [p for p in self.model.parameters() if not p.requires_grad]
+            rest: list[torch.Tensor] = [p for p in self.model.parameters() if not p.requires_grad]
             if buffers and self.options.buffers != "none":
                 rest += [b for _, b in self.module_buffers]
             if rest:

@@ -116,7 +116,7 @@ def test_ps_divide_by_the_workers_still_training_equals_ddps(tmp_path, ddp, serv
     assert_equals_ddp(results, ddp(2, divide=False), "ps divide_by_initial_world_size=False")
 
 
-@pytest.mark.parametrize("mode", ["async", "ssp"])
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=pytest.mark.full), "ssp"])
 def test_async_and_ssp_workers_that_run_out_leave_the_clock(tmp_path, servers, mode):
     """Rank 0 runs 3 steps, rank 1 ten: under ssp with bound 1 rank 1 would wait for rank 0's clock from its
     fifth step on; joined, rank 0 is off the clock, rank 1 finishes, and the shards applied every push once.
@@ -129,6 +129,7 @@ def test_async_and_ssp_workers_that_run_out_leave_the_clock(tmp_path, servers, m
     assert results[0]["params"] == results[1]["params"] and results[0]["buffers"] == results[1]["buffers"]
 
 
+@pytest.mark.full
 def test_ps_throw_on_early_termination_raises_on_every_rank(tmp_path, servers):
     results = sorted(run_loop(tmp_path, 2, url=f"{servers(1)}?update=worker&timeout=60", batches=[2, 4], throw=True),
                      key=lambda r: r["rank"])

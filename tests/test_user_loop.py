@@ -77,7 +77,8 @@ def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, regime, n
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("accumulate", ["flag", "flag-compiled", "flag-wrapper", "every"])
+@pytest.mark.parametrize("accumulate", ["flag", pytest.param("flag-compiled", marks=pytest.mark.full), "flag-wrapper",
+                                        "every"])
 def test_require_backward_grad_sync_false_on_the_micro_steps_is_no_sync(tmp_path, accumulate):
     """nanoGPT's accumulation: ``model.require_backward_grad_sync = (micro_step == last)`` before each forward,
     on the model given to setup, on the torch.compile wrapper given to setup (passed on to the model), or kept
