@@ -832,7 +832,6 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _shadow_exchange(self) -> None:
         if not self._shadows:
             self._shadows = [torch.zeros_like(b.buffer) for b in self.buckets]
-        rendezvous.heartbeat(self.store, self.rank, self._step)
         handles = []
         for b, zeros in zip(self.buckets, self._shadows):
             zeros.zero_()
@@ -843,6 +842,13 @@ class CollectiveExchanger(BucketedExchanger, Collective):
             h.wait(max(1e-3, deadline - time.monotonic()))
         if self.options.buffers != "none" and self.module_buffers:
             self._sync_buffers(self.options.buffers)
+        self._step += 1  # the exchange's index, as on the ranks still training (a stall report compares them)
+        rendezvous.heartbeat(self.store, self.rank, self._step)
+
+    def _wait_out_join(self, options: JoinOptions) -> None:
+        if self.world_size > 1:
+            rendezvous.heartbeat(self.store, self.rank, self._step)  # in the next exchange, with the others
+        super()._wait_out_join(options)
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got

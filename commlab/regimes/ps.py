@@ -755,13 +755,18 @@ class PSExchanger(BucketedExchanger, PlansServers):
         def final(s: _Shard) -> int:
             if s.index not in versions:
                 return 0
-            h, data = s.request("pull", -1, meta={"after_step": -1, "what": "final", "version": versions[s.index]},
-                                what="the parameters once every worker has joined")
-            if h.op == "params":
+
+            def take(h: wire.Header, data) -> int:
+                if h.op != "params":
+                    versions[s.index] = h.meta.get("version")
+                    return 0
                 del versions[s.index]
                 return s._take(h, data)
-            versions[s.index] = h.meta.get("version")
-            return 0
+
+            # through collect: a shard that holds it back past the timeout is asked whom it waits for
+            s.post("pull", -1, meta={"after_step": -1, "what": "final", "version": versions[s.index]},
+                   what="the parameters once every worker has joined", take=take)
+            return s.collect()
 
         while versions:
             self.stats.bytes_received += sum(self._on_all(final, "final parameters"))
