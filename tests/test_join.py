@@ -135,3 +135,27 @@ def test_ps_throw_on_early_termination_raises_on_every_rank(tmp_path, servers):
                      key=lambda r: r["rank"])
     assert results[0] == {"rank": 0, "raised": "Rank 0 exhausted all inputs.", "steps": 2}
     assert "rank 0 exhausted all inputs" in results[1]["raised"] and results[1]["steps"] == 2
+
+
+def test_join_needs_setup_is_not_nested_and_enable_false_does_nothing():
+    import torch
+    import commlab
+    from commlab.errors import ConfigError
+    from commlab.rendezvous import RankInfo
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ex = commlab.connect("local://", RankInfo.single())
+    with pytest.raises(ConfigError, match=r"call setup\(model, optimizer\) before join\(\)"):
+        with ex.join():
+            pass
+    ex.setup(model, opt)
+    with ex.join(enable=False):
+        assert ex._joining is None
+    with ex.join():
+        with pytest.raises(ConfigError, match=r"join\(\) inside join\(\)"):
+            with ex.join():
+                pass
+        model(torch.ones(3, 2)).sum().backward()
+        opt.step()
+    assert ex.stats.exchanges == 1 and ex.stats.steps == 1 and ex._joining is None
