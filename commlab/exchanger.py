@@ -346,7 +346,6 @@ class BucketedExchanger(Exchanger):
         self._flag_holders: list[nn.Module] = []  # where that flag is read: the model, and its compile wrapper
         self._joining: JoinOptions | None = None  # inside join()
         self._vote: Handle | None = None  # join: this exchange's tally of the ranks still training
-        self._vote_flat: torch.Tensor | None = None
         self._join_active: list[int] = []  # join: the ranks still training at this exchange
         self._begin_step_totals()
         self._reset_step_state()

@@ -113,7 +113,7 @@ class Async(Mode):
         del srv.partial[rank]
         srv.set_hyper(meta.get("hyper"))
         srv.step_optimizer(grads)
-        clocks = [srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached]
+        clocks = [srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()]
         srv.stats.clock_gap[t - min(clocks, default=t)] += 1
         srv.last_step[rank] = t
         srv.count_update([srv.version - part.base])
@@ -126,7 +126,7 @@ class SSP(Async):
 
     def _active(self) -> dict[int, int]:
         srv = self.srv
-        return {r: srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached}
+        return {r: srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()}
 
     def ready(self, rank, after, what, keys):
         if not super().ready(rank, after, what, keys):
@@ -205,9 +205,10 @@ class Sync(Mode):
         self._complete_if_in(needed)
 
     def join(self, rank, t):
-        if t != self.step or rank in self.complete or rank in self.srv.partial:
+        pushed = rank in self.complete or rank in self.srv.partial
+        if t != self.step or pushed:
             raise Refused(f"join of rank {rank} before step {t}, but {self.srv.cfg.name} is gathering step "
-                          f"{self.step}{' with its pushes' if rank in self.srv.partial or rank in self.complete else ''}")
+                          f"{self.step}" + (" with pushes of that rank" if pushed else ""))
 
     def settle(self):
         needed = self._needed()

@@ -784,6 +784,10 @@ class ParameterServer:
     def _op_stats(self, ident, h, _data):
         self._reply(ident, "ok", h.meta.get("id"), {"stats": self.stats_dict()})
 
+    def on_the_clock(self) -> list[int]:
+        """async, ssp: the ranks whose clocks count (not said bye, not joined: a reconnect's hello keeps it off)."""
+        return [r for r in range(self.world_size()) if r not in self.detached and r not in self.joined]
+
     def active_at(self, t: int) -> list[int]:
         """The ranks that push step ``t``: those that had not joined (left their loop under ex.join()) by then."""
         return [r for r in range(self.world_size()) if self.joined.get(r, (t + 1,))[0] > t]
