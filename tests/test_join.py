@@ -58,6 +58,7 @@ def assert_equals_ddp(results: list[dict], want: list[dict], what: str, state_of
     last = results[-1]  # the last joiner: every rank ends with its parameters and buffers
     for got in results:
         assert got["params"] == last["params"] and got["buffers"] == last["buffers"], f"{what} rank {got['rank']}"
+        assert state_of_all or got["state"] == last["state"], f"{what} rank {got['rank']}: not the shards' state"
 
 
 def assert_counts(results: list[dict], batches: list[int]) -> None:
