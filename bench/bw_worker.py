@@ -502,15 +502,15 @@ class Job:
             ex = commlab.connect(url, self.info)
             self.state[name] = ex
             if not isinstance(ex, Collective):
-                raise commlab.ConfigError(f"{url}: the regime has no join()/allreduce_async(), needed for method "
+                raise commlab.ConfigError(f"{url}: the regime has no meet()/allreduce_async(), needed for method "
                                           "allreduce")
             if url.startswith("allreduce://"):
-                ex.join()
+                ex.meet()
                 self.store = ex.store
             else:
-                ex.join(self._store())
+                ex.meet(self._store())
             self.devices[name] = torch.device("cpu")
-            if getattr(ex.options, "backend", "") == "nccl":  # join() picked this rank's GPU
+            if getattr(ex.options, "backend", "") == "nccl":  # meet() picked this rank's GPU
                 self.devices[name] = torch.device("cuda", torch.cuda.current_device())
         elif method == "pushpull":
             if issubclass(regime_class(ExchangerURL.parse(url).scheme), PlansServers):

@@ -62,7 +62,7 @@ def heap_faults(timeout: float = 90.0) -> dict:
 
 
 def _rank_peer_loss(a) -> int:
-    """One ring rank: join, all-reduce until the ring breaks; the victim kills itself mid-collective."""
+    """One ring rank: meet, all-reduce until the ring breaks; the victim kills itself mid-collective."""
     import torch
 
     import commlab
@@ -71,7 +71,7 @@ def _rank_peer_loss(a) -> int:
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ex = commlab.connect(f"ring://?transport=tcp&timeout={a.timeout:g}&chunk_mb=1")
-    ex.join()
+    ex.meet()
     x = torch.ones(4 * 2**20)
     for _ in range(3):
         ex.allreduce_async(x.fill_(1.0)).wait(a.timeout)

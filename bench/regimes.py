@@ -3,7 +3,7 @@
 A bandwidth entry names the regime's URL and how one exchange of a flat tensor
 is driven (``method``):
 
-- ``allreduce``: ``ex.join()`` once, then ``ex.allreduce_async(t).wait()`` (all-reduce regimes:
+- ``allreduce``: ``ex.meet()`` once, then ``ex.allreduce_async(t).wait()`` (all-reduce regimes:
   ``allreduce://``, ``ring://``); each rank ends with the sum.
 - ``pushpull``: ``ex.setup(model with one flat parameter)``, then ``ex.push_pull_async(g).wait()``
   (``ps://``); each worker pushes its tensor and pulls the updated parameter.

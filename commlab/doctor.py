@@ -241,7 +241,7 @@ def _probe_worker(numel: int, timeout: float) -> int:
     info = rendezvous.from_env()
     ex = AllReduceExchanger(AllReduceOptions(timeout=timeout, backend="nccl"), info)
     try:
-        ex.join()
+        ex.meet()
         t = torch.full((numel,), float(info.rank + 1), device=torch.device("cuda", torch.cuda.current_device()))
         ex.allreduce_async(t, "doctor's NCCL probe").wait(timeout)
         expected = info.world_size * (info.world_size + 1) / 2

@@ -65,7 +65,7 @@ from torch import nn
 
 from commlab.config import CommonOptions
 from commlab.errors import ConfigError, ModelMismatch
-from commlab.handles import CallHandle, Handle
+from commlab.handles import CallHandle, GroupHandle, Handle
 from commlab.manifest import describe_optimizer
 from commlab.optim import OptimizerSpec
 from commlab import compress, rendezvous
@@ -87,18 +87,30 @@ class ExchangeStats:
 
 @dataclass(frozen=True)
 class StepReport:
-    step: int  # index of the exchange this report is about
-    wait_s: float  # time the end of backward (and a remote update) blocked: communication backward did not hide
-    bytes_sent: int  # by this worker in this step
+    step: int  # index of the (last) exchange this report is about
+    wait_s: float  # time the ends of backward (and a remote update) blocked: communication backward did not hide
+    bytes_sent: int  # by this worker in this step, over every exchange of the step
     bytes_received: int
     bytes_uncompressed: int = 0  # under compress=: what this step would have sent uncompressed (else 0)
+    exchanges: int = 1  # exchanges in this step (more than one: backward passes exchanged between two steps)
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """``Exchanger.join``'s options, DDP's: see :meth:`BucketedExchanger.join`."""
+
+    divide_by_initial_world_size: bool = True
+    throw_on_early_termination: bool = False
+
+
+SYNC_FLAG = "require_backward_grad_sync"  # DDP's attribute; a False read at forward time means no_sync()
 
 
 class Collective(abc.ABC):
     """Ability: sum flat tensors over every rank, without a model (benchmarks, probes, buffers)."""
 
     @abc.abstractmethod
-    def join(self) -> None:
+    def meet(self) -> None:
         """Meet the peers. Collective; idempotent; ``setup`` calls it."""
 
     @abc.abstractmethod
@@ -181,7 +193,21 @@ class Exchanger:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside this block exchange nothing; gradients add up
-        (in autograd's own tensors) until a backward outside it, which exchanges the sum."""
+        (in autograd's own tensors) until a backward outside it, which exchanges the sum. Setting
+        ``model.require_backward_grad_sync = False`` (on the model given to setup, or on its
+        ``torch.compile`` wrapper) before a forward does the same for the backward of that forward, as
+        under DDP."""
+        yield
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        """Uneven inputs, as DDP's ``join()``: wrap the training loop; a rank whose loop ends before the
+        others' contributes zeros to each of their exchanges (gradients scaled by 1/N, or by 1/(ranks still
+        training) with ``divide_by_initial_world_size=False``) and receives their buffers; once every rank
+        has left its loop, every rank holds the parameters and buffers of the last rank to leave (the
+        highest such rank). ``throw_on_early_termination``: the first rank to run out raises instead, and
+        so does every other rank at its next exchange. Collective: every rank wraps its loop."""
         yield
 
     def state_dict(self) -> dict:
@@ -282,6 +308,12 @@ def _graph_task_id() -> int:
     return get() if get is not None else 0
 
 
+def _eager(hook):
+    """``hook`` run as Python even when the module it is on is called from compiled code."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(hook) if disable is not None else hook
+
+
 def _in_nested_backward() -> bool:
     """True inside a backward started by a node of another backward (reentrant checkpoint)."""
     get = getattr(torch._C, "_current_autograd_node", None)
@@ -314,6 +346,12 @@ class BucketedExchanger(Exchanger):
         self._open_step: Handle | None = None
         self.last_report: StepReport | None = None
         self.compressor = compress.from_options(options, rank.world_size)  # None unless compress= (commlab.compress)
+        self._fwd_sync = True  # require_backward_grad_sync as the last forward (with grad enabled) read it
+        self._flag_holders: list[nn.Module] = []  # where that flag is read: the model, and its compile wrapper
+        self._joining: JoinOptions | None = None  # inside join()
+        self._vote: Handle | None = None  # join: this exchange's tally of the ranks still training
+        self._join_active: list[int] = []  # join: the ranks still training at this exchange
+        self._begin_step_totals()
         self._reset_step_state()
 
     # ----- primitives a regime supplies -------------------------------------------------
@@ -340,10 +378,30 @@ class BucketedExchanger(Exchanger):
         """For a regime that updates on servers: what ``optimizer.step()`` becomes."""
         raise NotImplementedError
 
+    # join() by a vote at each exchange (the all-reduce regimes); a regime whose servers count joined
+    # workers overrides :meth:`_wait_out_join` instead
+    joins_by_vote: ClassVar[bool] = False
+
+    def _join_vote(self, flat: torch.Tensor) -> Handle:
+        """Sum ``flat`` (one slot per rank, then a terminate flag) over every rank. Collective."""
+        raise NotImplementedError
+
+    def _shadow_exchange(self) -> None:
+        """A joined rank's part in one exchange of the ranks still training (:attr:`_join_active`): zeros
+        for every bucket, then the buffers of :meth:`_buffer_source`. Collective."""
+        raise NotImplementedError
+
+    def _take_model_from(self, src: int) -> None:
+        """Every rank takes rank ``src``'s parameters (trainable or not) and buffers. Collective."""
+        raise NotImplementedError
+
     # ----- the contract ------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
         if self.model is not None:
             raise ConfigError("setup() was already called on this exchanger")
+        wrapper, inner = None, getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):  # torch.compile's OptimizedModule
+            wrapper, model = model, inner
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ModelMismatch("the model has no trainable parameters to exchange")
@@ -365,11 +423,18 @@ class BucketedExchanger(Exchanger):
                 self._where[id(p)] = (b.index, i)
                 p.grad = None
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        # require_backward_grad_sync, read where DDP reads it: at the forward. A flag set on torch.compile's
+        # wrapper stays there in some torch versions, so the wrapper is read too and the hook goes on it
+        # (its own call runs outside the compiled code); on a bare model the hook is kept out of a graph.
+        self._flag_holders = [m for m in (wrapper, model) if m is not None]
+        read = self._read_sync_flag if wrapper is not None else _eager(self._read_sync_flag)
+        self._hooks.append((wrapper if wrapper is not None else model).register_forward_pre_hook(read))
         self._reset_step_state()
         self._connect(model, optimizer)
         if self.options.buffers != "none" and self.module_buffers:
             self._sync_buffers("broadcast")  # every rank starts from rank 0's buffers, as under DDP
         self._reset_step_state()  # what setup moved is not the first step's
+        self._begin_step_totals()
         if self.updates_remotely:
             self._take_over_step(optimizer)
         else:
@@ -390,6 +455,74 @@ class BucketedExchanger(Exchanger):
             yield
         finally:
             self._sync = previous
+
+    def _read_sync_flag(self, module, args) -> None:
+        """Forward pre-hook: DDP's ``require_backward_grad_sync``, read at the forward whose backward it governs."""
+        if torch.is_grad_enabled():
+            self._fwd_sync = all(bool(getattr(m, SYNC_FLAG, True)) for m in self._flag_holders)
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Iterator[None]:
+        if self.model is None:
+            raise ConfigError("call setup(model, optimizer) before join()")
+        if not enable:
+            yield
+            return
+        if self._joining is not None:
+            raise ConfigError("join() inside join() on the same exchanger")
+        options = JoinOptions(bool(divide_by_initial_world_size), bool(throw_on_early_termination))
+        self._joining = options
+        try:
+            yield  # an error in the loop propagates as it is, as under DDP: nothing is shadowed then
+            self._wait_out_join(options)
+        finally:
+            self._joining = None
+            self._join_active = []
+            self._reset_step_state()
+
+    def _wait_out_join(self, options: JoinOptions) -> None:
+        """This rank's loop is over: take part in the others' exchanges until every rank's is, then take the
+        last joiner's model (DDP's join: the highest rank among those that left their loop last)."""
+        if not self.joins_by_vote or self.world_size == 1:
+            return
+        last = True
+        while True:
+            active, _ = self._tally(self._join_vote(self._ballot(False, options.throw_on_early_termination)))
+            if not active:
+                break
+            if options.throw_on_early_termination:
+                raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+            last = False
+            self._join_active = active
+            self._shadow_exchange()
+        candidates, _ = self._tally(self._join_vote(self._ballot(last, False)))
+        self._take_model_from(max(candidates))
+
+    def _ballot(self, active: bool, terminate: bool) -> torch.Tensor:
+        flat = torch.zeros(self.world_size + 1, device=self.buckets[0].buffer.device)
+        flat[self.rank] = float(active)
+        flat[-1] = float(terminate)
+        return flat
+
+    def _tally(self, handle: Handle) -> tuple[list[int], bool]:
+        """(ranks that voted, whether any asked to terminate) from a finished :meth:`_join_vote`."""
+        flat = handle.wait(self.options.timeout)
+        counts = flat.tolist()
+        return [r for r, c in enumerate(counts[:-1]) if c > 0.5], counts[-1] > 0.5
+
+    def _count_active(self) -> None:
+        """Inside join(), on a rank still training: read this exchange's vote (started with its first bucket)."""
+        if self._vote is None or self._join_active:
+            return
+        active, terminate = self._tally(self._vote)
+        if terminate:
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        self._join_active = active
+
+    def _buffer_source(self) -> int:
+        """The rank whose buffers every rank takes: 0, or inside join() the highest rank still training (DDP's)."""
+        return max(self._join_active) if self._join_active else 0
 
     def step_async(self) -> Handle:
         if self.model is None or self.optimizer is None:
@@ -438,8 +571,7 @@ class BucketedExchanger(Exchanger):
         self._phase = "collecting"  # -> "exchanged" once _finalize ran, until the optimizer stepped
         self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since the last exchange
         self._queued: set[int] = set()  # backward (graph task) ids with an end-of-backward callback queued
-        self._sent0, self._recv0 = self.stats.bytes_sent, self.stats.bytes_received
-        self._raw0 = self.stats.bytes_uncompressed
+        self._vote, self._join_active = None, []
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
@@ -447,11 +579,20 @@ class BucketedExchanger(Exchanger):
             b.pending = len(b.params)
             b.moved = [False] * len(b.params)
 
+    def _begin_step_totals(self) -> None:
+        """A new optimizer step begins: its report counts every exchange from here."""
+        self._step_sent0, self._step_recv0 = self.stats.bytes_sent, self.stats.bytes_received
+        self._step_raw0 = self.stats.bytes_uncompressed
+        self._step_wait, self._step_exchanges = 0.0, 0
+
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._phase == "exchanged":  # a backward after an exchange no step consumed: a new exchange
+            bi, slot = self._where[id(param)]
+            if param.grad is None or param.grad.data_ptr() != self.buckets[bi].view(slot).data_ptr():
+                self._begin_step_totals()  # zero_grad ran: a new step (the last one's step was skipped)
             self._reset_step_state()
         self._got.add(id(param))
-        if not self._sync:
+        if not (self._sync and self._fwd_sync):
             return
         task = _graph_task_id()
         if task not in self._queued:
@@ -471,7 +612,7 @@ class BucketedExchanger(Exchanger):
 
     def _on_backward_end(self) -> None:
         """autograd's final callback of a backward that reached at least one parameter."""
-        if self._phase != "collecting" or not self._sync:
+        if self._phase != "collecting" or not (self._sync and self._fwd_sync):
             return
         if all(self._ready) or not _in_nested_backward():
             self._finalize(self.options.timeout)
@@ -487,15 +628,18 @@ class BucketedExchanger(Exchanger):
         deadline = time.monotonic() + timeout
         for h in self._handles:
             h.wait(max(1e-3, deadline - time.monotonic()))
+        self._count_active()
         self._finish()
         if self.options.buffers != "none" and self.module_buffers:
             self._sync_buffers(self.options.buffers)
         waited = time.perf_counter() - started
         self.stats.wait_s += waited
         self.stats.exchanges += 1
-        self.last_report = StepReport(self._step, waited, self.stats.bytes_sent - self._sent0,
-                                      self.stats.bytes_received - self._recv0,
-                                      self.stats.bytes_uncompressed - self._raw0)
+        self._step_wait += waited
+        self._step_exchanges += 1
+        self.last_report = StepReport(self._step, self._step_wait, self.stats.bytes_sent - self._step_sent0,
+                                      self.stats.bytes_received - self._step_recv0,
+                                      self.stats.bytes_uncompressed - self._step_raw0, self._step_exchanges)
         self._step += 1
         self._phase = "exchanged"
 
@@ -507,6 +651,7 @@ class BucketedExchanger(Exchanger):
     def _after_step(self) -> None:
         self.stats.steps += 1
         self._reset_step_state()
+        self._begin_step_totals()
 
     def _take_over_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` becomes the regime's remote update (an instance attribute, so the class,
@@ -523,8 +668,9 @@ class BucketedExchanger(Exchanger):
             self.stats.wait_s += waited
             if self.last_report is not None:
                 r = self.last_report
-                self.last_report = StepReport(r.step, r.wait_s + waited, self.stats.bytes_sent - self._sent0,
-                                              self.stats.bytes_received - self._recv0, r.bytes_uncompressed)
+                self.last_report = StepReport(r.step, r.wait_s + waited, self.stats.bytes_sent - self._step_sent0,
+                                              self.stats.bytes_received - self._step_recv0, r.bytes_uncompressed,
+                                              r.exchanges)
             self._after_step()
 
         # A bound method, as the class's step is: an LR scheduler made after setup wraps ``step.__func__``
@@ -532,6 +678,11 @@ class BucketedExchanger(Exchanger):
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     def _launch_until(self, stop: int) -> None:
+        if self._joining is not None and self.joins_by_vote and self._vote is None and self._next < stop:
+            # join: the ranks still training say so before the first bucket, every joined rank answers zero
+            self._vote = self._join_vote(self._ballot(True, False))
+            if self._joining.throw_on_early_termination:
+                self._count_active()  # before any bucket: a rank that ran out makes every rank raise here
         while self._next < stop:
             bucket = self.buckets[self._next]
             self._prepare(bucket)
@@ -613,55 +764,66 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     gradients enter their bucket scaled by 1/N, so the sums are the averages, and the user's
     own optimizer steps on them.
 
-    A subclass supplies ``_connect`` (which must call :meth:`join`, which sets ``self.store``, then
-    :meth:`_agree_and_equalise`), ``join`` and ``allreduce_async``.
+    A subclass supplies ``_connect`` (which must call :meth:`meet`, which sets ``self.store``, then
+    :meth:`_agree_and_equalise`), ``meet`` and ``allreduce_async``.
     """
 
     store: Any = None
+    joins_by_vote = True
 
     def __init__(self, options, rank: RankInfo):
         super().__init__(options, rank)
         self.grad_scale = 1.0 / rank.world_size  # the all-reduce's sum of scaled grads is their average
+        self._shadows: list[torch.Tensor] = []  # join: a joined rank's zeros, one per bucket
 
     def _agree_and_equalise(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every rank checks its model and optimizer against rank 0's (through the store), then takes
-        rank 0's parameters, trainable or not, by one all-reduce per bucket to which the other ranks
-        contribute zeros (x + 0 is exact)."""
+        rank 0's parameters, trainable or not."""
         from commlab.peers import agree_on_model
         agree_on_model(self.store, self.rank_info, model, self.options.timeout, optimizer)
+        self._take_model_from(0, buffers=False)  # the buffers: setup's first _sync_buffers
+
+    def _take_model_from(self, src: int, buffers: bool = True) -> None:
+        """Rank ``src``'s parameters, by one all-reduce per bucket to which the other ranks contribute zeros
+        (x + 0 is exact), then its frozen parameters and (``buffers``) buffers in one more."""
+        assert self.model is not None
         with torch.no_grad():
             for b in self.buckets:
                 flat = torch.cat([p.detach().reshape(-1) for p in b.params])
-                self._broadcast_from_0(flat, f"initial parameters of bucket {b.index}")
+                self._broadcast_from(src, flat, f"parameters of rank {src}, bucket {b.index}")
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
-            frozen = [p for p in model.parameters() if not p.requires_grad]
-            if frozen:
-                self._equalise(frozen, "broadcast", "frozen parameters")
+            rest: list[torch.Tensor] = [p for p in self.model.parameters() if not p.requires_grad]
+            if buffers and self.options.buffers != "none":
+                rest += [b for _, b in self.module_buffers]
+            if rest:
+                self._equalise(rest, "broadcast", f"frozen parameters and buffers of rank {src}", src)
 
-    def _broadcast_from_0(self, flat: torch.Tensor, what: str) -> None:
-        if self.rank != 0:
+    def _broadcast_from(self, src: int, flat: torch.Tensor, what: str) -> None:
+        if self.rank != src:
             flat.zero_()
         self.allreduce_async(flat, what).wait(self.options.timeout)
 
-    def _equalise(self, tensors: Sequence[torch.Tensor], mode: str, what: str) -> None:
+    def _equalise(self, tensors: Sequence[torch.Tensor], mode: str, what: str, src: int = 0) -> None:
         """One all-reduce of a float64 copy of ``tensors`` (exact for float32 values and for integers
-        below 2**53): ``broadcast`` takes rank 0's values, ``average`` the mean of floating ones (integer
-        tensors, such as BatchNorm's step counter, are broadcast: an average would not be an integer)."""
+        below 2**53): ``broadcast`` takes rank ``src``'s values, ``average`` the mean of floating ones over
+        the ranks still training (integer tensors, such as BatchNorm's step counter, are ``src``'s: an
+        average would not be an integer)."""
         device = tensors[0].device
         flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in tensors])
         if mode == "average":
+            voters = self._join_active or range(self.world_size)
             offset = 0
             for t in tensors:
                 part = flat[offset:offset + t.numel()]
-                if t.is_floating_point():
-                    part.mul_(1.0 / self.world_size)
-                elif self.rank != 0:
+                if t.is_floating_point() and self.rank in voters:
+                    part.mul_(1.0 / len(voters))
+                elif self.rank != src:
                     part.zero_()
                 offset += t.numel()
             self.allreduce_async(flat, what).wait(self.options.timeout)
         else:
-            self._broadcast_from_0(flat, what)
+            self._broadcast_from(src, flat, what)
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -669,7 +831,33 @@ class CollectiveExchanger(BucketedExchanger, Collective):
                 offset += t.numel()
 
     def _sync_buffers(self, mode: str) -> None:
-        self._equalise([b for _, b in self.module_buffers], mode, f"buffers ({mode}) after step {self._step}")
+        self._equalise([b for _, b in self.module_buffers], mode, f"buffers ({mode}) after step {self._step}",
+                       self._buffer_source())
+
+    def _join_vote(self, flat: torch.Tensor) -> Handle:
+        what = f"join tally of rank {self.rank} at step {self._step}"
+        return GroupHandle([self.allreduce_async(flat, what)], what, then=lambda _: flat)
+
+    def _shadow_exchange(self) -> None:
+        if not self._shadows:
+            self._shadows = [torch.zeros_like(b.buffer) for b in self.buckets]
+        handles = []
+        for b, zeros in zip(self.buckets, self._shadows):
+            zeros.zero_()
+            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined rank {self.rank} for "
+                                                       f"bucket {b.index}"))
+        deadline = time.monotonic() + self.options.timeout
+        for h in handles:
+            h.wait(max(1e-3, deadline - time.monotonic()))
+        if self.options.buffers != "none" and self.module_buffers:
+            self._sync_buffers(self.options.buffers)
+        self._step += 1  # the exchange's index, as on the ranks still training (a stall report compares them)
+        rendezvous.heartbeat(self.store, self.rank, self._step)
+
+    def _wait_out_join(self, options: JoinOptions) -> None:
+        if self.world_size > 1:
+            rendezvous.heartbeat(self.store, self.rank, self._step)  # in the next exchange, with the others
+        super()._wait_out_join(options)
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got
@@ -687,4 +875,8 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         return self.allreduce_async(bucket.buffer, what)
 
     def _finish(self) -> None:
+        active = len(self._join_active)
+        if active and active < self.world_size and self._joining and not self._joining.divide_by_initial_world_size:
+            for b in self.buckets:  # the sum over the ranks still training of grad / N: their mean instead
+                b.grads.mul_(self.world_size / active)
         self._drop_absent_grads()

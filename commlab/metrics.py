@@ -8,9 +8,10 @@ Each object has ``step`` (0-based index of the optimizer step it describes) and 
     loss            training loss of that step (float)
     test_acc        accuracy on held-out data, in [0, 1]
     test_loss       loss on held-out data
-    bytes_sent      bytes this rank sent in that step's exchange
+    bytes_sent      bytes this rank sent in that step's exchanges
     bytes_received  bytes it received
     bytes_uncompressed  under compress=: what that step would have sent uncompressed
+    exchanges       how many exchanges the step made (more than one: micro-steps exchanged separately)
     time_s          seconds since training began, when the step ended
     step_s          seconds the step took
     comm_s          seconds of it spent waiting on the exchange (exposed communication)
@@ -49,7 +50,8 @@ def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, r
     metrics file.
 
     ``exchange``, a :class:`commlab.StepReport` (``ex.step()``'s result, or ``ex.last_report``
-    after ``optimizer.step()``), adds its ``bytes_sent``, ``bytes_received`` and its ``wait_s`` as ``comm_s``.
+    after ``optimizer.step()``), adds its ``bytes_sent``, ``bytes_received``, ``exchanges`` and its ``wait_s``
+    as ``comm_s``.
 
     ``path`` defaults to ``$COMMLAB_METRICS``; with neither, nothing is written and ``None`` is
     returned. ``rank`` defaults to the launcher's environment (``RANK`` and its Slurm / Open MPI
@@ -65,7 +67,7 @@ def report(step: int, *, exchange=None, path: str | os.PathLike | None = None, r
     record = {"step": int(step), "rank": rank, "unix_s": time.time()}
     if exchange is not None:
         record.update(bytes_sent=exchange.bytes_sent, bytes_received=exchange.bytes_received,
-                      comm_s=exchange.wait_s)
+                      comm_s=exchange.wait_s, exchanges=exchange.exchanges)
         if exchange.bytes_uncompressed:
             record.update(bytes_uncompressed=exchange.bytes_uncompressed)
     record.update(fields)
@@ -116,6 +118,9 @@ def summary(record: dict | None, wall_s: float) -> str:
         moved = human_bytes(sent) + " sent"
         if isinstance(received, (int, float)):
             moved += f", {human_bytes(received)} received"
+        exchanges = record.get("exchanges")
+        if isinstance(exchanges, int) and exchanges > 1:
+            moved += f" in {exchanges} exchanges"
         raw = record.get("bytes_uncompressed")
         ratio = f" ({sent / raw:.3g}x of uncompressed)" if isinstance(raw, (int, float)) and raw > 0 else ""
         parts.append(moved + " per step by rank 0" + ratio)

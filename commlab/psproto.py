@@ -33,6 +33,12 @@ on the client as :class:`~commlab.errors.RemoteError`)::
       state                                 <-  params [key/name: optimizer state] {shapes, scalars}
       load  [key or key/name frames] {shapes, scalars}  ->  parameters / optimizer state replaced
       stats                                 <-  ok {updates, bytes_in, bytes_out, queue, staleness}
+      --- ex.join(): a worker whose loop ended before step t ---
+      join  step=t {divide} [update=worker: its pieces]  ->  it pushes no more (sync: zeros from step t on;
+                                            async, ssp: off the clock); buffers then come from the highest
+                                            rank still training (every such worker sends them, {joining})
+      pull  {what: final, version}          <-  params once every worker joined (update=worker: the last
+                                            joiner's), else ok {final: false} once the version moved on
       bye                                   ->  the rank stops counting for ssp's slowest worker; the
                                                 last rank's frees the key space
 
@@ -62,7 +68,8 @@ import math
 from dataclasses import dataclass
 
 MODES = ("sync", "async", "ssp")
-REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "bye"})
+REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
+                      "bye"})
 REPLIES = frozenset({"ok", "params", "error"})
 
 

@@ -70,6 +70,12 @@ class Mode:
     def commit(self, rank: int, t: int, meta: dict) -> dict:
         raise Refused(f"mode {self.name} takes no commit: each push is applied as it completes")
 
+    def join(self, rank: int, t: int) -> None:
+        """``rank`` left its loop (ex.join()) before step ``t``; the server records it after this returns."""
+
+    def settle(self) -> None:
+        """A worker joined: whatever waited only for it may go on."""
+
     def waiting_for(self) -> list[int]:
         return []
 
@@ -107,7 +113,7 @@ class Async(Mode):
         del srv.partial[rank]
         srv.set_hyper(meta.get("hyper"))
         srv.step_optimizer(grads)
-        clocks = [srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached]
+        clocks = [srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()]
         srv.stats.clock_gap[t - min(clocks, default=t)] += 1
         srv.last_step[rank] = t
         srv.count_update([srv.version - part.base])
@@ -120,7 +126,7 @@ class SSP(Async):
 
     def _active(self) -> dict[int, int]:
         srv = self.srv
-        return {r: srv.last_step.get(r, -1) + 1 for r in range(srv.world_size()) if r not in srv.detached}
+        return {r: srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()}
 
     def ready(self, rank, after, what, keys):
         if not super().ready(rank, after, what, keys):
@@ -172,9 +178,13 @@ class Sync(Mode):
     def latest_pull(self, rank):
         return self.step
 
+    def _needed(self) -> int:
+        """Workers whose pieces make up a step: those that have not joined (a joined one counts as zeros)."""
+        return self.srv.world - len(self.srv.joined)
+
     def fold(self, rank, t, part, frames, absent, meta):
         srv = self.srv
-        scale = 1.0 / srv.world_size()
+        scale, needed = 1.0 / srv.world_size(), self._needed()
         for key in [*frames, *absent]:
             if key in frames:
                 buf = self.sums.get(key)
@@ -186,14 +196,40 @@ class Sync(Mode):
                     torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
                 self.present[key] += 1
             self.contributed[key] += 1
-            if self.contributed[key] == srv.world:
-                self.summed.add(key)
+            self._sum_if_in(key, needed)
         part.seen |= set(frames)
         part.absent |= set(absent)
         if len(part.seen) + len(part.absent) == len(srv.pieces):
             del srv.partial[rank]
             self.complete.add(rank)
-        if len(self.complete) == srv.world:
+        self._complete_if_in(needed)
+
+    def join(self, rank, t):
+        pushed = rank in self.complete or rank in self.srv.partial
+        if t != self.step or pushed:
+            raise Refused(f"join of rank {rank} before step {t}, but {self.srv.cfg.name} is gathering step "
+                          f"{self.step}" + (" with pushes of that rank" if pushed else ""))
+
+    def settle(self):
+        needed = self._needed()
+        for key in list(self.contributed):
+            self._sum_if_in(key, needed)
+        self._complete_if_in(needed)
+
+    def _sum_if_in(self, key: str, needed: int) -> None:
+        """Every worker still training has sent ``key`` (or said it is absent): its average is ready. Divided
+        by N; by the workers still training instead when the joined ones asked for that (DDP's option)."""
+        if self.contributed[key] < needed or key in self.summed:
+            return
+        self.summed.add(key)
+        srv = self.srv
+        if needed < srv.world and key in self.sums and not all(divide for _, divide in srv.joined.values()):
+            self.sums[key].mul_(srv.world / needed)
+
+    def _complete_if_in(self, needed: int) -> None:
+        """Every worker still training completed the step: done (update=worker) or gathered (update=server)."""
+        srv = self.srv
+        if needed and len(self.complete) == needed and not self.gathered:
             if srv.update == "worker":
                 self.last_sums = self.sums
                 self.last_absent = [k for k in srv.pieces if self.present[k] == 0]
@@ -226,7 +262,7 @@ class Sync(Mode):
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
             raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
         self.commits[rank] = (float(factor), hyper)
-        if len(self.commits) < srv.world:
+        if len(self.commits) < self._needed():
             return {}
         factors = [f for f, _ in self.commits.values()]
         factor = factors[0] if len(set(factors)) == 1 else math.fsum(factors) / len(factors)
@@ -264,8 +300,8 @@ class Sync(Mode):
     def waiting_for(self):
         srv = self.srv
         if self.gathered:
-            return [r for r in range(srv.world) if r not in self.commits]
-        return [r for r in range(srv.world) if r not in self.complete]
+            return [r for r in range(srv.world) if r not in self.commits and r not in srv.joined]
+        return [r for r in range(srv.world) if r not in self.complete and r not in srv.joined]
 
     def state(self):
         return {"sync_step": self.step, "last_sums": {k: v.clone() for k, v in self.last_sums.items()},

@@ -170,6 +170,9 @@ class ParameterServer:
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.senders: dict[str, int] = {}  # wire sender -> rank
         self.detached: set[int] = set()
+        self.gone: set[int] = set()  # ranks that said bye (closed their exchanger)
+        self.joined: dict[int, tuple[int, bool]] = {}  # rank -> (first step it did not push, divide by N): ex.join()
+        self.terminated: int | None = None  # the rank that joined with throw_on_early_termination: pushes refused
         self.partial: dict[int, Partial] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
@@ -328,6 +331,7 @@ class ParameterServer:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
         self.senders[h.sender] = rank
         self.detached.discard(rank)
+        self.gone.discard(rank)
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
         reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
                  "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
@@ -436,6 +440,8 @@ class ParameterServer:
             raise Refused(f"push from {h.sender} before any worker initialised {self.cfg.name}")
         t = h.step
         self.stats.pushes += 1
+        if self.terminated is not None:
+            raise Refused(f"rank {self.terminated} exhausted all inputs (join with throw_on_early_termination)")
         if t <= self.last_step[rank]:  # sent again after a reconnect: applied once already
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
@@ -549,7 +555,7 @@ class ParameterServer:
         return frames
 
     # ----- pulls -----------------------------------------------------------------------------
-    PULLS = ("params", "sum", "report", "buffers")
+    PULLS = ("params", "sum", "report", "buffers", "final")
 
     def _op_pull(self, ident, h, _data):
         rank = self._rank_of(h)
@@ -595,6 +601,8 @@ class ParameterServer:
         if h.meta.get("start") is True and not self.started:
             return False
         rank, after, what = self.senders[h.sender], h.meta["after_step"], h.meta.get("what", "params")
+        if what == "final":  # a joined worker: every worker has joined, or the model moved on since it asked
+            return len(self.joined) == self.world_size() or self.version != h.meta.get("version")
         if after < 0:
             return True
         if what == "buffers":
@@ -638,6 +646,9 @@ class ParameterServer:
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
             self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, tracked=False)
             return
+        if what == "final" and len(self.joined) < self.world_size():
+            self._reply(ident, "ok", rid, {"version": self.version, "final": False}, step=h.step)
+            return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
         self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, link=link)
@@ -655,8 +666,13 @@ class ParameterServer:
         self._reply(ident, "ok", h.meta.get("id"), step=t)
         if t <= self.buf_round:
             return  # sent again after a reconnect
+        # inside ex.join() every worker still training sends its buffers, and those of the highest one count
+        # (DDP's); the mean is over those workers
+        joining = bool(h.meta.get("joining"))
+        active = self.active_at(t) if joining else list(range(self.world_size()))
+        source = max(active) if joining else 0
         if how == "broadcast":
-            if rank == 0:
+            if rank == source:
                 self.buffers = {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()}
                 self.buf_round = t
         else:
@@ -666,10 +682,10 @@ class ParameterServer:
                 for k, parts in frames.items():
                     v = self._gather(k, parts, self.buffer_keys)
                     if v.is_floating_point():
-                        acc[k] = acc[k].add_(v, alpha=1.0 / self.world) if k in acc else v.mul_(1.0 / self.world)
-                    elif rank == 0:
+                        acc[k] = acc[k].add_(v, alpha=1.0 / len(active)) if k in acc else v.mul_(1.0 / len(active))
+                    elif rank == source:
                         acc[k] = v
-            if len(ranks) == self.world:
+            if ranks.issuperset(active):
                 self.buffers = acc
                 self.buf_round = t
                 del self.buf_acc[t]
@@ -734,9 +750,42 @@ class ParameterServer:
             self.optimizer.state[self.params[key]].update(values)
         self._reply(ident, "ok", h.meta.get("id"))
 
+    def on_the_clock(self) -> list[int]:
+        """async, ssp: the ranks whose clocks count (not said bye, not joined: a reconnect's hello keeps it off)."""
+        return [r for r in range(self.world_size()) if r not in self.detached and r not in self.joined]
+
+    def active_at(self, t: int) -> list[int]:
+        """The ranks that push step ``t``: those that had not joined (left their loop under ex.join()) by then."""
+        return [r for r in range(self.world_size()) if self.joined.get(r, (t + 1,))[0] > t]
+
+    def _op_join(self, ident, h, data):
+        """ex.join(): the worker's loop ended before step ``h.step``. It pushes no more: sync counts it as
+        zeros from that step on, async and ssp stop waiting for its clock. update=worker: the parameters it
+        sends are every worker's at the end when it is the last to join (the highest rank among the last)."""
+        rank = self._rank_of(h)
+        t = h.step
+        if rank in self.joined:
+            self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
+            return
+        frames = self._check_frames(h, data, require_all=True) if data else {}
+        self.mode.join(rank, t)  # may refuse (sync: a step other than the one gathered)
+        self.joined[rank] = (t, bool(h.meta.get("divide", True)))
+        self.detached.add(rank)
+        training = self.world_size() - len(self.joined)
+        if h.meta.get("throw") and training and self.terminated is None:
+            self.terminated = rank
+        if frames and (t, rank) == max((s, r) for r, (s, _) in self.joined.items()):
+            for key, parts in frames.items():
+                self._writable(key)
+                self.params[key].copy_(self._gather(key, parts, self.pieces))
+        self._reply(ident, "ok", h.meta.get("id"), {"training": training}, step=t)
+        self.mode.settle()
+        self._serve_waiting()
+
     def _op_bye(self, ident, h, _data):
         rank = self._rank_of(h)
         self.detached.add(rank)
+        self.gone.add(rank)
         self._reply(ident, "ok", h.meta.get("id"))
         self._drop_link(ident)
         self._serve_waiting()  # ssp: the slowest worker may just have left
@@ -744,7 +793,7 @@ class ParameterServer:
     @property
     def closed(self) -> bool:
         """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
-        return self.world is not None and self.detached >= set(range(self.world))
+        return self.world is not None and self.gone >= set(range(self.world))
 
     # ----- durability ------------------------------------------------------------------------
     def _checkpoint_name(self) -> str:

@@ -38,7 +38,7 @@ def main() -> int:
     n = a.workers
     wrong = 0
     with commlab.connect(a.url, info) as ex:
-        ex.join()
+        ex.meet()
         if a.wait_for:
             ex.store.wait([a.wait_for], timedelta(seconds=60))
         for _ in range(a.rounds):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiproc
 CLOSED_FORMS = """
 import json, torch, commlab
 ex = commlab.connect("allreduce://?timeout=30")
-ex.join()
+ex.meet()
 n, r = ex.world_size, ex.rank
 out = {}
 for size in [0, 1, 7, 3 * 2**20 + 5]:

@@ -55,7 +55,7 @@ def test_nccl_without_cuda_says_so():
         pytest.skip("this machine has CUDA")
     ex = commlab.connect("allreduce://?backend=nccl", RankInfo.single())
     with pytest.raises(BackendUnavailable, match="needs CUDA"):
-        ex.join()
+        ex.meet()
 
 
 def test_local_refuses_several_workers():

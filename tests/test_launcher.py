@@ -4,6 +4,7 @@ a bad URL refused in one line before anything starts; a summary line even throug
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -282,8 +283,10 @@ def test_report_writes_one_json_line_per_call_to_the_rank_s_own_file(tmp_path, m
     rec = last_record(metrics_path(base, 1))
     assert isinstance(rec.pop("unix_s"), float)  # report stamps when the line was written
     assert rec == {"step": 4, "rank": 1, "bytes_sent": 2_000_000, "bytes_received": 1_000, "comm_s": 0.5,
-                   "loss": 0.25}
+                   "exchanges": 1, "loss": 0.25}
     commlab.report(9, path=base, rank=0, loss=0.125, test_acc=0.875, bytes_sent=1500)
     assert summary(last_record(base), 3.0) == ("10 steps in 3.0 s, final loss 0.125, test accuracy 87.5%, "
                                                "1.5 kB sent per step by rank 0")
+    commlab.report(10, path=base, rank=0, exchange=dataclasses.replace(step, exchanges=2))
+    assert summary(last_record(base), 3.0).endswith("2 MB sent, 1 kB received in 2 exchanges per step by rank 0")
     assert "no metrics reported" in summary(None, 1.0)

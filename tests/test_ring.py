@@ -252,7 +252,7 @@ def _sums(rank, world, queries, big_queries):
                  torch.int64: 0.0}
     for query in queries:
         with commlab.connect(f"ring://?{query}&timeout=30") as ex:
-            ex.join(store)
+            ex.meet(store)
             if "auto" in query or "shm" in query:  # one host, one network namespace: shared memory both ways
                 assert ex.facts()["links"] == {"from_left": "shm", "to_right": "shm"}, ex.facts()
                 if "chunk_mb" not in query:  # the transport's own chunk; auto takes shm's with the whole ring here
@@ -310,7 +310,7 @@ def test_sums_equal_float64_reference(world, queries, big):
 def _mismatch(rank, world, query):
     import commlab
     with commlab.connect(f"ring://?timeout=20{query}") as ex:
-        ex.join()
+        ex.meet()
         try:
             ex.allreduce_async(torch.ones(8 + rank)).wait(20)
         except CommError as exc:
@@ -360,7 +360,7 @@ def test_swapping_ranks_with_different_sizes_raise_naming_each_other(transport):
 def _until_killed(rank, world, ready_dir, timeout, transport="tcp"):
     import commlab
     ex = commlab.connect(f"ring://?transport={transport}&timeout={timeout}&chunk_mb=1")
-    ex.join()
+    ex.meet()
     x = torch.ones(4 * MIB)
     for _ in range(3):
         ex.allreduce_async(x.fill_(1.0)).wait(timeout)

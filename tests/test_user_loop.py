@@ -35,9 +35,8 @@ SYNC_REGIMES = {
 
 
 def run_loop(tmp_path: Path, n: int, timeout: float = 150, env: dict | None = None, **cfg) -> list[dict]:
-    program = f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.rank_main({cfg!r})"
-    if cfg.get("ddp"):
-        program = program.replace("rank_main", "ddp_main")
+    main = "uneven_main" if "batches" in cfg else "ddp_main" if cfg.get("ddp") else "rank_main"
+    program = f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.{main}({cfg!r})"
     results = collect(start_ranks(program, n, tmp_path, extra_env=env), timeout)
     return [res.json() for res in results]
 
@@ -75,6 +74,28 @@ def test_users_loop_equals_one_process_on_the_combined_batch(tmp_path, regime, n
         assert sum(res["seen"]["lrs"], []) == pytest.approx(sum(want["seen"]["lrs"], []))
         assert res["exchanges"] == STEPS and res["steps"] == STEPS
         assert len(res["state"]) == 3 * len(res["params"])  # step, exp_avg, exp_avg_sq of every parameter
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("accumulate", ["flag", pytest.param("flag-compiled", marks=pytest.mark.full), "flag-wrapper",
+                                        "every"])
+def test_require_backward_grad_sync_false_on_the_micro_steps_is_no_sync(tmp_path, accumulate):
+    """nanoGPT's accumulation: ``model.require_backward_grad_sync = (micro_step == last)`` before each forward,
+    on the model given to setup, on the torch.compile wrapper given to setup (passed on to the model), or kept
+    on the wrapper itself (torch versions whose wrapper keeps attributes): one exchange per step and the result
+    of the no_sync() loop (the reference). ``every``: neither flag nor no_sync, so every micro-step is exchanged
+    (the same result): the step's report, which the launcher's summary prints per step, counts both exchanges."""
+    steps, n = 6, 2
+    results = run_loop(tmp_path, n, url=SYNC_REGIMES["allreduce"], variant="mlp", steps=steps, accumulate=accumulate)
+    want = userloop.reference("mlp", n, steps)
+    assert_ranks_identical(results)
+    model, _ = userloop.build("mlp")
+    per_exchange = 4 * sum(p.numel() + 1 for p in model.parameters())  # N = 2: each rank sends its buckets once
+    per_step = 1 if accumulate != "every" else userloop.MICRO
+    for res in results:
+        assert_close(res, want, f"{accumulate} rank {res['rank']}")
+        assert res["exchanges"] == per_step * steps and res["steps"] == steps
+        assert res["report"] == [per_step, per_step * per_exchange, per_step * per_exchange]
 
 
 @pytest.mark.multiproc

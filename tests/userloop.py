@@ -16,6 +16,7 @@ Variants: ``mlp`` (a LayerNorm MLP), ``ckpt`` / ``ckpt-reentrant`` (its middle b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -126,7 +127,11 @@ def rank_main(cfg: dict) -> None:
         model.to(device)  # the optimizer keeps the same Parameter objects
     ex = commlab.connect(url)
     rank, world = ex.rank, ex.world_size
-    ex.setup(model, opt)
+    accumulate = cfg.get("accumulate", "no_sync")  # or "flag", "flag-compiled", "flag-wrapper", "every"
+    forward = model
+    if accumulate in ("flag-compiled", "flag-wrapper"):  # setup() given torch.compile's wrapper
+        forward = torch.compile(model, backend="eager")
+    ex.setup(forward, opt)
     sched = schedule(opt, steps)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=1000)
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
@@ -154,9 +159,11 @@ def rank_main(cfg: dict) -> None:
             poison["on"] = step == INF_STEP
         opt.zero_grad()
         for m in range(MICRO):
+            if accumulate.startswith("flag"):  # DDP's attribute, as nanoGPT sets it: read at the forward
+                set_sync_flag(forward, m == MICRO - 1, accumulate == "flag-wrapper")
             with torch.autocast(device.type, dtype=half, enabled=variant == "amp"):
-                loss = F.mse_loss(model(x[rank, m]), y[rank, m]).float() / MICRO
-            if m < MICRO - 1:
+                loss = F.mse_loss(forward(x[rank, m]), y[rank, m]).float() / MICRO
+            if m < MICRO - 1 and accumulate == "no_sync":
                 with ex.no_sync():
                     scaler.scale(loss).backward()
             else:
@@ -164,10 +171,71 @@ def rank_main(cfg: dict) -> None:
         finish_step(model, opt, sched, scaler, seen, clip=variant != "bn" and cfg.get("clip", True))
         if variant == "bn":  # every rank's buffers after every step: a digest to compare across ranks
             seen["buffers_equal"].append([float(b.double().sum()) for _, b in model.named_buffers()])
+    report = ex.last_report
     out = dict(snapshot(model, opt), seen=seen, rank=rank, exchanges=ex.stats.exchanges, steps=ex.stats.steps,
-               staging=ex.facts().get("staging"))
+               staging=ex.facts().get("staging"), report=[report.exchanges, report.bytes_sent, report.bytes_received])
     ex.close()
     print(json.dumps(out), flush=True)
+
+
+def set_sync_flag(module, value: bool, on_wrapper_only: bool = False) -> None:
+    """``module.require_backward_grad_sync = value``; ``on_wrapper_only``: kept on torch.compile's wrapper
+    itself, as torch versions whose wrapper does not pass attributes on to the model keep it."""
+    if on_wrapper_only:
+        object.__setattr__(module, "require_backward_grad_sync", value)
+    else:
+        module.require_backward_grad_sync = value
+
+
+def uneven_main(cfg: dict) -> None:
+    """Uneven inputs: rank r trains ``batches[r]`` steps of the BatchNorm loop (SGD with momentum, two
+    micro-steps, the first under no_sync) inside ``ex.join()``, or with ``ddp: True`` inside DDP's
+    ``ddp.join()``; ``divide`` is divide_by_initial_world_size. Prints every parameter, buffer and
+    optimizer state tensor, and (commlab) how many exchanges and steps the rank took."""
+    import commlab
+    torch.set_num_threads(1)
+    divide = cfg.get("divide", True)
+    model, opt = build("bn")
+    if cfg.get("ddp"):
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        ddp = DDP(model, broadcast_buffers=True)
+        forward, no_sync, join = ddp, ddp.no_sync, ddp.join(divide_by_initial_world_size=divide)
+    else:
+        ex = commlab.connect(cfg["url"])
+        rank, world = ex.rank, ex.world_size
+        ex.setup(model, opt)
+        forward, no_sync, join = model, ex.no_sync, ex.join(divide_by_initial_world_size=divide,
+                                                             throw_on_early_termination=cfg.get("throw", False))
+    try:
+        run_uneven(cfg["batches"][rank], world, rank, model, opt, forward, no_sync, join)
+    except RuntimeError as exc:
+        if not cfg.get("throw"):
+            raise
+        print(json.dumps({"rank": rank, "raised": str(exc), "steps": ex.stats.steps}), flush=True)
+        return
+    out = dict(snapshot(model, opt), rank=rank)
+    if cfg.get("ddp"):
+        dist.destroy_process_group()
+    else:
+        out.update(exchanges=ex.stats.exchanges, steps=ex.stats.steps)
+        if ex.scheme == "ps":  # every shard's update count, read once every worker has joined
+            out["updates"] = [s["updates"] for s in ex.server_stats()]
+        ex.close()
+    print(json.dumps(out), flush=True)
+
+
+def run_uneven(batches: int, world: int, rank: int, model, opt, forward, no_sync, join) -> None:
+    with join:
+        for step in range(batches):
+            x, y = data(step, world)
+            opt.zero_grad()
+            for m in range(MICRO):  # the forward inside no_sync too: DDP reads it there
+                with no_sync() if m < MICRO - 1 else contextlib.nullcontext():
+                    F.mse_loss(forward(x[rank, m]), y[rank, m]).div(MICRO).backward()
+            opt.step()
 
 
 def reference(variant: str, world: int, steps: int) -> dict:
@@ -217,4 +285,7 @@ def ddp_main(cfg: dict) -> None:
 
 if __name__ == "__main__":
     config = json.loads(sys.argv[1])
-    (ddp_main if config.get("ddp") else rank_main)(config)
+    if "batches" in config:
+        uneven_main(config)
+    else:
+        (ddp_main if config.get("ddp") else rank_main)(config)

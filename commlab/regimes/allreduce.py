@@ -67,11 +67,11 @@ class AllReduceExchanger(CollectiveExchanger):
         params = [p for b in self.buckets for p in b.params]
         if self.options.backend == "nccl" and not all(p.is_cuda for p in params):
             raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
-        self.join()
+        self.meet()
         compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)
 
-    def join(self) -> None:
+    def meet(self) -> None:
         """Meet the other ranks (store + process group). Collective; idempotent; setup() calls it.
         Call it directly to use :meth:`allreduce_async` without a model (benchmarks)."""
         if self.group is not None:
@@ -110,7 +110,7 @@ class AllReduceExchanger(CollectiveExchanger):
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); don't touch
-        ``tensor`` until the handle is done. Needs :meth:`join` (or setup) first."""
+        ``tensor`` until the handle is done. Needs :meth:`meet` (or setup) first."""
         n = self.world_size
         moved = 2 * (n - 1) * tensor.numel() * tensor.element_size() // n  # each way, by a ring's count
         self.stats.bytes_sent += moved

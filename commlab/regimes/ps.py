@@ -776,7 +776,10 @@ class PSExchanger(BucketedExchanger, PlansServers):
         first = self.shards[0]
 
         def run(s: _Shard):
-            if mode == "average" or self.rank == 0:
+            if self._joining is not None:  # every worker still training: the servers take the highest one's
+                s.post("buffers", step, self._buffer_parts(), {"how": mode, "joining": True},
+                       what=f"buffers of step {step}")
+            elif mode == "average" or self.rank == 0:
                 s.post("buffers", step, self._buffer_parts(), {"how": mode}, what=f"buffers of step {step}")
             return self._pull_buffers(s, step)
 
@@ -796,6 +799,44 @@ class PSExchanger(BucketedExchanger, PlansServers):
         s.post("pull", step, meta={"after_step": step, "what": "buffers"}, what=f"buffers after step {step}",
                take=take, max_bytes=self._buffer_bytes())
         return s.collect()
+
+    def _wait_out_join(self, options) -> None:
+        """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
+        zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
+        it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
+        step = self._wire_step()
+        meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
+        own = self.update == "worker"
+        replies = self._on_all(lambda s: s.request("join", step, self._parts(s.index, None) if own else [], meta,
+                                                   what=f"join before step {step}")[0].meta, "join")
+        if options.throw_on_early_termination and any(r.get("training") for r in replies):
+            raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+
+        # each wait is for the shard's next update (at most timeout), not for the others' whole run
+        versions: dict[int, int | None] = {s.index: None for s in self.shards}
+
+        def final(s: _Shard) -> int:
+            if s.index not in versions:
+                return 0
+
+            def take(h: wire.Header, data) -> int:
+                if h.op != "params":
+                    versions[s.index] = h.meta.get("version")
+                    return 0
+                del versions[s.index]
+                return s._take(h, data)
+
+            # through collect: a shard that holds it back past the timeout is asked whom it waits for
+            s.post("pull", -1, meta={"after_step": -1, "what": "final", "version": versions[s.index]},
+                   what="the parameters once every worker has joined", take=take)
+            return s.collect()
+
+        while versions:
+            self.stats.bytes_received += sum(self._on_all(final, "final parameters"))
+        if self._buffer_targets:
+            first = self.shards[0]
+            self.stats.bytes_received += first.submit(self._pull_buffers, first, -1).result(
+                timeout=self.options.timeout * 2 + 10)
 
     def _remote_update(self, timeout: float) -> None:
         step = self._wire_step() - 1  # the exchange backward just finished

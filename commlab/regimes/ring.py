@@ -147,7 +147,7 @@ class RingOptions(CommonOptions):
     def chunk(self) -> float:
         """The pipeline chunk in MiB: ``chunk_mb``, or the transport's own when it is 0. Decided by the
         option alone, so every rank cuts a collective the same way; ``auto`` starts from tcp's and
-        takes shm's at join when every rank of the ring is on one host (all ranks see the same)."""
+        takes shm's at meet() when every rank of the ring is on one host (all ranks see the same)."""
         return self.chunk_mb or (SHM_CHUNK_MB if self.transport == "shm" else CHUNK_MB)
 
     def check_bind(self, host: str) -> None:
@@ -192,7 +192,7 @@ class RingExchanger(CollectiveExchanger):
 
     def __init__(self, options, rank):
         super().__init__(options, rank)
-        self._joined = False
+        self._met = False
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._broken: BaseException | None = None
@@ -207,7 +207,7 @@ class RingExchanger(CollectiveExchanger):
         self._inbox: Inbox | None = None  # from the left neighbour
         self._outbox: Outbox | None = None  # to the right neighbour
         self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
-        self._chunk_mb = self.options.chunk  # auto: shm's once join() finds every link of the ring on one host
+        self._chunk_mb = self.options.chunk  # auto: shm's once meet() finds every link of the ring on one host
         self._group = None
         self._own_group = False
         self._staging: HostStaging | None = None  # after setup: the buckets' host mirrors (CUDA ones staged)
@@ -216,12 +216,12 @@ class RingExchanger(CollectiveExchanger):
         self._ring_steps = ring_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
-    def join(self, store=None) -> None:
+    def meet(self, store=None) -> None:
         """Meet the neighbours (store, sockets, segments or process group) and start the communication
         thread. Collective; idempotent; setup() calls it. Call it directly to use :meth:`allreduce_async`
         without a model (benchmarks). ``store``: the job's rendezvous store, when this process already
         holds it (several exchangers in one process: rank 0 can host the store only once)."""
-        if self._joined:
+        if self._met:
             return
         opts = self.options
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
@@ -231,12 +231,12 @@ class RingExchanger(CollectiveExchanger):
         self._ns = ns
         if self.world_size > 1:
             if opts.transport == "torch":
-                self._join_torch(ns)
+                self._meet_torch(ns)
             else:
-                self._join_links(ns)
+                self._meet_links(ns)
         self._thread = threading.Thread(target=self._serve, name=f"ring-comm-rank{self.rank}", daemon=True)
         self._thread.start()
-        self._joined = True
+        self._met = True
         if self.world_size > 1 and opts.transport != "torch":
             # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
@@ -267,7 +267,7 @@ class RingExchanger(CollectiveExchanger):
         inward, outward = ("shm" if where[k] == here else "tcp" for k in (self.left, self.right))
         return inward, outward
 
-    def _join_links(self, ns: str) -> None:
+    def _meet_links(self, ns: str) -> None:
         """zmq and shared-memory links. In an order no rank can block on: publish what the left
         neighbour needs (our PULL address, or our segment and socket), connect to the right's PULL,
         attach to the left's segment and socket, then accept the right's connection."""
@@ -342,7 +342,7 @@ class RingExchanger(CollectiveExchanger):
         finally:
             probe.close()
 
-    def _join_torch(self, ns: str) -> None:
+    def _meet_torch(self, ns: str) -> None:
         import torch.distributed as dist
         backend = self.options.backend
         if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
@@ -366,7 +366,7 @@ class RingExchanger(CollectiveExchanger):
 
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
-        self.join()
+        self.meet()
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
         if self.options.transport != "torch":  # CUDA buckets through pinned mirrors (CPU ones pass through)
             self._staging = HostStaging.for_buckets(self.buckets)
@@ -385,7 +385,7 @@ class RingExchanger(CollectiveExchanger):
         """Sum ``tensor`` in place over all ranks. Collective: every rank calls it with a tensor of the same
         size and dtype, in the same order. Does not block: the ring runs on this exchanger's
         communication thread, one collective after another in call order. Don't touch ``tensor`` until
-        the handle is done. Needs :meth:`join` (or setup) first. Thread-safe to call. ``staged``: ``tensor``
+        the handle is done. Needs :meth:`meet` (or setup) first. Thread-safe to call. ``staged``: ``tensor``
         is that bucket's host mirror (:class:`~commlab.staging.HostStaging`), its copy from the GPU under way."""
         flat = self._check(tensor, what)
         future: cf.Future = cf.Future()
@@ -409,8 +409,8 @@ class RingExchanger(CollectiveExchanger):
         self._run(flat, what)
 
     def _check(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        if not self._joined:
-            raise ConfigError("call join() or setup() before allreduce_async()")
+        if not self._met:
+            raise ConfigError("call meet() or setup() before allreduce_async()")
         if not tensor.is_contiguous():
             raise ValueError(f"{what}: the ring sums contiguous tensors in place; got strides {tensor.stride()}")
         if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
@@ -460,7 +460,7 @@ class RingExchanger(CollectiveExchanger):
             if self._thread.is_alive():
                 return  # still inside a wait: its sockets are not ours to close; the daemon thread dies with us
             self._thread = None
-        if not self._joined:
+        if not self._met:
             return
         self._close_links(linger_s=min(5.0, self.options.timeout))
         if self._transport is not None:
@@ -474,7 +474,7 @@ class RingExchanger(CollectiveExchanger):
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._own_group = False
-        self._joined = False
+        self._met = False
 
     def _close_links(self, linger_s: float) -> None:
         for half in (self._inbox, self._outbox):
