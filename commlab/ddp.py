@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab import compress
+from commlab import compress, rendezvous
 from commlab.compress.seam import CompressedExchange
 from commlab.config import ExchangerURL
 from commlab.errors import CommError, ConfigError
@@ -88,6 +88,7 @@ class DDPHookState:
         self._train: list[CompressedExchange] = []  # this step's compressed exchanges, in bucket order
         self._step_jobs: list[_Job] = []  # this step's buckets, until its last (multi-round compressors, ps://)
         self._step = 0
+        self._first = True  # the next bucket is its step's first
         self._mirror: dict[int, nn.Parameter] = {}  # ps://: id(DDP parameter) -> its mirror
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -105,15 +106,19 @@ class DDPHookState:
             self._thread = threading.Thread(target=self._drive, name=f"commlab-ddp-rank{self.rank}", daemon=True)
             self._thread.start()
         buffer, params = bucket.buffer(), list(bucket.parameters())
-        job = _Job(buffer, params, torch.futures.Future())
+        # on CUDA, the future's result carries an event of the stream that completed it: DDP's stream waits for it
+        job = _Job(buffer, params, torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda
+                   else torch.futures.Future())
         last = bucket.is_last()
         if self.ps:  # the whole step at once, after its last bucket (the servers average: no 1/N here)
             self._step_jobs.append(job)
         else:
             self._connect_collective()
             buffer.div_(self.ex.world_size)
-            what = (f"{self.scheme}:// DDP bucket {bucket.index()} ({len(params)} parameters) at step {self._step} "
-                    f"on rank {self.rank}")
+            if self._first:  # the stall report reads how far each rank got (and the regime's step)
+                self.ex._step = self._step
+                rendezvous.heartbeat(self.ex.store, self.rank, self._step)
+            what = f"{self.scheme}:// DDP bucket {bucket.index()} ({len(params)} parameters) at step {self._step}"
             if self.compressor is None:
                 job.handle = self.ex.allreduce_async(buffer, what)
             else:
@@ -127,12 +132,15 @@ class DDPHookState:
                 self._jobs.put([job])  # nothing more to issue: wait for it now
             else:
                 self._step_jobs.append(job)
+        self._first = last
         if last:
             if self._step_jobs:
                 self._jobs.put(self._step_jobs)
             self._step_jobs, self._train = [], []
             self._step += 1
-        return job.future
+        # DDP reads the result in C++, which cannot unwrap a Python exception set on the future: a failure
+        # raised by ``then``'s callback marks the chained future failed, and DDP raises it out of backward()
+        return job.future.then(_result)
 
     def _key(self, params: list[torch.Tensor]) -> int:
         """The compressor's key for a bucket of these parameters: numbered in order of first appearance,
@@ -252,6 +260,10 @@ def _views(job: _Job) -> list[torch.Tensor]:
     if offset != flat.numel():
         raise ConfigError(f"a DDP bucket holds {flat.numel()} elements, its parameters {offset}")
     return out
+
+
+def _result(future: torch.futures.Future) -> torch.Tensor:
+    return future.value()  # raises the exception the state's thread set
 
 
 def hook(state, bucket):  # no annotations: DDP compares them with the classes, and this module's are strings

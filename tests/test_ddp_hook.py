@@ -21,23 +21,30 @@ HERE = Path(__file__).resolve().parent
 STEPS = 6
 
 
-def run_hooked(tmp_path: Path, urls: list[str], n: int = 2, timeout: float = 120) -> list[dict]:
-    cfg = {"urls": urls, "steps": STEPS}
-    program = f"import sys; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.ddp_hook_main({cfg!r})"
-    return [res.json() for res in collect(start_ranks(program, n, tmp_path), timeout)]
+UNCOMPRESSED = ["ring://?timeout=60", "{ps}?update=worker&timeout=60", "allreduce://?timeout=60"]
+COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory) -> tuple[list[str], list[dict]]:
+    """(URLs, each rank's result): one launch of N=2 ranks runs every URL in turn, a sync PS server beside."""
+    tmp = tmp_path_factory.mktemp("ddp_hook")
+    procs = Procs(tmp)
+    try:
+        ps = "ps://" + procs.server("--mode", "sync", "--shard", "0/1").address
+        urls = [u.format(ps=ps) for u in UNCOMPRESSED] + COMPRESSED
+        cfg = {"urls": urls, "steps": STEPS}
+        program = f"import sys; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.ddp_hook_main({cfg!r})"
+        return urls, [res.json() for res in collect(start_ranks(program, 2, tmp), 120)]
+    finally:
+        procs.close()
 
 
 @pytest.mark.multiproc
-def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(tmp_path):
-    procs = Procs(tmp_path)
-    try:
-        ps = "ps://" + procs.server("--mode", "sync", "--shard", "0/1").address
-        urls = ["ring://?timeout=60", f"{ps}?update=worker&timeout=60", "allreduce://?timeout=60"]
-        results = run_hooked(tmp_path, urls)
-    finally:
-        procs.close()
+def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(hooked):
+    urls, results = hooked
     for res in results:
-        for url in urls:
+        for url in urls[:len(UNCOMPRESSED)]:
             got, want = res[url]["hooked"], res[url]["plain"]
             for name in want:
                 d = rel_diff(got[name], want[name])
@@ -45,14 +52,51 @@ def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(tmp_
 
 
 @pytest.mark.multiproc
-def test_compressed_hook_leaves_every_rank_the_same_parameters(tmp_path):
-    urls = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
-    results = run_hooked(tmp_path, urls)
-    for url in urls:
+def test_compressed_hook_leaves_every_rank_the_same_parameters(hooked):
+    urls, results = hooked
+    for url in COMPRESSED:
         for res in results[1:]:
             assert res[url]["hooked"] == results[0][url]["hooked"], f"{url}: rank {res['rank']} differs from rank 0"
         moved = max(rel_diff(results[0][url]["hooked"][k], v) for k, v in results[0][url]["plain"].items())
         assert moved > 1e-4, f"{url}: the hooked model equals plain DDP's: was anything compressed?"
+
+
+STALL = """
+import sys, time
+sys.path.insert(0, {here!r})
+import torch, torch.distributed as dist, torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+import commlab, userloop
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+model, opt = userloop.build("mlp")
+ddp = DDP(model)
+state, hook = commlab.ddp_hook("ring://?timeout=2")
+ddp.register_comm_hook(state, hook)
+for step in range(3):
+    x, y = userloop.data(step, world)
+    if rank == 1 and step == 2:
+        time.sleep(5)  # stalls (past the buckets' rebuild, a collective of DDP's own)
+        sys.exit(0)
+    started = time.monotonic()
+    try:
+        F.mse_loss(ddp(x[rank, 0]), y[rank, 0]).backward()
+    except RuntimeError as exc:
+        print(f"{{time.monotonic() - started:.1f}} {{exc}}".splitlines()[0], flush=True)
+        break
+    opt.step()
+state.close()
+"""
+
+
+@pytest.mark.multiproc
+def test_a_stalled_rank_makes_backward_raise_within_the_timeout_naming_it(tmp_path):
+    results = collect(start_ranks(STALL.format(here=str(HERE)), 2, tmp_path), 60)
+    line = results[0].out.strip().splitlines()[-1]
+    waited, text = float(line.split()[0]), line.split(" ", 1)[1]
+    assert waited < 4, line
+    assert "did not complete within" in text and "waiting for rank 1" in text, line
 
 
 @pytest.mark.parametrize("url, option", [
