@@ -68,7 +68,8 @@ class DDPHookState:
     def __init__(self, url: str | ExchangerURL | None = None, rank: RankInfo | None = None):
         text = url_from_env(url)
         parsed = text if isinstance(text, ExchangerURL) else ExchangerURL.parse(text)
-        cls, options = resolve(parsed)  # a bad URL or compress= spec: ConfigError, one line naming the option
+        cls, checked = resolve(parsed)  # a bad URL or compress= spec: ConfigError, one line naming the option
+        options: Any = checked
         self.scheme = parsed.scheme
         self.ps = self.scheme == "ps"
         if self.ps:
@@ -82,7 +83,7 @@ class DDPHookState:
             raise ConfigError(f"ddp_hook: {self.scheme}:// does not sum gradients over ranks; use {SUMMING}")
         self.ex: Any = cls(options, rank if rank is not None else from_env())
         self.timeout: float = options.timeout
-        self.compressor = None if self.ps else self.ex.compressor
+        self.compressor: compress.Compressor | None = getattr(self.ex, "compressor", None)  # ps:// has none
         self._keys: dict[tuple[int, ...], int] = {}  # a bucket's parameters (identities) -> compressor key
         self._connected = False
         self._train: list[CompressedExchange] = []  # this step's compressed exchanges, in bucket order
@@ -172,8 +173,8 @@ class DDPHookState:
                     self._ps_step(jobs)
                 else:
                     deadline = time.monotonic() + self.timeout
-                    for job in jobs:  # a multi-round exchange's first wait brings every later bucket along
-                        job.handle.wait(max(1e-3, deadline - time.monotonic()))
+                    for i, job in enumerate(jobs):  # a multi-round exchange's first wait brings the later ones along
+                        job.handle.wait(self.timeout if i == 0 else max(1e-3, deadline - time.monotonic()))
                         job.future.set_result(job.buffer)
             except BaseException as exc:  # noqa: BLE001 - DDP raises it out of backward()
                 if not isinstance(exc, (CommError, ConfigError)) or f"rank {self.rank}" not in str(exc):

@@ -25,24 +25,20 @@ UNCOMPRESSED = ["ring://?timeout=60", "{ps}?update=worker&timeout=60", "allreduc
 COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
 
 
-@pytest.fixture(scope="module")
-def hooked(tmp_path_factory) -> tuple[list[str], list[dict]]:
-    """(URLs, each rank's result): one launch of N=2 ranks runs every URL in turn, a sync PS server beside."""
-    tmp = tmp_path_factory.mktemp("ddp_hook")
+def launch(tmp: Path, n: int) -> tuple[list[str], list[dict]]:
+    """(URLs, each rank's result): one launch of N ranks runs every URL in turn, a sync PS server beside."""
     procs = Procs(tmp)
     try:
         ps = "ps://" + procs.server("--mode", "sync", "--shard", "0/1").address
         urls = [u.format(ps=ps) for u in UNCOMPRESSED] + COMPRESSED
         cfg = {"urls": urls, "steps": STEPS}
         program = f"import sys; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.ddp_hook_main({cfg!r})"
-        return urls, [res.json() for res in collect(start_ranks(program, 2, tmp), 120)]
+        return urls, [res.json() for res in collect(start_ranks(program, n, tmp), 120)]
     finally:
         procs.close()
 
 
-@pytest.mark.multiproc
-def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(hooked):
-    urls, results = hooked
+def assert_equals_plain_ddp(urls: list[str], results: list[dict]) -> None:
     for res in results:
         for url in urls[:len(UNCOMPRESSED)]:
             got, want = res[url]["hooked"], res[url]["plain"]
@@ -51,14 +47,35 @@ def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(hook
                 assert d <= 1e-5, f"rank {res['rank']}, {url}: {name} differs from plain DDP's by {d:.2e}"
 
 
-@pytest.mark.multiproc
-def test_compressed_hook_leaves_every_rank_the_same_parameters(hooked):
-    urls, results = hooked
+def assert_compressed_ranks_identical(results: list[dict]) -> None:
     for url in COMPRESSED:
         for res in results[1:]:
             assert res[url]["hooked"] == results[0][url]["hooked"], f"{url}: rank {res['rank']} differs from rank 0"
         moved = max(rel_diff(results[0][url]["hooked"][k], v) for k, v in results[0][url]["plain"].items())
         assert moved > 1e-4, f"{url}: the hooked model equals plain DDP's: was anything compressed?"
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory) -> tuple[list[str], list[dict]]:
+    return launch(tmp_path_factory.mktemp("ddp_hook"), 2)
+
+
+@pytest.mark.multiproc
+def test_uncompressed_hook_over_ring_sync_ps_and_allreduce_equals_plain_ddp(hooked):
+    assert_equals_plain_ddp(*hooked)
+
+
+@pytest.mark.multiproc
+def test_compressed_hook_leaves_every_rank_the_same_parameters(hooked):
+    assert_compressed_ranks_identical(hooked[1])
+
+
+@pytest.mark.full
+@pytest.mark.multiproc
+def test_three_ranks_equal_plain_ddp_uncompressed_and_agree_compressed(tmp_path):
+    urls, results = launch(tmp_path, 3)
+    assert_equals_plain_ddp(urls, results)
+    assert_compressed_ranks_identical(results)
 
 
 STALL = """
@@ -96,7 +113,7 @@ def test_a_stalled_rank_makes_backward_raise_within_the_timeout_naming_it(tmp_pa
     line = results[0].out.strip().splitlines()[-1]
     waited, text = float(line.split()[0]), line.split(" ", 1)[1]
     assert waited < 4, line
-    assert "did not complete within" in text and "waiting for rank 1" in text, line
+    assert "did not complete within 2s" in text and "waiting for rank 1" in text, line
 
 
 @pytest.mark.parametrize("url, option", [
