@@ -7,6 +7,7 @@ iteration. Uncompressed, the hooked model equals plain DDP's; compressed, every 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,26 @@ def test_a_bad_url_fails_in_one_line_naming_the_option(url, option):
 def test_a_regime_that_does_not_sum_is_refused():
     with pytest.raises(ConfigError, match="does not sum"):
         commlab.ddp_hook("local://")
+
+
+def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
+    """Under DDP without torchrun's agent (Slurm, mpirun), rank 0's default group already hosts the store on
+    MASTER_PORT: the ring must meet there, not host a second one (which could not bind the port)."""
+    import torch.distributed as dist
+    from commlab.regimes.ring import RingExchanger
+    from commlab.registry import resolve
+    from commlab.rendezvous import RankInfo, default_group_store
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=2))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        _, options = resolve("ring://?timeout=5")
+        ex = RingExchanger(options, RankInfo(0, 1, 0, "127.0.0.1", 1, "flags"))  # port 1: nobody may host there
+        ex.join()
+        ex.store.set("probe", "here")
+        ex.close()
+        assert dist.is_initialized(), "the ring destroyed a group it did not create"
+        assert default_group_store().get("probe") == b"here"  # a missing key would raise after 2 s
+    finally:
+        dist.destroy_process_group()
