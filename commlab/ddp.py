@@ -85,6 +85,8 @@ class DDPHookState:
         self.timeout: float = options.timeout
         self.compressor: compress.Compressor | None = getattr(self.ex, "compressor", None)  # ps:// has none
         self._keys: dict[tuple[int, ...], int] = {}  # a bucket's parameters (identities) -> compressor key
+        self._sizes: dict[int, list[int]] = {}  # compressor key -> its parameters' sizes
+        self._orphans: dict[int, torch.Tensor] = {}  # id(parameter) -> its residual from a bucket DDP rebuilt
         self._connected = False
         self._train: list[CompressedExchange] = []  # this step's compressed exchanges, in bucket order
         self._step_jobs: list[_Job] = []  # this step's buckets, until its last (multi-round compressors, ps://)
@@ -147,9 +149,31 @@ class DDPHookState:
         """The compressor's key for a bucket of these parameters: numbered in order of first appearance,
         which is the same on every rank (DDP's buckets, and their rebuilt ones, come in the same order)."""
         ident = tuple(id(p) for p in params)
-        if ident not in self._keys:
-            self._keys[ident] = len(self._keys)
-        return self._keys[ident]
+        key = self._keys.get(ident)
+        if key is None:
+            key = self._keys[ident] = len(self._keys)
+            self._sizes[key] = [p.numel() for p in params]
+            self._carry_residuals(key, ident)
+        return key
+
+    def _carry_residuals(self, key: int, ident: tuple[int, ...]) -> None:
+        """Error feedback across DDP's rebuild: a new bucket starts from what its parameters' earlier buckets
+        had not sent yet. A bucket that shares a parameter with the new one is gone for good (a parameter is
+        in one bucket at a time): its residual is cut per parameter, the new bucket takes its parameters'
+        pieces, the rest wait for theirs."""
+        residuals = getattr(self.compressor, "residuals", None)
+        if residuals is None:
+            return
+        mine = set(ident)
+        for old_ident, old in list(self._keys.items()):
+            if old != key and mine.intersection(old_ident) and old in residuals and \
+                    residuals[old].numel() == sum(self._sizes[old]):
+                for pid, piece in zip(old_ident, torch.split(residuals.pop(old), self._sizes[old])):
+                    self._orphans[pid] = piece
+        if any(pid in self._orphans for pid in ident):
+            like = next(self._orphans[pid] for pid in ident if pid in self._orphans)
+            residuals[key] = torch.cat([self._orphans.pop(pid) if pid in self._orphans else like.new_zeros(n)
+                                        for pid, n in zip(ident, self._sizes[key])])
 
     def _connect_collective(self) -> None:
         if self._connected:

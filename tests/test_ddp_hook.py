@@ -158,3 +158,20 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
         assert default_group_store().get("probe") == b"here"  # a missing key would raise after 2 s
     finally:
         dist.destroy_process_group()
+
+
+def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets():
+    """DDP's first iteration has one bucket; the rebuilt ones split it: each starts from its parameters'
+    part of the first one's residual (nothing a rank did not send is lost at the rebuild)."""
+    import torch
+    state, _ = commlab.ddp_hook("allreduce://?compress=topk:0.5")
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+    first = state._key([a, b, c])
+    state.compressor.residuals[first] = torch.arange(9.0)
+    later = state._key([c])
+    assert state.compressor.residuals[later].tolist() == [5.0, 6.0, 7.0, 8.0]
+    assert first not in state.compressor.residuals  # the first bucket is gone for good
+    rest = state._key([b, a])
+    assert state.compressor.residuals[rest].tolist() == [2.0, 3.0, 4.0, 0.0, 1.0]
+    assert state._key([c]) == later and state._key([a, b, c]) == first  # keyed by parameters, stably
+    state.close()
