@@ -26,13 +26,13 @@ UNCOMPRESSED = ["ring://?timeout=60", "{ps}?update=worker&timeout=60", "allreduc
 COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
 
 
-def launch(tmp: Path, n: int) -> tuple[list[str], list[dict]]:
+def launch(tmp: Path, n: int, bucket_view: bool = False) -> tuple[list[str], list[dict]]:
     """(URLs, each rank's result): one launch of N ranks runs every URL in turn, a sync PS server beside."""
     procs = Procs(tmp)
     try:
         ps = "ps://" + procs.server("--mode", "sync", "--shard", "0/1").address
         urls = [u.format(ps=ps) for u in UNCOMPRESSED] + COMPRESSED
-        cfg = {"urls": urls, "steps": STEPS}
+        cfg = {"urls": urls, "steps": STEPS, "bucket_view": bucket_view}
         program = f"import sys; sys.path.insert(0, {str(HERE)!r}); import userloop; userloop.ddp_hook_main({cfg!r})"
         return urls, [res.json() for res in collect(start_ranks(program, n, tmp), 120)]
     finally:
@@ -73,8 +73,8 @@ def test_compressed_hook_leaves_every_rank_the_same_parameters(hooked):
 
 @pytest.mark.full
 @pytest.mark.multiproc
-def test_three_ranks_equal_plain_ddp_uncompressed_and_agree_compressed(tmp_path):
-    urls, results = launch(tmp_path, 3)
+def test_three_ranks_with_gradients_as_bucket_views_equal_plain_ddp_and_agree_compressed(tmp_path):
+    urls, results = launch(tmp_path, 3, bucket_view=True)  # and gradients that are views of DDP's buckets
     assert_equals_plain_ddp(urls, results)
     assert_compressed_ranks_identical(results)
 

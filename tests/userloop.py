@@ -218,7 +218,8 @@ def ddp_main(cfg: dict) -> None:
 def ddp_hook_main(cfg: dict) -> None:
     """Plain DDP beside DDP with ``commlab.ddp_hook(url)``, for each of ``cfg["urls"]``: the same model,
     optimizer and data; prints both models' parameters. Small buckets (``bucket_mb``), so that the hook
-    sees several, and DDP's rebuilt ones after the first iteration."""
+    sees several, and DDP's rebuilt ones after the first iteration; ``bucket_view``: DDP's
+    ``gradient_as_bucket_view``."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     import commlab
@@ -228,7 +229,9 @@ def ddp_hook_main(cfg: dict) -> None:
     out: dict = {"rank": rank}
     for url in cfg["urls"]:
         (plain_model, plain_opt), (hooked_model, hooked_opt) = build("mlp"), build("mlp")
-        plain, hooked = DDP(plain_model), DDP(hooked_model, bucket_cap_mb=cfg.get("bucket_mb", 0.0003))
+        plain = DDP(plain_model)
+        hooked = DDP(hooked_model, bucket_cap_mb=cfg.get("bucket_mb", 0.0003),
+                     gradient_as_bucket_view=cfg.get("bucket_view", False))
         state, hook = commlab.ddp_hook(url)
         hooked.register_comm_hook(state, hook)
         for step in range(cfg["steps"]):
@@ -238,6 +241,7 @@ def ddp_hook_main(cfg: dict) -> None:
                 F.mse_loss(ddp(x[rank, 0]), y[rank, 0]).backward()
                 opt.step()
         state.close()
+        assert dist.is_initialized(), f"{url}: closing the hook destroyed DDP's process group"
         out[url] = {"plain": snapshot(plain_model, plain_opt)["params"],
                     "hooked": snapshot(hooked_model, hooked_opt)["params"]}
     dist.destroy_process_group()  # DDP's group, which the hook used and left alone
