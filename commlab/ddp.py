@@ -9,7 +9,8 @@ Each of DDP's gradient buckets then goes through a commlab regime that sums, and
   (its own links, meeting in that group's store): the hook divides the bucket by N and sums it in place,
   started in the hook itself, so buckets overlap backward as under DDP. ``allreduce://?compress=SPEC``
   moves the bucket through the compressor (:mod:`commlab.compress.seam`), its state keyed by the bucket's
-  parameters, not by ``bucket.index()``: DDP rebuilds its buckets after the first iteration.
+  parameters, not by ``bucket.index()``: DDP rebuilds its buckets after the first iteration (a rebuilt
+  bucket takes its parameters' parts of the old buckets' error-feedback residuals).
 * ``ps://`` with ``mode=sync`` and ``update=worker``: the servers average. At the end of the first
   iteration the hook knows every parameter (DDP's buckets cover them all) and sets up a ps:// exchanger
   on a mirror of them (zero tensors of the same shapes, a key per parameter); from then on, once the
