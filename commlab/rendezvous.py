@@ -108,6 +108,16 @@ def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None 
     return dist.PrefixStore("commlab/", store)
 
 
+def default_group_store():
+    """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
+    under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
+    ``MASTER_PORT``, so a second could not bind it)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    return dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
+
+
 def heartbeat(store, rank: int, step: int) -> None:
     """Record that ``rank`` has entered ``step``."""
     store.set(f"hb/{rank}", str(step))

@@ -283,6 +283,39 @@ def ddp_main(cfg: dict) -> None:
     print(json.dumps(out), flush=True)
 
 
+def ddp_hook_main(cfg: dict) -> None:
+    """Plain DDP beside DDP with ``commlab.ddp_hook(url)``, for each of ``cfg["urls"]``: the same model,
+    optimizer and data; prints both models' parameters. Small buckets (``bucket_mb``), so that the hook
+    sees several, and DDP's rebuilt ones after the first iteration; ``bucket_view``: DDP's
+    ``gradient_as_bucket_view``."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import commlab
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict = {"rank": rank}
+    for url in cfg["urls"]:
+        (plain_model, plain_opt), (hooked_model, hooked_opt) = build("mlp"), build("mlp")
+        plain = DDP(plain_model)
+        hooked = DDP(hooked_model, bucket_cap_mb=cfg.get("bucket_mb", 0.0003),
+                     gradient_as_bucket_view=cfg.get("bucket_view", False))
+        state, hook = commlab.ddp_hook(url)
+        hooked.register_comm_hook(state, hook)
+        for step in range(cfg["steps"]):
+            x, y = data(step, world)
+            for ddp, opt in ((plain, plain_opt), (hooked, hooked_opt)):
+                opt.zero_grad()
+                F.mse_loss(ddp(x[rank, 0]), y[rank, 0]).backward()
+                opt.step()
+        state.close()
+        assert dist.is_initialized(), f"{url}: closing the hook destroyed DDP's process group"
+        out[url] = {"plain": snapshot(plain_model, plain_opt)["params"],
+                    "hooked": snapshot(hooked_model, hooked_opt)["params"]}
+    dist.destroy_process_group()  # DDP's group, which the hook used and left alone
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     config = json.loads(sys.argv[1])
     if "batches" in config:

@@ -101,8 +101,7 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        from torch.distributed import distributed_c10d  # its store: the only one every rank surely reaches
-        self.store = dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
+        self.store = rendezvous.default_group_store()
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:

@@ -61,7 +61,9 @@ Unix socket), ``auto`` (per link: shm to a neighbour with the same boot id and
 network namespace, tcp otherwise; :meth:`RingExchanger.facts` says which),
 ``torch`` (torch.distributed ``isend``/``irecv`` to the neighbours: gloo for CPU
 tensors, NCCL for CUDA ones; the default process group is reused if the
-process already has one). The zmq paragraph above describes tcp/ipc.
+process already has one, and never destroyed by the ring). The zmq paragraph above describes tcp/ipc.
+Under a default process group made before the ring (DDP's, a user's), every transport meets in that
+group's store.
 
 Failure: every wait is bounded by ``timeout``. A neighbour that dies is noticed
 at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
@@ -220,10 +222,13 @@ class RingExchanger(CollectiveExchanger):
         """Meet the neighbours (store, sockets, segments or process group) and start the communication
         thread. Collective; idempotent; setup() calls it. Call it directly to use :meth:`allreduce_async`
         without a model (benchmarks). ``store``: the job's rendezvous store, when this process already
-        holds it (several exchangers in one process: rank 0 can host the store only once)."""
+        holds it (several exchangers in one process: rank 0 can host the store only once); by default the
+        store of a default process group made before (DDP's), else the job's."""
         if self._met:
             return
         opts = self.options
+        if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
+            store = rendezvous.default_group_store()
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
         # numbered by how many this rank made before (every rank makes them in the same order).
@@ -716,6 +721,11 @@ def _curve_keys(folder: str, key_name: str):
     from commlab import keys
     server, clients = keys.server_keys(folder)
     return server, clients, keys.client_keys(folder, key_name)
+
+
+def _default_group_exists() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 host_identity = shm.host_identity  # moved to commlab.shm (the ps:// client uses it too)
