@@ -16,9 +16,17 @@ import pytest
 import commlab
 from commlab import launcher, scratch
 
-from conftest import child_env, run_group
+from conftest import REAL_STARTS, child_env, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def real_starts(monkeypatch):
+    """The launcher's behaviour is tested with real starts: no fork server (commlab.zygote) for the
+    commands these tests start, nor for what those start."""
+    for key, value in REAL_STARTS.items():
+        monkeypatch.setenv(key, value)
 
 
 def _children(pid: int) -> list[int]:

@@ -1,0 +1,431 @@
+"""A fork server for the test suite: torch imported once, every Python process forked from it.
+
+Each rank, server and launcher the tests start imports torch (about 2 s of CPU) and, to build an
+optimizer, torch._dynamo (1.3-1.6 s more); the suite starts several hundred of them on 2 cores.
+A zygote (``python -m commlab.zygote SOCKET``) imports all that once, then serves requests on a Unix
+socket: each request is a command line ``[sys.executable, -m MODULE | -c CODE | SCRIPT, ARGS...]``,
+an environment, a folder and three file descriptors (stdin, stdout, stderr, passed with
+``SCM_RIGHTS``), and is answered by a forked child that runs the program as a fresh interpreter
+would, with torch already in memory.
+
+Opt-in only: :func:`commlab.launcher.start_group` asks the zygote named by ``$COMMLAB_ZYGOTE``
+(the tests' conftest starts one and sets it) for command lines it can serve, and starts every
+other command, or any command without that variable, the ordinary way. Users never get one.
+
+What a child gets, as from a real start: a session (and process group) of its own, so
+:func:`commlab.launcher.kill_groups` stops it with whatever it started; its own argv,
+environment, folder, ``sys.path`` (the script's folder or the current one, then ``$PYTHONPATH``,
+then the interpreter's own), standard streams built as the interpreter builds them
+(``PYTHONUNBUFFERED``/``PYTHONIOENCODING`` honoured); Python's default signal dispositions;
+an exit status as the interpreter's (``SystemExit``, a traceback and 1, death by SIGINT after an
+uncaught KeyboardInterrupt), after non-daemon threads are joined and ``atexit`` handlers run.
+RNGs: ``random`` is reseeded at fork by Python itself, numpy's global generator and torch's
+default generator from the OS, as at a fresh import. Left as they were in the zygote: the hash
+seed of str (one per zygote) and whatever the preloaded modules computed from the environment
+when imported.
+
+Death with the requester: a requester holds one connection per child until it has the child's
+exit status; if the connection closes first (the requester died), the zygote SIGKILLs the child's
+process group, as ``PR_SET_PDEATHSIG`` does for a real start (:mod:`commlab.childexec`). The
+children die with the zygote (``PR_SET_PDEATHSIG``), and the zygote with the process that started
+it. Fork happens before any thread pool (OpenMP) or zmq context exists: the zygote only imports.
+
+On the wire: msgpack maps, never pickle. Request ``{argv, env, cwd}`` with three descriptors;
+replies ``{pid}`` or ``{error, errno}``, then ``{status}`` (the raw wait status) once it exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_mod
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ENV = "COMMLAB_ZYGOTE"  # the zygote's socket path; unset (or "off"): real starts
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.checkpoint", "numpy", "zmq", "msgpack",
+           "tqdm", "commlab", "commlab.cli", "commlab.launcher", "commlab.exchanger", "commlab.store",
+           "workers.loop", "servers.server", "bench")
+MAX_MSG = 1 << 20
+CONNECT_S = 120.0  # how long a requester waits for a zygote that is still importing
+PR_SET_PDEATHSIG = 1
+
+
+def socket_path() -> str | None:
+    path = os.environ.get(ENV, "")
+    return None if path in ("", "off", "0") else path
+
+
+def serves(argv) -> bool:
+    """Whether a zygote can run ``argv``: this interpreter with ``-m MODULE``, ``-c CODE`` or a script."""
+    argv = [str(a) for a in argv]
+    if len(argv) < 2 or argv[0] != sys.executable:
+        return False
+    if argv[1] in ("-m", "-c"):
+        return len(argv) >= 3
+    return not argv[1].startswith("-")
+
+
+# ----- the requester's side ----------------------------------------------------------------------
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() > deadline:
+                raise OSError(errno_mod.ECONNREFUSED, f"no zygote answers at {path} within {timeout:g}s") from None
+            time.sleep(0.05)
+
+
+class Popen(subprocess.Popen):
+    """:class:`subprocess.Popen` whose child is forked by the zygote at ``$COMMLAB_ZYGOTE``.
+
+    Used like any Popen (pipes, ``communicate``, ``poll``, ``wait``, signals to ``pid``); the
+    child is not this process's own, so its exit status comes from the zygote over the connection
+    this object holds. Only what :func:`commlab.launcher.start_group` passes is supported: stdio
+    redirections, ``cwd``, ``env``, ``text``, and a new session (always).
+    """
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        import msgpack
+
+        request = msgpack.packb({"argv": [os.fsdecode(a) for a in args],
+                                 "env": {os.fsdecode(k): os.fsdecode(v) for k, v in
+                                         (os.environ if env is None else env).items()},
+                                 "cwd": os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()})
+        sock = _connect(socket_path() or "", CONNECT_S)
+        try:
+            fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
+                   errwrite if errwrite != -1 else 2]
+            socket.send_fds(sock, [request], fds)
+            sock.settimeout(60)
+            data = sock.recv(MAX_MSG)
+            sock.settimeout(None)
+            reply = msgpack.unpackb(data) if data else {"error": "the zygote closed the connection", "errno": 0}
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        if "error" in reply:
+            sock.close()
+            if reply.get("errno"):
+                raise OSError(reply["errno"], reply["error"], cwd)
+            raise subprocess.SubprocessError(reply["error"])
+        self._zygote = sock
+        self.pid = reply["pid"]
+        self._child_created = True
+
+    def _try_wait(self, wait_flags):
+        """(pid, raw status) once the zygote reported the exit, else (0, 0) under WNOHANG."""
+        import msgpack
+
+        sock = self._zygote
+        if sock.fileno() < 0:
+            return self.pid, 0
+        if wait_flags & os.WNOHANG and not select.select([sock], [], [], 0)[0]:
+            return 0, 0
+        try:
+            data = sock.recv(MAX_MSG)
+        except OSError:
+            data = b""
+        sock.close()
+        # no report: the zygote is gone, and its children with it (PR_SET_PDEATHSIG)
+        return self.pid, msgpack.unpackb(data)["status"] if data else int(signal.SIGKILL)
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None:
+                    pid, sts = self._try_wait(os.WNOHANG)
+                    if pid == self.pid:
+                        self._handle_exitstatus(sts)
+            except OSError:
+                if _deadstate is not None:
+                    self.returncode = _deadstate
+            finally:
+                self._waitpid_lock.release()
+        return self.returncode
+
+
+# ----- the zygote ---------------------------------------------------------------------------------
+
+def _die_with_parent(parent: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class Zygote:
+    def __init__(self, path: str):
+        self.path = path
+        self.zygote_pid = os.getpid()
+        self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
+        self.orphans: set[int] = set()  # requester gone, group killed, not reaped yet
+        self.base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        self.preload()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        tmp = f"{path}.{os.getpid()}"
+        self.listener.bind(tmp)
+        self.listener.listen(128)
+        os.rename(tmp, path)  # connectable once it has its name
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        signal.set_wakeup_fd(self.wake_w.fileno())
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def preload(self) -> None:
+        import importlib
+
+        for name in PRELOAD:
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
+
+    def serve(self) -> None:
+        while True:
+            watched = [self.listener, self.wake_r, *self.children.values()]
+            for sock in select.select(watched, [], [])[0]:
+                if sock is self.listener:
+                    self.accept()
+                elif sock is self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        while self.wake_r.recv(4096):
+                            pass
+                    self.reap()
+                else:
+                    self.requester_gone(sock)
+
+    def requester_gone(self, sock: socket.socket) -> None:
+        pid = next(p for p, s in self.children.items() if s is sock)
+        del self.children[pid]
+        sock.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        self.orphans.add(pid)
+        self.reap()
+
+    def reap(self) -> None:
+        import msgpack
+
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.orphans.discard(pid)
+            sock = self.children.pop(pid, None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.send(msgpack.packb({"status": status}))
+                sock.close()
+
+    def accept(self) -> None:
+        import msgpack
+
+        conn, _ = self.listener.accept()
+        fds: list[int] = []
+        try:
+            conn.settimeout(10)
+            data, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 3)
+            request = msgpack.unpackb(data)
+            if len(fds) != 3 or not serves(request["argv"]):
+                raise ValueError(f"a zygote runs {sys.executable} with -m, -c or a script, and three descriptors")
+            conn.settimeout(None)
+            ready_r, ready_w = os.pipe()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.close(ready_r)
+                self.child(conn, fds, ready_w, request)  # never returns
+            os.close(ready_w)
+            with os.fdopen(ready_r, "rb") as ready:
+                failure = ready.read()  # EOF once the child is set up (or an error message)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            with contextlib.suppress(OSError):
+                conn.send(msgpack.packb({"error": str(exc), "errno": getattr(exc, "errno", 0) or 0}))
+            conn.close()
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if failure:
+            code, _, message = failure.decode(errors="replace").partition(":")
+            self.orphans.add(pid)
+            with contextlib.suppress(OSError):
+                conn.send(msgpack.packb({"error": message, "errno": int(code)}))
+            conn.close()
+            self.reap()
+            return
+        self.children[pid] = conn
+        conn.send(msgpack.packb({"pid": pid}))
+
+    # ----- in the child
+
+    def child(self, conn: socket.socket, fds: list[int], ready_w: int, request: dict) -> None:
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for sock in (self.listener, self.wake_r, self.wake_w, conn, *self.children.values()):
+                sock.close()
+            os.setsid()
+            _die_with_parent(self.zygote_pid)
+            for target, fd in enumerate(fds):
+                os.dup2(fd, target)
+            for fd in fds:
+                if fd > 2:
+                    os.close(fd)
+            try:
+                os.chdir(request["cwd"])
+            except OSError as exc:
+                os.write(ready_w, f"{exc.errno}:{exc.strerror}".encode())
+                os._exit(255)
+            os.close(ready_w)
+            code = self.run(request["argv"], request["env"])
+        finally:
+            os._exit(code)
+
+    def run(self, argv: list[str], env: dict) -> int:
+        """Run ``argv`` as the interpreter would; the exit code (or death by SIGINT)."""
+        import atexit
+        import builtins
+        import tempfile
+        import threading
+        import types
+
+        os.environ.clear()
+        os.environ.update(env)
+        tempfile.tempdir = None  # $TMPDIR as this child's environment says
+        self.streams(env)
+        self.reseed()
+        mode, target, args = (argv[1], argv[2], argv[3:]) if argv[1] in ("-m", "-c") else ("", argv[1], argv[2:])
+        first = os.getcwd() if mode == "-m" else "" if mode == "-c" else os.path.dirname(os.path.realpath(target))
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [first, *extra, *self.base_path]
+        interrupted = False
+        main = types.ModuleType("__main__")  # a fresh one: `python -m` runs the module in __main__'s dict
+        main.__dict__["__builtins__"] = builtins
+        sys.modules["__main__"] = main
+        try:
+            if mode == "-m":
+                import runpy
+
+                sys.argv = ["-m", *args]
+                runpy._run_module_as_main(target)  # what `python -m` calls
+            elif mode == "-c":
+                sys.argv = ["-c", *args]
+                exec(compile(target, "<string>", "exec"), main.__dict__)
+            else:
+                sys.argv = [target, *args]
+                main.__file__ = target
+                with open(target, "rb") as fh:
+                    source = fh.read()
+                exec(compile(source, target, "exec"), main.__dict__)
+            code = 0
+        except SystemExit as exc:
+            code = self.exit_code(exc.code)
+        except KeyboardInterrupt as exc:
+            self.report(exc)
+            interrupted, code = True, 1
+        except BaseException as exc:
+            self.report(exc)
+            code = 1
+        with contextlib.suppress(BaseException):
+            threading._shutdown()  # type: ignore[attr-defined]
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        return code
+
+    @staticmethod
+    def exit_code(code) -> int:
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code & 0xFF
+        with contextlib.suppress(BaseException):
+            print(code, file=sys.stderr)
+        return 1
+
+    @staticmethod
+    def report(exc: BaseException) -> None:
+        """The traceback the interpreter would print, without the zygote's own frames."""
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        with contextlib.suppress(BaseException):
+            sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+
+    @staticmethod
+    def streams(env: dict) -> None:
+        import io
+
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        encoding, _, errors = (env.get("PYTHONIOENCODING") or "").partition(":")
+        encoding = encoding or "utf-8"
+
+        def stream(fd: int, write: bool, errs: str):
+            raw = io.FileIO(fd, "w" if write else "r", closefd=False)
+            interactive = raw.isatty()
+            buf = raw if write and unbuffered else (io.BufferedWriter(raw) if write else io.BufferedReader(raw))
+            return io.TextIOWrapper(buf, encoding=encoding, errors=errs, line_buffering=write and interactive,
+                                    write_through=write and unbuffered)
+
+        sys.stdin = sys.__stdin__ = stream(0, False, errors or "strict")
+        sys.stdout = sys.__stdout__ = stream(1, True, errors or "strict")
+        sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")
+        sys.stderr.reconfigure(line_buffering=True)
+
+    def reseed(self) -> None:
+        import numpy
+        import torch
+
+        numpy.random.seed()  # from the OS, as at a fresh import (random: reseeded at fork by Python)
+        torch.seed()  # a fresh interpreter's torch seeds its default generator from the OS too
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m commlab.zygote SOCKET_PATH", file=sys.stderr)
+        return 2
+    os.environ.pop(ENV, None)
+    _die_with_parent(os.getppid())
+    zygote = Zygote(argv[0])
+    try:
+        zygote.serve()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    # served from the module commlab.zygote, not from __main__, whose dict each child's program takes over
+    from commlab.zygote import main as served
+
+    sys.exit(served(sys.argv[1:]))
