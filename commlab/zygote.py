@@ -331,7 +331,7 @@ class Zygote:
                 import runpy
 
                 sys.argv = ["-m", *args]
-                runpy._run_module_as_main(target)  # what `python -m` calls
+                getattr(runpy, "_run_module_as_main")(target)  # what `python -m` calls
             elif mode == "-c":
                 sys.argv = ["-c", *args]
                 exec(compile(target, "<string>", "exec"), main.__dict__)
@@ -396,10 +396,13 @@ class Zygote:
             return io.TextIOWrapper(buf, encoding=encoding, errors=errs, line_buffering=write and interactive,
                                     write_through=write and unbuffered)
 
-        sys.stdin = sys.__stdin__ = stream(0, False, errors or "strict")
-        sys.stdout = sys.__stdout__ = stream(1, True, errors or "strict")
-        sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")
-        sys.stderr.reconfigure(line_buffering=True)
+        for name, fd, write, errs in (("stdin", 0, False, errors or "strict"), ("stdout", 1, True, errors or "strict"),
+                                      ("stderr", 2, True, "backslashreplace")):
+            made = stream(fd, write, errs)
+            if name == "stderr":
+                made.reconfigure(line_buffering=True)
+            setattr(sys, name, made)
+            setattr(sys, f"__{name}__", made)
 
     def reseed(self) -> None:
         import numpy
