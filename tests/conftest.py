@@ -231,6 +231,23 @@ def _start_zygote() -> None:
     os.environ[zygote.ENV] = path
 
 
+def zygote_children() -> set[int]:
+    """Live (not zombie) processes the run's zygote forked: a forked child's /proc cmdline and environ
+    are the zygote's, so a test that looks for what it left running by those looks here too."""
+    if "proc" not in _ZYGOTE:
+        return set()
+    kids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[1]) == _ZYGOTE["proc"].pid:
+                kids.add(int(d))
+    return kids
+
+
 def pytest_configure(config):
     # A shell without job control starts a background command with SIGINT ignored, and children
     # inherit an ignored signal across exec: the Ctrl-C tests' programs would then never see their
