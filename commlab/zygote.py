@@ -331,6 +331,10 @@ class Zygote:
                 import runpy
 
                 sys.argv = ["-m", *args]
+                # preloaded here, not yet imported in a fresh interpreter (runpy would warn about it); a
+                # package runs its __main__, which is never preloaded
+                if not hasattr(sys.modules.get(target), "__path__"):
+                    sys.modules.pop(target, None)
                 getattr(runpy, "_run_module_as_main")(target)  # what `python -m` calls
             elif mode == "-c":
                 sys.argv = ["-c", *args]

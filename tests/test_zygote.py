@@ -83,6 +83,10 @@ def test_a_script_and_a_module_run_as_main_with_their_folder_first(zygote_env, t
     out, err = module.communicate(timeout=120)
     assert module.returncode == 0, err
     assert json.loads(out) == ["__main__", [str(tmp_path / "pkg" / "tool.py"), "m"], str(tmp_path)]
+    # a module the zygote preloaded runs as __main__ as in a fresh interpreter: runpy has no warning for it
+    preloaded = _start(["-m", "commlab.cli", "--help"], zygote_env)
+    out, err = preloaded.communicate(timeout=120)
+    assert preloaded.returncode == 0 and "usage: commlab" in out and err == "", err
 
 
 def test_exceptions_and_signals_end_a_child_as_they_end_an_interpreter(zygote_env):
