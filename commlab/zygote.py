@@ -11,6 +11,8 @@ would, with torch already in memory.
 Opt-in only: :func:`commlab.launcher.start_group` asks the zygote named by ``$COMMLAB_ZYGOTE``
 (the tests' conftest starts one and sets it) for command lines it can serve, and starts every
 other command, or any command without that variable, the ordinary way. Users never get one.
+A command line may start with ``ip netns exec NS`` (as root; the child joins the network
+namespace, without the /sys and /etc mounts ``ip netns exec`` adds) and ``env NAME=VALUE...``.
 
 What a child gets, as from a real start: a session (and process group) of its own, so
 :func:`commlab.launcher.kill_groups` stops it with whatever it started; its own argv,
@@ -53,6 +55,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.checkpoin
 MAX_MSG = 1 << 20
 CONNECT_S = 120.0  # how long a requester waits for a zygote that is still importing
 PR_SET_PDEATHSIG = 1
+CLONE_NEWNET = 0x40000000
 
 
 def socket_path() -> str | None:
@@ -61,13 +64,29 @@ def socket_path() -> str | None:
 
 
 def serves(argv) -> bool:
-    """Whether a zygote can run ``argv``: this interpreter with ``-m MODULE``, ``-c CODE`` or a script."""
-    argv = [str(a) for a in argv]
+    """Whether a zygote can run ``argv``: this interpreter with ``-m MODULE``, ``-c CODE`` or a script,
+    possibly after ``ip netns exec NS`` (as root) and ``env NAME=VALUE...`` (:func:`split`)."""
+    return split(argv) is not None
+
+
+def split(argv) -> tuple[str | None, dict[str, str], list[str]] | None:
+    """``(network namespace or None, variables set by env, the interpreter's command line)`` of ``argv``,
+    or None where a zygote cannot run it."""
+    argv = [os.fsdecode(a) for a in argv]
+    netns = None
+    if argv[:3] == ["ip", "netns", "exec"] and len(argv) > 3 and os.geteuid() == 0:
+        netns, argv = argv[3], argv[4:]
+    extra: dict[str, str] = {}
+    if argv[:1] == ["env"]:
+        argv = argv[1:]
+        while argv and "=" in argv[0] and not argv[0].startswith(("-", "=")):
+            name, _, value = argv.pop(0).partition("=")
+            extra[name] = value
     if len(argv) < 2 or argv[0] != sys.executable:
-        return False
+        return None
     if argv[1] in ("-m", "-c"):
-        return len(argv) >= 3
-    return not argv[1].startswith("-")
+        return (netns, extra, argv) if len(argv) >= 3 else None
+    return None if argv[1].startswith("-") else (netns, extra, argv)
 
 
 # ----- the requester's side ----------------------------------------------------------------------
@@ -99,9 +118,13 @@ class Popen(subprocess.Popen):
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
         import msgpack
 
-        request = msgpack.packb({"argv": [os.fsdecode(a) for a in args],
-                                 "env": {os.fsdecode(k): os.fsdecode(v) for k, v in
-                                         (os.environ if env is None else env).items()},
+        parts = split(args)
+        if parts is None:
+            raise subprocess.SubprocessError(f"a zygote does not run {list(args)}")
+        netns, extra, argv = parts
+        request = msgpack.packb({"argv": argv, "netns": netns,
+                                 "env": {**{os.fsdecode(k): os.fsdecode(v) for k, v in
+                                            (os.environ if env is None else env).items()}, **extra},
                                  "cwd": os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()})
         sock = _connect(socket_path() or "", CONNECT_S)
         try:
@@ -296,6 +319,8 @@ class Zygote:
                 if fd > 2:
                     os.close(fd)
             try:
+                if request.get("netns"):  # what `ip netns exec` does for the network (not its /sys, /etc mounts)
+                    self.enter_netns(request["netns"])
                 os.chdir(request["cwd"])
             except OSError as exc:
                 os.write(ready_w, f"{exc.errno}:{exc.strerror}".encode())
@@ -304,6 +329,19 @@ class Zygote:
             code = self.run(request["argv"], request["env"])
         finally:
             os._exit(code)
+
+    @staticmethod
+    def enter_netns(name: str) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
 
     def run(self, argv: list[str], env: dict) -> int:
         """Run ``argv`` as the interpreter would; the exit code (or death by SIGINT)."""

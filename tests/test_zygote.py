@@ -150,5 +150,29 @@ def test_only_this_interpreter_with_a_program_is_served():
     assert zygote.serves([sys.executable, "-m", "workers"]) and zygote.serves([sys.executable, "x.py", "-v"])
     assert zygote.serves([sys.executable, "-c", "pass"])
     assert not zygote.serves([sys.executable, "-u", "x.py"]) and not zygote.serves([sys.executable, "-m"])
-    assert not zygote.serves(["ip", "netns", "exec", "ns", sys.executable, "x.py"])
-    assert not zygote.serves(["/usr/bin/env", "python3", "x.py"])
+    assert not zygote.serves(["/usr/bin/env", "python3", "x.py"]) and not zygote.serves(["env", "-i", sys.executable])
+    assert zygote.split(["env", "A=1", "B=x=y", sys.executable, "x.py"]) == (None, {"A": "1", "B": "x=y"},
+                                                                              [sys.executable, "x.py"])
+    assert zygote.serves(["ip", "netns", "exec", "ns", sys.executable, "x.py"]) == (os.geteuid() == 0)
+
+
+NETNS = "import os; print(os.stat('/proc/self/ns/net').st_ino, os.environ['ZYGOTE_X'])"
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
+                    reason="needs root and iproute2")
+def test_a_child_joins_the_network_namespace_ip_netns_exec_names(zygote_env):
+    name = f"zygote-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        real = subprocess.run(["ip", "netns", "exec", name, "stat", "-L", "-c", "%i", "/proc/self/ns/net"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout.split()
+        p = launcher.start_group(["ip", "netns", "exec", name, "env", "ZYGOTE_X=in", sys.executable, "-c", NETNS],
+                                 zygote_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert isinstance(p, zygote.Popen)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.split() == [real[0], "in"] and real[0] != str(os.stat("/proc/self/ns/net").st_ino)
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], timeout=30)
