@@ -197,6 +197,7 @@ class Zygote:
         self.path = path
         self.zygote_pid = os.getpid()
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
+        self.reported: dict[int, socket.socket] = {}  # exited, status sent, a zombie until the requester closes
         self.orphans: set[int] = set()  # requester gone, group killed, not reaped yet
         self.base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         self.preload()
@@ -221,7 +222,7 @@ class Zygote:
 
     def serve(self) -> None:
         while True:
-            watched = [self.listener, self.wake_r, *self.children.values()]
+            watched = [self.listener, self.wake_r, *self.children.values(), *self.reported.values()]
             for sock in select.select(watched, [], [])[0]:
                 if sock is self.listener:
                     self.accept()
@@ -231,33 +232,57 @@ class Zygote:
                             pass
                     self.reap()
                 else:
-                    self.requester_gone(sock)
+                    self.closed(sock)
 
-    def requester_gone(self, sock: socket.socket) -> None:
-        pid = next(p for p, s in self.children.items() if s is sock)
-        del self.children[pid]
+    def closed(self, sock: socket.socket) -> None:
+        """A requester's connection closed (requesters send nothing after the request): after the exit
+        status reached it, the zombie is reaped now; before, the requester is gone and so goes its child."""
+        for table in (self.reported, self.children):
+            pid = next((p for p, s in table.items() if s is sock), None)
+            if pid is not None:
+                del table[pid]
+                break
         sock.close()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+        if pid is None:
+            return
+        if table is self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
         self.orphans.add(pid)
         self.reap()
 
     def reap(self) -> None:
+        """Report each exited child to its requester, keeping it a zombie (its pid, and its group's id,
+        not reused) until the requester closes the connection, as a process's own child stays until
+        waited for; reap the children whose requester is done or gone."""
         import msgpack
 
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid in list(self.orphans):
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    continue
             self.orphans.discard(pid)
-            sock = self.children.pop(pid, None)
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.send(msgpack.packb({"status": status}))
+        for pid, sock in list(self.children.items()):
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                info = None
+            if info is None:
+                continue
+            del self.children[pid]
+            if info.si_code == os.CLD_EXITED:
+                status = (info.si_status & 0xFF) << 8
+            else:  # killed by a signal (0x80: it dumped core)
+                status = info.si_status | (0x80 if info.si_code == os.CLD_DUMPED else 0)
+            try:
+                sock.send(msgpack.packb({"status": status}))
+                self.reported[pid] = sock
+            except OSError:  # the requester is gone too
                 sock.close()
+                self.orphans.add(pid)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+                    self.orphans.discard(pid)
 
     def accept(self) -> None:
         import msgpack
@@ -309,7 +334,8 @@ class Zygote:
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            for sock in (self.listener, self.wake_r, self.wake_w, conn, *self.children.values()):
+            for sock in (self.listener, self.wake_r, self.wake_w, conn, *self.children.values(),
+                         *self.reported.values()):
                 sock.close()
             os.setsid()
             _die_with_parent(self.zygote_pid)
