@@ -33,7 +33,9 @@ children die with the zygote (``PR_SET_PDEATHSIG``), and the zygote with the pro
 it. Fork happens before any thread pool (OpenMP) or zmq context exists: the zygote only imports.
 
 On the wire: msgpack maps, never pickle. Request ``{argv, env, cwd}`` with three descriptors;
-replies ``{pid}`` or ``{error, errno}``, then ``{status}`` (the raw wait status) once it exited.
+replies ``{pid}`` or ``{error, errno}``, then ``{status}`` (the raw wait status) once it exited; the
+child stays a zombie until the requester half-closes the connection, then the zygote reaps it and
+closes, so a requester's ``wait`` returns with the pid gone, as ``waitpid`` leaves it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.checkpoin
            "workers.loop", "servers.server", "bench")
 MAX_MSG = 1 << 20
 CONNECT_S = 120.0  # how long a requester waits for a zygote that is still importing
+REAP_S = 30.0  # how long a requester waits for the zygote to reap a child whose exit it reported
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 
@@ -160,8 +163,12 @@ class Popen(subprocess.Popen):
             return 0, 0
         try:
             data = sock.recv(MAX_MSG)
+            if data:  # as waitpid does: return once the child is reaped (the zygote closes when it is)
+                sock.shutdown(socket.SHUT_WR)
+                sock.settimeout(REAP_S)
+                sock.recv(1)
         except OSError:
-            data = b""
+            pass
         sock.close()
         # no report: the zygote is gone, and its children with it (PR_SET_PDEATHSIG)
         return self.pid, msgpack.unpackb(data)["status"] if data else int(signal.SIGKILL)
@@ -235,19 +242,23 @@ class Zygote:
                     self.closed(sock)
 
     def closed(self, sock: socket.socket) -> None:
-        """A requester's connection closed (requesters send nothing after the request): after the exit
-        status reached it, the zombie is reaped now; before, the requester is gone and so goes its child."""
-        for table in (self.reported, self.children):
-            pid = next((p for p, s in table.items() if s is sock), None)
-            if pid is not None:
-                del table[pid]
-                break
+        """A requester's connection closed or half-closed (requesters send nothing after the request):
+        after the exit status reached it, the zombie is reaped now and the connection closed, which tells
+        the requester; before, the requester is gone and so goes its child."""
+        reported = next((p for p, s in self.reported.items() if s is sock), None)
+        if reported is not None:
+            del self.reported[reported]
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(reported, 0)  # a zombie: at once
+            sock.close()
+            return
+        pid = next((p for p, s in self.children.items() if s is sock), None)
         sock.close()
         if pid is None:
             return
-        if table is self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+        del self.children[pid]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
         self.orphans.add(pid)
         self.reap()
 

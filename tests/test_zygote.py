@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +113,17 @@ def test_exceptions_and_signals_end_a_child_as_they_end_an_interpreter(zygote_en
 def test_a_missing_folder_fails_the_start_as_popen_does(zygote_env, tmp_path):
     with pytest.raises(FileNotFoundError):
         launcher.start_group([sys.executable, "-c", "pass"], zygote_env, cwd=tmp_path / "nowhere")
+
+
+def test_an_exited_child_stays_a_zombie_until_waited_for_as_a_child_of_ones_own(zygote_env):
+    """Its pid (and group id) is not reused before the requester has its status, and is gone once
+    ``wait`` returns (what a sweep of a dead pid's leftovers relies on)."""
+    p = _start(["-c", "pass"], zygote_env)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.02)
+    assert p.wait(60) == 0 and not Path(f"/proc/{p.pid}").exists()
 
 
 REQUESTER = """
