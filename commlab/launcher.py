@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
-from commlab import metrics, shm
+from commlab import metrics, shm, zygote
 from commlab import scratch as scratch_dirs
 from commlab import store as store_mod
 from commlab.config import ExchangerURL
@@ -234,8 +234,16 @@ def start_group(argv: Sequence[str], env: Mapping[str, str] | None = None, **pop
     dies with this process (``commlab/childexec.py``: SIGKILLed if the thread that called this
     exits). :func:`kill_groups` stops it with whatever it started. ``env`` defaults to this
     process's; stdin defaults to /dev/null. The pid is ``argv``'s own. Does not block.
+
+    Where ``$COMMLAB_ZYGOTE`` names a fork server (the test suite starts one: :mod:`commlab.zygote`),
+    a Python command line is forked from it instead, with torch already imported; the child still
+    leads a group of its own and dies with this process (the zygote kills it when this process's
+    connection closes).
     """
     popen_kw.setdefault("stdin", subprocess.DEVNULL)
+    if zygote.socket_path() and zygote.serves(argv):
+        return zygote.Popen(list(argv), env=dict(os.environ if env is None else env), start_new_session=True,
+                            **popen_kw)
     return subprocess.Popen([sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv],
                             env=dict(os.environ if env is None else env), start_new_session=True, **popen_kw)
 

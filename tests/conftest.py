@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from commlab import launcher, store
+from commlab import launcher, store, zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,6 +212,42 @@ FULL_ONLY = {
 }
 
 
+REAL_STARTS = {zygote.ENV: "off"}  # in a child's environment: what that child starts starts the ordinary way
+_ZYGOTE: dict = {}
+
+
+def _start_zygote() -> None:
+    """One fork server for the whole run (:mod:`commlab.zygote`): every Python process the tests start
+    through :func:`commlab.launcher.start_group` (ranks, servers, launchers, and what those start) is
+    forked from it with torch and torch._dynamo already imported, instead of importing them again
+    (3-4 s of CPU each). It imports while pytest collects. ``COMMLAB_ZYGOTE=off make test`` runs the
+    suite with real starts throughout; the launcher's own tests always start for real."""
+    if os.environ.get(zygote.ENV):  # "off", or a zygote of the caller's
+        return
+    folder = tempfile.mkdtemp(prefix="commlab-zygote-")
+    path = os.path.join(folder, "socket")
+    _ZYGOTE.update(proc=launcher.start_group([sys.executable, "-m", "commlab.zygote", path], child_env()),
+                   folder=folder)
+    os.environ[zygote.ENV] = path
+
+
+def zygote_children() -> set[int]:
+    """Live (not zombie) processes the run's zygote forked: a forked child's /proc cmdline and environ
+    are the zygote's, so a test that looks for what it left running by those looks here too."""
+    if "proc" not in _ZYGOTE:
+        return set()
+    kids = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[1]) == _ZYGOTE["proc"].pid:
+                kids.add(int(d))
+    return kids
+
+
 def pytest_configure(config):
     # A shell without job control starts a background command with SIGINT ignored, and children
     # inherit an ignored signal across exec: the Ctrl-C tests' programs would then never see their
@@ -217,6 +255,14 @@ def pytest_configure(config):
     # to the default on exec, so the programs the tests start get Ctrl-C as in a terminal.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _start_zygote()
+
+
+def pytest_unconfigure(config):
+    if _ZYGOTE:
+        os.environ.pop(zygote.ENV, None)
+        launcher.kill_groups([_ZYGOTE.pop("proc")], grace=5)  # its children die with it (PR_SET_PDEATHSIG)
+        shutil.rmtree(_ZYGOTE.pop("folder"), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

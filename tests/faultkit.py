@@ -20,11 +20,13 @@ import zmq
 from commlab import launcher, psproto, transport, wire
 from commlab.regimes.ps import server_stats
 
-from conftest import GroupTimeout
+from conftest import REAL_STARTS, GroupTimeout
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            PYTHONUNBUFFERED="1")
+# for a launcher whose ranks a test finds by their parent and environment (/proc): started for real
+LAUNCHER_ENV = dict(ENV, **REAL_STARTS)
 DRIVER = str(REPO / "tests" / "ps_driver.py")
 AGENT_ENV = {launcher.AGENT_STORE: "True"}  # a rank's store is hosted for it (Procs.store): rank 0 is a client too
 START_TIMEOUT = 60.0
@@ -222,7 +224,7 @@ def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -
     running (its ranks and servers share its process group). Blocks at most ~START_TIMEOUT + 60 s;
     nothing it started outlives the call."""
     cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
-                                "--workers", "3", "--model", model, "--steps", "100000"], ENV, cwd=REPO,
+                                "--workers", "3", "--model", model, "--steps", "100000"], LAUNCHER_ENV, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         victim = wait_for_rank_process(cli.pid, rank=rank, timeout=START_TIMEOUT)

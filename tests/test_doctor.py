@@ -22,12 +22,14 @@ from commlab.errors import BackendUnavailable, ConfigError
 from commlab.exchanger import make_buckets
 from commlab.staging import CPU_RESIDENT, HostStaging, resolve_device
 
+from conftest import run_group
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return run_group([sys.executable, *argv], timeout, cwd=ROOT, env=ENV, capture_output=True, text=True)
 
 
 # ----- the doctor, end to end ---------------------------------------------------------------------

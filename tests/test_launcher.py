@@ -17,9 +17,18 @@ import pytest
 import commlab
 from commlab import launcher, scratch
 
-from conftest import child_env, run_group
+from conftest import REAL_STARTS, child_env, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def real_starts(monkeypatch):
+    """The launcher's stops, its children's death with it and its deadline are tested with real starts:
+    no fork server (commlab.zygote) for the commands these tests start, nor for what those start (the
+    tests find the ranks as the launcher's children in /proc). The rest may be forked."""
+    for key, value in REAL_STARTS.items():
+        monkeypatch.setenv(key, value)
 
 
 def _children(pid: int) -> list[int]:
@@ -91,6 +100,7 @@ LONG_JOBS = {
 @pytest.mark.multiproc
 @NEEDS_PROC_CHILDREN
 @pytest.mark.parametrize("command", sorted(LONG_JOBS))
+@pytest.mark.usefixtures("real_starts")
 def test_sigterm_stops_every_server_and_rank_and_says_so(command, tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
@@ -111,6 +121,7 @@ def test_sigterm_stops_every_server_and_rank_and_says_so(command, tmp_path):
 
 @pytest.mark.multiproc
 @NEEDS_PROC_CHILDREN
+@pytest.mark.usefixtures("real_starts")
 def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
     """The ranks lead process groups of their own, so a terminal's Ctrl-C reaches the launcher only:
     the launcher must stop them."""
@@ -132,6 +143,7 @@ def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
 
 @pytest.mark.multiproc
 @NEEDS_PROC_CHILDREN
+@pytest.mark.usefixtures("real_starts")
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL leaves the launcher no chance to clean up: its ranks, each in a process group of its
     own, must still go (the parent-death signal set by commlab/childexec.py), and the scratch folder
@@ -161,6 +173,7 @@ def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
 
 @pytest.mark.multiproc
 @NEEDS_PROC_CHILDREN
+@pytest.mark.usefixtures("real_starts")
 def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped_with_what_they_started(tmp_path):
     script, grandchild = tmp_path / "sleeper.py", tmp_path / "grandchild.pid"
     script.write_text(SLEEPER)
@@ -180,6 +193,7 @@ def test_the_failing_rank_is_named_with_its_log_and_the_others_stopped_with_what
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("real_starts")
 def test_deadline_stops_the_job(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,8 @@ from commlab.plan.costmodel import (Bucket, Calibration, Compute, Straggler, Top
                                     ps_time, ring_bytes_per_rank, shards_to_beat_ring)
 from commlab.plan.simulate import ring_bytes_by_rank, shard_bytes, simulate
 from commlab.regimes.ring import ring_schedule, segment_bounds
+
+from conftest import run_group
 
 ROOT = Path(__file__).resolve().parent.parent
 RATE = 1e9  # bytes/s on every NIC in these tests
@@ -222,7 +223,7 @@ def test_commlab_plan_writes_a_table_plots_and_a_recommendation_up_to_4096_worke
     argv = [sys.executable, "-m", "commlab.cli", "plan", "--calibration", str(tmp_path / "cal.json"), "--workers",
             "8,4096", "--link", "10gbit", "--batch-size", "32", "--out", str(out), "--max-shards", "16",
             "--straggler", "lognormal:0.05"]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    res = run_group(argv, 180, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "plan.md").read_text()
     assert "### Recommendation" in text and "**N = 4096:" in text and "### Crossovers" in text

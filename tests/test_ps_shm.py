@@ -21,7 +21,7 @@ from commlab.errors import ConfigError
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
-from faultkit import ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
+from faultkit import ENV, LAUNCHER_ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
 
 pytestmark = pytest.mark.multiproc
 
@@ -123,7 +123,7 @@ def test_launcher_trains_over_shm_and_a_killed_rank_leaves_no_segment(tmp_path):
     of its processes stays in /dev/shm."""
     cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
                                 "ps://?shards=2&mode=async&transport=shm&timeout=20", "--workers", "2",
-                                "--model", "tiny", "--steps", "100000"], ENV, cwd=REPO,
+                                "--model", "tiny", "--steps", "100000"], LAUNCHER_ENV, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen: set[int] = {cli.pid}
     try:

@@ -14,6 +14,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -22,6 +23,7 @@ from commlab.errors import CommError, ConfigError, ProtocolError
 from commlab.store import host as host_store
 from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
 from commlab import wire
+from commlab.zygote import ENV as ZYGOTE_ENV
 
 from conftest import run_group
 
@@ -31,6 +33,8 @@ MIB = 2**20
 
 # ----- a small multi-process harness ----------------------------------------------------------------
 def _child(fn, rank, world, ports, args, results):
+    torch.seed()  # forked from the fork server: this rank's own seeds, as a fresh interpreter's
+    np.random.seed()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
@@ -50,6 +54,17 @@ def _child(fn, rank, world, ports, args, results):
         time.sleep(300)
 
 
+def _context():
+    """Ranks forked by multiprocessing's fork server, which imports torch, torch._dynamo, commlab and this
+    module once per pytest run (a spawned rank imported them again: 3-4 s of CPU each); it forks before
+    any thread pool or zmq context exists. ``COMMLAB_ZYGOTE=off`` spawns each rank, as before."""
+    if os.environ.get(ZYGOTE_ENV) == "off":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "numpy", "commlab", "commlab.regimes.ring", __name__])
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
 
@@ -57,7 +72,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0, on_start=None) -> di
     ``on_start(procs)`` may act on the running children (kill or stop one) and returns the ranks
     that will not report.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results, ports = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_child, args=(fn, r, world, ports, args, results), daemon=True) for r in range(world)]
     for p in procs:

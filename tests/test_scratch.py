@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from commlab import scratch, shm
+from commlab import launcher, scratch, shm
 from conftest import child_env
 
 OWNER = """
@@ -24,8 +24,8 @@ time.sleep(600)
 
 
 def _owner(directory: Path) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-c", OWNER, str(directory)], env=child_env(), stdout=subprocess.PIPE,
-                         text=True)
+    p = launcher.start_group([sys.executable, "-c", OWNER, str(directory)], child_env(), stdout=subprocess.PIPE,
+                             text=True)
     line = p.stdout.readline().strip()
     assert line, "the owner printed no folder"
     return p, line

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from commlab import shm
+from commlab import launcher, shm
 from commlab.errors import ProtocolError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ if sys.argv[2] == "sleep":
 
 def _owner(run: str, mode: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", OWNER, run, mode], env=env, stdout=subprocess.PIPE, text=True)
+    proc = launcher.start_group([sys.executable, "-c", OWNER, run, mode], env, stdout=subprocess.PIPE, text=True)
     path = proc.stdout.readline().strip()
     assert path.startswith(f"{shm.SHM_DIR}/commlab-{run}-{proc.pid}."), path
     return proc, path

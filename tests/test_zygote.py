@@ -1,0 +1,190 @@
+"""commlab.zygote: a forked child runs its program as a fresh interpreter would (argv, environment,
+folder, sys.path, streams, exit status, signals, RNGs), leads a group of its own, and dies with the
+process that asked for it. The suite's own zygote serves these (conftest), or one of this module's
+when the run has none (COMMLAB_ZYGOTE=off)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from commlab import launcher, zygote
+
+from conftest import child_env
+
+
+@pytest.fixture(scope="module")
+def zygote_env(tmp_path_factory):
+    """An environment whose start_group calls go to a zygote; os.environ names it during the module."""
+    before = os.environ.get(zygote.ENV)
+    own = None
+    if zygote.socket_path() is None:
+        path = str(tmp_path_factory.mktemp("zygote") / "socket")
+        own = launcher.start_group([sys.executable, "-m", "commlab.zygote", path], child_env())
+        os.environ[zygote.ENV] = path
+    yield child_env()
+    if own is not None:
+        launcher.kill_groups([own], grace=5)
+        os.environ[zygote.ENV] = before if before is not None else "off"
+
+
+def _start(argv_tail: list[str], env: dict, **kw) -> subprocess.Popen:
+    p = launcher.start_group([sys.executable, *argv_tail], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, **kw)
+    assert isinstance(p, zygote.Popen)
+    return p
+
+
+REPORT = """
+import json, os, random, sys
+import numpy, torch
+print(sys.stdin.read() == "", file=sys.stderr)
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("ZYGOTE_X"), "path0": sys.path[0],
+                  "pythonpath": [p for p in sys.path if p.endswith("extra-entry")], "name": __name__,
+                  "leader": os.getpgid(0) == os.getpid() == os.getsid(0), "torch": torch.initial_seed(),
+                  "numpy": float(numpy.random.random()), "random": random.random()}))
+sys.exit(3)
+"""
+
+
+def test_a_child_gets_its_argv_environment_folder_streams_and_exit_code(zygote_env, tmp_path):
+    env = dict(zygote_env, ZYGOTE_X="x", PYTHONPATH=os.pathsep.join([str(tmp_path / "extra-entry"),
+                                                                     zygote_env["PYTHONPATH"]]))
+    reports = []
+    for _ in range(2):
+        p = _start(["-c", REPORT, "a", "b"], env, cwd=tmp_path)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 3 and err == "True\n", err
+        reports.append(json.loads(out))
+    first, second = reports
+    assert first["argv"] == ["-c", "a", "b"] and first["cwd"] == str(tmp_path) and first["x"] == "x"
+    assert first["path0"] == "" and first["pythonpath"] == [str(tmp_path / "extra-entry")]
+    assert first["name"] == "__main__" and first["leader"]
+    for rng in ("torch", "numpy", "random"):  # reseeded in every child, as fresh interpreters would be
+        assert first[rng] != second[rng], rng
+
+
+def test_a_script_and_a_module_run_as_main_with_their_folder_first(zygote_env, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    body = "import sys, json; print(json.dumps([__name__, sys.argv, sys.path[0]]))\n"
+    (tmp_path / "pkg" / "tool.py").write_text(body)
+    script = _start([str(tmp_path / "pkg" / "tool.py"), "s"], zygote_env)
+    out, err = script.communicate(timeout=120)
+    assert script.returncode == 0, err
+    assert json.loads(out) == ["__main__", [str(tmp_path / "pkg" / "tool.py"), "s"], str(tmp_path / "pkg")]
+    module = _start(["-m", "pkg.tool", "m"], zygote_env, cwd=tmp_path)
+    out, err = module.communicate(timeout=120)
+    assert module.returncode == 0, err
+    assert json.loads(out) == ["__main__", [str(tmp_path / "pkg" / "tool.py"), "m"], str(tmp_path)]
+    # a module the zygote preloaded runs as __main__ as in a fresh interpreter: runpy has no warning for it
+    preloaded = _start(["-m", "commlab.cli", "--help"], zygote_env)
+    out, err = preloaded.communicate(timeout=120)
+    assert preloaded.returncode == 0 and "usage: commlab" in out and err == "", err
+
+
+def test_exceptions_and_signals_end_a_child_as_they_end_an_interpreter(zygote_env):
+    failed = _start(["-c", "raise ValueError('boom')"], zygote_env)
+    _, err = failed.communicate(timeout=120)
+    assert failed.returncode == 1 and err.startswith("Traceback") and "ValueError: boom" in err
+    assert "zygote" not in err  # the zygote's own frames are not shown
+    said = _start(["-c", "import sys; sys.exit('a message')"], zygote_env)
+    assert said.communicate(timeout=120)[1] == "a message\n" and said.returncode == 1
+    # SIGINT raises KeyboardInterrupt (Python's default handler); uncaught, the child dies of SIGINT
+    sleeper = _start(["-c", "import time; print('up', flush=True); time.sleep(600)"], zygote_env)
+    assert sleeper.stdout.readline() == "up\n"
+    os.killpg(sleeper.pid, signal.SIGINT)
+    _, err = sleeper.communicate(timeout=120)
+    assert sleeper.returncode == -signal.SIGINT and "KeyboardInterrupt" in err
+    # SIGTERM: the default disposition
+    sleeper = _start(["-c", "import time; print('up', flush=True); time.sleep(600)"], zygote_env)
+    assert sleeper.stdout.readline() == "up\n"
+    launcher.kill_groups([sleeper], grace=5)
+    assert sleeper.returncode == -signal.SIGTERM
+
+
+def test_a_missing_folder_fails_the_start_as_popen_does(zygote_env, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        launcher.start_group([sys.executable, "-c", "pass"], zygote_env, cwd=tmp_path / "nowhere")
+
+
+def test_an_exited_child_stays_a_zombie_until_waited_for_as_a_child_of_ones_own(zygote_env):
+    """Its pid (and group id) is not reused before the requester has its status, and is gone once
+    ``wait`` returns (what a sweep of a dead pid's leftovers relies on)."""
+    p = _start(["-c", "pass"], zygote_env)
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.02)
+    assert p.wait(60) == 0 and not Path(f"/proc/{p.pid}").exists()
+
+
+REQUESTER = """
+import subprocess, sys, time
+from commlab import launcher
+p = launcher.start_group([sys.executable, "-c", "import time; time.sleep(600)"])
+print(p.pid, type(p).__name__, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_child_dies_with_the_process_that_asked_for_it(zygote_env):
+    """The requester is SIGKILLed (no clean-up of its own): the zygote kills the child it asked for."""
+    requester = subprocess.Popen([sys.executable, "-c", REQUESTER], env=zygote_env, stdout=subprocess.PIPE,
+                                 text=True, start_new_session=True)
+    try:
+        pid, kind = requester.stdout.readline().split()
+        assert kind == "Popen"
+        os.kill(int(pid), 0)  # running
+        requester.kill()
+        requester.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"pid {pid} outlived its requester by 30 s")
+    finally:
+        launcher.kill_groups([requester], grace=0)
+
+
+def test_only_this_interpreter_with_a_program_is_served():
+    assert zygote.serves([sys.executable, "-m", "workers"]) and zygote.serves([sys.executable, "x.py", "-v"])
+    assert zygote.serves([sys.executable, "-c", "pass"])
+    assert not zygote.serves([sys.executable, "-u", "x.py"]) and not zygote.serves([sys.executable, "-m"])
+    assert not zygote.serves(["/usr/bin/env", "python3", "x.py"]) and not zygote.serves(["env", "-i", sys.executable])
+    assert zygote.split(["env", "A=1", "B=x=y", sys.executable, "x.py"]) == (None, {"A": "1", "B": "x=y"},
+                                                                              [sys.executable, "x.py"])
+    assert zygote.serves(["ip", "netns", "exec", "ns", sys.executable, "x.py"]) == (os.geteuid() == 0)
+
+
+NETNS = "import os; print(os.stat('/proc/self/ns/net').st_ino, os.environ['ZYGOTE_X'])"
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0,
+                    reason="needs root and iproute2")
+def test_a_child_joins_the_network_namespace_ip_netns_exec_names(zygote_env):
+    name = f"zygote-test-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        real = subprocess.run(["ip", "netns", "exec", name, "stat", "-L", "-c", "%i", "/proc/self/ns/net"],
+                              capture_output=True, text=True, check=True, timeout=30).stdout.split()
+        p = launcher.start_group(["ip", "netns", "exec", name, "env", "ZYGOTE_X=in", sys.executable, "-c", NETNS],
+                                 zygote_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert isinstance(p, zygote.Popen)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert out.split() == [real[0], "in"] and real[0] != str(os.stat("/proc/self/ns/net").st_ino)
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], timeout=30)
