@@ -202,8 +202,10 @@ def test_ssp_keeps_staleness_within_its_bound_and_async_does_not(start_server, t
     for server, mode in ((ssp, "ssp"), (asy, "async")):
         url = f"ps://{server.address}?mode={mode}&timeout=60&transport={transport}"
         # rank 0 is slow: its first gradient waits until 10 more updates landed (async lets rank 1
-        # run that far ahead; ssp blocks it, so there the wait ends after 3 s), then 20 ms per step
-        slow = ["--sleep", "0.02", "--lag-until-version", "10", "--lag-timeout", "3", "--barrier"]
+        # run that far ahead, so there the wait always ends that way, however loaded the machine; ssp
+        # blocks rank 1, so there it ends after 3 s), then 20 ms per step
+        lag = "60" if mode == "async" else "3"
+        slow = ["--sleep", "0.02", "--lag-until-version", "10", "--lag-timeout", lag, "--barrier"]
         cmds += [driver(url, 0, 2, 20, *slow), driver(url, 1, 2, 20, "--barrier")]
     run_all(cmds)
     st_ssp, st_async = ssp.stats(), asy.stats()
