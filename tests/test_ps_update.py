@@ -79,9 +79,10 @@ def test_an_inf_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path, serv
                                      steps=steps, clip=update == "worker"), steps)
 
 
+@pytest.mark.parametrize("load", ["after", "before"])  # the model's and optimizer's state: before ex.setup or after
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("update,k", [("worker", 1), ("server", 2)])
-def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path, servers, update, k, transport):
+def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path, servers, update, k, transport, load):
     """Stopped at step 10 (model, optimizer, scheduler, scaler and exchanger state_dicts saved), resumed by
     new ranks against new servers: with update=server the optimizer state was gathered from the shards
     into a torch state_dict and is scattered to the new ones."""
@@ -92,7 +93,7 @@ def test_stop_and_resume_on_fresh_servers_equals_the_uninterrupted_run(tmp_path,
     saved = torch.load(metrics_path(ck, 0), weights_only=False)
     assert len(saved["optimizer"]["state"]) == len(saved["model"])  # a torch state_dict, every parameter
     resumed = run_loop(tmp_path, n, url=ps_url(servers(k), update, k, transport), variant="mlp", steps=STEPS, resume=ck,
-                       clip=update == "worker")
+                       clip=update == "worker", load=load)
     want = userloop.reference("mlp", n, STEPS)
     assert_ranks_identical(resumed)
     for res in resumed:

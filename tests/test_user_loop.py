@@ -154,12 +154,13 @@ def assert_inf_step_skipped(results: list[dict], steps: int) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("load", ["after", "before"])  # the model's and optimizer's state: before ex.setup or after
 @pytest.mark.parametrize("regime", sorted(SYNC_REGIMES))
-def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, regime):
+def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, regime, load):
     ck = str(tmp_path / "ck")
     n = 2
     run_loop(tmp_path, n, url=SYNC_REGIMES[regime], variant="mlp", steps=STEPS, stop_at=10, save=ck)
-    resumed = run_loop(tmp_path, n, url=SYNC_REGIMES[regime], variant="mlp", steps=STEPS, resume=ck)
+    resumed = run_loop(tmp_path, n, url=SYNC_REGIMES[regime], variant="mlp", steps=STEPS, resume=ck, load=load)
     want = userloop.reference("mlp", n, STEPS)
     assert_ranks_identical(resumed)
     for res in resumed:

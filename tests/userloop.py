@@ -114,7 +114,8 @@ def finish_step(model, opt, sched, scaler, seen: dict, clip: bool = True) -> Non
 
 
 def rank_main(cfg: dict) -> None:
-    """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume,
+    """One rank of the user's loop. ``cfg``: url, variant, steps, and optionally stop_at + save, resume (with load:
+    "before": the model's and optimizer's state loaded before ex.setup, as DDP scripts do),
     device ("cpu", or "cuda": the model on GPU LOCAL_RANK % count, fp16 autocast instead of bf16), clip
     (False: no clip_grad_norm_ in the loop, as when ps:// update=server clips with clip_norm=)."""
     import os
@@ -132,15 +133,22 @@ def rank_main(cfg: dict) -> None:
     forward = model
     if accumulate in ("flag-compiled", "flag-wrapper"):  # setup() given torch.compile's wrapper
         forward = torch.compile(model, backend="eager")
+    ck = torch.load(metrics_path(cfg["resume"], rank), weights_only=False) if cfg.get("resume") else None
+    before = ck is not None and cfg.get("load") == "before"
+    if before:  # as DDP scripts do: the state first, then the wrapper (the schedule made before either load:
+        sched = schedule(opt, steps)  # LambdaLR reads its base lr from the groups when it is made)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
     ex.setup(forward, opt)
-    sched = schedule(opt, steps)
+    if not before:
+        sched = schedule(opt, steps)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=1000)
     half = torch.float16 if device.type == "cuda" else torch.bfloat16
     start = 0
-    if cfg.get("resume"):
-        ck = torch.load(metrics_path(cfg["resume"], rank), weights_only=False)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
+    if ck is not None:
+        if not before:
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
         sched.load_state_dict(ck["scheduler"])
         scaler.load_state_dict(ck["scaler"])
         ex.load_state_dict(ck["exchanger"])
