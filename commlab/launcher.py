@@ -526,10 +526,9 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
                rank_args=(lambda r: ["--no-progress"] if r > 0 else []) if quiet_ranks else None, name=name, **fields)
 
 
-def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None,
-           poll_s: float = 0.05, quiet_ranks: bool = True, module: str = "workers",
+def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
            name: str = "commlab train") -> int:
     """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
-    return run_job(worker_job(url, workers, worker_args, module=module, quiet_ranks=quiet_ranks, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, poll_s=poll_s))
+    return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
+                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path))
