@@ -964,10 +964,7 @@ class ShardServer:
         every.update({name: st for name, st in self.retired.items() if name not in every})
         if space is None:
             space = "" if "" in every else next(reversed(every), "")
-        base = dict(every.get(space) or {"space": space, "shard": self.cfg.shard, "shards": self.cfg.shards,
-                                          "mode": self.cfg.mode, "update": None, "version": 0, "sync_step": None,
-                                          "waiting_for": [], "gate": "", "queue": 0, "workers": [], "shm_links": 0,
-                                          "last_step": {}, "staleness": {}, "max_staleness": 0, "clock_gap": {}})
+        base = dict(every.get(space) or ParameterServer(self.cfg, self, space).stats_dict())  # (none yet: empty)
         for key in self.COUNTERS:
             base[key] = getattr(self.stats, key) + sum(st[key] for st in every.values())
         base["boot"] = self.boot

@@ -21,6 +21,14 @@ import commlab
 from commlab.rendezvous import RankInfo
 
 
+def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise commlab.CommTimeout(f"{what} within {timeout:g}s")
+        time.sleep(0.01)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("url")
@@ -45,11 +53,9 @@ def main() -> int:
     info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
     with commlab.connect(a.url, info) as ex:
         ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
-        deadline = time.monotonic() + 60
-        while a.barrier and any(len(s["workers"]) < a.workers for s in ex.server_stats()):
-            if time.monotonic() > deadline:
-                raise commlab.CommTimeout(f"rank {a.rank}: not every worker attached within 60s")
-            time.sleep(0.01)
+        if a.barrier:
+            wait_for(lambda: all(len(s["workers"]) >= a.workers for s in ex.server_stats()),
+                     f"rank {a.rank}: not every worker attached")
         for step in range(a.steps):
             ex.zero_grad()
             if a.sleep:
@@ -62,13 +68,9 @@ def main() -> int:
                 time.sleep(0.01)
             model[0].grad = torch.full_like(model[0], a.grad)  # a gradient of our own (no backward)
             ex.step()
-        deadline = time.monotonic() + 60
-        while a.final_version and min(s["version"] for s in ex.server_stats()) < a.final_version:
-            if time.monotonic() > deadline:
-                raise commlab.CommTimeout(f"rank {a.rank}: the shards did not reach version {a.final_version} "
-                                          f"within 60s: {[s['version'] for s in ex.server_stats()]}")
-            time.sleep(0.01)
         if a.final_version:
+            wait_for(lambda: min(s["version"] for s in ex.server_stats()) >= a.final_version,
+                     f"rank {a.rank}: the shards did not reach version {a.final_version}")
             ex.pull_latest()
         print(json.dumps({"rank": a.rank, "param": model[0].detach().tolist()}), flush=True)
     return 0

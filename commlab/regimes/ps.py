@@ -694,8 +694,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         elif self.mode == "sync":
             self._drop_absent_grads()  # p.grad: this worker's own gradient
             self._report(step)
-        else:
-            self._note_probe()  # (only to say so if the loop changes p.grad, which async never sees)
+        elif not self._warned_loop:  # only to say once if the loop changes p.grad, which async never sees
+            self._note_probe()
 
     def _report(self, step: int) -> None:
         """update=server, sync: every shard's squared norm of its part of the average and whether it is
@@ -841,7 +841,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
     def _remote_update(self, timeout: float) -> None:
         step = self._wire_step() - 1  # the exchange backward just finished
         if self.mode != "sync":
-            self._loop_factor()
+            if not self._warned_loop:
+                self._loop_factor()
             received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
             self.stats.bytes_received += sum(received)
             return
