@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Mapping
 
 from commlab.errors import CommTimeout, ConfigError
 
@@ -92,7 +92,7 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
     return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src)
 
 
-_STORES: dict[tuple[str, int], object] = {}  # (addr, port) -> this process's client of (or host for) the job's store
+_STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
 
 
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
