@@ -1,4 +1,4 @@
-"""``ring://?transport=auto|tcp|ipc|shm|torch&chunk_mb=0``: a hand-written ring all-reduce.
+"""``ring://?transport=auto|tcp|ipc|shm|torch&chunk_mb=0[&compress=SPEC&ef=0|1]``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -75,6 +75,14 @@ culprit (``peer``) and who saw it (``origin``).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
+
+Compression (``compress=SPEC&ef=0|1``, :mod:`commlab.compress`): buckets go through the
+compressor's seam, for which the ring is a mover over the same schedule and links:
+float32 payloads by the all-reduce above; fp16/bf16 by :meth:`RingExchanger.allreduce_per_hop_async`
+(sent at 2 bytes an element, each hop adding into a float32 partial that it rounds once
+for the next hop: :class:`~commlab.regimes.ring_links.HopCastCollective`); gather-only
+payloads (top-k, sign) by :meth:`RingExchanger.allgather_async`, a ring all-gather of
+N-1 steps, (N-1) x S sent per rank. docs/compress.md gives the bytes and the rounding.
 """
 
 from __future__ import annotations

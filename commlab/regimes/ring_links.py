@@ -10,8 +10,9 @@ may join a rank to its left over TCP and to its right through shared memory):
   rank writes into a region it sent: the two-rank swap), ``finish()`` once no send reads the
   tensor any more;
 - an **inbox** on the receiving rank: ``reduce(t, j, release)`` waits for chunk ``j`` of step
-  ``t`` from the left and adds it into the tensor (calling ``release`` first, when given),
-  ``store(t, j)`` writes it there instead.
+  ``t`` from the left and adds it into the tensor (calling ``release`` first, when given) through
+  the collective's ``add_array``/``add_tensor`` (a plain sum, or :class:`HopCastCollective`'s
+  float32 partials), ``store(t, j)`` writes it there instead.
 
 ``begin(c)`` starts a collective on either half. Every wait is bounded by the link's timeout
 and raises a :mod:`commlab.errors` type with ``peer`` (the neighbour's rank) and ``op``
