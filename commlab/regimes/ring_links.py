@@ -46,7 +46,7 @@ import select
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -113,12 +113,11 @@ class HopCastCollective(Collective):
     the result, which the steps that store circulate as it is. So every rank ends with the same bits, and
     each partial sum is rounded once per hop (N-1 roundings on the way to an element's owner)."""
 
-    acc: torch.Tensor | None = None
+    acc: torch.Tensor = field(init=False)  # float32 partial sums, from this rank's own values
 
     def __post_init__(self):
         super().__post_init__()
-        if self.acc is None:
-            self.acc = self.work.to(torch.float32)
+        self.acc = self.work.to(torch.float32)
 
     def add_array(self, lo: int, hi: int, raw: np.ndarray) -> None:
         self.add_tensor(lo, hi, torch.from_numpy(raw).view(self.work.dtype))
