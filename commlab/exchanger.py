@@ -137,6 +137,8 @@ class Exchanger:
 
     scheme: ClassVar[str]
     Options: ClassVar[type] = CommonOptions
+    # a DeviceMesh dimension's process group, when connect(group=mesh["dp"]) gave one: borrowed, never destroyed
+    torch_group: Any = None
 
     def __init__(self, options, rank: RankInfo):
         self.options = options
@@ -157,10 +159,12 @@ class Exchanger:
 
     @property
     def rank(self) -> int:
+        """This process's position among the exchanging ranks (in its group, under ``connect(group=)``)."""
         return self.rank_info.rank
 
     @property
     def world_size(self) -> int:
+        """How many ranks exchange (the group's size under ``connect(group=)``)."""
         return self.rank_info.world_size
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
@@ -492,7 +496,7 @@ class BucketedExchanger(Exchanger):
             if not active:
                 break
             if options.throw_on_early_termination:
-                raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+                raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
             last = False
             self._join_active = active
             self._shadow_exchange()
@@ -540,7 +544,7 @@ class BucketedExchanger(Exchanger):
             assert self.last_report is not None  # _finalize made one
             return self.last_report
 
-        self._open_step = CallHandle(run, f"step {self._step} of rank {self.rank}")
+        self._open_step = CallHandle(run, f"step {self._step} of {self.rank_info.who()}")
         return self._open_step
 
     def state_dict(self) -> dict:
@@ -790,14 +794,14 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         with torch.no_grad():
             for b in self.buckets:
                 flat = torch.cat([p.detach().reshape(-1) for p in b.params])
-                self._broadcast_from(src, flat, f"parameters of rank {src}, bucket {b.index}")
+                self._broadcast_from(src, flat, f"parameters of {self.rank_info.who(src)}, bucket {b.index}")
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
             rest: list[torch.Tensor] = [p for p in self.model.parameters() if not p.requires_grad]
             if buffers and self.options.buffers != "none":
                 rest += [b for _, b in self.module_buffers]
             if rest:
-                self._equalise(rest, "broadcast", f"frozen parameters and buffers of rank {src}", src)
+                self._equalise(rest, "broadcast", f"frozen parameters and buffers of {self.rank_info.who(src)}", src)
 
     def _broadcast_from(self, src: int, flat: torch.Tensor, what: str) -> None:
         if self.rank != src:
@@ -835,7 +839,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
                        self._buffer_source())
 
     def _join_vote(self, flat: torch.Tensor) -> Handle:
-        what = f"join tally of rank {self.rank} at step {self._step}"
+        what = f"join tally of {self.rank_info.who()} at step {self._step}"
         return GroupHandle([self.allreduce_async(flat, what)], what, then=lambda _: flat)
 
     def _shadow_exchange(self) -> None:
@@ -844,7 +848,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         handles = []
         for b, zeros in zip(self.buckets, self._shadows):
             zeros.zero_()
-            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined rank {self.rank} for "
+            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined {self.rank_info.who()} for "
                                                        f"bucket {b.index}"))
         deadline = time.monotonic() + self.options.timeout
         for h in handles:
