@@ -203,6 +203,15 @@ class Exchanger:
         under DDP."""
         yield
 
+    def flush(self) -> None:
+        """Exchange now what the backward passes since the last step accumulated, and make ``p.grad``
+        final and equal on every rank, as the backward after ``no_sync()`` would have. For loops whose
+        backward passes are not the user's: a pipeline schedule runs one per micro-batch, so it runs
+        inside ``no_sync()`` and ``flush()`` follows it, one exchange per step. Collective; blocks until
+        the exchange ends (bounded by ``timeout``); a no-op when the last backward already exchanged.
+        ``optimizer.step()`` flushes by itself, so this is needed only to read the gradients before
+        it (clipping, a global norm across pipeline stages)."""
+
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Iterator[None]:
@@ -459,6 +468,13 @@ class BucketedExchanger(Exchanger):
             yield
         finally:
             self._sync = previous
+
+    def flush(self) -> None:
+        if self.model is None:
+            raise ConfigError("call setup(model, optimizer) before flush()")
+        if not self._sync:
+            raise ConfigError("flush() inside no_sync(): leave the block first")
+        self._finalize(self.options.timeout)
 
     def _read_sync_flag(self, module, args) -> None:
         """Forward pre-hook: DDP's ``require_backward_grad_sync``, read at the forward whose backward it governs."""
