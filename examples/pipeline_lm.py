@@ -1,10 +1,10 @@
 """The character LM of charlm.py cut into pipeline stages, each replicated for data parallelism.
 
-``examples/plain/pipeline_lm.py`` trains it in one process; this is the same script with the model
-cut into ``--stages`` stages by ``torch.distributed.pipelining`` (a ``PipelineStage`` per rank, a
-GPipe or 1F1B schedule over ``--microbatches``) and the ranks that hold the same stage exchanging
-its gradients by commlab, within their replica group only
-(``diff -u examples/plain/pipeline_lm.py examples/pipeline_lm.py`` shows every line that changes)::
+``examples/plain/pipeline_lm.py`` trains it in one process; this is the same script (its options,
+data and optimizer taken from there) with the model cut into ``--stages`` stages by
+``torch.distributed.pipelining`` (a ``PipelineStage`` per rank, a GPipe or 1F1B schedule over
+``--microbatches``) and the ranks that hold the same stage exchanging its gradients by commlab,
+within their replica group only (docs/scripts.md shows how its ``main`` differs from the plain one)::
 
     4 ranks, 2 stages x 2 replicas          rank = replica x stages + stage
       replica 0:  rank 0 (stage 0) -> rank 1 (stage 1)      activations forward, gradients back:
@@ -21,18 +21,17 @@ groups are made with ``--timeout`` (a dead stage is an error naming it), commlab
 
 from __future__ import annotations
 
-import argparse
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import commlab
-from charlm import CharLM, corpus, param_groups, warmup_cosine, windows
+from charlm import CharLM, warmup_cosine
+from plain.pipeline_lm import batches, loss_fn, make_optimizer, options, text_data  # the plain script's pieces
 
 
 class Stage(nn.Module):
@@ -55,25 +54,7 @@ class Stage(nn.Module):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (per replica)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=96)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
-                   help="sgd: with momentum 0.9; its step is proportional to the gradient, so two runs compare to "
-                        "float32 rounding, while AdamW's normalised step turns rounding noise on a gradient that is "
-                        "zero in exact arithmetic (attention's key bias) into a step of size lr")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--clip", type=float, default=1.0, help="clip the gradient to this global L2 norm (0: off)")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p = options(__doc__.splitlines()[0])
     p.add_argument("--stages", type=int, default=2, help="pipeline stages (the ranks are stages x replicas)")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a pipeline send or receive may wait")
@@ -96,31 +77,16 @@ def main(argv=None) -> None:
         [list(range(r * stages, (r + 1) * stages)) for r in range(replicas)], timeout=timedelta(seconds=args.timeout))
     ex = commlab.connect(group=[r * stages + stage for r in range(replicas)])  # this stage's replicas
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
-    text = corpus()
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    train = data[:int(len(data) * 0.9)]
-    size = len(train) // replicas  # a slice of the text per replica
-    mine = range(replica, replica + 1)
-    per = args.batch_size // len(mine)
-
-    def next_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = [windows(train[s * size:(s + 1) * size], per, args.context, args.seed, s, step) for s in mine]
-        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    chars, train = text_data()
+    next_batch = batches(train, replicas, range(replica, replica + 1), args)  # a slice of the text per replica
 
     torch.manual_seed(args.seed)
     whole = CharLM(len(chars), args.context, args.d_model, args.layers, args.heads)
     cut = [args.layers * s // stages for s in range(stages + 1)]
     model = Stage(whole, cut[stage], cut[stage + 1], stage == 0, stage == stages - 1).to(device)
-    groups = param_groups(model, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95)) if args.optimizer == "adamw" else \
-        torch.optim.SGD(groups, lr=args.lr, momentum=0.9)
+    optimizer = make_optimizer(model, args)
     ex.setup(model, optimizer)  # collective over this stage's replicas
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-
-    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     # A micro-batch's shapes, given: else the stage infers them with a real forward and backward of its own
     # in the first step, whose gradients (on a module that is not FSDP's) would add to that step's.
@@ -134,15 +100,20 @@ def main(argv=None) -> None:
     Schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
     schedule = Schedule(pipe, args.microbatches, loss_fn=loss_fn)  # grads scaled by 1/microbatches
     last = replica * stages + stages - 1
+    neighbours = [replica * stages + s for s in (stage - 1, stage + 1) if 0 <= s < stages]
 
     t0 = time.perf_counter()
     for step in range(args.steps):
         optimizer.zero_grad()
         x, y = next_batch(step)
         losses = []
-        with ex.no_sync():  # one backward per micro-batch inside the schedule: none exchanges
-            schedule.step(*([x.to(device)] if stage == 0 else []),
-                          **({"target": y.to(device), "losses": losses} if stage == stages - 1 else {}))
+        try:
+            with ex.no_sync():  # one backward per micro-batch inside the schedule: none exchanges
+                schedule.step(*([x.to(device)] if stage == 0 else []),
+                              **({"target": y.to(device), "losses": losses} if stage == stages - 1 else {}))
+        except RuntimeError as exc:  # gloo's or NCCL's send/receive: a neighbour died, or stalled past --timeout
+            raise SystemExit(f"rank {rank} (stage {stage} of replica {replica}): pipeline step {step} failed, "
+                             f"with neighbour stage(s) on rank(s) {neighbours}: {exc}") from exc
         ex.flush()  # one exchange per step, after the last micro-batch: p.grad is the replicas' average
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=last, group=pipeline)  # every stage logs the loss the last one computed
