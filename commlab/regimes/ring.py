@@ -246,11 +246,15 @@ class RingExchanger(CollectiveExchanger):
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
             store = rendezvous.default_group_store(self.rank)
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
+        self.store = rendezvous.group_store(self.store, self.rank_info, opts.timeout)  # connect(group=): its keys
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
         # numbered by how many this rank made before (every rank makes them in the same order).
         ns = f"ring/{self.store.add(f'ring/instances/{self.rank}', 1)}/"
         self._ns = ns
         if self.world_size > 1:
+            if opts.transport == "torch" and self.rank_info.members:
+                raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
+                                  "allreduce:// there, or transport=shm|tcp|ipc|auto")
             if opts.transport == "torch":
                 self._meet_torch(ns)
             else:
@@ -266,8 +270,8 @@ class RingExchanger(CollectiveExchanger):
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
-            peer = int(key.rsplit("/", 1)[1])
-            raise CommTimeout(f"rank {self.rank}: rank {peer} did not publish its {what} within "
+            peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
+            raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return self.store.get(key)
 
@@ -295,7 +299,8 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         inward, outward = self._link_kinds(ns)
         self._kinds = {"from_left": inward, "to_right": outward}
-        left_who, right_who = f"rank {self.left} (left neighbour)", f"rank {self.right} (right neighbour)"
+        left_who = f"{self.rank_info.who(self.left)} (left neighbour)"
+        right_who = f"{self.rank_info.who(self.right)} (right neighbour)"
         net = None
         if inward != "shm" or outward != "shm":
             if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
@@ -327,7 +332,7 @@ class RingExchanger(CollectiveExchanger):
             self._outbox = ShmOutbox(segment, conn, slot_bytes, self.rank, self.right, right_who, opts.timeout,
                                      self._check_reports)
         if self._outbox is None:
-            raise CommError(f"rank {self.rank}: no link to {right_who} ({outward})")
+            raise CommError(f"{self.rank_info.who()}: no link to {right_who} ({outward})")
         if attached is not None:
             mapped, conn, theirs = attached
             self._inbox = ShmInbox(mapped, conn, theirs, self.rank, self.left, left_who, opts.timeout,
@@ -380,9 +385,9 @@ class RingExchanger(CollectiveExchanger):
                                     world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
             self._group, self._own_group = dist.group.WORLD, True
         self._kinds = {"from_left": "torch", "to_right": "torch"}
-        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"rank {self.right} (right neighbour)",
+        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"{self.rank_info.who(self.right)} (right neighbour)",
                                    self.options.timeout)
-        self._inbox = TorchInbox(self._group, self.rank, self.left, f"rank {self.left} (left neighbour)",
+        self._inbox = TorchInbox(self._group, self.rank, self.left, f"{self.rank_info.who(self.left)} (left neighbour)",
                                  self.options.timeout)
 
     # ----- the contract pieces ---------------------------------------------------------------
@@ -455,7 +460,7 @@ class RingExchanger(CollectiveExchanger):
         with self._order:
             self._pending += 1
             self._jobs.put((body, future, what))
-        return FutureHandle(future, f"{what} on rank {self.rank}", on_timeout=self._stalled)
+        return FutureHandle(future, f"{what} on {self.rank_info.who()}", on_timeout=self._stalled)
 
     def allreduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
         """Blocking form of :meth:`allreduce_async`. When nothing is queued for the communication thread it
@@ -553,7 +558,8 @@ class RingExchanger(CollectiveExchanger):
     def _stalled(self) -> str:
         report = self._fault_report()
         return f" ({_quote(report)})" if report else rendezvous.stall_report(self.store, self.world_size, self._step,
-                                                                               skip=self.rank)
+                                                                               skip=self.rank,
+                                                                               members=self.rank_info.members)
 
     def _fault_report(self) -> dict | None:
         """What the first rank to fail wrote to the store, or None."""
@@ -568,7 +574,7 @@ class RingExchanger(CollectiveExchanger):
     def _check_reports(self) -> None:
         """Called while waiting: end the wait if another rank already reported the ring broken."""
         report = self._fault_report()
-        if report and report["origin"] != self.rank:
+        if report and report["origin"] != self.rank_info.global_rank():
             raise PeerLost(f"the ring is broken: {_quote(report)}", peer=report["peer"], origin=report["origin"],
                            op="relay")
 
@@ -599,8 +605,9 @@ class RingExchanger(CollectiveExchanger):
         if k in chain:
             return CommTimeout(f"{exc}: every rank timed out waiting for its left neighbour (nobody sent anything)",
                                peer=None, op="receive")
-        waits = ", ".join(f"rank {a} on rank {b}" for a, b in zip(chain, chain[1:] + [k]))
-        return CommTimeout(f"rank {k} stalled: {exc} ({waits})", peer=k, op="receive")
+        who = self.rank_info.who
+        waits = ", ".join(f"{who(a)} on {who(b)}" for a, b in zip(chain, chain[1:] + [k]))
+        return CommTimeout(f"{who(k)} stalled: {exc} ({waits})", peer=k, op="receive")
 
     def _fail(self, exc: BaseException) -> BaseException:
         """Record the first failure for every rank to read, and close our links so neighbours stop too."""
@@ -609,14 +616,17 @@ class RingExchanger(CollectiveExchanger):
             return exc
         if isinstance(exc, CommTimeout) and exc.op == "receive" and exc.peer == self.left:
             exc = self._blame(exc)
+        if self.rank_info.members and isinstance(exc.peer, int):  # links and _blame count positions in the group
+            exc.peer = self.rank_info.global_rank(exc.peer)
+        me = self.rank_info.global_rank()
         try:
             self.store.compare_set(self._ns + "fault", "",
-                                   json.dumps({"origin": self.rank, "peer": exc.peer, "text": str(exc)}))
+                                   json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}))
         except Exception:
             pass
         if isinstance(exc, PeerLost):  # a neighbour that closed on purpose may have said why
             report = self._fault_report()
-            if report and report["origin"] != self.rank:
+            if report and report["origin"] != me:
                 exc = PeerLost(f"{exc}; {_quote(report)}", peer=report["peer"], origin=report["origin"], op=exc.op)
         self._close_links(linger_s=0)
         return exc
