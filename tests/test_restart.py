@@ -1,0 +1,133 @@
+"""Restarts (issue 28): ``commlab run --max-restarts R`` restarts every rank after a failure with the servers
+kept, and a ps:// update=server job resumes from them, each step applied once.
+
+The scripts run under the real launcher and real servers; a rank kills itself (SIGKILL) at a chosen step, and
+the race that matters (one rank's push of the step is in, the other rank dies before its own) is forced by
+the dying rank waiting for the servers to say so (tests/restart_script.py). Results are checked against a
+single process on the combined batch, or a closed form.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from commlab import shm
+
+from conftest import child_env, run_group
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "restart_script.py")
+STEPS = 15
+
+
+def _run(tmp_path: Path, url: str, model: str, *, workers: int = 2, restarts: int = 1, timeout: float = 180,
+         **env) -> subprocess.CompletedProcess:
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    return run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", str(workers), "--max-restarts",
+                      str(restarts), "--deadline", "150", "--exchanger", url, "--log-dir", str(tmp_path / "logs"),
+                      SCRIPT, str(out), str(STEPS), model], timeout, cwd=ROOT, env=child_env(TMPDIR=tmp_path / "tmp", **env),
+                     capture_output=True, text=True)
+
+
+def _records(tmp_path: Path, attempt: int, workers: int = 2) -> list[dict]:
+    return [json.loads((tmp_path / "out" / f"rank{r}.attempt{attempt}.json").read_text()) for r in range(workers)]
+
+
+def _reference(workers: int = 2) -> tuple[dict, list, float]:
+    """One process on the combined batch: the script's mlp, SGD with momentum, StepLR, STEPS steps."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    for step in range(STEPS):
+        opt.zero_grad()
+        xs, ys = zip(*(_batch(step, r) for r in range(workers)))
+        nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+        sched.step()
+    momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    return model.state_dict(), momentum, opt.param_groups[0]["lr"]
+
+
+def _batch(step: int, r: int):
+    g = torch.Generator().manual_seed(1000 * step + r)
+    x = torch.randn(8, 5, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def _leftovers(tmp_path: Path, before: set[str]) -> list[str]:
+    """What the run left: its scratch folders (its $TMPDIR), and commlab segments in /dev/shm that are new
+    and whose process is gone (other sessions' live ones may be there too)."""
+    left = [str(p) for p in (tmp_path / "tmp").iterdir()]
+    for name in set(os.listdir("/dev/shm")) - before:
+        m = shm.NAME.fullmatch(name)
+        if m and not Path(f"/proc/{m['pid']}").exists():
+            left.append(name)
+    return left
+
+
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.full)])
+def test_a_rank_killed_with_its_step_in_flight_resumes_from_the_servers_and_applies_it_once(tmp_path, k):
+    """Rank 1 dies at step 7 once rank 0's push of step 7 is on every shard; the job restarts, both ranks
+    resume at ex.start_step == 7 with the servers' parameters, momentum and their own committed scheduler,
+    and the end equals one process on the combined batch: step 7 applied once, from the new attempt."""
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _run(tmp_path, f"ps://?shards={k}&mode=sync&update=server", "mlp", KILL_RANK=1, KILL_STEP=7,
+             KILL_AFTER_PUSH_OF=0)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "commlab run: rank 1 failed (signal SIGKILL); restarting every rank (restart 1 of 1)" in r.stderr
+    summary = r.stdout.strip().splitlines()[-1]
+    assert "1 restart (failed: rank 1 (signal SIGKILL))" in summary, summary
+    first = json.loads((tmp_path / "out" / "rank0.attempt0.json").read_text()) \
+        if (tmp_path / "out" / "rank0.attempt0.json").exists() else None
+    assert first is None  # rank 0 was stopped in step 7, never finished attempt 0
+    want, momentum, lr = _reference()
+    for rec in _records(tmp_path, 1):
+        assert rec["start_step"] == 7 and rec["ran"] == STEPS - 7, rec
+        assert rec["restored"] == {"step": 7}, rec
+        for key, value in want.items():
+            assert torch.allclose(torch.tensor(rec["params"][key]), value, atol=1e-5), (rec["rank"], key)
+        for i, m in enumerate(momentum):
+            assert torch.allclose(torch.tensor(rec["momentum"][str(i)]), m, atol=1e-5), (rec["rank"], i)
+        assert rec["lr"] == [pytest.approx(lr)], rec["lr"]
+        for shard in rec["servers"]:  # 15 updates; rank 0's push of step 7 from attempt 0 dropped, once
+            assert shard["updates"] == STEPS and shard["attempt"] == 1 and shard["replaced"] == 1, shard
+    assert not _leftovers(tmp_path, shm_before)
+
+
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.full)])
+def test_async_and_ssp_count_every_applied_push_once_across_a_restart(tmp_path, mode):
+    """Constant gradients (rank r pushes r + 1): the end is w0 - lr * STEPS * (1 + 2) whatever was in flight,
+    and each rank's resumed start plus the steps it ran after is STEPS."""
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _run(tmp_path, f"ps://?shards=1&mode={mode}", "const", KILL_RANK=1, KILL_STEP=7)
+    assert r.returncode == 0, r.stderr[-3000:]
+    torch.manual_seed(0)
+    w0 = nn.Linear(3, 1, bias=False).weight.detach()
+    want = w0 - 0.01 * STEPS * (1 + 2)
+    for rec in _records(tmp_path, 1):
+        assert rec["start_step"] + rec["ran"] == STEPS, rec
+        assert torch.allclose(torch.tensor(rec["params"]["weight"]), want, atol=1e-5), rec
+        assert rec["servers"][0]["updates"] == 2 * STEPS, rec["servers"]
+    assert _records(tmp_path, 1)[1]["start_step"] == 7
+    assert not _leftovers(tmp_path, shm_before)
+
+
+def test_max_restarts_below_zero_is_one_line_naming_it(tmp_path):
+    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--max-restarts", "-1", SCRIPT], 60, cwd=ROOT,
+                  env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["commlab run: --max-restarts must be >= 0, got -1"], r.stderr
