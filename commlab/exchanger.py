@@ -148,6 +148,12 @@ class Exchanger:
         self.start_step = 0
         self.restored_state: dict | None = None
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a restarted job resumes from this regime's own state (:attr:`start_step`,
+        :attr:`restored_state`, :meth:`commit_state`) rather than from the user's checkpoint."""
+        return False
+
     def commit_state(self, state: dict) -> None:
         """Keep this rank's small state (a scheduler's, a scaler's, a data position) where a restarted job
         finds it again as :attr:`restored_state`. Only regimes whose servers outlive the ranks keep it

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from commlab import shm
+import faultkit
+from commlab import launcher, shm
 
-from conftest import child_env, run_group
+from conftest import REAL_STARTS, child_env, run_group
 
 pytestmark = pytest.mark.multiproc
 
@@ -131,3 +134,48 @@ def test_max_restarts_below_zero_is_one_line_naming_it(tmp_path):
                   env=child_env(), capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["commlab run: --max-restarts must be >= 0, got -1"], r.stderr
+
+
+LM = ["examples/charlm.py", "--steps", "12", "--lr", "1e-2", "--warmup", "3", "--d-model", "32", "--layers", "1",
+      "--heads", "2", "--context", "32", "--batch-size", "8", "--eval-batches", "2", "--log-every", "1",
+      "--threads", "1"]
+
+
+def _lm_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if "test_acc" not in line]
+
+
+@pytest.mark.full
+def test_charlm_under_ring_restarts_from_its_checkpoint_and_equals_the_uninterrupted_run(tmp_path):
+    """No server state under ring://: rank 1 is killed (SIGKILL from here) once both ranks reported step 7;
+    the restarted ranks load the checkpoint rank 0 wrote after step 6 (examples/charlm.py does so by
+    itself when TORCHELASTIC_RESTART_COUNT > 0), run steps again, and every step's loss equals the run
+    that never stopped."""
+    url = "ring://"
+    whole = tmp_path / "whole.jsonl"
+    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--exchanger", url, "--metrics",
+                   str(whole), *LM], 180, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = tmp_path / "m.jsonl"
+    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "1",
+                                "--exchanger", url, "--metrics", str(metrics), *LM, "--checkpoint",
+                                str(tmp_path / "lm.pt"), "--checkpoint-every", "6"],
+                               child_env(**REAL_STARTS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        victim = faultkit.wait_for_rank_process(cli.pid, rank=1, timeout=60)
+        deadline = time.monotonic() + 120
+        while not all(path.exists() and any(row["step"] >= 7 for row in _lm_rows(path))
+                      for path in (metrics, Path(f"{metrics}.rank1"))):  # past the checkpoint of step 6
+            assert time.monotonic() < deadline and cli.poll() is None, "the ranks never reported step 7"
+            time.sleep(0.01)
+        os.kill(victim, signal.SIGKILL)
+        out, err = cli.communicate(timeout=180)
+    finally:
+        launcher.kill_groups([cli], grace=0)
+    assert cli.returncode == 0, err[-3000:]
+    assert "rank 1 failed (signal SIGKILL); restarting every rank (restart 1 of 1)" in err, err[-3000:]
+    rows = _lm_rows(metrics)
+    steps = [row["step"] for row in rows]
+    assert len(steps) > len(set(steps)) and sorted(set(steps)) == list(range(12)), steps  # some steps ran twice
+    assert {row["step"]: row["loss"] for row in rows} == {row["step"]: row["loss"] for row in _lm_rows(whole)}

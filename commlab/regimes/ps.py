@@ -587,6 +587,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
         return self.start_step
 
     # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """update=server: the servers hold the parameters, the optimizer's state and the applied steps."""
+        return self.update == "server"
+
     def commit_state(self, state: dict) -> None:
         """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
         servers, replacing what this rank kept before; a restarted job reads it back as
@@ -595,6 +600,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         with ``weights_only=True`` (tensors, numbers, strings, lists and dicts of them), at most 1 MiB."""
         if not self.shards:
             raise ConfigError("call setup(model, optimizer) before commit_state()")
+        if not self.keeps_state:
+            super().commit_state(state)  # update=worker: the parameters are the user's checkpoint's, and so is this
         buf = io.BytesIO()
         torch.save(state, buf)
         if buf.tell() > psproto.BLOB_MAX:
