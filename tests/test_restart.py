@@ -179,3 +179,25 @@ def test_charlm_under_ring_restarts_from_its_checkpoint_and_equals_the_uninterru
     steps = [row["step"] for row in rows]
     assert len(steps) > len(set(steps)) and sorted(set(steps)) == list(range(12)), steps  # some steps ran twice
     assert {row["step"]: row["loss"] for row in rows} == {row["step"]: row["loss"] for row in _lm_rows(whole)}
+
+
+def test_a_server_that_dies_is_named_and_not_restarted(tmp_path):
+    """Restarts are for ranks: the servers hold the state, so a dead one ends the job (restarting servers
+    is theirs: --resume), in one line naming it."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "3",
+                                "--exchanger", "ps://?shards=1", str(script)], child_env(**REAL_STARTS), cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        faultkit.wait_for_rank_process(cli.pid, rank=1, timeout=60)  # the server started before the ranks
+        server = [p for p in faultkit.children_of(cli.pid)
+                  if b"servers" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")]
+        assert len(server) == 1, server
+        os.kill(server[0], signal.SIGKILL)
+        _, err = cli.communicate(timeout=60)
+    finally:
+        launcher.kill_groups([cli], grace=0)
+    assert cli.returncode == 1, err
+    assert "commlab run: server 0 failed first (signal SIGKILL); stopped the others" in err, err
+    assert "restarting" not in err, err
