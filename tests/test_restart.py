@@ -201,3 +201,15 @@ def test_a_server_that_dies_is_named_and_not_restarted(tmp_path):
     assert cli.returncode == 1, err
     assert "commlab run: server 0 failed first (signal SIGKILL); stopped the others" in err, err
     assert "restarting" not in err, err
+
+
+def test_the_restart_probe_is_worded_from_its_numbers():
+    from bench import probes
+
+    got = probes.lines({"restart": {"steps": 40, "kill_at": 25, "checkpoint_every": 10, "regimes": {
+        "ps-server": {"url": "ps://?update=server", "kill_to_first_step_s": 11.87, "resumed_at": 25,
+                      "done_before_kill": 25, "steps_lost": 0},
+        "ring": {"url": "ring://", "error": "rank 0 failed first"}}}})
+    assert got == ["- A rank killed at step 25 under `commlab run --max-restarts 1`, ps://?update=server: the first "
+                   "step after the restart came 11.87 s after the kill; resumed at step 25 of 25 done, 0 step(s) lost.",
+                   "- A restarted job (ring://): the probe failed: rank 0 failed first"]
