@@ -213,3 +213,23 @@ def test_the_restart_probe_is_worded_from_its_numbers():
     assert got == ["- A rank killed at step 25 under `commlab run --max-restarts 1`, ps://?update=server: the first "
                    "step after the restart came 11.87 s after the kill; resumed at step 25 of 25 done, 0 step(s) lost.",
                    "- A restarted job (ring://): the probe failed: rank 0 failed first"]
+
+
+@pytest.mark.full
+def test_the_same_restart_under_torchrun_with_servers_started_beside_it(tmp_path, procs):
+    """torchrun --max-restarts 1 and a server started on its own (commlab server): the in-flight race of
+    the first test, the same end (the servers count the attempts from TORCHELASTIC_RESTART_COUNT)."""
+    server = procs.server("--mode", "sync")
+    (tmp_path / "out").mkdir()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "--monitor-interval", "0.1", SCRIPT, str(tmp_path / "out"), str(STEPS), "mlp"]
+    r = run_group(argv, 240, "torchrun --max-restarts 1", cwd=ROOT, capture_output=True, text=True,
+                  env=child_env(COMMLAB_EXCHANGER=f"ps://{server.address}?mode=sync&update=server", OMP_NUM_THREADS=1,
+                                KILL_RANK=1, KILL_STEP=7, KILL_AFTER_PUSH_OF=0))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, momentum, _ = _reference()
+    for rec in _records(tmp_path, 1):
+        assert rec["start_step"] == 7 and rec["restored"] == {"step": 7}, rec
+        for key, value in want.items():
+            assert torch.allclose(torch.tensor(rec["params"][key]), value, atol=1e-5), (rec["rank"], key)
+        assert rec["servers"][0]["updates"] == STEPS and rec["servers"][0]["replaced"] == 1, rec["servers"]
