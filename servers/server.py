@@ -996,7 +996,7 @@ class ShardServer:
 
     @property
     def max_bytes(self) -> int:
-        return max([psproto.BLOB_MAX, *(sp.max_bytes for sp in self.spaces.values())])
+        return max([0, *(sp.max_bytes for sp in self.spaces.values())])
 
     def close(self) -> None:
         for space in self.spaces.values():
@@ -1047,9 +1047,12 @@ class ShardServer:
         link = self._link(ident)
         space = None
         try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
+            limit = self.max_bytes
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
                             region=link.inbound.size if link is not None else None)
             req_id = h.meta.get("id")
+            if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
+                raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
                 self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
                 return
