@@ -233,3 +233,46 @@ def test_the_same_restart_under_torchrun_with_servers_started_beside_it(tmp_path
         for key, value in want.items():
             assert torch.allclose(torch.tensor(rec["params"][key]), value, atol=1e-5), (rec["rank"], key)
         assert rec["servers"][0]["updates"] == STEPS and rec["servers"][0]["replaced"] == 1, rec["servers"]
+
+
+ATTEMPTS = """
+import os, sys, time
+rank, attempt = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+with open(sys.argv[1], "a") as fh:
+    fh.write(f"{rank} {attempt} {os.environ['MASTER_PORT']} {os.environ['TORCHELASTIC_MAX_RESTARTS']}\\n")
+if attempt == "0" and rank == "1":
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def test_every_attempt_gets_the_restart_count_and_a_fresh_store_and_the_deadline_spans_them(tmp_path):
+    script, seen = tmp_path / "attempts.py", tmp_path / "seen.txt"
+    script.write_text(ATTEMPTS)
+    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "2", "--deadline",
+                   "4", "--exchanger", "noop://", str(script), str(seen)], 120, cwd=ROOT, env=child_env(),
+                  capture_output=True, text=True)
+    assert r.returncode == 124, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "commlab run: passed its deadline of 4s with rank 0, rank 1 still running; stopped every process "
+        "(after 1 restart (failed: rank 1 (exit code 3)))"), r.stderr
+    rows = sorted(tuple(line.split()) for line in seen.read_text().splitlines())
+    assert [(rank, attempt, limit) for rank, attempt, _, limit in rows] == [
+        ("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")], rows
+    ports = {attempt: {port for _, a, port, _ in rows if a == attempt} for attempt in ("0", "1")}
+    assert len(ports["0"]) == len(ports["1"]) == 1 and ports["0"] != ports["1"], ports  # one store per attempt
+
+
+def test_a_restart_that_cannot_reach_its_servers_fails_naming_the_shard(tmp_path, procs):
+    """Servers started beside the job (named in the URL) and gone: each attempt's setup times out naming the
+    shard; after the restarts the launcher's last line names the rank and how many restarts there were."""
+    server = procs.server("--mode", "sync")
+    address = server.address
+    server.proc.kill()
+    server.proc.wait(10)
+    r = _run(tmp_path, f"ps://{address}?mode=sync&update=server&timeout=2&retries=0", "mlp", timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"shard 0/1 at tcp://{address} did not answer hello within 2s" in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("commlab run: rank ") and "failed first (exit code 1); stopped the others (after 1 " \
+        "restart (failed: rank " in last, last
