@@ -12,6 +12,8 @@ ssp: a closed form from the number of pushes applied).
 Faults, attempt 0 only: ``KILL_RANK``/``KILL_STEP``: that rank SIGKILLs itself when it reaches that step;
 with ``KILL_AFTER_PUSH_OF=R`` it first waits until every shard holds rank R's push of that step and
 waits for its own (the step is in flight), so the race "one rank pushed, the other died" is forced.
+``KILL_BETWEEN_COMMITS_OF=T`` (K = 2): rank 1 dies between its commits of step T to shard 0 and shard 1,
+once shard 0 applied the step (a hook on the client's send, here in the user's process).
 """
 
 from __future__ import annotations
@@ -70,10 +72,35 @@ def wait_in_flight(ex, step: int, pusher: int, timeout: float = 60.0) -> None:
             time.sleep(0.02)
 
 
+def die_between_commits(step: int) -> None:
+    """Rank 1's commit of ``step`` reaches shard 0 only: its commit to shard 1 waits until shard 0 applied the
+    step (rank 0 committed to both), then the rank dies. Shard 0 is then a step ahead of shard 1, which holds
+    the step gathered with rank 0's commit alone."""
+    from commlab.regimes import ps
+
+    post = ps._Shard.post
+
+    def patched(self, op, t, *args, **kw):
+        if op == "commit" and t == step and self.index == 1:
+            deadline = time.monotonic() + 60
+            while server_stats(self.count_endpoints[0])["sync_step"] != step + 1:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shard 0 never applied step {step}")
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return post(self, op, t, *args, **kw)
+
+    ps._Shard.post = patched
+
+
 def main() -> None:
     model, opt, sched = build(kind)
     ex = commlab.connect()
     ex.setup(model, opt)
+    if attempt == 0 and rank == 1 and "KILL_BETWEEN_COMMITS_OF" in os.environ:
+        for shard in ex.shards:
+            shard.count_endpoints = [s.endpoint for s in ex.shards]
+        die_between_commits(int(os.environ["KILL_BETWEEN_COMMITS_OF"]))
     restored = ex.restored_state
     if restored is not None and sched is not None:
         sched.load_state_dict(restored["sched"])

@@ -111,6 +111,25 @@ def test_a_rank_killed_with_its_step_in_flight_resumes_from_the_servers_and_appl
     assert not _leftovers(tmp_path, shm_before)
 
 
+@pytest.mark.full
+def test_a_step_applied_on_one_shard_only_is_applied_on_the_other_once(tmp_path):
+    """K = 2: rank 1 dies between its commits of step 7, after shard 0 applied it and before shard 1 got
+    its commit (shard 1 holds step 7 gathered). The restart resumes at 7: shard 0 takes the new pushes and
+    commit as duplicates, shard 1 applies step 7 from the pushes it holds, once; the end equals one process."""
+    r = _run(tmp_path, "ps://?shards=2&mode=sync&update=server", "mlp", KILL_BETWEEN_COMMITS_OF=7)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, momentum, _ = _reference()
+    for rec in _records(tmp_path, 1):
+        assert rec["start_step"] == 7, rec
+        for key, value in want.items():
+            assert torch.allclose(torch.tensor(rec["params"][key]), value, atol=1e-5), (rec["rank"], key)
+        for i, m in enumerate(momentum):
+            assert torch.allclose(torch.tensor(rec["momentum"][str(i)]), m, atol=1e-5), (rec["rank"], i)
+        assert [s["updates"] for s in rec["servers"]] == [STEPS, STEPS], rec["servers"]
+        assert [s["replaced"] for s in rec["servers"]] == [0, 0], rec["servers"]  # nothing was half-pushed
+        assert all(s["duplicates"] >= 2 for s in rec["servers"]), rec["servers"]  # each rank's step 7, again
+
+
 @pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.full)])
 def test_async_and_ssp_count_every_applied_push_once_across_a_restart(tmp_path, mode):
     """Constant gradients (rank r pushes r + 1): the end is w0 - lr * STEPS * (1 + 2) whatever was in flight,
