@@ -24,7 +24,8 @@ torchrun. The job, in order:
    rest are stopped. With ``max_restarts`` R (torchrun's ``--max-restarts``) a failed *rank* stops
    the ranks alone: the servers keep running and every rank starts again, up to R times, with
    ``TORCHELASTIC_RESTART_COUNT`` = the attempt (0 first, as torchrun sets it) and a fresh rendezvous
-   store (torchrun makes one per attempt too), so no key of a dead attempt is read by the next. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
+   store (torchrun makes one per attempt too), so no key of a dead attempt is read by the next; the
+   deadline spans every attempt. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
    124). Each process leads a process group of its own, so a stop takes whatever it started;
    each also dies with the launcher if the launcher is SIGKILLed (``commlab/childexec.py``).
 5. A one-line summary from rank 0's last metrics line (:mod:`commlab.metrics`) goes to stdout.
@@ -502,7 +503,7 @@ def _run(job: Job) -> int:
 
 
 def _restarts(failures: list[str]) -> str:
-    """``'1 restart (rank 1 failed: signal SIGKILL)'``: how many, and which rank failed before each."""
+    """``'1 restart (failed: rank 1 (signal SIGKILL))'``: how many, and which rank failed before each."""
     if not failures:
         return "0 restarts"
     return f"{len(failures)} restart{'s' if len(failures) > 1 else ''} (failed: {'; '.join(failures)})"
