@@ -313,28 +313,31 @@ def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime 
         crossover_bps                          the link rate (bytes/s) below which it pays (inf: any; 0: none)
     """
     reg = parse_regime(regime) if isinstance(regime, str) else regime
-    topo = Topology(workers_per_host, _rate(link), compute_scale=compute_scale)
-    if spec.strip().lower() in ("", "none"):
-        cost = None
-    else:
-        label = spec if ef else f"{spec} (ef=0)"
-        cost = cal.compressors.get(label)
+    return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale), world,
+                      batch, ef)
+
+
+def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, world: int, batch: int | None = None,
+               ef: bool = True) -> dict:
+    """:func:`predict` on a whole :class:`Topology` (its ``nic_bps`` the link)."""
+    cost = None
+    if spec.strip().lower() not in ("", "none"):
+        cost = cal.compressors.get(spec if ef else f"{spec} (ef=0)")
         if cost is None:
             raise ConfigError(f"plan: compress={spec} (ef={int(ef)}) is not in this calibration (it has: "
                               f"{', '.join(cal.compressors) or 'none'}); measure it with "
                               f"commlab.plan.compression.with_compressors")
-    base = _baseline(cal.compute)
-    unc_s, unc_b = step(cal, None, reg, topo, world, batch), bytes_per_step(base, world)
-    if cost is None:
-        return {"spec": "none", "step_s": unc_s, "bytes_per_step": unc_b, "uncompressed_step_s": unc_s,
-                "uncompressed_bytes_per_step": unc_b, "bytes_ratio": 1.0, "encode_decode_s": 0.0, "pays": False,
-                "crossover_bps": None, "link_bps": topo.nic_bps, "world": world, "regime": reg.url}
-    s, nbytes = step(cal, cost, reg, topo, world, batch), bytes_per_step(cost, world)
-    return {"spec": cost.label, "step_s": s, "bytes_per_step": nbytes, "uncompressed_step_s": unc_s,
-            "uncompressed_bytes_per_step": unc_b, "bytes_ratio": nbytes / unc_b if unc_b else 1.0,
-            "encode_decode_s": encode_decode_s(cost, world), "pays": s < unc_s,
-            "crossover_bps": crossover(cal, cost, reg, topo, world, batch), "link_bps": topo.nic_bps,
-            "world": world, "regime": reg.url}
+    unc_s = step(cal, None, regime, topo, world, batch)
+    unc_b = bytes_per_step(_baseline(cal.compute), world)
+    out = {"spec": "none", "step_s": unc_s, "bytes_per_step": unc_b, "uncompressed_step_s": unc_s,
+           "uncompressed_bytes_per_step": unc_b, "bytes_ratio": 1.0, "encode_decode_s": 0.0, "pays": False,
+           "crossover_bps": None, "link_bps": topo.nic_bps, "world": world, "regime": regime.url}
+    if cost is not None:
+        s, nbytes = step(cal, cost, regime, topo, world, batch), bytes_per_step(cost, world)
+        out.update(spec=cost.label, step_s=s, bytes_per_step=nbytes, bytes_ratio=nbytes / unc_b if unc_b else 1.0,
+                   encode_decode_s=encode_decode_s(cost, world), pays=s < unc_s,
+                   crossover_bps=crossover(cal, cost, regime, topo, world, batch))
+    return out
 
 
 def encode_decode_s(cost: CompressorCost, n: int) -> float:
@@ -362,22 +365,22 @@ def _fmt_s(x: float) -> str:
 
 
 def table(cal: Calibration, specs, regime: Regime, topo: Topology, workers, batch: int | None = None) -> tuple[list[str], dict]:
-    """Markdown rows (per N: uncompressed, then each spec) and the predictions behind them, by N then spec."""
-    rates = {"link": topo.nic_bps, "100 Mbit/s": 100 * MBIT, "1 Gbit/s": GBIT}
+    """Markdown rows (per N: uncompressed, then each spec) and the predictions behind them, by N then spec
+    (each :func:`predict_at`'s dict, with ``step_s_100mbit`` and ``step_s_1gbit``)."""
     out = [f"| N | compress= | bytes per step (ratio) | encode+decode | step at {fmt_rate(topo.nic_bps)} | "
            f"at 100 Mbit/s | at 1 Gbit/s | pays below |", "|---|---|---|---|---|---|---|---|"]
     data: dict = {}
     for n in workers:
         data[n] = {}
         for spec in ["none", *specs]:
-            p = {k: predict(cal, spec, r, n, regime, topo.workers_per_host, batch, topo.compute_scale)
-                 for k, r in rates.items()}
-            data[n][spec] = {**p["link"], "step_s_100mbit": p["100 Mbit/s"]["step_s"],
-                             "step_s_1gbit": p["1 Gbit/s"]["step_s"]}
-            x = p["link"]
+            x = predict_at(cal, spec, regime, topo, n, batch)
+            cost = cal.compressors.get(spec)
+            at = {f"step_s_{name}": step(cal, cost, regime, replace(topo, nic_bps=rate), n, batch)
+                  for name, rate in (("100mbit", 100 * MBIT), ("1gbit", GBIT))}
+            data[n][spec] = x = {**x, **at}
             out.append(f"| {n} | {x['spec']} | {x['bytes_per_step'] / 2**20:,.3g} MiB ({x['bytes_ratio']:.3g}x) | "
-                       f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(p['100 Mbit/s']['step_s'])} | "
-                       f"{_fmt_s(p['1 Gbit/s']['step_s'])} | {fmt_rate(x['crossover_bps'])} |")
+                       f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(x['step_s_100mbit'])} | "
+                       f"{_fmt_s(x['step_s_1gbit'])} | {fmt_rate(x['crossover_bps'])} |")
     return out, data
 
 
