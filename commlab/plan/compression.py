@@ -71,11 +71,17 @@ class _AllMe:
     def allreduce_async(self, tensor: torch.Tensor, what: str = "sum") -> DoneHandle:
         return DoneHandle(None, what)
 
+    def allreduce_per_hop_async(self, tensor: torch.Tensor, what: str = "sum per hop") -> DoneHandle:
+        return DoneHandle(None, what)
+
     def allgather_async(self, tensor: torch.Tensor, what: str = "gather") -> DoneHandle:
         return DoneHandle([tensor] * self.world_size, what)
 
     def sums_exactly(self, dtype: torch.dtype) -> bool:
-        return str(dtype).removeprefix("torch.") in self.sums
+        return str(dtype).removeprefix("torch.") in self.sums and dtype.itemsize >= 4
+
+    def sums_per_hop(self, dtype: torch.dtype) -> bool:
+        return str(dtype).removeprefix("torch.") in self.sums and dtype.itemsize < 4
 
 
 class _Timed(Compressor):
@@ -131,13 +137,18 @@ def exchange_buckets(compute: Compute):
 
 
 def regime_sums(regime: Regime) -> tuple[str, ...]:
-    """The dtypes ``regime`` sums without rounding below float32 (its class's ``sums_exactly``, a property of
-    the regime, not of a connection); a regime that does not declare it sums float32 and float64 only."""
-    scheme = regime.url.split(":", 1)[0]
-    declared = inspect.getattr_static(regime_class(scheme), "sums_exactly", None)
-    if not isinstance(declared, staticmethod):
-        return WIDE
-    return tuple(d for d in ("float16", "bfloat16", "float32", "float64") if declared.__func__(getattr(torch, d)))
+    """The dtypes ``regime`` sums in float32 or wider: exactly at their own width (its class's
+    ``sums_exactly``) or per hop (``sums_per_hop``, a ring's half types), each a property of the regime, not
+    of a connection (a static method). Without that declaration: float32 and float64 exactly, nothing per hop."""
+    cls = regime_class(regime.url.split(":", 1)[0])
+    out = []
+    for d in ("float16", "bfloat16", "float32", "float64"):
+        for ability, default in (("sums_exactly", d in WIDE), ("sums_per_hop", False)):
+            declared = inspect.getattr_static(cls, ability, None)
+            if declared.__func__(getattr(torch, d)) if isinstance(declared, staticmethod) else default:
+                out.append(d)
+                break
+    return tuple(out)
 
 
 def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: tuple[str, ...] = WIDE,
