@@ -63,7 +63,7 @@ def test_payload_bytes_are_the_closed_form_of_what_each_round_carries(spec, ef, 
     assert len(compute.buckets) == 2
     comps = [K._Timed(build(spec, ef)) for _ in range(2)]  # each keeps the last payload of every round it sent
     for c in comps:
-        c.bind(2)
+        c.inner.bind(2)
     buckets = K.exchange_buckets(compute)
     g = torch.Generator().manual_seed(1)
     for _ in range(comps[0].warmup_steps + 2):

@@ -40,6 +40,7 @@ import math
 import statistics
 import time
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -84,20 +85,17 @@ class _AllMe:
         return str(dtype).removeprefix("torch.") in self.sums and dtype.itemsize < 4
 
 
-class _Timed(Compressor):
-    """A compressor with its ``advance`` timed and each round's payload kept (for the seam's rule of how it
-    moves), per bucket; everything else passes through."""
+class _Timed:
+    """``inner`` (a compressor) with its ``advance`` timed and each round's last payload kept, per bucket (for
+    the seam's rule of how it moves); everything else is ``inner``'s own."""
 
     def __init__(self, inner: Compressor):
-        super().__init__()
-        self.inner, self.name = inner, inner.name
-        self.summable, self.rounds, self.sync_only = inner.summable, inner.rounds, inner.sync_only
+        self.inner = inner
         self.advance_s: dict[tuple[int, int], float] = {}
         self.payloads: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def bind(self, world_size):
-        super().bind(world_size)
-        self.inner.bind(world_size)
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
     def start(self, key, x, shapes):
         self.payloads[key, 0] = payload = self.inner.start(key, x, shapes)
@@ -109,19 +107,6 @@ class _Timed(Compressor):
         self.advance_s[key, rnd] = time.perf_counter() - t0
         self.payloads[key, rnd] = payload
         return payload
-
-    def finish(self, key, combined, out):
-        self.inner.finish(key, combined, out)
-
-    def share(self, key):
-        return self.inner.share(key)
-
-    def payload_nbytes(self, shapes, itemsize=4):
-        return self.inner.payload_nbytes(shapes, itemsize)
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.inner.warmup_steps
 
 
 def exchange_buckets(compute: Compute):
@@ -159,8 +144,8 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
     comp = build(spec, ef)
     if comp is None:
         raise ConfigError(f"option 'compress': {spec!r} is the uncompressed exchange, the baseline: nothing to measure")
+    comp.bind(world)
     timed = _Timed(comp)
-    timed.bind(world)
     mover = _AllMe(world, sums)
     buckets = exchange_buckets(compute)
     g = torch.Generator().manual_seed(seed)
@@ -178,7 +163,7 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
                 bk.grads.copy_(src)
                 bk.flags.fill_(1)
                 t0 = time.perf_counter()
-                handles.append(seam.start_compressed(timed, bk, mover, f"bucket {bk.index}", True))
+                handles.append(seam.start_compressed(cast(Compressor, timed), bk, mover, f"bucket {bk.index}", True))
                 enc[bk.index][0].append(time.perf_counter() - t0)
             timed.advance_s.clear()
             for b, h in enumerate(handles):
@@ -192,7 +177,7 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
                 enc = [[[] for _ in range(nr)] for _ in range(nb)]
                 dec = [[] for _ in range(nb)]
         for bk in buckets:
-            moves.append(tuple(_how(timed, timed.payloads[bk.index, r], bk.flags if r == 0 else None, mover)
+            moves.append(tuple(_how(comp, timed.payloads[bk.index, r], bk.flags if r == 0 else None, mover)
                                for r in range(nr)))
     finally:
         torch.set_num_threads(old_threads)
