@@ -376,7 +376,8 @@ def table(cal: Calibration, specs, regime: Regime, topo: Topology, workers, batc
             data[n][spec] = x = {**x, **at}
             out.append(f"| {n} | {x['spec']} | {x['bytes_per_step'] / 2**20:,.3g} MiB ({x['bytes_ratio']:.3g}x) | "
                        f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(x['step_s_100mbit'])} | "
-                       f"{_fmt_s(x['step_s_1gbit'])} | {fmt_rate(x['crossover_bps'])} |")
+                       f"{_fmt_s(x['step_s_1gbit'])} | "
+                       f"{fmt_rate(x['crossover_bps']) if topo.hosts(n) > 1 or spec == 'none' else 'n/a: one host'} |")
     return out, data
 
 
@@ -387,14 +388,15 @@ def recommend(data: dict, topo: Topology) -> list[str]:
         base = per["none"]
         paying = sorted((x for s, x in per.items() if s != "none" and x["pays"]), key=lambda x: x["step_s"])
         if not paying:
-            lines.append(f"- N = {n}: no compressor pays at {fmt_rate(topo.nic_bps)}: the uncompressed exchange is "
-                         f"the fastest ({_fmt_s(base['step_s'])} a step).")
+            where = f"at {fmt_rate(topo.nic_bps)}" if topo.hosts(n) > 1 else "on one host"
+            lines.append(f"- N = {n}: no compressor pays {where}: the uncompressed exchange is the fastest "
+                         f"({_fmt_s(base['step_s'])} a step).")
             continue
-        best = paying[0]
+        best, below = paying[0], (lambda x: f"below {fmt_rate(x['crossover_bps'])}" if topo.hosts(n) > 1
+                                  else "on one host, whatever the link")
         text = (f"- **N = {n}: compress={best['spec']}**, step {_fmt_s(best['step_s'])} against "
                 f"{_fmt_s(base['step_s'])} uncompressed ({base['step_s'] / best['step_s']:.2f}x), "
-                f"{best['bytes_ratio']:.3g}x the bytes; it pays below {fmt_rate(best['crossover_bps'])}")
-        others = [f"{x['spec']} ({base['step_s'] / x['step_s']:.2f}x, below {fmt_rate(x['crossover_bps'])})"
-                  for x in paying[1:]]
+                f"{best['bytes_ratio']:.3g}x the bytes; it pays {below(best)}")
+        others = [f"{x['spec']} ({base['step_s'] / x['step_s']:.2f}x, {below(x)})" for x in paying[1:]]
         lines.append(text + (f". Also paying: {', '.join(others)}." if others else "."))
     return lines
