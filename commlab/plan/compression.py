@@ -1,15 +1,17 @@
 """When compression pays: each compressor's bytes and compute on the user's model, a compressed step's time at
 a link rate, and the rate below which it beats the uncompressed exchange.
 
-**What a compressor costs** (:func:`measure`, on this CPU, one thread as :func:`~commlab.plan.calibrate.
-measure_compute`): the model's own buckets (commlab's bucketing, with their presence flags) go through the
-real seam (:func:`commlab.compress.seam.start_compressed`) and the real compressor, with error feedback,
-for N simulated ranks that are all this one (a mover whose sums and gathers are done when issued: the wire is
-the cost model's part). Per bucket and round: what the regime moves (sum or gather, by the seam's own rule
-and the regime's declared ``sums_exactly``; the bytes: the compressor's closed form,
-:meth:`~commlab.compress.base.Compressor.payload_nbytes`, plus the presence flags in round 0), the encode time
-(round 0: ``start``, in the backward hook; round r: ``advance``) and the decode time (``finish`` and error
-feedback). Timed after the compressor's uncompressed warm-up (``start_iter``), median of ``reps`` steps.
+**What a compressor costs** (:func:`measure`, on this CPU, one thread as
+:func:`~commlab.plan.calibrate.measure_compute`, big freed blocks kept in the heap as a worker's exchanger
+keeps them, :mod:`commlab.heap`): the model's own buckets (commlab's bucketing, with their presence flags)
+go through the real seam (:func:`commlab.compress.seam.start_compressed`) and the real compressor, with
+error feedback, for N simulated ranks that are all this one (a mover whose sums and gathers are done when
+issued: the wire is the cost model's part). Per bucket and round: what the regime moves (sum or gather, by
+the seam's own rule and the regime's declared sums; the bytes: the compressor's closed form,
+:meth:`~commlab.compress.base.Compressor.payload_nbytes`, plus the presence flags in round 0), the encode
+time (round 0: ``start``, in the backward hook; round r: ``advance``) and the decode time (``finish`` and
+error feedback). Timed after the compressor's uncompressed warm-up (``start_iter``), median of ``reps``
+steps.
 
 **A compressed step** (all-reduce regimes: commlab's ring, gloo; identical workers), one communication
 thread serving buckets in the order they are issued::
@@ -50,6 +52,7 @@ from commlab.compress.base import Compressor, build
 from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
+from commlab.heap import keep_freed_gradients
 from commlab.netns import parse_rate
 from commlab.plan.costmodel import Calibration, Compute, CompressorCost, Regime, Topology, parse_regime
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
@@ -148,6 +151,7 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
     timed = _Timed(comp)
     mover = _AllMe(world, sums)
     buckets = exchange_buckets(compute)
+    keep_freed_gradients(p for bk in buckets for p in bk.params)  # as a worker's exchanger does (heap=keep)
     g = torch.Generator().manual_seed(seed)
     source = [torch.randn(bk.numel, generator=g).to(bk.buffer.dtype) for bk in buckets]
     nb, nr = len(buckets), comp.rounds
