@@ -208,3 +208,14 @@ def test_a_bad_compress_spec_is_one_line_naming_the_option_and_exit_2(spec, matc
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith(f"commlab plan: --compress {spec}: ")
     assert match in err
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_the_bench_predicts_by_its_entries_urls(compute):
+    """An entry's URL names the regime, the compressor and ef; options the planner does not model are left out."""
+    url = "ring://?compress=topk:0.1&ef=0&timeout=30"
+    assert K.parse_url(url) == (RING, "topk:0.1", False)
+    assert K.parse_url("allreduce://?backend=gloo&compress=fp16")[0] == parse_regime("allreduce://?backend=gloo")
+    cal = K.with_urls(Calibration({}, 0.0, 0.0, compute), [url, "ring://"], reps=1)
+    assert set(cal.compressors) == {"topk:0.1 (ef=0)"}
+    assert K.predict_url(cal, url, "1gbit", 3) == K.predict(cal, "topk:0.1", "1gbit", 3, RING, ef=False)
+    assert K.predict_url(cal, "ring://", 1e6, 2)["spec"] == "none"

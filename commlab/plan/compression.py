@@ -43,12 +43,14 @@ import statistics
 import time
 from dataclasses import replace
 from typing import cast
+from urllib.parse import urlencode
 
 import torch
 from torch import nn
 
 from commlab.compress import seam
 from commlab.compress.base import Compressor, build
+from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
@@ -204,7 +206,8 @@ def with_compressors(cal: Calibration, specs, regime: Regime, world: int = 2, ef
     """``cal`` with every spec in ``specs`` measured for ``regime`` (those measured already for the same
     sums are kept)."""
     sums = regime_sums(regime)
-    todo = [s for s in specs if not (s in cal.compressors and cal.compressors[s].sums == sums and cal.compressors[s].ef == ef)]
+    label = lambda s: s if ef else f"{s} (ef=0)"
+    todo = [s for s in specs if label(s) not in cal.compressors or cal.compressors[label(s)].sums != sums]
     return cal.with_compressors(*(measure(cal.compute, s, ef, world, sums, reps) for s in todo))
 
 
@@ -338,6 +341,33 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
                    encode_decode_s=encode_decode_s(cost, world), pays=s < unc_s,
                    crossover_bps=crossover(cal, cost, regime, topo, world, batch))
     return out
+
+
+def parse_url(url: str) -> tuple[Regime, str, bool]:
+    """(the planner's regime, the ``compress=`` spec, ``ef``) of an exchanger URL as the bench names its entries,
+    e.g. ``ring://?compress=powersgd:4,start_iter=5&ef=0``; options the planner does not model (timeout,
+    bucket_mb...) are left out of the regime."""
+    u = ExchangerURL.parse(url)
+    q = dict(u.query)
+    keep = {k: q[k] for k in ("transport", "backend") if k in q}
+    regime = parse_regime(f"{u.scheme}://" + ("?" + urlencode(keep) if keep else ""))
+    return regime, q.get("compress", "none"), q.get("ef", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def with_urls(cal: Calibration, urls, world: int = 2, reps: int = 3) -> Calibration:
+    """``cal`` with every compressor the exchanger ``urls`` name measured (each for its own regime)."""
+    for url in urls:
+        regime, spec, ef = parse_url(url)
+        if spec.strip().lower() not in ("", "none"):
+            cal = with_compressors(cal, [spec], regime, world, ef, reps)
+    return cal
+
+
+def predict_url(cal: Calibration, url: str, link, world: int, workers_per_host: int = 1, batch: int | None = None,
+                compute_scale: float = 1.0) -> dict:
+    """:func:`predict` for an exchanger URL (:func:`parse_url`); its compressor measured by :func:`with_urls`."""
+    regime, spec, ef = parse_url(url)
+    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef)
 
 
 def encode_decode_s(cost: CompressorCost, n: int) -> float:
