@@ -219,3 +219,17 @@ def test_the_bench_predicts_by_its_entries_urls(compute):
     assert set(cal.compressors) == {"topk:0.1 (ef=0)"}
     assert K.predict_url(cal, url, "1gbit", 3) == K.predict(cal, "topk:0.1", "1gbit", 3, RING, ef=False)
     assert K.predict_url(cal, "ring://", 1e6, 2)["spec"] == "none"
+
+
+def test_validation_checks_the_crossover_against_what_the_measured_medians_say():
+    from bench.plan_validate import crossover_check, with_compress
+    assert with_compress("ring://?transport=torch", "powersgd:4,start_iter=2") == \
+        "ring://?transport=torch&compress=powersgd:4,start_iter=2"
+    assert with_compress("ring://", "sign") == "ring://?compress=sign"
+    point = lambda rate, spec, median, cross=None: {"rate": rate, "workers": 2, "base": "ring", "ok": True,
+                                                   "compress": spec, "regime": f"ring {spec or ''}".strip(),
+                                                   "median": median, "crossover_bps": cross, "link_bps": 1e8}
+    points = [point("100mbit", None, 8.0), point("100mbit", "powersgd:4", 0.5, 2e8),  # paid, predicted to: agree
+              point("100mbit", "fp16", 4.0, 5e7),  # paid, predicted not to: a miss
+              point("1gbit", "sign", 1.0, 5e7)]  # no uncompressed point at 1gbit: not checked
+    assert crossover_check(points) == (2, 1, ["100mbit N=2 ring fp16"])
