@@ -230,6 +230,7 @@ def test_exchangers_one_after_another_meet_in_namespaces_of_their_own(run_ranks)
 
 
 @pytest.mark.full
+@pytest.mark.timeout(900)
 def test_many_short_jobs_back_to_back_all_start(tmp_path):
     """Issue 30 item 6's soak: twenty short 2-rank `commlab run` jobs of a user's script under
     allreduce://?backend=gloo, back to back, with real starts (no fork server); every one must start and
@@ -238,7 +239,7 @@ def test_many_short_jobs_back_to_back_all_start(tmp_path):
     script.write_text(AGAIN.replace("range(3)", "range(2)"))
     env = child_env(COMMLAB_ZYGOTE="off")
     for i in range(20):
-        proc = run_group([sys.executable, "-m", "commlab", "run", "--workers", "2", "--exchanger",
+        proc = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--exchanger",
                           "allreduce://?backend=gloo", str(script)], timeout=120, env=env,
                           capture_output=True, text=True)
         assert proc.returncode == 0, f"job {i}: {proc.stderr[-3000:]}"
