@@ -92,30 +92,52 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
     return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src)
 
 
+_STORES: dict[tuple[str, int], object] = {}  # (addr, port) -> this process's client of (or host for) the job's store
+
+
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore (rank 0 hosts it unless torchrun's agent already does)."""
+    """The job's TCPStore (rank 0 hosts it unless torchrun's agent or commlab's launcher already does),
+    under this exchanger's own namespace (:func:`instance`). One connection per process and job: every
+    exchanger after the first reuses it, so rank 0 hosts the store once and keeps it for the job."""
     import torch.distributed as dist
 
     env = os.environ if env is None else env
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
-                              is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False, use_libuv=True)
-    except Exception as exc:  # torch raises DistNetworkError/RuntimeError with the socket detail
-        raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
-                          f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
-    return dist.PrefixStore("commlab/", store)
+    where = (info.master_addr, info.master_port)
+    store = _STORES.get(where)
+    if store is None:
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        try:
+            store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                                  is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False, use_libuv=True)
+        except Exception as exc:  # torch raises DistNetworkError/RuntimeError with the socket detail
+            raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
+                              f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
+        _STORES[where] = store
+    return instance(dist.PrefixStore("commlab/", store), info.rank)
 
 
-def default_group_store():
+def default_group_store(rank: int):
     """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
-    under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
-    ``MASTER_PORT``, so a second could not bind it)."""
+    under commlab's prefix and this exchanger's namespace: the one store every rank surely reaches (rank 0
+    may already host one on ``MASTER_PORT``, so a second could not bind it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    return dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
+    return instance(dist.PrefixStore("commlab/", distributed_c10d._get_default_store()), rank)
+
+
+def instance(store, rank: int):
+    """The namespace of this rank's next exchanger in the job's store: ``1`` for the first, ``2`` for the
+    second... Every rank meets its exchangers in the same order (meeting is collective), so the numbers
+    agree. The store outlives each exchanger (the launcher's, torchrun's agent's, a default group's): without
+    its own namespace, a later exchanger would read an earlier one's keys, gloo's listening addresses among
+    them, whose listeners are closed, whenever the peer had not yet overwritten them (``Gloo
+    connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a resumed run
+    makes, failed that way whenever one rank reached it first)."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(str(int(store.add(f"instances/{rank}", 1))), store)  # PrefixStore adds the "/"
 
 
 def heartbeat(store, rank: int, step: int) -> None:

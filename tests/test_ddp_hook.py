@@ -143,7 +143,9 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
     import torch.distributed as dist
     from commlab.regimes.ring import RingExchanger
     from commlab.registry import resolve
-    from commlab.rendezvous import RankInfo, default_group_store
+    from torch.distributed import distributed_c10d
+
+    from commlab.rendezvous import RankInfo
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=2))
@@ -155,7 +157,9 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
         ex.store.set("probe", "here")
         ex.close()
         assert dist.is_initialized(), "the ring destroyed a group it did not create"
-        assert default_group_store().get("probe") == b"here"  # a missing key would raise after 2 s
+        # the ring's namespace is the first exchanger's in that store; a missing key would raise after 2 s
+        default = distributed_c10d._get_default_store()
+        assert dist.PrefixStore("1", dist.PrefixStore("commlab/", default)).get("probe") == b"here"
     finally:
         dist.destroy_process_group()
 

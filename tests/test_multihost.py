@@ -82,8 +82,8 @@ import torch, zmq, zmq.auth
 import torch.distributed as dist
 from commlab import wire
 addr, port, server_key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-store = dist.PrefixStore("commlab/", dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60),
-                                                   wait_for_workers=False, use_libuv=True))
+store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the job's first exchanger's keys
+    addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
 store.wait(["ring/1/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
 endpoint = store.get("ring/1/addr/0").decode()
 ctx = zmq.Context()

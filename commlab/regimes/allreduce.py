@@ -31,7 +31,7 @@ import torch.distributed as dist
 from commlab import compress, rendezvous
 from commlab.config import option
 from commlab.compress import CompressOptions
-from commlab.errors import BackendUnavailable, ConfigError
+from commlab.errors import BackendUnavailable, CommError, ConfigError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
 
@@ -88,8 +88,14 @@ class AllReduceExchanger(CollectiveExchanger):
         self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+        try:
+            dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+        except RuntimeError as exc:  # gloo: connectFullMesh; NCCL: its init; the cause says which peer and why
+            raise CommError(f"rank {self.rank}: the {backend} process group of {self.world_size} ranks did not form "
+                            f"(rendezvous {self.rank_info.master_addr}:{self.rank_info.master_port}): a peer died "
+                            f"at start, or cannot reach the address {backend} listens on (GLOO_SOCKET_IFNAME / "
+                            f"NCCL_SOCKET_IFNAME choose the interface); cause: {exc}") from exc
         self.group, self.owns_group = dist.group.WORLD, True
 
     def _borrow_default_group(self) -> None:
@@ -101,7 +107,7 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        self.store = rendezvous.default_group_store()
+        self.store = rendezvous.default_group_store(self.rank)
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:

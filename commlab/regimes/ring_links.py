@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import wire
+from commlab import errors, wire
 from commlab.errors import CommError, CommTimeout, PeerLost, ProtocolError
 from commlab.transport import Link
 
@@ -269,8 +269,7 @@ def _finish_work(w, timeout: float, peer: int, who: str, verb: str, op: str, seq
     try:
         w.wait(timedelta(seconds=timeout))
     except Exception as exc:  # gloo raises RuntimeError for timeouts and closed connections alike
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        cls = CommTimeout if "time" in text.lower() else PeerLost
+        cls, text = errors.from_torch(exc, otherwise=PeerLost)
         raise cls(f"{verb} {who} failed in collective {seq}: {text}", peer=peer, op=op) from exc
 
 
