@@ -7,13 +7,13 @@
 
 A cell is one model at one link rate (``loopback``, or a ``tc tbf`` cap between network namespaces, as
 root: :class:`commlab.netns.Links`). In a cell, every entry trains the same model from the same seed on
-the same data with N ranks (:mod:`bench.compress_worker`, one job per entry, entries taking turns, round
-after round): ``REGIME`` uncompressed (``ring://`` by default), ``REGIME?compress=C`` for each
-compressor, and the peers DDP uncompressed, DDP with torch's PowerSGD hook (the same rank and warm-up)
-and DDP with torch's fp16 hook. Per entry: step time (median and p90 after the warm-up), bytes sent per
-step and their ratio to the uncompressed exchange, the loss against step and against time, time to a
-target loss (by default the highest final loss among the entries: every one reached it); every "faster"
-is :mod:`bench.verdict`'s ratio with its 95% interval. The issue's goals are checked where their cell ran.
+the same data with N ranks (:mod:`bench.compress_worker`: one job per cell, the entries taking turns in
+it, round after round, each from a fresh model): ``REGIME`` uncompressed (``ring://`` by default),
+``REGIME?compress=C`` for each compressor, and the peers DDP uncompressed, DDP with torch's PowerSGD hook
+(the same rank and warm-up) and DDP with torch's fp16 hook. Per entry: step time (median and p90 after
+the warm-up), bytes sent per step and their ratio to the uncompressed exchange, the loss against step and
+against time, time to a target loss (by default what the uncompressed regime reached 2/3 of the way
+through its steps: an entry that learns as fast per step reaches it in the run); every "faster" is :mod:`bench.verdict`'s ratio with its 95% interval. The issue's goals are checked where their cell ran.
 
 Models: ``mlp`` (the 25M MLP, 100 MB of gradients a step) and ``lm`` (examples/charlm.py's model, 1.45
 MB a step). Writes ``compress.md``, ``compress.json`` and one ``compress-<model>-<link>.png`` per cell
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -33,7 +34,8 @@ from pathlib import Path
 from bench import records as rec
 from bench import verdict
 from bench.jobs import python, run_job
-from bench.script_compare import Outcome, Regime, human_bytes, plot, read_ranks, slug, summarize_all, table
+from bench.script_compare import (Outcome, Regime, plot, read_ranks, slug, smoothed, summarize_all, table,
+                                  time_to_target)
 from bench.regimes import unavailable
 
 CASE = "compress"
@@ -53,6 +55,9 @@ DEFAULT_BUDGET_S = 840.0
 GOAL_PSGD_OVER_RING_100M = 20.0
 GOAL_TTT_LM_10M = 2.0
 LOOPBACK_OVERHEAD = 1.15  # powersgd:4's step at most this many times the uncompressed ring's on loopback
+# the default target loss: the uncompressed regime's (smoothed) loss this far through its steps; an entry that
+# learns as fast per step reaches it within the run, one that learns slower may not ("—")
+TARGET_AT = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -89,55 +94,80 @@ def entries(regime: str, compressors, peers, start_iter: int, rank_r: int) -> li
 
 
 def over_link(url: str) -> str:
-    """A ring's URL across namespaces: it binds the address its rank reaches others on (no keys: the
-    addresses exist only inside this run's namespaces)."""
-    if url.startswith("ring://") and "host=" not in url and "transport=torch" not in url:
-        return with_query(url, "host=auto&insecure=1")
-    return url
+    """A ring's URL across namespaces: tcp (shared memory would bypass the capped link), bound to the address
+    its rank reaches others on (no keys: the addresses exist only inside this run's namespaces)."""
+    if not url.startswith("ring://") or "host=" in url or "transport=torch" in url:
+        return url
+    return with_query(url, ("" if "transport=" in url else "transport=tcp&") + "host=auto&insecure=1")
 
 
-def run_entry(e: Entry, model: str, link: str, steps: int, a, out: Path, links, rnd: int, budget_s: float) -> Outcome:
-    """One job of entry ``e`` in cell (model, link); never raises for the entry's own failure."""
-    url = e.url if links is None else over_link(e.url)
-    regime = Regime(e.label, url, a.workers, (), e.kind)
-    why = None if e.peer else unavailable(url)
-    if why:
-        return Outcome(regime, "unavailable", why)
-    tag = f"{model}-{link}-{slug(e.label)}-r{rnd}"
-    metrics = out / "raw" / f"{tag}.jsonl"
-    metrics.parent.mkdir(parents=True, exist_ok=True)
-    args = ["--model", (TINY if a.tiny else MODELS)[model], "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed),
-            "--metrics", str(metrics)]
-    if e.peer:
-        args += ["--peer", e.peer, "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
-    argv = [python(), "-m", "bench.launch_job", "--url", url, "--workers", str(a.workers),
+def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: Path, links,
+                    timeout: float) -> dict[str, list[Outcome]]:
+    """One job for the whole cell (model, link): every entry that can run, ``a.rounds`` times, taking turns
+    (:mod:`bench.compress_worker`). Returns each entry's outcome per round; never raises for a failure."""
+    outcomes: dict[str, list[Outcome]] = {e.label: [] for e in es}  # in the entries' order
+    runnable = []
+    for e in es:
+        url = e.url if links is None or e.peer else over_link(e.url)
+        regime = Regime(e.label, url, a.workers, (), e.kind)
+        why = None if e.peer else unavailable(url)
+        if why:
+            outcomes[e.label] = [Outcome(regime, "unavailable", why)]
+        else:
+            runnable.append((e, regime))
+    if not runnable:
+        return outcomes
+    tag = f"{model}-{slug(link)}"
+    base = out / "raw" / f"{tag}.jsonl"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    spec = [{"peer": e.peer} if e.peer else {"url": r.url} for e, r in runnable]
+    args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
+            "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
+            "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
+    argv = [python(), "-m", "bench.launch_job", "--url", "local://", "--workers", str(a.workers),
             "--module", "bench.compress_worker"]
     if links is not None:
         argv += ["--link", links.rate, "--link-tag", links.tag]
-    res = run_job([*argv, "--", *args], out / "logs" / f"{tag}.log", budget_s)
-    ranks = read_ranks(metrics, a.workers)
+    res = run_job([*argv, "--", *args], out / "logs" / f"{tag}.log", timeout)
     log = str(res.log.relative_to(out))
-    if not res.ok or len(ranks[0]) < steps:
-        return Outcome(regime, "failed", res.error() or f"rank 0 wrote {len(ranks[0])} of {steps} steps", res.seconds,
-                       ranks, log)
-    return Outcome(regime, "ok", "", res.seconds, ranks, log)
+    for i, (e, regime) in enumerate(runnable):
+        outcomes[e.label] = []
+        for rnd in range(a.rounds):
+            path = Path(f"{base}.{i}.{rnd}")
+            ranks = read_ranks(path, a.workers)
+            said = [p.read_text() for p in sorted(path.parent.glob(path.name + ".error.rank*"))]
+            if said or len(ranks[0]) < steps:
+                why = said[0] if said else f"{res.error()} (rank 0 wrote {len(ranks[0])} of {steps} steps)"
+                outcomes[e.label].append(Outcome(regime, "failed", why.strip(), res.seconds, ranks, log))
+            else:
+                outcomes[e.label].append(Outcome(regime, "ok", "", res.seconds, ranks, log))
+    return outcomes
 
 
 def measured(lines: list[dict], skip: int) -> list[dict]:
     return [x for x in lines if x["step"] >= skip and x.get("step_s")]
 
 
-def cell_rows(model: str, link: str, outcomes: dict[str, list[Outcome]], skip: int, target: float | None
+def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: float | None
               ) -> tuple[list[dict], float | None]:
     """The table's rows of one cell: script_compare's summary (curve, final loss, time to target) of each
     entry's first round, with the step time (median, p90: every round's steps from ``skip`` on) and bytes
-    per step (and ratio to uncompressed) over the same steps."""
+    per step (and ratio to uncompressed) over the same steps. The target loss: ``given``, else the smoothed
+    loss the uncompressed ``base`` reached :data:`TARGET_AT` of the way through its steps (else, if it did
+    not run, the highest final loss among the entries)."""
+    target = given
     firsts, extra = [], {}
     for label, outs in outcomes.items():
         ok = [o for o in outs if o.status == "ok"]
         firsts.append(ok[0] if ok else outs[-1])
         extra[label] = [line for o in ok for line in measured(o.ranks[0], skip)]
     rows, target = summarize_all(firsts, target)
+    plain = next((r for r in rows if r["regime"] == base and r.get("curve")), None)
+    if given is None and plain is not None:  # what the uncompressed run reached TARGET_AT of the way through
+        target = smoothed(plain["curve"])[max(0, math.ceil(TARGET_AT * len(plain["curve"])) - 1)]
+        for row in rows:
+            if row.get("curve"):
+                row.update(time_to_target(row["curve"], smoothed(row["curve"]), target))
     for row in rows:
         lines = extra[row["regime"]]
         row["rounds"] = len([o for o in outcomes[row["regime"]] if o.status == "ok"])
@@ -263,7 +293,8 @@ def section(cells: list[dict], predictions: dict | None = None, heading: str = "
     for c in cells:
         md += [f"{heading}# {c['model']} ({c['model_name']}) at {c['link']}", "",
                f"{c['steps']} steps a job, step times from step {c['skip']} on (after the warm-up), "
-               f"{c['rounds']} round(s); target loss {c['target']:.4f}" if c["target"] is not None else
+               f"{c['rounds']} round(s); target loss {c['target']:.4f} (\"—\": not reached in the run)"
+               if c["target"] is not None else
                f"{c['steps']} steps a job; no target loss (no entry finished)", ""]
         md += table(c["rows"], [("step ms p90", lambda r: "—" if r.get("step_s_p90") is None
                                  else f"{r['step_s_p90'] * 1e3:.1f}"),
@@ -308,9 +339,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-r", type=int, default=4, help="torch's PowerSGD hook: matrix_approximation_rank")
     p.add_argument("--rounds", type=int, default=1, help="every entry this many times, entries taking turns")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-loss", type=float, help="default: the highest final loss among a cell's entries")
+    p.add_argument("--target-loss", type=float, help="default: the uncompressed regime's loss 2/3 of the way through")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no job after this many seconds")
-    p.add_argument("--job-timeout", type=float, default=240.0)
+    p.add_argument("--cell-timeout", type=float, default=600.0, help="seconds one cell's job may take")
     p.add_argument("--out", help="folder (default runs/compress-<UTC time>)")
     p.add_argument("--tiny", action="store_true", help="test-size models (a 2.4K MLP, a 1-layer LM): a smoke run")
     return p
@@ -379,25 +410,22 @@ def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[lis
 
 def run_cell(a, model, link, es, out, links, deadline, progress, failures) -> dict:
     steps = a.steps or STEPS.get((model, link), STEPS[(model, "100mbit" if model == "lm" else "1gbit")])
-    outcomes: dict[str, list[Outcome]] = {e.label: [] for e in es}
-    for rnd in range(a.rounds):
-        for e in es:
-            left = deadline - time.monotonic()
-            if left < 10:
-                outcomes[e.label].append(Outcome(Regime(e.label, e.url, a.workers, (), e.kind), "skipped",
-                                                 "the case's time budget (--budget-s) ran out before this job"))
-                continue
-            progress(f"commlab bench compress: {model} at {link}, round {rnd + 1}/{a.rounds}: {e.label}")
-            outcomes[e.label].append(run_entry(e, model, link, steps, a, out, links, rnd, min(a.job_timeout, left)))
+    left = deadline - time.monotonic()
+    if left < 30:
+        outcomes = {e.label: [Outcome(Regime(e.label, e.url, a.workers, (), e.kind), "skipped",
+                                      "the case's time budget (--budget-s) ran out before this cell")] for e in es}
+    else:
+        progress(f"commlab bench compress: {model} at {link}: {len(es)} entries x {a.rounds} round(s), {steps} steps")
+        outcomes = run_job_of_cell(es, model, link, steps, a, out, links, min(a.cell_timeout, left))
     for label, outs in outcomes.items():
         failures += [rec.failure(CASE, f"{label} ({model}@{link})", o.error, o.regime.url, o.status)
                      for o in outs if o.status != "ok"]
     skip = a.start_iter + 1  # PowerSGD's uncompressed warm-up and the first compressed step's allocations
-    rows, target = cell_rows(model, link, outcomes, skip, a.target_loss)
+    rows, target = cell_rows(outcomes, skip, a.regime, a.target_loss)
     vs = cell_verdicts(rows, a.regime, a.rank_r)
     png = plot(rows, out / f"compress-{model}-{slug(link)}.png", f"{model} at {link}")
-    return {"model": model, "model_name": (TINY if a.tiny else MODELS)[model], "link": link, "steps": steps, "skip": skip, "rounds": a.rounds, "target": target,
-            "rows": rows, "verdicts": vs, "goals": goals(model, link, rows, a.regime, a.rank_r),
+    return {"model": model, "model_name": (TINY if a.tiny else MODELS)[model], "link": link, "steps": steps,
+            "skip": skip, "rounds": a.rounds, "target": target, "rows": rows, "verdicts": vs, "goals": goals(model, link, rows, a.regime, a.rank_r),
             "note": does_not_pay(rows, a.regime, vs), "png": png.name if png else None}
 
 

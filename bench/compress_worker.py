@@ -1,28 +1,30 @@
 """One rank of ``commlab bench compress``: the same loop under a commlab exchanger or under DDP with a torch hook.
 
-    python -m bench.compress_worker --exchanger 'ring://?compress=powersgd:4,start_iter=2' --model mlp-25m ...
-    python -m bench.compress_worker --exchanger local:// --peer ddp+powersgd --rank-r 4 --start-iter 2 ...
+    python -m bench.compress_worker --exchanger local:// --model mlp-25m --steps 6 --metrics F \
+        --entries '[{"url": "ring://"}, {"url": "ring://?compress=powersgd:4,start_iter=2"}, {"peer": "ddp"}]'
 
-Started by the launcher (``bench.launch_job``: torchrun's environment, ``--exchanger`` from the job's URL).
-Every entry of the comparison runs this file, so the only difference between two entries is how the
-gradients travel. ``--peer`` replaces the exchanger by DistributedDataParallel over gloo: ``ddp`` (plain),
-``ddp+fp16`` (torch's ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with
-``matrix_approximation_rank=--rank-r`` and ``start_powerSGD_iter=--start-iter``); the job's URL must then be
-``local://``, which starts nothing.
+Started by the launcher (``bench.launch_job``, job URL ``local://``: torchrun's environment, nothing else).
+One job runs a whole cell: every entry in turn (``--rounds`` times), each from a fresh model, so the only
+difference between two entries is how the gradients travel, and a process start is paid once, not per
+entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or
+a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``ddp+fp16`` (torch's
+``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
+and ``start_powerSGD_iter=--start-iter``). An entry that raises leaves an ``.error`` file and the next runs.
 
 Models: ``mlp-25m`` (workers/models.py, digits, SGD: the ``commlab train`` model and data) and ``charlm``
-(examples/charlm.py's model at its default size, text windows, AdamW in its parameter groups with warm-up + cosine, bf16
-autocast, clipping at 1.0; one micro-step a step); ``tiny`` and ``charlm-tiny`` are the same at test size. Every rank writes one line per step through
-:func:`commlab.report` (rank r > 0 to ``FILE.rank<r>``): ``loss, step_s, comm_s, time_s, bytes_sent``
-(``bytes_uncompressed`` too), and on rank 0 at the end ``test_loss``. DDP's ``bytes_sent`` is the
-closed form of what its hook all-reduces, counted as a ring counts (2(N-1)/N of the tensor), so the
-peers' bytes read as commlab's do; ``comm_s`` is not known under DDP (its wait is inside backward).
+(examples/charlm.py's model at its default size, text windows, AdamW in its parameter groups with warm-up
+and cosine, bf16 autocast, clipping at 1.0; one micro-step a step); ``tiny`` and ``charlm-tiny`` are the
+same at test size. Every rank writes one line per step through :func:`commlab.report` (entry i, round r:
+``BASE.<i>.<r>``): ``loss, step_s, comm_s, time_s, bytes_sent`` (``bytes_uncompressed`` too), and on rank 0
+at the end ``test_loss``. DDP's ``bytes_sent`` is the closed form of what its hook all-reduces, counted as
+a ring counts (2(N-1)/N of the tensor), so the peers' bytes read as commlab's do; ``comm_s`` is not known
+under DDP (its wait is inside backward).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
 import sys
 import time
@@ -127,12 +129,10 @@ def ddp_bytes(model, peer: str, step: int, world: int, rank_r: int, start_iter: 
 
 
 def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int):
-    """DistributedDataParallel over gloo around ``task.model``, with the peer's torch comm hook."""
-    import torch.distributed as dist
+    """DistributedDataParallel (the default group: gloo) around ``task.model``, with the peer's torch comm hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     ddp = DistributedDataParallel(task.model)
     if peer == "ddp+fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -140,41 +140,38 @@ def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int):
         state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=start_iter,
                                             min_compression_rate=2, random_seed=0)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    return ddp, dist.get_rank(), dist.get_world_size()
+    return ddp
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compress_worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--exchanger", default=os.environ.get("COMMLAB_EXCHANGER", "local://"))
+    p.add_argument("--exchanger", default="local://", help="the job's URL, as the launcher passes it: must be "
+                                                            "local:// (each entry names its own)")
+    p.add_argument("--entries", required=True, help='JSON list of {"url": URL} or {"peer": PEER}, run in this order')
+    p.add_argument("--rounds", type=int, default=1, help="run the entries this many times, taking turns")
     p.add_argument("--model", choices=MODELS, default="mlp-25m")
-    p.add_argument("--peer", choices=PEERS, help="DDP with this torch hook instead of a commlab exchanger")
     p.add_argument("--rank-r", type=int, default=4, help="ddp+powersgd: matrix_approximation_rank")
     p.add_argument("--start-iter", type=int, default=2, help="ddp+powersgd: start_powerSGD_iter")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, help="default: 0.05 (SGD, mlp-25m), 3e-3 (AdamW, charlm)")
+    p.add_argument("--lr", type=float, help="default: 0.05 (SGD, MLPs), 3e-3 (AdamW, charlm)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--metrics", help="JSON lines per step (default: $COMMLAB_METRICS)")
+    p.add_argument("--metrics", required=True, help="entry i of round r writes BASE.<i>.<r> (rank k > 0: .rank<k>), "
+                                                    "and BASE.<i>.<r>.error.rank<k> if it failed")
     p.add_argument("--no-progress", action="store_true", help="accepted from the launcher; this worker prints none")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parser().parse_args(argv)
-    if a.peer and a.exchanger != "local://":
-        print(f"bench.compress_worker: --peer {a.peer} runs DDP; the job's URL must be local://, got {a.exchanger}",
-              file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
+def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
+    """One entry's run from a fresh model: ``a.steps`` steps, one line per step to ``path``."""
     task = Task(a.model, a.seed, a.batch_size, a.lr, a.steps)
-    if a.peer:
-        forward, rank, world = ddp_wrap(task, a.peer, a.rank_r, a.start_iter)
-        ex = None
+    peer, ex = entry.get("peer"), None
+    if peer:
+        forward = ddp_wrap(task, peer, a.rank_r, a.start_iter)
     else:
-        ex = commlab.connect(a.exchanger)
-        rank, world, forward = ex.rank, ex.world_size, task.model
+        ex = commlab.connect(entry["url"])
+        forward = task.model
         ex.setup(task.model, task.opt)
-    path = a.metrics or os.environ.get(commlab.metrics.ENV)
     t_start = time.perf_counter()
     try:
         for step in range(a.steps):
@@ -186,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             task.after_backward()
             if ex is None:
                 task.opt.step()
-                sent, raw = ddp_bytes(task.model, a.peer, step, world, a.rank_r, a.start_iter)
+                sent, raw = ddp_bytes(task.model, peer, step, world, a.rank_r, a.start_iter)
                 line = {"comm_s": None, "bytes_sent": sent, "bytes_uncompressed": raw}
             else:
                 rep = ex.step()  # optimizer.step() after the exchange
@@ -195,25 +192,43 @@ def main(argv: list[str] | None = None) -> int:
             if task.sched is not None:
                 task.sched.step()
             now = time.perf_counter()
-            last = step == a.steps - 1
-            if last and rank == 0:
+            if step == a.steps - 1 and rank == 0:
                 line["test_loss"] = task.test_loss()
-            if path:
-                commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start,
-                               **line)
+            commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start, **line)
     finally:
         if ex is not None:
             ex.close()
-    if ex is None:
-        import torch.distributed as dist
 
-        dist.barrier()
-        dist.destroy_process_group()
-        # DDP jobs here sometimes die of std::terminate in the interpreter's teardown (see bench/ddp_worker.py);
-        # everything this rank had to say is written
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    entries = json.loads(a.entries)
+    bad = [e for e in entries if not (e.get("url") or e.get("peer") in PEERS)]
+    if a.exchanger != "local://" or bad:
+        print(f"bench.compress_worker: the job's URL must be local:// (got {a.exchanger}) and every entry a url or "
+              f"one of {PEERS} (got {bad})", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    # the default group serves DDP's entries (an allreduce:// entry borrows it too); commlab's own rendezvous
+    # gives every exchanger of this process a namespace of its own in the job's store
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for rnd in range(a.rounds):
+        for i, entry in enumerate(entries):
+            path = f"{a.metrics}.{i}.{rnd}"
+            try:
+                train_entry(entry, a, rank, world, path)
+            except Exception as exc:  # this entry failed here: say so and go on with the next (they all time out)
+                Path(f"{path}.error.rank{rank}").write_text(f"{type(exc).__name__}: {exc}"[:2000])
+                print(f"bench.compress_worker rank {rank}: {entry}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    dist.barrier()
+    dist.destroy_process_group()
+    # DDP jobs here sometimes die of std::terminate in the interpreter's teardown (see bench/ddp_worker.py);
+    # everything this rank had to say is written (commlab.report closes its file on every line)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
