@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench import bandwidth, bw_worker, records, verdict
-from commlab import netns as links
+from bench import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
 
