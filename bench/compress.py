@@ -6,7 +6,7 @@
     commlab bench compress --models mlp --link loopback --steps 8 --compressors powersgd:4 --peers ddp
 
 A cell is one model at one link rate (``loopback``, or a ``tc tbf`` cap between network namespaces, as
-root: :class:`commlab.netns.Links`). In a cell, every entry trains the same model from the same seed on
+root: :class:`bench.netns.Links`). In a cell, every entry trains the same model from the same seed on
 the same data with N ranks (:mod:`bench.compress_worker`: one job per cell, the entries taking turns in
 it, round after round, each from a fresh model): ``REGIME`` uncompressed (``ring://`` by default),
 ``REGIME?compress=C`` for each compressor, and the peers DDP uncompressed, DDP with torch's PowerSGD hook
@@ -47,8 +47,8 @@ PEERS = ("ddp", "ddp+powersgd", "ddp+fp16")
 DEFAULT_CELLS = (("mlp", "100mbit"), ("lm", "10mbit"), ("mlp", "loopback"), ("lm", "loopback"), ("mlp", "1gbit"),
                  ("lm", "1gbit"))
 # steps per job in each cell: a 25M MLP step at 100 Mbit/s moves 100 MB (about 8 s uncompressed)
-STEPS = {("mlp", "loopback"): 24, ("mlp", "1gbit"): 10, ("mlp", "100mbit"): 6, ("lm", "loopback"): 90,
-         ("lm", "1gbit"): 90, ("lm", "100mbit"): 60, ("lm", "10mbit"): 40}
+STEPS = {("mlp", "loopback"): 16, ("mlp", "1gbit"): 8, ("mlp", "100mbit"): 5, ("lm", "loopback"): 60,
+         ("lm", "1gbit"): 60, ("lm", "100mbit"): 40, ("lm", "10mbit"): 30}
 BATCH = {"mlp": 32, "lm": 16}
 DEFAULT_BUDGET_S = 840.0
 # the goals of issue 26 (speed): ratio >= goal over the whole interval
@@ -151,7 +151,8 @@ def measured(lines: list[dict], skip: int) -> list[dict]:
 def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: float | None
               ) -> tuple[list[dict], float | None]:
     """The table's rows of one cell: script_compare's summary (curve, final loss, time to target) of each
-    entry's first round, with the step time (median, p90: every round's steps from ``skip`` on) and bytes
+    entry's first round, with the step time (median, p90: every round's steps from 1 on, PowerSGD's from ``skip``
+    on, after its uncompressed warm-up) and bytes
     per step (and ratio to uncompressed) over the same steps. The target loss: ``given``, else the smoothed
     loss the uncompressed ``base`` reached :data:`TARGET_AT` of the way through its steps (else, if it did
     not run, the highest final loss among the entries)."""
@@ -160,7 +161,8 @@ def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: f
     for label, outs in outcomes.items():
         ok = [o for o in outs if o.status == "ok"]
         firsts.append(ok[0] if ok else outs[-1])
-        extra[label] = [line for o in ok for line in measured(o.ranks[0], skip)]
+        first = skip if "powersgd" in label else 1  # step 0: every entry's first-touch allocations
+        extra[label] = [line for o in ok for line in measured(o.ranks[0], first)]
     rows, target = summarize_all(firsts, target)
     plain = next((r for r in rows if r["regime"] == base and r.get("curve")), None)
     if given is None and plain is not None:  # what the uncompressed run reached TARGET_AT of the way through
@@ -292,7 +294,8 @@ def section(cells: list[dict], predictions: dict | None = None, heading: str = "
     md = []
     for c in cells:
         md += [f"{heading}# {c['model']} ({c['model_name']}) at {c['link']}", "",
-               f"{c['steps']} steps a job, step times from step {c['skip']} on (after the warm-up), "
+               f"{c['steps']} steps a job, step times from step 1 on (PowerSGD's from {c['skip']}, after its "
+               f"warm-up), "
                f"{c['rounds']} round(s); target loss {c['target']:.4f} (\"—\": not reached in the run)"
                if c["target"] is not None else
                f"{c['steps']} steps a job; no target loss (no entry finished)", ""]
@@ -358,7 +361,7 @@ def _names(text: str, known=None, what: str = "") -> list[str]:
 def check(a) -> list[tuple[str, str]]:
     """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
     from commlab.compress import build
-    from commlab.netns import parse_rate
+    from commlab.plan.rates import parse_rate
 
     if a.workers < 2:
         raise ValueError("--workers must be >= 2")
@@ -383,7 +386,7 @@ def check(a) -> list[tuple[str, str]]:
 
 def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[list[dict], list[dict]]:
     """Run the cells (grouped by link, one namespace topology per rate); returns (cells, failures)."""
-    from commlab.netns import Links, link_unavailable_reason
+    from bench.netns import Links, link_unavailable_reason
 
     es = entries(a.regime, _names(a.compressors), _names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
     deadline = time.monotonic() + a.budget_s
@@ -425,7 +428,8 @@ def run_cell(a, model, link, es, out, links, deadline, progress, failures) -> di
     vs = cell_verdicts(rows, a.regime, a.rank_r)
     png = plot(rows, out / f"compress-{model}-{slug(link)}.png", f"{model} at {link}")
     return {"model": model, "model_name": (TINY if a.tiny else MODELS)[model], "link": link, "steps": steps,
-            "skip": skip, "rounds": a.rounds, "target": target, "rows": rows, "verdicts": vs, "goals": goals(model, link, rows, a.regime, a.rank_r),
+            "skip": skip, "rounds": a.rounds, "target": target, "rows": rows, "verdicts": vs,
+            "goals": goals(model, link, rows, a.regime, a.rank_r),
             "note": does_not_pay(rows, a.regime, vs), "png": png.name if png else None}
 
 

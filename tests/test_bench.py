@@ -677,9 +677,10 @@ def test_compress_case_runs_each_entry_beside_ddp_with_closed_form_bytes_and_wor
     assert rows["allreduce://"]["bytes_per_step"] == 4 * numel + flags
     assert rows[psgd]["bytes_per_step"] == 4 * (lay.plain_numel + p) + flags + 4 * q
     assert rows["ddp+powersgd:4"]["bytes_per_step"] == 4 * (lay.plain_numel + p) + 4 * q
-    for r in rows.values():
-        assert r["status"] == "ok" and r["steps"] == 4 and len(r["curve"]) == 4 and len(r["step_s_samples"]) == 1
-        assert r["step_s_median"] == r["step_s_p90"] == r["step_s_samples"][0] and r["time_to_target_s"] is not None
+    for label, r in rows.items():  # step times from step 1 on; PowerSGD's after its warm-up (start_iter=2)
+        assert r["status"] == "ok" and r["steps"] == 4 and len(r["curve"]) == 4
+        assert r["step_s_samples"] == [p["step_s"] for p in r["curve"][3 if "powersgd" in label else 1:]]
+        assert r["step_s_median"] <= r["step_s_p90"] <= max(r["step_s_samples"])
     assert rows[psgd]["bytes_ratio"] == rows[psgd]["bytes_per_step"] / rows["allreduce://"]["bytes_per_step"]
     labels = [v["label"] for v in cell["verdicts"]]
     assert labels == [f"step time, allreduce:// / {psgd}", f"time to target, allreduce:// / {psgd}",
