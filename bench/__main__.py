@@ -46,7 +46,7 @@ DEFAULT_BUDGET_S = 300.0  # jobs stop starting after this; the report follows wi
 
 # the cases with flags of their own: CASE -> the module whose main(argv) runs it
 CASES = {"train-step": "bench.train_step", "ps-rounds": "bench.ps_rounds", "gpu-sweep": "bench.gpu_sweep",
-         "script": "bench.script_compare", "workloads": "bench.workloads"}
+         "script": "bench.script_compare", "workloads": "bench.workloads", "compress": "bench.compress"}
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:

@@ -177,9 +177,10 @@ _STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's clien
 
 
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore (rank 0 hosts it unless torchrun's agent or commlab's launcher already does),
-    under this exchanger's own namespace (:func:`instance`). One connection per process and job: every
-    exchanger after the first reuses it, so rank 0 hosts the store once and keeps it for the job."""
+    """The job's TCPStore under commlab's prefix (rank 0 hosts it unless torchrun's agent or commlab's
+    launcher already does). One connection per process and job: every exchanger after the first reuses it,
+    so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own namespace of it
+    (:func:`exchanger_store`)."""
     import torch.distributed as dist
 
     info = info.job  # the job's rank 0 hosts it, whatever group this process is in
@@ -196,27 +197,34 @@ def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None 
             raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
                               f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
         _STORES[where] = store
-    return instance(dist.PrefixStore(store_prefix(env), store), info.rank)
+    return dist.PrefixStore(store_prefix(env), store)
 
 
-def default_group_store(rank: int):
+def default_group_store():
     """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
-    under commlab's prefix and this exchanger's namespace: the one store every rank surely reaches (rank 0
-    may already host one on ``MASTER_PORT``, so a second could not bind it)."""
+    under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
+    ``MASTER_PORT``, so a second could not bind it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    return instance(dist.PrefixStore(store_prefix(), distributed_c10d._get_default_store()), rank)
+    return dist.PrefixStore(store_prefix(), distributed_c10d._get_default_store())
+
+
+def exchanger_store(store, info: RankInfo, timeout: float):
+    """``store`` (the job's, under commlab's prefix) as one exchanger sees it: a grouped exchanger's under
+    its group's namespace (:func:`group_store`), a whole-job exchanger's under its number (:func:`instance`).
+    The job's store outlives each exchanger (the launcher's, torchrun's agent's, a default group's):
+    without a namespace of its own, a later exchanger would read an earlier one's keys, gloo's listening
+    addresses among them, whose listeners are closed, whenever the peer had not yet overwritten them
+    (``Gloo connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a
+    resumed run makes, failed that way whenever one rank reached it first)."""
+    return group_store(store, info, timeout) if info.members else instance(store, info.global_rank())
 
 
 def instance(store, rank: int):
-    """The namespace of this rank's next exchanger in the job's store: ``1`` for the first, ``2`` for the
-    second... Every rank meets its exchangers in the same order (meeting is collective), so the numbers
-    agree. The store outlives each exchanger (the launcher's, torchrun's agent's, a default group's): without
-    its own namespace, a later exchanger would read an earlier one's keys, gloo's listening addresses among
-    them, whose listeners are closed, whenever the peer had not yet overwritten them (``Gloo
-    connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a resumed run
-    makes, failed that way whenever one rank reached it first)."""
+    """The namespace of this rank's next whole-job exchanger: ``1`` for the first, ``2`` for the second...
+    Every rank meets its whole-job exchangers in the same order (meeting is collective), so the numbers
+    agree. (Grouped exchangers count per group: :func:`check_group`.)"""
     import torch.distributed as dist
 
     return dist.PrefixStore(str(int(store.add(f"instances/{rank}", 1))), store)  # PrefixStore adds the "/"
