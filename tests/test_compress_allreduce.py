@@ -207,7 +207,7 @@ DIFFERENT = """
 import os, torch, commlab
 from torch import nn
 spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
-ex = commlab.connect("allreduce://?timeout=20&compress=" + spec)
+ex = commlab.connect("%s://?timeout=20&compress=" + spec)
 try:
     ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
     print("no error")
@@ -216,8 +216,9 @@ except commlab.ConfigError as e:
 """
 
 
-def test_ranks_that_compress_differently_are_refused_by_name(run_ranks):
-    res = run_ranks(DIFFERENT, 2, check=False, timeout=60)
+@pytest.mark.parametrize("scheme", ["allreduce", "ring"])
+def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, scheme):
+    res = run_ranks(DIFFERENT % scheme, 2, check=False, timeout=60)
     for r in res:  # both: rank 1, and rank 0, which reads every rank's
         assert "REFUSED rank 1 has compress=topk:0.01&ef=1 but rank 0 has compress=fp16&ef=1: every rank must " \
                "compress alike" in r.out, r.out + r.err
