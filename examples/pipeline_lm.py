@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import commlab
 from charlm import CharLM, warmup_cosine
-from plain.pipeline_lm import batches, loss_fn, make_optimizer, options, text_data  # the plain script's pieces
+from plain.pipeline_lm import batches, end_step, loss_fn, make_optimizer, options, text_data  # the plain script's
 
 
 class Stage(nn.Module):
@@ -119,14 +119,8 @@ def main(argv=None) -> None:
         dist.broadcast(loss, src=last, group=pipeline)  # every stage logs the loss the last one computed
         if args.clip:
             clip_across_stages(model, args.clip, pipeline)
-        optimizer.step()
-        scheduler.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            now = time.perf_counter()
-            commlab.report(step, loss=loss.item(), lr=scheduler.get_last_lr()[0], time_s=now - t0,
-                           exchange=ex.last_report)
-            if rank == 0:
-                print(f"step {step:5d}  loss {loss.item():.4f}  {now - t0:.1f}s", flush=True)
+        end_step(step, loss, optimizer, scheduler, args, t0, show=rank == 0,
+                 report=lambda step, fields: commlab.report(step, exchange=ex.last_report, **fields))
     if args.save:
         torch.save(model.state_dict(), f"{args.save}.stage{stage}.replica{replica}")
     ex.close()
