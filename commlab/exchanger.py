@@ -118,6 +118,11 @@ class Collective(abc.ABC):
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); does not
         block; ``tensor`` must not be touched until the handle is done."""
 
+    def sums_per_hop(self, dtype: torch.dtype) -> bool:
+        """Whether the regime can also sum ``dtype`` sent at its own width with float32 partial sums rounded once
+        per hop (``allreduce_per_hop_async``, :class:`commlab.compress.seam.Mover`): not unless it says so."""
+        return False
+
 
 class PlansServers(abc.ABC):
     """Ability: the regime needs server processes, which a launcher on this host can start."""

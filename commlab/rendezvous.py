@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Mapping
 
 from commlab.errors import CommTimeout, ConfigError
 
@@ -158,20 +158,30 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
     return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src)
 
 
+_STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
+
+
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore (rank 0 hosts it unless torchrun's agent already does)."""
+    """The job's TCPStore under commlab's prefix (rank 0 hosts it unless torchrun's agent or commlab's
+    launcher already does). One connection per process and job: every exchanger after the first reuses it,
+    so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own namespace of it
+    (:func:`exchanger_store`)."""
     import torch.distributed as dist
 
     info = info.job  # the job's rank 0 hosts it, whatever group this process is in
     env = os.environ if env is None else env
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
-                              is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False, use_libuv=True)
-    except Exception as exc:  # torch raises DistNetworkError/RuntimeError with the socket detail
-        raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
-                          f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
+    where = (info.master_addr, info.master_port)
+    store = _STORES.get(where)
+    if store is None:
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        try:
+            store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                                  is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
+                                  wait_for_workers=False, use_libuv=True)
+        except Exception as exc:  # torch raises DistNetworkError/RuntimeError with the socket detail
+            raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
+                              f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
+        _STORES[where] = store
     return dist.PrefixStore("commlab/", store)
 
 
@@ -183,6 +193,26 @@ def default_group_store():
     from torch.distributed import distributed_c10d
 
     return dist.PrefixStore("commlab/", distributed_c10d._get_default_store())
+
+
+def exchanger_store(store, info: RankInfo, timeout: float):
+    """``store`` (the job's, under commlab's prefix) as one exchanger sees it: a grouped exchanger's under
+    its group's namespace (:func:`group_store`), a whole-job exchanger's under its number (:func:`instance`).
+    The job's store outlives each exchanger (the launcher's, torchrun's agent's, a default group's):
+    without a namespace of its own, a later exchanger would read an earlier one's keys, gloo's listening
+    addresses among them, whose listeners are closed, whenever the peer had not yet overwritten them
+    (``Gloo connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a
+    resumed run makes, failed that way whenever one rank reached it first)."""
+    return group_store(store, info, timeout) if info.members else instance(store, info.global_rank())
+
+
+def instance(store, rank: int):
+    """The namespace of this rank's next whole-job exchanger: ``1`` for the first, ``2`` for the second...
+    Every rank meets its whole-job exchangers in the same order (meeting is collective), so the numbers
+    agree. (Grouped exchangers count per group: :func:`check_group`.)"""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(str(int(store.add(f"instances/{rank}", 1))), store)  # PrefixStore adds the "/"
 
 
 def job_store(info: RankInfo, timeout: float):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from commlab import compress, rendezvous
 from commlab.config import option
 from commlab.compress import CompressOptions
-from commlab.errors import BackendUnavailable, ConfigError
+from commlab.errors import BackendUnavailable, CommError, ConfigError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
 
@@ -91,11 +91,18 @@ class AllReduceExchanger(CollectiveExchanger):
         if dist.is_initialized():
             self._borrow_default_group()
             return
-        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.connect_store(self.rank_info, self.options.timeout),
+                                                self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+        try:
+            dist.init_process_group(backend, store=dist.PrefixStore("allreduce/", self.store), rank=self.rank,
+                                    world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
+        except RuntimeError as exc:  # gloo: connectFullMesh; NCCL: its init; the cause says which peer and why
+            raise CommError(f"rank {self.rank}: the {backend} process group of {self.world_size} ranks did not form "
+                            f"(rendezvous {self.rank_info.master_addr}:{self.rank_info.master_port}): a peer died "
+                            f"at start, or cannot reach the address {backend} listens on (GLOO_SOCKET_IFNAME / "
+                            f"NCCL_SOCKET_IFNAME choose the interface); cause: {exc}") from exc
         self.group, self.owns_group = dist.group.WORLD, True
 
     def _meet_group(self) -> None:
@@ -105,7 +112,7 @@ class AllReduceExchanger(CollectiveExchanger):
         its store; none is made here."""
         from commlab.groups import new_process_group
         timeout = self.options.timeout
-        self.store = rendezvous.group_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
         if self.torch_group is not None:
             ranks = dist.get_process_group_ranks(self.torch_group)
             if list(ranks) != list(self.rank_info.members):
@@ -124,7 +131,7 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        self.store = rendezvous.default_group_store()
+        self.store = rendezvous.exchanger_store(rendezvous.default_group_store(), self.rank_info, self.options.timeout)
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:
