@@ -294,6 +294,8 @@ class Bucket:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this process holds: a DTensor's local shard (a tensor-parallel parameter or its
     gradient; the exchange moves shards, and the replicas of a shard hold the same shapes), else ``t``."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the hot path: no tensor subclass to look into
+        return t
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
