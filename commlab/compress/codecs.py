@@ -46,6 +46,10 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
+def numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
 class OwnDecoding(Compressor):
     """A compressor whose aggregate is the sum of every rank's own decoding: its share is its decoding."""
 
@@ -76,6 +80,9 @@ class Cast(OwnDecoding):
 
     def finish(self, key, combined, out):
         out.copy_(combined[0])
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (numel(shapes) * self.dtype.itemsize,)
 
     def _decode_own(self, key, wire, dtype):
         return wire.to(dtype)
@@ -115,6 +122,10 @@ class TopK(OwnDecoding):
         out.zero_()
         for values, idx in combined:  # rank order: the same sum on every rank
             out.index_add_(0, idx.long(), values.to(out.dtype))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        n = numel(shapes)
+        return (kept(self.f, n) * (itemsize + index_dtype(n).itemsize),)
 
     def _decode_own(self, key, values, idx, n):
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, idx, values)
@@ -163,6 +174,9 @@ class RandomK(OwnDecoding):
         _, idx, _ = self._own[key]
         out.zero_()
         out[idx] = combined[0].to(out.dtype)
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (kept(self.f, numel(shapes)) * itemsize,)
 
     def _decode_own(self, key, values, idx, n):
         out = torch.zeros(n, dtype=values.dtype, device=values.device)
@@ -216,6 +230,9 @@ class Sign(OwnDecoding):
         out.zero_()
         for bits, scale in combined:
             out.add_(self._decode_own(key, bits, scale.to(out.dtype), out.numel()))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (math.ceil(numel(shapes) / 8) + itemsize,)
 
     def _decode_own(self, key, bits, scale, n):
         return unpack_bits(bits, n).to(scale.dtype).mul_(2).sub_(1).mul_(scale)
