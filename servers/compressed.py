@@ -7,9 +7,11 @@ hello must name the same. A push of a unit carries ``unit``, ``round`` and the c
 (:meth:`~commlab.compress.base.Compressor.wire_meta`), its payload tensors as frames keyed ``U/i``.
 What the shard does with it follows from the compressor's declaration, never its name:
 
-* sync: per (unit, round), the payloads of every worker are added as they arrive, in float32: summable
-  ones elementwise (fp16/bf16 casts, random-k values, PowerSGD's P and Q), the others (top-k, sign) each
-  decoded alone into a dense float32 sum. ``pull what=csum`` of a (unit, round) is answered with that sum
+* sync: per (unit, round), once every worker's payload is in, they are added in rank order (so the sum
+  does not depend on which worker was faster, and equals :mod:`commlab.compress.simulate`'s), in float32:
+  summable ones elementwise (fp16/bf16 casts, random-k values, PowerSGD's P and Q), the others (top-k,
+  sign) each decoded alone into a dense float32 sum. Until then the shard holds each worker's payload
+  (compressed: a fraction of the unit's float32 bytes, fp16/bf16 half of them). ``pull what=csum`` of a (unit, round) is answered with that sum
   (float32) once every worker's payload is in. update=server: once a unit's last round is in, the shard
   writes its aggregate (:meth:`~commlab.compress.base.Compressor.aggregate`, the workers' own code: P
   orthonormalised, P Q^T) into the step's averaged gradient, and the step goes on as an uncompressed one
@@ -29,6 +31,7 @@ import torch
 
 from commlab import wire
 from commlab.compress import build
+from commlab.compress.seam import summed
 from commlab.errors import ConfigError
 from servers.modes import Refused
 
@@ -44,9 +47,10 @@ class Unit:
 
 @dataclass
 class Acc:
-    """One (unit, round) of a sync step: who is in, their sum, the compressor's meta of the step."""
+    """One (unit, round) of a sync step: each worker's payload, their sum once all are in, the compressor's
+    meta of the step."""
 
-    ranks: set = field(default_factory=set)
+    payloads: dict = field(default_factory=dict)  # rank -> payload
     total: list | None = None  # summable: elementwise sums; else one dense float32 tensor
     meta: dict | None = None
 
@@ -128,30 +132,30 @@ class Units:
             raise Refused(f"unit {unit.key}: {exc}") from None
         return out
 
-    def add(self, rank: int, unit: Unit, r: int, payload, meta: dict) -> Acc:
-        """Sync: add ``rank``'s payload of (unit, round) to the step's sum (float32)."""
+    def add(self, rank: int, unit: Unit, r: int, payload, meta: dict, needed: int) -> Acc:
+        """Sync: hold ``rank``'s payload of (unit, round); with the ``needed``-th, add them all in rank order."""
         acc = self.acc.setdefault((unit.key, r), Acc())
-        if acc.meta is None:
+        first = next(iter(acc.payloads.values()), None)
+        if first is None:
             acc.meta = meta
-        elif acc.meta != meta:
-            raise Refused(f"unit {unit.key} round {r}: rank {rank} compressed with {meta}, another rank with "
-                          f"{acc.meta} (every rank must be at the same compressor step)")
+        elif acc.meta != meta or [(t.dtype, t.numel()) for t in payload] != [(t.dtype, t.numel()) for t in first]:
+            raise Refused(f"unit {unit.key} round {r}: rank {rank} sent {[t.numel() for t in payload]} elements "
+                          f"compressed with {meta}, another rank {[t.numel() for t in first]} with {acc.meta} "
+                          f"(every rank must be at the same compressor step)")
+        acc.payloads[rank] = payload
+        if len(acc.payloads) < needed:
+            return acc
+        ordered = [acc.payloads[k] for k in sorted(acc.payloads)]
         if not self.comp.summable:
-            if acc.total is None:
-                acc.total = [torch.zeros(unit.n)]
-            try:
-                self.comp.decode_add(unit.key, payload, unit.n, meta, acc.total[0])
-            except (ValueError, RuntimeError, KeyError, TypeError) as exc:
-                raise Refused(f"unit {unit.key} from rank {rank}: {exc}") from None
-        elif acc.total is None:
-            acc.total = [t.to(torch.promote_types(t.dtype, torch.float32)).clone() for t in payload]
+            acc.total = [torch.zeros(unit.n)]
+            for k, p in zip(sorted(acc.payloads), ordered):
+                try:
+                    self.comp.decode_add(unit.key, p, unit.n, acc.meta or {}, acc.total[0])
+                except (ValueError, RuntimeError, KeyError, TypeError) as exc:
+                    raise Refused(f"unit {unit.key} from rank {k}: {exc}") from None
         else:
-            if [t.numel() for t in payload] != [t.numel() for t in acc.total]:
-                raise Refused(f"unit {unit.key} round {r}: rank {rank}'s payload of {[t.numel() for t in payload]} "
-                              f"elements, another rank's {[t.numel() for t in acc.total]}")
-            for s, t in zip(acc.total, payload):
-                s.add_(t)
-        acc.ranks.add(rank)
+            acc.total = summed(ordered) if ordered[0] else []
+        acc.payloads = {k: None for k in acc.payloads}  # only who was in is kept
         return acc
 
     def aggregate(self, unit: Unit) -> torch.Tensor:
@@ -166,9 +170,9 @@ class Units:
             raise Refused(f"unit {unit.key}: {exc}") from None
         return out
 
-    def ready(self, u: int, r: int, needed: int) -> bool:
+    def ready(self, u: int, r: int) -> bool:
         acc = self.acc.get((u, r))
-        return acc is not None and len(acc.ranks) >= needed
+        return acc is not None and acc.total is not None
 
     def next_step(self) -> None:
         self.last, self.acc = self.acc, {}

@@ -227,18 +227,18 @@ class Sync(Mode):
         self._complete_if_in(needed)
 
     def fold_unit(self, rank, t, part, units, unit, r, payload, absent, meta):
-        """Added into the (unit, round)'s float32 sum; round 0 counts the unit's pieces present (or absent).
+        """Held until every worker's is in, then summed (:meth:`servers.compressed.Units.add`); round 0 counts the unit's pieces present (or absent).
         Once every worker's last round of a unit is in, update=server takes its aggregate as the pieces'
         averaged gradient; a worker's step is in once its last round of every unit is."""
         srv = self.srv
-        acc = units.add(rank, unit, r, payload, meta["cmeta"])
+        last, needed = units.comp.rounds - 1, self._needed()
+        acc = units.add(rank, unit, r, payload, meta["cmeta"], needed)
         part.rounds[unit.key] = r
         if r == 0:
             for key in unit.keys:
                 self.contributed[key] += 1
                 self.present[key] += key not in absent
-        last, needed = units.comp.rounds - 1, self._needed()
-        if r == last and len(acc.ranks) == needed and srv.update == "server":
+        if r == last and acc.total is not None and srv.update == "server":
             dense = units.aggregate(unit)
             for key, (o, c) in unit.slices.items():
                 if self.present[key]:

@@ -668,7 +668,7 @@ class ParameterServer:
             return not self.mode.buffers_wait or self.buf_round >= after
         if what == "csum":
             assert isinstance(self.mode, Sync) and self.units is not None  # _op_pull refused it otherwise
-            return self.mode.step > after or self.units.ready(h.meta["unit"], h.meta["round"], self.mode._needed())
+            return self.mode.step > after or self.units.ready(h.meta["unit"], h.meta["round"])
         return self.mode.ready(rank, after, what, h.meta.get("keys"))
 
     def _serve_waiting(self) -> None:
