@@ -18,30 +18,30 @@ QUERIES = ["compress=none", "compress=fp16", "compress=bf16", "compress=powersgd
            "compress=randomk:0.25", "compress=sign"]
 STEPS, RESUME_AT = 6, 3
 
-PROGRAM = """
-import copy, hashlib, json, torch, torch.distributed as dist, commlab
+# what a rank program of these tests starts with (tests/test_compress_ps.py's too): a model, its optimizer and
+# an exchanger from a URL, each step's data for every rank, the loss, a digest of the parameters
+HELPERS = """
+import copy, hashlib, json, os, torch, commlab
 from urllib.parse import parse_qsl
 from torch import nn
 from commlab.compress import build
 from commlab.compress.simulate import exchange
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
-rank, world = dist.get_rank(), dist.get_world_size()
-QUERIES, STEPS, RESUME_AT = %r, %d, %d
 
 
-def fresh(query):
+def fresh(url):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ex = commlab.connect("allreduce://?timeout=30&bucket_mb=0.0005&" + query)
+    ex = commlab.connect(url)
     ex.setup(model, opt)
     return model, opt, ex
 
 
 def data(step):
     g = torch.Generator().manual_seed(100 + step)
+    world = int(os.environ["WORLD_SIZE"])
     return torch.randn(world, 8, 12, generator=g), torch.randn(world, 8, 3, generator=g)
 
 
@@ -51,6 +51,31 @@ def loss(model, x, y):
 
 def digest(model):
     return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+
+
+def note(seen, ex, model):
+    seen["bytes"].append(ex.last_report.bytes_sent)
+    seen["raw"].append(ex.last_report.bytes_uncompressed)
+    seen["digests"].append(digest(model))
+
+
+def simulators(query, world):
+    # one compressor per simulated rank (none for compress=none)
+    q = dict(parse_qsl(query))
+    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
+    for s in sims:
+        if s is not None:
+            s.bind(world)
+    return [] if sims[0] is None else sims
+"""
+
+PROGRAM = HELPERS + """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
+rank, world = dist.get_rank(), dist.get_world_size()
+QUERIES, STEPS, RESUME_AT = %r, %d, %d
+URL = "allreduce://?timeout=30&bucket_mb=0.0005&"
 
 
 def run(query, model, opt, ex, steps, sims=None):
@@ -75,27 +100,21 @@ def run(query, model, opt, ex, steps, sims=None):
             got = [torch.cat([p.grad.reshape(-1) for p in b.params]) for b in ex.buckets]
             seen["errors"].append(max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)))
         opt.step()
-        seen["bytes"].append(ex.last_report.bytes_sent)
-        seen["raw"].append(ex.last_report.bytes_uncompressed)
-        seen["digests"].append(digest(model))
+        note(seen, ex, model)
     return seen
 
 
 out = {}
 for query in QUERIES:
-    q = dict(parse_qsl(query))
-    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
-    sims = [] if sims[0] is None else sims
-    for s in sims:
-        s.bind(world)
-    model, opt, ex = fresh(query)
+    sims = simulators(query, world)
+    model, opt, ex = fresh(URL + query)
     first = run(query, model, opt, ex, range(RESUME_AT), sims)
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # torch's: references
     saved["ex"] = ex.state_dict()  # the exchanger's is a snapshot already
     rest = run(query, model, opt, ex, range(RESUME_AT, STEPS), sims)
     shapes = [[list(p.shape) for p in b.params] for b in ex.buckets]
     ex.close()
-    model, opt, ex = fresh(query)  # a restart: fresh objects, then the checkpoint
+    model, opt, ex = fresh(URL + query)  # a restart: fresh objects, then the checkpoint
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     ex.load_state_dict(saved["ex"])

@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from faultkit import Procs
+from test_compress_allreduce import HELPERS
+from test_ps_update import servers  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,39 +23,9 @@ EVERY = DEFAULT + ["compress=powersgd:2,start_iter=2&ef=0", "compress=topk:0.1&e
 PER_RANK = ["compress=fp16", "compress=bf16", "compress=topk:0.1", "compress=randomk:0.25", "compress=sign"]
 STEPS, RESUME_AT = 6, 3
 
-PROGRAM = """
-import copy, hashlib, json, torch, commlab
-from urllib.parse import parse_qsl
-from torch import nn
-from commlab.compress import build
-from commlab.compress.simulate import exchange
-
-torch.set_num_threads(1)
+PROGRAM = HELPERS.replace("%", "%%") + """
 BASE, QUERIES, STEPS, RESUME_AT, SERVER = %r, %r, %d, %d, %r
-rank, world = int(__import__("os").environ["RANK"]), int(__import__("os").environ["WORLD_SIZE"])
-
-
-def fresh(query):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ex = commlab.connect(BASE + "&" + query)
-    ex.setup(model, opt)
-    return model, opt, ex
-
-
-def data(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(world, 8, 12, generator=g), torch.randn(world, 8, 3, generator=g)
-
-
-def loss(model, x, y):
-    return nn.functional.mse_loss(model(x), y)
-
-
-def digest(model):
-    return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
-
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 def units(ex):
     return [u for per in ex._cps.units for u in per]
@@ -100,19 +71,14 @@ def run(model, opt, ex, steps, sims=None, ref=None):
             ref_model = ref[0]
             seen["errors"].append(max(float((p - ref_model.get_parameter(n)).abs().max())
                                       for n, p in model.named_parameters()))
-        seen["bytes"].append(ex.last_report.bytes_sent)
-        seen["raw"].append(ex.last_report.bytes_uncompressed)
-        seen["digests"].append(digest(model))
+        note(seen, ex, model)
     return seen
 
 
 out = {}
 for query in QUERIES:
-    q = dict(parse_qsl(query))
-    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
-    for s in sims:
-        s.bind(world)
-    model, opt, ex = fresh(query)
+    sims = simulators(query, world)
+    model, opt, ex = fresh(BASE + "&" + query)
     ref_model = copy.deepcopy(model)
     ref = (ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9))
     first = run(model, opt, ex, range(RESUME_AT), sims, ref)
@@ -121,7 +87,7 @@ for query in QUERIES:
     rest = run(model, opt, ex, range(RESUME_AT, STEPS), sims, ref)
     shapes = [[u.key, [list(s) for s in u.shapes]] for u in units(ex)]
     ex.close()
-    model, opt, ex = fresh(query)  # a restart: fresh objects (a fresh key space on the servers), then the checkpoint
+    model, opt, ex = fresh(BASE + "&" + query)  # a restart: fresh objects (a fresh key space on the servers), then the checkpoint
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     ex.load_state_dict(saved["ex"])
@@ -163,19 +129,6 @@ def sent_bytes(query: str, units: list, step: int) -> int:
                 else:
                     total += 4 * math.prod(s)
     return total
-
-
-@pytest.fixture
-def servers(tmp_path):
-    """``servers(k, mode) -> "ps://a,b,..."``: K shards on loopback, killed at the end."""
-    procs = Procs(tmp_path)
-
-    def start(k: int, mode: str = "sync") -> str:
-        shards = [procs.server("--mode", mode, "--shard", f"{i}/{k}") for i in range(k)]
-        return "ps://" + ",".join(s.address for s in shards)
-
-    yield start
-    procs.close()
 
 
 def check_sync(results, queries, n):
