@@ -53,6 +53,7 @@ class Acc:
     payloads: dict = field(default_factory=dict)  # rank -> payload
     total: list | None = None  # summable: elementwise sums; else one dense float32 tensor
     meta: dict | None = None
+    reply: tuple | None = None  # (frames, meta) of a pull of the sum, made once
 
 
 class Units:
@@ -160,8 +161,8 @@ class Units:
 
     def aggregate(self, unit: Unit) -> torch.Tensor:
         """The unit's aggregate (the average gradient, as every worker rebuilds it) once its last round is in."""
-        if not self.comp.summable:
-            return self.acc[(unit.key, 0)].total[0]
+        if not self.comp.summable:  # a copy: a commit's factor scales the step's gradient in place
+            return self.acc[(unit.key, 0)].total[0].clone()
         out = torch.zeros(unit.n)
         sums = [self.acc[(unit.key, r)].total or [] for r in range(self.comp.rounds)]
         try:
@@ -177,9 +178,19 @@ class Units:
     def next_step(self) -> None:
         self.last, self.acc = self.acc, {}
 
-    def sums(self, u: int, r: int, current: bool) -> list[tuple]:
-        """The frames of a (unit, round)'s sum, of this step's (``current``) or of the last one's."""
+    def sums(self, u: int, r: int, current: bool) -> tuple[list, dict]:
+        """The frames of a (unit, round)'s sum, of this step's (``current``) or of the last one's, and what the
+        reply's header says of them: ``{"sparse": n}`` when a gather-only compressor's dense sum goes as its
+        nonzero values (``U/0``, float32) and their indices (``U/1``, int32), which is smaller while fewer than
+        half of the n elements are nonzero (top-k: at most N k). Lossless either way."""
         acc = (self.acc if current else self.last).get((u, r))
-        if acc is None:
+        if acc is None or acc.total is None:
             raise Refused(f"no sum of unit {u} round {r} is kept")
-        return [part for i, t in enumerate(acc.total or []) for part in wire.split(f"{u}/{i}", t.reshape(-1))]
+        if acc.reply is None:
+            total, meta = acc.total, {}
+            if not self.comp.summable:
+                idx = total[0].nonzero().view(-1)
+                if 2 * idx.numel() < total[0].numel():
+                    total, meta = [total[0][idx], idx.to(torch.int32)], {"sparse": total[0].numel()}
+            acc.reply = [part for i, t in enumerate(total) for part in wire.split(f"{u}/{i}", t.reshape(-1))], meta
+        return acc.reply

@@ -710,8 +710,9 @@ class ParameterServer:
             current = mode.step == h.meta["after_step"]
             unit = units.units[h.meta["unit"]]
             absent = [k for k in unit.keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
-            self._reply(ident, "params", rid, {"version": self.version, "absent": absent},
-                        units.sums(unit.key, h.meta["round"], current), step=h.step, tracked=False)
+            parts, meta = units.sums(unit.key, h.meta["round"], current)
+            self._reply(ident, "params", rid, {"version": self.version, "absent": absent, **meta}, parts, step=h.step,
+                        tracked=False)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]

@@ -148,8 +148,8 @@ def check_sync(results, queries, n):
             assert sum(m["bytes"]) < sum(m["raw"]), query
 
 
-def run_sync(run_ranks, servers, update, n, k, queries):
-    base = servers(k) + f"?update={update}&timeout=30&bucket_mb=0.0005" + ("&piece_mb=0.0004" if k > 1 else "")
+def run_sync(run_ranks, servers, update, n, k, queries, mode="sync"):
+    base = servers(k, mode) + f"?update={update}&timeout=30&bucket_mb=0.0005" + ("&piece_mb=0.0004" if k > 1 else "")
     program = PROGRAM % (base, queries, STEPS, RESUME_AT, update == "server")
     results = [r.json() for r in run_ranks(program, n, timeout=240)]
     check_sync(results, queries, n)
@@ -167,6 +167,13 @@ def test_sync_compressors_match_the_simulation(run_ranks, servers, update):
 @pytest.mark.parametrize("update", ["worker", "server"])
 def test_sync_every_compressor_matches_the_simulation(run_ranks, servers, update, n, k):
     run_sync(run_ranks, servers, update, n, k, EVERY)
+
+
+@pytest.mark.parametrize("mode", ["async", pytest.param("ssp", marks=pytest.mark.full)])
+def test_one_async_rank_gets_its_decoded_push_applied(run_ranks, servers, mode):
+    """One rank, so the order of updates is known: the server applies exactly the push's decoding (with the
+    rank's error feedback), as SGD on the simulated aggregate of one rank."""
+    run_sync(run_ranks, servers, "server", 1, 1, ["compress=topk:0.1", "compress=randomk:0.25"], mode)
 
 
 ASYNC = """
@@ -201,9 +208,8 @@ def updates_of(endpoint: str) -> dict:
 @pytest.mark.parametrize("mode,k,n,queries", [
     ("async", 1, 2, ["compress=topk:0.1", "compress=fp16"]),
     ("ssp", 1, 2, ["compress=topk:0.1", "compress=fp16"]),
-    pytest.param("async", 2, 3, PER_RANK, marks=pytest.mark.full),
-    pytest.param("ssp", 2, 3, PER_RANK, marks=pytest.mark.full),
-    pytest.param("async", 1, 2, PER_RANK, marks=pytest.mark.full),
+    *[pytest.param(mode, k, n, PER_RANK + ["compress=topk:0.1&ef=0"], marks=pytest.mark.full)
+      for mode in ("async", "ssp") for k in (1, 2) for n in (2, 3)],
 ])
 def test_async_applies_every_compressed_push_once(run_ranks, servers, mode, k, n, queries):
     steps = 8
@@ -225,3 +231,27 @@ def test_async_with_powersgd_stops_commlab_train_in_one_line_naming_compress():
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "option 'compress': powersgd:2 needs every rank's payload at every step" in lines[0], \
         proc.stderr
+
+
+DIFFERENT = """
+import os, torch, commlab
+from torch import nn
+spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
+ex = commlab.connect("%s?timeout=3&retries=0&compress=" + spec)
+try:
+    ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
+    print("no error")
+except commlab.RemoteError as e:
+    print("REFUSED", e)
+except commlab.CommTimeout as e:  # the other rank: its start waits for the refused one
+    print("TIMEOUT", e)
+"""
+
+
+def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, servers):
+    res = run_ranks(DIFFERENT % servers(1), 2, check=False, timeout=60)
+    said = [r.out for r in res]
+    assert sum("REFUSED" in out for out in said) == 1, said  # the second hello; the first fixed compress=
+    assert any("asks for compress=topk:0.01&ef=1, the first worker of shard 0/1 for compress=fp16&ef=1: every rank "
+               "must compress alike" in out or "asks for compress=fp16&ef=1, the first worker of shard 0/1 for "
+               "compress=topk:0.01&ef=1: every rank must compress alike" in out for out in said), said

@@ -15,9 +15,9 @@ average); update=server, sync, a copy scaled by 1/N (``p.grad`` stays this worke
 ssp, a copy, unscaled (each push is applied alone, as uncompressed).
 
 What comes back (``pull what=csum``, always float32): a summable compressor's summed payload, which the
-rank decodes with ``finish``; a gather-only one's dense sum of every rank's decoded payload, which the
-rank takes as the aggregate after closing its own step (its share is its own decoding, the same either
-way). update=server pulls sums only for a compressor that does not decode alone (PowerSGD: the next
+rank decodes with ``finish``; a gather-only one's dense sum of every rank's decoded payload (as its
+nonzero values and their indices while that is smaller: top-k), which the rank takes as the aggregate
+after closing its own step (its share is its own decoding, the same either way). update=server pulls sums only for a compressor that does not decode alone (PowerSGD: the next
 round's Q needs the summed P, its warm start and error feedback the summed Q).
 
 Bytes: ``bytes_sent`` counts the payloads pushed, ``bytes_uncompressed`` the pieces an uncompressed push
@@ -112,7 +112,8 @@ class CompressedPushes:
             payload = self.comp.start(u.key, x, u.shapes)
             absent = [key for key, slot in zip(u.keys, u.slots) if not bucket.present[slot]]
             self._flight[u.key] = {"x": x, "payloads": [payload]}
-            ex.stats.bytes_uncompressed += sum(4 * c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
+            ex.stats.bytes_uncompressed += bucket.grads.element_size() * sum(
+                c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
             meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key)}
             if hyper is not None:
                 meta["hyper"] = hyper  # async, ssp: a scheduler's change travels with the next push
@@ -146,7 +147,12 @@ class CompressedPushes:
             while len(got) <= i:
                 got.append([])
             got[i].append(wire.frame_tensor(spec, frame).clone())
-        self._got[(key, r)] = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in got]
+        tensors = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in got]
+        n = h.meta.get("sparse")
+        if n is not None:  # a dense sum's nonzero values and their indices (servers.compressed.Units.sums)
+            values, idx = tensors
+            tensors = [torch.zeros(n, dtype=values.dtype).index_put_((idx.long(),), values)]
+        self._got[(key, r)] = tensors
         self.ex._absent.update(h.meta.get("absent", []))
         return h.data_bytes
 
