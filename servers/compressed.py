@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from commlab import wire
-from commlab.compress import build
+from commlab.compress import Compressor, build
 from commlab.compress.seam import summed
 from commlab.errors import ConfigError
 from servers.modes import Refused
@@ -62,13 +62,14 @@ class Units:
     def __init__(self, desc, pieces: dict[str, tuple[str, int]], world: int):
         try:
             spec, ef, rows = str(desc["spec"]), bool(desc["ef"]), list(desc["units"])
-            self.comp = build(spec, False)
+            comp = build(spec, False)
             units = [(int(k), [str(x) for x in keys], [tuple(int(d) for d in s) for s in shapes])
                      for k, keys, shapes in rows]
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             raise Refused(f"unreadable compress= description ({exc})") from None
-        if self.comp is None:
+        if comp is None:
             raise Refused("compress= names no compressor")
+        self.comp: Compressor = comp
         self.comp.bind(world)
         self.desc = {"spec": spec, "ef": ef, "units": rows}
         self.units: dict[int, Unit] = {}
@@ -162,7 +163,7 @@ class Units:
     def aggregate(self, unit: Unit) -> torch.Tensor:
         """The unit's aggregate (the average gradient, as every worker rebuilds it) once its last round is in."""
         if not self.comp.summable:  # a copy: a commit's factor scales the step's gradient in place
-            return self.acc[(unit.key, 0)].total[0].clone()
+            return (self.acc[(unit.key, 0)].total or [])[0].clone()
         out = torch.zeros(unit.n)
         sums = [self.acc[(unit.key, r)].total or [] for r in range(self.comp.rounds)]
         try:

@@ -202,21 +202,24 @@ def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
     assert len(lines) == 1 and "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1" in lines[0], proc.stderr
 
 
+# rank 1 compresses with topk:0.01, the others with fp16, through the URL given (tests/test_compress_ps.py's too)
 DIFFERENT = """
 import os, torch, commlab
 from torch import nn
 spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
-ex = commlab.connect("allreduce://?timeout=20&compress=" + spec)
+ex = commlab.connect(%r + spec)
 try:
     ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
     print("no error")
-except commlab.ConfigError as e:
+except (commlab.ConfigError, commlab.RemoteError) as e:
     print("REFUSED", e)
+except commlab.CommTimeout as e:  # a rank whose peers were refused
+    print("TIMEOUT", e)
 """
 
 
 def test_ranks_that_compress_differently_are_refused_by_name(run_ranks):
-    res = run_ranks(DIFFERENT, 2, check=False, timeout=60)
+    res = run_ranks(DIFFERENT % "allreduce://?timeout=20&compress=", 2, check=False, timeout=60)
     for r in res:  # both: rank 1, and rank 0, which reads every rank's
         assert "REFUSED rank 1 has compress=topk:0.01&ef=1 but rank 0 has compress=fp16&ef=1: every rank must " \
                "compress alike" in r.out, r.out + r.err

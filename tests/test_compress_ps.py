@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from test_compress_allreduce import HELPERS
+from test_compress_allreduce import DIFFERENT, HELPERS
 from test_ps_update import servers  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.multiproc
@@ -233,23 +233,8 @@ def test_async_with_powersgd_stops_commlab_train_in_one_line_naming_compress():
         proc.stderr
 
 
-DIFFERENT = """
-import os, torch, commlab
-from torch import nn
-spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
-ex = commlab.connect("%s?timeout=3&retries=0&compress=" + spec)
-try:
-    ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
-    print("no error")
-except commlab.RemoteError as e:
-    print("REFUSED", e)
-except commlab.CommTimeout as e:  # the other rank: its start waits for the refused one
-    print("TIMEOUT", e)
-"""
-
-
 def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, servers):
-    res = run_ranks(DIFFERENT % servers(1), 2, check=False, timeout=60)
+    res = run_ranks(DIFFERENT % (servers(1) + "?timeout=3&retries=0&compress="), 2, check=False, timeout=60)
     said = [r.out for r in res]
     assert sum("REFUSED" in out for out in said) == 1, said  # the second hello; the first fixed compress=
     assert any("asks for compress=topk:0.01&ef=1, the first worker of shard 0/1 for compress=fp16&ef=1: every rank "
