@@ -30,7 +30,7 @@ from tqdm import tqdm
 from bench import bandwidth, convergence, manifest, report
 from bench import regimes as R
 from bench import workloads
-from commlab.netns import Links, link_unavailable_reason
+from bench.netns import Links, link_unavailable_reason
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"

@@ -176,8 +176,11 @@ def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], tar
     evals = [{"step": x["step"] + 1, "time_s": x["time_s"], "test_loss": x["test_loss"], "test_acc": x["test_acc"],
               "bytes": sum(x2["bytes_sent"] for x2 in r0[: x["step"] + 1])} for x in r0 if "test_acc" in x]
     hit = next((e for e in evals if e["test_acc"] >= target), None)
-    med = lambda key: statistics.median(x[key] for x in r0) if r0 else float("nan")
-    mean = lambda key: statistics.fmean(x[key] for x in r0) if r0 else float("nan")
+    def given(key):  # a peer may not know a field (DDP: no exposed communication apart from compute)
+        return [x[key] for x in r0 if x.get(key) is not None]
+
+    med = lambda key: statistics.median(given(key)) if given(key) else float("nan")
+    mean = lambda key: statistics.fmean(given(key)) if given(key) else float("nan")
     bytes_total = sum(x["bytes_sent"] for lines in ranks for x in lines)
     return {"regime": name, "url": entry.url, "kind": entry.kind, "workers": len(ranks), "steps": len(r0),
             "wall_s": r0[-1]["time_s"] if r0 else float("nan"),
@@ -234,7 +237,10 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     stats_dir.mkdir(parents=True, exist_ok=True)
     w = cfg.the_workload()
     flags = dict(steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every, metrics=metrics)
-    if links is None or e.kind == "reference":
+    if e.module:  # a peer (DDP): its module under the launcher, with the built-in worker's flags
+        argv = [python(), "-m", "commlab.cli", "run", "--workers", str(ranks_n), "--exchanger", e.url, "-m", e.module,
+                "--", *w.rank_args(**flags)]
+    elif links is None or e.kind == "reference":
         argv = w.argv(e.url, ranks_n, **flags)
     else:
         argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(ranks_n), "--module", "workers",

@@ -1,7 +1,14 @@
-"""The peer: torch DistributedDataParallel (gloo) running the same model, data, batch and optimizer
-as ``python -m workers``. Run by ``commlab bench train-step`` (:mod:`bench.train_step`) through the
-launcher, with torchrun's environment (its hosted store: ``env://`` connects as a client); rank 0
-writes one JSON line per step (step_s) to ``$COMMLAB_METRICS``, like a commlab worker does."""
+"""The peer: torch DistributedDataParallel (gloo) training what ``python -m workers`` trains: the same flags
+(:func:`workers.loop.add_training_args`), model, data order, optimizer and evaluation, and the same JSON line
+per step (loss, acc, compute_s, step_s, bytes_sent, time_s; test_loss/test_acc on rank 0 at eval steps).
+Run through the launcher with torchrun's environment (its hosted store: ``env://`` connects as a client) by
+``commlab bench train-step`` (:mod:`bench.train_step`) and by the convergence comparison's ``ddp`` entry.
+
+DDP overlaps its all-reduces with backward and ``optimizer.step()`` does not wait for anything, so there is
+no exposed-communication time to report apart from compute: ``compute_s`` is forward + backward (which
+includes DDP's exchange), ``comm_s`` is None. ``bytes_sent`` is a ring all-reduce's count for the gradients,
+2(N-1)/N of their bytes, as commlab's allreduce:// counts.
+"""
 
 from __future__ import annotations
 
@@ -18,37 +25,49 @@ from torch.nn.parallel import DistributedDataParallel
 
 from commlab import metrics
 from workers.data import load_digits
+from workers.loop import add_training_args, config_from_args, evaluate
 from workers.models import build_model
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="mlp-25m")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(prog="python -m bench.ddp_worker")
+    add_training_args(p)
+    p.set_defaults(model="mlp-25m", steps=30, batch_size=64, lr=0.01)
     p.add_argument("--heap", choices=("system", "keep"), default="system",
                    help="keep: the same glibc heap setting commlab's exchangers make (commlab.heap)")
     a = p.parse_args()
-    torch.set_num_threads(1)
+    cfg = config_from_args(a)
+    torch.set_num_threads(cfg.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    model, side = build_model(a.model, a.seed)
+    model, side = build_model(cfg.model, cfg.seed)
     if a.heap == "keep":
         from commlab.heap import keep_freed_gradients
         keep_freed_gradients(model.parameters())
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=a.lr)
-    data = load_digits(side, a.seed)
-    for step in range(a.steps):
-        x, y = data.batch(step, rank, world, a.batch_size)
+    opt = cfg.optim.build(ddp.parameters())
+    data = load_digits(side, cfg.seed)
+    sent = 2 * (world - 1) * sum(p.numel() * p.element_size() for p in model.parameters()) // world
+    path = cfg.metrics or os.environ.get(metrics.ENV)
+    if cfg.metrics:
+        metrics.metrics_path(cfg.metrics, rank).unlink(missing_ok=True)
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        x, y = data.batch(step, rank, world, cfg.batch_size)
         t0 = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
+        logits = ddp(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        t1 = time.perf_counter()
         opt.step()
-        if rank == 0:
-            metrics.report(step, rank=rank, step_s=time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        line = dict(loss=loss.item(), acc=(logits.argmax(1) == y).float().mean().item(), compute_s=t1 - t0,
+                    comm_s=None, step_s=t2 - t0, bytes_sent=sent, time_s=t2 - t_start)
+        if rank == 0 and (step == cfg.steps - 1 or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+            line["test_loss"], line["test_acc"] = evaluate(model, data.test_x, data.test_y)
+        if path:
+            metrics.report(step, path=path, rank=rank, **line)
     dist.barrier()
     dist.destroy_process_group()
     # Then leave without the interpreter's teardown: about one DDP job in ten here died of std::terminate

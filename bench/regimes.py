@@ -43,12 +43,17 @@ class ConvergenceEntry:
     # async/ssp apply one update per worker push, N per step where sync applies one of the mean: with
     # lr_over_n the learning rate is lr / N, so the updates of one step add up to sync's step length
     lr_over_n: bool = False
+    # a peer that is no commlab regime (DDP): ``python -m MODULE`` under the launcher, taking the built-in
+    # worker's flags and writing its lines; ``url`` is then only what the launcher is told (no servers)
+    module: str = ""
 
 
 BANDWIDTH: dict[str, BandwidthEntry] = {
     "noop": BandwidthEntry("noop://", "noop", "moves nothing: the harness floor"),
     "gloo": BandwidthEntry("allreduce://?backend=gloo", "allreduce", "torch.distributed gloo all_reduce"),
     "nccl": BandwidthEntry("allreduce://?backend=nccl", "allreduce", "torch.distributed NCCL all_reduce", needs_cuda=True),
+    "ring": BandwidthEntry("ring://", "allreduce", "the ring as users get it: auto, shared memory on one host",
+                           loopback_only=True),
     "ring-tcp": BandwidthEntry("ring://?transport=tcp", "allreduce", "pyzmq ring all-reduce over tcp", loopback_only=True),
     "ring-ipc": BandwidthEntry("ring://?transport=ipc", "allreduce", "pyzmq ring all-reduce over ipc", loopback_only=True),
     "ring-shm": BandwidthEntry("ring://?transport=shm", "allreduce", "ring all-reduce through shared memory (one host)",
@@ -76,7 +81,10 @@ CEILINGS = {
 CONVERGENCE: dict[str, ConvergenceEntry] = {
     "local": ConvergenceEntry("local://", "reference", "one worker, the combined batch"),
     "gloo": ConvergenceEntry("allreduce://?backend=gloo", "sync"),
+    "ring": ConvergenceEntry("ring://", "sync", "auto: shared memory on one host", loopback_only=True),
     "ring-tcp": ConvergenceEntry("ring://?transport=tcp", "sync", loopback_only=True),
+    "ddp": ConvergenceEntry("noop://", "sync", "torch DistributedDataParallel over gloo (bench.ddp_worker)",
+                            loopback_only=True, module="bench.ddp_worker"),
     "ps-sync": ConvergenceEntry("ps://?shards=1&mode=sync", "sync"),
     "ps-sync-2": ConvergenceEntry("ps://?shards=2&mode=sync", "sync", "sharded PS"),
     "ps-async": ConvergenceEntry("ps://?shards=1&mode=async", "async", "the same per-update lr as sync"),
@@ -88,10 +96,10 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
     "noop": ConvergenceEntry("noop://", "floor", "workers never talk: the step-time floor"),
 }
 
-DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring-tcp", "ps-1", "ps-2"]
-# in order of importance: if the time budget runs out, the last are skipped
-DEFAULT_CONVERGENCE = ["local", "gloo", "ring-tcp", "ps-sync", "ps-async", "ps-async-lr/N", "ps-ssp-1", "ps-ssp-1-lr/N",
-                       "noop"]
+DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring", "ring-tcp", "ps-1", "ps-2"]
+# in order of importance (a run given a shorter --budget-s skips the last); the default budget runs them all
+DEFAULT_CONVERGENCE = ["local", "ddp", "gloo", "ring", "ring-tcp", "ps-sync", "ps-async", "ps-async-lr/N", "ps-ssp-1",
+                       "ps-ssp-1-lr/N", "noop"]
 # step time and exposed communication against N (N = --workers comes from the convergence runs when they ran)
 DEFAULT_SCALING = ["gloo", "ring-tcp"]
 

@@ -201,7 +201,8 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
                      "—" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.2f}",
                      human_bytes(s["bytes_sent_per_worker_step"]),
                      f"{s['step_s_median'] * 1e3:.1f} [{s['step_s_min'] * 1e3:.1f}–{s['step_s_max'] * 1e3:.1f}]",
-                     f"{s['compute_s_median'] * 1e3:.1f}", f"{s['comm_s_median'] * 1e3:.1f}",
+                     f"{s['compute_s_median'] * 1e3:.1f}",
+                     "overlapped" if math.isnan(s["comm_s_median"]) else f"{s['comm_s_median'] * 1e3:.1f}",
                      fmt(s["max_abs_test_loss_diff"], 2)])
     out += _table(["regime", "kind", "N", "lr per update", "samples", "updates applied", "final test acc",
                    "final test loss", "wall s", "steps to target",

@@ -73,5 +73,32 @@ class ModelMismatch(ConfigError):
     """Ranks disagree about the model (names, shapes or dtypes)."""
 
 
+def from_torch(exc: BaseException, otherwise: type[CommError] = CommError) -> tuple[type[CommError], str]:
+    """How an exception torch.distributed raised while waiting for a ``Work`` (a collective, an isend or
+    irecv) maps onto this hierarchy, and its first line, for the message: the one rule every regime uses.
+
+    By type where torch says it: a ``TimeoutError`` (torch's ``DistTimeoutError`` is one) is a timeout;
+    ``DistNetworkError`` (a socket to a peer failed) is a lost peer. gloo raises a plain ``RuntimeError``
+    (or ``DistBackendError``) for both, so for those its words decide: "timed out"/"timeout" is a timeout;
+    a closed, reset or refused connection is a lost peer; anything else is ``otherwise`` (a point-to-point
+    wait knows its peer and says ``PeerLost``; a collective says ``CommError``)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    network = getattr(_torch_distributed(), "DistNetworkError", ())
+    low = text.lower()
+    if isinstance(exc, TimeoutError) or "timed out" in low or "timeout" in low:
+        return CommTimeout, text
+    if (network and isinstance(exc, network)) or any(w in low for w in ("connection", "closed", "reset by peer")):
+        return PeerLost, text
+    return otherwise, text
+
+
+def _torch_distributed():
+    try:
+        import torch.distributed as dist
+    except ImportError:  # a build without torch.distributed: nothing to classify by type
+        return None
+    return dist
+
+
 def _rebuild(cls, message: str, fields: dict) -> CommError:
     return cls(message, **fields)

@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from commlab import errors
 from commlab.errors import CommError, CommTimeout
 
 
@@ -126,10 +127,10 @@ class WorkHandle(Handle):
             self._work.wait(timeout=timedelta(seconds=timeout))
         except Exception as exc:  # torch raises RuntimeError/DistBackendError for both timeouts and lost peers
             who = self._on_timeout() if self._on_timeout else ""
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if "timed out" in text.lower() or "timeout" in text.lower():
+            cls, text = errors.from_torch(exc)
+            if cls is CommTimeout:
                 raise CommTimeout(f"{self.what} did not complete within {timeout:g}s{who} ({text})") from exc
-            raise CommError(f"{self.what} failed{who}: {text}") from exc
+            raise cls(f"{self.what} failed{who}: {text}") from exc
         return self._then() if self._then else None
 
 

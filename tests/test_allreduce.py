@@ -197,3 +197,49 @@ def test_accumulated_micro_steps_equal_the_combined_batch(run_ranks):
     for got in results:
         for g, w in zip(got, want):
             assert (torch.tensor(g) - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+AGAIN = """
+import json, os, time, torch, commlab
+from torch import nn
+out = []
+for attempt in range(3):
+    if attempt and int(os.environ["RANK"]) == 0:
+        time.sleep(1.5)  # rank 1 reaches the next exchanger first, while the store still holds the last one's keys
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ex = commlab.connect("allreduce://?timeout=20")
+    ex.setup(model, opt)
+    model(torch.full((1, 4), float(ex.rank + 1))).sum().backward()  # gradient: the rank's value, every element
+    ex.step()
+    out.append(model.weight.grad.tolist())
+    ex.close()
+print(json.dumps(out))
+"""
+
+
+def test_exchangers_one_after_another_meet_in_namespaces_of_their_own(run_ranks):
+    """Issue 30 item 6: a second exchanger in one process (a resumed run makes one) read the first one's keys
+    from the job's store, which outlives both: gloo's addresses among them, whose listeners were closed, so
+    `Gloo connectFullMesh failed ... Connection refused` whenever its peer had not yet written its new ones.
+    Forced here: rank 0 comes to each later exchanger 1.5 s after rank 1. Each meets in its own namespace."""
+    results = run_ranks(AGAIN, 2, timeout=90)
+    for r in results:
+        assert json.loads(r.out.strip().splitlines()[-1]) == [[[1.5] * 4]] * 3, r.err[-2000:]
+
+
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_many_short_jobs_back_to_back_all_start(tmp_path):
+    """Issue 30 item 6's soak: twenty short 2-rank `commlab run` jobs of a user's script under
+    allreduce://?backend=gloo, back to back, with real starts (no fork server); every one must start and
+    finish."""
+    script = tmp_path / "short.py"
+    script.write_text(AGAIN.replace("range(3)", "range(2)"))
+    env = child_env(COMMLAB_ZYGOTE="off")
+    for i in range(20):
+        proc = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--exchanger",
+                          "allreduce://?backend=gloo", str(script)], timeout=120, env=env,
+                          capture_output=True, text=True)
+        assert proc.returncode == 0, f"job {i}: {proc.stderr[-3000:]}"

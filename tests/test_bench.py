@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench import bandwidth, bw_worker, records, verdict
-from commlab import netns as links
+from bench import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
 
@@ -397,7 +397,7 @@ def _children_mentioning(text: str) -> list[str]:
 def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
-            "--bw-regimes", "noop", "--conv-regimes", "local,gloo", "--ceilings", "memcpy",
+            "--bw-regimes", "noop", "--conv-regimes", "local,ddp,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
             "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150",
             "--workloads", "charlm", "--workloads-budget-s", "0"]  # the workloads' phase, every run skipped
@@ -412,7 +412,8 @@ def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     for section in SECTIONS:
         assert section in report, section
     for what in ("N = 2 workers", "[min–max]", "p90", "Verdict: fastest exchange per size",
-                 "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://"):
+                 "Verdict: fastest to accuracy", "Verdict: the cost of staleness", "gloo: **coincides** with local://",
+                 "ddp: **coincides** with local://"):
         assert what in report, (what, report[report.index("## Failed"):report.index("## Bandwidth")],
                                 (out / "logs" / "conv-gloo.log").read_text()[-2000:])
     assert "- gloo: step at N=3 / N=2: " in report and "oversubscribed" in report

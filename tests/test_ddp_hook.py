@@ -23,7 +23,8 @@ STEPS = 6
 
 
 UNCOMPRESSED = ["ring://?timeout=60", "{ps}?update=worker&timeout=60", "allreduce://?timeout=60"]
-COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
+COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60",
+              "ring://?compress=powersgd:1,start_iter=2&timeout=60"]
 
 
 def launch(tmp: Path, n: int, bucket_view: bool = False) -> tuple[list[str], list[dict]]:
@@ -120,7 +121,7 @@ def test_a_stalled_rank_makes_backward_raise_within_the_timeout_naming_it(tmp_pa
 @pytest.mark.parametrize("url, option", [
     ("allreduce://?compress=topk:2", "compress"),
     ("allreduce://?compress=nope", "compress"),
-    ("ring://?compress=fp16", "compress"),
+    ("ring://?compress=powersgd:0", "compress"),
     ("ps://127.0.0.1:1?update=server", "update"),
     ("ps://127.0.0.1:1?mode=async", "mode"),
     ("allreduce://?bucket_mb=-1", "bucket_mb"),
@@ -143,7 +144,9 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
     import torch.distributed as dist
     from commlab.regimes.ring import RingExchanger
     from commlab.registry import resolve
-    from commlab.rendezvous import RankInfo, default_group_store
+    from torch.distributed import distributed_c10d
+
+    from commlab.rendezvous import RankInfo
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=2))
@@ -155,7 +158,9 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
         ex.store.set("probe", "here")
         ex.close()
         assert dist.is_initialized(), "the ring destroyed a group it did not create"
-        assert default_group_store().get("probe") == b"here"  # a missing key would raise after 2 s
+        # the ring's namespace is the first exchanger's in that store; a missing key would raise after 2 s
+        default = distributed_c10d._get_default_store()
+        assert dist.PrefixStore("1", dist.PrefixStore("commlab/", default)).get("probe") == b"here"
     finally:
         dist.destroy_process_group()
 

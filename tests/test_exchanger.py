@@ -172,3 +172,19 @@ def test_manifest_difference_names_the_parameter():
     b = model_manifest(nn.Linear(4, 2))
     assert manifest_difference(a, b, "rank 0") == "parameter 'weight' is float32[2, 3] here but float32[2, 4] on rank 0"
     assert manifest_difference(a, a, "rank 0") is None
+
+
+def test_torch_errors_map_onto_the_hierarchy_by_one_rule():
+    """handles.WorkHandle (collectives) and the ring's torch links classify what torch raised the same way:
+    by type where torch gives one, by gloo's words where it does not; only the fallback differs."""
+    import torch.distributed as dist
+
+    from commlab.errors import CommError, CommTimeout, PeerLost, from_torch
+
+    assert from_torch(RuntimeError("[../gloo/pair.cc:534] Timed out waiting 5000ms for recv\nmore")) == (
+        CommTimeout, "[../gloo/pair.cc:534] Timed out waiting 5000ms for recv")
+    assert from_torch(TimeoutError())[0] is CommTimeout
+    assert from_torch(RuntimeError("Connection closed by peer [127.0.0.1]:41234"))[0] is PeerLost
+    assert from_torch(dist.DistNetworkError("socket"))[0] is PeerLost
+    assert from_torch(RuntimeError("unsupported dtype"))[0] is CommError
+    assert from_torch(RuntimeError("unsupported dtype"), otherwise=PeerLost)[0] is PeerLost

@@ -1,7 +1,7 @@
 """Several hosts: two server shards and three workers in five network namespaces, CURVE on; the ring
 across namespace hosts (keyed, a stranger knocking; auto: shared memory within a host, tcp between).
 
-:class:`commlab.netns.Links` (uncapped) gives each process a namespace of its own with a real
+:class:`bench.netns.Links` (uncapped) gives each process a namespace of its own with a real
 address (10.91.0.H, assigned only inside namespaces this test creates) on a bridge, so the
 servers bind a non-loopback address, which they only do with keys. Sync and async jobs run at
 once over the same five hosts; the results are checked against closed forms. The namespaces
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from commlab import keys, netns
+from bench import netns
+from commlab import keys
 
 from faultkit import AGENT_ENV, Procs, finish
 
@@ -82,8 +83,8 @@ import torch, zmq, zmq.auth
 import torch.distributed as dist
 from commlab import wire
 addr, port, server_key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-store = dist.PrefixStore("commlab/", dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60),
-                                                   wait_for_workers=False, use_libuv=True))
+store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the job's first exchanger's keys
+    addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
 store.wait(["ring/1/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
 endpoint = store.get("ring/1/addr/0").decode()
 ctx = zmq.Context()

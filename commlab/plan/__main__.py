@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from commlab.errors import ConfigError
-from commlab.netns import parse_rate
+from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import recommend as R
 from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import compress, psproto, psshm, shm, transport, wire
+from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
 from commlab.config import ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
@@ -51,6 +51,7 @@ from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
+from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
 
@@ -144,6 +145,7 @@ class _Shard:
         self.peer = f"shard {index}"  # what errors carry as their ``peer`` field (CommError)
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.space = ""  # the exchanger's key space on the server ("": the first)
+        self.members: tuple[int, ...] = ()  # connect(group=): the global ranks of the positions servers count
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -299,7 +301,8 @@ class _Shard:
             except CommTimeout as exc:
                 state = self.probe()
                 if state is not None and state.get("boot") == self.boot:
-                    stalled = [r for r in state.get("waiting_for", []) if r != self.rank]
+                    stalled = [self.members[r] if self.members else r for r in state.get("waiting_for", [])
+                               if r != self.rank]
                     if stalled:  # the culprit is a rank: the field names it when there is one
                         waits = (f"its start waits for {state['gate']}, from rank(s) {stalled} (not yet at "
                                  f"ex.setup, dead or stalled?)" if state.get("gate") else
@@ -462,6 +465,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._plan: list[dict[int, list]] = []  # bucket -> shard -> [(piece, slot in bucket)]
         self._pieces: list[list[psproto.Piece]] = []
         self.space = ""  # this exchanger's key space on the servers (setup names it)
+        self._store = None  # connect(group=): the job's store, held from setup to close
         self.mode = ""  # the servers' (from hello)
         self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
         self.updates_remotely = False
@@ -518,13 +522,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         elif self.options.curve_secret:
             curve = transport.CurveKeys.load(self.options.curve_secret, self.options.server_key or None)
         self.transport = transport.Transport(io_threads=1, curve=curve)
-        sender = f"rank{self.rank}"
+        sender = f"rank{self.rank_info.global_rank()}"  # servers' messages name it: the job's rank
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
-        self.space = self.options.space or _next_space(self.rank, endpoints)
+        if self.rank_info.members:  # connect(group=): the members agree on it first; a space per group
+            self._check_group()
+        self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space = self.space
+            shard.space, shard.members = self.space, self.rank_info.members
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -581,6 +587,12 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
         if self.update == "server":
             self._take_over_state(optimizer)
+
+    def _check_group(self) -> None:
+        """``connect(group=)``: the group's members name the same group (through the job's store, which stays
+        open until close: rank 0 may host it)."""
+        self._store = rendezvous.job_store(self.rank_info, self.options.timeout)
+        rendezvous.check_group(self._store, self.rank_info, self.options.timeout)
 
     def _locate(self, key: str, offset: int, n: int, what: str) -> tuple[int, int, int]:
         """(bucket, slot, first element in the bucket's layout) of elements ``[offset, offset + n)`` of piece
@@ -833,7 +845,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         replies = self._on_all(lambda s: s.request("join", step, self._parts(s.index, None) if own else [], meta,
                                                    what=f"join before step {step}")[0].meta, "join")
         if options.throw_on_early_termination and any(r.get("training") for r in replies):
-            raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+            raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
 
         # each wait is for the shard's next update (at most timeout), not for the others' whole run
         versions: dict[int, int | None] = {s.index: None for s in self.shards}
@@ -1086,18 +1098,22 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        self._store = None
 
 
-_SPACES_OPENED: dict[tuple[int, tuple[str, ...]], int] = {}  # (rank, servers) -> exchangers set up in this process
+_SPACES_OPENED: dict[tuple[int, str, tuple[str, ...]], int] = {}  # (rank, group, servers) -> exchangers set up here
 
 
-def _next_space(rank: int, endpoints: list[str]) -> str:
+def _next_space(info: RankInfo, endpoints: list[str]) -> str:
     """The key space of this process's next exchanger on these servers: "" for the first, then model2,
     model3, ... Every rank sets its exchangers up in the same order (setup is collective), so the
-    names agree; a restarted job's processes count from the start again and find their spaces."""
-    key = (rank, tuple(endpoints))
+    names agree; a restarted job's processes count from the start again and find their spaces.
+    Over a group (``connect(group=)``) the spaces are the group's: ``g0-2``, then ``g0-2.model2``, ...,
+    so groups sharing the servers never share a key."""
+    group = group_key(info.members) if info.members else ""
+    key = (info.global_rank(), group, tuple(endpoints))
     n = _SPACES_OPENED[key] = _SPACES_OPENED.get(key, 0) + 1
-    return "" if n == 1 else f"model{n}"
+    return ".".join(filter(None, [group, "" if n == 1 else f"model{n}"]))
 
 
 def _hypers(optimizer: torch.optim.Optimizer) -> list[dict]:
