@@ -213,12 +213,18 @@ def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_r
     check(results, n, lambda query, shapes, step, rank: wire_bytes(query, shapes, step, n), lambda query: n == 2)
 
 
-def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+def assert_refused_in_one_line(url: str, says: str) -> None:
+    """``commlab train --exchanger URL`` exits 2 before anything starts, with one line that says ``says``."""
     from conftest import commlab_train
-    proc = commlab_train(["--exchanger", "allreduce://?compress=powersgd:0", "--workers", "2"], timeout=60)
+    proc = commlab_train(["--exchanger", url, "--workers", "2"], timeout=60)
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1" in lines[0], proc.stderr
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+
+
+def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+    assert_refused_in_one_line("allreduce://?compress=powersgd:0",
+                               "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1")
 
 
 # rank 1 compresses with topk:0.01, the others with fp16, through the URL given (tests/test_compress_ps.py's too)

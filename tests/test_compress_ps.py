@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from test_compress_allreduce import DIFFERENT, HELPERS
+from test_compress_allreduce import DIFFERENT, HELPERS, assert_refused_in_one_line
 from test_ps_update import servers  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.multiproc
@@ -224,13 +224,10 @@ def test_async_applies_every_compressed_push_once(run_ranks, servers, mode, k, n
         assert [s["updates"] for s in spaces.values()] == [n * steps] * len(queries), spaces  # one per (rank, step)
 
 
-def test_async_with_powersgd_stops_commlab_train_in_one_line_naming_compress():
-    from conftest import commlab_train
-    proc = commlab_train(["--exchanger", "ps://?mode=async&compress=powersgd:2", "--workers", "2"], timeout=60)
-    assert proc.returncode == 2
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "option 'compress': powersgd:2 needs every rank's payload at every step" in lines[0], \
-        proc.stderr
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_powersgd_without_sync_stops_commlab_train_in_one_line_naming_compress(mode):
+    assert_refused_in_one_line(f"ps://?mode={mode}&compress=powersgd:2",
+                               "option 'compress': powersgd:2 needs every rank's payload at every step")
 
 
 def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, servers):
