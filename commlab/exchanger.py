@@ -150,6 +150,23 @@ class Exchanger:
         self.rank_info = rank
         self.stats = ExchangeStats()
         self.optimizer: torch.optim.Optimizer | None = None
+        # a restarted job (torchrun's --max-restarts): where the loop resumes and the state it committed, when
+        # the regime keeps them (ps:// update=server); 0 and None otherwise, where the user's checkpoint is the state
+        self.start_step = 0
+        self.restored_state: dict | None = None
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a restarted job resumes from this regime's own state (:attr:`start_step`,
+        :attr:`restored_state`, :meth:`commit_state`) rather than from the user's checkpoint."""
+        return False
+
+    def commit_state(self, state: dict) -> None:
+        """Keep this rank's small state (a scheduler's, a scaler's, a data position) where a restarted job
+        finds it again as :attr:`restored_state`. Only regimes whose servers outlive the ranks keep it
+        (``ps://`` with update=server); the others raise: their state is the user's checkpoint."""
+        raise ConfigError(f"{self.scheme}:// keeps no state across a restart: save it in your checkpoint "
+                          f"(docs/scripts.md); ps://?update=server keeps it on the servers")
 
     @classmethod
     def from_url(cls, url, rank: RankInfo) -> "Exchanger":

@@ -179,6 +179,10 @@ class Units:
     def next_step(self) -> None:
         self.last, self.acc = self.acc, {}
 
+    def drop_step(self) -> None:
+        """The step in flight is dropped (a new attempt of the job pushes it again)."""
+        self.acc = {}
+
     def sums(self, u: int, r: int, current: bool) -> tuple[list, dict]:
         """The frames of a (unit, round)'s sum, of this step's (``current``) or of the last one's, and what the
         reply's header says of them: ``{"sparse": n}`` when a gather-only compressor's dense sum goes as its

@@ -95,6 +95,17 @@ class Compressor(abc.ABC):
         temporary), rounding as it does."""
         residual.sub_(self.share(key))
 
+    @abc.abstractmethod
+    def payload_nbytes(self, shapes: tuple[torch.Size, ...], itemsize: int = 4) -> tuple[int, ...]:
+        """Bytes of each round's payload for a bucket of parameters of ``shapes`` (gradients of ``itemsize``
+        bytes each), once past :attr:`warmup_steps`: the closed form of what :meth:`start` and
+        :meth:`advance` return (the planner's byte counts; tests check it against the payloads)."""
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps each bucket first travels uncompressed (PowerSGD's ``start_iter``; 0 for the others)."""
+        return 0
+
     def state_dict(self) -> dict:
         return {}
 
@@ -166,6 +177,13 @@ class ErrorFeedback(Compressor):
 
     def subtract_share(self, key, residual):
         self.inner.subtract_share(key, residual)
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return self.inner.payload_nbytes(shapes, itemsize)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.inner.warmup_steps
 
     def state_dict(self):
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}, "inner": self.inner.state_dict()}

@@ -46,6 +46,10 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
+def numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
 class OwnDecoding(Compressor):
     """A compressor whose aggregate is the sum of every rank's own decoding: its share is its decoding."""
 
@@ -97,6 +101,9 @@ class Cast(OwnDecoding):
         fits(payload, [n], self.name)
         out.add_(payload[0])
 
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (numel(shapes) * self.dtype.itemsize,)
+
     def _decode_own(self, key, wire, dtype):
         return wire.to(dtype)
 
@@ -144,6 +151,10 @@ class TopK(OwnDecoding):
         if k and not (0 <= int(idx.min()) and int(idx.max()) < n):
             raise ValueError(f"{self.name}: an index outside [0, {n})")
         out.index_add_(0, idx, values.to(out.dtype))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        n = numel(shapes)
+        return (kept(self.f, n) * (itemsize + index_dtype(n).itemsize),)
 
     def _decode_own(self, key, values, idx, n):
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, idx, values)
@@ -215,6 +226,9 @@ class RandomK(OwnDecoding):
         out.zero_()
         out[idx] = combined[0].to(out.dtype)
 
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (kept(self.f, numel(shapes)) * itemsize,)
+
     def _decode_own(self, key, values, idx, n):
         out = torch.zeros(n, dtype=values.dtype, device=values.device)
         out[idx] = values
@@ -272,6 +286,9 @@ class Sign(OwnDecoding):
         fits(payload, [math.ceil(n / 8), 1], self.name)
         bits, scale = payload
         out.add_(self._decode_own(key, bits, scale.to(out.dtype), n))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (math.ceil(numel(shapes) / 8) + itemsize,)
 
     def _decode_own(self, key, bits, scale, n):
         return unpack_bits(bits, n).to(scale.dtype).mul_(2).sub_(1).mul_(scale)

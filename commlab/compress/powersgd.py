@@ -168,6 +168,15 @@ class PowerSGD(Compressor):
     def subtract_share(self, key, residual):
         residual.sub_(self._out[key], alpha=1.0 / self.world_size)
 
+    def payload_nbytes(self, shapes, itemsize=4):
+        lay = self._layout(shapes)
+        return (itemsize * (lay.plain_numel + sum(n * r for _, n, _, r in lay.matrices)),
+                itemsize * sum(m * r for _, _, m, r in lay.matrices))
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.start_iter
+
     def state_dict(self):
         return {"seed": self.seed, "steps": dict(self.steps), "q": {k: [q.clone() for q in v] for k, v in self.qs.items()}}
 

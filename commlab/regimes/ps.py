@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import io
 import math
 import os
 import re
@@ -146,6 +147,7 @@ class _Shard:
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.space = ""  # the exchanger's key space on the server ("": the first)
         self.members: tuple[int, ...] = ()  # connect(group=): the global ranks of the positions servers count
+        self.attempt = 0  # the job's restarts so far: every request says it (a dead attempt's pushes are refused)
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -194,6 +196,8 @@ class _Shard:
         meta, at = dict(req.meta, id=req.rid), None
         if self.space:
             meta["space"] = self.space
+        if self.attempt:
+            meta["attempt"] = self.attempt
         link = self.link
         if link is not None and req.op == "push" and req.parts and "unit" not in meta:  # one copy in; read there
             at = psshm.place(link.offsets, req.parts)
@@ -530,7 +534,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._check_group()
         self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space, shard.members = self.space, self.rank_info.members
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -562,8 +566,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "buffers": buffers_wire if s.index == 0 else [],
             "shard": [s.index, k], "optim": desc,
             **({"compress": self._cps.hello(s.index)} if self._cps is not None else {})}), "hello")
-        self._base = max(r["next_step"] for r in replies)
         self.mode, self.update = replies[0]["mode"], replies[0]["update"]
+        self._base = self._resume_step(replies)
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
@@ -587,6 +591,57 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
         if self.update == "server":
             self._take_over_state(optimizer)
+        if not fresh or self.rank_info.attempt:
+            self.restored_state = self._restore_state()
+
+    def _resume_step(self, replies: list[dict]) -> int:
+        """The wire step to go on from, from every shard's hello. update=server: the step the shards have
+        applied, which is where the loop resumes (:attr:`start_step`; 0 on a fresh start). A step applied on
+        some shards only (a rank killed between its commits; a push of async that reached one shard) is
+        pushed again: those shards acknowledge it as a duplicate, the others apply it, so each applies it
+        once. update=worker: the shards hold no trained state (the user's checkpoint does): the numbering
+        goes on from the furthest shard and :attr:`start_step` stays 0."""
+        steps = [r["next_step"] for r in replies]
+        if self.update != "server":
+            return max(steps)
+        self.start_step = min(steps)
+        return self.start_step
+
+    # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """update=server: the servers hold the parameters, the optimizer's state and the applied steps."""
+        return self.update == "server"
+
+    def commit_state(self, state: dict) -> None:
+        """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
+        servers, replacing what this rank kept before; a restarted job reads it back as
+        :attr:`restored_state`. Blocks until shard 0 holds it (its timeout); not collective (each rank
+        keeps its own). ``state`` travels as ``torch.save`` bytes the servers never read; it is read back
+        with ``weights_only=True`` (tensors, numbers, strings, lists and dicts of them), at most 1 MiB."""
+        if not self.shards:
+            raise ConfigError("call setup(model, optimizer) before commit_state()")
+        if not self.keeps_state:
+            super().commit_state(state)  # update=worker: the parameters are the user's checkpoint's, and so is this
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        if buf.tell() > psproto.BLOB_MAX:
+            raise ValueError(f"commit_state: the state takes {buf.tell()} bytes, more than {psproto.BLOB_MAX}: keep "
+                             f"a small state here (a scheduler, a scaler, a data position), the rest in a checkpoint")
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        first, step = self.shards[0], self._wire_step()
+        first.submit(first.request, "blob", step, wire.split("blob", blob), {"put": True},
+                     f"commit_state at step {step}").result(timeout=self.options.timeout * 2 + 10)
+
+    def _restore_state(self) -> dict | None:
+        """What this rank last kept with :meth:`commit_state` (on shard 0), or None."""
+        first = self.shards[0]
+        h, data = first.submit(first.request, "blob", -1, (), {}, "restored state", psproto.BLOB_MAX).result(
+            timeout=self.options.timeout * 2 + 10)
+        if h.op != "params":
+            return None
+        raw = wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes()
+        return torch.load(io.BytesIO(raw), weights_only=True)
 
     def _check_group(self) -> None:
         """``connect(group=)``: the group's members name the same group (through the job's store, which stays
