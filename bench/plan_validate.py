@@ -122,21 +122,36 @@ def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
     return replace(res, step_s=p["step_s"]), p["crossover_bps"]
 
 
+def add_stretched(points: list[dict], cal: Calibration) -> None:
+    """Each compressed point predicted again with the run's CPU stretch: its uncompressed sibling's measured
+    step − wait over the calibrated compute (:func:`commlab.plan.compression.cpu_stretch`), as
+    ``compute_scale`` (the single calibration process does not see the run's contention)."""
+    for p, u in compressed_pairs(points):
+        k = compression.cpu_stretch(cal, u["compute_median"], p["batch"])
+        regime, spec, ef = compression.parse_url(p["url"])
+        topo = Topology(1, p["link_bps"], p["link_bps"], k)
+        pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef)["step_s"]
+        p.update(stretch=k, predicted_stretched=pred, error_stretched_pct=100 * (pred - p["median"]) / p["median"])
+
+
 def with_compress(url: str, spec: str) -> str:
     return url + ("&" if "?" in url else "?") + f"compress={spec}"
+
+
+def compressed_pairs(points: list[dict]) -> list[tuple[dict, dict]]:
+    """(compressed point, the uncompressed point of the same regime, rate and N), where both ran."""
+    plain = {(p["rate"], p["workers"], p["base"]): p for p in points if p["ok"] and not p.get("compress")}
+    return [(p, plain[key]) for p in points if p["ok"] and p.get("compress")
+            and (key := (p["rate"], p["workers"], p["base"])) in plain]
 
 
 def crossover_check(points: list[dict]) -> tuple[int, int, list[str]]:
     """Compressed points against the uncompressed point of the same regime, rate and N: whether the measured
     medians say compression paid there, and whether the predicted crossover lies on that side of the link
     rate the prediction used. Returns (checked, agreeing, misses)."""
-    plain = {(p["rate"], p["workers"], p["base"]): p for p in points if p["ok"] and not p.get("compress")}
     checked = agree = 0
     misses = []
-    for p in points:
-        u = plain.get((p["rate"], p["workers"], p["base"]))
-        if not (p["ok"] and p.get("compress") and u):
-            continue
+    for p, u in compressed_pairs(points):
         checked += 1
         if (p["median"] < u["median"]) == (p["crossover_bps"] > p["link_bps"]):
             agree += 1
@@ -236,8 +251,13 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
     if squeezed:
         worst = max(abs(p["error_pct"]) for p in squeezed)
         x_checked, x_agree, x_misses = crossover_check(points)
+        stretched = [p for p in squeezed if "stretch" in p]
+        again = (f"; with the run's CPU stretch (its uncompressed point's step − wait over the calibrated compute: "
+                 + ", ".join(f"{p['rate']} x{p['stretch']:.2f} {p['predicted_stretched'] * 1e3:.0f} ms "
+                             f"{p['error_stretched_pct']:+.1f}%" for p in stretched) + ")") if stretched else ""
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
-                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)}); "
+                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)})"
+                   f"{again}; "
                    f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
                    f"paid (or did not) at **{x_agree}** of {x_checked}" + (f"; not: {', '.join(x_misses)}" if x_misses else "")
                    + f" (criterion: all: {met(x_agree == x_checked)}).")
@@ -341,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"plan_validate: {rate} N={n} {name}: measured "
                           f"{rec.get('median', float('nan')) * 1e3:.0f} ms, predicted {pred.step_s * 1e3:.0f} ms"
                           + ("" if rec["ok"] else f" (FAILED: {rec['error']})"), file=sys.stderr)
+    add_stretched(points, cal)
     stale = None
     if not a.no_staleness:
         n, url, d = a.stale_workers, "ps://?shards=1&mode=async", a.stale_delay

@@ -121,6 +121,16 @@ def test_a_summed_compressor_pays_below_the_rate_where_its_encoding_equals_the_b
         assert unc == pytest.approx(1.5 * S / rate, rel=1e-12)
         assert (comp < unc) is pays
     assert K.bytes_per_step(half, 4) == 2 * 3 * (S // 2) // 4
+    slower = Topology(1, 1e8, 1e15, compute_scale=2.0)  # a CPU twice as slow: encoding and decoding too
+    assert K.step(cal, half, RING, slower, 4) == pytest.approx(2 * (E + D) + 1.5 * (S / 2) / 1e8, rel=1e-12)
+
+
+def test_the_cpu_stretch_of_a_run_is_its_step_less_wait_over_the_calibrated_compute():
+    cal = profile([2**20], fwd=0.001, bwd=0.002, opt=1e-8)  # 96 ms forward + backward at batch 32, 10.5 ms opt
+    measured = 2.5 * 0.096 + 2**20 * 1e-8
+    assert K.cpu_stretch(cal, measured, 32) == pytest.approx(2.5)
+    at = Topology(1, 1e15, 1e15, compute_scale=2.5)  # the stretched prediction: the measured step and the wire
+    assert K.step(cal, None, RING, at, 2, 32) == pytest.approx(measured + 2**20 / 1e15, rel=1e-12)  # + the swap
 
 
 def test_a_gathered_compressor_sends_n_minus_1_payloads_and_decodes_n():

@@ -239,29 +239,42 @@ def _decode_s(cost: CompressorCost, b: int, n: int) -> float:
 def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: Topology, n: int,
          batch: int | None = None) -> float:
     """The predicted step (seconds) of ``n`` identical workers under all-reduce ``regime``, compressed by
-    ``cost`` (None: uncompressed); see the module's text."""
+    ``cost`` (None: uncompressed); see the module's text. ``topo.compute_scale`` stretches the worker's CPU
+    work: forward, backward, encoding and decoding (the optimizer stays as measured, as in the simulator)."""
     if regime.kind != "allreduce":
         raise ConfigError(f"plan: compression is modelled for all-reduce regimes (ring://, allreduce://), "
                           f"not {regime.url}")
     c = cal.compute
     cost = cost or _baseline(c)
     batch = batch or c.batch
-    fwd, bwd = c.fwd_s_per_sample * batch * topo.compute_scale, c.bwd_s_per_sample * batch * topo.compute_scale
+    k = topo.compute_scale
+    fwd, bwd = c.fwd_s_per_sample * batch * k, c.bwd_s_per_sample * batch * k
     T = [[_round_time(m, w, n, topo, regime, cal) for m, w in zip(ms, ws)] for ms, ws in zip(cost.moves, cost.wire_bytes)]
     end = [[0.0] * len(t) for t in T]
     free, hooks = 0.0, 0.0
     for b, bucket in enumerate(c.buckets):
-        issued = fwd + bwd * bucket.ready_frac + hooks + cost.encode_s[b][0]
-        hooks += cost.encode_s[b][0]
+        issued = fwd + bwd * bucket.ready_frac + hooks + cost.encode_s[b][0] * k
+        hooks += cost.encode_s[b][0] * k
         free = end[b][0] = max(issued, free) + T[b][0]
     t = fwd + bwd + hooks
     for b in range(len(T)):
         for r in range(1, len(T[b])):
-            t = max(t, end[b][r - 1]) + cost.encode_s[b][r]
+            t = max(t, end[b][r - 1]) + cost.encode_s[b][r] * k
             free = end[b][r] = max(t, free) + T[b][r]
     for b in range(len(T)):
-        t = max(t, end[b][-1]) + _decode_s(cost, b, n)
+        t = max(t, end[b][-1]) + _decode_s(cost, b, n) * k
     return t + c.param_bytes * cal.opt_s_per_byte
+
+
+def cpu_stretch(cal: Calibration, measured_s: float, batch: int | None = None) -> float:
+    """How much slower a run's workers computed than this calibration measured: ``measured_s``, the run's
+    "step − wait" of an uncompressed step (forward, backward, optimizer: what the worker does besides
+    waiting on the exchange), less the optimizer, over the calibrated forward + backward. Pass it as
+    ``compute_scale`` to predict that run's compressed steps (on a shared machine the calibration's single
+    process does not see the run's contention: two workers' memory traffic, their communication threads)."""
+    c = cal.compute
+    batch = batch or c.batch
+    return (measured_s - c.param_bytes * cal.opt_s_per_byte) / ((c.fwd_s_per_sample + c.bwd_s_per_sample) * batch)
 
 
 def bytes_per_step(cost: CompressorCost, n: int) -> int:
@@ -338,7 +351,7 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
     if cost is not None:
         s, nbytes = step(cal, cost, regime, topo, world, batch), bytes_per_step(cost, world)
         out.update(spec=cost.label, step_s=s, bytes_per_step=nbytes, bytes_ratio=nbytes / unc_b if unc_b else 1.0,
-                   encode_decode_s=encode_decode_s(cost, world), pays=s < unc_s,
+                   encode_decode_s=encode_decode_s(cost, world) * topo.compute_scale, pays=s < unc_s,
                    crossover_bps=crossover(cal, cost, regime, topo, world, batch))
     return out
 
