@@ -6,6 +6,6 @@ style exchange times, every regime and ceiling of a job taking turns), :mod:`ben
 (training a pluggable workload, through ``commlab train`` by default; scaling with N),
 :mod:`bench.verdict` (ratios with bootstrap intervals: who is faster, or indistinguishable),
 :mod:`bench.probes` (page faults, a killed rank), :mod:`bench.report` and :mod:`bench.plots`
-(the run folder), :mod:`commlab.netns` (capped links in network namespaces), :mod:`bench.jobs`
+(the run folder), :mod:`bench.netns` (capped links in network namespaces), :mod:`bench.jobs`
 (process groups with deadlines). Nothing imports ``bench``.
 """

@@ -2,7 +2,7 @@
 
 Runs the launcher's job (:func:`commlab.launcher.worker_job`, :func:`commlab.launcher.run_job`) with a
 per-rank module (the training worker or :mod:`bench.bw_worker`). With ``--link-tag``, the parent
-already built a :class:`commlab.netns.Links` topology (found again by its tag): rank r runs in
+already built a :class:`bench.netns.Links` topology (found again by its tag): rank r runs in
 host r's namespace, the rendezvous store beside rank 0, and servers a regime would start on
 loopback (``plan_local``, e.g. ``ps://``) run in hosts N, N+1, ... instead, bound to their
 namespace's address and port 0 (``--insecure``: the address exists only inside namespaces this
@@ -16,7 +16,7 @@ import re
 import sys
 
 from commlab import launcher
-from commlab.netns import Links
+from bench.netns import Links
 
 LOOPBACK_TCP = re.compile(r"^tcp://127\.0\.0\.1:(\d+)$")
 

@@ -3,7 +3,7 @@
     sudo python -m bench.plan_validate --docs docs/plan.md       # regenerates the table in docs/plan.md
     sudo python -m bench.plan_validate --rates 1gbit --workers 2 --regimes ring,ps-1
 
-For each link rate, a :class:`commlab.netns.Links` star of network namespaces capped with ``tc tbf``
+For each link rate, a :class:`bench.netns.Links` star of network namespaces capped with ``tc tbf``
 (one host per worker, one per PS shard); first the bench's raw-TCP ceiling measures what the capped
 link carries each way with both directions busy (the rate the prediction uses); then each regime trains the communication-heavy model for
 a few steps (``bench.launch_job``, the same path as ``commlab bench --link``), and the median step
@@ -41,7 +41,8 @@ from typing import Sequence
 from bench import bandwidth, verdict
 from bench.convergence import read_metrics, read_staleness
 from bench.jobs import python, run_job
-from commlab.netns import Links, link_unavailable_reason, parse_rate
+from bench.netns import Links, link_unavailable_reason
+from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression
 from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime

@@ -37,7 +37,9 @@ class BandwidthEntry:
 @dataclass(frozen=True)
 class ConvergenceEntry:
     url: str
-    kind: str  # "reference" (one worker, combined batch) | "sync" | "async" | "floor"
+    # "reference" (one worker, combined batch) | "sync" | "compressed" (synchronous, not local's arithmetic)
+    # | "async" | "floor"
+    kind: str
     note: str = ""
     loopback_only: bool = False
     # async/ssp apply one update per worker push, N per step where sync applies one of the mean: with
@@ -93,13 +95,16 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
     "ps-ssp-1-lr/N": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1, lr / N",
                                       lr_over_n=True),
     "ps-ssp-4": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=4", "async", "SSP, bound 4"),
+    # the default run's one row of compression (issue 26); `commlab bench compress` is the whole comparison
+    "ring-powersgd": ConvergenceEntry("ring://?compress=powersgd:4,start_iter=10", "compressed",
+                                      "PowerSGD rank 4 after 10 uncompressed steps", loopback_only=True),
     "noop": ConvergenceEntry("noop://", "floor", "workers never talk: the step-time floor"),
 }
 
 DEFAULT_BANDWIDTH = ["noop", "gloo", "nccl", "ring", "ring-tcp", "ps-1", "ps-2"]
 # in order of importance (a run given a shorter --budget-s skips the last); the default budget runs them all
 DEFAULT_CONVERGENCE = ["local", "ddp", "gloo", "ring", "ring-tcp", "ps-sync", "ps-async", "ps-async-lr/N", "ps-ssp-1",
-                       "ps-ssp-1-lr/N", "noop"]
+                       "ps-ssp-1-lr/N", "ring-powersgd", "noop"]
 # step time and exposed communication against N (N = --workers comes from the convergence runs when they ran)
 DEFAULT_SCALING = ["gloo", "ring-tcp"]
 

@@ -244,6 +244,10 @@ def sync_check(summaries: list[dict]) -> list[str]:
         else:
             lines.append(f"- {s['regime']}: **does NOT coincide** with local:// (max |test-loss difference| "
                          f"{d:.3g} > {COINCIDE_TOL:g}): a synchronous regime that changes the arithmetic is a bug.")
+    for s in summaries:  # compression changes the arithmetic by design: how far it went, not a verdict
+        if s["kind"] == "compressed" and s["max_abs_test_loss_diff"] is not None:
+            lines.append(f"- {s['regime']}: compressed, so not local's arithmetic by design: max |test-loss "
+                         f"difference| {s['max_abs_test_loss_diff']:.3g} (`commlab bench compress` says when it pays).")
     return lines
 
 

@@ -118,6 +118,11 @@ class Collective(abc.ABC):
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); does not
         block; ``tensor`` must not be touched until the handle is done."""
 
+    def sums_per_hop(self, dtype: torch.dtype) -> bool:
+        """Whether the regime can also sum ``dtype`` sent at its own width with float32 partial sums rounded once
+        per hop (``allreduce_per_hop_async``, :class:`commlab.compress.seam.Mover`): not unless it says so."""
+        return False
+
 
 class PlansServers(abc.ABC):
     """Ability: the regime needs server processes, which a launcher on this host can start."""
@@ -137,12 +142,31 @@ class Exchanger:
 
     scheme: ClassVar[str]
     Options: ClassVar[type] = CommonOptions
+    # a DeviceMesh dimension's process group, when connect(group=mesh["dp"]) gave one: borrowed, never destroyed
+    torch_group: Any = None
 
     def __init__(self, options, rank: RankInfo):
         self.options = options
         self.rank_info = rank
         self.stats = ExchangeStats()
         self.optimizer: torch.optim.Optimizer | None = None
+        # a restarted job (torchrun's --max-restarts): where the loop resumes and the state it committed, when
+        # the regime keeps them (ps:// update=server); 0 and None otherwise, where the user's checkpoint is the state
+        self.start_step = 0
+        self.restored_state: dict | None = None
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a restarted job resumes from this regime's own state (:attr:`start_step`,
+        :attr:`restored_state`, :meth:`commit_state`) rather than from the user's checkpoint."""
+        return False
+
+    def commit_state(self, state: dict) -> None:
+        """Keep this rank's small state (a scheduler's, a scaler's, a data position) where a restarted job
+        finds it again as :attr:`restored_state`. Only regimes whose servers outlive the ranks keep it
+        (``ps://`` with update=server); the others raise: their state is the user's checkpoint."""
+        raise ConfigError(f"{self.scheme}:// keeps no state across a restart: save it in your checkpoint "
+                          f"(docs/scripts.md); ps://?update=server keeps it on the servers")
 
     @classmethod
     def from_url(cls, url, rank: RankInfo) -> "Exchanger":
@@ -157,10 +181,12 @@ class Exchanger:
 
     @property
     def rank(self) -> int:
+        """This process's position among the exchanging ranks (in its group, under ``connect(group=)``)."""
         return self.rank_info.rank
 
     @property
     def world_size(self) -> int:
+        """How many ranks exchange (the group's size under ``connect(group=)``)."""
         return self.rank_info.world_size
 
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
@@ -198,6 +224,15 @@ class Exchanger:
         ``torch.compile`` wrapper) before a forward does the same for the backward of that forward, as
         under DDP."""
         yield
+
+    def flush(self) -> None:
+        """Exchange now what the backward passes since the last step accumulated, and make ``p.grad``
+        final and equal on every rank, as the backward after ``no_sync()`` would have. For loops whose
+        backward passes are not the user's: a pipeline schedule runs one per micro-batch, so it runs
+        inside ``no_sync()`` and ``flush()`` follows it, one exchange per step. Collective; blocks until
+        the exchange ends (bounded by ``timeout``); a no-op when the last backward already exchanged.
+        ``optimizer.step()`` flushes by itself, so this is needed only to read the gradients before
+        it (clipping, a global norm across pipeline stages)."""
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -456,6 +491,13 @@ class BucketedExchanger(Exchanger):
         finally:
             self._sync = previous
 
+    def flush(self) -> None:
+        if self.model is None:
+            raise ConfigError("call setup(model, optimizer) before flush()")
+        if not self._sync:
+            raise ConfigError("flush() inside no_sync(): leave the block first")
+        self._finalize(self.options.timeout)
+
     def _read_sync_flag(self, module, args) -> None:
         """Forward pre-hook: DDP's ``require_backward_grad_sync``, read at the forward whose backward it governs."""
         if torch.is_grad_enabled():
@@ -492,7 +534,7 @@ class BucketedExchanger(Exchanger):
             if not active:
                 break
             if options.throw_on_early_termination:
-                raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+                raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
             last = False
             self._join_active = active
             self._shadow_exchange()
@@ -540,7 +582,7 @@ class BucketedExchanger(Exchanger):
             assert self.last_report is not None  # _finalize made one
             return self.last_report
 
-        self._open_step = CallHandle(run, f"step {self._step} of rank {self.rank}")
+        self._open_step = CallHandle(run, f"step {self._step} of {self.rank_info.who()}")
         return self._open_step
 
     def state_dict(self) -> dict:
@@ -790,14 +832,14 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         with torch.no_grad():
             for b in self.buckets:
                 flat = torch.cat([p.detach().reshape(-1) for p in b.params])
-                self._broadcast_from(src, flat, f"parameters of rank {src}, bucket {b.index}")
+                self._broadcast_from(src, flat, f"parameters of {self.rank_info.who(src)}, bucket {b.index}")
                 for p, off in zip(b.params, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
             rest: list[torch.Tensor] = [p for p in self.model.parameters() if not p.requires_grad]
             if buffers and self.options.buffers != "none":
                 rest += [b for _, b in self.module_buffers]
             if rest:
-                self._equalise(rest, "broadcast", f"frozen parameters and buffers of rank {src}", src)
+                self._equalise(rest, "broadcast", f"frozen parameters and buffers of {self.rank_info.who(src)}", src)
 
     def _broadcast_from(self, src: int, flat: torch.Tensor, what: str) -> None:
         if self.rank != src:
@@ -835,7 +877,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
                        self._buffer_source())
 
     def _join_vote(self, flat: torch.Tensor) -> Handle:
-        what = f"join tally of rank {self.rank} at step {self._step}"
+        what = f"join tally of {self.rank_info.who()} at step {self._step}"
         return GroupHandle([self.allreduce_async(flat, what)], what, then=lambda _: flat)
 
     def _shadow_exchange(self) -> None:
@@ -844,7 +886,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         handles = []
         for b, zeros in zip(self.buckets, self._shadows):
             zeros.zero_()
-            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined rank {self.rank} for "
+            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined {self.rank_info.who()} for "
                                                        f"bucket {b.index}"))
         deadline = time.monotonic() + self.options.timeout
         for h in handles:

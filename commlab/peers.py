@@ -27,12 +27,12 @@ def agree_on_model(store, info: RankInfo, model, timeout: float, optimizer=None)
     try:
         store.wait(["manifest/0"], timedelta(seconds=timeout))
     except Exception as exc:
-        raise CommTimeout(f"rank {info.rank}: rank 0 did not publish its model within {timeout:g}s") from exc
+        raise CommTimeout(f"{info.who()}: {info.who(0)} did not publish its model within {timeout:g}s") from exc
     theirs = json.loads(store.get("manifest/0"))
-    diff = manifest_difference(manifest, [(n, tuple(s), d) for n, s, d in theirs["model"]], "rank 0")
+    diff = manifest_difference(manifest, [(n, tuple(s), d) for n, s, d in theirs["model"]], info.who(0))
     if diff:
-        raise ModelMismatch(f"rank {info.rank}'s model differs from rank 0's: {diff}")
+        raise ModelMismatch(f"{info.who()}'s model differs from {info.who(0)}'s: {diff}")
     if mine["optimizer"] is not None and theirs["optimizer"] is not None:
-        diff = optimizer_difference(json.loads(json.dumps(mine["optimizer"])), theirs["optimizer"], "rank 0")
+        diff = optimizer_difference(json.loads(json.dumps(mine["optimizer"])), theirs["optimizer"], info.who(0))
         if diff:
-            raise ConfigError(f"rank {info.rank}'s optimizer differs from rank 0's: {diff}")
+            raise ConfigError(f"{info.who()}'s optimizer differs from {info.who(0)}'s: {diff}")

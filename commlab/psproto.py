@@ -41,6 +41,12 @@ on the client as :class:`~commlab.errors.RemoteError`)::
                                             joiner's), else ok {final: false} once the version moved on
       bye                                   ->  the rank stops counting for ssp's slowest worker; the
                                                 last rank's frees the key space
+      blob step=t {put: true} [uint8 frame]  ->  ex.commit_state: this rank's opaque bytes, kept (shard 0)
+      blob                                  <-  params [blob] step=t (ex.restored_state), or ok {none: true}
+      --- a restarted job (torchrun's --max-restarts): every hello and push carries {attempt} ---
+      the first hello of attempt a > the shard's: the step in flight is dropped (its pushes are made
+      again by the new attempt), pulls, joins and byes go, the start gate closes again; pushes of an
+      earlier attempt are refused. Applied steps stay: the hello's next_step says where to resume.
 
 Modes (the server's; a worker that names another one is refused):
 
@@ -69,8 +75,9 @@ from dataclasses import dataclass
 
 MODES = ("sync", "async", "ssp")
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
-                      "bye"})
+                      "bye", "blob"})
 REPLIES = frozenset({"ok", "params", "error"})
+BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
 
 
 def ssp_staleness_bound(workers: int, staleness: int) -> int:

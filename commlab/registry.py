@@ -57,9 +57,13 @@ def url_from_env(url: str | ExchangerURL | None = None) -> str | ExchangerURL:
     return text
 
 
-def connect(url: str | ExchangerURL | None = None, rank: RankInfo | None = None) -> Exchanger:
+def connect(url: str | ExchangerURL | None = None, rank: RankInfo | None = None, group=None) -> Exchanger:
     """Build the exchanger ``url`` names for this process (default: ``$COMMLAB_EXCHANGER``); the rank
     and peers come from the launcher's environment (torchrun's, Slurm's or Open MPI's).
+
+    ``group``: exchange among these of the job's global ranks only (this rank's replica group), a list
+    of ranks or a 1-D ``DeviceMesh`` (``mesh["dp"]``; see :mod:`commlab.groups`); the exchanger's rank
+    and world size are then the position in the group and its size. Default: every rank of the job.
 
     Does not block: peers are met in :meth:`Exchanger.setup`.
     """
@@ -67,4 +71,10 @@ def connect(url: str | ExchangerURL | None = None, rank: RankInfo | None = None)
     parsed = url if isinstance(url, ExchangerURL) else ExchangerURL.parse(url)
     cls, options = resolve(parsed)
     rank = rank if rank is not None else from_env()
-    return cls(options, rank)
+    torch_group = None
+    if group is not None:
+        from commlab.groups import resolve as resolve_group
+        rank, torch_group = resolve_group(group, rank)
+    ex = cls(options, rank)
+    ex.torch_group = torch_group
+    return ex

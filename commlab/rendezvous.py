@@ -14,33 +14,104 @@ the way Horovod's stall inspector does.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Mapping
+from typing import Any, Mapping
 
 from commlab.errors import CommTimeout, ConfigError
+
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun sets it in every worker: the job's restarts so far
 
 
 @dataclass(frozen=True)
 class RankInfo:
+    """This process's place: in the whole job, or (``members`` set) in a group of the job's ranks.
+
+    In a group, ``rank`` and ``world_size`` are the position in the group and its size (what an
+    exchanger over the group computes with), ``members`` the job's global ranks in position order
+    and ``job_size`` the job's world size. :meth:`who` names a position by its global rank, as every
+    failure message must; :attr:`job` is the whole job's view (whose rank 0 hosts the store)."""
+
     rank: int
     world_size: int
     local_rank: int
     master_addr: str
     master_port: int
     source: str  # which launcher's convention supplied it
+    members: tuple[int, ...] = ()  # a group's global ranks, position order; (): the whole job
+    job_size: int = 0  # with members: the job's world size
+    attempt: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 first, N after the N-th restart of the job
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {self.world_size} (from {self.source})")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size} (from {self.source})")
+        if self.attempt < 0:
+            raise ConfigError(f"TORCHELASTIC_RESTART_COUNT must be >= 0, got {self.attempt}")
+        if self.members and len(self.members) != self.world_size:
+            raise ConfigError(f"a group of {len(self.members)} ranks {list(self.members)} with world size "
+                              f"{self.world_size}")
 
     @classmethod
     def single(cls) -> "RankInfo":
         return cls(0, 1, 0, "127.0.0.1", 0, "single")
+
+    def global_rank(self, position: int | None = None) -> int:
+        """The job's rank of ``position`` in this group (default: this process's)."""
+        position = self.rank if position is None else position
+        return self.members[position] if self.members else position
+
+    def who(self, position: int | None = None) -> str:
+        """``'rank 5'``: ``position`` (default: this process) named by its global rank."""
+        return f"rank {self.global_rank(position)}"
+
+    @property
+    def job(self) -> "RankInfo":
+        """The whole job's view of this process (itself when it is not a group's)."""
+        if not self.members:
+            return self
+        return replace(self, rank=self.global_rank(), world_size=self.job_size, members=(), job_size=0)
+
+    @property
+    def namespace(self) -> str:
+        """The group's prefix for rendezvous keys (``'g0-2/'``), ``''`` for the whole job."""
+        return f"{group_key(self.members)}/" if self.members else ""
+
+    def within(self, members) -> "RankInfo":
+        """This process's view of the group of the job's global ranks ``members`` (position order).
+        ConfigError, in one line naming the ranks, for a rank outside the job, a repeated rank, or a
+        group this process is not in."""
+        job = self.job
+        members = tuple(members)
+        if not members or not all(isinstance(r, int) and not isinstance(r, bool) for r in members):
+            raise ConfigError(f"group= takes a non-empty list of the job's global ranks (ints), got {list(members)}")
+        outside = [r for r in members if not 0 <= r < job.world_size]
+        if outside:
+            raise ConfigError(f"group {list(members)} names rank(s) {outside}, outside the job of "
+                              f"{job.world_size} ranks (0..{job.world_size - 1})")
+        if len(set(members)) != len(members):
+            raise ConfigError(f"group {list(members)} names a rank twice")
+        if job.rank not in members:
+            raise ConfigError(f"rank {job.rank} is not in its own group {list(members)}")
+        return replace(job, rank=members.index(job.rank), world_size=len(members), members=members,
+                       job_size=job.world_size)
+
+
+def group_key(members) -> str:
+    """A group's name on the store and on servers: ``'g0-2'`` for ranks {0, 2} (sorted: the same set is
+    the same group whatever its order; position order is checked separately); a long list is hashed, to
+    stay a valid ps:// key space (at most 64 characters)."""
+    name = "g" + "-".join(str(r) for r in sorted(members))
+    if len(name) <= 48:
+        return name
+    import hashlib
+    return f"g{len(members)}x{hashlib.sha1(name.encode()).hexdigest()[:16]}"
+
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -89,18 +160,30 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
         raise ConfigError(f"--workers {world_size} does not match {src}'s world size {w}")
     if w > 1 and (addr is None or port is None):
         raise ConfigError(f"{src} gave rank {r} of {w} but no rendezvous address: set MASTER_ADDR and MASTER_PORT")
-    return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src)
+    attempt = _int(env, RESTART_COUNT) if env.get(RESTART_COUNT) else 0
+    return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src, attempt=attempt)
 
 
-_STORES: dict[tuple[str, int], object] = {}  # (addr, port) -> this process's client of (or host for) the job's store
+def store_prefix(env: Mapping[str, str] | None = None) -> str:
+    """commlab's keys in the job's store: ``commlab/``, and ``commlab/attemptN/`` after the N-th restart,
+    so that a store that outlives an attempt (a launcher that keeps it) never hands one attempt's keys
+    to the next."""
+    env = os.environ if env is None else env
+    attempt = env.get(RESTART_COUNT, "0")
+    return "commlab/" if attempt in ("", "0") else f"commlab/attempt{attempt}/"
+
+
+_STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
 
 
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore (rank 0 hosts it unless torchrun's agent or commlab's launcher already does),
-    under this exchanger's own namespace (:func:`instance`). One connection per process and job: every
-    exchanger after the first reuses it, so rank 0 hosts the store once and keeps it for the job."""
+    """The job's TCPStore under commlab's prefix (rank 0 hosts it unless torchrun's agent or commlab's
+    launcher already does). One connection per process and job: every exchanger after the first reuses it,
+    so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own namespace of it
+    (:func:`exchanger_store`)."""
     import torch.distributed as dist
 
+    info = info.job  # the job's rank 0 hosts it, whatever group this process is in
     env = os.environ if env is None else env
     where = (info.master_addr, info.master_port)
     store = _STORES.get(where)
@@ -114,30 +197,90 @@ def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None 
             raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
                               f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
         _STORES[where] = store
-    return instance(dist.PrefixStore("commlab/", store), info.rank)
+    return dist.PrefixStore(store_prefix(env), store)
 
 
-def default_group_store(rank: int):
+def default_group_store():
     """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
-    under commlab's prefix and this exchanger's namespace: the one store every rank surely reaches (rank 0
-    may already host one on ``MASTER_PORT``, so a second could not bind it)."""
+    under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
+    ``MASTER_PORT``, so a second could not bind it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    return instance(dist.PrefixStore("commlab/", distributed_c10d._get_default_store()), rank)
+    return dist.PrefixStore(store_prefix(), distributed_c10d._get_default_store())
+
+
+def exchanger_store(store, info: RankInfo, timeout: float):
+    """``store`` (the job's, under commlab's prefix) as one exchanger sees it: a grouped exchanger's under
+    its group's namespace (:func:`group_store`), a whole-job exchanger's under its number (:func:`instance`).
+    The job's store outlives each exchanger (the launcher's, torchrun's agent's, a default group's):
+    without a namespace of its own, a later exchanger would read an earlier one's keys, gloo's listening
+    addresses among them, whose listeners are closed, whenever the peer had not yet overwritten them
+    (``Gloo connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a
+    resumed run makes, failed that way whenever one rank reached it first)."""
+    return group_store(store, info, timeout) if info.members else instance(store, info.global_rank())
 
 
 def instance(store, rank: int):
-    """The namespace of this rank's next exchanger in the job's store: ``1`` for the first, ``2`` for the
-    second... Every rank meets its exchangers in the same order (meeting is collective), so the numbers
-    agree. The store outlives each exchanger (the launcher's, torchrun's agent's, a default group's): without
-    its own namespace, a later exchanger would read an earlier one's keys, gloo's listening addresses among
-    them, whose listeners are closed, whenever the peer had not yet overwritten them (``Gloo
-    connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a resumed run
-    makes, failed that way whenever one rank reached it first)."""
+    """The namespace of this rank's next whole-job exchanger: ``1`` for the first, ``2`` for the second...
+    Every rank meets its whole-job exchangers in the same order (meeting is collective), so the numbers
+    agree. (Grouped exchangers count per group: :func:`check_group`.)"""
     import torch.distributed as dist
 
     return dist.PrefixStore(str(int(store.add(f"instances/{rank}", 1))), store)  # PrefixStore adds the "/"
+
+
+def job_store(info: RankInfo, timeout: float):
+    """The job's store under commlab's prefix: the default process group's when the script made one (a
+    pipeline's, DDP's), else the one at the launcher's address (:func:`connect_store`)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return default_group_store()
+    return connect_store(info, timeout)
+
+
+def group_store(store, info: RankInfo, timeout: float):
+    """``store`` (the job's, under commlab's prefix) as one grouped exchanger of ``info``'s group sees it:
+    its keys under the group's namespace and the exchanger's number (``g1-3/2/``: the members' second
+    exchanger over ranks 1 and 3), so positions can name keys and a later exchanger over the same group
+    reads none of an earlier one's (heartbeats, a process group's). First checks through the store that
+    the groups agree (:func:`check_group`). The whole job's store is returned as it is."""
+    if not info.members:
+        return store
+    import torch.distributed as dist
+
+    n = check_group(store, info, timeout)
+    return dist.PrefixStore(f"{info.namespace}{n}/", store)
+
+
+def check_group(store, info: RankInfo, timeout: float) -> int:
+    """Every member of this process's group must name the same group, in the same order, for the same
+    exchanger (the n-th grouped exchanger each process sets up): then the groups that exchangers of the
+    same n name are disjoint, a partition of the ranks that take part. Publishes this rank's group and
+    reads every member's, waiting at most ``timeout`` for each. ConfigError naming the global ranks that
+    disagree; CommTimeout naming the members that never said (dead, or not setting up this exchanger).
+    Returns n."""
+    me = info.global_rank()
+    n = int(store.add(f"groups/made/{me}", 1))
+    store.set(f"groups/{n}/{me}", json.dumps(list(info.members)))
+    deadline = time.monotonic() + timeout
+    for r in info.members:
+        if r == me:
+            continue
+        key = f"groups/{n}/{r}"
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"rank {me}: rank {r} of its group {list(info.members)} did not set up its "
+                                  f"grouped exchanger #{n} within {timeout:g}s (dead, or not in this group?)",
+                                  peer=r, op="connect")
+            time.sleep(0.01)
+        theirs = json.loads(store.get(key))
+        if theirs != list(info.members):
+            raise ConfigError(f"rank {me} names group {list(info.members)} but rank {r} names {theirs} (grouped "
+                              f"exchanger #{n}): the groups must partition the job, every member naming the same "
+                              f"ranks in the same order")
+    return n
 
 
 def heartbeat(store, rank: int, step: int) -> None:
@@ -145,8 +288,9 @@ def heartbeat(store, rank: int, step: int) -> None:
     store.set(f"hb/{rank}", str(step))
 
 
-def stall_report(store, world_size: int, step: int, skip: int | None = None) -> str:
-    """``' (waiting for rank 2, last seen at step 14)'`` or ``''`` if every rank reached ``step``."""
+def stall_report(store, world_size: int, step: int, skip: int | None = None, members: tuple[int, ...] = ()) -> str:
+    """``' (waiting for rank 2, last seen at step 14)'`` or ``''`` if every rank reached ``step``. In a
+    group (``members``: the global ranks of positions ``0..world_size-1``), ranks are named globally."""
     behind = []
     for r in range(world_size):
         if r == skip:
@@ -156,7 +300,8 @@ def stall_report(store, world_size: int, step: int, skip: int | None = None) -> 
         except Exception:  # the store itself is gone: rank 0 died
             return f" (the rendezvous store hosted by rank 0 is unreachable: rank 0 is likely dead)"
         if seen < step:
-            behind.append(f"rank {r} (last seen at step {seen})" if seen >= 0 else f"rank {r} (never seen)")
+            name = members[r] if members else r
+            behind.append(f"rank {name} (last seen at step {seen})" if seen >= 0 else f"rank {name} (never seen)")
     return f" (waiting for {', '.join(behind)})" if behind else ""
 
 

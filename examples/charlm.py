@@ -125,7 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--checkpoint", help="save here every --checkpoint-every steps and at the end")
     p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists (a restarted "
+                                                          "job does, without the flag)")
     p.add_argument("--stop-after", type=int, default=0,
                    help="end after this many steps, checkpointed, as if preempted (the schedule still spans --steps)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -174,7 +175,14 @@ def main(argv=None) -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)  # float16 needs it; bfloat16 does not
     amp = lambda: torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16)
     start = 0
-    if args.resume and args.checkpoint and os.path.exists(args.checkpoint):
+    restarted = ex.rank_info.attempt > 0  # torchrun's (or commlab run's) --max-restarts started us again
+    if ex.start_step:  # the servers hold the run (ps:// update=server): parameters, AdamW state, steps applied
+        scheduler.load_state_dict(ex.restored_state["scheduler"])
+        scaler.load_state_dict(ex.restored_state["scaler"])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        start = ex.start_step
+    elif (args.resume or restarted) and args.checkpoint and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -209,6 +217,8 @@ def main(argv=None) -> None:
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
+        if ex.keeps_state:  # what the servers do not hold, for a restart to find (nothing lost)
+            ex.commit_state({"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()})
         if step % args.log_every == 0 or step == args.steps - 1:
             lr = scheduler.get_last_lr()[0]
             now = time.perf_counter()  # what the step cost; the exchange adds its bytes and exposed wait

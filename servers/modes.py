@@ -79,6 +79,16 @@ class Mode:
     def waiting_for(self) -> list[int]:
         return []
 
+    def restart(self) -> int:
+        """A new attempt of the job (every rank restarted): drop what the dead attempt left half-done, so
+        that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
+        rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
+        srv = self.srv
+        dropped = len(srv.partial)
+        srv.partial.clear()
+        srv.grads.clear()
+        return dropped
+
     def state(self) -> dict:
         return {}
 
@@ -275,11 +285,33 @@ class Sync(Mode):
         self._done(counted=True)
         return {}
 
+    def restart(self):
+        """The step in flight, pushed by some ranks only, is dropped whole: every rank of the new attempt
+        pushes it again (the sums keep no per-rank part to take out, and every rank restarts). A step
+        gathered (update=server: every push in, the commits awaited) is kept, and its commits dropped: its
+        average exists, and another shard may have applied it already (a rank killed between its commits
+        to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
+        from the same pushes as there. Applied steps are kept, whatever their pulls' fate."""
+        srv = self.srv
+        if self.gathered:
+            self.commits.clear()
+            return 0
+        dropped = len(self.complete | set(srv.partial))
+        srv.partial.clear()
+        self._clear()
+        return dropped
+
     def _done(self, counted: bool) -> None:
         srv = self.srv
         for r in range(srv.world):
             srv.last_step[r] = self.step
         self.step += 1
+        self._clear()
+        if counted:
+            srv.count_update([0])
+
+    def _clear(self) -> None:
+        """Nothing of the current step gathered yet."""
         self.sums = {}  # fresh buffers: a zero-copy reply may still read the old ones
         self.present.clear()
         self.contributed.clear()
@@ -287,8 +319,6 @@ class Sync(Mode):
         self.complete.clear()
         self.commits.clear()
         self.gathered = False
-        if counted:
-            srv.count_update([0])
 
     def ready(self, rank, after, what, keys):
         if what == "sum":

@@ -128,6 +128,7 @@ class Stats:
     dropped: int = 0  # messages with nothing to answer (an identity frame alone)
     nonfinite: int = 0  # pushes refused for NaN/Inf (async, ssp)
     skipped: int = 0  # sync steps dropped because their summed gradient was not finite
+    replaced: int = 0  # ranks' pushes of a step a dead attempt left unapplied, dropped when the job restarted
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -185,6 +186,8 @@ class ParameterServer:
         self.links: dict[bytes, psshm.Link] = {}
         self.link_of: dict[str, bytes] = {}  # sender -> the identity its link belongs to (one link per sender)
         self.shm_run = host.shm_run
+        self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
+        self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
 
     @property
     def sock(self) -> zmq.Socket:
@@ -208,7 +211,7 @@ class ParameterServer:
         return {"space": self.space, "shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
-                "skipped": s.skipped, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "skipped": s.skipped, "replaced": s.replaced, "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
                 "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
@@ -329,16 +332,43 @@ class ParameterServer:
                 raise Refused(f"optimizer mismatch on {self.cfg.name}: {diff}")
             if world != self.world:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
+        attempt = m.get("attempt", 0)
+        if not isinstance(attempt, int) or attempt < self.attempt:
+            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
+                          f"{self.attempt} (a process of an earlier attempt, or TORCHELASTIC_RESTART_COUNT lies)")
+        if attempt > self.attempt:
+            self._new_attempt(attempt)
         self.senders[h.sender] = rank
         self.detached.discard(rank)
         self.gone.discard(rank)
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
         reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
                  "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
-                 "update": self.update}
+                 "update": self.update, "attempt": self.attempt}
         if "shm_host" in m:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)
+
+    def _new_attempt(self, attempt: int) -> None:
+        """The first hello of a restarted job (every rank was stopped and starts again, torchrun's
+        restart): what the dead attempt left half-done goes, so that the new attempt's pushes replace it
+        and every step is applied once (the mode's :meth:`~servers.modes.Mode.restart`); its pulls, joins
+        and byes go with it, and the start gate closes again, so every rank of the new attempt starts from
+        the same parameters. What the servers applied stays: update=server resumes from it. Under
+        update=worker the shard holds no trained parameters (only sums), so rank 0 initialises it again
+        from its own (its checkpoint)."""
+        self.stats.replaced += self.mode.restart()
+        self.attempt = attempt
+        self.waiting = []  # the dead processes' pulls
+        self.starters.clear()
+        self.started = False
+        self.joined.clear()
+        self.terminated = None
+        self.detached.clear()
+        self.gone.clear()
+        self.buf_acc.clear()
+        if self.update == "worker":
+            self.initialized = False
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.psshm`), or
@@ -442,6 +472,9 @@ class ParameterServer:
         self.stats.pushes += 1
         if self.terminated is not None:
             raise Refused(f"rank {self.terminated} exhausted all inputs (join with throw_on_early_termination)")
+        if h.meta.get("attempt", 0) != self.attempt:  # queued before its process died; the new attempt redoes it
+            raise Refused(f"push of step {t} from {h.sender} of attempt {h.meta.get('attempt', 0)!r}: the job is at "
+                          f"attempt {self.attempt}")
         if t <= self.last_step[rank]:  # sent again after a reconnect: applied once already
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
@@ -795,6 +828,22 @@ class ParameterServer:
         """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
         return self.world is not None and self.gone >= set(range(self.world))
 
+    def _op_blob(self, ident, h, data):
+        """ex.commit_state / ex.restored_state: ``put`` keeps the rank's one frame of opaque bytes (never
+        read here) with the step it was committed at, replacing the last; otherwise the kept one comes back."""
+        rank = self._rank_of(h)
+        if h.meta.get("put"):
+            if len(h.frames) != 1 or h.frames[0].dtype != "uint8" or h.frames[0].offset != 0:
+                raise Refused(f"blob from {h.sender}: one uint8 frame expected")
+            self.blobs[rank] = (h.step, wire.frame_tensor(h.frames[0], data[0]).clone())
+            self._reply(ident, "ok", h.meta.get("id"), step=h.step)
+            return
+        kept = self.blobs.get(rank)
+        if kept is None:
+            self._reply(ident, "ok", h.meta.get("id"), {"none": True})
+            return
+        self._reply(ident, "params", h.meta.get("id"), {}, wire.split("blob", kept[1]), step=kept[0], tracked=False)
+
     # ----- durability ------------------------------------------------------------------------
     def _checkpoint_name(self) -> str:
         return checkpoint_name(self.cfg, self.space)
@@ -818,7 +867,9 @@ class ParameterServer:
                  "params": {k: v.detach().clone() for k, v in self.params.items()},
                  "buffers": {k: v.clone() for k, v in self.buffers.items()}, "buf_round": self.buf_round,
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                 "updates": self.stats.updates, "staleness": dict(self.stats.staleness)}
+                 "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
+                 "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
+                 "terminated": self.terminated, "blobs": dict(self.blobs)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -853,6 +904,12 @@ class ParameterServer:
         self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})
+        # a resumed shard neither re-gates workers that passed its start nor forgets who joined or what they kept
+        self.attempt, self.started = int(state.get("attempt", 0)), bool(state.get("started", False))
+        self.joined = {int(r): (int(t), bool(d)) for r, (t, d) in state.get("joined", {}).items()}
+        self.detached |= set(self.joined)
+        self.terminated = state.get("terminated")
+        self.blobs = {int(r): (int(t), b) for r, (t, b) in state.get("blobs", {}).items()}
 
 
 SPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -954,7 +1011,7 @@ class ShardServer:
         s = self.stats_dict()
         print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
 
-    COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped",
+    COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
                 "bytes_in", "bytes_out", "copies_on_write")
 
     def stats_dict(self, space: str | None = None) -> dict:
@@ -990,9 +1047,12 @@ class ShardServer:
         link = self._link(ident)
         space = None
         try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
+            limit = self.max_bytes
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
                             region=link.inbound.size if link is not None else None)
             req_id = h.meta.get("id")
+            if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
+                raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
                 self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
                 return

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench import bandwidth, bw_worker, records, verdict
-from commlab import netns as links
+from bench import netns as links
 from bench import regimes as R
 from bench.report import SECTIONS
 
@@ -646,3 +646,62 @@ def test_gpu_sweep_dry_runs_on_cpu_tensors_in_the_same_records(tmp_path):
     assert (r["case"], r["regime"], r["device"], r["iters"], r["size_bytes"]) == \
         ("gpu-sweep", "ring://", "cpu", 2, int(0.01 * 2**20) // 4 * 4)
     assert "| ring:// | regime | 2 |" in (out / "gpu-dryrun-cpu.md").read_text()
+
+
+@pytest.mark.multiproc
+def test_compress_case_runs_each_entry_beside_ddp_with_closed_form_bytes_and_words_the_goal(tmp_path):
+    """`commlab bench compress` on loopback at test size: the regime uncompressed, with powersgd:4, and DDP with
+    torch's PowerSGD hook; bytes per step equal their closed forms; every verdict carries its interval."""
+    from bench import compress
+    from commlab.compress.powersgd import layout
+    from workers.models import build_model
+    out = tmp_path / "compress"
+    argv = [sys.executable, "-m", "commlab.cli", "bench", "compress", "--tiny", "--models", "mlp", "--link", "loopback",
+            "--steps", "4", "--regime", "allreduce://", "--compressors", "powersgd:4", "--peers", "ddp+powersgd",
+            "--out", str(out)]
+    forked = zygote_children()
+    done = run_group(argv, 200, "commlab bench compress (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                     cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "compress.json").read_text())
+    (cell,) = doc["cells"]
+    assert doc["failures"] == [] and (cell["model"], cell["link"], cell["skip"]) == ("mlp", "loopback", 3)
+    rows = {r["regime"]: r for r in cell["rows"]}
+    psgd = "allreduce://?compress=powersgd:4,start_iter=2"
+    assert list(rows) == ["allreduce://", psgd, "ddp+powersgd:4"]
+    shapes = [p.shape for p in build_model("tiny", 0)[0].parameters()]
+    numel, lay = sum(s.numel() for s in shapes), layout(shapes, 4, 2.0)
+    p, q = sum(n * r for _, n, _, r in lay.matrices), sum(m * r for _, _, m, r in lay.matrices)
+    flags = 4 * len(shapes)  # commlab's presence flags ride with round 0 (one bucket); DDP has none
+    # a ring's count, 2(N-1)/N of each all-reduced tensor, is the tensor itself at N=2
+    assert rows["allreduce://"]["bytes_per_step"] == 4 * numel + flags
+    assert rows[psgd]["bytes_per_step"] == 4 * (lay.plain_numel + p) + flags + 4 * q
+    assert rows["ddp+powersgd:4"]["bytes_per_step"] == 4 * (lay.plain_numel + p) + 4 * q
+    for label, r in rows.items():  # step times from step 1 on; PowerSGD's after its warm-up (start_iter=2)
+        assert r["status"] == "ok" and r["steps"] == 4 and len(r["curve"]) == 4
+        assert r["step_s_samples"] == [p["step_s"] for p in r["curve"][3 if "powersgd" in label else 1:]]
+        assert r["step_s_median"] <= r["step_s_p90"] <= max(r["step_s_samples"])
+    assert rows[psgd]["bytes_ratio"] == rows[psgd]["bytes_per_step"] / rows["allreduce://"]["bytes_per_step"]
+    labels = [v["label"] for v in cell["verdicts"]]
+    assert labels == [f"step time, allreduce:// / {psgd}", f"time to target, allreduce:// / {psgd}",
+                      "step time, allreduce:// / ddp+powersgd:4", "time to target, allreduce:// / ddp+powersgd:4",
+                      f"step time, ddp+powersgd:4 / {psgd}"]
+    assert all(v["lo"] <= v["ratio"] <= v["hi"] for v in cell["verdicts"])
+    md = (out / "compress.md").read_text()
+    assert f"- powersgd's overhead on loopback, step {psgd} / allreduce://: " in md and "goal <= 1.15x: " in md
+    assert re.search(RATIO_LINE.format(re.escape(labels[0])), md) and "this case ran " in md
+    assert (out / "compress-mlp-loopback.png").stat().st_size > 10_000
+    assert compress.planner_lines(cell["rows"], "loopback", {(psgd, "loopback"): {"step_s": 0.5}}) == [
+        f"- `{psgd}`: planner predicted 500.0 ms a step, measured {rows[psgd]['step_s_median'] * 1e3:.1f} ms "
+        f"({rows[psgd]['step_s_median'] / 0.5:.2f}x the prediction)"]
+    assert _children_mentioning(str(out)) == [] and zygote_children() <= forked
+
+
+def test_compress_case_refuses_bad_options_in_one_line_before_anything_starts(capsys):
+    from bench.compress import main
+    for argv, said in ((["--compressors", "topk:2"], "--compressors: option 'compress': 'topk:2'"),
+                       (["--models", "cnn"], "--models: unknown ['cnn']"),
+                       (["--peers", "ddp+powersgd", "--start-iter", "1"], "--start-iter must be >= 2")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], err

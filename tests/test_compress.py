@@ -269,8 +269,9 @@ def test_the_url_carries_compress_and_ef():
     _, opts = resolve("allreduce://?compress=topk:0.01&ef=0")
     assert (opts.compress, opts.ef) == ("topk:0.01", False)
     assert resolve("allreduce://")[1].compress == "none"
-    with pytest.raises(ConfigError, match="does not know option 'compress'"):  # not wired there yet
-        resolve("ring://?compress=fp16")
+    assert (resolve("ring://?compress=fp16&ef=0")[1].compress, resolve("ring://?ef=0")[1].ef) == ("fp16", False)
+    with pytest.raises(ConfigError, match=r"^option 'compress': 'powersgd:0' \(powersgd:R\): R=0 must be >= 1$"):
+        resolve("ring://?compress=powersgd:0")
 
 
 class RecordingMover:

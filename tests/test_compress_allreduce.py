@@ -1,7 +1,8 @@
 """allreduce://?compress= with real processes over gloo: every compressor (and none) in one program per N.
 
-The program makes the default process group itself first (as a DDP script would), so every exchanger
-borrows it: each must leave it working after close(). Per compressor, every step: each rank's exchanged
+The program (shared with tests/test_compress_ring.py, which runs it over ring://) makes the default process
+group itself first (as a DDP script would), so every exchanger borrows it: each must leave it working after
+close(). Per compressor, every step: each rank's exchanged
 gradient equals what the in-process simulation of N ranks' compressors (commlab.compress.simulate)
 computes from every rank's gradient; the parameters are bitwise equal on every rank; the bytes the step
 reports equal the closed form; and resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
@@ -28,14 +29,14 @@ from commlab.compress.simulate import exchange
 torch.set_num_threads(1)
 dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
 rank, world = dist.get_rank(), dist.get_world_size()
-QUERIES, STEPS, RESUME_AT = %r, %d, %d
+QUERIES, STEPS, RESUME_AT, URL, PER_HOP = %r, %d, %d, %r, %r  # PER_HOP: fp16/bf16 summed as a ring sums them
 
 
 def fresh(query):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ex = commlab.connect("allreduce://?timeout=30&bucket_mb=0.0005&" + query)
+    ex = commlab.connect(URL + "timeout=30&bucket_mb=0.0005&" + query)
     ex.setup(model, opt)
     return model, opt, ex
 
@@ -68,7 +69,8 @@ def run(query, model, opt, ex, steps, sims=None):
             for b in ex.buckets:
                 xs = [f[b.index] for f in flats]
                 shapes = tuple(p.shape for p in b.params)
-                want.append(exchange(sims, b.index, xs, shapes)[rank] if sims else sum(xs[1:], xs[0].clone()))
+                want.append(exchange(sims, b.index, xs, shapes, PER_HOP)[rank] if sims else
+                            sum(xs[1:], xs[0].clone()))
         opt.zero_grad()
         loss(model, x[rank], y[rank]).backward()
         if want:
@@ -94,6 +96,7 @@ for query in QUERIES:
     saved["ex"] = ex.state_dict()  # the exchanger's is a snapshot already
     rest = run(query, model, opt, ex, range(RESUME_AT, STEPS), sims)
     shapes = [[list(p.shape) for p in b.params] for b in ex.buckets]
+    links = ex.facts().get("links")
     ex.close()
     model, opt, ex = fresh(query)  # a restart: fresh objects, then the checkpoint
     model.load_state_dict(saved["model"])
@@ -105,37 +108,39 @@ for query in QUERIES:
     dist.all_reduce(t)  # the borrowed group still works after every close()
     out[query] = {"digests": first["digests"] + rest["digests"], "errors": first["errors"] + rest["errors"],
                   "bytes": first["bytes"] + rest["bytes"], "raw": first["raw"] + rest["raw"], "resumed": again["digests"], "shapes": shapes,
-                  "group_alive": dist.is_initialized() and t.item() == world}
+                  "group_alive": dist.is_initialized() and t.item() == world, "rank": rank, "links": links}
 dist.destroy_process_group()
 print(json.dumps(out))
 """
 
 
-def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int) -> int:
-    """Bytes one rank sends in one step: an all-reduce of S bytes counts 2(N-1)/N x S (a ring's), an all-gather
-    (N-1) x S; each bucket's presence flags (4 bytes a parameter) travel with round 0."""
+def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int, summed=None, per_hop: bool = False) -> int:
+    """Bytes one rank sends in one step. ``summed(elements, itemsize)``: what an all-reduce sends, by default
+    2(N-1)/N x its bytes (a ring's count); an all-gather sends (N-1) x S. Each bucket's presence flags (one
+    float32 a parameter) travel with round 0: in the same all-reduce as float32 payloads, packed with gathered
+    ones, in an all-reduce of their own beside fp16/bf16 summed ``per_hop``."""
     spec = dict(p.split("=", 1) for p in query.split("&"))["compress"]
     name, _, arg = spec.partition(",")[0].partition(":")
+    allreduce = summed or (lambda elements, itemsize: 2 * (n - 1) * elements * itemsize // n)
+    gather = lambda size: (n - 1) * size
     total = 0
     for bucket in shapes:
-        numel, flags = sum(math.prod(s) for s in bucket), 4 * len(bucket)
-        allreduce = lambda size: 2 * (n - 1) * size // n
-        gather = lambda size: (n - 1) * size
+        numel, flags = sum(math.prod(s) for s in bucket), len(bucket)
         k = max(1, math.ceil(float(arg or 1) * numel - 1e-9))
         if name == "none":
-            total += allreduce(4 * numel + flags)
+            total += allreduce(numel + flags, 4)
         elif name in ("fp16", "bf16"):
-            total += gather(2 * numel + flags)
+            total += allreduce(numel, 2) + allreduce(flags, 4) if per_hop else gather(2 * numel + 4 * flags)
         elif name == "topk":
-            total += gather(8 * k + flags)
+            total += gather(8 * k + 4 * flags)
         elif name == "sign":
-            total += gather(math.ceil(numel / 8) + 4 + flags)
+            total += gather(math.ceil(numel / 8) + 4 + 4 * flags)
         elif name == "randomk":
-            total += allreduce(4 * k + flags)
+            total += allreduce(k + flags, 4)
         elif name == "powersgd":
             rank, start_iter = int(arg), 2
             if step < start_iter:
-                total += allreduce(4 * numel + flags)
+                total += allreduce(numel + flags, 4)
                 continue
             p = q = plain = 0
             for s in bucket:
@@ -145,27 +150,32 @@ def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int) -> 
                     p, q = p + rows * r, q + cols * r
                 else:
                     plain += math.prod(s)
-            total += allreduce(4 * (plain + p) + flags) + allreduce(4 * q)
+            total += allreduce(plain + p + flags, 4) + allreduce(q, 4)
     return total
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.full)])
-def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n):
-    results = [r.json() for r in run_ranks(PROGRAM % (QUERIES, STEPS, RESUME_AT), n, timeout=150)]
+def run_every_compressor(run_ranks, n: int, url: str, per_hop: bool) -> list[dict]:
+    """Each rank's results of PROGRAM over ``url``, every query of QUERIES in turn."""
+    return [r.json() for r in run_ranks(PROGRAM % (QUERIES, STEPS, RESUME_AT, url, per_hop), n, timeout=150)]
+
+
+def check(results: list[dict], n: int, sent, bitwise) -> None:
+    """Ranks identical after every step; each rank's exchanged gradient the simulation's (exactly where
+    ``bitwise(query)``, else within 1e-5); bytes sent ``sent(query, shapes, step, rank)``; the uncompressed
+    equivalent an all-reduce's 2(N-1)/N of the buckets (numel and flags, float32); resume replays exactly."""
     for query in QUERIES:
         mine = [res[query] for res in results]
         for step in range(STEPS):
             assert len({m["digests"][step] for m in mine}) == 1, f"{query}: ranks differ after step {step}"
         for m in mine:
-            # N=2: one addition, the same in gloo as in the simulation, bit for bit; N=3: gloo's ring adds in
-            # another order than rank order, and PowerSGD's state carries the rounding difference on
-            assert max(m["errors"]) <= (0.0 if n == 2 else 1e-5), \
+            assert max(m["errors"]) <= (0.0 if bitwise(query) else 1e-5), \
                 f"{query}: exchanged gradient off the simulation by {max(m['errors'])}"
             assert m["resumed"] == m["digests"][RESUME_AT:], f"{query}: resuming at step {RESUME_AT} diverged"
             assert m["group_alive"]
-            want = [wire_bytes(query, m["shapes"], s, n) for s in range(STEPS)]
+            want = [sent(query, m["shapes"], s, m["rank"]) for s in range(STEPS)]
             assert m["bytes"] == want, f"{query}: bytes sent {m['bytes']}, closed form {want}"
-            raw = [0] * STEPS if query == "compress=none" else [wire_bytes("compress=none", m["shapes"], 0, n)] * STEPS
+            raw = [0] * STEPS if query == "compress=none" else \
+                [sum(2 * (n - 1) * 4 * (sum(map(math.prod, b)) + len(b)) // n for b in m["shapes"])] * STEPS
             assert m["raw"] == raw, f"{query}: uncompressed equivalent {m['raw']}, closed form {raw}"
     plain = results[0]["compress=none"]
     assert len(plain["shapes"]) == 2  # two buckets: rounds of several buckets interleave
@@ -173,6 +183,14 @@ def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_r
         mine = results[0][query]
         assert sum(mine["bytes"]) < sum(plain["bytes"]), query
         assert mine["digests"][-1] != plain["digests"][-1], query
+
+
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n):
+    results = run_every_compressor(run_ranks, n, "allreduce://?", per_hop=False)
+    # N=2: one addition, the same in gloo as in the simulation, bit for bit; N=3: gloo's ring adds in another
+    # order than rank order, and PowerSGD's state carries the rounding difference on
+    check(results, n, lambda query, shapes, step, rank: wire_bytes(query, shapes, step, n), lambda query: n == 2)
 
 
 def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():

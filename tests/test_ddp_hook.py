@@ -23,7 +23,8 @@ STEPS = 6
 
 
 UNCOMPRESSED = ["ring://?timeout=60", "{ps}?update=worker&timeout=60", "allreduce://?timeout=60"]
-COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60"]
+COMPRESSED = ["allreduce://?compress=powersgd:1,start_iter=2&timeout=60", "allreduce://?compress=topk:0.3&timeout=60",
+              "ring://?compress=powersgd:1,start_iter=2&timeout=60"]
 
 
 def launch(tmp: Path, n: int, bucket_view: bool = False) -> tuple[list[str], list[dict]]:
@@ -120,7 +121,7 @@ def test_a_stalled_rank_makes_backward_raise_within_the_timeout_naming_it(tmp_pa
 @pytest.mark.parametrize("url, option", [
     ("allreduce://?compress=topk:2", "compress"),
     ("allreduce://?compress=nope", "compress"),
-    ("ring://?compress=fp16", "compress"),
+    ("ring://?compress=powersgd:0", "compress"),
     ("ps://127.0.0.1:1?update=server", "update"),
     ("ps://127.0.0.1:1?mode=async", "mode"),
     ("allreduce://?bucket_mb=-1", "bucket_mb"),

@@ -1,7 +1,7 @@
 """Several hosts: two server shards and three workers in five network namespaces, CURVE on; the ring
 across namespace hosts (keyed, a stranger knocking; auto: shared memory within a host, tcp between).
 
-:class:`commlab.netns.Links` (uncapped) gives each process a namespace of its own with a real
+:class:`bench.netns.Links` (uncapped) gives each process a namespace of its own with a real
 address (10.91.0.H, assigned only inside namespaces this test creates) on a bridge, so the
 servers bind a non-loopback address, which they only do with keys. Sync and async jobs run at
 once over the same five hosts; the results are checked against closed forms. The namespaces
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from commlab import keys, netns
+from bench import netns
+from commlab import keys
 
 from faultkit import AGENT_ENV, Procs, finish
 

@@ -58,8 +58,9 @@ def agree(store, info, options, timeout: float) -> None:
         try:
             store.wait([key + str(r)], timedelta(seconds=timeout))
         except Exception as exc:
-            raise CommTimeout(f"rank {info.rank}: rank {r} did not say how it compresses within {timeout:g}s") from exc
+            raise CommTimeout(f"{info.who()}: {info.who(r)} did not say how it compresses within {timeout:g}s") from exc
         other = store.get(key + str(r)).decode()
         if other != mine:
             odd, odd_has, zero_has = (r, other, mine) if info.rank == 0 else (info.rank, mine, other)
-            raise ConfigError(f"rank {odd} has {odd_has} but rank 0 has {zero_has}: every rank must compress alike")
+            raise ConfigError(f"{info.who(odd)} has {odd_has} but {info.who(0)} has {zero_has}: every rank must "
+                              f"compress alike")

@@ -81,6 +81,11 @@ class Compressor(abc.ABC):
     def share(self, key: int) -> torch.Tensor:
         """This rank's part of the aggregate :meth:`finish` last wrote for ``key``: what it effectively sent."""
 
+    def subtract_share(self, key: int, residual: torch.Tensor) -> None:
+        """``residual -= share(key)``, in place; a compressor may do it without making the share (a bucket-sized
+        temporary), rounding as it does."""
+        residual.sub_(self.share(key))
+
     @abc.abstractmethod
     def payload_nbytes(self, shapes: tuple[torch.Size, ...], itemsize: int = 4) -> tuple[int, ...]:
         """Bytes of each round's payload for a bucket of parameters of ``shapes`` (gradients of ``itemsize``
@@ -126,8 +131,8 @@ class ErrorFeedback(Compressor):
         self.inner.bind(world_size)
 
     def start(self, key, x, shapes):
-        e = self.residuals.get(key)
-        corrected = x.clone() if e is None else x + e
+        e = self.residuals.pop(key, None)  # in flight, x + e is made in its place: back in finish, as the new residual
+        corrected = x.clone() if e is None else e.add_(x)
         self._inputs[key] = corrected
         return self.inner.start(key, corrected, shapes)
 
@@ -137,10 +142,14 @@ class ErrorFeedback(Compressor):
     def finish(self, key, combined, out):
         self.inner.finish(key, combined, out)
         corrected = self._inputs.pop(key)
-        self.residuals[key] = corrected.sub_(self.inner.share(key))
+        self.inner.subtract_share(key, corrected)
+        self.residuals[key] = corrected
 
     def share(self, key):
         return self.inner.share(key)
+
+    def subtract_share(self, key, residual):
+        self.inner.subtract_share(key, residual)
 
     def payload_nbytes(self, shapes, itemsize=4):
         return self.inner.payload_nbytes(shapes, itemsize)

@@ -121,7 +121,8 @@ class PowerSGD(Compressor):
         k = len(lay.plain)
         f["plain_sums"] = combined[:k]
         f["ps"] = ps = [orthonormalise(p) for p in combined[k:]]  # sums come in float32 or wider
-        return [mat.t() @ p.to(mat.dtype) for mat, p in zip(f["ms"], ps)]
+        # M^T P as (P^T M)^T: reads M row by row (on one CPU thread 12x faster than a transposed M's product)
+        return [(p.t().to(mat.dtype) @ mat).t().contiguous() for mat, p in zip(f["ms"], ps)]
 
     def finish(self, key, combined, out):
         f = self._flight.pop(key)
@@ -133,12 +134,15 @@ class PowerSGD(Compressor):
         for (o, k), s in zip(lay.plain, f["plain_sums"]):
             out[o:o + k].copy_(s)
         for (o, n, m, _), p, q in zip(lay.matrices, f["ps"], combined):
-            out[o:o + n * m].view(n, m).copy_(p @ q.t())
+            torch.mm(p.to(out.dtype), q.t().to(out.dtype), out=out[o:o + n * m].view(n, m))  # no temporary
         self.qs[key] = [q.clone() for q in combined]
         self._out[key] = out
 
     def share(self, key):
         return self._out[key] / self.world_size
+
+    def subtract_share(self, key, residual):
+        residual.sub_(self._out[key], alpha=1.0 / self.world_size)
 
     def payload_nbytes(self, shapes, itemsize=4):
         lay = self._layout(shapes)

@@ -5,8 +5,10 @@ which dtypes its sums add without rounding below float32) and calls :func:`start
 ``_start_bucket``. How each round travels follows from the compressor's declaration and the mover's
 abilities, never from the compressor's name:
 
-* summable, and every payload tensor of one dtype the mover sums exactly (float32, float64): the round
-  is concatenated into one flat tensor and summed (an all-reduce);
+* summable, and every payload dtype one the mover sums exactly (float32, float64) or per hop (a ring's
+  float16/bfloat16: :meth:`Mover.sums_per_hop`): the round's tensors of each dtype are concatenated into
+  one flat tensor and summed (one all-reduce per dtype, in order of first appearance: the same on every
+  rank; one in all when the payload and the presence flags share a dtype);
 * summable but narrower on the wire than the mover can add (fp16/bf16 over gloo, whose all-reduce adds
   in the tensor's own dtype, rounding every partial sum): the payloads are gathered and added here, in
   float32 (or the bucket's wider dtype), in rank order, so every rank gets the same bits;
@@ -31,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from commlab.compress.base import Compressor
-from commlab.handles import DoneHandle, Handle
+from commlab.handles import DoneHandle, GroupHandle, Handle
 
 
 class Mover(Protocol):
@@ -44,7 +46,17 @@ class Mover(Protocol):
         """Every rank's ``tensor`` (same size everywhere); the handle's result is the list, in rank order."""
 
     def sums_exactly(self, dtype: torch.dtype) -> bool:
-        """Whether :meth:`allreduce_async` adds ``dtype`` without rounding partial sums below float32."""
+        """Whether :meth:`allreduce_async` sends ``dtype`` at its own width and adds it without rounding partial
+        sums below float32."""
+
+    def sums_per_hop(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`allreduce_per_hop_async` can sum ``dtype`` (asked only of a dtype not summed exactly;
+        ``Collective`` regimes say False unless they override it)."""
+
+    def allreduce_per_hop_async(self, tensor: torch.Tensor, what: str = ...) -> Handle:
+        """Sum ``tensor`` in place over every rank, sent at its own width, added in float32 at every hop, each
+        partial sum rounded once to ``tensor``'s dtype before it travels on (a ring): every rank gets the same
+        bits, not those of a sum in rank order."""
 
 
 def nbytes(payload) -> int:
@@ -84,9 +96,17 @@ def summed(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 def how(comp: Compressor, payload, mover: Mover) -> str:
     """``'sum'`` or ``'gather'``: how one round of ``comp`` travels over ``mover``."""
     dtypes = {t.dtype for t in payload}
-    if comp.summable and len(dtypes) <= 1 and all(mover.sums_exactly(d) for d in dtypes):
+    if comp.summable and all(mover.sums_exactly(d) or mover.sums_per_hop(d) for d in dtypes):
         return "sum"
     return "gather"
+
+
+def by_dtype(tensors) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype, groups in order of first appearance."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
 
 
 class CompressedExchange(Handle):
@@ -99,7 +119,8 @@ class CompressedExchange(Handle):
         self.train = train if train is not None else [self]  # this step's exchanges, in bucket order
         self.round = 0
         self._handle: Handle
-        self._flat: torch.Tensor | None
+        self._flat: torch.Tensor | None  # gathered: this rank's packed payload; None: nothing moved
+        self._sums: list[tuple[list[int], torch.Tensor]] = []  # summed: (indices into the round's tensors, flat)
         payload = comp.start(key, x, shapes)
         extra = [flags] if flags is not None and flags.numel() else []
         self._send(payload, extra)
@@ -110,11 +131,18 @@ class CompressedExchange(Handle):
         tensors = list(payload) + extra
         self._like = tensors
         self._how = how(self.comp, tensors, self.mover)
+        self._sums = []
         if not tensors or sum(t.numel() for t in tensors) == 0:
             self._handle, self._flat = DoneHandle(what=what), None
         elif self._how == "sum":
-            self._flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            self._handle = self.mover.allreduce_async(self._flat, what)
+            self._flat, handles = None, []
+            for group in by_dtype(tensors):
+                flat = torch.cat([tensors[i].detach().reshape(-1) for i in group])
+                exact = self.mover.sums_exactly(flat.dtype)
+                handles.append(self.mover.allreduce_async(flat, what) if exact else
+                               self.mover.allreduce_per_hop_async(flat, what))
+                self._sums.append((group, flat))
+            self._handle = handles[0] if len(handles) == 1 else GroupHandle(handles, what)
         else:
             self._flat = pack(tensors)
             self._handle = self.mover.allgather_async(self._flat, what)
@@ -122,15 +150,18 @@ class CompressedExchange(Handle):
     def _received(self, result) -> tuple[Any, list[torch.Tensor]]:
         """(what the compressor gets, the summed extra tensors) from the finished round."""
         like, k = self._like, self._extra
+        if self._how == "sum" and self._sums:
+            parts: list = [None] * len(like)
+            for group, flat in self._sums:
+                flat = flat.to(accumulation_dtype(flat.dtype))  # a per-hop sum arrives narrow: at least float32
+                offset = 0
+                for i in group:
+                    parts[i] = flat[offset:offset + like[i].numel()].view(like[i].shape)
+                    offset += like[i].numel()
+            return parts[:len(like) - k], parts[len(like) - k:]
         if self._flat is None:
             combined: list = [[] for _ in range(self.mover.world_size)] if not self.comp.summable else []
             return combined, []
-        if self._how == "sum":
-            parts, offset = [], 0
-            for t in like:
-                parts.append(self._flat[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
-            return parts[:len(like) - k], parts[len(like) - k:]
         per_rank = [unpack(data, like) for data in result]
         extra = summed([p[len(like) - k:] for p in per_rank]) if k else []
         payloads = [p[:len(like) - k] for p in per_rank]

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from commlab.errors import ConfigError
-from commlab.netns import parse_rate
 from commlab.compress import build
+from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression as K
 from commlab.plan import recommend as R

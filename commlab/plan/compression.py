@@ -55,7 +55,7 @@ from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
 from commlab.heap import keep_freed_gradients
-from commlab.netns import parse_rate
+from commlab.plan.rates import parse_rate
 from commlab.plan.costmodel import Calibration, Compute, CompressorCost, Regime, Topology, parse_regime
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.registry import regime_class
@@ -362,7 +362,7 @@ def parse_url(url: str) -> tuple[Regime, str, bool]:
     bucket_mb...) are left out of the regime."""
     u = ExchangerURL.parse(url)
     q = dict(u.query)
-    keep = {k: q[k] for k in ("transport", "backend") if k in q}
+    keep: dict[str, str] = {k: q[k] for k in ("transport", "backend") if k in q}
     regime = parse_regime(f"{u.scheme}://" + ("?" + urlencode(keep) if keep else ""))
     return regime, q.get("compress", "none"), q.get("ef", "1").strip().lower() not in ("0", "false", "no", "off")
 

@@ -17,7 +17,10 @@ half precision, rounding every partial sum, which the issue's "sums in float32" 
 for N < 4, more beyond (ring:// can cast per hop instead). Bytes counted are those sent and received.
 
 Under DDP (or any code that made the default process group first) the exchanger uses that group and
-its store, and never destroys it: only a group it created itself.
+its store, and never destroys it: only a group it created itself. Over a group of the job's ranks
+(``commlab.connect(url, group=...)``, :mod:`commlab.groups`) it all-reduces on a DeviceMesh
+dimension's process group when given one, else on a process group of the group's members that it makes
+(the other ranks call nothing) and shuts down on close; it never makes or destroys the default group then.
 """
 
 from __future__ import annotations
@@ -82,10 +85,14 @@ class AllReduceExchanger(CollectiveExchanger):
                                      "use backend=gloo for CPU tensors")
         if backend == "nccl" and not dist.is_nccl_available():
             raise BackendUnavailable("allreduce://?backend=nccl: this torch build has no NCCL")
+        if self.rank_info.members:
+            self._meet_group()
+            return
         if dist.is_initialized():
             self._borrow_default_group()
             return
-        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.connect_store(self.rank_info, self.options.timeout),
+                                                self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
         try:
@@ -98,6 +105,23 @@ class AllReduceExchanger(CollectiveExchanger):
                             f"NCCL_SOCKET_IFNAME choose the interface); cause: {exc}") from exc
         self.group, self.owns_group = dist.group.WORLD, True
 
+    def _meet_group(self) -> None:
+        """``connect(group=...)``: a DeviceMesh dimension's process group (borrowed), else one of the group's
+        members alone that this exchanger makes and owns (:func:`commlab.groups.new_process_group`: the other
+        ranks of the job call nothing). The default group, if there is one (a pipeline's), is only read for
+        its store; none is made here."""
+        from commlab.groups import new_process_group
+        timeout = self.options.timeout
+        self.store = rendezvous.exchanger_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
+        if self.torch_group is not None:
+            ranks = dist.get_process_group_ranks(self.torch_group)
+            if list(ranks) != list(self.rank_info.members):
+                raise ConfigError(f"the DeviceMesh's process group has ranks {ranks}, the group given "
+                                  f"{list(self.rank_info.members)}")
+            self.group, self.owns_group = self.torch_group, False
+            return
+        self.group, self.owns_group = new_process_group(self.store, self.rank_info, self.options.backend, timeout), True
+
     def _borrow_default_group(self) -> None:
         """The default process group exists (DDP's, the user's): use it and its store, as they are."""
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,11 +131,12 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        self.store = rendezvous.default_group_store(self.rank)
+        self.store = rendezvous.exchanger_store(rendezvous.default_group_store(), self.rank_info, self.options.timeout)
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:
-        return rendezvous.stall_report(self.store, self.world_size, self._step, skip=self.rank)
+        return rendezvous.stall_report(self.store, self.world_size, self._step, skip=self.rank,
+                                       members=self.rank_info.members)
 
     def allreduce_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
         """Sum ``tensor`` in place over all ranks. Collective (same order on every rank); don't touch
@@ -121,7 +146,7 @@ class AllReduceExchanger(CollectiveExchanger):
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
-        return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled)
+        return WorkHandle(work, f"{what} on {self.rank_info.who()}", on_timeout=self._stalled)
 
     def allgather_async(self, tensor: torch.Tensor, what: str = "all-gather") -> Handle:
         """Every rank's ``tensor`` (the same size on each): the handle's result is the list, in rank order."""
@@ -130,7 +155,7 @@ class AllReduceExchanger(CollectiveExchanger):
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
         work = dist.all_gather(gathered, tensor, async_op=True, group=self.group)
-        return WorkHandle(work, f"{what} on rank {self.rank}", on_timeout=self._stalled, then=lambda: gathered)
+        return WorkHandle(work, f"{what} on {self.rank_info.who()}", on_timeout=self._stalled, then=lambda: gathered)
 
     @staticmethod
     def sums_exactly(dtype: torch.dtype) -> bool:
@@ -150,7 +175,12 @@ class AllReduceExchanger(CollectiveExchanger):
 
     def close(self):
         super().close()
-        if self.group is not None and self.owns_group and dist.is_initialized():
+        if self.group is not None and self.owns_group and self.rank_info.members:
+            # the group's own process group (never registered with torch): every member checks out before
+            # it goes, as below; the default group, a pipeline's, is not touched
+            rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
+            self.group.shutdown()
+        elif self.group is not None and self.owns_group and dist.is_initialized():
             rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
             dist.destroy_process_group()
         self.group = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import io
 import math
 import os
 import re
@@ -39,12 +40,13 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import psproto, psshm, shm, transport, wire
+from commlab import psproto, psshm, rendezvous, shm, transport, wire
 from commlab.config import CommonOptions, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
 
@@ -136,6 +138,8 @@ class _Shard:
         self.peer = f"shard {index}"  # what errors carry as their ``peer`` field (CommError)
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.space = ""  # the exchanger's key space on the server ("": the first)
+        self.members: tuple[int, ...] = ()  # connect(group=): the global ranks of the positions servers count
+        self.attempt = 0  # the job's restarts so far: every request says it (a dead attempt's pushes are refused)
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -184,6 +188,8 @@ class _Shard:
         meta, at = dict(req.meta, id=req.rid), None
         if self.space:
             meta["space"] = self.space
+        if self.attempt:
+            meta["attempt"] = self.attempt
         link = self.link
         if link is not None and req.op == "push" and req.parts:  # one copy in; the server reads it there
             at = psshm.place(link.offsets, req.parts)
@@ -290,7 +296,8 @@ class _Shard:
             except CommTimeout as exc:
                 state = self.probe()
                 if state is not None and state.get("boot") == self.boot:
-                    stalled = [r for r in state.get("waiting_for", []) if r != self.rank]
+                    stalled = [self.members[r] if self.members else r for r in state.get("waiting_for", [])
+                               if r != self.rank]
                     if stalled:  # the culprit is a rank: the field names it when there is one
                         waits = (f"its start waits for {state['gate']}, from rank(s) {stalled} (not yet at "
                                  f"ex.setup, dead or stalled?)" if state.get("gate") else
@@ -453,6 +460,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._plan: list[dict[int, list]] = []  # bucket -> shard -> [(piece, slot in bucket)]
         self._pieces: list[list[psproto.Piece]] = []
         self.space = ""  # this exchanger's key space on the servers (setup names it)
+        self._store = None  # connect(group=): the job's store, held from setup to close
         self.mode = ""  # the servers' (from hello)
         self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
         self.updates_remotely = False
@@ -508,13 +516,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         elif self.options.curve_secret:
             curve = transport.CurveKeys.load(self.options.curve_secret, self.options.server_key or None)
         self.transport = transport.Transport(io_threads=1, curve=curve)
-        sender = f"rank{self.rank}"
+        sender = f"rank{self.rank_info.global_rank()}"  # servers' messages name it: the job's rank
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
-        self.space = self.options.space or _next_space(self.rank, endpoints)
+        if self.rank_info.members:  # connect(group=): the members agree on it first; a space per group
+            self._check_group()
+        self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space = self.space
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -543,8 +553,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
             "shard": [s.index, k], "optim": desc}), "hello")
-        self._base = max(r["next_step"] for r in replies)
         self.mode, self.update = replies[0]["mode"], replies[0]["update"]
+        self._base = self._resume_step(replies)
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
@@ -566,6 +576,63 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
         if self.update == "server":
             self._take_over_state(optimizer)
+        if not fresh or self.rank_info.attempt:
+            self.restored_state = self._restore_state()
+
+    def _resume_step(self, replies: list[dict]) -> int:
+        """The wire step to go on from, from every shard's hello. update=server: the step the shards have
+        applied, which is where the loop resumes (:attr:`start_step`; 0 on a fresh start). A step applied on
+        some shards only (a rank killed between its commits; a push of async that reached one shard) is
+        pushed again: those shards acknowledge it as a duplicate, the others apply it, so each applies it
+        once. update=worker: the shards hold no trained state (the user's checkpoint does): the numbering
+        goes on from the furthest shard and :attr:`start_step` stays 0."""
+        steps = [r["next_step"] for r in replies]
+        if self.update != "server":
+            return max(steps)
+        self.start_step = min(steps)
+        return self.start_step
+
+    # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """update=server: the servers hold the parameters, the optimizer's state and the applied steps."""
+        return self.update == "server"
+
+    def commit_state(self, state: dict) -> None:
+        """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
+        servers, replacing what this rank kept before; a restarted job reads it back as
+        :attr:`restored_state`. Blocks until shard 0 holds it (its timeout); not collective (each rank
+        keeps its own). ``state`` travels as ``torch.save`` bytes the servers never read; it is read back
+        with ``weights_only=True`` (tensors, numbers, strings, lists and dicts of them), at most 1 MiB."""
+        if not self.shards:
+            raise ConfigError("call setup(model, optimizer) before commit_state()")
+        if not self.keeps_state:
+            super().commit_state(state)  # update=worker: the parameters are the user's checkpoint's, and so is this
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        if buf.tell() > psproto.BLOB_MAX:
+            raise ValueError(f"commit_state: the state takes {buf.tell()} bytes, more than {psproto.BLOB_MAX}: keep "
+                             f"a small state here (a scheduler, a scaler, a data position), the rest in a checkpoint")
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        first, step = self.shards[0], self._wire_step()
+        first.submit(first.request, "blob", step, wire.split("blob", blob), {"put": True},
+                     f"commit_state at step {step}").result(timeout=self.options.timeout * 2 + 10)
+
+    def _restore_state(self) -> dict | None:
+        """What this rank last kept with :meth:`commit_state` (on shard 0), or None."""
+        first = self.shards[0]
+        h, data = first.submit(first.request, "blob", -1, (), {}, "restored state", psproto.BLOB_MAX).result(
+            timeout=self.options.timeout * 2 + 10)
+        if h.op != "params":
+            return None
+        raw = wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes()
+        return torch.load(io.BytesIO(raw), weights_only=True)
+
+    def _check_group(self) -> None:
+        """``connect(group=)``: the group's members name the same group (through the job's store, which stays
+        open until close: rank 0 may host it)."""
+        self._store = rendezvous.job_store(self.rank_info, self.options.timeout)
+        rendezvous.check_group(self._store, self.rank_info, self.options.timeout)
 
     def _locate(self, key: str, offset: int, n: int, what: str) -> tuple[int, int, int]:
         """(bucket, slot, first element in the bucket's layout) of elements ``[offset, offset + n)`` of piece
@@ -810,7 +877,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         replies = self._on_all(lambda s: s.request("join", step, self._parts(s.index, None) if own else [], meta,
                                                    what=f"join before step {step}")[0].meta, "join")
         if options.throw_on_early_termination and any(r.get("training") for r in replies):
-            raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
+            raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
 
         # each wait is for the shard's next update (at most timeout), not for the others' whole run
         versions: dict[int, int | None] = {s.index: None for s in self.shards}
@@ -1061,18 +1128,22 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.transport is not None:
             self.transport.close()
             self.transport = None
+        self._store = None
 
 
-_SPACES_OPENED: dict[tuple[int, tuple[str, ...]], int] = {}  # (rank, servers) -> exchangers set up in this process
+_SPACES_OPENED: dict[tuple[int, str, tuple[str, ...]], int] = {}  # (rank, group, servers) -> exchangers set up here
 
 
-def _next_space(rank: int, endpoints: list[str]) -> str:
+def _next_space(info: RankInfo, endpoints: list[str]) -> str:
     """The key space of this process's next exchanger on these servers: "" for the first, then model2,
     model3, ... Every rank sets its exchangers up in the same order (setup is collective), so the
-    names agree; a restarted job's processes count from the start again and find their spaces."""
-    key = (rank, tuple(endpoints))
+    names agree; a restarted job's processes count from the start again and find their spaces.
+    Over a group (``connect(group=)``) the spaces are the group's: ``g0-2``, then ``g0-2.model2``, ...,
+    so groups sharing the servers never share a key."""
+    group = group_key(info.members) if info.members else ""
+    key = (info.global_rank(), group, tuple(endpoints))
     n = _SPACES_OPENED[key] = _SPACES_OPENED.get(key, 0) + 1
-    return "" if n == 1 else f"model{n}"
+    return ".".join(filter(None, [group, "" if n == 1 else f"model{n}"]))
 
 
 def _hypers(optimizer: torch.optim.Optimizer) -> list[dict]:

@@ -1,4 +1,4 @@
-"""``ring://?transport=auto|tcp|ipc|shm|torch&chunk_mb=0``: a hand-written ring all-reduce.
+"""``ring://?transport=auto|tcp|ipc|shm|torch&chunk_mb=0[&compress=SPEC&ef=0|1]``: a hand-written ring all-reduce.
 
 Every rank talks only to its two neighbours: it sends to ``right = (r+1) % N`` and
 receives from ``left = (r-1) % N``. The tensor (S bytes) is cut into N segments;
@@ -75,6 +75,14 @@ culprit (``peer``) and who saw it (``origin``).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
+
+Compression (``compress=SPEC&ef=0|1``, :mod:`commlab.compress`): buckets go through the
+compressor's seam, for which the ring is a mover over the same schedule and links:
+float32 payloads by the all-reduce above; fp16/bf16 by :meth:`RingExchanger.allreduce_per_hop_async`
+(sent at 2 bytes an element, each hop adding into a float32 partial that it rounds once
+for the next hop: :class:`~commlab.regimes.ring_links.HopCastCollective`); gather-only
+payloads (top-k, sign) by :meth:`RingExchanger.allgather_async`, a ring all-gather of
+N-1 steps, (N-1) x S sent per rank. docs/compress.md gives the bytes and the rounding.
 """
 
 from __future__ import annotations
@@ -94,15 +102,16 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import rendezvous, scratch, shm, wire
-from commlab.config import CommonOptions, option
+from commlab import compress, rendezvous, scratch, shm, wire
+from commlab.compress import CompressOptions
+from commlab.config import option
 from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.heap import keep_freed_memory
 from commlab.staging import HostStaging
-from commlab.regimes.ring_links import (SLOTS, Collective, Inbox, Outbox, ShmInbox, ShmOutbox, Step, TorchInbox,
-                                        TorchOutbox, ZmqInbox, ZmqOutbox)
+from commlab.regimes.ring_links import (SLOTS, Collective, HopCastCollective, Inbox, Outbox, ShmInbox, ShmOutbox,
+                                        Step, TorchInbox, TorchOutbox, ZmqInbox, ZmqOutbox)
 from commlab.transport import Link, Transport, is_loopback
 
 HALF = (torch.float16, torch.bfloat16)
@@ -111,7 +120,7 @@ SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.
 
 
 @dataclass(frozen=True)
-class RingOptions(CommonOptions):
+class RingOptions(CompressOptions):
     transport: str = option("auto", "how neighbours talk: auto (shm to a neighbour on this host and in this "
                                     "network namespace, tcp to others), tcp, ipc (zmq), shm (shared memory, one "
                                     "host), torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
@@ -175,6 +184,12 @@ def ring_steps(rank: int, world: int) -> tuple[Step, ...]:
     return tuple((*ring_schedule(rank, world, t), t < world - 1) for t in range(2 * world - 2))
 
 
+def gather_steps(rank: int, world: int) -> tuple[Step, ...]:
+    """The ring all-gather's N-1 steps for ``rank`` (segment i: rank i's tensor): it sends its own first, then
+    forwards the one it received a step before; every step stores."""
+    return tuple(((rank - t) % world, (rank - t - 1) % world, False) for t in range(world - 1))
+
+
 SWAP_STEPS: tuple[Step, ...] = ((0, 0, True),)  # N = 2, one segment: send it all, add what comes back
 
 
@@ -216,6 +231,7 @@ class RingExchanger(CollectiveExchanger):
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
+        self._gather_steps = gather_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
     def meet(self, store=None) -> None:
@@ -228,13 +244,17 @@ class RingExchanger(CollectiveExchanger):
             return
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
-            store = rendezvous.default_group_store(self.rank)
+            store = rendezvous.default_group_store()
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
+        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)  # its own namespace
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
         # numbered by how many this rank made before (every rank makes them in the same order).
         ns = f"ring/{self.store.add(f'ring/instances/{self.rank}', 1)}/"
         self._ns = ns
         if self.world_size > 1:
+            if opts.transport == "torch" and self.rank_info.members:
+                raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
+                                  "allreduce:// there, or transport=shm|tcp|ipc|auto")
             if opts.transport == "torch":
                 self._meet_torch(ns)
             else:
@@ -250,8 +270,8 @@ class RingExchanger(CollectiveExchanger):
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
-            peer = int(key.rsplit("/", 1)[1])
-            raise CommTimeout(f"rank {self.rank}: rank {peer} did not publish its {what} within "
+            peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
+            raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return self.store.get(key)
 
@@ -279,7 +299,8 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         inward, outward = self._link_kinds(ns)
         self._kinds = {"from_left": inward, "to_right": outward}
-        left_who, right_who = f"rank {self.left} (left neighbour)", f"rank {self.right} (right neighbour)"
+        left_who = f"{self.rank_info.who(self.left)} (left neighbour)"
+        right_who = f"{self.rank_info.who(self.right)} (right neighbour)"
         net = None
         if inward != "shm" or outward != "shm":
             if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
@@ -311,7 +332,7 @@ class RingExchanger(CollectiveExchanger):
             self._outbox = ShmOutbox(segment, conn, slot_bytes, self.rank, self.right, right_who, opts.timeout,
                                      self._check_reports)
         if self._outbox is None:
-            raise CommError(f"rank {self.rank}: no link to {right_who} ({outward})")
+            raise CommError(f"{self.rank_info.who()}: no link to {right_who} ({outward})")
         if attached is not None:
             mapped, conn, theirs = attached
             self._inbox = ShmInbox(mapped, conn, theirs, self.rank, self.left, left_who, opts.timeout,
@@ -364,14 +385,15 @@ class RingExchanger(CollectiveExchanger):
                                     world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
             self._group, self._own_group = dist.group.WORLD, True
         self._kinds = {"from_left": "torch", "to_right": "torch"}
-        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"rank {self.right} (right neighbour)",
+        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"{self.rank_info.who(self.right)} (right neighbour)",
                                    self.options.timeout)
-        self._inbox = TorchInbox(self._group, self.rank, self.left, f"rank {self.left} (left neighbour)",
+        self._inbox = TorchInbox(self._group, self.rank, self.left, f"{self.rank_info.who(self.left)} (left neighbour)",
                                  self.options.timeout)
 
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
         self.meet()
+        compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
         if self.options.transport != "torch":  # CUDA buckets through pinned mirrors (CPU ones pass through)
             self._staging = HostStaging.for_buckets(self.buckets)
@@ -393,12 +415,52 @@ class RingExchanger(CollectiveExchanger):
         the handle is done. Needs :meth:`meet` (or setup) first. Thread-safe to call. ``staged``: ``tensor``
         is that bucket's host mirror (:class:`~commlab.staging.HostStaging`), its copy from the GPU under way."""
         flat = self._check(tensor, what)
-        future: cf.Future = cf.Future()
         self._account(flat)
+        return self._submit(lambda: self._reduce(flat, staged), what)
+
+    def allreduce_per_hop_async(self, tensor: torch.Tensor, what: str = "all-reduce") -> Handle:
+        """Sum a float16/bfloat16 ``tensor`` in place over all ranks, travelling at its own width: each hop adds
+        in float32 and rounds the partial sum once for the next (:class:`~commlab.regimes.ring_links.
+        HopCastCollective`); every rank gets the same bits. Sends 2(N-1)/N x 2n bytes (half of what
+        :meth:`allreduce_async` sends for a half tensor, which it sums in float32 all the way). Same contract as
+        :meth:`allreduce_async` otherwise (collective, non-blocking, in call order)."""
+        flat = self._check(tensor, what)
+        if flat.dtype not in HALF:
+            raise ValueError(f"{what}: per-hop rounding is for float16/bfloat16 tensors, not {flat.dtype}")
+        self._account(flat, flat.element_size())
+        return self._submit(lambda: self._allreduce(flat, per_hop=True), what)
+
+    def allgather_async(self, tensor: torch.Tensor, what: str = "all-gather") -> Handle:
+        """Every rank's ``tensor`` (the same size and dtype on each): the handle's result is the list, in rank order
+        (this rank's entry a copy). Collective, non-blocking, in call order with the all-reduces; ``tensor`` is
+        copied when the ring reaches it, so don't touch it until the handle is done. A ring all-gather over the
+        same links and schedule: N-1 steps, each forwarding one rank's tensor, (N-1) x its bytes sent per rank."""
+        if not self._met:
+            raise ConfigError("call meet() or setup() before allgather_async()")
+        flat = tensor.detach().contiguous().reshape(-1)
+        moved = (self.world_size - 1) * flat.numel() * flat.element_size()
+        self.stats.bytes_sent += moved
+        self.stats.bytes_received += moved
+        return self._submit(lambda: self._allgather(flat, tensor.shape), what)
+
+    @staticmethod
+    def sums_exactly(dtype: torch.dtype) -> bool:
+        """float32 and float64 are summed at their own width with no rounding below it. (Half types are summed in
+        float32 too, but sent as float32: the compression seam moves them by :meth:`allreduce_per_hop_async`.)"""
+        return dtype in (torch.float32, torch.float64)
+
+    @staticmethod
+    def sums_per_hop(dtype: torch.dtype) -> bool:
+        """float16 and bfloat16: :meth:`allreduce_per_hop_async` sends them as they are, adding in float32."""
+        return dtype in HALF
+
+    def _submit(self, body, what: str) -> Handle:
+        """Queue ``body`` (one collective) for the communication thread; its handle carries body's result."""
+        future: cf.Future = cf.Future()
         with self._order:
             self._pending += 1
-            self._jobs.put((flat, future, what, staged))
-        return FutureHandle(future, f"{what} on rank {self.rank}", on_timeout=self._stalled)
+            self._jobs.put((body, future, what))
+        return FutureHandle(future, f"{what} on {self.rank_info.who()}", on_timeout=self._stalled)
 
     def allreduce(self, tensor: torch.Tensor, what: str = "all-reduce") -> None:
         """Blocking form of :meth:`allreduce_async`. When nothing is queued for the communication thread it
@@ -411,7 +473,7 @@ class RingExchanger(CollectiveExchanger):
         if not inline:
             return self.allreduce_async(tensor, what).wait(self.options.timeout)
         self._account(flat)
-        self._run(flat, what)
+        self._run(lambda: self._reduce(flat, None), what)
 
     def _check(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         if not self._met:
@@ -422,8 +484,9 @@ class RingExchanger(CollectiveExchanger):
             raise ValueError(f"{what}: cannot sum dtype {tensor.dtype} (floating types and int32/int64 only)")
         return tensor.view(-1)
 
-    def _account(self, flat: torch.Tensor) -> None:
-        key = (flat.numel(), 4 if flat.dtype in HALF else flat.element_size())
+    def _account(self, flat: torch.Tensor, itemsize: int | None = None) -> None:
+        """Count an all-reduce of ``flat`` sent with ``itemsize`` bytes an element (default: half types as float32)."""
+        key = (flat.numel(), itemsize or (4 if flat.dtype in HALF else flat.element_size()))
         moved = self._moved.get(key)
         if moved is None:
             moved = bytes_moved(*key, self.rank, self.world_size)
@@ -439,6 +502,8 @@ class RingExchanger(CollectiveExchanger):
                  "links": dict(self._kinds) if self._kinds else "decided when the ring joins",
                  "two_rank_swap_up_to_kb": o.swap_kb if self.world_size == 2 else "n/a (N > 2)",
                  "zero_copy_above_bytes": wire.COPY_THRESHOLD, "half_types_reduce_in": "float32"}
+        if self.compressor is not None:
+            facts["compress"] = self.compressor.describe()
         if o.transport == "torch":
             facts["backend"] = o.backend
             facts["staging"] = ("none: NCCL send/recv on the GPU (GPUDirect RDMA where available)"
@@ -493,7 +558,8 @@ class RingExchanger(CollectiveExchanger):
     def _stalled(self) -> str:
         report = self._fault_report()
         return f" ({_quote(report)})" if report else rendezvous.stall_report(self.store, self.world_size, self._step,
-                                                                               skip=self.rank)
+                                                                               skip=self.rank,
+                                                                               members=self.rank_info.members)
 
     def _fault_report(self) -> dict | None:
         """What the first rank to fail wrote to the store, or None."""
@@ -508,7 +574,7 @@ class RingExchanger(CollectiveExchanger):
     def _check_reports(self) -> None:
         """Called while waiting: end the wait if another rank already reported the ring broken."""
         report = self._fault_report()
-        if report and report["origin"] != self.rank:
+        if report and report["origin"] != self.rank_info.global_rank():
             raise PeerLost(f"the ring is broken: {_quote(report)}", peer=report["peer"], origin=report["origin"],
                            op="relay")
 
@@ -539,8 +605,9 @@ class RingExchanger(CollectiveExchanger):
         if k in chain:
             return CommTimeout(f"{exc}: every rank timed out waiting for its left neighbour (nobody sent anything)",
                                peer=None, op="receive")
-        waits = ", ".join(f"rank {a} on rank {b}" for a, b in zip(chain, chain[1:] + [k]))
-        return CommTimeout(f"rank {k} stalled: {exc} ({waits})", peer=k, op="receive")
+        who = self.rank_info.who
+        waits = ", ".join(f"{who(a)} on {who(b)}" for a, b in zip(chain, chain[1:] + [k]))
+        return CommTimeout(f"{who(k)} stalled: {exc} ({waits})", peer=k, op="receive")
 
     def _fail(self, exc: BaseException) -> BaseException:
         """Record the first failure for every rank to read, and close our links so neighbours stop too."""
@@ -549,14 +616,17 @@ class RingExchanger(CollectiveExchanger):
             return exc
         if isinstance(exc, CommTimeout) and exc.op == "receive" and exc.peer == self.left:
             exc = self._blame(exc)
+        if self.rank_info.members and isinstance(exc.peer, int):  # links and _blame count positions in the group
+            exc.peer = self.rank_info.global_rank(exc.peer)
+        me = self.rank_info.global_rank()
         try:
             self.store.compare_set(self._ns + "fault", "",
-                                   json.dumps({"origin": self.rank, "peer": exc.peer, "text": str(exc)}))
+                                   json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}))
         except Exception:
             pass
         if isinstance(exc, PeerLost):  # a neighbour that closed on purpose may have said why
             report = self._fault_report()
-            if report and report["origin"] != self.rank:
+            if report and report["origin"] != me:
                 exc = PeerLost(f"{exc}; {_quote(report)}", peer=report["peer"], origin=report["origin"], op=exc.op)
         self._close_links(linger_s=0)
         return exc
@@ -567,33 +637,26 @@ class RingExchanger(CollectiveExchanger):
             job = self._jobs.get()
             if job is None:
                 return
-            flat, future, what, staged = job
+            body, future, what = job
             if not future.set_running_or_notify_cancel():
                 with self._order:
                     self._pending -= 1
                 continue
             try:
-                self._run(flat, what, staged)
-                future.set_result(None)
+                future.set_result(self._run(body, what))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                 future.set_exception(exc)
 
-    def _run(self, flat: torch.Tensor, what: str, staged: int | None = None) -> None:
-        """One collective, on whichever thread holds the ring; a failure breaks the ring for good. ``staged``:
-        ``flat`` is that bucket's host mirror: wait for its copy from the GPU first, copy the sum back after."""
+    def _run(self, body, what: str):
+        """One collective (``body``, whose result is returned), on whichever thread holds the ring; a failure
+        breaks the ring for good."""
         with self._ring_lock:
             try:
                 if self._broken is not None:
                     b = self._broken
                     raise CommError(f"{what}: the ring broke earlier: {b}", **(b.fields() if isinstance(b, CommError)
                                                                                 else {}))
-                st = self._staging
-                if staged is not None and st is not None:
-                    st.wait(staged, self.options.timeout)
-                    self._allreduce(flat)
-                    st.to_device(staged)
-                else:
-                    self._allreduce(flat)
+                return body()
             except (CommError, ValueError) as caught:
                 exc: BaseException = caught
                 if self._broken is None:
@@ -605,23 +668,57 @@ class RingExchanger(CollectiveExchanger):
                 with self._order:
                     self._pending -= 1
 
-    def _allreduce(self, flat: torch.Tensor) -> None:
-        seq = self._seq
-        self._seq += 1
+    def _reduce(self, flat: torch.Tensor, staged: int | None) -> None:
+        """The body of :meth:`allreduce_async`. ``staged``: ``flat`` is that bucket's host mirror: wait for its copy
+        from the GPU first, copy the sum back after."""
+        st = self._staging
+        if staged is not None and st is not None:
+            st.wait(staged, self.options.timeout)
+            self._allreduce(flat)
+            st.to_device(staged)
+        else:
+            self._allreduce(flat)
+
+    def _allreduce(self, flat: torch.Tensor, per_hop: bool = False) -> None:
+        """Sum ``flat`` in place; half types in float32 (sent as float32) unless ``per_hop`` (sent as they are,
+        each partial sum rounded once per hop: :class:`HopCastCollective`)."""
+        seq = self._next_seq()
         if flat.numel() == 0 or self.world_size == 1:
             return
         work = flat
-        if flat.dtype in HALF:  # summed in float32, rounded once at the end
+        if flat.dtype in HALF and not per_hop:  # summed in float32, rounded once at the end
             work = flat.to("cpu" if self.options.transport != "torch" else flat.device, torch.float32)
         elif flat.is_cuda and self.options.transport != "torch":  # staged through host memory
             work = flat.cpu()
-        if self._inbox is None or self._outbox is None:
-            raise CommError("the ring's links are closed")
         bounds, K, plan = self.plan(work.numel(), work.element_size())
         with np.errstate(all="ignore"):  # inf and nan add up silently, as they do in torch
-            run_schedule(Collective(work, seq, bounds, K, plan), self._inbox, self._outbox)
+            self._schedule((HopCastCollective if per_hop else Collective)(work, seq, bounds, K, plan))
         if work is not flat:
             flat.copy_(work)
+
+    def _allgather(self, flat: torch.Tensor, shape: torch.Size) -> list[torch.Tensor]:
+        """The body of :meth:`allgather_async`: rank i's bytes land in segment i of one buffer, forwarded around
+        the ring (:func:`gather_steps`), chunked as an all-reduce is."""
+        seq = self._next_seq()
+        N, S = self.world_size, flat.numel() * flat.element_size()
+        on = "cpu" if self.options.transport != "torch" else flat.device
+        out = torch.empty(N * S, dtype=torch.uint8, device=on)
+        out[self.rank * S:(self.rank + 1) * S].copy_(flat.view(torch.uint8))
+        if S and N > 1:
+            K = max(1, -(-S // max(1, int(self._chunk_mb * 2**20))))
+            self._schedule(Collective(out, seq, [i * S for i in range(N + 1)], K, self._gather_steps))
+        return [out[i * S:(i + 1) * S].view(flat.dtype).view(shape).to(flat.device) for i in range(N)]
+
+    def _next_seq(self) -> int:
+        """The next collective's number (every rank counts every collective, empty ones too, alike)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _schedule(self, c: Collective) -> None:
+        if self._inbox is None or self._outbox is None:
+            raise CommError("the ring's links are closed")
+        run_schedule(c, self._inbox, self._outbox)
 
     def plan(self, n: int, itemsize: int) -> tuple[list[int], int, tuple[Step, ...]]:
         """(segment bounds, chunks per segment, steps) for ``n`` elements (cached: buckets repeat every step).

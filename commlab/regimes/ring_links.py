@@ -10,8 +10,9 @@ may join a rank to its left over TCP and to its right through shared memory):
   rank writes into a region it sent: the two-rank swap), ``finish()`` once no send reads the
   tensor any more;
 - an **inbox** on the receiving rank: ``reduce(t, j, release)`` waits for chunk ``j`` of step
-  ``t`` from the left and adds it into the tensor (calling ``release`` first, when given),
-  ``store(t, j)`` writes it there instead.
+  ``t`` from the left and adds it into the tensor (calling ``release`` first, when given) through
+  the collective's ``add_array``/``add_tensor`` (a plain sum, or :class:`HopCastCollective`'s
+  float32 partials), ``store(t, j)`` writes it there instead.
 
 ``begin(c)`` starts a collective on either half. Every wait is bounded by the link's timeout
 and raises a :mod:`commlab.errors` type with ``peer`` (the neighbour's rank) and ``op``
@@ -45,7 +46,7 @@ import select
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
@@ -62,9 +63,11 @@ Step = tuple[int, int, bool]  # (segment sent, segment received, whether the rec
 
 @dataclass
 class Collective:
-    """One all-reduce as the halves see it: the tensor, its number and its plan."""
+    """One collective as the halves see it: the tensor, its number and its plan. The halves send and
+    store ``work``'s bytes; a chunk received in a step that adds goes through :meth:`add_array` or
+    :meth:`add_tensor` (the arithmetic lives here, once, not in each transport)."""
 
-    work: torch.Tensor  # flat, contiguous; summed in place
+    work: torch.Tensor  # flat, contiguous; what travels: summed (or stored) in place
     seq: int  # collective number on this ring (every rank counts the same)
     bounds: list[int]  # segment starts, then numel
     K: int  # chunks per segment
@@ -73,6 +76,19 @@ class Collective:
     def __post_init__(self):
         self.itemsize = self.work.element_size()
         self.steps = len(self.plan)
+        self._array: np.ndarray | None = None
+
+    def add_array(self, lo: int, hi: int, raw: np.ndarray) -> None:
+        """Add the chunk of elements [lo, hi) that arrived as ``raw`` (uint8, a view of the transport's buffer:
+        not kept). numpy: a tenth of torch's per-call overhead on small chunks."""
+        if self._array is None:
+            self._array = self.work.numpy()
+        dst = self._array[lo:hi]
+        np.add(dst, raw.view(dst.dtype), out=dst)
+
+    def add_tensor(self, lo: int, hi: int, incoming: torch.Tensor) -> None:
+        """Add the chunk of elements [lo, hi) that arrived as ``incoming`` (``work``'s dtype; not kept)."""
+        self.work[lo:hi].add_(incoming)
 
     def chunk(self, seg: int, j: int) -> tuple[int, int]:
         lo, length = self.bounds[seg], self.bounds[seg + 1] - self.bounds[seg]
@@ -86,6 +102,30 @@ class Collective:
 
     def header(self, sender: int, t: int, j: int, lo: int, hi: int) -> bytes:
         return wire.chunk_header(sender, self.seq, t, j, lo, hi - lo, self.work.dtype)
+
+
+@dataclass
+class HopCastCollective(Collective):
+    """A sum that travels narrow (float16, bfloat16: ``work``, the caller's tensor) and adds in float32, hop
+    by hop: each chunk received in a step that adds goes into ``acc`` (float32 partial sums, started from
+    this rank's own values) and that partial, rounded once to the wire dtype, replaces the chunk in
+    ``work``, which is what the next step forwards; at the segment's owner (the last step that adds) it is
+    the result, which the steps that store circulate as it is. So every rank ends with the same bits, and
+    each partial sum is rounded once per hop (N-1 roundings on the way to an element's owner)."""
+
+    acc: torch.Tensor = field(init=False)  # float32 partial sums, from this rank's own values
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.acc = self.work.to(torch.float32)
+
+    def add_array(self, lo: int, hi: int, raw: np.ndarray) -> None:
+        self.add_tensor(lo, hi, torch.from_numpy(raw).view(self.work.dtype))
+
+    def add_tensor(self, lo: int, hi: int, incoming: torch.Tensor) -> None:
+        partial = self.acc[lo:hi]
+        partial.add_(incoming)
+        self.work[lo:hi].copy_(partial)
 
 
 class Half:
@@ -203,7 +243,6 @@ class ZmqInbox(Inbox):
 
     def begin(self, c: Collective) -> None:
         self.c = c
-        self.flat_np = c.work.numpy()
         self.raw = c.work.view(torch.uint8).numpy().data
 
     def _receive(self, t: int, j: int, reduce: bool, release) -> None:
@@ -226,9 +265,8 @@ class ZmqInbox(Inbox):
                 release(t, j)
             if not reduce:
                 self.raw[lo * isz:hi * isz] = self.scratch_view[hsize:hsize + nbytes]
-            elif nbytes:  # numpy: a tenth of torch's per-call overhead on small chunks
-                dst = self.flat_np[lo:hi]
-                np.add(dst, self.scratch_np[hsize:hsize + nbytes].view(dst.dtype), out=dst)
+            elif nbytes:
+                c.add_array(lo, hi, self.scratch_np[hsize:hsize + nbytes])
             return
         got = link.recv_header(self.timeout, watch, self.idle, pump)
         wire.check_chunk_header(got, expected, self.who, peer=self.peer)
@@ -242,14 +280,14 @@ class ZmqInbox(Inbox):
             if size == nbytes:
                 if release is not None:
                     release(t, j)
-                c.work[lo:hi].add_(self.scratch[:nbytes].view(c.work.dtype))
+                c.add_tensor(lo, hi, self.scratch[:nbytes].view(c.work.dtype))
         else:  # reduce-scatter, large: add straight from zmq's frame
             frame = link.recv_frame()
             size = len(frame)
             if size == nbytes:
                 if release is not None:
                     release(t, j)
-                c.work[lo:hi].add_(torch.frombuffer(frame.buffer, dtype=c.work.dtype, count=hi - lo))
+                c.add_tensor(lo, hi, torch.frombuffer(frame.buffer, dtype=c.work.dtype, count=hi - lo))
         if size != nbytes or link.more():
             raise ProtocolError(f"{self.who} sent {size} bytes for elements [{lo}, {hi}) of collective "
                                 f"{c.seq} step {t}, expected {nbytes} in one frame", peer=self.peer, op="receive")
@@ -349,7 +387,7 @@ class TorchInbox(Inbox):
         if release is not None:
             release(t, j)
         lo, hi = self.c.received(t, j)
-        self.c.work[lo:hi].add_(dest)
+        self.c.add_tensor(lo, hi, dest)
         self._next(m)  # the slot is free again
 
     def store(self, t: int, j: int) -> None:
@@ -515,7 +553,6 @@ class ShmInbox(Inbox):
 
     def begin(self, c: Collective) -> None:
         self.c = c
-        self.flat = c.work.numpy()
         self.raw = c.work.view(torch.uint8).numpy()
 
     def _recv_now(self) -> bytes | None:
@@ -613,8 +650,7 @@ class ShmInbox(Inbox):
         lo, hi, at = self._take(t, j)
         if release is not None:
             release(t, j)
-        dst = self.flat[lo:hi]
-        np.add(dst, self.slots[at:at + (hi - lo) * self.c.itemsize].view(dst.dtype), out=dst)
+        self.c.add_array(lo, hi, self.slots[at:at + (hi - lo) * self.c.itemsize])
         self._taken()
 
     def store(self, t: int, j: int) -> None:

@@ -1,0 +1,485 @@
+"""``commlab bench compress``: when does gradient compression pay, for this model and this link?
+
+    commlab bench compress                                  # the default cells (about 15 minutes)
+    commlab bench compress --models mlp --link 100mbit      # one cell: the lead's runs for a median
+    commlab bench compress --models lm --link 10mbit --rounds 2
+    commlab bench compress --models mlp --link loopback --steps 8 --compressors powersgd:4 --peers ddp
+
+A cell is one model at one link rate (``loopback``, or a ``tc tbf`` cap between network namespaces, as
+root: :class:`bench.netns.Links`). In a cell, every entry trains the same model from the same seed on
+the same data with N ranks (:mod:`bench.compress_worker`: one job per cell, the entries taking turns in
+it, round after round, each from a fresh model): ``REGIME`` uncompressed (``ring://`` by default),
+``REGIME?compress=C`` for each compressor, and the peers DDP uncompressed, DDP with torch's PowerSGD hook
+(the same rank and warm-up) and DDP with torch's fp16 hook. Per entry: step time (median and p90 after
+the warm-up), bytes sent per step and their ratio to the uncompressed exchange, the loss against step and
+against time, time to a target loss (by default what the uncompressed regime reached 2/3 of the way
+through its steps: an entry that learns as fast per step reaches it in the run); every "faster" is :mod:`bench.verdict`'s ratio with its 95% interval. The issue's goals are checked where their cell ran.
+
+Models: ``mlp`` (the 25M MLP, 100 MB of gradients a step) and ``lm`` (examples/charlm.py's model, 1.45
+MB a step). Writes ``compress.md``, ``compress.json`` and one ``compress-<model>-<link>.png`` per cell
+(loss against step, time and bytes) in ``--out`` (default ``runs/compress-<UTC time>/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import records as rec
+from bench import verdict
+from bench.jobs import python, run_job
+from bench.script_compare import (Outcome, Regime, plot, read_ranks, slug, smoothed, summarize_all, table,
+                                  time_to_target)
+from bench.regimes import unavailable
+
+CASE = "compress"
+MODELS = {"mlp": "mlp-25m", "lm": "charlm"}
+TINY = {"mlp": "tiny", "lm": "charlm-tiny"}  # --tiny: the same cells at test size (tests/test_bench.py)
+COMPRESSORS = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+PEERS = ("ddp", "ddp+powersgd", "ddp+fp16")
+# the cells run by default, in this order (the issue's goals first, so a spent budget skips the others)
+DEFAULT_CELLS = (("mlp", "100mbit"), ("lm", "10mbit"), ("mlp", "loopback"), ("lm", "loopback"), ("mlp", "1gbit"),
+                 ("lm", "1gbit"))
+# steps per job in each cell: a 25M MLP step at 100 Mbit/s moves 100 MB (about 8 s uncompressed)
+STEPS = {("mlp", "loopback"): 16, ("mlp", "1gbit"): 8, ("mlp", "100mbit"): 5, ("lm", "loopback"): 60,
+         ("lm", "1gbit"): 60, ("lm", "100mbit"): 40, ("lm", "10mbit"): 30}
+BATCH = {"mlp": 32, "lm": 16}
+DEFAULT_BUDGET_S = 840.0
+# the goals of issue 26 (speed): ratio >= goal over the whole interval
+GOAL_PSGD_OVER_RING_100M = 20.0
+GOAL_TTT_LM_10M = 2.0
+LOOPBACK_OVERHEAD = 1.15  # powersgd:4's step at most this many times the uncompressed ring's on loopback
+# the default target loss: the uncompressed regime's (smoothed) loss this far through its steps; an entry that
+# learns as fast per step reaches it within the run, one that learns slower may not ("—")
+TARGET_AT = 2 / 3
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One job of a cell: a commlab URL, or a DDP peer (``peer``, with the URL ``local://``)."""
+
+    label: str
+    url: str
+    peer: str | None = None
+    compressor: str | None = None  # None: uncompressed
+
+    @property
+    def kind(self) -> str:
+        return "peer" if self.peer else "regime"
+
+
+def with_query(url: str, extra: str) -> str:
+    return url + ("&" if "?" in url else "?") + extra if extra else url
+
+
+def spec_of(compressor: str, start_iter: int) -> str:
+    """The ``compress=`` spec: PowerSGD gets the warm-up ``start_iter`` (torch's hook gets the same)."""
+    return f"{compressor},start_iter={start_iter}" if compressor.startswith("powersgd") else compressor
+
+
+def entries(regime: str, compressors, peers, start_iter: int, rank_r: int) -> list[Entry]:
+    out = [Entry(regime, regime)]
+    for c in compressors:
+        url = with_query(regime, f"compress={spec_of(c, start_iter)}")
+        out.append(Entry(url, url, compressor=c))
+    out += [Entry(p if p != "ddp+powersgd" else f"ddp+powersgd:{rank_r}", "local://", peer=p,
+                  compressor={"ddp": None, "ddp+fp16": "fp16"}.get(p, f"powersgd:{rank_r}")) for p in peers]
+    return out
+
+
+def over_link(url: str) -> str:
+    """A ring's URL across namespaces: tcp (shared memory would bypass the capped link), bound to the address
+    its rank reaches others on (no keys: the addresses exist only inside this run's namespaces)."""
+    if not url.startswith("ring://") or "host=" in url or "transport=torch" in url:
+        return url
+    return with_query(url, ("" if "transport=" in url else "transport=tcp&") + "host=auto&insecure=1")
+
+
+def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: Path, links,
+                    timeout: float) -> dict[str, list[Outcome]]:
+    """One job for the whole cell (model, link): every entry that can run, ``a.rounds`` times, taking turns
+    (:mod:`bench.compress_worker`). Returns each entry's outcome per round; never raises for a failure."""
+    outcomes: dict[str, list[Outcome]] = {e.label: [] for e in es}  # in the entries' order
+    runnable = []
+    for e in es:
+        url = e.url if links is None or e.peer else over_link(e.url)
+        regime = Regime(e.label, url, a.workers, (), e.kind)
+        why = None if e.peer else unavailable(url)
+        if why:
+            outcomes[e.label] = [Outcome(regime, "unavailable", why)]
+        else:
+            runnable.append((e, regime))
+    if not runnable:
+        return outcomes
+    tag = f"{model}-{slug(link)}"
+    base = out / "raw" / f"{tag}.jsonl"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    spec = [{"peer": e.peer} if e.peer else {"url": r.url} for e, r in runnable]
+    args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
+            "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
+            "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
+    argv = [python(), "-m", "bench.launch_job", "--url", "local://", "--workers", str(a.workers),
+            "--module", "bench.compress_worker"]
+    if links is not None:
+        argv += ["--link", links.rate, "--link-tag", links.tag]
+    res = run_job([*argv, "--", *args], out / "logs" / f"{tag}.log", timeout)
+    log = str(res.log.relative_to(out))
+    for i, (e, regime) in enumerate(runnable):
+        outcomes[e.label] = []
+        for rnd in range(a.rounds):
+            path = Path(f"{base}.{i}.{rnd}")
+            ranks = read_ranks(path, a.workers)
+            said = [p.read_text() for p in sorted(path.parent.glob(path.name + ".error.rank*"))]
+            if said or len(ranks[0]) < steps:
+                why = said[0] if said else f"{res.error()} (rank 0 wrote {len(ranks[0])} of {steps} steps)"
+                outcomes[e.label].append(Outcome(regime, "failed", why.strip(), res.seconds, ranks, log))
+            else:
+                outcomes[e.label].append(Outcome(regime, "ok", "", res.seconds, ranks, log))
+    return outcomes
+
+
+def measured(lines: list[dict], skip: int) -> list[dict]:
+    return [x for x in lines if x["step"] >= skip and x.get("step_s")]
+
+
+def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: float | None
+              ) -> tuple[list[dict], float | None]:
+    """The table's rows of one cell: script_compare's summary (curve, final loss, time to target) of each
+    entry's first round, with the step time (median, p90: every round's steps from 1 on, PowerSGD's from ``skip``
+    on, after its uncompressed warm-up) and bytes
+    per step (and ratio to uncompressed) over the same steps. The target loss: ``given``, else the smoothed
+    loss the uncompressed ``base`` reached :data:`TARGET_AT` of the way through its steps (else, if it did
+    not run, the highest final loss among the entries)."""
+    target = given
+    firsts, extra = [], {}
+    for label, outs in outcomes.items():
+        ok = [o for o in outs if o.status == "ok"]
+        firsts.append(ok[0] if ok else outs[-1])
+        first = skip if "powersgd" in label else 1  # step 0: every entry's first-touch allocations
+        extra[label] = [line for o in ok for line in measured(o.ranks[0], first)]
+    rows, target = summarize_all(firsts, target)
+    plain = next((r for r in rows if r["regime"] == base and r.get("curve")), None)
+    if given is None and plain is not None:  # what the uncompressed run reached TARGET_AT of the way through
+        target = smoothed(plain["curve"])[max(0, math.ceil(TARGET_AT * len(plain["curve"])) - 1)]
+        for row in rows:
+            if row.get("curve"):
+                row.update(time_to_target(row["curve"], smoothed(row["curve"]), target))
+    for row in rows:
+        lines = extra[row["regime"]]
+        row["rounds"] = len([o for o in outcomes[row["regime"]] if o.status == "ok"])
+        if not lines:
+            continue
+        times = sorted(x["step_s"] for x in lines)
+        row["step_s_samples"] = [x["step_s"] for x in lines]
+        row["step_s_median"] = statistics.median(times)
+        row["step_s_p90"] = times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]
+        row["bytes_per_step"] = statistics.fmean(x["bytes_sent"] for x in lines)
+        raw = statistics.fmean(x.get("bytes_uncompressed") or x["bytes_sent"] for x in lines)
+        row["bytes_ratio"] = row["bytes_per_step"] / raw if raw else None
+        row["step_s_mean"] = statistics.fmean(times)
+    return rows, target
+
+
+def _by(rows: list[dict]) -> dict[str, dict]:
+    return {r["regime"]: r for r in rows if r.get("step_s_samples")}
+
+
+def step_verdict(a: dict, b: dict) -> verdict.Verdict:
+    """``b``'s median step over ``a``'s (> 1: ``a`` faster), one launch a side (the machine's launch spread added)."""
+    return verdict.compare(a["regime"], a["step_s_samples"], b["regime"], b["step_s_samples"], paired=False,
+                           launch_sigma=verdict.spread(0.0))
+
+
+def target_verdict(a: dict, b: dict) -> verdict.Verdict | None:
+    """Time to the target, ``b``'s over ``a``'s: steps to the target x the mean time of those steps (warm-up
+    included: it is part of the way there), each side's mean bootstrapped over those steps."""
+    if not (a.get("steps_to_target") and b.get("steps_to_target")):
+        return None
+    way = lambda r: [p["step_s"] for p in r["curve"][:r["steps_to_target"]]]
+    return verdict.compare(a["regime"], way(a), b["regime"], way(b), paired=False, stat="mean",
+                           scale_a=a["steps_to_target"], scale_b=b["steps_to_target"], launch_sigma=verdict.spread(0.0))
+
+
+def cell_verdicts(rows: list[dict], base: str, rank_r: int) -> list[tuple[str, verdict.Verdict]]:
+    """Every entry against the uncompressed ``base`` (step time; time to target), and each commlab
+    PowerSGD entry against DDP's PowerSGD hook: ``label: ratio`` with > 1 meaning the first named is faster."""
+    by = _by(rows)
+    out = []
+    if base in by:
+        for r in rows:
+            if r["regime"] == base or r["regime"] not in by:
+                continue
+            out.append((f"step time, {base} / {r['regime']}", step_verdict(by[r["regime"]], by[base])))
+            v = target_verdict(by[r["regime"]], by[base])
+            if v is not None:
+                out.append((f"time to target, {base} / {r['regime']}", v))
+    psgd = f"ddp+powersgd:{rank_r}"
+    for r in rows:
+        if f"powersgd:{rank_r}" in r["regime"] and "://" in r["regime"] and psgd in by and r["regime"] in by:
+            out.append((f"step time, {psgd} / {r['regime']}", step_verdict(by[r["regime"]], by[psgd])))
+    return out
+
+
+def goals(model: str, link: str, rows: list[dict], base: str, rank_r: int) -> list[str]:
+    """The issue's speed goals that this cell measures, each with its ratio, interval and outcome."""
+    by = _by(rows)
+    psgd = next((r["regime"] for r in rows if "://" in r["regime"] and f"compress=powersgd:{rank_r}" in r["regime"]),
+                None)
+    out = []
+    if psgd not in by or base not in by:
+        return out
+    v = step_verdict(by[psgd], by[base])
+    if (model, link) == ("mlp", "100mbit"):
+        out.append(f"step time {base} / {psgd}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]; "
+                   + rec.goal_text(v, GOAL_PSGD_OVER_RING_100M))
+        peer = f"ddp+powersgd:{rank_r}"
+        if peer in by:
+            w = step_verdict(by[psgd], by[peer])
+            out.append(f"step time {peer} / {psgd}: {w.ratio:.2f}x [{w.lo:.2f}, {w.hi:.2f}]; never slower: "
+                       + ("meets" if w.lo >= 1.0 else "misses" if w.hi < 1.0 else "the interval straddles 1"))
+    if link == "loopback":
+        limit = 1 / LOOPBACK_OVERHEAD  # base / psgd >= 1/1.15: powersgd adds at most 15%
+        said = "meets" if v.lo >= limit else "misses" if v.hi < limit else "the interval straddles it"
+        out.append(f"powersgd's overhead on loopback, step {psgd} / {base}: {1 / v.ratio:.2f}x "
+                   f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]; goal <= {LOOPBACK_OVERHEAD:g}x: {said}")
+    if (model, link) == ("lm", "10mbit"):
+        ttt = [(r["regime"], target_verdict(by[r["regime"]], by[base])) for r in rows
+               if r["regime"] in by and "compress=" in r["regime"]]
+        ttt = [(n, v) for n, v in ttt if v is not None]
+        if ttt:
+            name, best = max(ttt, key=lambda nv: nv[1].ratio)
+            out.append(f"time to target {base} / {name} (the fastest compressed): {best.ratio:.2f}x "
+                       f"[{best.lo:.2f}, {best.hi:.2f}]; " + rec.goal_text(best, GOAL_TTT_LM_10M))
+    return out
+
+
+def does_not_pay(rows: list[dict], base: str, vs: list[tuple[str, verdict.Verdict]]) -> str | None:
+    """The compressed entries that are not faster than uncompressed ``base`` here (step time, and time to target
+    where known): the report says so in words."""
+    slower = []
+    for r in rows:
+        if "compress=" not in r["regime"] and not r["regime"].startswith("ddp+"):
+            continue
+        said = [v for label, v in vs if label.endswith(f" {base} / {r['regime']}")]
+        if said and all(v.winner != r["regime"] for v in said):
+            slower.append(f"`{r['regime']}`")
+    if not slower:
+        return None
+    return ("Compression does not pay here: " + ", ".join(slower)
+            + f" {'is' if len(slower) == 1 else 'are'} not faster than `{base}` (slower, or indistinguishable).")
+
+
+def planner_lines(rows: list[dict], link: str, predictions: dict | None) -> list[str]:
+    """"planner predicted X, measured Y" for each entry with a prediction: ``predictions[(entry, link)]``
+    holds ``step_s`` (and optionally ``crossover_bytes_per_s``) from ``commlab plan``."""
+    out = []
+    for r in rows:
+        p = (predictions or {}).get((r["regime"], link))
+        if not p or not r.get("step_s_median"):
+            continue
+        pred = p["step_s"]
+        out.append(f"- `{r['regime']}`: planner predicted {pred * 1e3:.1f} ms a step, measured "
+                   f"{r['step_s_median'] * 1e3:.1f} ms ({r['step_s_median'] / pred:.2f}x the prediction)")
+    return out
+
+
+def section(cells: list[dict], predictions: dict | None = None, heading: str = "#") -> list[str]:
+    """Markdown for the cells that ran (each: model, link, rows, verdicts, goals, png, target, note)."""
+    md = []
+    for c in cells:
+        md += [f"{heading}# {c['model']} ({c['model_name']}) at {c['link']}", "",
+               f"{c['steps']} steps a job, step times from step 1 on (PowerSGD's from {c['skip']}, after its "
+               f"warm-up), "
+               f"{c['rounds']} round(s); target loss {c['target']:.4f} (\"—\": not reached in the run)"
+               if c["target"] is not None else
+               f"{c['steps']} steps a job; no target loss (no entry finished)", ""]
+        md += table(c["rows"], [("step ms p90", lambda r: "—" if r.get("step_s_p90") is None
+                                 else f"{r['step_s_p90'] * 1e3:.1f}"),
+                                ("bytes / uncompressed", lambda r: "—" if r.get("bytes_ratio") is None
+                                 else f"{r['bytes_ratio']:.4g}")]) + [""]
+        if c["goals"]:
+            md += ["Goals (issue 26):", ""] + [f"- {g}" for g in c["goals"]] + [""]
+        md += ["Verdicts (ratio > 1: the entry after the slash is faster; 95% intervals):", ""]
+        md += [f"- {rec.ratio_line(label, v)}" for label, v in c["verdicts"]] + [""]
+        if c.get("note"):
+            md += [c["note"], ""]
+        md += planner_lines(c["rows"], c["link"], predictions)
+        if c.get("png"):
+            md += [f"![loss against step, time and bytes]({c['png']})", ""]
+    return md
+
+
+def cells_of(a) -> list[tuple[str, str]]:
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        raise ValueError(f"--models: unknown {bad}; known: {', '.join(MODELS)}")
+    if a.link:
+        links = [x.strip() for x in a.link.split(",") if x.strip()]
+        return [(m, link) for m in models for link in links]
+    return [c for c in DEFAULT_CELLS if c[0] in models]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commlab bench compress", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,lm", help="comma-separated, of: " + ", ".join(MODELS))
+    p.add_argument("--link", help="comma-separated rates (loopback, 100mbit, 1gbit, 10mbit, ...) for every model "
+                                  "(default: " + ", ".join(f"{m}@{x}" for m, x in DEFAULT_CELLS) + ")")
+    p.add_argument("--regime", default="ring://", help="the commlab regime, uncompressed and with each compressor")
+    p.add_argument("--compressors", default=",".join(COMPRESSORS), help="compress= specs ('none': only the peers)")
+    p.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of: " + ", ".join(PEERS) + " ('none')")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, help="steps a job in every cell (default: per cell, see bench/compress.py)")
+    p.add_argument("--start-iter", type=int, default=2, help="PowerSGD's uncompressed warm-up (commlab and torch's hook; "
+                                                            "torch needs >= 2 with error feedback)")
+    p.add_argument("--rank-r", type=int, default=4, help="torch's PowerSGD hook: matrix_approximation_rank")
+    p.add_argument("--rounds", type=int, default=1, help="every entry this many times, entries taking turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-loss", type=float, help="default: the uncompressed regime's loss 2/3 of the way through")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no job after this many seconds")
+    p.add_argument("--cell-timeout", type=float, default=600.0, help="seconds one cell's job may take")
+    p.add_argument("--out", help="folder (default runs/compress-<UTC time>)")
+    p.add_argument("--tiny", action="store_true", help="test-size models (a 2.4K MLP, a 1-layer LM): a smoke run")
+    return p
+
+
+def _names(text: str, known=None, what: str = "") -> list[str]:
+    names = [] if text.strip().lower() == "none" else [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if known is not None and n not in known]
+    if bad:
+        raise ValueError(f"{what}: unknown {bad}; known: {', '.join(known)}")
+    return names
+
+
+def check(a) -> list[tuple[str, str]]:
+    """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
+    from commlab.compress import build
+    from commlab.plan.rates import parse_rate
+
+    if a.workers < 2:
+        raise ValueError("--workers must be >= 2")
+    if a.rounds < 1 or (a.steps is not None and a.steps < a.start_iter + 2):
+        raise ValueError(f"--rounds must be >= 1 and --steps >= --start-iter + 2 ({a.start_iter + 2})")
+    if a.start_iter < 2 and "ddp+powersgd" in _names(a.peers, PEERS, "--peers"):
+        raise ValueError("--start-iter must be >= 2 with the ddp+powersgd peer (torch's hook with error feedback)")
+    for c in _names(a.compressors):
+        try:
+            build(spec_of(c, a.start_iter))
+        except ValueError as exc:
+            raise ValueError(f"--compressors: {exc}") from None
+    cells = cells_of(a)
+    for _, link in cells:
+        if link != "loopback":
+            try:
+                parse_rate(link)
+            except ValueError as exc:
+                raise ValueError(f"--link: {exc}") from None
+    return cells
+
+
+def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[list[dict], list[dict]]:
+    """Run the cells (grouped by link, one namespace topology per rate); returns (cells, failures)."""
+    from bench.netns import Links, link_unavailable_reason
+
+    es = entries(a.regime, _names(a.compressors), _names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
+    deadline = time.monotonic() + a.budget_s
+    done, failures = [], []
+    by_link: dict[str, list[str]] = {}
+    for model, link in cells:
+        by_link.setdefault(link, []).append(model)
+    for link, models in by_link.items():
+        links = None
+        why = None if link == "loopback" else link_unavailable_reason()
+        if why:
+            failures += [rec.failure(CASE, f"{m}@{link}", why, status="unavailable") for m in models]
+            continue
+        try:
+            if link != "loopback":
+                links = Links(a.workers, link).__enter__()
+            for model in models:
+                done.append(run_cell(a, model, link, es, out, links, deadline, progress, failures))
+        finally:
+            if links is not None:
+                links.close()
+    return done, failures
+
+
+def run_cell(a, model, link, es, out, links, deadline, progress, failures) -> dict:
+    steps = a.steps or STEPS.get((model, link), STEPS[(model, "100mbit" if model == "lm" else "1gbit")])
+    left = deadline - time.monotonic()
+    if left < 30:
+        outcomes = {e.label: [Outcome(Regime(e.label, e.url, a.workers, (), e.kind), "skipped",
+                                      "the case's time budget (--budget-s) ran out before this cell")] for e in es}
+    else:
+        progress(f"commlab bench compress: {model} at {link}: {len(es)} entries x {a.rounds} round(s), {steps} steps")
+        outcomes = run_job_of_cell(es, model, link, steps, a, out, links, min(a.cell_timeout, left))
+    for label, outs in outcomes.items():
+        failures += [rec.failure(CASE, f"{label} ({model}@{link})", o.error, o.regime.url, o.status)
+                     for o in outs if o.status != "ok"]
+    skip = a.start_iter + 1  # PowerSGD's uncompressed warm-up and the first compressed step's allocations
+    rows, target = cell_rows(outcomes, skip, a.regime, a.target_loss)
+    vs = cell_verdicts(rows, a.regime, a.rank_r)
+    png = plot(rows, out / f"compress-{model}-{slug(link)}.png", f"{model} at {link}")
+    return {"model": model, "model_name": (TINY if a.tiny else MODELS)[model], "link": link, "steps": steps,
+            "skip": skip, "rounds": a.rounds, "target": target, "rows": rows, "verdicts": vs,
+            "goals": goals(model, link, rows, a.regime, a.rank_r),
+            "note": does_not_pay(rows, a.regime, vs), "png": png.name if png else None}
+
+
+def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seconds: float,
+          predictions: dict | None = None) -> Path:
+    """``compress.md`` and ``compress.json`` in ``out``; returns the markdown's path."""
+    md = ["# Gradient compression: when it pays", "",
+          f"- `commlab bench compress {' '.join(config['argv'])}`: {config['workers']} ranks, "
+          f"{config['regime']} beside DDP (gloo) with torch's hooks; this case ran {seconds:.0f} s "
+          f"({seconds / 60:.1f} min).",
+          "- Every entry trains the same model, seed, data and batch (bench/compress_worker.py); DDP's bytes are the "
+          "closed form of what its hook all-reduces, counted as a ring counts. Ratios carry 95% bootstrap "
+          f"intervals over the steps, with a launch-to-launch spread of {verdict.LAUNCH_SIGMA_FLOOR} (sd of log "
+          "medians) on each side, since every entry is one launch.",
+          "- The machine may be shared with other jobs: quote ratios from one run, medians of several runs.", ""]
+    md += section(cells, predictions)
+    if failures:
+        md += ["## Failed, skipped or unavailable", ""]
+        md += [f"- {f['regime']}: {f['status']}: {f['error']}" for f in failures] + [""]
+    path = out / "compress.md"
+    path.write_text("\n".join(md))
+    doc = {"case": CASE, "config": config, "seconds": seconds, "failures": failures,
+           "cells": [dict(c, verdicts=[dict(label=label, **v.as_dict()) for label, v in c["verdicts"]]) for c in cells]}
+    (out / "compress.json").write_text(json.dumps(doc, indent=1, default=str))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parser().parse_args(argv)
+    try:
+        cells = check(a)
+    except ValueError as exc:
+        print(f"commlab bench compress: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.out or Path("runs") / time.strftime("compress-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    progress = lambda what: print(what, file=sys.stderr, flush=True)
+    try:
+        done, failures = run(a, cells, out, progress)
+    except KeyboardInterrupt:
+        print("commlab bench compress: interrupted; every job was stopped", file=sys.stderr)
+        return 130
+    config = dict(vars(a), argv=argv)
+    path = write(out, done, failures, config, time.monotonic() - t0)
+    print(path.read_text())
+    print(f"commlab bench compress: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # python -m bench.compress: the same as commlab bench compress
+    sys.exit(main())
