@@ -49,7 +49,10 @@ from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regim
 from commlab.plan.simulate import SimResult, simulate
 
 REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo",
-           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync"}
+           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync",
+           # commlab's own ring over zmq tcp, bound to its namespace's address (no keys: the addresses exist
+           # only inside the run's namespaces), as `commlab bench compress` runs it across links
+           "ring-tcp": "ring://?transport=tcp&host=auto&insecure=1"}
 BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
 LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
 # tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1gbit,2gbit")
     p.add_argument("--workers", default="2,3", help="worker counts (hosts: N, plus K for a PS)")
-    p.add_argument("--regimes", default=",".join(REGIMES), help=f"from {', '.join(REGIMES)}")
+    p.add_argument("--regimes", default="ring,gloo,ps-1,ps-2", help=f"from {', '.join(REGIMES)}")
     p.add_argument("--compress", nargs="*", default=[], metavar="SPEC",
                    help="also each all-reduce regime with compress=SPEC (e.g. powersgd:4,start_iter=3), predicted "
                         "by commlab.plan.compression and checked: step within 15%%, crossover on the measured side")
@@ -332,14 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
     entries = [(n, n, None, REGIMES[n]) for n in names] + [
         (f"{n} {spec}", n, spec, with_compress(REGIMES[n], spec)) for spec in a.compress for n in names
-        if parse_regime(REGIMES[n]).kind == "allreduce"]
+        if compression.parse_url(REGIMES[n])[0].kind == "allreduce"]
     cal = compression.with_urls(cal, [url for *_, url in entries])
     cal.save(out / "calibration.json")
     workers = [int(x) for x in a.workers.split(",")]
     points = []
     links_seen: dict[str, str] = {}
     for rate in a.rates.split(","):
-        shards = max(parse_regime(REGIMES[n]).shards if REGIMES[n].startswith("ps") else 0 for n in names)
+        shards = max(compression.parse_url(REGIMES[n])[0].shards if REGIMES[n].startswith("ps") else 0 for n in names)
         with Links(max(workers) + shards, rate, tag=f"pv{os.getpid() % 100000}") as links:
             goodput, how = link_goodput(links, out) if not a.no_link_measure else \
                 (parse_rate(rate) * TCP_GOODPUT, "tc rate x 1448/1514")
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out)
                     pred, cross = predict(cal, url, n, goodput, a.batch_size)
-                    reg = parse_regime(REGIMES[base])
+                    reg = compression.parse_url(REGIMES[base])[0]
                     rec.update(rate=rate, regime=name, base=base, compress=spec, batch=a.batch_size,
                                predicted=pred.step_s, link_bps=goodput, predicted_compute=pred.compute_s,
                                hosts=n + (reg.shards if reg.kind == "ps" else 0), crossover_bps=cross)

@@ -225,6 +225,8 @@ def test_the_bench_predicts_by_its_entries_urls(compute):
     url = "ring://?compress=topk:0.1&ef=0&timeout=30"
     assert K.parse_url(url) == (RING, "topk:0.1", False)
     assert K.parse_url("allreduce://?backend=gloo&compress=fp16")[0] == parse_regime("allreduce://?backend=gloo")
+    assert K.parse_url("ring://?transport=tcp&host=auto&insecure=1")[0] == parse_regime("ring://?transport=tcp")
+    assert K.parse_url("ps://?shards=2&mode=ssp&timeout=9")[0] == parse_regime("ps://?shards=2&mode=ssp")
     cal = K.with_urls(Calibration({}, 0.0, 0.0, compute), [url, "ring://"], reps=1)
     assert set(cal.compressors) == {"topk:0.1 (ef=0)"}
     assert K.predict_url(cal, url, "1gbit", 3) == K.predict(cal, "topk:0.1", "1gbit", 3, RING, ef=False)

@@ -56,7 +56,8 @@ from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
 from commlab.heap import keep_freed_gradients
 from commlab.plan.rates import parse_rate
-from commlab.plan.costmodel import Calibration, Compute, CompressorCost, Regime, Topology, parse_regime
+from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
+                                    parse_regime)
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.registry import regime_class
 
@@ -359,10 +360,10 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
 def parse_url(url: str) -> tuple[Regime, str, bool]:
     """(the planner's regime, the ``compress=`` spec, ``ef``) of an exchanger URL as the bench names its entries,
     e.g. ``ring://?compress=powersgd:4,start_iter=5&ef=0``; options the planner does not model (timeout,
-    bucket_mb...) are left out of the regime."""
+    bucket_mb, host...) are left out of the regime."""
     u = ExchangerURL.parse(url)
     q = dict(u.query)
-    keep: dict[str, str] = {k: q[k] for k in ("transport", "backend") if k in q}
+    keep: dict[str, str] = {k: v for k, v in q.items() if k in PLANNED_OPTIONS.get(u.scheme, ())}
     regime = parse_regime(f"{u.scheme}://" + ("?" + urlencode(keep) if keep else ""))
     return regime, q.get("compress", "none"), q.get("ef", "1").strip().lower() not in ("0", "false", "no", "off")
 
