@@ -126,16 +126,19 @@ def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
     return replace(res, step_s=p["step_s"]), p["crossover_bps"]
 
 
-def add_stretched(points: list[dict], cal: Calibration) -> None:
-    """Each compressed point predicted again with the run's CPU stretch: its uncompressed sibling's measured
-    step − wait over the calibrated compute (:func:`commlab.plan.compression.cpu_stretch`), as
-    ``compute_scale`` (the single calibration process does not see the run's contention)."""
+def add_overhead(points: list[dict], cal: Calibration) -> None:
+    """Each compressed point predicted again with its run's per-step overhead: what its uncompressed sibling's
+    measured step − wait exceeds the calibrated forward, backward and optimizer by
+    (:func:`commlab.plan.compression.step_overhead`; the step's own mechanics, and what the calibration's
+    single process did not see of two workers sharing these cores)."""
     for p, u in compressed_pairs(points):
-        k = compression.cpu_stretch(cal, u["compute_median"], p["batch"])
+        scale = max(1.0, p["workers"] / (os.cpu_count() or 1))
+        o = compression.step_overhead(cal, u["compute_median"], p["batch"], scale)
         regime, spec, ef = compression.parse_url(p["url"])
-        topo = Topology(1, p["link_bps"], p["link_bps"], k)
-        pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef)["step_s"]
-        p.update(stretch=k, predicted_stretched=pred, error_stretched_pct=100 * (pred - p["median"]) / p["median"])
+        topo = Topology(1, p["link_bps"], p["link_bps"], scale)
+        pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef, o)["step_s"]
+        p.update(overhead_s=o, predicted_with_overhead=pred,
+                 error_with_overhead_pct=100 * (pred - p["median"]) / p["median"])
 
 
 def with_compress(url: str, spec: str) -> str:
@@ -255,10 +258,11 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
     if squeezed:
         worst = max(abs(p["error_pct"]) for p in squeezed)
         x_checked, x_agree, x_misses = crossover_check(points)
-        stretched = [p for p in squeezed if "stretch" in p]
-        again = (f"; with the run's CPU stretch (its uncompressed point's step − wait over the calibrated compute: "
-                 + ", ".join(f"{p['rate']} x{p['stretch']:.2f} {p['predicted_stretched'] * 1e3:.0f} ms "
-                             f"{p['error_stretched_pct']:+.1f}%" for p in stretched) + ")") if stretched else ""
+        with_o = [p for p in squeezed if "overhead_s" in p]
+        again = (f"; with the run's per-step overhead (its uncompressed point's step − wait less the calibrated "
+                 f"compute): " + ", ".join(f"{p['rate']} +{p['overhead_s'] * 1e3:.0f} ms: "
+                                           f"{p['predicted_with_overhead'] * 1e3:.0f} ms {p['error_with_overhead_pct']:+.1f}%"
+                                           for p in with_o)) if with_o else ""
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
                    f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)})"
                    f"{again}; "
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"plan_validate: {rate} N={n} {name}: measured "
                           f"{rec.get('median', float('nan')) * 1e3:.0f} ms, predicted {pred.step_s * 1e3:.0f} ms"
                           + ("" if rec["ok"] else f" (FAILED: {rec['error']})"), file=sys.stderr)
-    add_stretched(points, cal)
+    add_overhead(points, cal)
     stale = None
     if not a.no_staleness:
         n, url, d = a.stale_workers, "ps://?shards=1&mode=async", a.stale_delay

@@ -125,12 +125,15 @@ def test_a_summed_compressor_pays_below_the_rate_where_its_encoding_equals_the_b
     assert K.step(cal, half, RING, slower, 4) == pytest.approx(2 * (E + D) + 1.5 * (S / 2) / 1e8, rel=1e-12)
 
 
-def test_the_cpu_stretch_of_a_run_is_its_step_less_wait_over_the_calibrated_compute():
+def test_a_runs_step_overhead_is_its_step_less_wait_beyond_the_calibrated_compute_and_moves_no_crossover():
     cal = profile([2**20], fwd=0.001, bwd=0.002, opt=1e-8)  # 96 ms forward + backward at batch 32, 10.5 ms opt
-    measured = 2.5 * 0.096 + 2**20 * 1e-8
-    assert K.cpu_stretch(cal, measured, 32) == pytest.approx(2.5)
-    at = Topology(1, 1e15, 1e15, compute_scale=2.5)  # the stretched prediction: the measured step and the wire
-    assert K.step(cal, None, RING, at, 2, 32) == pytest.approx(measured + 2**20 / 1e15, rel=1e-12)  # + the swap
+    assert K.step_overhead(cal, 0.096 + 2**20 * 1e-8 + 0.05, 32) == pytest.approx(0.05)
+    assert K.step_overhead(cal, 2 * 0.096 + 2**20 * 1e-8, 32, compute_scale=2.0) == pytest.approx(0.0)
+    cal = cal.with_compressors(cost((("sum",),), ((2**18,),), ((0.01,),), (0.0,)))
+    plain, more = (K.predict(cal, "hand", "100mbit", 2, batch=32, overhead_s=o) for o in (0.0, 0.05))
+    assert more["step_s"] == pytest.approx(plain["step_s"] + 0.05)
+    assert more["uncompressed_step_s"] == pytest.approx(plain["uncompressed_step_s"] + 0.05)
+    assert more["crossover_bps"] == plain["crossover_bps"]
 
 
 def test_a_gathered_compressor_sends_n_minus_1_payloads_and_decodes_n():

@@ -267,15 +267,16 @@ def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: To
     return t + c.param_bytes * cal.opt_s_per_byte
 
 
-def cpu_stretch(cal: Calibration, measured_s: float, batch: int | None = None) -> float:
-    """How much slower a run's workers computed than this calibration measured: ``measured_s``, the run's
-    "step − wait" of an uncompressed step (forward, backward, optimizer: what the worker does besides
-    waiting on the exchange), less the optimizer, over the calibrated forward + backward. Pass it as
-    ``compute_scale`` to predict that run's compressed steps (on a shared machine the calibration's single
-    process does not see the run's contention: two workers' memory traffic, their communication threads)."""
+def step_overhead(cal: Calibration, measured_s: float, batch: int | None = None, compute_scale: float = 1.0) -> float:
+    """A run's per-step overhead beyond the model: ``measured_s``, the "step − wait" of the run's uncompressed
+    step (what a worker does besides waiting on the exchange), less the calibrated forward, backward and
+    optimizer. It is the step's own mechanics (copying gradients into buckets, zero_grad, the loss, the
+    data) and, on a shared machine, what the calibration's single process did not see (two workers' memory
+    traffic on the same cores); a compressed step pays it too, so :func:`predict`'s ``overhead_s`` adds it
+    to both steps (the crossover does not move)."""
     c = cal.compute
     batch = batch or c.batch
-    return (measured_s - c.param_bytes * cal.opt_s_per_byte) / ((c.fwd_s_per_sample + c.bwd_s_per_sample) * batch)
+    return measured_s - (c.fwd_s_per_sample + c.bwd_s_per_sample) * batch * compute_scale - c.param_bytes * cal.opt_s_per_byte
 
 
 def bytes_per_step(cost: CompressorCost, n: int) -> int:
@@ -316,7 +317,8 @@ def _rate(link) -> float:
 
 
 def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime = "ring://",
-            workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True) -> dict:
+            workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True,
+            overhead_s: float = 0.0) -> dict:
     """The planner's prediction for ``compress=spec`` on ``cal``'s model at ``world`` workers, each host's NIC
     at ``link`` (bytes/s, or a tc rate such as ``'100mbit'``), ``workers_per_host`` to a host. Pure
     arithmetic: ``spec`` must be measured in ``cal`` already (:func:`with_compressors`), else
@@ -328,14 +330,17 @@ def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime 
         encode_decode_s                        the step's compressor compute (all buckets, all rounds)
         pays                                   step_s < uncompressed_step_s
         crossover_bps                          the link rate (bytes/s) below which it pays (inf: any; 0: none)
+
+    ``overhead_s``: a per-step overhead the model leaves out, added to both steps (:func:`step_overhead`
+    measures it on a run's uncompressed step).
     """
     reg = parse_regime(regime) if isinstance(regime, str) else regime
     return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale), world,
-                      batch, ef)
+                      batch, ef, overhead_s)
 
 
 def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, world: int, batch: int | None = None,
-               ef: bool = True) -> dict:
+               ef: bool = True, overhead_s: float = 0.0) -> dict:
     """:func:`predict` on a whole :class:`Topology` (its ``nic_bps`` the link)."""
     cost = None
     if spec.strip().lower() not in ("", "none"):
@@ -344,13 +349,13 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
             raise ConfigError(f"plan: compress={spec} (ef={int(ef)}) is not in this calibration (it has: "
                               f"{', '.join(cal.compressors) or 'none'}); measure it with "
                               f"commlab.plan.compression.with_compressors")
-    unc_s = step(cal, None, regime, topo, world, batch)
+    unc_s = step(cal, None, regime, topo, world, batch) + overhead_s
     unc_b = bytes_per_step(_baseline(cal.compute), world)
     out = {"spec": "none", "step_s": unc_s, "bytes_per_step": unc_b, "uncompressed_step_s": unc_s,
            "uncompressed_bytes_per_step": unc_b, "bytes_ratio": 1.0, "encode_decode_s": 0.0, "pays": False,
            "crossover_bps": None, "link_bps": topo.nic_bps, "world": world, "regime": regime.url}
     if cost is not None:
-        s, nbytes = step(cal, cost, regime, topo, world, batch), bytes_per_step(cost, world)
+        s, nbytes = step(cal, cost, regime, topo, world, batch) + overhead_s, bytes_per_step(cost, world)
         out.update(spec=cost.label, step_s=s, bytes_per_step=nbytes, bytes_ratio=nbytes / unc_b if unc_b else 1.0,
                    encode_decode_s=encode_decode_s(cost, world) * topo.compute_scale, pays=s < unc_s,
                    crossover_bps=crossover(cal, cost, regime, topo, world, batch))
@@ -378,10 +383,10 @@ def with_urls(cal: Calibration, urls, world: int = 2, reps: int = 3) -> Calibrat
 
 
 def predict_url(cal: Calibration, url: str, link, world: int, workers_per_host: int = 1, batch: int | None = None,
-                compute_scale: float = 1.0) -> dict:
+                compute_scale: float = 1.0, overhead_s: float = 0.0) -> dict:
     """:func:`predict` for an exchanger URL (:func:`parse_url`); its compressor measured by :func:`with_urls`."""
     regime, spec, ef = parse_url(url)
-    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef)
+    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef, overhead_s)
 
 
 def encode_decode_s(cost: CompressorCost, n: int) -> float:
