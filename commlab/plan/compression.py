@@ -427,7 +427,8 @@ def table(cal: Calibration, specs, regime: Regime, topo: Topology, workers, batc
             at = {f"step_s_{name}": step(cal, cost, regime, replace(topo, nic_bps=rate), n, batch)
                   for name, rate in (("100mbit", 100 * MBIT), ("1gbit", GBIT))}
             data[n][spec] = x = {**x, **at}
-            out.append(f"| {n} | {x['spec']} | {x['bytes_per_step'] / 2**20:,.3g} MiB ({x['bytes_ratio']:.3g}x) | "
+            mib = x["bytes_per_step"] / 2**20
+            out.append(f"| {n} | {x['spec']} | {f'{mib:,.0f}' if mib >= 1000 else f'{mib:.3g}'} MiB ({x['bytes_ratio']:.3g}x) | "
                        f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(x['step_s_100mbit'])} | "
                        f"{_fmt_s(x['step_s_1gbit'])} | "
                        f"{fmt_rate(x['crossover_bps']) if topo.hosts(n) > 1 or spec == 'none' else 'n/a: one host'} |")
@@ -445,8 +446,15 @@ def recommend(data: dict, topo: Topology) -> list[str]:
             lines.append(f"- N = {n}: no compressor pays {where}: the uncompressed exchange is the fastest "
                          f"({_fmt_s(base['step_s'])} a step).")
             continue
-        best, below = paying[0], (lambda x: f"below {fmt_rate(x['crossover_bps'])}" if topo.hosts(n) > 1
-                                  else "on one host, whatever the link")
+        best = paying[0]
+
+        def below(x: dict) -> str:
+            if topo.hosts(n) == 1:
+                return "on one host, whatever the link"
+            if math.isinf(x["crossover_bps"]):
+                return "at any link rate (the transport's own per-byte cost is the limit)"
+            return f"below {fmt_rate(x['crossover_bps'])}"
+
         text = (f"- **N = {n}: compress={best['spec']}**, step {_fmt_s(best['step_s'])} against "
                 f"{_fmt_s(base['step_s'])} uncompressed ({base['step_s'] / best['step_s']:.2f}x), "
                 f"{best['bytes_ratio']:.3g}x the bytes; it pays {below(best)}")
