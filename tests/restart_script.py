@@ -36,8 +36,10 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + r)
+def batch(step: int, r: int, attempt: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's batch of ``step``; each attempt draws other data, so a step's result tells which attempt's
+    pushes it was made of."""
+    g = torch.Generator().manual_seed(1000 * step + r + 100_000 * attempt)
     x = torch.randn(8, 5, generator=g)
     return x, x.sum(1, keepdim=True).sin()
 
@@ -54,7 +56,7 @@ def build(kind: str):
 
 def loss_of(model, step: int, r: int) -> torch.Tensor:
     if kind == "mlp":
-        x, y = batch(step, r)
+        x, y = batch(step, r, attempt)
         return nn.functional.mse_loss(model(x), y)
     return (model.weight * (r + 1)).sum()
 

@@ -2,10 +2,10 @@
 
 The program (shared with tests/test_compress_ring.py, which runs it over ring://) makes the default process
 group itself first (as a DDP script would), so every exchanger borrows it: each must leave it working after
-close(). Per compressor, every step: each rank's exchanged
-gradient equals what the in-process simulation of N ranks' compressors (commlab.compress.simulate)
-computes from every rank's gradient; the parameters are bitwise equal on every rank; the bytes the step
-reports equal the closed form; and resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
+close(). Per compressor, every step: each rank's exchanged gradient equals what the in-process simulation of N
+ranks' compressors (commlab.compress.simulate) computes from every rank's gradient; the parameters and the
+optimizer's momentum are bitwise equal on every rank; the bytes the step reports equal the closed form; and
+resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
 """
 
 import math
@@ -50,8 +50,10 @@ def loss(model, x, y):
     return nn.functional.mse_loss(model(x), y)
 
 
-def digest(model):
-    return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+def digest(model, opt):  # the parameters' and the optimizer's momentum buffers' bits
+    params = list(model.parameters())
+    state = [opt.state[p]["momentum_buffer"] for p in params if p in opt.state]
+    return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in params + state)).hexdigest()[:16]
 
 
 def run(query, model, opt, ex, steps, sims=None):
@@ -79,7 +81,7 @@ def run(query, model, opt, ex, steps, sims=None):
         opt.step()
         seen["bytes"].append(ex.last_report.bytes_sent)
         seen["raw"].append(ex.last_report.bytes_uncompressed)
-        seen["digests"].append(digest(model))
+        seen["digests"].append(digest(model, opt))
     return seen
 
 
@@ -205,7 +207,7 @@ DIFFERENT = """
 import os, torch, commlab
 from torch import nn
 spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
-ex = commlab.connect("allreduce://?timeout=20&compress=" + spec)
+ex = commlab.connect("%s://?timeout=20&compress=" + spec)
 try:
     ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
     print("no error")
@@ -214,8 +216,9 @@ except commlab.ConfigError as e:
 """
 
 
-def test_ranks_that_compress_differently_are_refused_by_name(run_ranks):
-    res = run_ranks(DIFFERENT, 2, check=False, timeout=60)
+@pytest.mark.parametrize("scheme", ["allreduce", "ring"])
+def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, scheme):
+    res = run_ranks(DIFFERENT % scheme, 2, check=False, timeout=60)
     for r in res:  # both: rank 1, and rank 0, which reads every rank's
         assert "REFUSED rank 1 has compress=topk:0.01&ef=1 but rank 0 has compress=fp16&ef=1: every rank must " \
                "compress alike" in r.out, r.out + r.err

@@ -48,16 +48,16 @@ def _records(tmp_path: Path, attempt: int, workers: int = 2) -> list[dict]:
     return [json.loads((tmp_path / "out" / f"rank{r}.attempt{attempt}.json").read_text()) for r in range(workers)]
 
 
-def _reference(workers: int = 2) -> tuple[dict, list, float]:
-    """One process on the combined batch: the script's mlp, SGD with momentum, StepLR, STEPS steps."""
-    sys.path.insert(0, str(ROOT / "tests"))
+def _reference(restarted_from: int, workers: int = 2) -> tuple[dict, list, float]:
+    """One process on the combined batch: the script's mlp, SGD with momentum, StepLR, STEPS steps, the
+    batches of steps from ``restarted_from`` on those of attempt 1 (the script draws other data per attempt)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     for step in range(STEPS):
         opt.zero_grad()
-        xs, ys = zip(*(_batch(step, r) for r in range(workers)))
+        xs, ys = zip(*(_batch(step, r, int(step >= restarted_from)) for r in range(workers)))
         nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
         sched.step()
@@ -65,8 +65,8 @@ def _reference(workers: int = 2) -> tuple[dict, list, float]:
     return model.state_dict(), momentum, opt.param_groups[0]["lr"]
 
 
-def _batch(step: int, r: int):
-    g = torch.Generator().manual_seed(1000 * step + r)
+def _batch(step: int, r: int, attempt: int):
+    g = torch.Generator().manual_seed(1000 * step + r + 100_000 * attempt)
     x = torch.randn(8, 5, generator=g)
     return x, x.sum(1, keepdim=True).sin()
 
@@ -86,7 +86,8 @@ def _leftovers(tmp_path: Path, before: set[str]) -> list[str]:
 def test_a_rank_killed_with_its_step_in_flight_resumes_from_the_servers_and_applies_it_once(tmp_path, k):
     """Rank 1 dies at step 7 once rank 0's push of step 7 is on every shard; the job restarts, both ranks
     resume at ex.start_step == 7 with the servers' parameters, momentum and their own committed scheduler,
-    and the end equals one process on the combined batch: step 7 applied once, from the new attempt."""
+    and the end equals one process on the combined batch: step 7 applied once, from the new attempt (each
+    attempt draws other data, so keeping the dead attempt's push, or adding both, gives another result)."""
     shm_before = set(os.listdir("/dev/shm"))
     r = _run(tmp_path, f"ps://?shards={k}&mode=sync&update=server", "mlp", KILL_RANK=1, KILL_STEP=7,
              KILL_AFTER_PUSH_OF=0)
@@ -97,7 +98,7 @@ def test_a_rank_killed_with_its_step_in_flight_resumes_from_the_servers_and_appl
     first = json.loads((tmp_path / "out" / "rank0.attempt0.json").read_text()) \
         if (tmp_path / "out" / "rank0.attempt0.json").exists() else None
     assert first is None  # rank 0 was stopped in step 7, never finished attempt 0
-    want, momentum, lr = _reference()
+    want, momentum, lr = _reference(restarted_from=7)  # step 7 made of the new attempt's pushes alone
     for rec in _records(tmp_path, 1):
         assert rec["start_step"] == 7 and rec["ran"] == STEPS - 7, rec
         assert rec["restored"] == {"step": 7}, rec
@@ -118,7 +119,7 @@ def test_a_step_applied_on_one_shard_only_is_applied_on_the_other_once(tmp_path)
     commit as duplicates, shard 1 applies step 7 from the pushes it holds, once; the end equals one process."""
     r = _run(tmp_path, "ps://?shards=2&mode=sync&update=server", "mlp", KILL_BETWEEN_COMMITS_OF=7)
     assert r.returncode == 0, r.stderr[-3000:]
-    want, momentum, _ = _reference()
+    want, momentum, _ = _reference(restarted_from=8)  # step 7 on both shards from the dead attempt's pushes
     for rec in _records(tmp_path, 1):
         assert rec["start_step"] == 7, rec
         for key, value in want.items():
@@ -246,7 +247,7 @@ def test_the_same_restart_under_torchrun_with_servers_started_beside_it(tmp_path
                   env=child_env(COMMLAB_EXCHANGER=f"ps://{server.address}?mode=sync&update=server", OMP_NUM_THREADS=1,
                                 KILL_RANK=1, KILL_STEP=7, KILL_AFTER_PUSH_OF=0))
     assert r.returncode == 0, r.stderr[-3000:]
-    want, momentum, _ = _reference()
+    want, momentum, _ = _reference(restarted_from=7)
     for rec in _records(tmp_path, 1):
         assert rec["start_step"] == 7 and rec["restored"] == {"step": 7}, rec
         for key, value in want.items():

@@ -492,7 +492,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
                               f"your optimizer steps on the workers")
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
+        from torch.distributed.tensor import DTensor
         for name, shape, dtype in manifest:
+            if isinstance(params[name], DTensor):
+                raise ConfigError(f"ps:// serves whole tensors, and {name} is a DTensor (tensor parallel): exchange "
+                                  f"its shards with allreduce:// or ring:// over the data-parallel group")
             if params[name].device.type not in ("cpu", "cuda"):
                 raise ConfigError(f"ps:// serves workers whose parameters are on the CPU or a CUDA GPU, and {name} is "
                                   f"on {params[name].device}")
