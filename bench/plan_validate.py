@@ -112,12 +112,20 @@ def link_goodput(links: Links, out: Path) -> tuple[float, str]:
     return rate, f"not measured (the tcp-duplex run failed): tc rate x 1448/1514 = {rate / 1e6:.1f} MB/s"
 
 
-def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
-            straggler: Straggler | None = None) -> tuple[SimResult, float | None]:
-    """(the simulator's result for ``url``, None); with ``compress=`` in it, the step is the compression
-    model's (:func:`commlab.plan.compression.predict_at`, identical workers), and its crossover rate (bytes/s)."""
+def topology(n: int, rate_bps: float, share: float = 1.0) -> Topology:
+    """The validation's hosts: one worker each, all on this machine's cores. ``compute_scale`` stretches compute
+    by N / cores where there are more workers than cores; ``share`` (:func:`commlab.plan.calibrate.cpu_share`
+    of N busy processes, which counts that stretch too) enters as the share beyond it."""
     scale = max(1.0, n / (os.cpu_count() or 1))
-    topo = Topology(1, rate_bps, rate_bps, scale)
+    return Topology(1, rate_bps, rate_bps, scale, min(1.0, share * scale))
+
+
+def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
+            straggler: Straggler | None = None, share: float = 1.0) -> tuple[SimResult, float | None]:
+    """(the simulator's result for ``url``, None); with ``compress=`` in it, the step is the compression
+    model's (:func:`commlab.plan.compression.predict_at`, identical workers, ``share`` of a core each while
+    all compute), and its crossover rate (bytes/s)."""
+    topo = topology(n, rate_bps, share)
     regime, spec, ef = compression.parse_url(url)
     res = simulate(cal, topo, regime, n, batch, straggler, steps=12)
     if spec.strip().lower() in ("", "none"):
@@ -132,10 +140,9 @@ def add_overhead(points: list[dict], cal: Calibration) -> None:
     (:func:`commlab.plan.compression.step_overhead`; the step's own mechanics, and what the calibration's
     single process did not see of two workers sharing these cores)."""
     for p, u in compressed_pairs(points):
-        scale = max(1.0, p["workers"] / (os.cpu_count() or 1))
-        o = compression.step_overhead(cal, u["compute_median"], p["batch"], scale)
+        topo = topology(p["workers"], p["link_bps"], p.get("cpu_share", 1.0))
+        o = compression.step_overhead(cal, u["compute_median"], p["batch"], topo.compute_scale)
         regime, spec, ef = compression.parse_url(p["url"])
-        topo = Topology(1, p["link_bps"], p["link_bps"], scale)
         pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef, o)["step_s"]
         p.update(overhead_s=o, predicted_with_overhead=pred,
                  error_with_overhead_pct=100 * (pred - p["median"]) / p["median"])
@@ -264,7 +271,9 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                                            f"{p['predicted_with_overhead'] * 1e3:.0f} ms {p['error_with_overhead_pct']:+.1f}%"
                                            for p in with_o)) if with_o else ""
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
-                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)})"
+                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)}; "
+                   f"each worker's share of a core, N processes spinning just before the point: "
+                   + ", ".join(f"{p['rate']} {p.get('cpu_share', 1.0):.2f}" for p in squeezed) + ")"
                    f"{again}; "
                    f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
                    f"paid (or did not) at **{x_agree}** of {x_checked}" + (f"; not: {', '.join(x_misses)}" if x_misses else "")
@@ -300,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compress", nargs="*", default=[], metavar="SPEC",
                    help="also each all-reduce regime with compress=SPEC (e.g. powersgd:4,start_iter=3), predicted "
                         "by commlab.plan.compression and checked: step within 15%%, crossover on the measured side")
+    p.add_argument("--share-seconds", type=float, default=2.0,
+                   help="before each compressed point, N processes spin this long to measure the share of a core "
+                        "each worker gets (commlab.plan.calibrate.cpu_share); 0: assume a core each")
     p.add_argument("--model", default="mlp-25m")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=7)
@@ -357,12 +369,15 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() - t0 > a.budget_s:
                         print(f"plan_validate: budget spent; {rate} N={n} {name} not run", file=sys.stderr)
                         continue
+                    # what each of N busy workers gets of this machine's cores now, just before the run
+                    share = C.cpu_share(n, a.share_seconds) if spec and a.share_seconds > 0 else 1.0
                     rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out)
-                    pred, cross = predict(cal, url, n, goodput, a.batch_size)
+                    pred, cross = predict(cal, url, n, goodput, a.batch_size, share=share)
                     reg = compression.parse_url(REGIMES[base])[0]
                     rec.update(rate=rate, regime=name, base=base, compress=spec, batch=a.batch_size,
                                predicted=pred.step_s, link_bps=goodput, predicted_compute=pred.compute_s,
-                               hosts=n + (reg.shards if reg.kind == "ps" else 0), crossover_bps=cross)
+                               hosts=n + (reg.shards if reg.kind == "ps" else 0), crossover_bps=cross,
+                               cpu_share=share)
                     if rec["ok"]:
                         rec["error_pct"] = 100 * (pred.step_s - rec["median"]) / rec["median"]
                     points.append(rec)

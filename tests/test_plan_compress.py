@@ -125,6 +125,31 @@ def test_a_summed_compressor_pays_below_the_rate_where_its_encoding_equals_the_b
     assert K.step(cal, half, RING, slower, 4) == pytest.approx(2 * (E + D) + 1.5 * (S / 2) / 1e8, rel=1e-12)
 
 
+def test_a_worker_sharing_its_core_takes_at_least_its_cpu_time_over_its_share():
+    """One bucket of S bytes, fwd F, bwd W, encode E, decode D, optimizer O, at N = 2 on a link of rate B (commlab's
+    swap: S'/B for S' bytes). With a core each the compressed step is the path F + W + E + S'/B + D + O; with
+    a share s of a core while all compute it is max(that, (F + W + E + D + O) / s). The uncompressed step
+    (F + W + S/B + O: its worker waits on the link most of the time) keeps its path until S/B shrinks below
+    the bound; the crossover is where the compressed step, now the bound, equals the uncompressed path."""
+    S, P, F, W, E, D, O = 2**26, 2**16, 0.1, 0.2, 0.03, 0.05, 0.02
+    cal = profile([S], fwd=F, bwd=W, opt=O / S)
+    low = cost((("sum",),), ((P,),), ((E,),), (D,))
+    cal = cal.with_compressors(low)
+    cpu = F + W + E + D + O
+    for rate, share in ((1.25e7, 1.0), (1.25e7, 0.5), (1.25e8, 0.25), (1.25e9, 0.4)):
+        topo = Topology(1, rate, 1e15, cpu_share=share)
+        path = F + W + E + P / rate + D + O
+        assert K.step(cal, low, RING, topo, 2) == pytest.approx(max(path, cpu / share), rel=1e-12)
+        assert K.step(cal, None, RING, topo, 2) == pytest.approx(max(F + W + S / rate + O, (F + W + O) / share),
+                                                                 rel=1e-12)
+    share = 0.25  # compressed: cpu / share = 1.6 s (its path is shorter), uncompressed: F + W + S/B + O (its bound 1.28 s)
+    star = S / (cpu / share - F - W - O)
+    cross = K.crossover(cal, low, RING, Topology(1, 1e8, 1e15, cpu_share=share), 2)
+    assert cross == pytest.approx(star, rel=1e-9)
+    p = K.predict(cal, "hand", star / 2, 2, cpu_share=share)
+    assert p["step_s"] == pytest.approx(cpu / share) and p["pays"]
+
+
 def test_a_runs_step_overhead_is_its_step_less_wait_beyond_the_calibrated_compute_and_moves_no_crossover():
     cal = profile([2**20], fwd=0.001, bwd=0.002, opt=1e-8)  # 96 ms forward + backward at batch 32, 10.5 ms opt
     assert K.step_overhead(cal, 0.096 + 2**20 * 1e-8 + 0.05, 32) == pytest.approx(0.05)
@@ -221,6 +246,21 @@ def test_a_bad_compress_spec_is_one_line_naming_the_option_and_exit_2(spec, matc
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith(f"commlab plan: --compress {spec}: ")
     assert match in err
     assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "half", "-0.2"])
+def test_a_bad_cpu_share_is_one_line_naming_the_option_and_exit_2(share, capsys, tmp_path):
+    rc = plan_main(["--cpu-share", share, "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("commlab plan: --cpu-share: ")
+    assert not any(tmp_path.iterdir())
+
+
+def test_cpu_share_is_a_share_and_refuses_a_bad_count():
+    """Spinning processes report a share of a core in (0, 1] (its value depends on the machine's load: not checked)."""
+    assert 0 < C.cpu_share(1, seconds=0.05) <= 1
+    with pytest.raises(ConfigError, match="procs must be >= 1"):
+        C.cpu_share(0)
 
 
 def test_the_bench_predicts_by_its_entries_urls(compute):

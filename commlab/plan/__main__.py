@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -42,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--intra", default="20gbps", help="between workers on one host")
     p.add_argument("--workers-per-host", type=int, default=8)
     p.add_argument("--compute-scale", type=float, default=1.0, help="stretch the measured compute (other hardware)")
+    p.add_argument("--cpu-share", default="1",
+                   help="share of a core each worker gets while all of a host's workers compute (hosts running "
+                        "other work too): a number in (0, 1], or 'measure': --workers-per-host processes spin on "
+                        "this machine now (commlab.plan.calibrate.cpu_share); bounds a compressed step from below")
     p.add_argument("--straggler", default="none", help="none, lognormal:SIGMA, slow:SECONDS[:COUNT], factor:F[:COUNT]; "
                                                        "join with +")
     p.add_argument("--max-shards", type=int, default=256, help="largest K searched for the crossover")
@@ -56,6 +61,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="folder for plan.md, plan.json, plan.png (default runs/plan-<UTC time>)")
     p.add_argument("--seed", type=int, default=0)
     return p
+
+
+def parse_cpu_share(text: str, workers_per_host: int) -> float:
+    """``--cpu-share``: a number in (0, 1], or 'measure' (:func:`commlab.plan.calibrate.cpu_share` of a host's
+    workers, here and now)."""
+    if text.strip().lower() == "measure":
+        return C.cpu_share(max(1, workers_per_host))
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise ConfigError(f"--cpu-share: give a number in (0, 1] or 'measure', not {text!r}")
+    return share
 
 
 def load_calibration(a) -> Calibration:
@@ -78,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if not workers or min(workers) < 1:
             raise ConfigError("--workers: give positive worker counts, e.g. 8,64,512")
         regimes = [parse_regime(u) for u in a.regimes]
-        topo = Topology(a.workers_per_host, parse_rate(a.link), parse_rate(a.intra), a.compute_scale)
+        topo = Topology(a.workers_per_host, parse_rate(a.link), parse_rate(a.intra), a.compute_scale,
+                        parse_cpu_share(a.cpu_share, a.workers_per_host))
         straggler = Straggler.parse(a.straggler)
         specs = compress_specs(a.compress)
         creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))

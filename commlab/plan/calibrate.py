@@ -37,6 +37,10 @@ BENCH_REGIMES = {"gloo": ("gloo", 0), "nccl": ("nccl", 0), "ring-tcp": ("ring", 
                  "ring-torch": ("ring-torch", 0), "ps-1": ("ps", 1), "ps-2": ("ps", 2)}
 CALIBRATION_REGIMES = "gloo,ring-tcp,ring-torch,ps-1"
 CALIBRATION_SIZES = "64K,1M,8M"
+# every calibrated compute time is this thread's CPU time (all of it runs in the calling thread, one intra-op
+# thread): what the work costs while it has a core, however busy the machine is; what a worker gets of the
+# cores while all compute is cpu_share's part
+cpu_clock = time.thread_time
 
 
 # ----- the model -----------------------------------------------------------------------------------
@@ -82,7 +86,7 @@ def measure_compute(model: nn.Module, sample_shape: tuple[int, ...], batch: int,
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         buckets = make_buckets(named, int(bucket_mb * 2**20), carry_presence=False)
         landed: dict[int, float] = {}
-        handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: landed.__setitem__(i, time.perf_counter()))
+        handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: landed.__setitem__(i, cpu_clock()))
                    for i, (_, p) in enumerate(named)]
         index = {id(p): i for i, (_, p) in enumerate(named)}
         x = torch.rand(batch, *sample_shape)
@@ -91,11 +95,11 @@ def measure_compute(model: nn.Module, sample_shape: tuple[int, ...], batch: int,
             for rep in range(reps + 2):
                 model.zero_grad(set_to_none=True)
                 landed.clear()
-                t0 = time.perf_counter()
+                t0 = cpu_clock()
                 loss = model(x).float().sum()
-                t1 = time.perf_counter()
+                t1 = cpu_clock()
                 loss.backward()
-                t2 = time.perf_counter()
+                t2 = cpu_clock()
                 if rep < 2:  # warm-up: first touches of memory, lazy initialisation
                     continue
                 fwd.append(t1 - t0)
@@ -127,11 +131,11 @@ def measure_server_costs(nbytes: int = 16 * 2**20, reps: int = 7) -> tuple[float
         opt = torch.optim.SGD([p], lr=0.01)
         adds, steps = [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = cpu_clock()
             acc.add_(g, alpha=0.5)
-            t1 = time.perf_counter()
+            t1 = cpu_clock()
             opt.step()
-            t2 = time.perf_counter()
+            t2 = cpu_clock()
             adds.append(t1 - t0)
             steps.append(t2 - t1)
         return statistics.median(adds) / nbytes, statistics.median(steps) / nbytes
@@ -183,6 +187,51 @@ def transports_from_run(run_dir: str | Path) -> dict[str, Transport]:
     if not found:
         raise ConfigError(f"{path} holds no record of {', '.join(BENCH_REGIMES)}: nothing to calibrate from")
     return found
+
+
+# a busy process: spins until the wall-clock moment argv[1], then for argv[2] seconds; prints CPU/wall
+_SPIN = ("import sys, time\n"
+         "start, length = float(sys.argv[1]), float(sys.argv[2])\n"
+         "while time.time() < start: time.sleep(0.001)\n"
+         "w0, c0, x = time.perf_counter(), time.thread_time(), 0\n"
+         "while time.perf_counter() - w0 < length: x += 1\n"
+         "print((time.thread_time() - c0) / (time.perf_counter() - w0))\n")
+
+
+def cpu_share(procs: int, seconds: float = 1.0, timeout: float = 60.0) -> float:
+    """The share of one core each of ``procs`` busy processes gets here now: ``procs`` processes of their own
+    spin together for ``seconds``, each reporting its CPU time over its wall time; the median (at most 1).
+    It is what a worker gets while every worker on this machine computes at once, with whatever else the
+    machine runs (:func:`commlab.plan.compression.step` bounds a step by it). Blocks about ``seconds`` plus
+    the processes' start; every process is ended before it returns, also on an error (``ConfigError`` for
+    ``procs < 1`` or ``seconds <= 0``, naming it, and for a process that did not report within ``timeout``)."""
+    if procs < 1:
+        raise ConfigError(f"cpu_share: procs must be >= 1, not {procs}")
+    if seconds <= 0:
+        raise ConfigError(f"cpu_share: seconds must be > 0, not {seconds:g}")
+    start = time.time() + 0.5 + 0.1 * procs  # all spin together, after every interpreter has started
+    # each in a session of its own, as the launcher starts every worker: with the kernel's autogroup
+    # scheduling a session is a group that shares the cores with the other groups, so processes of one
+    # session would split one group's share between them
+    ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(start), repr(seconds)], stdout=subprocess.PIPE,
+                           text=True, start_new_session=True) for _ in range(procs)]
+    shares = []
+    try:
+        for i, p in enumerate(ps):
+            try:
+                out, _ = p.communicate(timeout=max(1.0, start + seconds + timeout - time.time()))
+            except subprocess.TimeoutExpired as exc:
+                raise ConfigError(f"cpu_share: spinning process {i} of {procs} did not report within "
+                                  f"{timeout:g}s") from exc
+            if p.returncode != 0 or not out.strip():
+                raise ConfigError(f"cpu_share: spinning process {i} of {procs} failed (exit {p.returncode})")
+            shares.append(min(1.0, float(out.strip())))
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return statistics.median(shares)
 
 
 def calibration_run(out_dir: str | Path, workers: int = 2, regimes: str = CALIBRATION_REGIMES,

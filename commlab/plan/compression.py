@@ -21,12 +21,18 @@ thread serving buckets in the order they are issued::
     backward ends    c = fwd + bwd + sum(enc0)
     later rounds     for b, then r = 1 .. R-1: t = max(t, end[r-1][b]) + enc_r[b]; end_r[b] = max(t, free) + T
     decode           for b: t = max(t, end[R-1][b]) + dec[b]       (gathered rounds: dec x N / N_measured)
-    step             t + the optimizer over the parameters
+    step             max(t + the optimizer over the parameters, the CPU bound)
+    CPU bound        (fwd + bwd + every round's encoding + decoding + the optimizer) / cpu_share
 
     T(sum of P bytes)    = the ring all-reduce, 2(N-1)(alpha + ceil(P/N) beta)      sends 2(N-1)/N x P
     T(gather of P bytes) = the ring all-gather, (N-1)(alpha + P beta)              sends (N-1) x P
 
-with ``beta = max(transport's own, 1 / link rate)`` (:mod:`commlab.plan.costmodel`). Uncompressed (one
+with ``beta = max(transport's own, 1 / link rate)`` (:mod:`commlab.plan.costmodel`). ``cpu_share``
+(:class:`~commlab.plan.costmodel.Topology`, measured by :func:`commlab.plan.calibrate.cpu_share`) is the share
+of a core a worker gets while all workers compute on a machine that runs other work too: the path above
+assumes a core whenever the worker computes, which holds for a worker that mostly waits on the link (the
+scheduler serves a process that slept at once) but not for one that computes throughout, as a compressed
+step does; that one gets its fair share, so its step is at least its CPU time over the share. Uncompressed (one
 summed round of the whole bucket, nothing to encode) this is :func:`commlab.plan.simulate.simulate`'s
 all-reduce step. PowerSGD's second round waits for the first's sum: its latency is paid twice, after
 backward. **The crossover** of a compressor is the link rate below which its predicted step is shorter than
@@ -55,6 +61,7 @@ from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
 from commlab.heap import keep_freed_gradients
+from commlab.plan.calibrate import cpu_clock
 from commlab.plan.rates import parse_rate
 from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
                                     parse_regime)
@@ -108,9 +115,9 @@ class _Timed:
         return payload
 
     def advance(self, key, rnd, combined):
-        t0 = time.perf_counter()
+        t0 = cpu_clock()
         payload = self.inner.advance(key, rnd, combined)
-        self.advance_s[key, rnd] = time.perf_counter() - t0
+        self.advance_s[key, rnd] = cpu_clock() - t0
         self.payloads[key, rnd] = payload
         return payload
 
@@ -169,15 +176,15 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
             for bk, src in zip(buckets, source):
                 bk.grads.copy_(src)
                 bk.flags.fill_(1)
-                t0 = time.perf_counter()
+                t0 = cpu_clock()
                 handles.append(seam.start_compressed(cast(Compressor, timed), bk, mover, f"bucket {bk.index}", True))
-                enc[bk.index][0].append(time.perf_counter() - t0)
+                enc[bk.index][0].append(cpu_clock() - t0)
             timed.advance_s.clear()
             for b, h in enumerate(handles):
                 before = sum(timed.advance_s.values())
-                t0 = time.perf_counter()
+                t0 = cpu_clock()
                 h.wait(600.0)
-                dec[b].append(time.perf_counter() - t0 - (sum(timed.advance_s.values()) - before))
+                dec[b].append(cpu_clock() - t0 - (sum(timed.advance_s.values()) - before))
             for (b, r), s in timed.advance_s.items():
                 enc[b][r].append(s)
             if step < comp.warmup_steps:
@@ -241,7 +248,9 @@ def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: To
          batch: int | None = None) -> float:
     """The predicted step (seconds) of ``n`` identical workers under all-reduce ``regime``, compressed by
     ``cost`` (None: uncompressed); see the module's text. ``topo.compute_scale`` stretches the worker's CPU
-    work: forward, backward, encoding and decoding (the optimizer stays as measured, as in the simulator)."""
+    work: forward, backward, encoding and decoding (the optimizer stays as measured, as in the simulator).
+    ``topo.cpu_share`` bounds the step from below by the worker's CPU time (that work and the optimizer)
+    over the share of a core it gets while every worker computes."""
     if regime.kind != "allreduce":
         raise ConfigError(f"plan: compression is modelled for all-reduce regimes (ring://, allreduce://), "
                           f"not {regime.url}")
@@ -264,7 +273,8 @@ def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: To
             free = end[b][r] = max(t, free) + T[b][r]
     for b in range(len(T)):
         t = max(t, end[b][-1]) + _decode_s(cost, b, n) * k
-    return t + c.param_bytes * cal.opt_s_per_byte
+    opt = c.param_bytes * cal.opt_s_per_byte
+    return max(t + opt, (fwd + bwd + encode_decode_s(cost, n) * k + opt) / topo.cpu_share)
 
 
 def step_overhead(cal: Calibration, measured_s: float, batch: int | None = None, compute_scale: float = 1.0) -> float:
@@ -318,7 +328,7 @@ def _rate(link) -> float:
 
 def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime = "ring://",
             workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True,
-            overhead_s: float = 0.0) -> dict:
+            overhead_s: float = 0.0, cpu_share: float = 1.0) -> dict:
     """The planner's prediction for ``compress=spec`` on ``cal``'s model at ``world`` workers, each host's NIC
     at ``link`` (bytes/s, or a tc rate such as ``'100mbit'``), ``workers_per_host`` to a host. Pure
     arithmetic: ``spec`` must be measured in ``cal`` already (:func:`with_compressors`), else
@@ -332,10 +342,12 @@ def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime 
         crossover_bps                          the link rate (bytes/s) below which it pays (inf: any; 0: none)
 
     ``overhead_s``: a per-step overhead the model leaves out, added to both steps (:func:`step_overhead`
-    measures it on a run's uncompressed step).
+    measures it on a run's uncompressed step). ``cpu_share``: the share of a core each worker gets while all
+    compute (:attr:`Topology.cpu_share <commlab.plan.costmodel.Topology>`).
     """
     reg = parse_regime(regime) if isinstance(regime, str) else regime
-    return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale), world,
+    return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale,
+                                                cpu_share=cpu_share), world,
                       batch, ef, overhead_s)
 
 
@@ -383,10 +395,11 @@ def with_urls(cal: Calibration, urls, world: int = 2, reps: int = 3) -> Calibrat
 
 
 def predict_url(cal: Calibration, url: str, link, world: int, workers_per_host: int = 1, batch: int | None = None,
-                compute_scale: float = 1.0, overhead_s: float = 0.0) -> dict:
+                compute_scale: float = 1.0, overhead_s: float = 0.0, cpu_share: float = 1.0) -> dict:
     """:func:`predict` for an exchanger URL (:func:`parse_url`); its compressor measured by :func:`with_urls`."""
     regime, spec, ef = parse_url(url)
-    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef, overhead_s)
+    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef, overhead_s,
+                   cpu_share)
 
 
 def encode_decode_s(cost: CompressorCost, n: int) -> float:

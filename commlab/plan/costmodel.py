@@ -160,12 +160,16 @@ class Calibration:
 class Topology:
     """Hosts x workers per host; each host has one NIC (full duplex, ``nic_bps`` each way) and an
     intra-host path (``intra_bps``). ``compute_scale`` stretches every worker's compute (e.g. more
-    processes than cores: the validation's hosts share one 2-core machine)."""
+    processes than cores: the validation's hosts share one 2-core machine). ``cpu_share`` is the share of
+    a core each worker gets while all of them compute at once on a machine that runs other work too
+    (:func:`commlab.plan.calibrate.cpu_share`; 1: a core each): a step whose worker computes throughout
+    cannot be shorter than its CPU time over that share (:func:`commlab.plan.compression.step`)."""
 
     workers_per_host: int = 1
     nic_bps: float = 100 * GBIT
     intra_bps: float = 20e9
     compute_scale: float = 1.0
+    cpu_share: float = 1.0
 
     def hosts(self, workers: int) -> int:
         return math.ceil(workers / self.workers_per_host)
