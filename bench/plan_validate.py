@@ -65,9 +65,20 @@ def quantile(v: Sequence[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
+def share_now(cal: Calibration, url: str, n: int, a) -> float | None:
+    """:func:`commlab.plan.calibrate.cpu_share` of ``n`` processes burning the CPU of ``url``'s step (compressed
+    entries only, ``--share-seconds`` > 0; else None)."""
+    regime, spec, ef = compression.parse_url(url)
+    if spec.strip().lower() in ("", "none") or a.share_seconds <= 0:
+        return None
+    cost = cal.compressors[spec if ef else f"{spec} (ef=0)"]
+    return C.cpu_share(n, a.share_seconds, compression.step_cpu_s(cal, cost, n, a.batch_size))
+
+
 def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, module: str = "workers",
-              env_extra: dict | None = None, steps: int | None = None) -> dict:
-    """Train ``n`` workers under ``url`` (over ``links`` if given); the steps after the warm-up."""
+              env_extra: dict | None = None, steps: int | None = None, around=None) -> dict:
+    """Train ``n`` workers under ``url`` (over ``links`` if given); the steps after the warm-up. ``around``:
+    called just before and just after the run (e.g. a measurement of the machine's load)."""
     metrics = out / "raw" / f"{name}.jsonl"
     stats_dir = out / "raw" / f"{name}.stats"
     stats_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +89,11 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     argv += ["--", "--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seed", "0",
              "--metrics", str(metrics), "--no-progress"]
     env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir), **(env_extra or {}))
+    if around:
+        around()
     res = run_job(argv, out / "logs" / f"{name}.log", a.job_timeout, env=env)
+    if around:
+        around()
     ranks = read_metrics(metrics, n)
     times = [x["step_s"] for lines in ranks for x in lines[a.warmup:]]
     # one sample per step: the ranks' mean of step t (a synchronous step ends on every rank together,
@@ -272,7 +287,7 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                                            for p in with_o)) if with_o else ""
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
                    f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)}; "
-                   f"each worker's share of a core, N processes spinning just before the point: "
+                   f"each worker's share of a core, N processes computing in lockstep just before and after the point: "
                    + ", ".join(f"{p['rate']} {p.get('cpu_share', 1.0):.2f}" for p in squeezed) + ")"
                    f"{again}; "
                    f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
@@ -310,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also each all-reduce regime with compress=SPEC (e.g. powersgd:4,start_iter=3), predicted "
                         "by commlab.plan.compression and checked: step within 15%%, crossover on the measured side")
     p.add_argument("--share-seconds", type=float, default=2.0,
-                   help="before each compressed point, N processes spin this long to measure the share of a core "
-                        "each worker gets (commlab.plan.calibrate.cpu_share); 0: assume a core each")
+                   help="before and after each compressed point, N processes compute in lockstep this long to "
+                        "measure the share of a core each worker gets (commlab.plan.calibrate.cpu_share); 0: "
+                        "assume a core each")
     p.add_argument("--model", default="mlp-25m")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=7)
@@ -369,9 +385,12 @@ def main(argv: list[str] | None = None) -> int:
                     if time.monotonic() - t0 > a.budget_s:
                         print(f"plan_validate: budget spent; {rate} N={n} {name} not run", file=sys.stderr)
                         continue
-                    # what each of N busy workers gets of this machine's cores now, just before the run
-                    share = C.cpu_share(n, a.share_seconds) if spec and a.share_seconds > 0 else 1.0
-                    rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out)
+                    # what each of N workers computing in lockstep gets of this machine's cores, measured
+                    # just before and just after the run (the machine's other work comes and goes): the mean
+                    shares: list[float | None] = []
+                    rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out,
+                                    around=lambda: shares.append(share_now(cal, url, n, a)))
+                    share = statistics.fmean(x for x in shares if x is not None) if any(shares) else 1.0
                     pred, cross = predict(cal, url, n, goodput, a.batch_size, share=share)
                     reg = compression.parse_url(REGIMES[base])[0]
                     rec.update(rate=rate, regime=name, base=base, compress=spec, batch=a.batch_size,

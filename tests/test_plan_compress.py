@@ -136,6 +136,8 @@ def test_a_worker_sharing_its_core_takes_at_least_its_cpu_time_over_its_share():
     low = cost((("sum",),), ((P,),), ((E,),), (D,))
     cal = cal.with_compressors(low)
     cpu = F + W + E + D + O
+    assert K.step_cpu_s(cal, low, 2) == pytest.approx(cpu) and K.step_cpu_s(cal, None, 2) == pytest.approx(F + W + O)
+    assert K.step_cpu_s(cal, low, 2, compute_scale=2.0) == pytest.approx(2 * (cpu - O) + O)
     for rate, share in ((1.25e7, 1.0), (1.25e7, 0.5), (1.25e8, 0.25), (1.25e9, 0.4)):
         topo = Topology(1, rate, 1e15, cpu_share=share)
         path = F + W + E + P / rate + D + O
@@ -256,11 +258,14 @@ def test_a_bad_cpu_share_is_one_line_naming_the_option_and_exit_2(share, capsys,
     assert not any(tmp_path.iterdir())
 
 
-def test_cpu_share_is_a_share_and_refuses_a_bad_count():
-    """Spinning processes report a share of a core in (0, 1] (its value depends on the machine's load: not checked)."""
-    assert 0 < C.cpu_share(1, seconds=0.05) <= 1
-    with pytest.raises(ConfigError, match="procs must be >= 1"):
-        C.cpu_share(0)
+def test_cpu_share_is_a_share_and_refuses_bad_settings():
+    """Processes computing in lockstep give a share of a core in (0, 1] (its value depends on the machine's
+    load: not checked)."""
+    assert 0 < C.cpu_share(2, seconds=0.05, step_cpu_s=0.005) <= 1
+    for kw, match in (({"procs": 0}, "procs must be >= 1"), ({"procs": 1, "seconds": 0}, "seconds must be > 0"),
+                      ({"procs": 1, "step_cpu_s": -1}, "step_cpu_s must be > 0")):
+        with pytest.raises(ConfigError, match=match):
+            C.cpu_share(**kw)
 
 
 def test_the_bench_predicts_by_its_entries_urls(compute):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import select
 import statistics
 import subprocess
 import sys
@@ -189,49 +190,57 @@ def transports_from_run(run_dir: str | Path) -> dict[str, Transport]:
     return found
 
 
-# a busy process: spins until the wall-clock moment argv[1], then for argv[2] seconds; prints CPU/wall
+# a synthetic worker: per step, argv[1] seconds of CPU, then it says so ("x") and waits for the others ("g")
 _SPIN = ("import sys, time\n"
-         "start, length = float(sys.argv[1]), float(sys.argv[2])\n"
-         "while time.time() < start: time.sleep(0.001)\n"
-         "w0, c0, x = time.perf_counter(), time.thread_time(), 0\n"
-         "while time.perf_counter() - w0 < length: x += 1\n"
-         "print((time.thread_time() - c0) / (time.perf_counter() - w0))\n")
+         "cpu, out, inp = float(sys.argv[1]), sys.stdout.buffer, sys.stdin.buffer\n"
+         "while True:\n"
+         "    c0, x = time.thread_time(), 0\n"
+         "    while time.thread_time() - c0 < cpu:\n"
+         "        for _ in range(1000): x += 1\n"
+         "    out.write(b'x'); out.flush()\n"
+         "    if inp.read(1) != b'g': break\n")
 
 
-def cpu_share(procs: int, seconds: float = 1.0, timeout: float = 60.0) -> float:
-    """The share of one core each of ``procs`` busy processes gets here now: ``procs`` processes of their own
-    spin together for ``seconds``, each reporting its CPU time over its wall time; the median (at most 1).
-    It is what a worker gets while every worker on this machine computes at once, with whatever else the
-    machine runs (:func:`commlab.plan.compression.step` bounds a step by it). Blocks about ``seconds`` plus
-    the processes' start; every process is ended before it returns, also on an error (``ConfigError`` for
-    ``procs < 1`` or ``seconds <= 0``, naming it, and for a process that did not report within ``timeout``)."""
-    if procs < 1:
-        raise ConfigError(f"cpu_share: procs must be >= 1, not {procs}")
-    if seconds <= 0:
-        raise ConfigError(f"cpu_share: seconds must be > 0, not {seconds:g}")
-    start = time.time() + 0.5 + 0.1 * procs  # all spin together, after every interpreter has started
-    # each in a session of its own, as the launcher starts every worker: with the kernel's autogroup
-    # scheduling a session is a group that shares the cores with the other groups, so processes of one
-    # session would split one group's share between them
-    ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(start), repr(seconds)], stdout=subprocess.PIPE,
-                           text=True, start_new_session=True) for _ in range(procs)]
-    shares = []
+def cpu_share(procs: int, seconds: float = 2.0, step_cpu_s: float = 0.1, timeout: float = 60.0) -> float:
+    """The share of a core each of ``procs`` workers gets here now while they compute in lockstep: ``procs``
+    processes of their own each burn ``step_cpu_s`` of CPU per step and wait for one another at the step's
+    end (a synchronous step of pure compute), for about ``seconds`` after a first step; the share is
+    ``steps x step_cpu_s / wall``, at most 1. Each runs in a session of its own, as the launcher starts every
+    worker: with the kernel's autogroup scheduling a session is a group sharing the cores with the others
+    (processes of one session would split one group's share). A lockstep step waits for the slowest, so the
+    share is what the workers pay, not one process's average. Blocks about ``seconds`` plus the processes'
+    start; every process is ended before it returns, also on an error (``ConfigError`` for ``procs < 1``,
+    ``seconds <= 0`` or ``step_cpu_s <= 0``, naming it, and for a process that did not answer within
+    ``timeout``, naming it)."""
+    for name, value, ok in (("procs", procs, procs >= 1), ("seconds", seconds, seconds > 0),
+                            ("step_cpu_s", step_cpu_s, step_cpu_s > 0)):
+        if not ok:
+            raise ConfigError(f"cpu_share: {name} must be {'>= 1' if name == 'procs' else '> 0'}, not {value:g}")
+    ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(step_cpu_s)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, start_new_session=True) for _ in range(procs)]
     try:
-        for i, p in enumerate(ps):
-            try:
-                out, _ = p.communicate(timeout=max(1.0, start + seconds + timeout - time.time()))
-            except subprocess.TimeoutExpired as exc:
-                raise ConfigError(f"cpu_share: spinning process {i} of {procs} did not report within "
-                                  f"{timeout:g}s") from exc
-            if p.returncode != 0 or not out.strip():
-                raise ConfigError(f"cpu_share: spinning process {i} of {procs} failed (exit {p.returncode})")
-            shares.append(min(1.0, float(out.strip())))
+        steps, t0 = -1, 0.0
+        while steps < 3 or time.perf_counter() - t0 < seconds:
+            for i, p in enumerate(ps):
+                ready, _, _ = select.select([p.stdout], [], [], timeout)
+                if not ready or p.stdout.read(1) != b"x":
+                    raise ConfigError(f"cpu_share: process {i} of {procs} did not finish its step within "
+                                      f"{timeout:g}s (exit {p.poll()})")
+            steps += 1
+            if steps == 0:  # the first step ends: every interpreter is up, timing starts
+                t0 = time.perf_counter()
+            elapsed = time.perf_counter() - t0
+            for p in ps:
+                p.stdin.write(b"g")
+                p.stdin.flush()
+        return min(1.0, steps * step_cpu_s / elapsed)
     finally:
         for p in ps:
             if p.poll() is None:
                 p.kill()
-                p.wait()
-    return statistics.median(shares)
+            p.wait()
+            p.stdin.close()
+            p.stdout.close()
 
 
 def calibration_run(out_dir: str | Path, workers: int = 2, regimes: str = CALIBRATION_REGIMES,

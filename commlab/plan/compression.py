@@ -273,8 +273,17 @@ def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: To
             free = end[b][r] = max(t, free) + T[b][r]
     for b in range(len(T)):
         t = max(t, end[b][-1]) + _decode_s(cost, b, n) * k
-    opt = c.param_bytes * cal.opt_s_per_byte
-    return max(t + opt, (fwd + bwd + encode_decode_s(cost, n) * k + opt) / topo.cpu_share)
+    return max(t + c.param_bytes * cal.opt_s_per_byte, step_cpu_s(cal, cost, n, batch, k) / topo.cpu_share)
+
+
+def step_cpu_s(cal: Calibration, cost: CompressorCost | None, n: int, batch: int | None = None,
+               compute_scale: float = 1.0) -> float:
+    """A worker's CPU time per step (``cost`` None: uncompressed): forward, backward, every round's encoding
+    and decoding (stretched by ``compute_scale``) and the optimizer."""
+    c = cal.compute
+    batch = batch or c.batch
+    work = (c.fwd_s_per_sample + c.bwd_s_per_sample) * batch + (encode_decode_s(cost, n) if cost else 0.0)
+    return work * compute_scale + c.param_bytes * cal.opt_s_per_byte
 
 
 def step_overhead(cal: Calibration, measured_s: float, batch: int | None = None, compute_scale: float = 1.0) -> float:
