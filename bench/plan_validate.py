@@ -66,13 +66,14 @@ def quantile(v: Sequence[float], q: float) -> float:
 
 
 def share_now(cal: Calibration, url: str, n: int, a) -> float | None:
-    """:func:`commlab.plan.calibrate.cpu_share` of ``n`` processes burning the CPU of ``url``'s step (compressed
-    entries only, ``--share-seconds`` > 0; else None)."""
+    """:func:`commlab.plan.calibrate.cpu_share` of ``n`` processes burning the CPU of ``url``'s step and meeting
+    once per bucket and round of its exchange (compressed entries only, ``--share-seconds`` > 0; else None)."""
     regime, spec, ef = compression.parse_url(url)
     if spec.strip().lower() in ("", "none") or a.share_seconds <= 0:
         return None
     cost = cal.compressors[spec if ef else f"{spec} (ef=0)"]
-    return C.cpu_share(n, a.share_seconds, compression.step_cpu_s(cal, cost, n, a.batch_size))
+    syncs = sum(m != "none" for moves in cost.moves for m in moves)  # the exchange's rounds, bucket by bucket
+    return C.cpu_share(n, a.share_seconds, compression.step_cpu_s(cal, cost, n, a.batch_size), max(1, syncs))
 
 
 def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, module: str = "workers",
@@ -108,6 +109,10 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
                    # compute_s runs until backward ends, and an overlapped exchange waits inside backward)
                    compute_median=statistics.median(x["step_s"] - x["comm_s"] for lines in ranks
                                                     for x in lines[a.warmup:]))
+        cpu = [x["cpu_s"] for lines in ranks for x in lines[a.warmup:] if "cpu_s" in x]
+        if cpu:  # the worker's main-thread CPU per step: against the step, the share of a core it got
+            rec.update(cpu_median=statistics.median(cpu), share_median=statistics.median(
+                x["cpu_s"] / x["step_s"] for lines in ranks for x in lines[a.warmup:] if "cpu_s" in x))
     rec["staleness"] = read_staleness(stats_dir, ranks, res.log)
     return rec
 
@@ -277,6 +282,8 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                f". By the rougher rule of non-overlapping [p25–p75] (each rank's step a sample): "
                f"{iqr_agree} of {iqr_checked}.")
     squeezed = [p for p in ok if p.get("compress")]
+    cpu_of = [compression.step_cpu_s(cal, cal.compressors[spec if ef else f"{spec} (ef=0)"], p["workers"], p["batch"])
+              for p in squeezed for _, spec, ef in [compression.parse_url(p["url"])]]
     if squeezed:
         worst = max(abs(p["error_pct"]) for p in squeezed)
         x_checked, x_agree, x_misses = crossover_check(points)
@@ -288,7 +295,10 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
                    f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)}; "
                    f"each worker's share of a core, N processes computing in lockstep just before and after the point: "
-                   + ", ".join(f"{p['rate']} {p.get('cpu_share', 1.0):.2f}" for p in squeezed) + ")"
+                   + ", ".join(f"{p['rate']} {p.get('cpu_share', 1.0):.2f}" for p in squeezed) + "; the workers' "
+                   f"main-thread CPU per step, median, and its share of the step: " + ", ".join(
+                       f"{p['rate']} {p['cpu_median'] * 1e3:.0f} ms, {p['share_median']:.2f}" for p in squeezed
+                       if "cpu_median" in p) + f" (calibrated CPU of the step: {', '.join(sorted({f'{x * 1e3:.0f} ms' for x in cpu_of}))}))"
                    f"{again}; "
                    f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
                    f"paid (or did not) at **{x_agree}** of {x_checked}" + (f"; not: {', '.join(x_misses)}" if x_misses else "")

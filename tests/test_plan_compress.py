@@ -261,8 +261,9 @@ def test_a_bad_cpu_share_is_one_line_naming_the_option_and_exit_2(share, capsys,
 def test_cpu_share_is_a_share_and_refuses_bad_settings():
     """Processes computing in lockstep give a share of a core in (0, 1] (its value depends on the machine's
     load: not checked)."""
-    assert 0 < C.cpu_share(2, seconds=0.05, step_cpu_s=0.005) <= 1
+    assert 0 < C.cpu_share(2, seconds=0.05, step_cpu_s=0.005, syncs=2) <= 1
     for kw, match in (({"procs": 0}, "procs must be >= 1"), ({"procs": 1, "seconds": 0}, "seconds must be > 0"),
+                      ({"procs": 1, "syncs": 0}, "syncs must be >= 1"),
                       ({"procs": 1, "step_cpu_s": -1}, "step_cpu_s must be > 0")):
         with pytest.raises(ConfigError, match=match):
             C.cpu_share(**kw)

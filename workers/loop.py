@@ -103,7 +103,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
         record: dict = {}
         for step in range(ex.start_step, cfg.steps):  # a restarted job under ps:// update=server goes on
             x, y = (t.to(device) for t in data.batch(step, rank, world, cfg.batch_size))
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             ex.zero_grad()
             logits = model(x)
             loss = F.cross_entropy(logits, y)
@@ -114,6 +114,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
             record = {"step": step, "rank": rank, "loss": loss.item(),
                       "acc": (logits.argmax(1) == y).float().mean().item(),
                       "compute_s": t1 - t0, "comm_s": report.wait_s, "step_s": t2 - t0,
+                      "cpu_s": time.thread_time() - c0,  # this thread's CPU in the step (not the exchange's threads)
                       "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
                       "time_s": t2 - t_start}
             if report.bytes_uncompressed:  # compress=: what the step would have sent without it

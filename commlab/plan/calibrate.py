@@ -190,7 +190,7 @@ def transports_from_run(run_dir: str | Path) -> dict[str, Transport]:
     return found
 
 
-# a synthetic worker: per step, argv[1] seconds of CPU, then it says so ("x") and waits for the others ("g")
+# a synthetic worker: argv[1] seconds of CPU, then it says so ("x") and waits for the others ("g"), again
 _SPIN = ("import sys, time\n"
          "cpu, out, inp = float(sys.argv[1]), sys.stdout.buffer, sys.stdin.buffer\n"
          "while True:\n"
@@ -201,39 +201,43 @@ _SPIN = ("import sys, time\n"
          "    if inp.read(1) != b'g': break\n")
 
 
-def cpu_share(procs: int, seconds: float = 2.0, step_cpu_s: float = 0.1, timeout: float = 60.0) -> float:
+def cpu_share(procs: int, seconds: float = 2.0, step_cpu_s: float = 0.1, syncs: int = 1,
+              timeout: float = 60.0) -> float:
     """The share of a core each of ``procs`` workers gets here now while they compute in lockstep: ``procs``
-    processes of their own each burn ``step_cpu_s`` of CPU per step and wait for one another at the step's
-    end (a synchronous step of pure compute), for about ``seconds`` after a first step; the share is
-    ``steps x step_cpu_s / wall``, at most 1. Each runs in a session of its own, as the launcher starts every
+    processes of their own each burn ``step_cpu_s`` of CPU per step in ``syncs`` equal parts and wait for one
+    another after each part (a synchronous step of pure compute whose exchange makes the ranks meet ``syncs``
+    times, once per bucket and round), for about ``seconds`` after a first part; the share is
+    ``parts x step_cpu_s / syncs / wall``, at most 1. Each runs in a session of its own, as the launcher starts every
     worker: with the kernel's autogroup scheduling a session is a group sharing the cores with the others
     (processes of one session would split one group's share). A lockstep step waits for the slowest, so the
     share is what the workers pay, not one process's average. Blocks about ``seconds`` plus the processes'
     start; every process is ended before it returns, also on an error (``ConfigError`` for ``procs < 1``,
-    ``seconds <= 0`` or ``step_cpu_s <= 0``, naming it, and for a process that did not answer within
+    ``seconds <= 0``, ``step_cpu_s <= 0`` or ``syncs < 1``, naming it, and for a process that did not answer within
     ``timeout``, naming it)."""
     for name, value, ok in (("procs", procs, procs >= 1), ("seconds", seconds, seconds > 0),
-                            ("step_cpu_s", step_cpu_s, step_cpu_s > 0)):
+                            ("step_cpu_s", step_cpu_s, step_cpu_s > 0), ("syncs", syncs, syncs >= 1)):
         if not ok:
-            raise ConfigError(f"cpu_share: {name} must be {'>= 1' if name == 'procs' else '> 0'}, not {value:g}")
-    ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(step_cpu_s)], stdin=subprocess.PIPE,
+            raise ConfigError(f"cpu_share: {name} must be {'>= 1' if name in ('procs', 'syncs') else '> 0'}, "
+                              f"not {value:g}")
+    part = step_cpu_s / syncs
+    ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(part)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, start_new_session=True) for _ in range(procs)]
     try:
         steps, t0 = -1, 0.0
-        while steps < 3 or time.perf_counter() - t0 < seconds:
+        while steps < 3 * syncs or time.perf_counter() - t0 < seconds:
             for i, p in enumerate(ps):
                 ready, _, _ = select.select([p.stdout], [], [], timeout)
                 if not ready or p.stdout.read(1) != b"x":
                     raise ConfigError(f"cpu_share: process {i} of {procs} did not finish its step within "
                                       f"{timeout:g}s (exit {p.poll()})")
             steps += 1
-            if steps == 0:  # the first step ends: every interpreter is up, timing starts
+            if steps == 0:  # the first part ends: every interpreter is up, timing starts
                 t0 = time.perf_counter()
             elapsed = time.perf_counter() - t0
             for p in ps:
                 p.stdin.write(b"g")
                 p.stdin.flush()
-        return min(1.0, steps * step_cpu_s / elapsed)
+        return min(1.0, steps * part / elapsed)
     finally:
         for p in ps:
             if p.poll() is None:
