@@ -240,27 +240,16 @@ class ParameterServer:
         return self.mode.waiting_for() if self.waiting else []
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
-               tracked: bool = True, link: psshm.Link | None = None) -> None:
-        at = None
-        if link is not None and parts:  # copied into the worker's outbound segment; the reply is a header
-            at = psshm.place(link.offsets, list(parts))
-            for (spec, t), o in zip(parts, at):
-                link.outbound.write(o, t)
-            self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+               tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
+        at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
-        if at is not None:
-            try:
-                transport.send(self.sock, frames, timeout=5.0, who="a worker")
-            except Exception as exc:
-                print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
-            return
         try:
-            if parts:
+            if parts and at is None:  # data frames zmq may still read from the shard's tensors: tracked
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
                 for (spec, _), tr in zip(parts, trackers[2:]):  # after identity and header
                     if tr is not None and tracked:
                         self.trackers.setdefault(spec.key, []).append(tr)
-            else:
+            else:  # a header alone (its payload, if any, is in the worker's segment)
                 transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
@@ -716,8 +705,8 @@ class ParameterServer:
     def _send(self, ident, h) -> None:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
-        link = self.links.get(ident) if h.meta.get("shm_reply") else None
-        if h.meta.get("shm_reply") and link is None:
+        payloads = self.links.get(ident) if h.meta.get("shm_reply") else psshm.FRAMES
+        if payloads is None:
             self.stats.refused += 1
             self._reply(ident, "error", rid, {"reason": f"pull from {h.sender} asks for a reply in shared memory, "
                                                         f"but its connection has no link to {self.cfg.name}"})
@@ -735,7 +724,7 @@ class ParameterServer:
             absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
-                        tracked=False, link=link)
+                        tracked=False, payloads=payloads)
             return
         if what == "csum":
             mode, units = self.mode, self.units
@@ -756,7 +745,7 @@ class ParameterServer:
             return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
-        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, link=link)
+        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, payloads=payloads)
 
     # ----- buffers, optimizer state ----------------------------------------------------------
     def _op_buffers(self, ident, h, data):
@@ -1103,12 +1092,13 @@ class ShardServer:
         return base
 
     # ----- dispatch --------------------------------------------------------------------------
-    def _link(self, ident: bytes) -> psshm.Link | None:
+    def _payloads(self, ident: bytes) -> psshm.Payloads:
+        """How this connection's payloads travel: through its shared-memory link, if a space made one."""
         for sp in self.spaces.values():
             link = sp.links.get(ident)
             if link is not None:
                 return link
-        return None
+        return psshm.FRAMES
 
     def handle(self, frames: list) -> None:
         if len(frames) < 2:
@@ -1116,12 +1106,12 @@ class ShardServer:
             return
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
-        link = self._link(ident)
+        payloads = self._payloads(ident)
         space = None
         try:
             limit = self.max_bytes
             h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
-                            region=link.inbound.size if link is not None else None)
+                            region=payloads.rx_size)
             req_id = h.meta.get("id")
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
@@ -1130,12 +1120,7 @@ class ShardServer:
                 return
             space = self._space(h)
             space.stats.bytes_in += h.data_bytes
-            if "shm" in h.meta:
-                assert link is not None  # decode refuses offsets from a connection without a link
-                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
-                data = link.inbound.frames(h)
-            else:
-                data = body[1:]
+            data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)
             if h.op == "bye" and space.closed:
                 self._free(space)
