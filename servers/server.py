@@ -171,14 +171,11 @@ class ParameterServer:
         self.starters: set[int] = set()
         self.started = False
         self.version = 0
-        self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.senders: dict[str, int] = {}  # wire sender -> rank
         self.detached: set[int] = set()
         self.gone: set[int] = set()  # ranks that said bye (closed their exchanger)
         self.joined: dict[int, tuple[int, bool]] = {}  # rank -> (first step it did not push, divide by N): ex.join()
         self.terminated: int | None = None  # the rank that joined with throw_on_early_termination: pushes refused
-        self.partial: dict[int, Partial] = {}
-        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._since_checkpoint = 0
@@ -191,6 +188,11 @@ class ParameterServer:
         self.shm_run = host.shm_run
         self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
         self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
+
+    @property
+    def last_step(self) -> dict[int, int]:
+        """rank -> last step applied (-1: none): the mode's bookkeeping (:attr:`servers.modes.Mode.last_step`)."""
+        return self.mode.last_step
 
     @property
     def sock(self) -> zmq.Socket:
@@ -497,13 +499,11 @@ class ParameterServer:
         expected = self.mode.expected_step(rank)
         if t != expected:
             raise Refused(f"push of step {t} from {h.sender}, but {self.cfg.name} expects step {expected} from it")
-        if rank in getattr(self.mode, "complete", ()):  # sync: its step is in, the others' are not yet
+        if self.mode.step_in(rank):  # sync: its step is in, the others' are not yet
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
             return
-        part = self.partial.get(rank)
-        if part is None or part.step != t:
-            part = self.partial[rank] = Partial(t)
+        part = self.mode.partial_step(rank, t)
         if "unit" in h.meta:
             self._push_unit(ident, h, data, rank, t, part)
             return
@@ -946,8 +946,7 @@ class ParameterServer:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
         self.version, self.world, self.update = state["version"], state["world"], state["update"]
-        self.mode.load(state["mode_state"])
-        self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
+        self.mode.load(state["mode_state"], {int(r): int(t) for r, t in state["last_step"].items()})
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
         self.piece_param = dict(state["piece_param"])
