@@ -315,6 +315,14 @@ def section(cells: list[dict], predictions: dict | None = None, heading: str = "
     return md
 
 
+def read_predictions(path: str | None) -> dict | None:
+    """``--predictions``' file as :func:`planner_lines` takes it: ``{(entry, link): {"step_s": X}}``."""
+    if not path:
+        return None
+    doc = json.loads(Path(path).read_text())
+    return {tuple(key.rsplit("@", 1)): value for key, value in doc.items()}
+
+
 def cells_of(a) -> list[tuple[str, str]]:
     models = [m.strip() for m in a.models.split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
@@ -346,6 +354,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no job after this many seconds")
     p.add_argument("--cell-timeout", type=float, default=600.0, help="seconds one cell's job may take")
     p.add_argument("--out", help="folder (default runs/compress-<UTC time>)")
+    p.add_argument("--predictions", help="JSON file {\"ENTRY@LINK\": {\"step_s\": X}, ...}: the planner's predicted "
+                                         "step times, set beside the measured ones")
     p.add_argument("--tiny", action="store_true", help="test-size models (a 2.4K MLP, a 1-layer LM): a smoke run")
     return p
 
@@ -374,6 +384,10 @@ def check(a) -> list[tuple[str, str]]:
             build(spec_of(c, a.start_iter))
         except ValueError as exc:
             raise ValueError(f"--compressors: {exc}") from None
+    try:
+        read_predictions(a.predictions)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--predictions: {exc}") from None
     cells = cells_of(a)
     for _, link in cells:
         if link != "loopback":
@@ -460,14 +474,13 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     a = parser().parse_args(argv)
+    t0 = time.monotonic()
     try:
-        cells = check(a)
-    except ValueError as exc:
+        cells, out = check(a), Path(a.out or Path("runs") / time.strftime("compress-%Y%m%dT%H%M%SZ", time.gmtime()))
+    except ValueError as exc:  # one line naming the option, before anything starts
         print(f"commlab bench compress: {exc}", file=sys.stderr)
         return 2
-    out = Path(a.out or Path("runs") / time.strftime("compress-%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
     progress = lambda what: print(what, file=sys.stderr, flush=True)
     try:
         done, failures = run(a, cells, out, progress)
@@ -475,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print("commlab bench compress: interrupted; every job was stopped", file=sys.stderr)
         return 130
     config = dict(vars(a), argv=argv)
-    path = write(out, done, failures, config, time.monotonic() - t0)
+    path = write(out, done, failures, config, time.monotonic() - t0, read_predictions(a.predictions))
     print(path.read_text())
     print(f"commlab bench compress: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return 0

@@ -128,16 +128,17 @@ def ddp_bytes(model, peer: str, step: int, world: int, rank_r: int, start_iter: 
     return plain, plain
 
 
-def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int):
-    """DistributedDataParallel (the default group: gloo) around ``task.model``, with the peer's torch comm hook."""
+def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int, group):
+    """DistributedDataParallel over ``group`` (gloo, this entry's own) around ``task.model``, with the peer's
+    torch comm hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(task.model)
+    ddp = DistributedDataParallel(task.model, process_group=group)
     if peer == "ddp+fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif peer == "ddp+powersgd":
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=start_iter,
+        state = powerSGD_hook.PowerSGDState(group, matrix_approximation_rank=rank_r, start_powerSGD_iter=start_iter,
                                             min_compression_rate=2, random_seed=0)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp
@@ -166,8 +167,11 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
     """One entry's run from a fresh model: ``a.steps`` steps, one line per step to ``path``."""
     task = Task(a.model, a.seed, a.batch_size, a.lr, a.steps)
     peer, ex = entry.get("peer"), None
-    if peer:
-        forward = ddp_wrap(task, peer, a.rank_r, a.start_iter)
+    if peer:  # a group of its own: nothing an earlier entry left on a group can meet this one's collectives
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+        forward = ddp_wrap(task, peer, a.rank_r, a.start_iter, group)
     else:
         ex = commlab.connect(entry["url"])
         forward = task.model
@@ -197,7 +201,7 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
             commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start, **line)
     finally:
         if ex is not None:
-            ex.close()
+            ex.close()  # (an entry's DDP group lives to the end: destroying it under its DDP aborted a rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):
         for i, entry in enumerate(entries):
             path = f"{a.metrics}.{i}.{rnd}"
+            dist.barrier()  # every rank starts each entry together (rank 0 evaluated the last one alone)
             try:
                 train_entry(entry, a, rank, world, path)
             except Exception as exc:  # this entry failed here: say so and go on with the next (they all time out)
