@@ -9,7 +9,7 @@ difference between two entries is how the gradients travel, and a process start 
 entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or
 a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
-and ``start_powerSGD_iter=--start-iter``). An entry that raises leaves an ``.error`` file and the next runs.
+and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own. An entry that raises leaves an ``.error`` file and the next runs.
 
 Models: ``mlp-25m`` (workers/models.py, digits, SGD: the ``commlab train`` model and data) and ``charlm``
 (examples/charlm.py's model at its default size, text windows, AdamW in its parameter groups with warm-up
@@ -38,6 +38,7 @@ import commlab
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("ddp", "ddp+fp16", "ddp+powersgd")
+ONE_BUCKET_MB = 4096  # DDP+PowerSGD's bucket cap: every model here in one bucket (see ddp_wrap)
 # charlm's shape (d_model, layers, heads, context) per name; the MLPs are workers/models.py's
 LMS = {"charlm": (96, 3, 4, 64), "charlm-tiny": (16, 1, 2, 16)}
 MODELS = ("mlp-25m", "tiny", *LMS)
@@ -134,7 +135,11 @@ def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int, group):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(task.model, process_group=group)
+    # torch's PowerSGD hook over gloo with several buckets: the all-reduce of Q that each bucket's callback issues
+    # went out in different orders on the two ranks (the 25M MLP: gloo "24576 vs 4096 bytes, a collective
+    # mismatch" at the first compressed step, every time); one bucket for it, as its communication is small
+    one = {"bucket_cap_mb": ONE_BUCKET_MB} if peer == "ddp+powersgd" else {}
+    ddp = DistributedDataParallel(task.model, process_group=group, **one)
     if peer == "ddp+fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif peer == "ddp+powersgd":
