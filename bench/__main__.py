@@ -40,6 +40,7 @@ BANDWIDTH_SHARE = 0.45
 # the end of the budget is kept for the later phases: convergence stops starting runs this long before
 # it (for scaling and probes), scaling this long before it (for the probes)
 SCALING_RESERVE_S, PROBES_RESERVE_S = 70.0, 25.0
+RESTART_PROBE_S = 110.0  # two jobs, each restarted once (~50 s each here): run only when the budget has it left
 DEFAULT_BUDGET_S = 300.0  # jobs stop starting after this; the report follows within seconds
 
 
@@ -199,10 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         if run_probes and not any(f["status"] == "interrupted" for f in failures):
             if budget.left() > 0 or a.what == "probes":
                 from bench import probes
-                print("commlab bench: probes (heap page faults, a killed ring rank)", file=sys.stderr)
+                print("commlab bench: probes (heap page faults, a killed ring rank, a restarted job)", file=sys.stderr)
                 probed = {"heap": probes.heap_faults()}
                 if R.unavailable("ring://") is None:
                     probed["peer_loss"] = probes.peer_loss()
+                if budget.left() > RESTART_PROBE_S or a.what == "probes":
+                    probed["restart"] = probes.restart()
+                else:
+                    failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
+                                     "error": f"the restart probe needs ~{RESTART_PROBE_S:g} s; the budget had "
+                                              f"{max(0.0, budget.left()):.0f} s left ('commlab bench probes' runs it)"})
                 (run_dir / "probes.json").write_text(json.dumps(probed, indent=1))
             else:
                 failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",

@@ -13,6 +13,12 @@ hooks and the transports from a short loopback ``commlab bench bandwidth`` (or `
 ``--calibration``). The hosts share this machine's cores, so the prediction stretches compute by
 ``N / cores`` when there are more workers than cores (``Topology.compute_scale``).
 
+With ``--compress SPEC ...`` each all-reduce regime also runs with ``compress=SPEC``: its step predicted by
+:mod:`commlab.plan.compression` (the compressor measured on the model here), checked to within 15%, and
+its predicted crossover rate checked against whether the measured medians say compression paid at that
+link (``sudo python -m bench.plan_validate --rates 100mbit,1gbit --workers 2 --regimes ring --compress
+powersgd:4,start_iter=2 --no-staleness``).
+
 Then the asynchronous check: ``ps://?mode=async`` on loopback with one worker deliberately slowed
 (:mod:`bench.plan_slow_worker`), the staleness histogram the server reports against the simulated one.
 
@@ -28,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -37,11 +44,15 @@ from bench.jobs import python, run_job
 from bench.netns import Links, link_unavailable_reason
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
+from commlab.plan import compression
 from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
-from commlab.plan.simulate import simulate
+from commlab.plan.simulate import SimResult, simulate
 
 REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo",
-           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync"}
+           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync",
+           # commlab's own ring over zmq tcp, bound to its namespace's address (no keys: the addresses exist
+           # only inside the run's namespaces), as `commlab bench compress` runs it across links
+           "ring-tcp": "ring://?transport=tcp&host=auto&insecure=1"}
 BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
 LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
 # tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
@@ -101,9 +112,59 @@ def link_goodput(links: Links, out: Path) -> tuple[float, str]:
     return rate, f"not measured (the tcp-duplex run failed): tc rate x 1448/1514 = {rate / 1e6:.1f} MB/s"
 
 
-def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int, straggler: Straggler | None = None):
+def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
+            straggler: Straggler | None = None) -> tuple[SimResult, float | None]:
+    """(the simulator's result for ``url``, None); with ``compress=`` in it, the step is the compression
+    model's (:func:`commlab.plan.compression.predict_at`, identical workers), and its crossover rate (bytes/s)."""
     scale = max(1.0, n / (os.cpu_count() or 1))
-    return simulate(cal, Topology(1, rate_bps, rate_bps, scale), parse_regime(url), n, batch, straggler, steps=12)
+    topo = Topology(1, rate_bps, rate_bps, scale)
+    regime, spec, ef = compression.parse_url(url)
+    res = simulate(cal, topo, regime, n, batch, straggler, steps=12)
+    if spec.strip().lower() in ("", "none"):
+        return res, None
+    p = compression.predict_at(cal, spec, regime, topo, n, batch, ef)
+    return replace(res, step_s=p["step_s"]), p["crossover_bps"]
+
+
+def add_overhead(points: list[dict], cal: Calibration) -> None:
+    """Each compressed point predicted again with its run's per-step overhead: what its uncompressed sibling's
+    measured step − wait exceeds the calibrated forward, backward and optimizer by
+    (:func:`commlab.plan.compression.step_overhead`; the step's own mechanics, and what the calibration's
+    single process did not see of two workers sharing these cores)."""
+    for p, u in compressed_pairs(points):
+        scale = max(1.0, p["workers"] / (os.cpu_count() or 1))
+        o = compression.step_overhead(cal, u["compute_median"], p["batch"], scale)
+        regime, spec, ef = compression.parse_url(p["url"])
+        topo = Topology(1, p["link_bps"], p["link_bps"], scale)
+        pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef, o)["step_s"]
+        p.update(overhead_s=o, predicted_with_overhead=pred,
+                 error_with_overhead_pct=100 * (pred - p["median"]) / p["median"])
+
+
+def with_compress(url: str, spec: str) -> str:
+    return url + ("&" if "?" in url else "?") + f"compress={spec}"
+
+
+def compressed_pairs(points: list[dict]) -> list[tuple[dict, dict]]:
+    """(compressed point, the uncompressed point of the same regime, rate and N), where both ran."""
+    plain = {(p["rate"], p["workers"], p["base"]): p for p in points if p["ok"] and not p.get("compress")}
+    return [(p, plain[key]) for p in points if p["ok"] and p.get("compress")
+            and (key := (p["rate"], p["workers"], p["base"])) in plain]
+
+
+def crossover_check(points: list[dict]) -> tuple[int, int, list[str]]:
+    """Compressed points against the uncompressed point of the same regime, rate and N: whether the measured
+    medians say compression paid there, and whether the predicted crossover lies on that side of the link
+    rate the prediction used. Returns (checked, agreeing, misses)."""
+    checked = agree = 0
+    misses = []
+    for p, u in compressed_pairs(points):
+        checked += 1
+        if (p["median"] < u["median"]) == (p["crossover_bps"] > p["link_bps"]):
+            agree += 1
+        else:
+            misses.append(f"{p['rate']} N={p['workers']} {p['regime']}")
+    return checked, agree, misses
 
 
 def rank_check(points: list[dict], launch_sigma: float = verdict.LAUNCH_SIGMA_FLOOR) -> tuple[int, int, list[str]]:
@@ -162,7 +223,8 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
            f"exchange (compute, optimizer, the step's own overhead). Transports the regimes use: " + "; ".join(
                f"{k} {t.alpha_s * 1e6:.0f} us + {1 / t.beta_s / 1e9 if t.beta_s else float('inf'):.2g} GB/s "
                f"({t.source})" for k, t in ((k, cal.transport(k)) for k in
-                                            sorted({parse_regime(p["url"]).transport for p in points}))) +
+                                            sorted({compression.parse_url(p["url"])[0].transport
+                                                    for p in points}))) +
            ". Link rate the prediction uses: " +
            "; ".join(f"{r}: {how}" for r, how in links_seen.items()) + ".", "",
            "| link | N | regime | hosts | measured step [p25–p75] | predicted | error | measured step − wait | "
@@ -192,6 +254,21 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                f"{one_agree} of {one_checked}" + (f" (not: {', '.join(one_misses)})" if one_misses else "") +
                f". By the rougher rule of non-overlapping [p25–p75] (each rank's step a sample): "
                f"{iqr_agree} of {iqr_checked}.")
+    squeezed = [p for p in ok if p.get("compress")]
+    if squeezed:
+        worst = max(abs(p["error_pct"]) for p in squeezed)
+        x_checked, x_agree, x_misses = crossover_check(points)
+        with_o = [p for p in squeezed if "overhead_s" in p]
+        again = (f"; with the run's per-step overhead (its uncompressed point's step − wait less the calibrated "
+                 f"compute): " + ", ".join(f"{p['rate']} +{p['overhead_s'] * 1e3:.0f} ms: "
+                                           f"{p['predicted_with_overhead'] * 1e3:.0f} ms {p['error_with_overhead_pct']:+.1f}%"
+                                           for p in with_o)) if with_o else ""
+        out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
+                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)})"
+                   f"{again}; "
+                   f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
+                   f"paid (or did not) at **{x_agree}** of {x_checked}" + (f"; not: {', '.join(x_misses)}" if x_misses else "")
+                   + f" (criterion: all: {met(x_agree == x_checked)}).")
     if stale:
         out.append(f"- Async staleness, {stale['workers']} workers on loopback, `{stale['url']}`, rank "
                    f"{stale['slow_rank']} sleeping {stale['delay_s'] * 1e3:.0f} ms per step: measured mean "
@@ -219,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1gbit,2gbit")
     p.add_argument("--workers", default="2,3", help="worker counts (hosts: N, plus K for a PS)")
-    p.add_argument("--regimes", default=",".join(REGIMES), help=f"from {', '.join(REGIMES)}")
+    p.add_argument("--regimes", default="ring,gloo,ps-1,ps-2", help=f"from {', '.join(REGIMES)}")
+    p.add_argument("--compress", nargs="*", default=[], metavar="SPEC",
+                   help="also each all-reduce regime with compress=SPEC (e.g. powersgd:4,start_iter=3), predicted "
+                        "by commlab.plan.compression and checked: step within 15%%, crossover on the measured side")
     p.add_argument("--model", default="mlp-25m")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--steps", type=int, default=7)
@@ -251,40 +331,45 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = a.bench_run or C.calibration_run(out / "calibration")
         cal = C.calibrate(a.model, a.batch_size, run)
-    cal.save(out / "calibration.json")
     names = [n.strip() for n in a.regimes.split(",") if n.strip()]
     bad = [n for n in names if n not in REGIMES]
     if bad:
         print(f"plan_validate: unknown regime(s) {bad}; known: {', '.join(REGIMES)}", file=sys.stderr)
         return 2
+    # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
+    entries = [(n, n, None, REGIMES[n]) for n in names] + [
+        (f"{n} {spec}", n, spec, with_compress(REGIMES[n], spec)) for spec in a.compress for n in names
+        if compression.parse_url(REGIMES[n])[0].kind == "allreduce"]
+    cal = compression.with_urls(cal, [url for *_, url in entries])
+    cal.save(out / "calibration.json")
     workers = [int(x) for x in a.workers.split(",")]
     points = []
     links_seen: dict[str, str] = {}
     for rate in a.rates.split(","):
-        shards = max(parse_regime(REGIMES[n]).shards if REGIMES[n].startswith("ps") else 0 for n in names)
+        shards = max(compression.parse_url(REGIMES[n])[0].shards if REGIMES[n].startswith("ps") else 0 for n in names)
         with Links(max(workers) + shards, rate, tag=f"pv{os.getpid() % 100000}") as links:
             goodput, how = link_goodput(links, out) if not a.no_link_measure else \
                 (parse_rate(rate) * TCP_GOODPUT, "tc rate x 1448/1514")
             links_seen[rate] = how
             print(f"plan_validate: {rate}: the link carries {goodput / 1e6:.1f} MB/s each way ({how})", file=sys.stderr)
             for n in workers:
-                for name in names:
+                for name, base, spec, url in entries:
                     if time.monotonic() - t0 > a.budget_s:
                         print(f"plan_validate: budget spent; {rate} N={n} {name} not run", file=sys.stderr)
                         continue
-                    url = REGIMES[name]
-                    rec = run_point(f"{rate}-n{n}-{name}", url, n, links, a, out)
-                    pred = predict(cal, url, n, goodput, a.batch_size)
-                    reg = parse_regime(url)
-                    rec.update(rate=rate, regime=name, batch=a.batch_size, predicted=pred.step_s, link_bps=goodput,
-                               predicted_compute=pred.compute_s,
-                               hosts=n + (reg.shards if reg.kind == "ps" else 0))
+                    rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out)
+                    pred, cross = predict(cal, url, n, goodput, a.batch_size)
+                    reg = compression.parse_url(REGIMES[base])[0]
+                    rec.update(rate=rate, regime=name, base=base, compress=spec, batch=a.batch_size,
+                               predicted=pred.step_s, link_bps=goodput, predicted_compute=pred.compute_s,
+                               hosts=n + (reg.shards if reg.kind == "ps" else 0), crossover_bps=cross)
                     if rec["ok"]:
                         rec["error_pct"] = 100 * (pred.step_s - rec["median"]) / rec["median"]
                     points.append(rec)
                     print(f"plan_validate: {rate} N={n} {name}: measured "
                           f"{rec.get('median', float('nan')) * 1e3:.0f} ms, predicted {pred.step_s * 1e3:.0f} ms"
                           + ("" if rec["ok"] else f" (FAILED: {rec['error']})"), file=sys.stderr)
+    add_overhead(points, cal)
     stale = None
     if not a.no_staleness:
         n, url, d = a.stale_workers, "ps://?shards=1&mode=async", a.stale_delay

@@ -5,11 +5,14 @@
   (:func:`commlab.heap.keep_freed_memory`). The default maps and faults in every page anew.
 - :func:`peer_loss`: seconds from a ring rank's death (SIGKILL, mid-collective) until each survivor's
   all-reduce raises, against the ring's timeout: a loss seen as a loss, not by running out the clock.
+- :func:`restart`: a rank killed mid-run under ``commlab run --max-restarts 1``: seconds from the kill to
+  the first step after the restart, and the steps lost (done before the kill, done again after it):
+  ``ps://`` with update=server resumes from the servers, ``ring://`` from a checkpoint every few steps.
 
 Each runs its processes as a group of its own with a deadline (:mod:`bench.jobs`) and returns a
 dict for ``probes.json``; :func:`lines` words them for the report.
 
-    python -m bench.probes            # both, printed as JSON
+    python -m bench.probes            # all three, printed as JSON
 """
 
 from __future__ import annotations
@@ -130,6 +133,78 @@ def peer_loss(world: int = 3, victim: int = 1, timeout: float = 20.0, deadline: 
     return out
 
 
+RESTART_URLS = {"ps-server": "ps://?shards=1&mode=sync&update=server", "ring": "ring://?transport=tcp"}
+
+
+def _rank_restart(a) -> int:
+    """One rank of the restart probe: an MLP for ``a.steps`` steps from where the job's state says (the
+    servers' ``ex.start_step``, else a checkpoint rank 0 writes every ``a.every`` steps); a line per step
+    done (attempt, step, wall-clock time); the victim, on attempt 0, notes the time and SIGKILLs itself
+    when it reaches ``a.kill_at``."""
+    import torch
+    from torch import nn
+
+    import commlab
+
+    torch.set_num_threads(1)
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ex = commlab.connect()
+    ex.setup(model, opt)
+    start, ckpt = ex.start_step, Path(a.out, "ckpt.pt")
+    if not ex.keeps_state and attempt > 0 and ckpt.exists():
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        start = state["step"]
+    log = Path(a.out, f"steps.rank{rank}")
+    for step in range(start, a.steps):
+        if attempt == 0 and rank == a.victim and step == a.kill_at:
+            Path(a.out, "killed").write_text(json.dumps({"t": time.time(), "step": step}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x = torch.randn(64, 256, generator=g)
+        ex.zero_grad()
+        nn.functional.mse_loss(model(x), x[:, :1]).backward()
+        opt.step()
+        if not ex.keeps_state and rank == 0 and (step + 1) % a.every == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step + 1}, f"{ckpt}.tmp")
+            os.replace(f"{ckpt}.tmp", ckpt)
+        with log.open("a") as fh:
+            fh.write(json.dumps({"attempt": attempt, "step": step, "t": time.time()}) + "\n")
+    ex.close()
+    return 0
+
+
+def restart(steps: int = 40, kill_at: int = 25, every: int = 10, timeout: float = 150.0) -> dict:
+    """Per regime of :data:`RESTART_URLS`: 2 ranks under ``commlab run --max-restarts 1``, rank 1 killed
+    when it reaches step ``kill_at``; seconds from the kill to the first step done after the restart, and
+    the steps lost (done before the kill by every rank, and done again)."""
+    out = {"steps": steps, "kill_at": kill_at, "checkpoint_every": every, "regimes": {}}
+    for name, url in RESTART_URLS.items():
+        with scratch.folder("probe") as tmp:
+            res = run_job([python(), "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "1",
+                           "--exchanger", url, "-m", "bench.probes", "restart-rank", "--out", tmp, "--steps",
+                           str(steps), "--kill-at", str(kill_at), "--every", str(every)],
+                          Path(tmp, "job.log"), timeout)
+            killed = Path(tmp, "killed")
+            if not res.ok or not killed.exists():
+                out["regimes"][name] = {"url": url, "error": res.error() or "no rank was killed"}
+                continue
+            kill = json.loads(killed.read_text())
+            per_rank = [[json.loads(line) for line in Path(tmp, f"steps.rank{r}").read_text().splitlines()]
+                        for r in range(2)]
+            # a step is done once every rank has done it: before the kill, the fewest any rank did
+            done = min(sum(1 for row in rows if row["attempt"] == 0) for rows in per_rank)
+            after = sorted((row for rows in per_rank for row in rows if row["attempt"] == 1), key=lambda row: row["t"])
+            resumed = min(row["step"] for row in after)
+            out["regimes"][name] = {"url": url, "kill_to_first_step_s": after[0]["t"] - kill["t"],
+                                    "resumed_at": resumed, "done_before_kill": done, "steps_lost": done - resumed}
+    return out
+
+
 def lines(probes: dict) -> list[str]:
     """The report's words for what the probes measured."""
     out = []
@@ -143,6 +218,16 @@ def lines(probes: dict) -> list[str]:
                        f"({h['pages']} pages) page-faulted {med(h['system']):.0f} times (median from the third step) "
                        f"with glibc's default heap, {med(h['keep']):.0f} with the kept heap "
                        f"(`commlab.heap.keep_freed_memory`); first step {h['system'][0]} / {h['keep'][0]}.")
+    r = probes.get("restart")
+    for name, v in (r or {}).get("regimes", {}).items():
+        if "error" in v:
+            out.append(f"- A restarted job ({v['url']}): the probe failed: {v['error']}")
+        else:
+            out.append(f"- A rank killed at step {r['kill_at']} under `commlab run --max-restarts 1`, {v['url']}: "
+                       f"the first step after the restart came {v['kill_to_first_step_s']:.2f} s after the kill; "
+                       f"resumed at step {v['resumed_at']} of {v['done_before_kill']} done, "
+                       f"{v['steps_lost']} step(s) lost" + (f" (a checkpoint every {r['checkpoint_every']} steps)"
+                                                            if not v["url"].startswith("ps://") else "") + ".")
     p = probes.get("peer_loss")
     if p:
         s = p["survivors"]
@@ -162,19 +247,27 @@ def lines(probes: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes")
-    p.add_argument("what", nargs="?", default="all", choices=("all", "heap", "peer-loss", "peer-loss-rank"))
+    p.add_argument("what", nargs="?", default="all",
+                   choices=("all", "heap", "peer-loss", "peer-loss-rank", "restart", "restart-rank"))
     p.add_argument("--ready")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--out")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-at", type=int, default=25)
+    p.add_argument("--every", type=int, default=10)
     a = p.parse_args(argv)
     if a.what == "peer-loss-rank":
         return _rank_peer_loss(a)
+    if a.what == "restart-rank":
+        return _rank_restart(a)
     got = {}
     if a.what in ("all", "heap"):
         got["heap"] = heap_faults()
     if a.what in ("all", "peer-loss"):
         got["peer_loss"] = peer_loss()
+    if a.what in ("all", "restart"):
+        got["restart"] = restart()
     print(json.dumps(got, indent=1))
     print("\n".join(lines(got)), file=sys.stderr)
     return 0

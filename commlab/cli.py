@@ -60,6 +60,9 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--workers", type=int, default=default_workers, help="number of ranks")
     p.add_argument("--deadline", type=float, help="seconds the whole job may run before every process is stopped")
     p.add_argument("--log-dir", help="keep each process's output here (rank<r>.log, server<i>.log)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="as torchrun's: when a rank fails, stop the ranks and start every rank again (the servers "
+                        "keep running; TORCHELASTIC_RESTART_COUNT says the attempt), up to this many times")
 
 
 def train_main(argv: list[str]) -> int:
@@ -87,7 +90,7 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics)
+                           metrics_path=a.metrics, max_restarts=a.max_restarts)
 
 
 def run_main(argv: list[str]) -> int:
@@ -119,7 +122,7 @@ def run_main(argv: list[str]) -> int:
         print(f"commlab run: {problem}", file=sys.stderr)
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
-                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run")
+                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts)
     return launcher.run_job(job)
 
 

@@ -21,7 +21,11 @@ torchrun. The job, in order:
    reaches stderr, the other ranks' only their logs; every process's output goes to its log
    (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
 4. The launcher watches: the first process to fail is named with the tail of its log, the
-   rest are stopped. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
+   rest are stopped. With ``max_restarts`` R (torchrun's ``--max-restarts``) a failed *rank* stops
+   the ranks alone: the servers keep running and every rank starts again, up to R times, with
+   ``TORCHELASTIC_RESTART_COUNT`` = the attempt (0 first, as torchrun sets it) and a fresh rendezvous
+   store (torchrun makes one per attempt too), so no key of a dead attempt is read by the next; the
+   deadline spans every attempt. Ctrl-C, SIGTERM and the deadline stop every process too (exit 130, 143,
    124). Each process leads a process group of its own, so a stop takes whatever it started;
    each also dies with the launcher if the launcher is SIGKILLed (``commlab/childexec.py``).
 5. A one-line summary from rank 0's last metrics line (:mod:`commlab.metrics`) goes to stdout.
@@ -49,9 +53,11 @@ from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import PlansServers
 from commlab.registry import ENV_URL, regime_class
+from commlab.rendezvous import RESTART_COUNT
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store is hosted for you"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
 TAIL_LINES = 20
 
@@ -398,6 +404,7 @@ class Job:
     name: str = "commlab run"  # how the launcher's own lines start
     summary: bool = True
     poll_s: float = 0.05
+    max_restarts: int = 0  # torchrun's --max-restarts: a failed rank restarts every rank, servers kept
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -420,6 +427,9 @@ def run_job(job: Job) -> int:
     """
     if job.workers < 1:
         print(f"{job.name}: --workers must be >= 1", file=sys.stderr)
+        return 2
+    if job.max_restarts < 0:
+        print(f"{job.name}: --max-restarts must be >= 0, got {job.max_restarts}", file=sys.stderr)
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)
@@ -463,44 +473,97 @@ def _run(job: Job) -> int:
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
         base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
+        base[MAX_RESTARTS] = str(job.max_restarts)
+        failures: list[str] = []  # per restart: which rank failed, how
         try:
-            if job.rank_prefix is None:
-                store = store_mod.host(job.master_addr, job.start_timeout_s)  # served while _run runs
-                base["MASTER_PORT"] = str(store.port)
-            else:  # ranks in other namespaces: the store runs where rank 0 runs
-                base["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), base, logs / "store.log",
-                                                      job.start_timeout_s, procs))
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix)
             base[ENV_URL] = url
-            ranks = []
-            for r in range(job.workers):
-                argv = [sys.executable, *job.command, *job.args]
-                if job.url_flag:
-                    argv += [job.url_flag, url]
-                if job.rank_args:
-                    argv += list(job.rank_args(r))
-                if job.rank_prefix:
-                    argv = [*job.rank_prefix(r), *argv]
-                ranks.append(spawn(f"rank {r}", argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                                   logs / f"rank{r}.log", forward="both" if r == 0 else None))
-                procs.append(ranks[-1])
-            _watch(job, procs, ranks, started)
+            for attempt in range(job.max_restarts + 1):
+                try:
+                    _attempt(job, dict(base, **{RESTART_COUNT: str(attempt)}), url, logs, procs, started,
+                             restarts_left=job.max_restarts - attempt)
+                    break
+                except RankFailed as exc:
+                    failures.append(f"{exc.rank} ({exc.how})")
+                    print(f"{job.name}: {exc.rank} failed ({exc.how}); restarting every rank (restart {attempt + 1} "
+                          f"of {job.max_restarts})" + exc.tail, file=sys.stderr, flush=True)
+        except JobFailed as exc:
+            if failures:
+                exc.args = (f"{exc.args[0]} (after {_restarts(failures)})",)
+            raise
         finally:
             stop_all(procs)
             shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             print(f"{job.name}: {job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, "
-                  f"{job.exchanger}: " + metrics.summary(record, time.monotonic() - started), flush=True)
+                  f"{job.exchanger}: " + metrics.summary(record, time.monotonic() - started)
+                  + (f"; {_restarts(failures)}" if job.max_restarts else ""), flush=True)
     return 0
 
 
-def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float) -> None:
-    """Return when every rank exited 0; raise JobFailed at the first failure or the deadline."""
+def _restarts(failures: list[str]) -> str:
+    """``'1 restart (failed: rank 1 (signal SIGKILL))'``: how many, and which rank failed before each."""
+    if not failures:
+        return "0 restarts"
+    return f"{len(failures)} restart{'s' if len(failures) > 1 else ''} (failed: {'; '.join(failures)})"
+
+
+class RankFailed(JobFailed):
+    """A rank failed and the job may restart: the ranks are stopped, the servers still run."""
+
+    def __init__(self, code: int, rank: str, how: str, tail: str):
+        super().__init__(f"{rank} failed ({how})", code)
+        self.rank, self.how, self.tail = rank, how, tail
+
+
+def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], started: float,
+             restarts_left: int) -> None:
+    """One attempt: a fresh rendezvous store, every rank, watched. Returns once every rank exited 0;
+    raises RankFailed (ranks and store stopped, servers left running) when a rank failed and
+    ``restarts_left`` > 0, else JobFailed (see :func:`_watch`)."""
+    attempt: list[Proc] = []  # this attempt's store process (if any) and ranks
+    store = None
+    try:
+        if job.rank_prefix is None:
+            store = store_mod.host(job.master_addr, job.start_timeout_s)  # served while the attempt runs
+            env["MASTER_PORT"] = str(store.port)
+        else:  # ranks in other namespaces: the store runs where rank 0 runs
+            env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
+                                                 job.start_timeout_s, attempt))
+        ranks = []
+        for r in range(job.workers):
+            argv = [sys.executable, *job.command, *job.args]
+            if job.url_flag:
+                argv += [job.url_flag, url]
+            if job.rank_args:
+                argv += list(job.rank_args(r))
+            if job.rank_prefix:
+                argv = [*job.rank_prefix(r), *argv]
+            ranks.append(spawn(f"rank {r}", argv, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                               logs / f"rank{r}.log", forward="both" if r == 0 else None))
+            attempt.append(ranks[-1])
+        _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0)
+    except RankFailed:
+        stop_all(attempt)
+        shm.sweep_stale()  # what the killed rank left in /dev/shm
+        raise
+    finally:
+        procs.extend(p for p in attempt if p.popen.poll() is None)  # stopped with the job otherwise
+        del store  # the attempt's store closes with it: the next attempt's is fresh
+
+
+def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool = False) -> None:
+    """Return when every rank exited 0. At the first failure: a rank, with ``restartable``, raises
+    RankFailed and stops nothing (the caller stops the ranks); anything else stops every process and
+    raises JobFailed; so does the deadline."""
     while True:
         for p in procs:
             code = p.popen.poll()
             if code not in (None, 0) or (code == 0 and p not in ranks):
+                if restartable and p in ranks:
+                    p.drain()
+                    raise RankFailed(code if code > 0 else 1, p.name, _how(code), _tail_text(p))
                 stop_all([q for q in procs if q is not p])
                 p.drain()
                 raise JobFailed(f"{p.name} failed first ({_how(code)}); stopped the others" + _tail_text(p),
@@ -528,7 +591,7 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
-           name: str = "commlab train") -> int:
+           name: str = "commlab train", max_restarts: int = 0) -> int:
     """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
     return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path))
+                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts))

@@ -28,6 +28,12 @@ on the client as :class:`~commlab.errors.RemoteError`)::
         commit step=t {factor, hyper} | {skip}  ->  the N-th commit applies one update (skip: dropped)
       update=server:
         pull  {after_step: t}               <-  params, once the mode allows (see below)
+      compress= (servers.compressed): per unit (a bucket's pieces on this shard) and round r
+        push step=t {unit, round, cmeta, absent} [payload frames U/i]  ->  sync: held until every worker's is
+                                            in, then summed in rank order; async, ssp: decoded alone, applied
+        pull {after_step: t, what: csum, unit, round}  <-  params [the round's float32 sum] {absent, sparse?}
+                                            (sync: update=worker, or a compressor whose payloads do not decode
+                                            alone, e.g. PowerSGD)
       buffers step=t {how} [frames]         ->  rank 0's (broadcast) or every rank's (average)
       pull  {after_step: t, what: buffers}  <-  params [buffers], once step t's are complete (sync)
       state                                 <-  params [key/name: optimizer state] {shapes, scalars}
@@ -41,6 +47,12 @@ on the client as :class:`~commlab.errors.RemoteError`)::
                                             joiner's), else ok {final: false} once the version moved on
       bye                                   ->  the rank stops counting for ssp's slowest worker; the
                                                 last rank's frees the key space
+      blob step=t {put: true} [uint8 frame]  ->  ex.commit_state: this rank's opaque bytes, kept (shard 0)
+      blob                                  <-  params [blob] step=t (ex.restored_state), or ok {none: true}
+      --- a restarted job (torchrun's --max-restarts): every hello and push carries {attempt} ---
+      the first hello of attempt a > the shard's: the step in flight is dropped (its pushes are made
+      again by the new attempt), pulls, joins and byes go, the start gate closes again; pushes of an
+      earlier attempt are refused. Applied steps stay: the hello's next_step says where to resume.
 
 Modes (the server's; a worker that names another one is refused):
 
@@ -69,8 +81,9 @@ from dataclasses import dataclass
 
 MODES = ("sync", "async", "ssp")
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
-                      "bye"})
+                      "bye", "blob"})
 REPLIES = frozenset({"ok", "params", "error"})
+BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
 
 
 def ssp_staleness_bound(workers: int, staleness: int) -> int:

@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 from commlab.errors import CommTimeout, ConfigError
 
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun sets it in every worker: the job's restarts so far
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -42,12 +44,15 @@ class RankInfo:
     source: str  # which launcher's convention supplied it
     members: tuple[int, ...] = ()  # a group's global ranks, position order; (): the whole job
     job_size: int = 0  # with members: the job's world size
+    attempt: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 first, N after the N-th restart of the job
 
     def __post_init__(self):
         if self.world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {self.world_size} (from {self.source})")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world_size} (from {self.source})")
+        if self.attempt < 0:
+            raise ConfigError(f"TORCHELASTIC_RESTART_COUNT must be >= 0, got {self.attempt}")
         if self.members and len(self.members) != self.world_size:
             raise ConfigError(f"a group of {len(self.members)} ranks {list(self.members)} with world size "
                               f"{self.world_size}")
@@ -155,16 +160,27 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
         raise ConfigError(f"--workers {world_size} does not match {src}'s world size {w}")
     if w > 1 and (addr is None or port is None):
         raise ConfigError(f"{src} gave rank {r} of {w} but no rendezvous address: set MASTER_ADDR and MASTER_PORT")
-    return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src)
+    attempt = _int(env, RESTART_COUNT) if env.get(RESTART_COUNT) else 0
+    return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src, attempt=attempt)
+
+
+def store_prefix(env: Mapping[str, str] | None = None) -> str:
+    """commlab's keys in the job's store: ``commlab/``, and ``commlab/attemptN/`` after the N-th restart,
+    so that a store that outlives an attempt (a launcher that keeps it) never hands one attempt's keys
+    to the next."""
+    env = os.environ if env is None else env
+    attempt = env.get(RESTART_COUNT, "0")
+    return "commlab/" if attempt in ("", "0") else f"commlab/attempt{attempt}/"
 
 
 _STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
 
 
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore (rank 0 hosts it unless torchrun's agent or commlab's launcher already does),
-    under this exchanger's own namespace (:func:`instance`). One connection per process and job: every
-    exchanger after the first reuses it, so rank 0 hosts the store once and keeps it for the job."""
+    """The job's TCPStore under commlab's prefix (rank 0 hosts it unless torchrun's agent or commlab's
+    launcher already does). One connection per process and job: every exchanger after the first reuses it,
+    so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own namespace of it
+    (:func:`exchanger_store`)."""
     import torch.distributed as dist
 
     info = info.job  # the job's rank 0 hosts it, whatever group this process is in
@@ -181,27 +197,34 @@ def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None 
             raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
                               f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
         _STORES[where] = store
-    return instance(dist.PrefixStore("commlab/", store), info.rank)
+    return dist.PrefixStore(store_prefix(env), store)
 
 
-def default_group_store(rank: int):
+def default_group_store():
     """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
-    under commlab's prefix and this exchanger's namespace: the one store every rank surely reaches (rank 0
-    may already host one on ``MASTER_PORT``, so a second could not bind it)."""
+    under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
+    ``MASTER_PORT``, so a second could not bind it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    return instance(dist.PrefixStore("commlab/", distributed_c10d._get_default_store()), rank)
+    return dist.PrefixStore(store_prefix(), distributed_c10d._get_default_store())
+
+
+def exchanger_store(store, info: RankInfo, timeout: float):
+    """``store`` (the job's, under commlab's prefix) as one exchanger sees it: a grouped exchanger's under
+    its group's namespace (:func:`group_store`), a whole-job exchanger's under its number (:func:`instance`).
+    The job's store outlives each exchanger (the launcher's, torchrun's agent's, a default group's):
+    without a namespace of its own, a later exchanger would read an earlier one's keys, gloo's listening
+    addresses among them, whose listeners are closed, whenever the peer had not yet overwritten them
+    (``Gloo connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a
+    resumed run makes, failed that way whenever one rank reached it first)."""
+    return group_store(store, info, timeout) if info.members else instance(store, info.global_rank())
 
 
 def instance(store, rank: int):
-    """The namespace of this rank's next exchanger in the job's store: ``1`` for the first, ``2`` for the
-    second... Every rank meets its exchangers in the same order (meeting is collective), so the numbers
-    agree. The store outlives each exchanger (the launcher's, torchrun's agent's, a default group's): without
-    its own namespace, a later exchanger would read an earlier one's keys, gloo's listening addresses among
-    them, whose listeners are closed, whenever the peer had not yet overwritten them (``Gloo
-    connectFullMesh failed ... Connection refused``: a second exchanger in one process, as a resumed run
-    makes, failed that way whenever one rank reached it first)."""
+    """The namespace of this rank's next whole-job exchanger: ``1`` for the first, ``2`` for the second...
+    Every rank meets its whole-job exchangers in the same order (meeting is collective), so the numbers
+    agree. (Grouped exchangers count per group: :func:`check_group`.)"""
     import torch.distributed as dist
 
     return dist.PrefixStore(str(int(store.add(f"instances/{rank}", 1))), store)  # PrefixStore adds the "/"

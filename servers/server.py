@@ -56,6 +56,7 @@ from commlab import psproto, psshm, shm, transport, wire
 from commlab.errors import ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
 from commlab.optim import OptimizerSpec
+from servers.compressed import Units
 from servers.modes import MODES, Partial, Refused, Sync
 
 
@@ -128,6 +129,7 @@ class Stats:
     dropped: int = 0  # messages with nothing to answer (an identity frame alone)
     nonfinite: int = 0  # pushes refused for NaN/Inf (async, ssp)
     skipped: int = 0  # sync steps dropped because their summed gradient was not finite
+    replaced: int = 0  # ranks' pushes of a step a dead attempt left unapplied, dropped when the job restarted
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -155,6 +157,8 @@ class ParameterServer:
         self.optim_desc: dict | None = None
         self.update: str | None = None  # "worker" (sum) or "server" (optimizer here)
         self.world: int | None = None
+        self.units: Units | None = None  # compress= (servers.compressed): the compressed units and their sums
+        self.compress_fixed = False  # a hello fixed compress= (or its absence)
         # state
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -185,6 +189,8 @@ class ParameterServer:
         self.links: dict[bytes, psshm.Link] = {}
         self.link_of: dict[str, bytes] = {}  # sender -> the identity its link belongs to (one link per sender)
         self.shm_run = host.shm_run
+        self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
+        self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
 
     @property
     def sock(self) -> zmq.Socket:
@@ -208,7 +214,7 @@ class ParameterServer:
         return {"space": self.space, "shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
-                "skipped": s.skipped, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "skipped": s.skipped, "replaced": s.replaced, "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
                 "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
@@ -329,16 +335,44 @@ class ParameterServer:
                 raise Refused(f"optimizer mismatch on {self.cfg.name}: {diff}")
             if world != self.world:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
+        attempt = m.get("attempt", 0)
+        if not isinstance(attempt, int) or attempt < self.attempt:
+            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
+                          f"{self.attempt} (a process of an earlier attempt, or TORCHELASTIC_RESTART_COUNT lies)")
+        if attempt > self.attempt:
+            self._new_attempt(attempt)
+        self._agree_compress(h.sender, m.get("compress"))
         self.senders[h.sender] = rank
         self.detached.discard(rank)
         self.gone.discard(rank)
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
         reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
                  "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
-                 "update": self.update}
+                 "update": self.update, "attempt": self.attempt}
         if "shm_host" in m:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)
+
+    def _new_attempt(self, attempt: int) -> None:
+        """The first hello of a restarted job (every rank was stopped and starts again, torchrun's
+        restart): what the dead attempt left half-done goes, so that the new attempt's pushes replace it
+        and every step is applied once (the mode's :meth:`~servers.modes.Mode.restart`); its pulls, joins
+        and byes go with it, and the start gate closes again, so every rank of the new attempt starts from
+        the same parameters. What the servers applied stays: update=server resumes from it. Under
+        update=worker the shard holds no trained parameters (only sums), so rank 0 initialises it again
+        from its own (its checkpoint)."""
+        self.stats.replaced += self.mode.restart()
+        self.attempt = attempt
+        self.waiting = []  # the dead processes' pulls
+        self.starters.clear()
+        self.started = False
+        self.joined.clear()
+        self.terminated = None
+        self.detached.clear()
+        self.gone.clear()
+        self.buf_acc.clear()
+        if self.update == "worker":
+            self.initialized = False
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.psshm`), or
@@ -364,12 +398,34 @@ class ParameterServer:
         self.link_of[sender] = ident
         return link.describe()
 
+    def _agree_compress(self, sender: str, desc) -> None:
+        """``compress=`` (:mod:`servers.compressed`): the first hello fixes it (or its absence), every later
+        one must say the same."""
+        if desc is not None and not isinstance(desc, dict):
+            raise Refused(f"hello from {sender}: 'compress' must be a map")
+        if desc is not None:
+            desc = {"spec": desc.get("spec"), "ef": bool(desc.get("ef")), "units": desc.get("units")}
+        if not self.compress_fixed:
+            self.units = Units(desc, self.pieces, self.world_size()) if desc is not None else None
+            self.compress_fixed = True
+            self._fix_limits()
+            return
+        mine = self.units.desc if self.units is not None else None
+        if desc != mine:
+            said = lambda d: "no compress=" if d is None else f"compress={d['spec']}&ef={int(d['ef'])}"
+            what = " (the same spec, other units)" if said(desc) == said(mine) else ""
+            raise Refused(f"worker {sender} asks for {said(desc)}, the first worker of {self.cfg.name} for "
+                          f"{said(mine)}{what}: every rank must compress alike")
+
     def _fix_limits(self) -> None:
         """Most frames and data bytes a request can need: every piece and buffer of the shard, in frames of
         at most MAX_FRAME. Fixed once the pieces are (hello, or resumed state), not recomputed per message."""
         held = [*self.pieces.values(), *self.buffer_keys.values()]
         self.max_bytes = sum(wire.DTYPES[d].itemsize * n for d, n in held)
         need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in held)
+        if self.units is not None:  # a compressed push: a few payload tensors per unit (top-k at F=1: 2x the bytes)
+            self.max_bytes = max(self.max_bytes, self.units.max_bytes)
+            need += 2 * sum(2 + u.n * 8 // wire.MAX_FRAME for u in self.units.units.values())
         self.max_parts = 2 + max(_MIN_FRAMES, need)
 
     def _op_init(self, ident, h, data):
@@ -442,6 +498,9 @@ class ParameterServer:
         self.stats.pushes += 1
         if self.terminated is not None:
             raise Refused(f"rank {self.terminated} exhausted all inputs (join with throw_on_early_termination)")
+        if h.meta.get("attempt", 0) != self.attempt:  # queued before its process died; the new attempt redoes it
+            raise Refused(f"push of step {t} from {h.sender} of attempt {h.meta.get('attempt', 0)!r}: the job is at "
+                          f"attempt {self.attempt}")
         if t <= self.last_step[rank]:  # sent again after a reconnect: applied once already
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
@@ -456,6 +515,9 @@ class ParameterServer:
         part = self.partial.get(rank)
         if part is None or part.step != t:
             part = self.partial[rank] = Partial(t)
+        if "unit" in h.meta:
+            self._push_unit(ident, h, data, rank, t, part)
+            return
         frames = self._check_frames(h, data, require_all=False)
         if self.mode.refuses_nonfinite:
             bad = next((spec.key for parts in frames.values() for spec, frame in parts if not _finite(spec, frame)),
@@ -483,6 +545,31 @@ class ParameterServer:
         else:
             self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
             self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
+        self._serve_waiting()
+
+    def _push_unit(self, ident, h, data, rank: int, t: int, part: Partial) -> None:
+        """A compressed push (:mod:`servers.compressed`): one unit's payload of one round; folded, then
+        acknowledged (its frames were checked against the unit, not against the pieces)."""
+        if self.units is None:
+            raise Refused(f"push of a compressed unit from {h.sender}, but its hello said no compress=")
+        unit, r = self.units.unit(h)
+        payload = self.units.payload(h, data, unit)
+        absent, cmeta, base = h.meta.get("absent", []), h.meta.get("cmeta", {}), h.meta.get("base")
+        if not isinstance(cmeta, dict) or not isinstance(absent, list) or (absent and r) \
+                or any(k not in unit.slices for k in absent):
+            raise Refused(f"push from {h.sender}: 'cmeta' must be a map, 'absent' keys of unit {unit.key} (round 0)")
+        if not isinstance(base, int) or base > self.version:
+            raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
+        done = part.rounds.get(unit.key, -1)
+        if r <= done:  # sent again after a reconnect
+            self.stats.duplicates += 1
+            self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
+            return
+        if r != done + 1:
+            raise Refused(f"push of unit {unit.key} round {r} from {h.sender}, which has not pushed round {done + 1}")
+        self.mode.fold_unit(rank, t, part, self.units, unit, r, payload, absent,
+                            {"base": base, "hyper": h.meta.get("hyper"), "cmeta": cmeta})
+        self._reply(ident, "ok", h.meta.get("id"), step=t)
         self._serve_waiting()
 
     def _op_commit(self, ident, h, _data):
@@ -555,7 +642,7 @@ class ParameterServer:
         return frames
 
     # ----- pulls -----------------------------------------------------------------------------
-    PULLS = ("params", "sum", "report", "buffers", "final")
+    PULLS = ("params", "sum", "report", "buffers", "final", "csum")
 
     def _op_pull(self, ident, h, _data):
         rank = self._rank_of(h)
@@ -570,13 +657,18 @@ class ParameterServer:
         if what in ("sum", "report") and (self.cfg.mode != "sync" or (what == "sum") != (self.update == "worker")):
             raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.cfg.mode} with "
                           f"update={self.update}")
+        if what == "csum":
+            if self.cfg.mode != "sync" or self.units is None:
+                raise Refused(f"pull of a compressed sum from {h.sender}: {self.cfg.name} runs {self.cfg.mode} "
+                              f"{'with' if self.units is not None else 'without'} compress=")
+            self.units.unit(h)
         # A worker pulls after pushing on the same connection: the push is here already. A pull for a
         # later step could only wait forever, so it is refused, and so is a flood of waiting pulls.
         latest = self.mode.latest_pull(rank)
         if after > latest:
             raise Refused(f"pull after step {after} from {h.sender}, which has not pushed it ({self.cfg.name} "
                           f"is at step {latest} for it)")
-        if what == "sum" and after < latest - 1:
+        if what in ("sum", "csum") and after < latest - 1:
             raise Refused(f"pull of the sum of step {after} from {h.sender}: {self.cfg.name} keeps only step "
                           f"{latest - 1}'s")
         if sum(1 for _, w in self.waiting if w.sender == h.sender) >= len(self.pieces) + 4:
@@ -607,6 +699,9 @@ class ParameterServer:
             return True
         if what == "buffers":
             return not self.mode.buffers_wait or self.buf_round >= after
+        if what == "csum":
+            assert isinstance(self.mode, Sync) and self.units is not None  # _op_pull refused it otherwise
+            return self.mode.step > after or self.units.ready(h.meta["unit"], h.meta["round"])
         return self.mode.ready(rank, after, what, h.meta.get("keys"))
 
     def _serve_waiting(self) -> None:
@@ -641,6 +736,16 @@ class ParameterServer:
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
                         tracked=False, link=link)
+            return
+        if what == "csum":
+            mode, units = self.mode, self.units
+            assert isinstance(mode, Sync) and units is not None
+            current = mode.step == h.meta["after_step"]
+            unit = units.units[h.meta["unit"]]
+            absent = [k for k in unit.keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
+            parts, meta = units.sums(unit.key, h.meta["round"], current)
+            self._reply(ident, "params", rid, {"version": self.version, "absent": absent, **meta}, parts, step=h.step,
+                        tracked=False)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
@@ -795,6 +900,22 @@ class ParameterServer:
         """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
         return self.world is not None and self.gone >= set(range(self.world))
 
+    def _op_blob(self, ident, h, data):
+        """ex.commit_state / ex.restored_state: ``put`` keeps the rank's one frame of opaque bytes (never
+        read here) with the step it was committed at, replacing the last; otherwise the kept one comes back."""
+        rank = self._rank_of(h)
+        if h.meta.get("put"):
+            if len(h.frames) != 1 or h.frames[0].dtype != "uint8" or h.frames[0].offset != 0:
+                raise Refused(f"blob from {h.sender}: one uint8 frame expected")
+            self.blobs[rank] = (h.step, wire.frame_tensor(h.frames[0], data[0]).clone())
+            self._reply(ident, "ok", h.meta.get("id"), step=h.step)
+            return
+        kept = self.blobs.get(rank)
+        if kept is None:
+            self._reply(ident, "ok", h.meta.get("id"), {"none": True})
+            return
+        self._reply(ident, "params", h.meta.get("id"), {}, wire.split("blob", kept[1]), step=kept[0], tracked=False)
+
     # ----- durability ------------------------------------------------------------------------
     def _checkpoint_name(self) -> str:
         return checkpoint_name(self.cfg, self.space)
@@ -818,7 +939,9 @@ class ParameterServer:
                  "params": {k: v.detach().clone() for k, v in self.params.items()},
                  "buffers": {k: v.clone() for k, v in self.buffers.items()}, "buf_round": self.buf_round,
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                 "updates": self.stats.updates, "staleness": dict(self.stats.staleness)}
+                 "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
+                 "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
+                 "terminated": self.terminated, "blobs": dict(self.blobs)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -853,6 +976,12 @@ class ParameterServer:
         self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})
+        # a resumed shard neither re-gates workers that passed its start nor forgets who joined or what they kept
+        self.attempt, self.started = int(state.get("attempt", 0)), bool(state.get("started", False))
+        self.joined = {int(r): (int(t), bool(d)) for r, (t, d) in state.get("joined", {}).items()}
+        self.detached |= set(self.joined)
+        self.terminated = state.get("terminated")
+        self.blobs = {int(r): (int(t), b) for r, (t, b) in state.get("blobs", {}).items()}
 
 
 SPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -954,7 +1083,7 @@ class ShardServer:
         s = self.stats_dict()
         print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
 
-    COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped",
+    COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
                 "bytes_in", "bytes_out", "copies_on_write")
 
     def stats_dict(self, space: str | None = None) -> dict:
@@ -990,9 +1119,12 @@ class ShardServer:
         link = self._link(ident)
         space = None
         try:
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=self.max_bytes,
+            limit = self.max_bytes
+            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
                             region=link.inbound.size if link is not None else None)
             req_id = h.meta.get("id")
+            if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
+                raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
                 self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
                 return

@@ -222,7 +222,7 @@ def test_commlab_plan_writes_a_table_plots_and_a_recommendation_up_to_4096_worke
     out = tmp_path / "plan"
     argv = [sys.executable, "-m", "commlab.cli", "plan", "--calibration", str(tmp_path / "cal.json"), "--workers",
             "8,4096", "--link", "10gbit", "--batch-size", "32", "--out", str(out), "--max-shards", "16",
-            "--straggler", "lognormal:0.05"]
+            "--straggler", "lognormal:0.05", "--compress", "none"]  # compression: tests/test_plan_compress.py
     res = run_group(argv, 180, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "plan.md").read_text()

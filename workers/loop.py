@@ -101,7 +101,7 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
         ex.setup(model, optimizer)
         t_start = time.perf_counter()
         record: dict = {}
-        for step in range(cfg.steps):
+        for step in range(ex.start_step, cfg.steps):  # a restarted job under ps:// update=server goes on
             x, y = (t.to(device) for t in data.batch(step, rank, world, cfg.batch_size))
             t0 = time.perf_counter()
             ex.zero_grad()

@@ -46,8 +46,14 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
+def numel(shapes) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
 class OwnDecoding(Compressor):
     """A compressor whose aggregate is the sum of every rank's own decoding: its share is its decoding."""
+
+    decodes_alone = True
 
     def __init__(self):
         super().__init__()
@@ -58,6 +64,17 @@ class OwnDecoding(Compressor):
 
     def _decode_own(self, key, *own) -> torch.Tensor:
         raise NotImplementedError
+
+    def aggregate(self, key, shapes, sums, meta, out):
+        out.zero_()
+        self.decode_add(key, sums[0], out.numel(), meta, out)
+
+
+def fits(payload, sizes: list[int], what: str) -> None:
+    """A payload from the wire has ``len(sizes)`` tensors of these element counts, or ValueError."""
+    got = [t.numel() for t in payload]
+    if got != sizes:
+        raise ValueError(f"{what}: payload of {got} elements, expected {sizes}")
 
 
 class Cast(OwnDecoding):
@@ -75,7 +92,17 @@ class Cast(OwnDecoding):
         return [wire]
 
     def finish(self, key, combined, out):
-        out.copy_(combined[0])
+        self.aggregate(key, (), [combined], {}, out)
+
+    def aggregate(self, key, shapes, sums, meta, out):
+        out.copy_(sums[0][0])
+
+    def decode_add(self, key, payload, n, meta, out):
+        fits(payload, [n], self.name)
+        out.add_(payload[0])
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (numel(shapes) * self.dtype.itemsize,)
 
     def _decode_own(self, key, wire, dtype):
         return wire.to(dtype)
@@ -113,8 +140,21 @@ class TopK(OwnDecoding):
 
     def finish(self, key, combined, out):
         out.zero_()
-        for values, idx in combined:  # rank order: the same sum on every rank
-            out.index_add_(0, idx.long(), values.to(out.dtype))
+        for payload in combined:  # rank order: the same sum on every rank
+            self.decode_add(key, payload, out.numel(), {}, out)
+
+    def decode_add(self, key, payload, n, meta, out):
+        k = kept(self.f, n)
+        fits(payload, [k, k], self.name)
+        values, idx = payload
+        idx = idx.long()
+        if k and not (0 <= int(idx.min()) and int(idx.max()) < n):
+            raise ValueError(f"{self.name}: an index outside [0, {n})")
+        out.index_add_(0, idx, values.to(out.dtype))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        n = numel(shapes)
+        return (kept(self.f, n) * (itemsize + index_dtype(n).itemsize),)
 
     def _decode_own(self, key, values, idx, n):
         return torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, idx, values)
@@ -147,10 +187,32 @@ class RandomK(OwnDecoding):
         self.f, self.seed, self.name = f, seed, f"randomk:{float(f):g}"
         self.steps: dict[int, int] = {}
 
-    def indices(self, key: int, n: int, device) -> torch.Tensor:
-        """This step's indices for bucket ``key`` (the same on every rank); advances nothing."""
-        g = torch.Generator().manual_seed(mix(self.seed, key, self.steps.get(key, 0)))
+    def indices(self, key: int, n: int, device, draw: int | None = None) -> torch.Tensor:
+        """Draw ``draw``'s indices for bucket ``key`` (default: this step's; the same on every rank); advances
+        nothing."""
+        draw = self.steps.get(key, 0) if draw is None else draw
+        g = torch.Generator().manual_seed(mix(self.seed, key, draw))
         return torch.randperm(n, generator=g)[: kept(self.f, n)].to(device)
+
+    def wire_meta(self, key):
+        return {"draw": self.steps[key] - 1}
+
+    def _draw(self, key, n, meta, out) -> torch.Tensor:
+        draw = meta.get("draw")
+        if not isinstance(draw, int) or isinstance(draw, bool) or draw < 0:
+            raise ValueError(f"{self.name}: 'draw' must be an integer >= 0, got {draw!r}")
+        return self.indices(key, n, out.device, draw)
+
+    def aggregate(self, key, shapes, sums, meta, out):
+        idx = self._draw(key, out.numel(), meta, out)
+        fits(sums[0], [idx.numel()], self.name)
+        out.zero_()
+        out[idx] = sums[0][0].to(out.dtype)
+
+    def decode_add(self, key, payload, n, meta, out):
+        idx = self._draw(key, n, meta, out)
+        fits(payload, [idx.numel()], self.name)
+        out.index_add_(0, idx, payload[0].to(out.dtype))
 
     def start(self, key, x, shapes):
         idx = self.indices(key, x.numel(), x.device)
@@ -163,6 +225,9 @@ class RandomK(OwnDecoding):
         _, idx, _ = self._own[key]
         out.zero_()
         out[idx] = combined[0].to(out.dtype)
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (kept(self.f, numel(shapes)) * itemsize,)
 
     def _decode_own(self, key, values, idx, n):
         out = torch.zeros(n, dtype=values.dtype, device=values.device)
@@ -214,8 +279,16 @@ class Sign(OwnDecoding):
 
     def finish(self, key, combined, out):
         out.zero_()
-        for bits, scale in combined:
-            out.add_(self._decode_own(key, bits, scale.to(out.dtype), out.numel()))
+        for payload in combined:
+            self.decode_add(key, payload, out.numel(), {}, out)
+
+    def decode_add(self, key, payload, n, meta, out):
+        fits(payload, [math.ceil(n / 8), 1], self.name)
+        bits, scale = payload
+        out.add_(self._decode_own(key, bits, scale.to(out.dtype), n))
+
+    def payload_nbytes(self, shapes, itemsize=4):
+        return (math.ceil(numel(shapes) / 8) + itemsize,)
 
     def _decode_own(self, key, bits, scale, n):
         return unpack_bits(bits, n).to(scale.dtype).mul_(2).sub_(1).mul_(scale)

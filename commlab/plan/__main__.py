@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 from commlab.errors import ConfigError
+from commlab.compress import build
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
+from commlab.plan import compression as K
 from commlab.plan import recommend as R
 from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
 
@@ -43,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--straggler", default="none", help="none, lognormal:SIGMA, slow:SECONDS[:COUNT], factor:F[:COUNT]; "
                                                        "join with +")
     p.add_argument("--max-shards", type=int, default=256, help="largest K searched for the crossover")
+    p.add_argument("--compress", nargs="+", default=list(K.BUILTIN), metavar="SPEC",
+                   help="compressors to weigh against the uncompressed all-reduce (compress= values, with error "
+                        "feedback; measured on the model here); 'none' for none")
     g = p.add_argument_group("calibration (one of)")
     g.add_argument("--calibration", help="a calibration JSON saved before (--save-calibration)")
     g.add_argument("--bench-run", help="a 'commlab bench' run folder: transports fitted to its bandwidth.json")
@@ -75,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         regimes = [parse_regime(u) for u in a.regimes]
         topo = Topology(a.workers_per_host, parse_rate(a.link), parse_rate(a.intra), a.compute_scale)
         straggler = Straggler.parse(a.straggler)
+        specs = compress_specs(a.compress)
+        creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))
         cal = load_calibration(a)
+        if specs and creg is not None:
+            cal = K.with_compressors(cal, specs, creg)
     except (ConfigError, ValueError) as exc:
         print(f"commlab plan: {exc}", file=sys.stderr)
         return 2
@@ -89,15 +98,47 @@ def main(argv: list[str] | None = None) -> int:
     png = R.plots(plan, out / "plan.png")
     text = ["# commlab plan", "", f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`; "
             f"simulated in {took:.1f} s.", ""] + R.report(plan, cal, png)
+    compression: dict = {}
+    if specs:
+        lines, compression = compression_section(cal, specs, creg, topo, workers, a.batch_size)
+        text += lines
     (out / "plan.md").write_text("\n".join(text))
     (out / "plan.json").write_text(json.dumps({
         "workers": workers, "regimes": [r.url for r in regimes], "batch": a.batch_size,
         "results": [{"regime": k[0], "workers": k[1], **(v.as_dict() if not isinstance(v, str) else {"error": v})}
                     for k, v in plan.results.items()],
-        "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took}, indent=1, default=str))
+        "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took,
+        "compression": {"regime": creg.url if creg else None, "by_workers": {str(n): v for n, v in compression.items()}}},
+        indent=1, default=str))
     print("\n".join(text[4:]))
     print(f"\ncommlab plan: wrote {out}/plan.md, plan.json" + (", plan.png" if png else ""), file=sys.stderr)
     return 0
+
+
+def compress_specs(given: list[str]) -> list[str]:
+    """The ``--compress`` specs to weigh (none for ``none``); a bad one raises naming ``--compress``."""
+    specs = [s.strip() for s in given if s.strip().lower() not in ("", "none")]
+    for spec in specs:
+        try:
+            build(spec)
+        except ConfigError as exc:
+            raise ConfigError(f"--compress {spec}: {exc}") from None
+    return list(dict.fromkeys(specs))
+
+
+def compression_section(cal: Calibration, specs: list[str], regime, topo: Topology, workers: list[int],
+                        batch: int) -> tuple[list[str], dict]:
+    """The plan's "Compression" section (markdown lines) and the predictions behind it."""
+    if regime is None:
+        return ["### Compression", "", "Not weighed: no all-reduce regime among --regimes (compression is modelled "
+                "for ring:// and allreduce://).", ""], {}
+    rows, data = K.table(cal, specs, regime, topo, workers, batch)
+    head = [f"### Compression ({regime.url})", "",
+            f"Each compressor measured on this model here (its bytes by closed form; encode and decode timed on its "
+            f"buckets, with error feedback, once past its warm-up), its step predicted for identical workers "
+            f"(docs/plan.md#compression). \"pays below\": the link rate under which its step beats the uncompressed "
+            f"one.", ""]
+    return head + rows + ["", "### Recommendation (compression)", ""] + K.recommend(data, topo) + [""], data
 
 
 if __name__ == "__main__":

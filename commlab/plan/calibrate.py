@@ -28,6 +28,7 @@ from torch import nn
 
 from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
+from commlab.heap import keep_freed_gradients
 from commlab.manifest import model_manifest
 from commlab.plan.costmodel import Bucket, Calibration, Compute, Transport
 
@@ -205,6 +206,7 @@ def calibrate(model: str, batch: int, run_dir: str | Path | None = None, input_s
     """Measure the model's compute and the server costs here; transports from ``run_dir`` if given
     (else the assumed figures, marked as such, until a calibration run supplies them)."""
     net, shape = load_model(model, seed, input_shape)
+    keep_freed_gradients(net.parameters())  # as every worker's exchanger does (heap=keep, the default)
     compute = measure_compute(net, shape, batch, model, reps=reps, bucket_mb=bucket_mb)
     add, opt = measure_server_costs()
     transports = transports_from_run(run_dir) if run_dir else {}

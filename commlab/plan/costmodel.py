@@ -72,6 +72,32 @@ class Compute:
         return sum(b.nbytes for b in self.buckets)
 
 
+@dataclass(frozen=True)
+class CompressorCost:
+    """One compressor (``compress=`` spec, with error feedback or not) on a model's buckets, measured here by
+    :func:`commlab.plan.compression.measure`: what the regime moves in each round and what encoding and
+    decoding cost on this CPU, once past the compressor's uncompressed warm-up. Per bucket, per round:"""
+
+    spec: str
+    ef: bool
+    world: int  # ranks the measurement simulated (decoding a gathered round costs one decode per rank)
+    sums: tuple[str, ...]  # dtypes the measured regime sums exactly (else it gathers; commlab.compress.seam)
+    moves: tuple[tuple[str, ...], ...]  # "sum" (an all-reduce) or "gather" (every rank's payload)
+    wire_bytes: tuple[tuple[int, ...], ...]  # the tensor the regime moves (the payload; round 0 with the
+    #                                           bucket's presence flags)
+    encode_s: tuple[tuple[float, ...], ...]  # round 0: start (in the backward hook); round r: advance
+    decode_s: tuple[float, ...]  # per bucket: finish, with error feedback's residual, at ``world`` ranks
+
+    @property
+    def label(self) -> str:
+        return self.spec if self.ef else f"{self.spec} (ef=0)"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompressorCost":
+        return cls(d["spec"], d["ef"], d["world"], tuple(d["sums"]), tuple(map(tuple, d["moves"])),
+                   tuple(map(tuple, d["wire_bytes"])), tuple(map(tuple, d["encode_s"])), tuple(d["decode_s"]))
+
+
 # Figures for transports this machine cannot measure (no GPU): NCCL's ring over a NIC is link-bound,
 # with a few microseconds per step. Every use of them is marked "assumed" in the output.
 ASSUMED = {
@@ -93,6 +119,7 @@ class Calibration:
     opt_s_per_byte: float  # applying the optimizer (on a server, or on a worker after an all-reduce)
     compute: Compute
     facts: dict = field(default_factory=dict)
+    compressors: dict[str, CompressorCost] = field(default_factory=dict)  # by CompressorCost.label
 
     def transport(self, name: str) -> Transport:
         if name in self.transports:
@@ -115,7 +142,8 @@ class Calibration:
                           tuple(Bucket(b["nbytes"], b["ready_frac"], tup(b["params"])) for b in c["buckets"]),
                           tup(c["manifest"]))
         return cls({k: Transport(**v) for k, v in d["transports"].items()}, d["add_s_per_byte"],
-                   d["opt_s_per_byte"], compute, d.get("facts", {}))
+                   d["opt_s_per_byte"], compute, d.get("facts", {}),
+                   {k: CompressorCost.from_dict(v) for k, v in d.get("compressors", {}).items()})
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
@@ -123,6 +151,9 @@ class Calibration:
 
     def with_transports(self, **transports: Transport) -> "Calibration":
         return replace(self, transports={**self.transports, **transports})
+
+    def with_compressors(self, *costs: CompressorCost) -> "Calibration":
+        return replace(self, compressors={**self.compressors, **{c.label: c for c in costs}})
 
 
 @dataclass(frozen=True)
@@ -199,13 +230,16 @@ class Regime:
         return self.kind == "allreduce" or self.mode == "sync"
 
 
+# the options of each scheme's URL that the planner models (the others, such as timeout, change no cost here)
+PLANNED_OPTIONS = {"ring": {"transport"}, "allreduce": {"backend"}, "ps": {"shards", "mode", "staleness", "placement"}}
+
+
 def parse_regime(text: str) -> Regime:
     """``ring://[?transport=torch]``, ``allreduce://?backend=gloo|nccl``,
     ``ps://?shards=K&mode=sync|async|ssp&staleness=S&placement=dedicated|colocated``."""
     url = ExchangerURL.parse(text.strip())
     q = dict(url.query)
-    known = {"ring": {"transport"}, "allreduce": {"backend"},
-             "ps": {"shards", "mode", "staleness", "placement"}}
+    known = PLANNED_OPTIONS
     if url.scheme not in known:
         raise ConfigError(f"plan: regime {text!r}: scheme must be one of {', '.join(known)}")
     extra = set(q) - known[url.scheme]

@@ -188,7 +188,8 @@ def plots(plan: Plan, path: Path) -> Path | None:
     ax[2].plot(ns, [plan.crossovers[n]["closed_form"] or float("nan") for n in ns], "x--",
                label="bandwidth terms: N^2/(2(N-1))")
     ax[2].set_xscale("log", base=2)
-    ax[2].set_yscale("log", base=2)
+    if any(plan.crossovers[n]["simulated"] or plan.crossovers[n]["closed_form"] for n in ns):
+        ax[2].set_yscale("log", base=2)  # (with nothing to draw, as at N = 2 alone, a log axis cannot be drawn)
     ax[2].set_title("dedicated sync PS shards needed to beat the ring")
     ax[2].set_xlabel("workers N")
     ax[2].legend(fontsize=7)

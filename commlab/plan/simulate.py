@@ -168,13 +168,28 @@ def allreduce_bucket_time(size: float, n: int, topo: Topology, regime: Regime, c
     stay inside the host)."""
     if n <= 1:
         return 0.0
+    alpha, beta = _ring_edge(n, topo, regime, cal)
+    if regime.transport == "ring" and n == 2 and size <= SWAP_BYTES:  # commlab's one-step swap
+        return alpha + size * beta
+    largest = math.ceil(size / 4 / n) * 4  # segments differ by at most one element
+    return 2 * (n - 1) * (alpha + largest * beta)
+
+
+def allgather_time(size: float, n: int, topo: Topology, regime: Regime, cal: Calibration) -> float:
+    """Every rank's ``size`` bytes to every rank over the ring: ``N-1`` steps, each forwarding one rank's
+    whole payload over the slowest edge, ``(N-1)(alpha + S beta)``; each rank sends ``(N-1) S``."""
+    if n <= 1:
+        return 0.0
+    alpha, beta = _ring_edge(n, topo, regime, cal)
+    return (n - 1) * (alpha + size * beta)
+
+
+def _ring_edge(n: int, topo: Topology, regime: Regime, cal: Calibration) -> tuple[float, float]:
+    """(alpha, beta) of the ring's slowest edge: ranks placed host by host, one edge per host crosses its
+    NIC, the others stay inside the host."""
     tr = cal.transport(regime.transport)
     rates = ([topo.nic_bps] if topo.hosts(n) > 1 else []) + ([topo.intra_bps] if topo.workers_per_host > 1 else [])
-    beta = max(tr.beta_over(r) for r in rates)
-    if regime.transport == "ring" and n == 2 and size <= SWAP_BYTES:  # commlab's one-step swap
-        return tr.alpha_s + size * beta
-    largest = math.ceil(size / 4 / n) * 4  # segments differ by at most one element
-    return 2 * (n - 1) * (tr.alpha_s + largest * beta)
+    return tr.alpha_s, max(tr.beta_over(r) for r in rates)
 
 
 def _sync_allreduce(cal, topo, regime, n, batch, strag, steps, seed) -> SimResult:

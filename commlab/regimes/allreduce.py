@@ -91,7 +91,8 @@ class AllReduceExchanger(CollectiveExchanger):
         if dist.is_initialized():
             self._borrow_default_group()
             return
-        self.store = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.connect_store(self.rank_info, self.options.timeout),
+                                                self.rank_info, self.options.timeout)
         if backend == "nccl":
             torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
         try:
@@ -111,7 +112,7 @@ class AllReduceExchanger(CollectiveExchanger):
         its store; none is made here."""
         from commlab.groups import new_process_group
         timeout = self.options.timeout
-        self.store = rendezvous.group_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
         if self.torch_group is not None:
             ranks = dist.get_process_group_ranks(self.torch_group)
             if list(ranks) != list(self.rank_info.members):
@@ -130,7 +131,7 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        self.store = rendezvous.default_group_store(self.rank)
+        self.store = rendezvous.exchanger_store(rendezvous.default_group_store(), self.rank_info, self.options.timeout)
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:

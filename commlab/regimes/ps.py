@@ -17,6 +17,10 @@ shard, so all shards are fed in parallel). Where the update runs:
   state_dict and ``load_state_dict`` scatters one. See docs/ps.md for AMP and
   ``clip_norm``.
 
+``compress=SPEC&ef=0|1`` (:mod:`commlab.compress`): each bucket's pieces on a shard go through the
+compressor, and the shard sums or decodes the payloads as the compressor declares
+(:mod:`commlab.regimes.ps_compress`, :mod:`servers.compressed`).
+
 See :mod:`commlab.psproto` for the protocol and :mod:`servers` for the server.
 
 ``commlab train --exchanger 'ps://?shards=K&mode=...'`` starts K servers on
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import io
 import math
 import os
 import re
@@ -39,18 +44,20 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import psproto, psshm, rendezvous, shm, transport, wire
-from commlab.config import CommonOptions, ExchangerURL, option, parse_options
+from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
+from commlab.compress import CompressOptions
+from commlab.config import ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.regimes.ps_compress import CompressedPushes
 from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
 
 @dataclass(frozen=True)
-class PSOptions(CommonOptions):
+class PSOptions(CompressOptions):
     mode: str = option("", "consistency mode this worker expects; the server's rules (empty: accept it)",
                        choices=("",) + psproto.MODES)
     staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
@@ -99,6 +106,8 @@ class PSOptions(CommonOptions):
             raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
         if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
+        if self.mode in ("async", "ssp"):  # powersgd: refused before anything starts
+            compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
 
     @property
     def endpoint_list(self) -> list[str]:
@@ -138,6 +147,7 @@ class _Shard:
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
         self.space = ""  # the exchanger's key space on the server ("": the first)
         self.members: tuple[int, ...] = ()  # connect(group=): the global ranks of the positions servers count
+        self.attempt = 0  # the job's restarts so far: every request says it (a dead attempt's pushes are refused)
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"ps-shard{index}")
         self.sock: zmq.Socket | None = None
         self.next_id = 0
@@ -186,12 +196,15 @@ class _Shard:
         meta, at = dict(req.meta, id=req.rid), None
         if self.space:
             meta["space"] = self.space
+        if self.attempt:
+            meta["attempt"] = self.attempt
         link = self.link
-        if link is not None and req.op == "push" and req.parts:  # one copy in; the server reads it there
+        if link is not None and req.op == "push" and req.parts and "unit" not in meta:  # one copy in; read there
             at = psshm.place(link.offsets, req.parts)
             for (spec, t), o in zip(req.parts, at):
                 link.inbound.write(o, t)
-        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum"):
+        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum") \
+                and "unit" not in meta:
             meta["shm_reply"] = True
         frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name, peer=self.peer)
@@ -470,6 +483,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
         self._warned_loop = False  # said once that the servers cannot do what the loop does to p.grad
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
+        self._cps: CompressedPushes | None = None  # compress=: the compressed step
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -488,7 +502,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
                               f"your optimizer steps on the workers")
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
+        from torch.distributed.tensor import DTensor
         for name, shape, dtype in manifest:
+            if isinstance(params[name], DTensor):
+                raise ConfigError(f"ps:// serves whole tensors, and {name} is a DTensor (tensor parallel): exchange "
+                                  f"its shards with allreduce:// or ring:// over the data-parallel group")
             if params[name].device.type not in ("cpu", "cuda"):
                 raise ConfigError(f"ps:// serves workers whose parameters are on the CPU or a CUDA GPU, and {name} is "
                                   f"on {params[name].device}")
@@ -520,7 +538,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._check_group()
         self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space, shard.members = self.space, self.rank_info.members
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -540,6 +558,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
+        if self.compressor is not None:
+            self._cps = CompressedPushes(self, self._plan)
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
         buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
         replies = self._on_all(lambda s: s.hello({
@@ -548,12 +568,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "update": self.options.update or None, "manifest": manifest_wire,
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
-            "shard": [s.index, k], "optim": desc}), "hello")
-        self._base = max(r["next_step"] for r in replies)
+            "shard": [s.index, k], "optim": desc,
+            **({"compress": self._cps.hello(s.index)} if self._cps is not None else {})}), "hello")
         self.mode, self.update = replies[0]["mode"], replies[0]["update"]
+        self._base = self._resume_step(replies)
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
+        if self._cps is not None:
+            self._cps.connected()
         for s in self.shards:
             s.adopt_shm = self.update == "server"
         fresh = not all(r["initialized"] for r in replies)
@@ -572,6 +595,57 @@ class PSExchanger(BucketedExchanger, PlansServers):
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
         if self.update == "server":
             self._take_over_state(optimizer)
+        if not fresh or self.rank_info.attempt:
+            self.restored_state = self._restore_state()
+
+    def _resume_step(self, replies: list[dict]) -> int:
+        """The wire step to go on from, from every shard's hello. update=server: the step the shards have
+        applied, which is where the loop resumes (:attr:`start_step`; 0 on a fresh start). A step applied on
+        some shards only (a rank killed between its commits; a push of async that reached one shard) is
+        pushed again: those shards acknowledge it as a duplicate, the others apply it, so each applies it
+        once. update=worker: the shards hold no trained state (the user's checkpoint does): the numbering
+        goes on from the furthest shard and :attr:`start_step` stays 0."""
+        steps = [r["next_step"] for r in replies]
+        if self.update != "server":
+            return max(steps)
+        self.start_step = min(steps)
+        return self.start_step
+
+    # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """update=server: the servers hold the parameters, the optimizer's state and the applied steps."""
+        return self.update == "server"
+
+    def commit_state(self, state: dict) -> None:
+        """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
+        servers, replacing what this rank kept before; a restarted job reads it back as
+        :attr:`restored_state`. Blocks until shard 0 holds it (its timeout); not collective (each rank
+        keeps its own). ``state`` travels as ``torch.save`` bytes the servers never read; it is read back
+        with ``weights_only=True`` (tensors, numbers, strings, lists and dicts of them), at most 1 MiB."""
+        if not self.shards:
+            raise ConfigError("call setup(model, optimizer) before commit_state()")
+        if not self.keeps_state:
+            super().commit_state(state)  # update=worker: the parameters are the user's checkpoint's, and so is this
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        if buf.tell() > psproto.BLOB_MAX:
+            raise ValueError(f"commit_state: the state takes {buf.tell()} bytes, more than {psproto.BLOB_MAX}: keep "
+                             f"a small state here (a scheduler, a scaler, a data position), the rest in a checkpoint")
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        first, step = self.shards[0], self._wire_step()
+        first.submit(first.request, "blob", step, wire.split("blob", blob), {"put": True},
+                     f"commit_state at step {step}").result(timeout=self.options.timeout * 2 + 10)
+
+    def _restore_state(self) -> dict | None:
+        """What this rank last kept with :meth:`commit_state` (on shard 0), or None."""
+        first = self.shards[0]
+        h, data = first.submit(first.request, "blob", -1, (), {}, "restored state", psproto.BLOB_MAX).result(
+            timeout=self.options.timeout * 2 + 10)
+        if h.op != "params":
+            return None
+        raw = wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes()
+        return torch.load(io.BytesIO(raw), weights_only=True)
 
     def _check_group(self) -> None:
         """``connect(group=)``: the group's members name the same group (through the job's store, which stays
@@ -635,9 +709,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _start_bucket(self, bucket) -> Handle:
         step = self._wire_step()
+        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
+        if self._cps is not None:
+            return self._cps.start_bucket(bucket, step, hyper)
         # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
         src, _ = self._staging.to_host_async(bucket.index)
-        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
             shard = self.shards[k]
@@ -695,10 +771,13 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _finish(self) -> None:
         step = self._wire_step()
+        if self._cps is not None and self.update != "worker":
+            self.stats.bytes_received += self._cps.finish(step)
         if self.update == "worker":
             self._absent = set()
-            received = self._on_all(lambda s: s.collect(), f"averages of step {step}")
-            self.stats.bytes_received += sum(received)
+            received = self._cps.finish(step) if self._cps is not None else \
+                sum(self._on_all(lambda s: s.collect(), f"averages of step {step}"))
+            self.stats.bytes_received += received
             dropped = {pc.param for pieces in self._pieces for pc in pieces if pc.key in self._absent}
             for b in self.buckets:
                 for i, (name, p) in enumerate(zip(b.names, b.params)):
@@ -816,6 +895,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
+        if self._cps is not None:
+            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
+                              "drop compress= or give every rank the same number of steps")
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
         own = self.update == "worker"
@@ -1006,6 +1088,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """
         if self.model is None:
             raise ConfigError("call setup(model, optim) before push_pull_async()")
+        if self._cps is not None:
+            raise ConfigError("push_pull_async() pushes the tensor uncompressed: drop compress=")
         if self.update != "server":
             raise ConfigError("push_pull_async() pulls the parameter the servers updated: it needs update=server "
                               f"(this client runs update={self.update})")

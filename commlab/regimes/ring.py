@@ -231,6 +231,9 @@ class RingExchanger(CollectiveExchanger):
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
+        if self.options.transport == "torch" and rank.members:  # its p2p would need a registered subgroup
+            raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
+                              "allreduce:// there, or transport=shm|tcp|ipc|auto")
         self._gather_steps = gather_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
@@ -244,17 +247,14 @@ class RingExchanger(CollectiveExchanger):
             return
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
-            store = rendezvous.default_group_store(self.rank)
+            store = rendezvous.default_group_store()
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
-        self.store = rendezvous.group_store(self.store, self.rank_info, opts.timeout)  # connect(group=): its keys
+        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)  # its own namespace
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
         # numbered by how many this rank made before (every rank makes them in the same order).
         ns = f"ring/{self.store.add(f'ring/instances/{self.rank}', 1)}/"
         self._ns = ns
         if self.world_size > 1:
-            if opts.transport == "torch" and self.rank_info.members:
-                raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
-                                  "allreduce:// there, or transport=shm|tcp|ipc|auto")
             if opts.transport == "torch":
                 self._meet_torch(ns)
             else:

@@ -1,0 +1,463 @@
+"""When compression pays: each compressor's bytes and compute on the user's model, a compressed step's time at
+a link rate, and the rate below which it beats the uncompressed exchange.
+
+**What a compressor costs** (:func:`measure`, on this CPU, one thread as
+:func:`~commlab.plan.calibrate.measure_compute`, big freed blocks kept in the heap as a worker's exchanger
+keeps them, :mod:`commlab.heap`): the model's own buckets (commlab's bucketing, with their presence flags)
+go through the real seam (:func:`commlab.compress.seam.start_compressed`) and the real compressor, with
+error feedback, for N simulated ranks that are all this one (a mover whose sums and gathers are done when
+issued: the wire is the cost model's part). Per bucket and round: what the regime moves (sum or gather, by
+the seam's own rule and the regime's declared sums; the bytes: the compressor's closed form,
+:meth:`~commlab.compress.base.Compressor.payload_nbytes`, plus the presence flags in round 0), the encode
+time (round 0: ``start``, in the backward hook; round r: ``advance``) and the decode time (``finish`` and
+error feedback). Timed after the compressor's uncompressed warm-up (``start_iter``), median of ``reps``
+steps.
+
+**A compressed step** (all-reduce regimes: commlab's ring, gloo; identical workers), one communication
+thread serving buckets in the order they are issued::
+
+    bucket b ready   r_b = fwd + bwd x ready_frac[b] + enc0[0..b-1]   (earlier hooks' encoding delays backward)
+    round 0 issued   r_b + enc0[b]; sent when the thread is free: end0[b] = max(issued, free) + T(round 0)
+    backward ends    c = fwd + bwd + sum(enc0)
+    later rounds     for b, then r = 1 .. R-1: t = max(t, end[r-1][b]) + enc_r[b]; end_r[b] = max(t, free) + T
+    decode           for b: t = max(t, end[R-1][b]) + dec[b]       (gathered rounds: dec x N / N_measured)
+    step             t + the optimizer over the parameters
+
+    T(sum of P bytes)    = the ring all-reduce, 2(N-1)(alpha + ceil(P/N) beta)      sends 2(N-1)/N x P
+    T(gather of P bytes) = the ring all-gather, (N-1)(alpha + P beta)              sends (N-1) x P
+
+with ``beta = max(transport's own, 1 / link rate)`` (:mod:`commlab.plan.costmodel`). Uncompressed (one
+summed round of the whole bucket, nothing to encode) this is :func:`commlab.plan.simulate.simulate`'s
+all-reduce step. PowerSGD's second round waits for the first's sum: its latency is paid twice, after
+backward. **The crossover** of a compressor is the link rate below which its predicted step is shorter than
+the uncompressed one: the root of ``compressed(B) = uncompressed(B)``, found on a log grid of rates and
+refined by bisection; ``inf`` where it pays at any rate (the transport's own per-byte cost is the limit),
+``0`` where it never does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+from dataclasses import replace
+from typing import cast
+from urllib.parse import urlencode
+
+import torch
+from torch import nn
+
+from commlab.compress import seam
+from commlab.compress.base import Compressor, build
+from commlab.config import ExchangerURL
+from commlab.errors import ConfigError
+from commlab.exchanger import make_buckets
+from commlab.handles import DoneHandle
+from commlab.heap import keep_freed_gradients
+from commlab.plan.rates import parse_rate
+from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
+                                    parse_regime)
+from commlab.plan.simulate import allgather_time, allreduce_bucket_time
+from commlab.registry import regime_class
+
+BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes per second
+WIDE = ("float32", "float64")
+
+
+# ----- measuring -----------------------------------------------------------------------------------
+class _AllMe:
+    """The seam's mover for N ranks that are all this one: sums and gathers are done when issued (a sum
+    leaves the tensor as it is; a gather returns it N times), so what is timed is the compressor and the
+    seam, never a wire."""
+
+    def __init__(self, world: int, sums: tuple[str, ...]):
+        self.world_size, self.sums = world, sums
+
+    def allreduce_async(self, tensor: torch.Tensor, what: str = "sum") -> DoneHandle:
+        return DoneHandle(None, what)
+
+    def allreduce_per_hop_async(self, tensor: torch.Tensor, what: str = "sum per hop") -> DoneHandle:
+        return DoneHandle(None, what)
+
+    def allgather_async(self, tensor: torch.Tensor, what: str = "gather") -> DoneHandle:
+        return DoneHandle([tensor] * self.world_size, what)
+
+    def sums_exactly(self, dtype: torch.dtype) -> bool:
+        return str(dtype).removeprefix("torch.") in self.sums and dtype.itemsize >= 4
+
+    def sums_per_hop(self, dtype: torch.dtype) -> bool:
+        return str(dtype).removeprefix("torch.") in self.sums and dtype.itemsize < 4
+
+
+class _Timed:
+    """``inner`` (a compressor) with its ``advance`` timed and each round's last payload kept, per bucket (for
+    the seam's rule of how it moves); everything else is ``inner``'s own."""
+
+    def __init__(self, inner: Compressor):
+        self.inner = inner
+        self.advance_s: dict[tuple[int, int], float] = {}
+        self.payloads: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def start(self, key, x, shapes):
+        self.payloads[key, 0] = payload = self.inner.start(key, x, shapes)
+        return payload
+
+    def advance(self, key, rnd, combined):
+        t0 = time.perf_counter()
+        payload = self.inner.advance(key, rnd, combined)
+        self.advance_s[key, rnd] = time.perf_counter() - t0
+        self.payloads[key, rnd] = payload
+        return payload
+
+
+def exchange_buckets(compute: Compute):
+    """The model's buckets as a regime holds them (:func:`commlab.exchanger.make_buckets`, presence flags
+    included), from the calibration's parameter lists; gradients zero."""
+    out = []
+    for b, bucket in enumerate(compute.buckets):
+        named = [(name, nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype)), requires_grad=False))
+                 for name, shape, dtype in reversed(bucket.params)]  # make_buckets reverses them again
+        (one,) = make_buckets(named, 2**62, carry_presence=True)
+        out.append(replace(one, index=b))
+    return out
+
+
+def regime_sums(regime: Regime) -> tuple[str, ...]:
+    """The dtypes ``regime`` sums in float32 or wider: exactly at their own width (its class's
+    ``sums_exactly``) or per hop (``sums_per_hop``, a ring's half types), each a property of the regime, not
+    of a connection (a static method). Without that declaration: float32 and float64 exactly, nothing per hop."""
+    cls = regime_class(regime.url.split(":", 1)[0])
+    out = []
+    for d in ("float16", "bfloat16", "float32", "float64"):
+        for ability, default in (("sums_exactly", d in WIDE), ("sums_per_hop", False)):
+            declared = inspect.getattr_static(cls, ability, None)
+            if declared.__func__(getattr(torch, d)) if isinstance(declared, staticmethod) else default:
+                out.append(d)
+                break
+    return tuple(out)
+
+
+def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: tuple[str, ...] = WIDE,
+            reps: int = 3, threads: int = 1, seed: int = 0) -> CompressorCost:
+    """Time ``spec`` (a ``compress=`` value) on ``compute``'s buckets; see the module's text. Blocks for the
+    compressor's warm-up steps plus ``reps`` steps, one thread. A bad spec raises :class:`ConfigError` naming
+    ``compress``."""
+    comp = build(spec, ef)
+    if comp is None:
+        raise ConfigError(f"option 'compress': {spec!r} is the uncompressed exchange, the baseline: nothing to measure")
+    comp.bind(world)
+    timed = _Timed(comp)
+    mover = _AllMe(world, sums)
+    buckets = exchange_buckets(compute)
+    keep_freed_gradients(p for bk in buckets for p in bk.params)  # as a worker's exchanger does (heap=keep)
+    g = torch.Generator().manual_seed(seed)
+    source = [torch.randn(bk.numel, generator=g).to(bk.buffer.dtype) for bk in buckets]
+    nb, nr = len(buckets), comp.rounds
+    enc: list[list[list[float]]] = [[[] for _ in range(nr)] for _ in range(nb)]
+    dec: list[list[float]] = [[] for _ in range(nb)]
+    moves: list = []
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(comp.warmup_steps + reps):
+            handles = []
+            for bk, src in zip(buckets, source):
+                bk.grads.copy_(src)
+                bk.flags.fill_(1)
+                t0 = time.perf_counter()
+                handles.append(seam.start_compressed(cast(Compressor, timed), bk, mover, f"bucket {bk.index}", True))
+                enc[bk.index][0].append(time.perf_counter() - t0)
+            timed.advance_s.clear()
+            for b, h in enumerate(handles):
+                before = sum(timed.advance_s.values())
+                t0 = time.perf_counter()
+                h.wait(600.0)
+                dec[b].append(time.perf_counter() - t0 - (sum(timed.advance_s.values()) - before))
+            for (b, r), s in timed.advance_s.items():
+                enc[b][r].append(s)
+            if step < comp.warmup_steps:
+                enc = [[[] for _ in range(nr)] for _ in range(nb)]
+                dec = [[] for _ in range(nb)]
+        for bk in buckets:
+            moves.append(tuple(_how(comp, timed.payloads[bk.index, r], bk.flags if r == 0 else None, mover)
+                               for r in range(nr)))
+    finally:
+        torch.set_num_threads(old_threads)
+    med = lambda xs: statistics.median(xs) if xs else 0.0
+    return CompressorCost(spec, ef, world, tuple(sums), tuple(tuple(m for m, _ in mv) for mv in moves),
+                          tuple(tuple(n for _, n in mv) for mv in moves),
+                          tuple(tuple(med(x) for x in per) for per in enc), tuple(med(x) for x in dec))
+
+
+def _how(comp: Compressor, payload: list[torch.Tensor], flags: torch.Tensor | None, mover) -> tuple[str, int]:
+    """(how the seam moves this round, the bytes of the tensor it hands the regime)."""
+    tensors = list(payload) + ([flags] if flags is not None and flags.numel() else [])
+    if not tensors or sum(t.numel() for t in tensors) == 0:
+        return "none", 0
+    return seam.how(comp, tensors, mover), seam.nbytes(tensors)
+
+
+def with_compressors(cal: Calibration, specs, regime: Regime, world: int = 2, ef: bool = True,
+                     reps: int = 3) -> Calibration:
+    """``cal`` with every spec in ``specs`` measured for ``regime`` (those measured already for the same
+    sums are kept)."""
+    sums = regime_sums(regime)
+    label = lambda s: s if ef else f"{s} (ef=0)"
+    todo = [s for s in specs if label(s) not in cal.compressors or cal.compressors[label(s)].sums != sums]
+    return cal.with_compressors(*(measure(cal.compute, s, ef, world, sums, reps) for s in todo))
+
+
+# ----- predicting ------------------------------------------------------------------------------------
+def _flags_bytes(bucket) -> int:
+    return len(bucket.params) * getattr(torch, bucket.params[0][2]).itemsize if bucket.params else 0
+
+
+def _baseline(compute: Compute) -> CompressorCost:
+    """The uncompressed exchange as a 'compressor': each bucket (with its flags) summed in one round."""
+    b = compute.buckets
+    return CompressorCost("none", False, 1, WIDE, tuple(("sum",) for _ in b),
+                          tuple((x.nbytes + _flags_bytes(x),) for x in b), tuple((0.0,) for _ in b),
+                          tuple(0.0 for _ in b))
+
+
+def _round_time(move: str, nbytes: int, n: int, topo: Topology, regime: Regime, cal: Calibration) -> float:
+    if move == "sum":
+        return allreduce_bucket_time(nbytes, n, topo, regime, cal)
+    if move == "gather":
+        return allgather_time(nbytes, n, topo, regime, cal)
+    return 0.0
+
+
+def _decode_s(cost: CompressorCost, b: int, n: int) -> float:
+    return cost.decode_s[b] * (n / cost.world if "gather" in cost.moves[b] else 1.0)
+
+
+def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: Topology, n: int,
+         batch: int | None = None) -> float:
+    """The predicted step (seconds) of ``n`` identical workers under all-reduce ``regime``, compressed by
+    ``cost`` (None: uncompressed); see the module's text. ``topo.compute_scale`` stretches the worker's CPU
+    work: forward, backward, encoding and decoding (the optimizer stays as measured, as in the simulator)."""
+    if regime.kind != "allreduce":
+        raise ConfigError(f"plan: compression is modelled for all-reduce regimes (ring://, allreduce://), "
+                          f"not {regime.url}")
+    c = cal.compute
+    cost = cost or _baseline(c)
+    batch = batch or c.batch
+    k = topo.compute_scale
+    fwd, bwd = c.fwd_s_per_sample * batch * k, c.bwd_s_per_sample * batch * k
+    T = [[_round_time(m, w, n, topo, regime, cal) for m, w in zip(ms, ws)] for ms, ws in zip(cost.moves, cost.wire_bytes)]
+    end = [[0.0] * len(t) for t in T]
+    free, hooks = 0.0, 0.0
+    for b, bucket in enumerate(c.buckets):
+        issued = fwd + bwd * bucket.ready_frac + hooks + cost.encode_s[b][0] * k
+        hooks += cost.encode_s[b][0] * k
+        free = end[b][0] = max(issued, free) + T[b][0]
+    t = fwd + bwd + hooks
+    for b in range(len(T)):
+        for r in range(1, len(T[b])):
+            t = max(t, end[b][r - 1]) + cost.encode_s[b][r] * k
+            free = end[b][r] = max(t, free) + T[b][r]
+    for b in range(len(T)):
+        t = max(t, end[b][-1]) + _decode_s(cost, b, n) * k
+    return t + c.param_bytes * cal.opt_s_per_byte
+
+
+def step_overhead(cal: Calibration, measured_s: float, batch: int | None = None, compute_scale: float = 1.0) -> float:
+    """A run's per-step overhead beyond the model: ``measured_s``, the "step − wait" of the run's uncompressed
+    step (what a worker does besides waiting on the exchange), less the calibrated forward, backward and
+    optimizer. It is the step's own mechanics (copying gradients into buckets, zero_grad, the loss, the
+    data) and, on a shared machine, what the calibration's single process did not see (two workers' memory
+    traffic on the same cores); a compressed step pays it too, so :func:`predict`'s ``overhead_s`` adds it
+    to both steps (the crossover does not move)."""
+    c = cal.compute
+    batch = batch or c.batch
+    return measured_s - (c.fwd_s_per_sample + c.bwd_s_per_sample) * batch * compute_scale - c.param_bytes * cal.opt_s_per_byte
+
+
+def bytes_per_step(cost: CompressorCost, n: int) -> int:
+    """Bytes each rank sends per step: a sum round 2(N-1)/N of its tensor, a gathered one (N-1) x it (the
+    exchangers' own count, ``StepReport.bytes_sent``)."""
+    total = 0
+    for ms, ws in zip(cost.moves, cost.wire_bytes):
+        for m, w in zip(ms, ws):
+            total += 2 * (n - 1) * w // n if m == "sum" else (n - 1) * w if m == "gather" else 0
+    return total
+
+
+def crossover(cal: Calibration, cost: CompressorCost, regime: Regime, topo: Topology, n: int,
+              batch: int | None = None, lo: float = 1e3, hi: float = 1e13) -> float:
+    """The link rate (bytes/s) below which ``cost``'s compressor makes the step shorter than uncompressed:
+    ``inf`` if it does at every rate up to ``hi``, 0 if at none down to ``lo``. Where the sign of the
+    difference changes more than once on the grid, the highest rate at which it still pays."""
+    def pays(rate: float) -> bool:
+        at = replace(topo, nic_bps=rate)
+        return step(cal, cost, regime, at, n, batch) < step(cal, None, regime, at, n, batch)
+
+    grid = [lo * (hi / lo) ** (i / 120) for i in range(121)]
+    paying = [r for r in grid if pays(r)]
+    if not paying:
+        return 0.0
+    top = max(paying)
+    if top == grid[-1]:
+        return math.inf
+    a, b = top, grid[grid.index(top) + 1]  # pays at a, not at b
+    for _ in range(60):
+        mid = math.sqrt(a * b)
+        a, b = (mid, b) if pays(mid) else (a, mid)
+    return math.sqrt(a * b)
+
+
+def _rate(link) -> float:
+    return parse_rate(link) if isinstance(link, str) else float(link)
+
+
+def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime = "ring://",
+            workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True,
+            overhead_s: float = 0.0) -> dict:
+    """The planner's prediction for ``compress=spec`` on ``cal``'s model at ``world`` workers, each host's NIC
+    at ``link`` (bytes/s, or a tc rate such as ``'100mbit'``), ``workers_per_host`` to a host. Pure
+    arithmetic: ``spec`` must be measured in ``cal`` already (:func:`with_compressors`), else
+    :class:`ConfigError`; ``spec='none'`` gives the uncompressed step. Returns a dict::
+
+        step_s, bytes_per_step                 the compressed step and the bytes a rank sends in it
+        uncompressed_step_s, uncompressed_bytes_per_step
+        bytes_ratio                            bytes_per_step / uncompressed_bytes_per_step
+        encode_decode_s                        the step's compressor compute (all buckets, all rounds)
+        pays                                   step_s < uncompressed_step_s
+        crossover_bps                          the link rate (bytes/s) below which it pays (inf: any; 0: none)
+
+    ``overhead_s``: a per-step overhead the model leaves out, added to both steps (:func:`step_overhead`
+    measures it on a run's uncompressed step).
+    """
+    reg = parse_regime(regime) if isinstance(regime, str) else regime
+    return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale), world,
+                      batch, ef, overhead_s)
+
+
+def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, world: int, batch: int | None = None,
+               ef: bool = True, overhead_s: float = 0.0) -> dict:
+    """:func:`predict` on a whole :class:`Topology` (its ``nic_bps`` the link)."""
+    cost = None
+    if spec.strip().lower() not in ("", "none"):
+        cost = cal.compressors.get(spec if ef else f"{spec} (ef=0)")
+        if cost is None:
+            raise ConfigError(f"plan: compress={spec} (ef={int(ef)}) is not in this calibration (it has: "
+                              f"{', '.join(cal.compressors) or 'none'}); measure it with "
+                              f"commlab.plan.compression.with_compressors")
+    unc_s = step(cal, None, regime, topo, world, batch) + overhead_s
+    unc_b = bytes_per_step(_baseline(cal.compute), world)
+    out = {"spec": "none", "step_s": unc_s, "bytes_per_step": unc_b, "uncompressed_step_s": unc_s,
+           "uncompressed_bytes_per_step": unc_b, "bytes_ratio": 1.0, "encode_decode_s": 0.0, "pays": False,
+           "crossover_bps": None, "link_bps": topo.nic_bps, "world": world, "regime": regime.url}
+    if cost is not None:
+        s, nbytes = step(cal, cost, regime, topo, world, batch) + overhead_s, bytes_per_step(cost, world)
+        out.update(spec=cost.label, step_s=s, bytes_per_step=nbytes, bytes_ratio=nbytes / unc_b if unc_b else 1.0,
+                   encode_decode_s=encode_decode_s(cost, world) * topo.compute_scale, pays=s < unc_s,
+                   crossover_bps=crossover(cal, cost, regime, topo, world, batch))
+    return out
+
+
+def parse_url(url: str) -> tuple[Regime, str, bool]:
+    """(the planner's regime, the ``compress=`` spec, ``ef``) of an exchanger URL as the bench names its entries,
+    e.g. ``ring://?compress=powersgd:4,start_iter=5&ef=0``; options the planner does not model (timeout,
+    bucket_mb, host...) are left out of the regime."""
+    u = ExchangerURL.parse(url)
+    q = dict(u.query)
+    keep: dict[str, str] = {k: v for k, v in q.items() if k in PLANNED_OPTIONS.get(u.scheme, ())}
+    regime = parse_regime(f"{u.scheme}://" + ("?" + urlencode(keep) if keep else ""))
+    return regime, q.get("compress", "none"), q.get("ef", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def with_urls(cal: Calibration, urls, world: int = 2, reps: int = 3) -> Calibration:
+    """``cal`` with every compressor the exchanger ``urls`` name measured (each for its own regime)."""
+    for url in urls:
+        regime, spec, ef = parse_url(url)
+        if spec.strip().lower() not in ("", "none"):
+            cal = with_compressors(cal, [spec], regime, world, ef, reps)
+    return cal
+
+
+def predict_url(cal: Calibration, url: str, link, world: int, workers_per_host: int = 1, batch: int | None = None,
+                compute_scale: float = 1.0, overhead_s: float = 0.0) -> dict:
+    """:func:`predict` for an exchanger URL (:func:`parse_url`); its compressor measured by :func:`with_urls`."""
+    regime, spec, ef = parse_url(url)
+    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef, overhead_s)
+
+
+def encode_decode_s(cost: CompressorCost, n: int) -> float:
+    return sum(sum(e) for e in cost.encode_s) + sum(_decode_s(cost, b, n) for b in range(len(cost.decode_s)))
+
+
+# ----- reporting -------------------------------------------------------------------------------------
+def fmt_rate(bps: float | None) -> str:
+    """Bytes/s as a link rate in bits: '95.3 Mbit/s'; 'any rate' for inf, 'never' for 0."""
+    if bps is None:
+        return ""
+    if math.isinf(bps):
+        return "any rate"
+    if bps <= 0:
+        return "never"
+    bits = bps * 8
+    for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:.3g} {unit}"
+    return f"{bits:.3g} bit/s"
+
+
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:.3g} ms" if x < 1 else f"{x:.3g} s"
+
+
+def table(cal: Calibration, specs, regime: Regime, topo: Topology, workers, batch: int | None = None) -> tuple[list[str], dict]:
+    """Markdown rows (per N: uncompressed, then each spec) and the predictions behind them, by N then spec
+    (each :func:`predict_at`'s dict, with ``step_s_100mbit`` and ``step_s_1gbit``)."""
+    out = [f"| N | compress= | bytes per step (ratio) | encode+decode | step at {fmt_rate(topo.nic_bps)} | "
+           f"at 100 Mbit/s | at 1 Gbit/s | pays below |", "|---|---|---|---|---|---|---|---|"]
+    data: dict = {}
+    for n in workers:
+        data[n] = {}
+        for spec in ["none", *specs]:
+            x = predict_at(cal, spec, regime, topo, n, batch)
+            cost = cal.compressors.get(spec)
+            at = {f"step_s_{name}": step(cal, cost, regime, replace(topo, nic_bps=rate), n, batch)
+                  for name, rate in (("100mbit", 100 * MBIT), ("1gbit", GBIT))}
+            data[n][spec] = x = {**x, **at}
+            mib = x["bytes_per_step"] / 2**20
+            out.append(f"| {n} | {x['spec']} | {f'{mib:,.0f}' if mib >= 1000 else f'{mib:.3g}'} MiB ({x['bytes_ratio']:.3g}x) | "
+                       f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(x['step_s_100mbit'])} | "
+                       f"{_fmt_s(x['step_s_1gbit'])} | "
+                       f"{fmt_rate(x['crossover_bps']) if topo.hosts(n) > 1 or spec == 'none' else 'n/a: one host'} |")
+    return out, data
+
+
+def recommend(data: dict, topo: Topology) -> list[str]:
+    """Per N, the compressors that pay at the user's link (fastest first), and nothing about those that do not."""
+    lines = []
+    for n, per in data.items():
+        base = per["none"]
+        paying = sorted((x for s, x in per.items() if s != "none" and x["pays"]), key=lambda x: x["step_s"])
+        if not paying:
+            where = f"at {fmt_rate(topo.nic_bps)}" if topo.hosts(n) > 1 else "on one host"
+            lines.append(f"- N = {n}: no compressor pays {where}: the uncompressed exchange is the fastest "
+                         f"({_fmt_s(base['step_s'])} a step).")
+            continue
+        best = paying[0]
+
+        def below(x: dict) -> str:
+            if topo.hosts(n) == 1:
+                return "on one host, whatever the link"
+            if math.isinf(x["crossover_bps"]):
+                return "at any link rate (the transport's own per-byte cost is the limit)"
+            return f"below {fmt_rate(x['crossover_bps'])}"
+
+        text = (f"- **N = {n}: compress={best['spec']}**, step {_fmt_s(best['step_s'])} against "
+                f"{_fmt_s(base['step_s'])} uncompressed ({base['step_s'] / best['step_s']:.2f}x), "
+                f"{best['bytes_ratio']:.3g}x the bytes; it pays {below(best)}")
+        others = [f"{x['spec']} ({base['step_s'] / x['step_s']:.2f}x, {below(x)})" for x in paying[1:]]
+        lines.append(text + (f". Also paying: {', '.join(others)}." if others else "."))
+    return lines
