@@ -76,7 +76,6 @@ def test_compressed_with_error_feedback_ends_within_two_points_of_uncompressed(n
     assert acc >= plain - WITHIN, f"{name}: test accuracy {acc:.4f}, uncompressed {plain:.4f}"
 
 
-@pytest.mark.full  # 17 s more (400 top-k selections on 1.9M elements): the default run keeps the two above
 def test_topk_without_error_feedback_ends_measurably_worse():
     plain, with_ef, without = train(None), train(*SPECS["topk:0.01"]), train(*SPECS["topk:0.01&ef=0"])
     assert without < min(plain, with_ef) - WORSE, (without, with_ef, plain)

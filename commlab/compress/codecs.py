@@ -122,6 +122,26 @@ def _bf16(arg, settings):
     return Cast("bf16", torch.bfloat16)
 
 
+def top_magnitudes(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of ``k`` largest magnitudes of ``x`` (flat), in no particular order: the set ``torch.topk``
+    keeps, up to which of equal magnitudes at the k-th place. On a big bucket a threshold from a strided
+    sample first cuts the candidates to about twice k, and ``torch.topk`` runs on those: selecting from all
+    of them is what top-k costs otherwise (55 ms for 1% of 1.9M float32 here, against ~10). Exact: the
+    candidates are every element at or above the threshold, so when there are at least k of them they hold
+    the k largest; when there are fewer (a threshold drawn too high), the whole is searched."""
+    a = x.abs()
+    n = a.numel()
+    if n < 1 << 17 or 16 * k > n:
+        return torch.topk(a, k, sorted=False).indices
+    sample = a[:: n // 65536]
+    j = min(sample.numel(), 2 * k * sample.numel() // n + 1)
+    threshold = torch.topk(sample, j, sorted=False).values.min()
+    candidates = torch.nonzero(a >= threshold).squeeze(1) if torch.isfinite(threshold) else a[:0].long()
+    if candidates.numel() < k:
+        return torch.topk(a, k, sorted=False).indices
+    return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+
+
 class TopK(OwnDecoding):
     """The k largest magnitudes of the bucket, with their indices (gather-only: indices differ by rank)."""
 
@@ -133,7 +153,7 @@ class TopK(OwnDecoding):
 
     def start(self, key, x, shapes):
         k = kept(self.f, x.numel())
-        idx = torch.topk(x.abs(), k, sorted=False).indices
+        idx = top_magnitudes(x, k)
         values = x[idx]
         self._own[key] = (values, idx, x.numel())
         return [values, idx.to(index_dtype(x.numel()))]
