@@ -34,9 +34,10 @@ from pathlib import Path
 from bench import records as rec
 from bench import verdict
 from bench.jobs import python, run_job
-from bench.script_compare import (Outcome, Regime, plot, read_ranks, slug, smoothed, summarize_all, table,
+from bench.script_compare import (Outcome, Regime, plot, read_ranks, smoothed, summarize_all, table,
                                   time_to_target)
-from bench.regimes import unavailable
+from bench.regimes import unavailable, with_query
+from bench.text import slug
 
 CASE = "compress"
 MODELS = {"mlp": "mlp-25m", "lm": "charlm"}
@@ -73,10 +74,6 @@ class Entry:
     @property
     def kind(self) -> str:
         return "peer" if self.peer else "regime"
-
-
-def with_query(url: str, extra: str) -> str:
-    return url + ("&" if "?" in url else "?") + extra if extra else url
 
 
 def spec_of(compressor: str, start_iter: int) -> str:
@@ -176,10 +173,10 @@ def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: f
         row["rounds"] = len([o for o in outcomes[row["regime"]] if o.status == "ok"])
         if not lines:
             continue
-        times = sorted(x["step_s"] for x in lines)
-        row["step_s_samples"] = [x["step_s"] for x in lines]
+        times = [x["step_s"] for x in lines]
+        row["step_s_samples"] = times
         row["step_s_median"] = statistics.median(times)
-        row["step_s_p90"] = times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]
+        row["step_s_p90"] = verdict.quantile(times, 0.9)
         row["bytes_per_step"] = statistics.fmean(x["bytes_sent"] for x in lines)
         raw = statistics.fmean(x.get("bytes_uncompressed") or x["bytes_sent"] for x in lines)
         row["bytes_ratio"] = row["bytes_per_step"] / raw if raw else None

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench import regimes as R
 from bench.bandwidth import Budget
 from bench.jobs import python, run_job
+from bench.text import slug
 from commlab.metrics import metrics_path
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
@@ -88,11 +89,6 @@ class ConvergenceConfig:
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
-
-
-def slug(name: str) -> str:
-    """A regime's name as a file name (``ps-async-lr/N`` -> ``ps-async-lr_N``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
 def read_metrics(path: Path, workers: int) -> list[list[dict]]:

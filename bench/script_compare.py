@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench import text
 from bench.jobs import python, run_job
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
@@ -64,10 +65,6 @@ def split_regimes(text: str) -> list[str]:
     """``'local://,ps://h:1,h:2?mode=sync,ring://'`` -> the three URLs: a comma starts a new regime only
     where a scheme (``name://``) follows it, so a PS's HOST:PORT list stays in one URL."""
     return [u.strip() for u in re.split(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)", text) if u.strip()]
-
-
-def slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "regime"
 
 
 @dataclass(frozen=True)
@@ -121,7 +118,7 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
     why = unavailable(regime.url)
     if why:
         return Outcome(regime, "unavailable", why)
-    name = slug(regime.label)
+    name = text.slug(regime.label)
     metrics = out / "raw" / f"{name}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     for r in range(regime.workers):
@@ -259,41 +256,23 @@ def summarize_all(outcomes: list[Outcome], target: float | None = None) -> tuple
 
 # ----- the table, the JSON, the plot --------------------------------------------------------------
 
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x * 1e3:.1f}"
-
-
-def _f(x: float | None, spec: str = ".4f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def table(rows: list[dict], extra: list[tuple[str, callable]] = ()) -> list[str]:
     """Markdown: one row per regime (those that did not run say why in the last column)."""
     header = ["regime", "kind", "N", "steps", "final loss", "test loss", "steps to target", "s to target",
               "step ms (median)", "exposed comm ms (median)", "sent / rank / step", *[h for h, _ in extra], "status"]
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out = []
     for r in rows:
         ok = bool(r.get("curve"))
-        status = "ok" if r["status"] == "ok" else f"{r['status']}: " + r["error"].replace("|", "\\|").replace("\n", " ")[:240]
+        status = "ok" if r["status"] == "ok" else f"{r['status']}: " + r["error"][:240]
         cells = [f"`{r['regime']}`" if "://" in r["regime"] else r["regime"], r["kind"], str(r["workers"])]
         if ok:
-            cells += [str(r["steps"]), _f(r["final_loss"]), _f(r["test_loss"]), _f(r["steps_to_target"], "d"),
-                      _f(r["time_to_target_s"], ".2f"), _ms(r["step_s_median"]), _ms(r["comm_s_median"]),
-                      human_bytes(r["bytes_per_step"])]
+            cells += [str(r["steps"]), text.fixed(r["final_loss"]), text.fixed(r["test_loss"]),
+                      text.fixed(r["steps_to_target"], "d"), text.fixed(r["time_to_target_s"], ".2f"),
+                      text.ms(r["step_s_median"]), text.ms(r["comm_s_median"]), text.human_bytes(r["bytes_per_step"])]
         else:
             cells += ["—"] * 8
-        cells += [fn(r) for _, fn in extra] + [status]
-        out.append("| " + " | ".join(cells) + " |")
-    return out
+        out.append(cells + [fn(r) for _, fn in extra] + [status])
+    return text.table(header, out)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
@@ -339,7 +318,7 @@ def write(out: Path, rows: list[dict], target: float | None, command: list[str],
     """``script.md`` and ``script.json`` in ``out``; returns the markdown's path."""
     md = [f"# Your script under each regime", "",
           f"- Command: `{' '.join(shlex.quote(c) for c in command)}`",
-          f"- Target loss: {_f(target)} ({'given' if target_given else 'the highest final loss among the regimes that finished: every one reached it'}); "
+          f"- Target loss: {text.fixed(target)} ({'given' if target_given else 'the highest final loss among the regimes that finished: every one reached it'}); "
           "final loss and time to target use the trailing mean over a tenth of each curve's reported steps.",
           "- Loss is the mean over the ranks of each rank's reported loss (with equal batches: the combined "
           "batch's); step time, exposed communication (time spent waiting on the exchange) and bytes are rank 0's; "

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 from bench import script_compare as sc
+from bench import regimes as R
+from bench import text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,14 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COINCIDE_TOL = 0.01
 
 # name -> URL; --regimes takes these names or URLs
-REGIMES = {
-    "local": "local://",
-    "gloo": "allreduce://?backend=gloo",
-    "ring": "ring://",
-    "ps-sync": "ps://?shards=1&mode=sync",
-    "ps-async": "ps://?shards=1&mode=async",
-    "ps-ssp-2": "ps://?shards=1&mode=ssp&staleness=2",
-}
+REGIMES = {n: R.url_of(n) for n in ("local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2")}
 DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
 # the default `commlab bench` runs the synchronous ones (the asynchronous ones are in its training comparison)
 BENCH_REGIMES = ["local", "gloo", "ring", "ps-sync"]
@@ -81,7 +76,7 @@ class Workload:
         scheme = url.split("://", 1)[0]
         for s, opt in self.url_options:
             if s == scheme and opt.split("=", 1)[0] + "=" not in url:
-                url += ("&" if "?" in url else "?") + opt
+                url = R.with_query(url, opt)
         return url
 
 
@@ -304,14 +299,14 @@ def section(results: dict, pngs: dict | None = None) -> list[str]:
                 f"local:// runs one process on the combined batch (`{' '.join(res['reference_args'])}`). "
                 f"Started with `commlab run` per regime: `{res['script']} {' '.join(res['args'])}`. Loss is the "
                 f"training loss, mean over the ranks at each step; final loss and time to target use the trailing "
-                f"mean over a tenth of the steps; target loss {sc._f(res['target_loss'])}. Step time, exposed "
+                f"mean over a tenth of the steps; target loss {text.fixed(res['target_loss'])}. Step time, exposed "
                 f"communication (time spent waiting on the exchange: backward's end and, for ps://, the pull) and "
                 f"bytes are rank 0's medians.", ""]
         out += ["Regimes: " + ", ".join(f"{r['regime']} = `{r['url']}`" for r in res["rows"]) + ".", ""]
         extra = [("max abs loss diff vs local", _vs_local)]
         if name == "pipeline":
             extra += [("bubble (measured: mean; per rank)", _bubble),
-                      ("activations / rank / step", lambda r: sc.human_bytes(r.get("activation_bytes_per_step")))]
+                      ("activations / rank / step", lambda r: text.human_bytes(r.get("activation_bytes_per_step")))]
             out += [pipeline_note(res), ""]
         out += sc.table(res["rows"], extra) + [""]
         out += ["Do the synchronous regimes reproduce local:// on the combined batch?", ""] + sync_verdict(res) + [""]

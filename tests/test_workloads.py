@@ -145,7 +145,7 @@ def test_pipeline_workload_coincides_with_local_and_reports_both_dimensions(tmp_
     assert rows["local"]["activation_bytes_per_step"] == 0
     assert len(rows["gloo"]["bubble_per_rank"]) == 2 and all(0 <= b <= 1 for b in rows["gloo"]["bubble_per_rank"])
     md = "\n".join(wl.section(results))
-    assert "(p-1)/(m+p-1) = 1/5 = 20%" in md and "| 131 kB |" in md
+    assert "(p-1)/(m+p-1) = 1/5 = 20%" in md and "| 128 KiB |" in md
 
 
 def test_the_workloads_section_goes_before_the_reports_files(tmp_path):
