@@ -11,10 +11,9 @@ import statistics
 from pathlib import Path
 
 from bench import plots, verdict
-from bench import bandwidth
+from bench import bandwidth, curves
 from bench.bandwidth import launch_groups
 from bench.records import bus_factor
-from bench.convergence import COINCIDE_TOL
 from bench.text import fmt, fmt_us, human_bytes, table
 from commlab.plan.recommend import at_scale_from_bench
 
@@ -212,23 +211,9 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
 
 
 def sync_check(summaries: list[dict]) -> list[str]:
-    ref = next((s for s in summaries if s["kind"] == "reference"), None)
-    sync = [s for s in summaries if s["kind"] == "sync"]
-    if ref is None:
-        return ["- local:// did not run, so there is nothing to check against."]
-    if not sync:
-        return ["- No synchronous regime ran."]
-    lines = []
-    for s in sync:
-        d = s["max_abs_test_loss_diff"]
-        if d is None:
-            lines.append(f"- {s['regime']}: no eval step in common with local://.")
-        elif s["coincides_with_local"]:
-            lines.append(f"- {s['regime']}: **coincides** with local:// (max |test-loss difference| {d:.2g} over "
-                         f"{len(s['evals'])} eval steps, tolerance {COINCIDE_TOL:g}; float32 summation order).")
-        else:
-            lines.append(f"- {s['regime']}: **does NOT coincide** with local:// (max |test-loss difference| "
-                         f"{d:.3g} > {COINCIDE_TOL:g}): a synchronous regime that changes the arithmetic is a bug.")
+    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)?"""
+    lines = curves.agreement(summaries, any(s["kind"] == "reference" for s in summaries), what="test-loss",
+                             why="float32 summation order")
     for s in summaries:  # compression changes the arithmetic by design: how far it went, not a verdict
         if s["kind"] == "compressed" and s["max_abs_test_loss_diff"] is not None:
             lines.append(f"- {s['regime']}: compressed, so not local's arithmetic by design: max |test-loss "

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import text
+from bench.curves import curve, number, median, smooth_window, smoothed, step_times, time_to_target
 from bench.jobs import python, run_job
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
@@ -143,74 +144,6 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
 
 # ----- from lines to curves and summaries ---------------------------------------------------------
 
-def _num(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def curve(ranks: list[list[dict]]) -> list[dict]:
-    """One point per step rank 0 reported a loss for: ``step``, ``loss`` (mean over the ranks that
-    reported that step), ``time_s`` (rank 0's), ``bytes`` (rank 0's bytes sent up to that step) and
-    ``step_s`` / ``comm_s`` / ``bytes_sent`` where rank 0 reported them. A step's first line counts
-    (a script's closing line repeating the last step adds its held-out figures, not a second point)."""
-    per_rank: list[dict[int, dict]] = []
-    for lines in ranks:
-        first: dict[int, dict] = {}
-        for rec in lines:
-            if _num(rec.get("loss")) is not None:
-                first.setdefault(rec["step"], rec)
-        per_rank.append(first)
-    if not per_rank or not per_rank[0]:
-        return []
-    r0 = per_rank[0]
-    stamps = [_num(rec.get("unix_s")) for rec in r0.values()]
-    t0_unix = min((t for t in stamps if t is not None), default=None)
-    points, sent = [], 0.0
-    steps = sorted(r0)
-    contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
-    mean_sent = statistics.fmean([b for b in (_num(r0[s].get("bytes_sent")) for s in steps) if b is not None] or [0.0])
-    for s in steps:
-        rec = r0[s]
-        losses = [_num(pr[s]["loss"]) for pr in per_rank if s in pr]
-        t = _num(rec.get("time_s"))
-        if t is None and t0_unix is not None and _num(rec.get("unix_s")) is not None:
-            t = rec["unix_s"] - t0_unix
-        b = _num(rec.get("bytes_sent"))
-        # bytes up to this step: exact when every step was reported, else the mean per reported step x steps
-        sent = (sent + (b or 0.0)) if contiguous else mean_sent * (s + 1)
-        points.append({"step": s, "loss": statistics.fmean(losses), "ranks": len(losses), "time_s": t,
-                       "bytes": sent, "step_s": _num(rec.get("step_s")), "comm_s": _num(rec.get("comm_s")),
-                       "bytes_sent": b})
-    return points
-
-
-def smooth_window(n: int) -> int:
-    """Points in the trailing mean that the final loss and the time to target use: a tenth of the curve."""
-    return max(1, round(n / 10))
-
-
-def smoothed(points: list[dict]) -> list[float]:
-    """Trailing mean of the loss over :func:`smooth_window` points (a per-batch loss is noisy)."""
-    w = smooth_window(len(points))
-    losses = [p["loss"] for p in points]
-    return [statistics.fmean(losses[max(0, i + 1 - w): i + 1]) for i in range(len(losses))]
-
-
-def _median(values) -> float | None:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(vals) if vals else None
-
-
-def step_times(points: list[dict]) -> list[float]:
-    """Seconds per step: the reported ``step_s``, else the time between reported steps per step."""
-    if any(p["step_s"] is not None for p in points):
-        return [p["step_s"] for p in points if p["step_s"] is not None]
-    out = []
-    for a, b in zip(points, points[1:]):
-        if a["time_s"] is not None and b["time_s"] is not None and b["step"] > a["step"]:
-            out.append((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]))
-    return out
-
-
 def summarize(o: Outcome, target: float | None = None) -> dict:
     """The table's row for one outcome (and its curve)."""
     r = o.regime
@@ -225,18 +158,11 @@ def summarize(o: Outcome, target: float | None = None) -> dict:
     sent = [p["bytes_sent"] for p in pts if p["bytes_sent"] is not None]
     row.update({"steps": pts[-1]["step"] + 1, "final_loss": sm[-1], "last_loss": pts[-1]["loss"],
                 "smooth_window": smooth_window(len(pts)), "wall_s": pts[-1]["time_s"],
-                "test_loss": _num(last0.get("test_loss")), "test_acc": _num(last0.get("test_acc")),
-                "step_s_median": _median(step_times(pts)), "comm_s_median": _median(p["comm_s"] for p in pts),
+                "test_loss": number(last0.get("test_loss")), "test_acc": number(last0.get("test_acc")),
+                "step_s_median": median(step_times(pts)), "comm_s_median": median(p["comm_s"] for p in pts),
                 "bytes_per_step": statistics.fmean(sent) if sent else None})
     row.update(time_to_target(pts, sm, target))
     return row
-
-
-def time_to_target(pts: list[dict], sm: list[float], target: float | None) -> dict:
-    """The first reported step (and its wall time) whose smoothed loss is at or below ``target``."""
-    hit = None if target is None else next((p for p, s in zip(pts, sm) if s <= target), None)
-    return {"target_loss": target, "steps_to_target": hit["step"] + 1 if hit else None,
-            "time_to_target_s": hit["time_s"] if hit else None}
 
 
 def default_target(rows: list[dict]) -> float | None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench import script_compare as sc
+from bench import curves
 from bench import regimes as R
 from bench import text
 
@@ -157,20 +157,8 @@ BENCH_BUDGET_S = 300.0  # a cap: the default workloads and regimes finish well w
 
 
 def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
-    """Compare two loss curves (:func:`bench.script_compare.curve`) at the steps both reported.
-
-    Returns ``{"steps_compared", "max_abs_diff", "at_step", "tolerance", "coincides"}``;
-    ``coincides`` is None when they share no step (nothing to judge), else whether every common
-    step's losses differ by at most ``tol``. A curve that stops early is compared where it has points,
-    and says so through ``steps_compared``.
-    """
-    ref = {p["step"]: p["loss"] for p in reference}
-    diffs = [(abs(p["loss"] - ref[p["step"]]), p["step"]) for p in points if p["step"] in ref]
-    if not diffs:
-        return {"steps_compared": 0, "max_abs_diff": None, "at_step": None, "tolerance": tol, "coincides": None}
-    worst, at = max(diffs, key=lambda d: (not math.isfinite(d[0]), d[0]))
-    return {"steps_compared": len(diffs), "max_abs_diff": worst, "at_step": at, "tolerance": tol,
-            "coincides": math.isfinite(worst) and worst <= tol and len(diffs) == len(ref)}
+    """:func:`bench.curves.coincidence` at this module's tolerance (the training loss, mean over ranks)."""
+    return curves.coincidence(reference, points, tol)
 
 
 def resolve_regimes(text: str | None) -> list[tuple[str, str]]:
@@ -250,35 +238,18 @@ def _one(w: Workload, steps: int, label: str, url: str, cfg: WorkloadsConfig, ou
         return sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run")
     progress and progress(f"{w.name} {label}")
     o = sc.run_regime((str(ROOT / w.script),), regime, out / "workloads" / w.name, cfg.job_timeout)
-    if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
-        o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
+    if o.status == "ok" and len(curves.curve(o.ranks)) < steps:
+        o.status, o.error = "failed", f"rank 0 reported {len(curves.curve(o.ranks))} of {steps} steps"
     return o
 
 
 # ----- the report ---------------------------------------------------------------------------------
 
 def sync_verdict(res: dict) -> list[str]:
-    """One line per synchronous regime: does its curve lie on local://'s?"""
-    rows = res["rows"]
-    ref = next((r for r in rows if r["kind"] == "reference"), None)
-    if ref is None or not ref.get("curve"):
-        return ["- local:// did not run, so there is nothing to check against."]
-    sync = [r for r in rows if r["kind"] == "sync" and r.get("vs_local")]
-    if not sync:
-        return ["- No synchronous regime finished."]
-    lines = []
-    for r in sync:
-        v = r["vs_local"]
-        d = f"max |loss difference| {v['max_abs_diff']:.2g} at step {v['at_step'] + 1}, over {v['steps_compared']} steps"
-        if not res["coincide"]:
-            lines.append(f"- {r['regime']}: {d} (not judged: {res['why_not']}).")
-        elif v["coincides"]:
-            lines.append(f"- {r['regime']}: **coincides** with local:// ({d}; tolerance {v['tolerance']:g}: bf16 "
-                         "autocast and summation order).")
-        else:
-            lines.append(f"- {r['regime']}: **does NOT coincide** with local:// ({d} > {v['tolerance']:g}, or steps "
-                         "missing): a synchronous regime that changes the arithmetic is a bug.")
-    return lines
+    """One line per synchronous regime: does its curve lie on local://'s? (:func:`bench.curves.agreement`)"""
+    ref = next((r for r in res["rows"] if r["kind"] == "reference"), None)
+    return curves.agreement(res["rows"], bool(ref and ref.get("curve")), what="loss",
+                            why="bf16 autocast and summation order", judged=res["coincide"], why_not=res["why_not"])
 
 
 def _vs_local(r: dict) -> str:
