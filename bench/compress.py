@@ -33,9 +33,9 @@ from pathlib import Path
 
 from bench import records as rec
 from bench import verdict
-from bench.jobs import python, run_job
+from bench.jobs import python, read_ranks, run_job
 from bench.curves import smoothed, time_to_target
-from bench.script_compare import Outcome, Regime, plot, read_ranks, summarize_all, table
+from bench.script_compare import Outcome, Regime, plot, summarize_all, table
 from bench.regimes import unavailable, with_query
 from bench.text import slug
 

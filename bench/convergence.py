@@ -27,9 +27,8 @@ from pathlib import Path
 from bench import curves
 from bench import regimes as R
 from bench.bandwidth import Budget
-from bench.jobs import python, run_job
+from bench.jobs import python, read_ranks, run_job
 from bench.text import slug
-from commlab.metrics import metrics_path
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
 # step is within this of local's. Summation order differs (bucketed all-reduce vs one
@@ -90,15 +89,6 @@ class ConvergenceConfig:
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
-
-
-def read_metrics(path: Path, workers: int) -> list[list[dict]]:
-    """Per rank, the JSON lines it wrote (rank r > 0 writes PATH.rank<r>)."""
-    out = []
-    for r in range(workers):
-        p = metrics_path(path, r)
-        out.append([json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else [])
-    return out
 
 
 SERVER_STATS = re.compile(r"^commlab server (?P<name>[^:]+): (?P<json>\{.*\})\s*$")
@@ -244,7 +234,7 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
     res = run_job(argv, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
     budget.note(res.seconds)
-    ranks = read_metrics(metrics, ranks_n)
+    ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
         status, error = budget.outcome(res) if not res.ok else ("failed", "")
         return None, {"phase": "convergence", "regime": name, "url": e.url, "status": status, "workers": workers,

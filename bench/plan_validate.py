@@ -40,8 +40,8 @@ from typing import Sequence
 
 from bench import bandwidth, text, verdict
 from bench import regimes as R
-from bench.convergence import read_metrics, read_staleness
-from bench.jobs import python, run_job
+from bench.convergence import read_staleness
+from bench.jobs import python, read_ranks, run_job
 from bench.netns import Links, link_unavailable_reason
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
@@ -75,7 +75,7 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
              "--metrics", str(metrics), "--no-progress"]
     env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir), **(env_extra or {}))
     res = run_job(argv, out / "logs" / f"{name}.log", a.job_timeout, env=env)
-    ranks = read_metrics(metrics, n)
+    ranks = read_ranks(metrics, n)
     times = [x["step_s"] for lines in ranks for x in lines[a.warmup:]]
     # one sample per step: the ranks' mean of step t (a synchronous step ends on every rank together,
     # so its N records are one observation, not N)

@@ -154,8 +154,8 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
     Blocks until the job ends. Raises CaseFailed for a failed job, KeyboardInterrupt when the job
     was stopped by Ctrl-C or SIGTERM.
     """
-    from bench.jobs import last_error_line
-    from commlab import launcher, metrics
+    from bench.jobs import last_error_line, read_ranks
+    from commlab import launcher
 
     with scratch.folder("case") as tmp:
         base, logs = Path(tmp) / "metrics.jsonl", Path(tmp) / "logs"
@@ -170,8 +170,4 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
             said = [line for log in sorted(logs.glob("*.log")) if (line := last_error_line(log))]
             said.sort(key=lambda line: "Error" not in line)  # an exception's line before a stopped rank's last
             raise CaseFailed(f"{name}: exit {code}" + (f": {said[0]}" if said else ""))
-        out = []
-        for r in range(workers):
-            p = metrics.metrics_path(base, r)
-            out.append([json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else [])
-        return out
+        return read_ranks(base, workers, need_step=False)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bench import text
 from bench.curves import curve, number, median, smooth_window, smoothed, step_times, time_to_target
-from bench.jobs import python, run_job
+from bench.jobs import python, read_ranks, run_job
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
 from commlab.metrics import metrics_path
@@ -89,24 +89,6 @@ class Outcome:
     seconds: float = 0.0
     ranks: list[list[dict]] = field(default_factory=list)
     log: str = ""
-
-
-def read_ranks(base: Path, workers: int) -> list[list[dict]]:
-    """Every rank's whole JSON lines (rank r > 0 writes ``base.rank<r>``); a line cut short is skipped."""
-    out = []
-    for r in range(workers):
-        lines = []
-        p = metrics_path(base, r)
-        if p.exists():
-            for text in p.read_text(errors="replace").splitlines():
-                try:
-                    rec = json.loads(text)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    lines.append(rec)
-        out.append(lines)
-    return out
 
 
 def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: float,
