@@ -101,6 +101,11 @@ class Async(Mode):
 
     name = "async"
 
+    def start_step(self):
+        """A rank joining a job that already ran (a grown attempt) starts on the slowest clock still held, so
+        SSP's bound neither stalls the others for its sake nor lets it run ahead; 0 for a fresh job."""
+        return min((t + 1 for t in self.srv.last_step.values()), default=0)
+
     def fold(self, rank, t, part, frames, absent, meta):
         srv = self.srv
         part.base = meta["base"] if part.base is None else min(part.base, meta["base"])
