@@ -352,18 +352,16 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
 
 
 def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
-                procs: list[Proc], attempt: int = 0) -> int:
+                procs: list[Proc]) -> int:
     """Host the rendezvous store in a process of its own (``python -m commlab.store``) started with
     ``prefix`` (``ip netns exec NS``), bound to ``addr`` and port 0; return the port it reports.
 
     For ranks that cannot reach this process's own store (:func:`commlab.store.host`): ranks in
     other network namespaces. The process is appended to ``procs`` at once (the caller stops it);
-    ``timeout`` bounds its start-up and each of its waits; ``attempt`` as :func:`commlab.store.host`'s.
-    Blocks until it reported; raises
+    ``timeout`` bounds its start-up and each of its waits. Blocks until it reported; raises
     JobFailed if it exits or does not report within ``timeout``.
     """
-    p = spawn("store", [*prefix, sys.executable, "-m", "commlab.store", "--bind", addr, "--timeout", f"{timeout:g}",
-                           "--attempt", str(attempt)],
+    p = spawn("store", [*prefix, sys.executable, "-m", "commlab.store", "--bind", addr, "--timeout", f"{timeout:g}"],
               env, log, forward="stderr", report_endpoint=True)
     procs.append(p)
     endpoint = await_endpoints([p], timeout)[0]
@@ -528,11 +526,11 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
     store = None
     try:
         if job.rank_prefix is None:
-            store = store_mod.host(job.master_addr, job.start_timeout_s, int(env.get(RESTART_COUNT, "0")))  # while it runs
+            store = store_mod.host(job.master_addr, job.start_timeout_s)  # served while the attempt runs
             env["MASTER_PORT"] = str(store.port)
         else:  # ranks in other namespaces: the store runs where rank 0 runs
             env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
-                                                 job.start_timeout_s, attempt, int(env.get(RESTART_COUNT, "0"))))
+                                                 job.start_timeout_s, attempt))
         ranks = []
         for r in range(job.workers):
             argv = [sys.executable, *job.command, *job.args]

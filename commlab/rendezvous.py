@@ -171,10 +171,11 @@ def store_prefix(attempt: int) -> str:
     return "commlab/" if attempt == 0 else f"commlab/attempt{attempt}/"
 
 
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun: its agent hosts the store, which outlives each round
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun: its agent hosts the store
+RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun (not by commlab run, whose restart count is exact)
 
 _STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
-_ROUNDS_KEY = "commlab/rounds"  # agree_round's keys, beside every attempt's prefix
+_ROUND_KEY = "commlab/round"  # agree_round's keys, beside every attempt's prefix
 _ROUNDS: dict[tuple[str, int], int] = {}  # (addr, port) -> the attempt agreed through that store (one per process)
 
 
@@ -182,13 +183,14 @@ def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = 
     """The job's attempt id, the same on every rank of this attempt and larger than any earlier attempt's:
     what pushes carry to the servers and what names commlab's keys in the store (:func:`store_prefix`).
 
-    ``commlab run`` makes a fresh store per attempt and counts exactly: ``TORCHELASTIC_RESTART_COUNT``
-    (``info.attempt``). Under torchrun's agent store the count cannot serve: torchrun does not raise it on a
-    membership change (``--nnodes MIN:MAX``), and an agent that joins later starts at 0; the agent's store
-    outlives every round, so the ranks agree on a round there instead (:func:`agree_round`). Collective on
-    the first call (every rank of the job sets up an exchanger); later calls return the agreed number."""
+    ``commlab run`` counts exactly: ``TORCHELASTIC_RESTART_COUNT`` (``info.attempt``), with a fresh store per
+    attempt. Under torchrun (``TORCHELASTIC_RUN_ID`` set) the count cannot serve: torchrun does not raise it
+    on a membership change (``--nnodes MIN:MAX``), an agent that joins later starts at 0, and the store may
+    be one that outlives rounds (the agent's) or a fresh one (rank 0's): the ranks agree on a round id
+    through the store instead (:func:`agree_round`). Collective on the first call (every rank of the job
+    sets up an exchanger); later calls in the process return the agreed id."""
     env = os.environ if env is None else env
-    if env.get(AGENT_STORE) != "True" or not info.master_port:
+    if RUN_ID not in env or not info.master_port:
         return info.attempt
     where = (info.master_addr, info.master_port)
     if where not in _ROUNDS:
@@ -197,49 +199,44 @@ def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = 
 
 
 def agree_round(store, info: RankInfo, timeout: float) -> int:
-    """Every rank of a new round of the job learns the same fresh round number from ``store`` (one that
-    outlives rounds and still holds the dead rounds' keys). Rank 0 draws it from a counter (0, 1, 2, ...)
-    and hands it to each rank that asked with a random nonce; a rank takes only the answer to its own
-    nonce, and acknowledges with the number, so neither side can take a dead round's key for this round's.
-    Blocks until every rank has it (rank 0) or has it (the others), at most ``timeout``: CommTimeout naming
-    the ranks that never asked, or rank 0 that never answered."""
+    """Every rank of a new round of the job learns the same fresh round id from ``store``, which may hold a
+    dead round's keys. Rank 0 draws it: its clock in milliseconds, above the last id this store handed
+    out, so it grows across rounds whatever store each round met in (torchrun may host a fresh one when
+    rank 0 moves). Rank 0 hands it to each rank that asked with a random nonce; a rank takes only the
+    answer to its own nonce and acknowledges with the id, so neither side takes a dead round's key for this
+    round's. Blocks until every rank has it, at most ``timeout``: CommTimeout naming the ranks that never
+    took it (rank 0) or rank 0 that never answered (the others)."""
     import uuid
 
-    base = _ROUNDS_KEY
     deadline = time.monotonic() + timeout
     if info.rank != 0:
         nonce = uuid.uuid4().hex
-        store.set(f"{base}/ask/{info.rank}", nonce)
+        store.set(f"{_ROUND_KEY}/ask/{info.rank}", nonce)
         while True:
-            if store.check([f"{base}/give/{info.rank}"]):
-                got, _, number = store.get(f"{base}/give/{info.rank}").decode().partition(" ")
+            if store.check([f"{_ROUND_KEY}/give/{info.rank}"]):
+                got, _, number = store.get(f"{_ROUND_KEY}/give/{info.rank}").decode().partition(" ")
                 if got == nonce:
-                    store.set(f"{base}/took/{info.rank}", number)
+                    store.set(f"{_ROUND_KEY}/took/{info.rank}", number)
                     return int(number)
             if time.monotonic() > deadline:
-                raise CommTimeout(f"rank {info.rank}: rank 0 did not hand out this attempt's round within "
-                                  f"{timeout:g}s (agreed through torchrun's store)", peer=0, op="connect")
+                raise CommTimeout(f"rank {info.rank}: rank 0 did not hand out this round's id within {timeout:g}s "
+                                  f"(agreed through the job's store)", peer=0, op="connect")
             time.sleep(0.01)
-    number = str(int(store.add(f"{base}/counter", 1)) - 1)
+    last = int(store.get(f"{_ROUND_KEY}/last")) if store.check([f"{_ROUND_KEY}/last"]) else 0
+    number = str(max(time.time_ns() // 1_000_000, last + 1))
+    store.set(f"{_ROUND_KEY}/last", number)
     pending = set(range(1, info.world_size))
     while pending:
         for r in sorted(pending):
-            if store.check([f"{base}/took/{r}"]) and store.get(f"{base}/took/{r}").decode() == number:
+            if store.check([f"{_ROUND_KEY}/took/{r}"]) and store.get(f"{_ROUND_KEY}/took/{r}").decode() == number:
                 pending.discard(r)
-            elif store.check([f"{base}/ask/{r}"]):
-                store.set(f"{base}/give/{r}", f"{store.get(f'{base}/ask/{r}').decode()} {number}")
+            elif store.check([f"{_ROUND_KEY}/ask/{r}"]):
+                store.set(f"{_ROUND_KEY}/give/{r}", f"{store.get(f'{_ROUND_KEY}/ask/{r}').decode()} {number}")
         if pending and time.monotonic() > deadline:
             raise CommTimeout(f"rank 0: rank(s) {sorted(pending)} did not take round {number} within {timeout:g}s "
-                              f"(agreed through torchrun's store)", peer=min(pending), op="connect")
+                              f"(agreed through the job's store)", peer=min(pending), op="connect")
         time.sleep(0.01 if pending else 0)
     return int(number)
-
-
-def seed_round(store, attempt: int) -> None:
-    """A fresh store made for attempt ``attempt`` of a job (``commlab run`` makes one per attempt): the ranks
-    that meet in it agree on ``attempt`` (:func:`agree_round` draws the rounds from ``attempt`` on)."""
-    if attempt:
-        store.add(f"{_ROUNDS_KEY}/counter", attempt)
 
 
 def _raw_store(info: RankInfo, timeout: float, env: Mapping[str, str]):

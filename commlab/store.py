@@ -19,26 +19,20 @@ import sys
 from datetime import timedelta
 
 
-def host(addr: str, timeout: float, attempt: int = 0):
+def host(addr: str, timeout: float):
     """torch's TCPStore, served by this process on ``addr`` and a port of the kernel's choosing
-    (``store.port``); ``timeout`` bounds each of its waits. ``attempt``: the job's restarts so far, the
-    attempt id its ranks agree on through it (:func:`commlab.rendezvous.seed_round`). Does not block."""
+    (``store.port``); ``timeout`` bounds each of its waits. Does not block."""
     import torch.distributed as dist
 
-    from commlab.rendezvous import seed_round
-
-    store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True)
-    seed_round(store, attempt)
-    return store
+    return dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout), wait_for_workers=False, use_libuv=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m commlab.store", description=__doc__.split("\n\n")[0])
     p.add_argument("--bind", required=True, help="the address to listen on (the port is the kernel's choice)")
     p.add_argument("--timeout", type=float, default=300.0, help="bound of each store wait, seconds")
-    p.add_argument("--attempt", type=int, default=0, help="the job's restarts so far (the ranks' attempt id)")
     a = p.parse_args(argv)
-    store = host(a.bind, a.timeout, a.attempt)
+    store = host(a.bind, a.timeout)
     print(f"commlab store: listening on tcp://{a.bind}:{store.port}", flush=True)
     while True:  # until SIGTERM or SIGKILL (the launcher's stop), or the launcher's death (childexec)
         signal.pause()

@@ -80,7 +80,7 @@ class Mode:
         return []
 
     def restart(self) -> int:
-        """A new attempt of the job (every rank restarted): drop what the dead attempt left half-done, so
+        """A new attempt of the job (every rank restarted; the server set its world size already): drop what the dead attempt left half-done, so
         that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
         rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
         srv = self.srv
@@ -296,10 +296,12 @@ class Sync(Mode):
         gathered (update=server: every push in, the commits awaited) is kept, and its commits dropped: its
         average exists, and another shard may have applied it already (a rank killed between its commits
         to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
-        from the same pushes as there. Applied steps are kept, whatever their pulls' fate."""
+        from the same pushes as there; so are the pushes of a rank the new attempt added (its world, already
+        set, may be another). Applied steps are kept, whatever their pulls' fate."""
         srv = self.srv
         if self.gathered:
             self.commits.clear()
+            self.complete = set(range(srv.world))
             return 0
         dropped = len(self.complete | set(srv.partial))
         srv.partial.clear()

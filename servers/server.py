@@ -364,7 +364,6 @@ class ParameterServer:
         ``world``: the new attempt's size, which replaces the old one's membership (torchrun's elastic
         rendezvous renumbers the ranks 0..world-1): a sync step averages over the new N, SSP's bound counts
         the new ranks, and the departed ranks' clocks, connections and links go."""
-        self.stats.replaced += self.mode.restart()
         self.attempt = attempt
         if self.world is not None and world != self.world:
             self.stats.resized += 1
@@ -377,6 +376,7 @@ class ParameterServer:
             for rank in [r for r in self.last_step if r >= world]:
                 del self.last_step[rank]
         self.world = world
+        self.stats.replaced += self.mode.restart()
         self.waiting = []  # the dead processes' pulls
         self.starters.clear()
         self.started = False

@@ -5,11 +5,11 @@ environment and the exchanger from $COMMLAB_EXCHANGER (ps://...?mode=sync&update
 rank r of N holds shard r of the data, whose gradient is r + 1, so a sync step of N ranks moves ``w`` by
 ``lr * mean(1..N)``. On a new world size the loop rescales the learning rate to ``BASE_LR * N``, as
 Horovod's reset callbacks do (the data's re-sharding is the rank's own: its shard is its new rank's).
-Writes ``OUT/start.<attempt>.<rank>.json`` once set up (the attempt id ``ex.rank_info.attempt``, the world
+Writes ``OUT/start.<attempt>.<rank>.json`` once set up (the attempt id ``ex.attempt_id``, the world
 size, ``ex.start_step``) and ``OUT/end.<attempt>.<rank>.json`` with the parameters and the servers' stats.
 
-``HOLD=T``: the rank stops before step T and waits (at most 120 s) to be killed, as a slow or stopped
-worker is when its agent restarts the group.
+``HOLD=N:T[,N:T...]``: in an attempt of N ranks the rank stops before step T until the file ``OUT/go.N.T``
+exists (a slow worker; at most 120 s), or until it is killed, as its agent does when the group restarts.
 """
 
 from __future__ import annotations
@@ -37,15 +37,18 @@ def main() -> None:
     ex.setup(model, opt)
     for group in opt.param_groups:  # the reset callback: this attempt's N, which commits carry to the servers
         group["lr"] = BASE_LR * ex.world_size
-    attempt, rank = ex.rank_info.attempt, ex.rank
+    attempt, rank = ex.attempt_id, ex.rank
     (out / f"start.{attempt}.{rank}.json").write_text(json.dumps(
-        {"attempt": attempt, "world": ex.world_size, "start_step": ex.start_step,
+        {"attempt": attempt, "world": ex.world_size, "start_step": ex.start_step, "pid": os.getpid(), "agent": os.getppid(),
          "params": model.weight.detach().view(-1).tolist()}))
-    hold = int(os.environ.get("HOLD", "-1"))
+    holds = [tuple(map(int, spec.split(":"))) for spec in os.environ.get("HOLD", "").split(",") if spec]
     for step in range(ex.start_step, steps):
-        if step == hold:
-            time.sleep(120)
-            raise SystemExit(f"rank {rank} held before step {step} was never stopped")
+        if (ex.world_size, step) in holds:
+            deadline = time.monotonic() + 120
+            while not (out / f"go.{ex.world_size}.{step}").exists():
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"rank {rank} held before step {step} was neither released nor stopped")
+                time.sleep(0.02)
         ex.zero_grad()
         (model.weight * (rank + 1)).sum().backward()
         opt.step()

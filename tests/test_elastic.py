@@ -37,7 +37,7 @@ def _rank(procs, tmp_path: Path, url: str, store_port: int, rank: int, world: in
     """One rank as torchrun's agent starts it."""
     env = {**faultkit.AGENT_ENV, "RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": 1,
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": store_port, "TORCHELASTIC_RESTART_COUNT": restart_count,
-           "COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": 1, "TMPDIR": tmp_path / "tmp", **env}
+           "TORCHELASTIC_RUN_ID": "elastic", "COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": 1, "TMPDIR": tmp_path / "tmp", **env}
     return procs.popen([sys.executable, SCRIPT, str(tmp_path / "out"), str(STEPS)], {k: str(v) for k, v in env.items()},
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -61,54 +61,142 @@ def _json(tmp_path: Path, name: str) -> dict:
     return json.loads((tmp_path / "out" / name).read_text())
 
 
+def _rounds(out: Path) -> list[list[dict]]:
+    """The ranks' start records, grouped by attempt id in the order of the ids (each sorted by rank)."""
+    starts = [json.loads(p.read_text()) | {"rank": int(p.name.split(".")[2])} for p in out.glob("start.*")]
+    ids = sorted({s["attempt"] for s in starts})
+    return [sorted((s for s in starts if s["attempt"] == a), key=lambda s: s["rank"]) for a in ids]
+
+
+def _check_end(out: Path, attempt: int, want: torch.Tensor, **counts) -> None:
+    """Both ranks of the last attempt hold ``want``, and the shard's counters are ``counts``."""
+    for r in (0, 1):
+        end = json.loads((out / f"end.{attempt}.{r}.json").read_text())
+        assert torch.allclose(torch.tensor(end["params"]), want, atol=1e-6), (r, end["params"], want)
+        shard = end["servers"][0]
+        assert {k: shard[k] for k in [*counts, "attempt"]} == dict(counts, attempt=attempt), shard
+
+
+def _w0() -> torch.Tensor:
+    torch.manual_seed(0)
+    return nn.Linear(3, 1, bias=False).weight.detach().view(-1)
+
+
 def test_a_job_shrinks_to_one_rank_and_grows_back_each_step_applied_once_over_its_own_n(tmp_path, procs):
-    """Round 0, N = 2: rank 1 pushes step 4 and its agent is gone for good before rank 0 pushed it; rank 0 is
-    stopped (torchrun: it times out, its agent restarts it). Round 1, N = 1: resumes at step 4 (rank 1's half
-    of step 4 dropped, counted as replaced) and runs to step 8, when an agent joins and torchrun stops it.
-    Round 2, N = 2 again, ranks renumbered and restart counts 1 and 0: resumes at 8 and finishes. 12 updates
-    in all, w = w0 - 0.01 * (4 * 2 * 1.5 + 4 * 1 * 1 + 4 * 2 * 1.5) on every rank; a rank of a forgotten
-    round (a fresh store) is refused in one line naming the attempts."""
+    """Round 0, N = 2: rank 1 pushes step 4 and is gone for good before rank 0, held, pushed it. Round 1,
+    N = 1 (restart count 1): resumes at step 4 (rank 1's half of step 4 dropped, counted as replaced); the
+    round-0 rank 0, let go now, is refused in one line naming both attempts; round 1 runs to step 8, when
+    the harness stops it (an agent joined). Round 2, N = 2 again, restart counts 1 and 0: resumes at 8 and
+    finishes. 12 updates, w = w0 - 0.01 * (4 * 2 * 1.5 + 4 * 1 * 1 + 4 * 2 * 1.5) on every rank."""
     shm_before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "out"
     for d in ("out", "tmp"):
         (tmp_path / d).mkdir()
     server = procs.server("--mode", "sync")
     url = f"ps://{server.address}?mode=sync&update=server&timeout=30"
     store = procs.store("127.0.0.1")
 
-    held = _rank(procs, tmp_path, url, store, 0, 2, 0, HOLD=4)
+    zombie = _rank(procs, tmp_path, url, store, 0, 2, 0, HOLD="2:4", COMMLAB_EXCHANGER=url.replace("=30", "=5"))
     victim = _rank(procs, tmp_path, url, store, 1, 2, 0)
     _until(server, "rank 1's push of step 4 alone", lambda s: s["sync_step"] == 4 and s["pushes"] == 9
            and s["waiting_for"] == [0])
     _stop(victim, signal.SIGKILL)
-    _stop(held, signal.SIGKILL)
 
-    alone = _rank(procs, tmp_path, url, store, 0, 1, 1, HOLD=8)
-    _until(server, "round 1's steps 4..7", lambda s: s["sync_step"] == 8 and s["attempt"] == 1)
+    alone = _rank(procs, tmp_path, url, store, 0, 1, 1, HOLD="1:8")
+    _until(server, "round 1's steps 4..7", lambda s: s["sync_step"] == 8 and s["world"] == 1)
+    (out / "go.2.4").touch()
+    _, err = zombie.communicate(timeout=60)
+    (first, _), (second,) = _rounds(out)
+    assert zombie.returncode != 0
+    assert err.strip().splitlines()[-1].endswith(
+        f"hello from rank0 of attempt {first['attempt']}: the job on shard 0/1 is at attempt {second['attempt']} (a "
+        f"process of an earlier attempt, or a store that forgot the job's rounds)"), err[-3000:]
     _stop(alone, signal.SIGTERM)
-
-    stale = _rank(procs, tmp_path, url, procs.store("127.0.0.1"), 0, 1, 1)  # a store that forgot rounds 0 and 1
-    _, err = stale.communicate(timeout=90)
-    assert stale.returncode != 0
-    assert "hello from rank0 of attempt 0: the job on shard 0/1" in err and "is at attempt 1 (a process of an " \
-        "earlier attempt, or a store that forgot the job's rounds)" in err, err[-3000:]
 
     grown = [_rank(procs, tmp_path, url, store, 0, 2, 1), _rank(procs, tmp_path, url, store, 1, 2, 0)]
     for p in grown:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
 
+    rounds = _rounds(out)
+    assert [[(s["rank"], s["world"], s["start_step"]) for s in ranks] for ranks in rounds] == [
+        [(0, 2, 0), (1, 2, 0)], [(0, 1, 4)], [(0, 2, 8), (1, 2, 8)]]
+    w0 = _w0()
+    assert torch.allclose(torch.tensor(rounds[1][0]["params"]), w0 - 0.01 * 4 * 2 * 1.5, atol=1e-6)
+    for s in rounds[2]:
+        assert torch.allclose(torch.tensor(s["params"]), w0 - 0.01 * (12 + 4), atol=1e-6), s
+    _check_end(out, rounds[2][0]["attempt"], w0 - 0.01 * (12 + 4 + 12), updates=STEPS, replaced=1, resized=2, world=2)
+    assert not _leftovers(tmp_path, shm_before)
+
+
+RDZV_CONF = ("is_host=false,join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,"
+             "keep_alive_max_attempt=2")
+
+
+def _agent(procs, tmp_path: Path, url: str, rdzv_port: int, name: str, **env) -> subprocess.Popen:
+    """One torchrun agent of ``--nnodes 1:2`` x 1 rank; its output in ``name``.log."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--max-restarts", "3", "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{rdzv_port}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
+            SCRIPT, str(tmp_path / "out"), str(STEPS)]
+    log = open(tmp_path / f"{name}.log", "w")
+    env = {"COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp"), **env}
+    with log:
+        return procs.popen(argv, env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_for(path: Path, what: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.full
+def test_under_torchrun_elastic_a_departed_agent_shrinks_the_job_and_a_joining_one_grows_it(tmp_path, procs):
+    """Real torchrun agents (--nnodes 1:2, c10d rendezvous on a store none of them hosts, so any may go).
+    Round 0, N = 2: agent B's rank pushes step 4 and B is killed for good (agent and rank); agent A's rank
+    pushes step 4 after that: the step is gathered (both pushes in), A's commit times out, A restarts its rank.
+    Round 1, N = 1 (TORCHELASTIC_RESTART_COUNT 1): step 4 is applied once, from round 0's two pushes with
+    round 1's lr, then steps 5..7 over N = 1; an agent C joins while A's rank waits before step 8, torchrun
+    restarts the group (a membership change: C's rank has restart count 0). Round 2, N = 2, resumes at 8.
+    w = w0 - 0.01 * (4 * 2 * 1.5 + 1 * 1.5 + 3 * 1 * 1 + 4 * 2 * 1.5); the servers count 12 updates."""
+    shm_before = set(os.listdir("/dev/shm"))
+    for d in ("out", "tmp"):
+        (tmp_path / d).mkdir()
+    out = tmp_path / "out"
+    server = procs.server("--mode", "sync")
+    url = f"ps://{server.address}?mode=sync&update=server&timeout=5&retries=0"
+    rdzv = procs.store("127.0.0.1")
+    a = _agent(procs, tmp_path, url, rdzv, "a", HOLD="0:4,1:8")
+    b = _agent(procs, tmp_path, url, rdzv, "b")
+    round0 = [_wait_for(out / f"start.0.{r}.json", f"round 0's rank {r}") for r in (0, 1)]
+    assert [s["world"] for s in round0] == [2, 2], (round0, (tmp_path / "a.log").read_text()[-3000:])
+    _until(server, "B's push of step 4 alone", lambda s: s["sync_step"] == 4 and s["pushes"] == 9
+           and len(s["waiting_for"]) == 1)
+    gone = [s["pid"] for s in round0 if s["agent"] == b.pid]
+    assert len(gone) == 1, (round0, b.pid)
+    os.killpg(b.pid, signal.SIGKILL)
+    os.kill(gone[0], signal.SIGKILL)  # torchrun starts each rank in a session of its own
+    b.wait(30)
+    (out / "go.0").touch()
+    _wait_for(out / "start.1.0.json", "round 1")
+    _until(server, "round 1's steps 4..7", lambda s: s["sync_step"] == 8 and s["attempt"] == 1)
+    c = _agent(procs, tmp_path, url, rdzv, "c")
+    for agent, name in ((a, "a"), (c, "c")):
+        assert agent.wait(180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
     torch.manual_seed(0)
     w0 = nn.Linear(3, 1, bias=False).weight.detach().view(-1)
-    starts = {(a, r): _json(tmp_path, f"start.{a}.{r}.json") for a, r in [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]}
-    assert sorted(p.name for p in (tmp_path / "out").glob("start.*")) == sorted(f"start.{a}.{r}.json" for a, r in starts)
-    assert {k: (s["world"], s["start_step"]) for k, s in starts.items()} == {
-        (0, 0): (2, 0), (0, 1): (2, 0), (1, 0): (1, 4), (2, 0): (2, 8), (2, 1): (2, 8)}
-    assert torch.allclose(torch.tensor(starts[1, 0]["params"]), w0 - 0.01 * 4 * 2 * 1.5, atol=1e-6)
+    starts = {p.name: json.loads(p.read_text()) for p in out.glob("start.*")}
+    assert sorted((s["attempt"], s["world"], s["start_step"]) for s in starts.values()) == [
+        (0, 2, 0), (0, 2, 0), (1, 1, 4), (2, 2, 8), (2, 2, 8)], starts
     for r in (0, 1):
-        assert torch.allclose(torch.tensor(starts[2, r]["params"]), w0 - 0.01 * (12 + 4), atol=1e-6), r
         end = _json(tmp_path, f"end.2.{r}.json")
-        assert torch.allclose(torch.tensor(end["params"]), w0 - 0.01 * (12 + 4 + 12), atol=1e-6), (r, end)
+        want = w0 - 0.01 * (12 + 1.5 + 3 + 12)
+        assert torch.allclose(torch.tensor(end["params"]), want, atol=1e-6), (r, end["params"], want)
         shard = end["servers"][0]
         assert {k: shard[k] for k in ("updates", "replaced", "resized", "world", "attempt")} == {
-            "updates": STEPS, "replaced": 1, "resized": 2, "world": 2, "attempt": 2}, shard
+            "updates": STEPS, "replaced": 0, "resized": 2, "world": 2, "attempt": 2}, shard
     assert not _leftovers(tmp_path, shm_before)

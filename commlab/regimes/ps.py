@@ -520,15 +520,14 @@ class PSExchanger(BucketedExchanger, PlansServers):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
-        # the attempt id the servers count attempts by: under torchrun's agent store, the round every rank
-        # agreed there (TORCHELASTIC_RESTART_COUNT does not move on a membership change)
-        self.rank_info = dataclasses.replace(self.rank_info, attempt=rendezvous.job_attempt(
-            self.rank_info, self._setup_bound))  # bounded as the start gate is: the ranks start when they do
+        # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
+        # membership change); bounded as the start gate is: the ranks start when they do
+        self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
         if self.rank_info.members:  # connect(group=): the members agree on it first; a space per group
             self._check_group()
         self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.attempt_id
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
