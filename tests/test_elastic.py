@@ -129,74 +129,67 @@ def test_a_job_shrinks_to_one_rank_and_grows_back_each_step_applied_once_over_it
     assert not _leftovers(tmp_path, shm_before)
 
 
-RDZV_CONF = ("is_host=false,join_timeout=60,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,"
-             "keep_alive_max_attempt=2")
+# the rendezvous on a store none of the agents hosts (so any may go), a short last call; torch's default keep-alive
+# (a tighter one declared a busy live agent dead on this 2-core machine)
+RDZV_CONF = "is_host=false,join_timeout=90,last_call_timeout=3,close_timeout=5"
 
 
 def _agent(procs, tmp_path: Path, url: str, rdzv_port: int, name: str, **env) -> subprocess.Popen:
-    """One torchrun agent of ``--nnodes 1:2`` x 1 rank; its output in ``name``.log."""
+    """One torchrun agent of ``--nnodes 1:2`` x 1 rank; its output in ``name``.log. Its ranks' store is rank 0's
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with the agent's shared store, torch 2.13's agent that joins a later
+    round as group rank 1 waits for a MASTER_PORT the rank-0 agent wrote only in its first round."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
             "--max-restarts", "3", "--monitor-interval", "0.2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{rdzv_port}", "--rdzv-id", "elastic", "--rdzv-conf", RDZV_CONF,
             SCRIPT, str(tmp_path / "out"), str(STEPS)]
-    log = open(tmp_path / f"{name}.log", "w")
-    env = {"COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp"), **env}
-    with log:
+    env = {"COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp"),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+    with open(tmp_path / f"{name}.log", "w") as log:
         return procs.popen(argv, env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait_for(path: Path, what: str, timeout: float = 120.0) -> dict:
+def _wait_for(path: Path, what: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"{what} never happened"
         time.sleep(0.05)
-    return json.loads(path.read_text())
 
 
 @pytest.mark.full
 def test_under_torchrun_elastic_a_departed_agent_shrinks_the_job_and_a_joining_one_grows_it(tmp_path, procs):
-    """Real torchrun agents (--nnodes 1:2, c10d rendezvous on a store none of them hosts, so any may go).
-    Round 0, N = 2: agent B's rank pushes step 4 and B is killed for good (agent and rank); agent A's rank
-    pushes step 4 after that: the step is gathered (both pushes in), A's commit times out, A restarts its rank.
-    Round 1, N = 1 (TORCHELASTIC_RESTART_COUNT 1): step 4 is applied once, from round 0's two pushes with
-    round 1's lr, then steps 5..7 over N = 1; an agent C joins while A's rank waits before step 8, torchrun
-    restarts the group (a membership change: C's rank has restart count 0). Round 2, N = 2, resumes at 8.
-    w = w0 - 0.01 * (4 * 2 * 1.5 + 1 * 1.5 + 3 * 1 * 1 + 4 * 2 * 1.5); the servers count 12 updates."""
+    """Real torchrun agents (--nnodes 1:2, c10d rendezvous). Round 0, N = 2: agent B's rank pushes step 4 and B
+    is killed for good (agent and rank); agent A's rank pushes step 4 after that: the step is gathered (both
+    pushes in), A's commit times out, A restarts its rank. Round 1, N = 1: step 4 is applied once, from round
+    0's two pushes with round 1's lr, then steps 5..7 over N = 1; an agent C joins while A's rank waits before
+    step 8, and torchrun restarts the group (a membership change: C's restart count is 0, A's 1). Round 2,
+    N = 2, resumes at 8. w = w0 - 0.01 * (4 * 2 * 1.5 + 1 * 1.5 + 3 * 1 * 1 + 4 * 2 * 1.5); 12 updates."""
     shm_before = set(os.listdir("/dev/shm"))
+    out = tmp_path / "out"
     for d in ("out", "tmp"):
         (tmp_path / d).mkdir()
-    out = tmp_path / "out"
     server = procs.server("--mode", "sync")
     url = f"ps://{server.address}?mode=sync&update=server&timeout=5&retries=0"
     rdzv = procs.store("127.0.0.1")
-    a = _agent(procs, tmp_path, url, rdzv, "a", HOLD="0:4,1:8")
+    a = _agent(procs, tmp_path, url, rdzv, "a", HOLD="2:4,1:8")
     b = _agent(procs, tmp_path, url, rdzv, "b")
-    round0 = [_wait_for(out / f"start.0.{r}.json", f"round 0's rank {r}") for r in (0, 1)]
-    assert [s["world"] for s in round0] == [2, 2], (round0, (tmp_path / "a.log").read_text()[-3000:])
     _until(server, "B's push of step 4 alone", lambda s: s["sync_step"] == 4 and s["pushes"] == 9
-           and len(s["waiting_for"]) == 1)
+           and len(s["waiting_for"]) == 1, timeout=150)
+    (round0,) = _rounds(out)
     gone = [s["pid"] for s in round0 if s["agent"] == b.pid]
-    assert len(gone) == 1, (round0, b.pid)
+    assert len(round0) == 2 and len(gone) == 1, (round0, b.pid)
     os.killpg(b.pid, signal.SIGKILL)
     os.kill(gone[0], signal.SIGKILL)  # torchrun starts each rank in a session of its own
     b.wait(30)
-    (out / "go.0").touch()
-    _wait_for(out / "start.1.0.json", "round 1")
-    _until(server, "round 1's steps 4..7", lambda s: s["sync_step"] == 8 and s["attempt"] == 1)
+    (out / "go.2.4").touch()
+    _until(server, "round 1's steps 4..7", lambda s: s["sync_step"] == 8 and s["world"] == 1, timeout=150)
     c = _agent(procs, tmp_path, url, rdzv, "c")
     for agent, name in ((a, "a"), (c, "c")):
         assert agent.wait(180) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
 
-    torch.manual_seed(0)
-    w0 = nn.Linear(3, 1, bias=False).weight.detach().view(-1)
-    starts = {p.name: json.loads(p.read_text()) for p in out.glob("start.*")}
-    assert sorted((s["attempt"], s["world"], s["start_step"]) for s in starts.values()) == [
-        (0, 2, 0), (0, 2, 0), (1, 1, 4), (2, 2, 8), (2, 2, 8)], starts
-    for r in (0, 1):
-        end = _json(tmp_path, f"end.2.{r}.json")
-        want = w0 - 0.01 * (12 + 1.5 + 3 + 12)
-        assert torch.allclose(torch.tensor(end["params"]), want, atol=1e-6), (r, end["params"], want)
-        shard = end["servers"][0]
-        assert {k: shard[k] for k in ("updates", "replaced", "resized", "world", "attempt")} == {
-            "updates": STEPS, "replaced": 0, "resized": 2, "world": 2, "attempt": 2}, shard
-    assert not _leftovers(tmp_path, shm_before)
+    rounds = _rounds(out)
+    assert [[(s["rank"], s["world"], s["start_step"]) for s in ranks] for ranks in rounds] == [
+        [(0, 2, 0), (1, 2, 0)], [(0, 1, 4)], [(0, 2, 8), (1, 2, 8)]], rounds
+    _check_end(out, rounds[2][0]["attempt"], _w0() - 0.01 * (12 + 1.5 + 3 + 12), updates=STEPS, replaced=0,
+               resized=2, world=2)
+    torchs = ("torchelastic_", "torchinductor_")  # torch's own scratch (the killed agent B could not remove its own)
+    assert not [p for p in _leftovers(tmp_path, shm_before) if not Path(p).name.startswith(torchs)]
