@@ -194,8 +194,20 @@ def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = 
         return info.attempt
     where = (info.master_addr, info.master_port)
     if where not in _ROUNDS:
-        _ROUNDS[where] = agree_round(_raw_store(info, timeout, env), info.job, timeout)
+        _ROUNDS[where] = agree_round(_meeting_store(info, timeout, env), info.job, timeout)
     return _ROUNDS[where]
+
+
+def _meeting_store(info: RankInfo, timeout: float, env: Mapping[str, str]):
+    """The store every rank of the job reaches: the default process group's when the script made one (its
+    rank 0 may host it on MASTER_PORT already), else the one at the launcher's address."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    return _raw_store(info, timeout, env)
 
 
 def agree_round(store, info: RankInfo, timeout: float) -> int:

@@ -77,6 +77,15 @@ def _check_end(out: Path, attempt: int, want: torch.Tensor, **counts) -> None:
         assert {k: shard[k] for k in [*counts, "attempt"]} == dict(counts, attempt=attempt), shard
 
 
+def _job(tmp_path: Path, procs, options: str) -> tuple[Path, "faultkit.Server", str, int]:
+    """The records' folder, a sync server, the ranks' URL (with ``options``) and a store that outlives rounds."""
+    for d in ("out", "tmp"):
+        (tmp_path / d).mkdir()
+    server = procs.server("--mode", "sync")
+    url = f"ps://{server.address}?mode=sync&update=server&{options}"
+    return tmp_path / "out", server, url, procs.store("127.0.0.1")
+
+
 def _w0() -> torch.Tensor:
     torch.manual_seed(0)
     return nn.Linear(3, 1, bias=False).weight.detach().view(-1)
@@ -89,12 +98,7 @@ def test_a_job_shrinks_to_one_rank_and_grows_back_each_step_applied_once_over_it
     the harness stops it (an agent joined). Round 2, N = 2 again, restart counts 1 and 0: resumes at 8 and
     finishes. 12 updates, w = w0 - 0.01 * (4 * 2 * 1.5 + 4 * 1 * 1 + 4 * 2 * 1.5) on every rank."""
     shm_before = set(os.listdir("/dev/shm"))
-    out = tmp_path / "out"
-    for d in ("out", "tmp"):
-        (tmp_path / d).mkdir()
-    server = procs.server("--mode", "sync")
-    url = f"ps://{server.address}?mode=sync&update=server&timeout=30"
-    store = procs.store("127.0.0.1")
+    out, server, url, store = _job(tmp_path, procs, "timeout=30")
 
     zombie = _rank(procs, tmp_path, url, store, 0, 2, 0, HOLD="2:4", COMMLAB_EXCHANGER=url.replace("=30", "=5"))
     victim = _rank(procs, tmp_path, url, store, 1, 2, 0)
@@ -164,12 +168,7 @@ def test_under_torchrun_elastic_a_departed_agent_shrinks_the_job_and_a_joining_o
     step 8, and torchrun restarts the group (a membership change: C's restart count is 0, A's 1). Round 2,
     N = 2, resumes at 8. w = w0 - 0.01 * (4 * 2 * 1.5 + 1 * 1.5 + 3 * 1 * 1 + 4 * 2 * 1.5); 12 updates."""
     shm_before = set(os.listdir("/dev/shm"))
-    out = tmp_path / "out"
-    for d in ("out", "tmp"):
-        (tmp_path / d).mkdir()
-    server = procs.server("--mode", "sync")
-    url = f"ps://{server.address}?mode=sync&update=server&timeout=5&retries=0"
-    rdzv = procs.store("127.0.0.1")
+    out, server, url, rdzv = _job(tmp_path, procs, "timeout=5&retries=0")
     a = _agent(procs, tmp_path, url, rdzv, "a", HOLD="2:4,1:8")
     b = _agent(procs, tmp_path, url, rdzv, "b")
     _until(server, "B's push of step 4 alone", lambda s: s["sync_step"] == 4 and s["pushes"] == 9
