@@ -68,21 +68,22 @@ def _rounds(out: Path) -> list[list[dict]]:
     return [sorted((s for s in starts if s["attempt"] == a), key=lambda s: s["rank"]) for a in ids]
 
 
-def _check_end(out: Path, attempt: int, want: torch.Tensor, **counts) -> None:
-    """Both ranks of the last attempt hold ``want``, and the shard's counters are ``counts``."""
-    for r in (0, 1):
+def _check_end(out: Path, attempt: int, want: torch.Tensor, ranks=(0, 1), **counts) -> None:
+    """Every rank of the last attempt holds ``want``, and the shard's counters are ``counts``."""
+    for r in ranks:
         end = json.loads((out / f"end.{attempt}.{r}.json").read_text())
         assert torch.allclose(torch.tensor(end["params"]), want, atol=1e-6), (r, end["params"], want)
         shard = end["servers"][0]
         assert {k: shard[k] for k in [*counts, "attempt"]} == dict(counts, attempt=attempt), shard
 
 
-def _job(tmp_path: Path, procs, options: str) -> tuple[Path, "faultkit.Server", str, int]:
-    """The records' folder, a sync server, the ranks' URL (with ``options``) and a store that outlives rounds."""
+def _job(tmp_path: Path, procs, options: str, mode: str = "sync") -> tuple[Path, "faultkit.Server", str, int]:
+    """The records' folder, a server of ``mode`` (ssp: staleness 1), the ranks' URL (with ``options``) and a
+    store that outlives rounds."""
     for d in ("out", "tmp"):
         (tmp_path / d).mkdir()
-    server = procs.server("--mode", "sync")
-    url = f"ps://{server.address}?mode=sync&update=server&{options}"
+    server = procs.server("--mode", mode, "--staleness", "1")
+    url = f"ps://{server.address}?mode={mode}&update=server&{options}"
     return tmp_path / "out", server, url, procs.store("127.0.0.1")
 
 
@@ -135,6 +136,28 @@ def test_a_job_shrinks_to_one_rank_and_grows_back_each_step_applied_once_over_it
 
 # the rendezvous on a store none of the agents hosts (so any may go), a short last call; torch's default keep-alive
 # (a tighter one declared a busy live agent dead on this 2-core machine)
+def test_ssp_counts_the_new_membership_so_a_departed_slow_rank_holds_nobody_back(tmp_path, procs):
+    """ssp, staleness 1. Round 0, N = 2: rank 1 stops before step 2, rank 0 runs to its bound (pushes 0..3,
+    then its pull waits for rank 1), and both go (rank 1 for good). Round 1, N = 1: the survivor resumes at
+    4 and finishes alone: the departed rank's clock (2) is no longer the slowest, or it would wait forever.
+    Every push applied once: w = w0 - 0.02 * (4 * 1 + 2 * 2) - 0.01 * 8 * 1, 14 updates."""
+    shm_before = set(os.listdir("/dev/shm"))
+    out, server, url, store = _job(tmp_path, procs, "timeout=30", mode="ssp")
+    first = [_rank(procs, tmp_path, url, store, 0, 2, 0), _rank(procs, tmp_path, url, store, 1, 2, 0, HOLD="2:2")]
+    _until(server, "rank 0 at its bound, rank 1 before step 2", lambda s: s["updates"] == 6 and s["waiting_for"] == [1])
+    for p in first:
+        _stop(p, signal.SIGKILL)
+    alone = _rank(procs, tmp_path, url, store, 0, 1, 1)
+    _, err = alone.communicate(timeout=120)
+    assert alone.returncode == 0, err[-3000:]
+    rounds = _rounds(out)
+    assert [[(s["rank"], s["world"], s["start_step"]) for s in ranks] for ranks in rounds] == [
+        [(0, 2, 0), (1, 2, 0)], [(0, 1, 4)]], rounds
+    _check_end(out, rounds[1][0]["attempt"], _w0() - 0.02 * (4 + 4) - 0.01 * 8, ranks=(0,), updates=4 + 2 + 8,
+               replaced=0, resized=1, world=1)
+    assert not _leftovers(tmp_path, shm_before)
+
+
 RDZV_CONF = "is_host=false,join_timeout=90,last_call_timeout=3,close_timeout=5"
 
 
