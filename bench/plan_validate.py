@@ -49,7 +49,10 @@ from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regim
 from commlab.plan.simulate import SimResult, simulate
 
 REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo",
-           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync"}
+           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync",
+           # commlab's own ring over zmq tcp, bound to its namespace's address (no keys: the addresses exist
+           # only inside the run's namespaces), as `commlab bench compress` runs it across links
+           "ring-tcp": "ring://?transport=tcp&host=auto&insecure=1"}
 BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
 LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
 # tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
@@ -123,21 +126,39 @@ def predict(cal: Calibration, url: str, n: int, rate_bps: float, batch: int,
     return replace(res, step_s=p["step_s"]), p["crossover_bps"]
 
 
+def add_overhead(points: list[dict], cal: Calibration) -> None:
+    """Each compressed point predicted again with its run's per-step overhead: what its uncompressed sibling's
+    measured step − wait exceeds the calibrated forward, backward and optimizer by
+    (:func:`commlab.plan.compression.step_overhead`; the step's own mechanics, and what the calibration's
+    single process did not see of two workers sharing these cores)."""
+    for p, u in compressed_pairs(points):
+        scale = max(1.0, p["workers"] / (os.cpu_count() or 1))
+        o = compression.step_overhead(cal, u["compute_median"], p["batch"], scale)
+        regime, spec, ef = compression.parse_url(p["url"])
+        topo = Topology(1, p["link_bps"], p["link_bps"], scale)
+        pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef, o)["step_s"]
+        p.update(overhead_s=o, predicted_with_overhead=pred,
+                 error_with_overhead_pct=100 * (pred - p["median"]) / p["median"])
+
+
 def with_compress(url: str, spec: str) -> str:
     return url + ("&" if "?" in url else "?") + f"compress={spec}"
+
+
+def compressed_pairs(points: list[dict]) -> list[tuple[dict, dict]]:
+    """(compressed point, the uncompressed point of the same regime, rate and N), where both ran."""
+    plain = {(p["rate"], p["workers"], p["base"]): p for p in points if p["ok"] and not p.get("compress")}
+    return [(p, plain[key]) for p in points if p["ok"] and p.get("compress")
+            and (key := (p["rate"], p["workers"], p["base"])) in plain]
 
 
 def crossover_check(points: list[dict]) -> tuple[int, int, list[str]]:
     """Compressed points against the uncompressed point of the same regime, rate and N: whether the measured
     medians say compression paid there, and whether the predicted crossover lies on that side of the link
     rate the prediction used. Returns (checked, agreeing, misses)."""
-    plain = {(p["rate"], p["workers"], p["base"]): p for p in points if p["ok"] and not p.get("compress")}
     checked = agree = 0
     misses = []
-    for p in points:
-        u = plain.get((p["rate"], p["workers"], p["base"]))
-        if not (p["ok"] and p.get("compress") and u):
-            continue
+    for p, u in compressed_pairs(points):
         checked += 1
         if (p["median"] < u["median"]) == (p["crossover_bps"] > p["link_bps"]):
             agree += 1
@@ -237,8 +258,14 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
     if squeezed:
         worst = max(abs(p["error_pct"]) for p in squeezed)
         x_checked, x_agree, x_misses = crossover_check(points)
+        with_o = [p for p in squeezed if "overhead_s" in p]
+        again = (f"; with the run's per-step overhead (its uncompressed point's step − wait less the calibrated "
+                 f"compute): " + ", ".join(f"{p['rate']} +{p['overhead_s'] * 1e3:.0f} ms: "
+                                           f"{p['predicted_with_overhead'] * 1e3:.0f} ms {p['error_with_overhead_pct']:+.1f}%"
+                                           for p in with_o)) if with_o else ""
         out.append(f"- Compressed points ({', '.join(sorted({p['compress'] for p in squeezed}))}): largest error of the "
-                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)}); "
+                   f"predicted step **{worst:.1f}%** over {len(squeezed)} (criterion: each within 15%: {met(worst <= 15)})"
+                   f"{again}; "
                    f"the predicted crossover lies on the side of the link rate where the measured medians say compression "
                    f"paid (or did not) at **{x_agree}** of {x_checked}" + (f"; not: {', '.join(x_misses)}" if x_misses else "")
                    + f" (criterion: all: {met(x_agree == x_checked)}).")
@@ -269,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="1gbit,2gbit")
     p.add_argument("--workers", default="2,3", help="worker counts (hosts: N, plus K for a PS)")
-    p.add_argument("--regimes", default=",".join(REGIMES), help=f"from {', '.join(REGIMES)}")
+    p.add_argument("--regimes", default="ring,gloo,ps-1,ps-2", help=f"from {', '.join(REGIMES)}")
     p.add_argument("--compress", nargs="*", default=[], metavar="SPEC",
                    help="also each all-reduce regime with compress=SPEC (e.g. powersgd:4,start_iter=3), predicted "
                         "by commlab.plan.compression and checked: step within 15%%, crossover on the measured side")
@@ -312,14 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
     entries = [(n, n, None, REGIMES[n]) for n in names] + [
         (f"{n} {spec}", n, spec, with_compress(REGIMES[n], spec)) for spec in a.compress for n in names
-        if parse_regime(REGIMES[n]).kind == "allreduce"]
+        if compression.parse_url(REGIMES[n])[0].kind == "allreduce"]
     cal = compression.with_urls(cal, [url for *_, url in entries])
     cal.save(out / "calibration.json")
     workers = [int(x) for x in a.workers.split(",")]
     points = []
     links_seen: dict[str, str] = {}
     for rate in a.rates.split(","):
-        shards = max(parse_regime(REGIMES[n]).shards if REGIMES[n].startswith("ps") else 0 for n in names)
+        shards = max(compression.parse_url(REGIMES[n])[0].shards if REGIMES[n].startswith("ps") else 0 for n in names)
         with Links(max(workers) + shards, rate, tag=f"pv{os.getpid() % 100000}") as links:
             goodput, how = link_goodput(links, out) if not a.no_link_measure else \
                 (parse_rate(rate) * TCP_GOODPUT, "tc rate x 1448/1514")
@@ -332,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     rec = run_point(f"{rate}-n{n}-{name.replace(' ', '-')}", url, n, links, a, out)
                     pred, cross = predict(cal, url, n, goodput, a.batch_size)
-                    reg = parse_regime(REGIMES[base])
+                    reg = compression.parse_url(REGIMES[base])[0]
                     rec.update(rate=rate, regime=name, base=base, compress=spec, batch=a.batch_size,
                                predicted=pred.step_s, link_bps=goodput, predicted_compute=pred.compute_s,
                                hosts=n + (reg.shards if reg.kind == "ps" else 0), crossover_bps=cross)
@@ -342,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"plan_validate: {rate} N={n} {name}: measured "
                           f"{rec.get('median', float('nan')) * 1e3:.0f} ms, predicted {pred.step_s * 1e3:.0f} ms"
                           + ("" if rec["ok"] else f" (FAILED: {rec['error']})"), file=sys.stderr)
+    add_overhead(points, cal)
     stale = None
     if not a.no_staleness:
         n, url, d = a.stale_workers, "ps://?shards=1&mode=async", a.stale_delay

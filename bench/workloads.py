@@ -1,6 +1,7 @@
 """Real workloads under every regime: the examples themselves, driven as a user runs them.
 
     commlab bench workloads                                 # both, the default regimes
+    commlab bench workloads --workloads pipeline --workers 2 --regimes local,gloo   # the pipeline's bubble
     commlab bench workloads --workloads charlm --regimes local,gloo,ring,ps-sync --lm-steps 300
 
 The character-level GPT (``examples/charlm.py``: AdamW with parameter groups, warm-up + cosine
@@ -57,6 +58,8 @@ REGIMES = {
     "ps-ssp-2": "ps://?shards=1&mode=ssp&staleness=2",
 }
 DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
+# the default `commlab bench` runs the synchronous ones (the asynchronous ones are in its training comparison)
+BENCH_REGIMES = ["local", "gloo", "ring", "ps-sync"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,39 @@ def _lm_reference(workers: int, batch: int) -> tuple[str, ...]:
             "--eval-batches", str(max(1, 4 // workers)))
 
 
+PP_STAGES, PP_MICRO = 2, 4  # the pipeline workload's stages and micro-batches per step
+
+
+def _pp_args(steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--log-every", "1", "--d-model", "64", "--layers", "2", "--heads", "4",
+            "--context", "64", "--batch-size", "8", "--microbatches", str(PP_MICRO), "--stages", str(PP_STAGES),
+            "--lr", "1e-2", "--warmup", "10", "--threads", "1", "--bubble")
+
+
+def _pp_reference(workers: int, batch: int) -> tuple[str, ...]:
+    # one process, one stage, every replica's slices of the text at once
+    replicas = max(1, workers // PP_STAGES)
+    return ("--stages", "1", "--batch-size", str(replicas * batch), "--data-shards", str(replicas))
+
+
+def pipeline_figures(ranks: list[list[dict]]) -> dict:
+    """From a pipeline job's metric lines (examples/pipeline_lm.py): the bubble, the median over steps (the
+    first left out: it warms up) of ``bubble_s / pipeline_s``, per rank and its mean over the ranks; rank 0's
+    activation bytes per step (sent to its neighbour stages, forward and back) beside its gradient bytes
+    (``bytes_sent``: within its replica group). Empty where the job reported none."""
+    per_rank = []
+    for lines in ranks:
+        fr = [rec["bubble_s"] / rec["pipeline_s"] for rec in lines[1:]
+              if isinstance(rec.get("bubble_s"), (int, float)) and rec.get("pipeline_s")]
+        if fr:
+            per_rank.append(sorted(fr)[len(fr) // 2])
+    if not per_rank:
+        return {}
+    first = next((rec for rec in ranks[0] if "activation_bytes" in rec), {})
+    return {"bubble_per_rank": per_rank, "bubble": sum(per_rank) / len(per_rank),
+            "activation_bytes_per_step": first.get("activation_bytes")}
+
+
 def _cnn_args(steps: int) -> tuple[str, ...]:
     return ("--steps", str(steps), "--log-every", "1000", "--batch-size", "32", "--width", "8", "--threads", "1")
 
@@ -112,11 +148,17 @@ WORKLOADS = {
                        # ps:// carries no module buffers yet: each rank keeps its own running statistics (they
                        # change only the held-out loss; training normalises with the batch's own)
                        url_options=(("ps", "buffers=none"),)),
+    "pipeline": Workload("pipeline", "examples/pipeline_lm.py",
+                         f"the character LM in {PP_STAGES} pipeline stages (torch.distributed.pipelining, 1F1B over "
+                         f"{PP_MICRO} micro-batches of 2 sequences) x N/{PP_STAGES} replicas, each stage's gradients "
+                         f"exchanged within its replica group (2 layers, d=64, context 64, AdamW groups, clipping "
+                         f"across stages, float32)",
+                         _pp_args, 8, _pp_reference, steps=60, target_loss=None, coincide=True),
 }
 DEFAULT_WORKLOADS = ["charlm", "resnet"]
 # seconds the default `commlab bench` (after bandwidth and the MLP convergence) may spend starting
 # workload jobs; the LM's regimes go first, what does not fit is listed as skipped
-BENCH_BUDGET_S = 90.0
+BENCH_BUDGET_S = 300.0  # a cap: the default workloads and regimes finish well within it
 
 
 def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
@@ -184,8 +226,10 @@ def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[st
         w = WORKLOADS[wname]
         rows, target = sc.summarize_all(outcomes[wname], w.target_loss)
         ref = next((r for r in rows if r["kind"] == "reference" and r.get("curve")), None)
-        for r in rows:
+        for r, o in zip(rows, outcomes[wname]):
             r["vs_local"] = coincidence(ref["curve"], r["curve"]) if ref and r is not ref and r.get("curve") else None
+            if wname == "pipeline" and o.status == "ok":
+                r.update(pipeline_figures(o.ranks))
         results[wname] = {"workload": wname, "script": w.script, "what": w.what, "steps": steps[wname],
                           "workers": cfg.workers, "batch_per_rank": w.batch_size, "args": list(w.args(steps[wname])),
                           "reference_args": list(w.reference(cfg.workers, w.batch_size)),
@@ -264,12 +308,40 @@ def section(results: dict, pngs: dict | None = None) -> list[str]:
                 f"communication (time spent waiting on the exchange: backward's end and, for ps://, the pull) and "
                 f"bytes are rank 0's medians.", ""]
         out += ["Regimes: " + ", ".join(f"{r['regime']} = `{r['url']}`" for r in res["rows"]) + ".", ""]
-        out += sc.table(res["rows"], [("max abs loss diff vs local", _vs_local)]) + [""]
+        extra = [("max abs loss diff vs local", _vs_local)]
+        if name == "pipeline":
+            extra += [("bubble (measured: mean; per rank)", _bubble),
+                      ("activations / rank / step", lambda r: sc.human_bytes(r.get("activation_bytes_per_step")))]
+            out += [pipeline_note(res), ""]
+        out += sc.table(res["rows"], extra) + [""]
         out += ["Do the synchronous regimes reproduce local:// on the combined batch?", ""] + sync_verdict(res) + [""]
         png = (pngs or {}).get(name)
         if png:
             out += [f"![{name}: loss against step, wall time and bytes]({png})", ""]
     return out
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def _bubble(r: dict) -> str:
+    per = r.get("bubble_per_rank")
+    return "—" if not per else f"{_pct(r['bubble'])}; " + ", ".join(_pct(x) for x in per)
+
+
+def pipeline_note(res: dict) -> str:
+    """The pipeline workload's bubble beside the schedule's theory, and what each dimension moves."""
+    p, m = PP_STAGES, PP_MICRO
+    return (f"The bubble is the part of a step's schedule a stage spends not computing: its time in "
+            f"`schedule.step` less the time the same stage then takes for the same {m} micro-batches alone "
+            f"(`--bubble`: timed right after, so under the same load), as a fraction of the former; the median "
+            f"over steps, the mean over the ranks. GPipe's and 1F1B's theory: (p-1)/(m+p-1) = {p - 1}/{m + p - 1} = "
+            f"{100 * (p - 1) / (m + p - 1):.0f}% for p = {p} stages and m = {m} micro-batches (equal stages, "
+            f"free sends); where ranks share cores, time-slicing inflates it, so read it at {p} ranks on "
+            f"{p} free cores. Activations are rank 0's sends to its neighbour stages per step (activations "
+            f"forward, their gradients back); \"sent / rank / step\" is its gradient exchange within its "
+            f"replica group (nothing with one replica: N = {p}).")
 
 
 def write(out: Path, results: dict) -> tuple[Path, dict]:
@@ -304,15 +376,16 @@ def names_arg(text: str) -> list[str]:
 
 def run_default(run_dir: Path, budget_s: float, workers: int = 2, *, progress=None,
                 names: list[str] | None = None) -> tuple[dict, dict]:
-    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under the default
-    regimes; writes the files. Raises ValueError for an unknown workload name."""
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under
+    :data:`BENCH_REGIMES`; writes the files. Raises ValueError for an unknown workload name."""
     names = list(DEFAULT_WORKLOADS) if names is None else names
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     if progress is None:
         progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
-    results = run(WorkloadsConfig(names, workers=workers), run_dir, budget_s, progress)
+    results = run(WorkloadsConfig(names, [(n, REGIMES[n]) for n in BENCH_REGIMES], workers=workers), run_dir,
+                  budget_s, progress)
     _, pngs = write(run_dir, results)
     return results, pngs
 
@@ -327,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--lm-steps", type=int, default=WORKLOADS["charlm"].steps)
     p.add_argument("--cnn-steps", type=int, default=WORKLOADS["resnet"].steps)
+    p.add_argument("--pipeline-steps", type=int, default=WORKLOADS["pipeline"].steps)
     p.add_argument("--budget-s", type=float, default=150.0, help="stop starting jobs after this many seconds")
     p.add_argument("--job-timeout", type=float, default=120.0)
     p.add_argument("--out", help="folder (default runs/workloads-<UTC time>)")
@@ -340,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.workers < 2:
             raise ValueError("--workers must be >= 2")
         cfg = WorkloadsConfig(names, resolve_regimes(a.regimes), a.workers,
-                              {"charlm": a.lm_steps, "resnet": a.cnn_steps}, a.job_timeout)
+                              {"charlm": a.lm_steps, "resnet": a.cnn_steps, "pipeline": a.pipeline_steps},
+                              a.job_timeout)
     except ValueError as exc:
         print(f"commlab bench workloads: {exc}", file=sys.stderr)
         return 2

@@ -304,7 +304,7 @@ class Bucket:
         return self.buffer[self.numel :]
 
     def view(self, i: int) -> torch.Tensor:
-        p = self.params[i]
+        p = local(self.params[i])
         return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
     @property
@@ -312,8 +312,34 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (a tensor-parallel parameter or its
+    gradient; the exchange moves shards, and the replicas of a shard hold the same shapes), else ``t``."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:  # the hot path: no tensor subclass to look into
+        return t
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def like(p: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` (a local tensor) as ``p`` is laid out: a DTensor over ``p``'s mesh and placements wrapping it
+    (no copy) when ``p`` is one, else ``shard`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return shard
+    with torch.no_grad():
+        return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+
 def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, carry_presence: bool) -> list[Bucket]:
-    """Group parameters into buckets in reverse order, splitting on dtype/device changes."""
+    """Group parameters into buckets in reverse order, splitting on dtype/device changes. A DTensor
+    parameter takes the room of its local shard."""
     buckets: list[Bucket] = []
     run: list[tuple[str, nn.Parameter]] = []
 
@@ -323,8 +349,8 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int
         offsets, total = [], 0
         for _, p in run:
             offsets.append(total)
-            total += p.numel()
-        first = run[0][1]
+            total += local(p).numel()
+        first = local(run[0][1])
         extra = len(run) if carry_presence else 0
         buffer = torch.zeros(total + extra, dtype=first.dtype, device=first.device)
         buckets.append(Bucket(len(buckets), [p for _, p in run], [n for n, _ in run], offsets, total, buffer))
@@ -332,11 +358,12 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int
 
     size = 0
     for name, p in reversed(named_params):
-        if run and (p.dtype != run[0][1].dtype or p.device != run[0][1].device or size >= bucket_bytes):
+        shard = local(p)
+        if run and (p.dtype != run[0][1].dtype or shard.device != local(run[0][1]).device or size >= bucket_bytes):
             close_run()
             size = 0
         run.append((name, p))
-        size += p.numel() * p.element_size()
+        size += shard.numel() * shard.element_size()
     close_run()
     return buckets
 
@@ -634,7 +661,7 @@ class BucketedExchanger(Exchanger):
     def _on_grad(self, param: nn.Parameter) -> None:
         if self._phase == "exchanged":  # a backward after an exchange no step consumed: a new exchange
             bi, slot = self._where[id(param)]
-            if param.grad is None or param.grad.data_ptr() != self.buckets[bi].view(slot).data_ptr():
+            if param.grad is None or local(param.grad).data_ptr() != self.buckets[bi].view(slot).data_ptr():
                 self._begin_step_totals()  # zero_grad ran: a new step (the last one's step was skipped)
             self._reset_step_state()
         self._got.add(id(param))
@@ -741,6 +768,7 @@ class BucketedExchanger(Exchanger):
         g = p.grad
         if g is None:
             return
+        g = local(g)
         if g.data_ptr() == view.data_ptr() and g.shape == view.shape:  # already there (written in place)
             if self.grad_scale != 1.0:
                 view.mul_(self.grad_scale)
@@ -752,7 +780,7 @@ class BucketedExchanger(Exchanger):
                 torch.mul(g, self.grad_scale, out=view)
             else:
                 view.copy_(g)
-            p.grad = view
+            p.grad = like(p, view)
         bucket.moved[i] = True
 
     def _prepare(self, bucket: Bucket) -> None:
@@ -769,7 +797,7 @@ class BucketedExchanger(Exchanger):
             view = bucket.view(i)
             g = p.grad
             if not bucket.moved[i] and g is not None and id(p) not in self._got \
-                    and g.data_ptr() == view.data_ptr() and not bool(view.any()):
+                    and local(g).data_ptr() == view.data_ptr() and not bool(view.any()):
                 g = p.grad = None  # an untouched zero view: no gradient
             if g is None:
                 view.zero_()
@@ -835,9 +863,10 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         assert self.model is not None
         with torch.no_grad():
             for b in self.buckets:
-                flat = torch.cat([p.detach().reshape(-1) for p in b.params])
+                shards = [local(p) for p in b.params]
+                flat = torch.cat([p.detach().reshape(-1) for p in shards])
                 self._broadcast_from(src, flat, f"parameters of {self.rank_info.who(src)}, bucket {b.index}")
-                for p, off in zip(b.params, b.offsets):
+                for p, off in zip(shards, b.offsets):
                     p.copy_(flat[off:off + p.numel()].view_as(p))
             rest: list[torch.Tensor] = [p for p in self.model.parameters() if not p.requires_grad]
             if buffers and self.options.buffers != "none":

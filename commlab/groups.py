@@ -31,8 +31,10 @@ def resolve(group, info: RankInfo) -> tuple[RankInfo, object | None]:
     one: ``mesh["dp"]``), whose ranks (``mesh.mesh``, in mesh order) and process group are taken.
     Does not block; raises ConfigError in one line for a rank outside the job, a repeated rank, a
     group this process is not in, or a mesh of more than one dimension."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     pg = None
-    if hasattr(group, "mesh") and hasattr(group, "get_group"):  # torch.distributed.device_mesh.DeviceMesh
+    if isinstance(group, DeviceMesh):
         if group.mesh.dim() != 1:
             names = getattr(group, "mesh_dim_names", None)
             raise ConfigError(f"group= takes a 1-D DeviceMesh (one dimension: mesh['dp']), got a "

@@ -28,6 +28,12 @@ on the client as :class:`~commlab.errors.RemoteError`)::
         commit step=t {factor, hyper} | {skip}  ->  the N-th commit applies one update (skip: dropped)
       update=server:
         pull  {after_step: t}               <-  params, once the mode allows (see below)
+      compress= (servers.compressed): per unit (a bucket's pieces on this shard) and round r
+        push step=t {unit, round, cmeta, absent} [payload frames U/i]  ->  sync: held until every worker's is
+                                            in, then summed in rank order; async, ssp: decoded alone, applied
+        pull {after_step: t, what: csum, unit, round}  <-  params [the round's float32 sum] {absent, sparse?}
+                                            (sync: update=worker, or a compressor whose payloads do not decode
+                                            alone, e.g. PowerSGD)
       buffers step=t {how} [frames]         ->  rank 0's (broadcast) or every rank's (average)
       pull  {after_step: t, what: buffers}  <-  params [buffers], once step t's are complete (sync)
       state                                 <-  params [key/name: optimizer state] {shapes, scalars}

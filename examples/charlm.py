@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
 
 import torch
@@ -174,6 +175,19 @@ def main(argv=None) -> None:
     cuda = device.type == "cuda"
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)  # float16 needs it; bfloat16 does not
     amp = lambda: torch.autocast(device.type, dtype=torch.float16 if cuda else torch.bfloat16)
+
+    def own_part(state: dict) -> dict:
+        """This rank's own part of a checkpoint: rank 0's file, or the one this rank saved beside it."""
+        own = f"{args.checkpoint}.rank{rank}"
+        if rank == 0 or not os.path.exists(own):
+            return state
+        theirs = torch.load(own, map_location=device)
+        if theirs["step"] != state["step"]:
+            print(f"rank {rank}: {own} is from step {theirs['step']}, {args.checkpoint} from step "
+                  f"{state['step']}: resuming with rank 0's exchanger state", file=sys.stderr, flush=True)
+            return state
+        return theirs
+
     start = 0
     restarted = ex.rank_info.attempt > 0  # torchrun's (or commlab run's) --max-restarts started us again
     if ex.start_step:  # the servers hold the run (ps:// update=server): parameters, AdamW state, steps applied
@@ -188,15 +202,18 @@ def main(argv=None) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        ex.load_state_dict(state["exchanger"])
+        ex.load_state_dict(own_part(state)["exchanger"])
         start = state["step"]
 
     def save(step: int) -> None:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-                 "exchanger": ex.state_dict(), "step": step}
-        torch.save(state, args.checkpoint + ".tmp")
-        os.replace(args.checkpoint + ".tmp", args.checkpoint)  # a kill never leaves half a checkpoint
+        # rank 0 saves the run; every other rank its exchanger's own state (compression residuals differ by rank)
+        state = {"exchanger": ex.state_dict(), "step": step}
+        if rank == 0:
+            state.update(model=model.state_dict(), optimizer=optimizer.state_dict(),
+                         scheduler=scheduler.state_dict(), scaler=scaler.state_dict())
+        path = args.checkpoint if rank == 0 else f"{args.checkpoint}.rank{rank}"
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a kill never leaves half a checkpoint
 
     def micro_step(x, y) -> float:
         with amp():
@@ -227,7 +244,7 @@ def main(argv=None) -> None:
                 print(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {time.perf_counter() - t0:.1f}s", flush=True)
         stop = step + 1 == args.stop_after
         due = (step + 1) % args.checkpoint_every == 0 or step == args.steps - 1 or stop
-        if args.checkpoint and rank == 0 and due:
+        if args.checkpoint and due:
             save(step + 1)
         if stop:
             break

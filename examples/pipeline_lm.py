@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import commlab
 from charlm import CharLM, warmup_cosine
-from plain.pipeline_lm import batches, loss_fn, make_optimizer, options, text_data  # the plain script's pieces
+from plain.pipeline_lm import batches, end_step, loss_fn, make_optimizer, options, text_data  # the plain script's
 
 
 class Stage(nn.Module):
@@ -59,6 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a pipeline send or receive may wait")
     p.add_argument("--save", help="each rank writes its stage's state_dict to SAVE.stageS.replicaR at the end")
+    p.add_argument("--bubble", action="store_true", help="report each step's bubble: the schedule's time less "
+                                                             "this stage's compute alone, timed after it (one more "
+                                                             "forward and backward per micro-batch)")
+    p.add_argument("--data-shards", type=int, default=0, help="cut the text into this many slices, one window "
+                                                              "stream each (default: one per replica)")
     return p.parse_args(argv)
 
 
@@ -78,16 +83,17 @@ def main(argv=None) -> None:
     ex = commlab.connect(group=[r * stages + stage for r in range(replicas)])  # this stage's replicas
     device = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if cuda else "cpu")
     chars, train = text_data()
-    next_batch = batches(train, replicas, range(replica, replica + 1), args)  # a slice of the text per replica
+    shards = args.data_shards or replicas  # one process with --stages 1 and all slices is the reference
+    if shards % replicas or args.batch_size % (shards // replicas):
+        raise SystemExit(f"--data-shards {shards} must be a multiple of the {replicas} replicas and divide "
+                         f"--batch-size {args.batch_size} into equal parts")
+    per = shards // replicas
+    next_batch = batches(train, shards, range(replica * per, (replica + 1) * per), args)  # this replica's slices
 
     torch.manual_seed(args.seed)
     whole = CharLM(len(chars), args.context, args.d_model, args.layers, args.heads)
     cut = [args.layers * s // stages for s in range(stages + 1)]
     model = Stage(whole, cut[stage], cut[stage + 1], stage == 0, stage == stages - 1).to(device)
-    optimizer = make_optimizer(model, args)
-    ex.setup(model, optimizer)  # collective over this stage's replicas
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
-
     # A micro-batch's shapes, given: else the stage infers them with a real forward and backward of its own
     # in the first step, whose gradients (on a module that is not FSDP's) would add to that step's.
     micro = args.batch_size // args.microbatches
@@ -95,6 +101,11 @@ def main(argv=None) -> None:
              [(micro, args.context, len(chars))]
     meta = [torch.empty(shape, dtype=torch.long, device="meta") if s == 0 else  # activations carry gradients back
             torch.empty(shape, device="meta", requires_grad=True) for s, shape in enumerate(shapes)]
+    # the bytes this stage sends its neighbours per step: activations forward, their gradients back
+    sent = args.microbatches * 4 * ((stage < stages - 1) + (stage > 0)) * micro * args.context * args.d_model
+    optimizer = make_optimizer(model, args)
+    ex.setup(model, optimizer)  # collective over this stage's replicas
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
     pipe = PipelineStage(model, stage, stages, device, input_args=meta[stage], output_args=meta[stage + 1],
                          group=pipeline)
     Schedule = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
@@ -107,6 +118,7 @@ def main(argv=None) -> None:
         optimizer.zero_grad()
         x, y = next_batch(step)
         losses = []
+        started = time.perf_counter()
         try:
             with ex.no_sync():  # one backward per micro-batch inside the schedule: none exchanges
                 schedule.step(*([x.to(device)] if stage == 0 else []),
@@ -114,23 +126,42 @@ def main(argv=None) -> None:
         except RuntimeError as exc:  # gloo's or NCCL's send/receive: a neighbour died, or stalled past --timeout
             raise SystemExit(f"rank {rank} (stage {stage} of replica {replica}): pipeline step {step} failed, "
                              f"with neighbour stage(s) on rank(s) {neighbours}: {exc}") from exc
+        pipeline_s = time.perf_counter() - started  # the bubble: what of it this stage did not compute
+        timing = {"pipeline_s": pipeline_s, "activation_bytes": sent}
+        if args.bubble:  # the same micro-batches' compute alone, timed now, under the machine's load of now
+            alone = alone_s(model, meta[stage], args.microbatches, len(chars), device, stage == stages - 1)
+            timing.update(alone_s=alone, bubble_s=max(0.0, pipeline_s - alone))
         ex.flush()  # one exchange per step, after the last micro-batch: p.grad is the replicas' average
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, src=last, group=pipeline)  # every stage logs the loss the last one computed
         if args.clip:
             clip_across_stages(model, args.clip, pipeline)
-        optimizer.step()
-        scheduler.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            now = time.perf_counter()
-            commlab.report(step, loss=loss.item(), lr=scheduler.get_last_lr()[0], time_s=now - t0,
-                           exchange=ex.last_report)
-            if rank == 0:
-                print(f"step {step:5d}  loss {loss.item():.4f}  {now - t0:.1f}s", flush=True)
+        end_step(step, loss, optimizer, scheduler, args, t0, show=rank == 0,
+                 report=lambda step, fields: commlab.report(step, exchange=ex.last_report, **timing, **fields))
     if args.save:
         torch.save(model.state_dict(), f"{args.save}.stage{stage}.replica{replica}")
     ex.close()
     dist.destroy_process_group()
+
+
+def alone_s(model: nn.Module, meta: torch.Tensor, count: int, vocab: int, device, last: bool) -> float:
+    """Seconds this stage's forward and backward of ``count`` micro-batches take with no pipeline around it:
+    inputs of ``meta``'s shape made up here, the loss on the ``last`` stage, no communication. The backward
+    is ``autograd.grad``, which leaves ``p.grad`` and the exchanger's hooks alone, so it may run between a
+    step's schedule and its exchange."""
+    gen = torch.Generator().manual_seed(0)  # the job's random streams are left as they were
+    x = torch.randint(vocab, meta.shape, generator=gen) if meta.dtype == torch.long else \
+        torch.randn(meta.shape, generator=gen).requires_grad_()
+    x, y = x.to(device), torch.randint(vocab, meta.shape[:2], generator=gen).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    started = time.perf_counter()
+    for _ in range(count):
+        out = model(x)
+        if last:
+            torch.autograd.grad(loss_fn(out, y), params)
+        else:
+            torch.autograd.grad(out, params + ([x] if x.requires_grad else []), torch.ones_like(out))
+    return time.perf_counter() - started
 
 
 def clip_across_stages(model: nn.Module, max_norm: float, pipeline) -> None:

@@ -39,6 +39,7 @@ class Partial:
     seen: set = field(default_factory=set)
     absent: set = field(default_factory=set)
     base: int | None = None  # oldest version its gradients were computed on
+    rounds: dict = field(default_factory=dict)  # compress=: unit -> the last round it pushed
 
 
 class Mode:
@@ -62,6 +63,11 @@ class Mode:
         return self.srv.last_step[rank] + 1
 
     def fold(self, rank: int, t: int, part: Partial, frames: dict, absent: list, meta: dict) -> None:
+        raise NotImplementedError
+
+    def fold_unit(self, rank: int, t: int, part: Partial, units, unit, r: int, payload: list, absent: list,
+                  meta: dict) -> None:
+        """A compressed push (:mod:`servers.compressed`): round ``r`` of ``unit``'s payload."""
         raise NotImplementedError
 
     def ready(self, rank: int, after: int, what: str, keys) -> bool:
@@ -107,20 +113,36 @@ class Async(Mode):
         return min((t + 1 for t in self.srv.last_step.values()), default=0)
 
     def fold(self, rank, t, part, frames, absent, meta):
+        tensors = {key: [(spec.offset, wire.frame_tensor(spec, frame)) for spec, frame in parts]
+                   for key, parts in frames.items()}
+        self._fold_tensors(rank, t, part, tensors, absent, meta)
+
+    def fold_unit(self, rank, t, part, units, unit, r, payload, absent, meta):
+        dense = units.decoded(unit, payload, meta["cmeta"])  # decoded alone: the push's own gradient
+        if self.refuses_nonfinite and not bool(torch.isfinite(dense.sum())):
+            self.srv.stats.nonfinite += 1
+            raise Refused(f"push of step {t} from rank {rank}: unit {unit.key} holds NaN or Inf; refused, nothing "
+                          f"applied")
+        part.rounds[unit.key] = r
+        tensors = {k: [(0, dense[o:o + c])] for k, (o, c) in unit.slices.items() if k not in absent}
+        self._fold_tensors(rank, t, part, tensors, absent, meta)
+
+    def _fold_tensors(self, rank, t, part, tensors: dict, absent, meta):
+        """``tensors``: key -> [(offset, values)], ranges of that key's gradient."""
         srv = self.srv
         part.base = meta["base"] if part.base is None else min(part.base, meta["base"])
-        whole = len(frames) + len(absent) == len(srv.pieces) and not part.seen and not part.absent
-        if whole and all(len(parts) == 1 for parts in frames.values()):
-            grads = {key: wire.frame_tensor(*parts[0]) for key, parts in frames.items()}  # no copy at all
+        whole = len(tensors) + len(absent) == len(srv.pieces) and not part.seen and not part.absent
+        if whole and all(len(parts) == 1 for parts in tensors.values()):
+            grads = {key: parts[0][1] for key, parts in tensors.items()}  # no copy at all
         else:
             buffers = srv.grads.setdefault(rank, {})
-            for key, parts in frames.items():
+            for key, parts in tensors.items():
                 buf = buffers.get(key)
                 if buf is None:
                     buf = buffers[key] = srv.new_buffer(key)
-                for spec, frame in parts:
-                    buf[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
-            part.seen |= set(frames)
+                for offset, values in parts:
+                    buf[offset:offset + values.numel()].copy_(values)
+            part.seen |= set(tensors)
             part.absent |= set(absent)
             if len(part.seen) + len(part.absent) < len(srv.pieces):
                 return
@@ -219,6 +241,28 @@ class Sync(Mode):
             self.complete.add(rank)
         self._complete_if_in(needed)
 
+    def fold_unit(self, rank, t, part, units, unit, r, payload, absent, meta):
+        """Held until every worker's is in, then summed (:meth:`servers.compressed.Units.add`); round 0 counts the unit's pieces present (or absent).
+        Once every worker's last round of a unit is in, update=server takes its aggregate as the pieces'
+        averaged gradient; a worker's step is in once its last round of every unit is."""
+        srv = self.srv
+        last, needed = units.comp.rounds - 1, self._needed()
+        acc = units.add(rank, unit, r, payload, meta["cmeta"], needed)
+        part.rounds[unit.key] = r
+        if r == 0:
+            for key in unit.keys:
+                self.contributed[key] += 1
+                self.present[key] += key not in absent
+        if r == last and acc.total is not None and srv.update == "server":
+            dense = units.aggregate(unit)
+            for key, (o, c) in unit.slices.items():
+                if self.present[key]:
+                    self.sums[key] = dense[o:o + c]
+        if all(part.rounds.get(u) == last for u in units.units):
+            del srv.partial[rank]
+            self.complete.add(rank)
+        self._complete_if_in(needed)
+
     def join(self, rank, t):
         pushed = rank in self.complete or rank in self.srv.partial
         if t != self.step or pushed:
@@ -313,6 +357,8 @@ class Sync(Mode):
         for r in range(srv.world):
             srv.last_step[r] = self.step
         self.step += 1
+        if srv.units is not None:
+            srv.units.next_step()  # compress=: this step's sums stay for the pulls still to come
         self._clear()
         if counted:
             srv.count_update([0])
@@ -326,6 +372,8 @@ class Sync(Mode):
         self.complete.clear()
         self.commits.clear()
         self.gathered = False
+        if self.srv.units is not None:
+            self.srv.units.drop_step()  # compress=: the step's held payloads and sums
 
     def ready(self, rank, after, what, keys):
         if what == "sum":

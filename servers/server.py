@@ -56,6 +56,7 @@ from commlab import psproto, psshm, shm, transport, wire
 from commlab.errors import ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
 from commlab.optim import OptimizerSpec
+from servers.compressed import Units
 from servers.modes import MODES, Partial, Refused, Sync
 
 
@@ -157,6 +158,8 @@ class ParameterServer:
         self.optim_desc: dict | None = None
         self.update: str | None = None  # "worker" (sum) or "server" (optimizer here)
         self.world: int | None = None
+        self.units: Units | None = None  # compress= (servers.compressed): the compressed units and their sums
+        self.compress_fixed = False  # a hello fixed compress= (or its absence)
         # state
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
@@ -341,6 +344,7 @@ class ParameterServer:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
         if new_round:
             self._new_attempt(attempt, world)
+        self._agree_compress(h.sender, m.get("compress"))
         self.senders[h.sender] = rank
         self.detached.discard(rank)
         self.gone.discard(rank)
@@ -375,6 +379,8 @@ class ParameterServer:
                         self._drop_link(old)
             for rank in [r for r in self.last_step if r >= world]:
                 del self.last_step[rank]
+            if self.units is not None:  # compress=: a rank's share of a summed aggregate is now 1/world
+                self.units.comp.bind(world)
         self.world = world
         self.stats.replaced += self.mode.restart()
         self.waiting = []  # the dead processes' pulls
@@ -412,12 +418,34 @@ class ParameterServer:
         self.link_of[sender] = ident
         return link.describe()
 
+    def _agree_compress(self, sender: str, desc) -> None:
+        """``compress=`` (:mod:`servers.compressed`): the first hello fixes it (or its absence), every later
+        one must say the same."""
+        if desc is not None and not isinstance(desc, dict):
+            raise Refused(f"hello from {sender}: 'compress' must be a map")
+        if desc is not None:
+            desc = {"spec": desc.get("spec"), "ef": bool(desc.get("ef")), "units": desc.get("units")}
+        if not self.compress_fixed:
+            self.units = Units(desc, self.pieces, self.world_size()) if desc is not None else None
+            self.compress_fixed = True
+            self._fix_limits()
+            return
+        mine = self.units.desc if self.units is not None else None
+        if desc != mine:
+            said = lambda d: "no compress=" if d is None else f"compress={d['spec']}&ef={int(d['ef'])}"
+            what = " (the same spec, other units)" if said(desc) == said(mine) else ""
+            raise Refused(f"worker {sender} asks for {said(desc)}, the first worker of {self.cfg.name} for "
+                          f"{said(mine)}{what}: every rank must compress alike")
+
     def _fix_limits(self) -> None:
         """Most frames and data bytes a request can need: every piece and buffer of the shard, in frames of
         at most MAX_FRAME. Fixed once the pieces are (hello, or resumed state), not recomputed per message."""
         held = [*self.pieces.values(), *self.buffer_keys.values()]
         self.max_bytes = sum(wire.DTYPES[d].itemsize * n for d, n in held)
         need = sum(max(1, -(-wire.DTYPES[d].itemsize * n // wire.MAX_FRAME)) for d, n in held)
+        if self.units is not None:  # a compressed push: a few payload tensors per unit (top-k at F=1: 2x the bytes)
+            self.max_bytes = max(self.max_bytes, self.units.max_bytes)
+            need += 2 * sum(2 + u.n * 8 // wire.MAX_FRAME for u in self.units.units.values())
         self.max_parts = 2 + max(_MIN_FRAMES, need)
 
     def _op_init(self, ident, h, data):
@@ -507,6 +535,9 @@ class ParameterServer:
         part = self.partial.get(rank)
         if part is None or part.step != t:
             part = self.partial[rank] = Partial(t)
+        if "unit" in h.meta:
+            self._push_unit(ident, h, data, rank, t, part)
+            return
         frames = self._check_frames(h, data, require_all=False)
         if self.mode.refuses_nonfinite:
             bad = next((spec.key for parts in frames.values() for spec, frame in parts if not _finite(spec, frame)),
@@ -534,6 +565,31 @@ class ParameterServer:
         else:
             self._reply(ident, "ok", h.meta.get("id"), step=t)  # acknowledged on arrival
             self.mode.fold(rank, t, part, frames, absent, {"base": base, "hyper": h.meta.get("hyper")})
+        self._serve_waiting()
+
+    def _push_unit(self, ident, h, data, rank: int, t: int, part: Partial) -> None:
+        """A compressed push (:mod:`servers.compressed`): one unit's payload of one round; folded, then
+        acknowledged (its frames were checked against the unit, not against the pieces)."""
+        if self.units is None:
+            raise Refused(f"push of a compressed unit from {h.sender}, but its hello said no compress=")
+        unit, r = self.units.unit(h)
+        payload = self.units.payload(h, data, unit)
+        absent, cmeta, base = h.meta.get("absent", []), h.meta.get("cmeta", {}), h.meta.get("base")
+        if not isinstance(cmeta, dict) or not isinstance(absent, list) or (absent and r) \
+                or any(k not in unit.slices for k in absent):
+            raise Refused(f"push from {h.sender}: 'cmeta' must be a map, 'absent' keys of unit {unit.key} (round 0)")
+        if not isinstance(base, int) or base > self.version:
+            raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
+        done = part.rounds.get(unit.key, -1)
+        if r <= done:  # sent again after a reconnect
+            self.stats.duplicates += 1
+            self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
+            return
+        if r != done + 1:
+            raise Refused(f"push of unit {unit.key} round {r} from {h.sender}, which has not pushed round {done + 1}")
+        self.mode.fold_unit(rank, t, part, self.units, unit, r, payload, absent,
+                            {"base": base, "hyper": h.meta.get("hyper"), "cmeta": cmeta})
+        self._reply(ident, "ok", h.meta.get("id"), step=t)
         self._serve_waiting()
 
     def _op_commit(self, ident, h, _data):
@@ -606,7 +662,7 @@ class ParameterServer:
         return frames
 
     # ----- pulls -----------------------------------------------------------------------------
-    PULLS = ("params", "sum", "report", "buffers", "final")
+    PULLS = ("params", "sum", "report", "buffers", "final", "csum")
 
     def _op_pull(self, ident, h, _data):
         rank = self._rank_of(h)
@@ -621,13 +677,18 @@ class ParameterServer:
         if what in ("sum", "report") and (self.cfg.mode != "sync" or (what == "sum") != (self.update == "worker")):
             raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.cfg.mode} with "
                           f"update={self.update}")
+        if what == "csum":
+            if self.cfg.mode != "sync" or self.units is None:
+                raise Refused(f"pull of a compressed sum from {h.sender}: {self.cfg.name} runs {self.cfg.mode} "
+                              f"{'with' if self.units is not None else 'without'} compress=")
+            self.units.unit(h)
         # A worker pulls after pushing on the same connection: the push is here already. A pull for a
         # later step could only wait forever, so it is refused, and so is a flood of waiting pulls.
         latest = self.mode.latest_pull(rank)
         if after > latest:
             raise Refused(f"pull after step {after} from {h.sender}, which has not pushed it ({self.cfg.name} "
                           f"is at step {latest} for it)")
-        if what == "sum" and after < latest - 1:
+        if what in ("sum", "csum") and after < latest - 1:
             raise Refused(f"pull of the sum of step {after} from {h.sender}: {self.cfg.name} keeps only step "
                           f"{latest - 1}'s")
         if sum(1 for _, w in self.waiting if w.sender == h.sender) >= len(self.pieces) + 4:
@@ -658,6 +719,9 @@ class ParameterServer:
             return True
         if what == "buffers":
             return not self.mode.buffers_wait or self.buf_round >= after
+        if what == "csum":
+            assert isinstance(self.mode, Sync) and self.units is not None  # _op_pull refused it otherwise
+            return self.mode.step > after or self.units.ready(h.meta["unit"], h.meta["round"])
         return self.mode.ready(rank, after, what, h.meta.get("keys"))
 
     def _serve_waiting(self) -> None:
@@ -692,6 +756,16 @@ class ParameterServer:
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
                         tracked=False, link=link)
+            return
+        if what == "csum":
+            mode, units = self.mode, self.units
+            assert isinstance(mode, Sync) and units is not None
+            current = mode.step == h.meta["after_step"]
+            unit = units.units[h.meta["unit"]]
+            absent = [k for k in unit.keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
+            parts, meta = units.sums(unit.key, h.meta["round"], current)
+            self._reply(ident, "params", rid, {"version": self.version, "absent": absent, **meta}, parts, step=h.step,
+                        tracked=False)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]

@@ -51,6 +51,17 @@ def test_casts_are_summed_in_float32_in_rank_order():
     assert all(torch.equal(o, want) for o in outs)
 
 
+def test_a_ring_sums_casts_per_hop_rounding_each_partial_once():
+    """ring://'s order: element s (N = 3 elements, one per segment) starts at rank s, each later rank adds in
+    float32 and rounds to fp16. 1 + 2^-11 is a tie that rounds back to 1, so the order decides: 1 first loses
+    both 2^-11; 2^-11 + 2^-11 first keeps them (1 + 2^-10, exact in fp16, the float32 sum's rounding)."""
+    tiny = 2.0 ** -11
+    xs = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([tiny] * 3), torch.tensor([tiny] * 3)]
+    outs = exchange(ranks("fp16", 3), 0, xs, (xs[0].shape,), per_hop=True)
+    assert all(o.tolist() == [1.0, 1.0 + 2 * tiny, 1.0] for o in outs)
+    assert exchange(ranks("fp16", 3), 0, xs, (xs[0].shape,))[0].tolist() == [1.0 + 2 * tiny] * 3  # in rank order
+
+
 @settings(max_examples=40, deadline=None)
 @given(vectors(lo=0.0, hi=1e3), st.sampled_from(["0.01", "0.1", "0.5", "1"]))
 def test_topk_keeps_the_k_largest_magnitudes(values, f):

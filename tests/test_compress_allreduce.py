@@ -2,10 +2,10 @@
 
 The program (shared with tests/test_compress_ring.py, which runs it over ring://) makes the default process
 group itself first (as a DDP script would), so every exchanger borrows it: each must leave it working after
-close(). Per compressor, every step: each rank's exchanged
-gradient equals what the in-process simulation of N ranks' compressors (commlab.compress.simulate)
-computes from every rank's gradient; the parameters are bitwise equal on every rank; the bytes the step
-reports equal the closed form; and resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
+close(). Per compressor, every step: each rank's exchanged gradient equals what the in-process simulation of N
+ranks' compressors (commlab.compress.simulate) computes from every rank's gradient; the parameters and the
+optimizer's momentum are bitwise equal on every rank; the bytes the step reports equal the closed form; and
+resuming from ex.state_dict() at step 3 replays steps 3..5 exactly.
 """
 
 import math
@@ -19,30 +19,31 @@ QUERIES = ["compress=none", "compress=fp16", "compress=bf16", "compress=powersgd
            "compress=randomk:0.25", "compress=sign"]
 STEPS, RESUME_AT = 6, 3
 
-PROGRAM = """
-import copy, hashlib, json, torch, torch.distributed as dist, commlab
+# what a rank program of these tests starts with (tests/test_compress_ps.py's too): a model, its optimizer and
+# an exchanger from a URL, each step's data for every rank, the loss, a digest of the parameters, a step's
+# bytes noted, the simulated compressors of a query
+HELPERS = """
+import copy, hashlib, json, os, torch, commlab
 from urllib.parse import parse_qsl
 from torch import nn
 from commlab.compress import build
 from commlab.compress.simulate import exchange
 
 torch.set_num_threads(1)
-dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
-rank, world = dist.get_rank(), dist.get_world_size()
-QUERIES, STEPS, RESUME_AT, URL, PER_HOP = %r, %d, %d, %r, %r  # PER_HOP: fp16/bf16 summed as a ring sums them
 
 
-def fresh(query):
+def fresh(url):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ex = commlab.connect(URL + "timeout=30&bucket_mb=0.0005&" + query)
+    ex = commlab.connect(url)
     ex.setup(model, opt)
     return model, opt, ex
 
 
 def data(step):
     g = torch.Generator().manual_seed(100 + step)
+    world = int(os.environ["WORLD_SIZE"])
     return torch.randn(world, 8, 12, generator=g), torch.randn(world, 8, 3, generator=g)
 
 
@@ -50,8 +51,35 @@ def loss(model, x, y):
     return nn.functional.mse_loss(model(x), y)
 
 
-def digest(model):
-    return hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+def digest(model, opt):  # the parameters' and the optimizer's momentum buffers' bits
+    params = list(model.parameters())
+    state = [opt.state[p]["momentum_buffer"] for p in params if p in opt.state]
+    return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in params + state)).hexdigest()[:16]
+
+
+def note(seen, ex, model, opt):
+    seen["bytes"].append(ex.last_report.bytes_sent)
+    seen["raw"].append(ex.last_report.bytes_uncompressed)
+    seen["digests"].append(digest(model, opt))
+
+
+def simulators(query, world):
+    # one compressor per simulated rank (none for compress=none)
+    q = dict(parse_qsl(query))
+    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
+    for s in sims:
+        if s is not None:
+            s.bind(world)
+    return [] if sims[0] is None else sims
+"""
+
+PROGRAM = HELPERS + """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # before commlab, as under DDP: every exchanger below borrows it
+rank, world = dist.get_rank(), dist.get_world_size()
+QUERIES, STEPS, RESUME_AT, URL, PER_HOP = %r, %d, %d, %r, %r  # PER_HOP: fp16/bf16 summed as a ring sums them
+URL += "timeout=30&bucket_mb=0.0005&"
 
 
 def run(query, model, opt, ex, steps, sims=None):
@@ -77,20 +105,14 @@ def run(query, model, opt, ex, steps, sims=None):
             got = [torch.cat([p.grad.reshape(-1) for p in b.params]) for b in ex.buckets]
             seen["errors"].append(max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)))
         opt.step()
-        seen["bytes"].append(ex.last_report.bytes_sent)
-        seen["raw"].append(ex.last_report.bytes_uncompressed)
-        seen["digests"].append(digest(model))
+        note(seen, ex, model, opt)
     return seen
 
 
 out = {}
 for query in QUERIES:
-    q = dict(parse_qsl(query))
-    sims = [build(q["compress"], q.get("ef", "1") == "1") for _ in range(world)]
-    sims = [] if sims[0] is None else sims
-    for s in sims:
-        s.bind(world)
-    model, opt, ex = fresh(query)
+    sims = simulators(query, world)
+    model, opt, ex = fresh(URL + query)
     first = run(query, model, opt, ex, range(RESUME_AT), sims)
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # torch's: references
     saved["ex"] = ex.state_dict()  # the exchanger's is a snapshot already
@@ -98,7 +120,7 @@ for query in QUERIES:
     shapes = [[list(p.shape) for p in b.params] for b in ex.buckets]
     links = ex.facts().get("links")
     ex.close()
-    model, opt, ex = fresh(query)  # a restart: fresh objects, then the checkpoint
+    model, opt, ex = fresh(URL + query)  # a restart: fresh objects, then the checkpoint
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     ex.load_state_dict(saved["ex"])
@@ -193,29 +215,39 @@ def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_r
     check(results, n, lambda query, shapes, step, rank: wire_bytes(query, shapes, step, n), lambda query: n == 2)
 
 
-def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+def assert_refused_in_one_line(url: str, says: str) -> None:
+    """``commlab train --exchanger URL`` exits 2 before anything starts, with one line that says ``says``."""
     from conftest import commlab_train
-    proc = commlab_train(["--exchanger", "allreduce://?compress=powersgd:0", "--workers", "2"], timeout=60)
+    proc = commlab_train(["--exchanger", url, "--workers", "2"], timeout=60)
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1" in lines[0], proc.stderr
+    assert len(lines) == 1 and says in lines[0], proc.stderr
 
 
+def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():
+    assert_refused_in_one_line("allreduce://?compress=powersgd:0",
+                               "option 'compress': 'powersgd:0' (powersgd:R): R=0 must be >= 1")
+
+
+# rank 1 compresses with topk:0.01, the others with fp16, through the URL given (tests/test_compress_ps.py's too)
 DIFFERENT = """
 import os, torch, commlab
 from torch import nn
 spec = "topk:0.01" if os.environ["RANK"] == "1" else "fp16"
-ex = commlab.connect("allreduce://?timeout=20&compress=" + spec)
+ex = commlab.connect(%r + spec)
 try:
     ex.setup(nn.Linear(4, 3), commlab.OptimizerSpec())
     print("no error")
-except commlab.ConfigError as e:
+except (commlab.ConfigError, commlab.RemoteError) as e:
     print("REFUSED", e)
+except commlab.CommTimeout as e:  # a rank whose peers were refused
+    print("TIMEOUT", e)
 """
 
 
-def test_ranks_that_compress_differently_are_refused_by_name(run_ranks):
-    res = run_ranks(DIFFERENT, 2, check=False, timeout=60)
+@pytest.mark.parametrize("scheme", ["allreduce", "ring"])
+def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, scheme):
+    res = run_ranks(DIFFERENT % f"{scheme}://?timeout=20&compress=", 2, check=False, timeout=60)
     for r in res:  # both: rank 1, and rank 0, which reads every rank's
         assert "REFUSED rank 1 has compress=topk:0.01&ef=1 but rank 0 has compress=fp16&ef=1: every rank must " \
                "compress alike" in r.out, r.out + r.err

@@ -1,12 +1,12 @@
 """ring://?compress= with real processes: every compressor (and none) in one program per N and transport.
 
-The program is tests/test_compress_allreduce.py's (a default process group made first, as under DDP: the
-ring meets in its store and leaves it working). Per compressor, every step: each rank's exchanged gradient
-equals what the in-process simulation of N ranks' compressors (commlab.compress.simulate) computes from every
-rank's gradient, with fp16/bf16 added as the ring adds them per hop (float32 partials rounded once per hop:
-simulate's per_hop=True follows the ring's segment order); the parameters are bitwise equal on every rank;
-the bytes the step reports equal the ring's closed form; and resuming from ex.state_dict() at step 3 replays
-steps 3..5 exactly.
+The program is tests/test_compress_allreduce.py's (a default process group made first, as under DDP: the ring
+meets in its store and leaves it working). Per compressor, every step: each rank's exchanged gradient equals
+what the in-process simulation of N ranks' compressors (commlab.compress.simulate) computes from every rank's
+gradient, with fp16/bf16 added as the ring adds them per hop (float32 partials rounded once per hop:
+simulate's per_hop=True follows the ring's segment order); the parameters and the optimizer's momentum are
+bitwise equal on every rank; the bytes the step reports equal the ring's closed form; and resuming from
+ex.state_dict() at step 3 replays steps 3..5 exactly.
 """
 
 import pytest

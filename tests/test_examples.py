@@ -118,3 +118,19 @@ def test_language_model_resumes_from_its_checkpoint_exactly(lm_whole, tmp_path):
     losses = {path: lm_losses(path) for path in (first, second)}
     assert sorted(losses[first]) == list(range(6)) and sorted(losses[second]) == list(range(6, 12)), losses
     assert {**losses[first], **losses[second]} == lm_losses(lm_whole)
+
+
+@pytest.mark.multiproc
+def test_compressed_language_model_resumes_with_every_rank_s_own_residuals(tmp_path):
+    """Under compress=topk with error feedback each rank's residual is its own: the checkpoint keeps every
+    rank's exchanger state (rank r > 0 beside rank 0's file), so the resumed run reports the losses of the run
+    that never stopped (with rank 0's residual on rank 1, its payloads and so everyone's steps would differ)."""
+    url = "ring://?compress=topk:0.05"
+    whole, first, second, ckpt = (tmp_path / "whole.jsonl", tmp_path / "first.jsonl", tmp_path / "second.jsonl",
+                                  tmp_path / "lm.pt")
+    for metrics, extra in ((whole, []), (first, ["--checkpoint", str(ckpt), "--stop-after", "6"]),
+                           (second, ["--checkpoint", str(ckpt), "--resume"])):
+        r = commlab_run(["--workers", "2", "--exchanger", url, "--metrics", str(metrics), *LM_RUN, *extra])
+        assert r.returncode == 0, r.stderr[-4000:]
+    assert Path(f"{ckpt}.rank1").exists()
+    assert {**lm_losses(first), **lm_losses(second)} == lm_losses(whole)

@@ -119,6 +119,8 @@ def test_a_group_naming_a_rank_outside_the_job_is_one_clear_error():
         commlab.connect("ps://", info, group=[1, 1])
     with pytest.raises(ConfigError, match=r"^group= takes a list of the job's global ranks or a 1-D DeviceMesh"):
         commlab.connect("allreduce://", info, group="0,1")
+    with pytest.raises(ConfigError, match=r"^ring://\?transport=torch does not run over a group"):
+        commlab.connect("ring://?transport=torch", info, group=[1, 3])
 
 
 def test_a_group_view_names_global_ranks_and_keeps_the_job_view():

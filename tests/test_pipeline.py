@@ -1,10 +1,11 @@
-"""The pipeline-parallel LM (examples/pipeline_lm.py): 2 stages x 2 replicas under ``commlab run --workers 4``.
+"""Hybrid parallelism under ``commlab run --workers 4``: the pipeline-parallel LM (examples/pipeline_lm.py,
+2 stages x 2 replicas) and the tensor-parallel one (examples/tp_lm.py, a 2 x 2 mesh, dp x tp).
 
-Each stage's gradients are exchanged by commlab within its replica group ({0, 2} and {1, 3}); the run
-must equal one process running the whole model on the combined batch (examples/plain/pipeline_lm.py
-with both replicas' windows), the two replicas of each stage must hold the same parameters, and each
-step must exchange once per replica group however many micro-batches the schedule runs. SGD with
-momentum, float32: two runs then agree to rounding (see the scripts' ``--optimizer``).
+Gradients are exchanged by commlab within each replica group ({0, 2} and {1, 3}); a run must equal one
+process running the whole model on the combined batch (examples/plain/pipeline_lm.py with both
+replicas' windows), the replicas of each stage or shard must hold the same parameters, and each step
+must exchange once per replica group however many micro-batches run. SGD with momentum, float32: two
+runs then agree to rounding (see the scripts' ``--optimizer``).
 """
 
 from __future__ import annotations
@@ -59,11 +60,8 @@ CASES = [("allreduce://?backend=gloo", "1f1b", 4, "1.0"),
 def test_pipeline_lm_equals_one_process_on_the_combined_batch(whole_model, tmp_path, url, schedule, microbatches,
                                                               clip):
     save, metrics = tmp_path / "pp", tmp_path / "m.jsonl"
-    args = ["--workers", "4", "--exchanger", url, "--metrics", str(metrics), "examples/pipeline_lm.py", *MODEL,
-            "--batch-size", str(BATCH), "--schedule", schedule, "--microbatches", str(microbatches),
-            "--clip", clip, "--save", str(save)]
-    r = run_group([sys.executable, "-m", "commlab.cli", "run", *args], TIMEOUT, cwd=ROOT, env=child_env(),
-                  capture_output=True, text=True)
+    r = commlab_run(url, metrics, "examples/pipeline_lm.py", "--schedule", schedule, "--microbatches",
+                    str(microbatches), "--clip", clip, "--save", str(save))
     assert r.returncode == 0, r.stderr[-4000:]
     whole = whole_model(clip)
     stages = {(s, rep): torch.load(f"{save}.stage{s}.replica{rep}") for s in (0, 1) for rep in (0, 1)}
@@ -72,6 +70,44 @@ def test_pipeline_lm_equals_one_process_on_the_combined_batch(whole_model, tmp_p
         mine = stages[s, 0]
         assert all(torch.equal(mine[k], stages[s, 1][k]) for k in mine), f"stage {s}'s replicas differ"
         assert max_rel_diff(mine, {k: whole[k] for k in mine}) < 1e-5, f"stage {s}"
+    assert_one_exchange_per_step(metrics)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("url", ["allreduce://?backend=gloo", pytest.param("ring://", marks=pytest.mark.full)])
+def test_tensor_parallel_lm_equals_one_process_on_the_combined_batch(whole_model, tmp_path, url):
+    """The MLPs split over tp (column- then row-wise), commlab over mesh["dp"]: the exchange moves the DTensors'
+    local shards, and the whole model (gathered) is the plain script's."""
+    save, metrics = tmp_path / "tp.pt", tmp_path / "m.jsonl"
+    r = commlab_run(url, metrics, "examples/tp_lm.py", "--microbatches", "4", "--save", str(save))
+    assert r.returncode == 0, r.stderr[-4000:]
+    whole, gathered = whole_model("1.0"), torch.load(save)
+    assert sorted(gathered) == sorted(whole)
+    assert max_rel_diff(gathered, whole) < 1e-5
+    shards = [torch.load(f"{save}.rank{rank}") for rank in range(4)]
+    assert shards[0]["blocks.0.mlp.0.weight"].shape == (64, 32)  # half of the 4 x 32 hidden units
+    for a, b in ((0, 2), (1, 3)):  # replicas of the same shards
+        assert all(torch.equal(shards[a][k], shards[b][k]) for k in shards[a]), (a, b)
+    assert_one_exchange_per_step(metrics)
+
+
+@pytest.mark.multiproc
+@pytest.mark.full
+def test_tensor_parallel_parameters_under_ps_are_refused_in_one_line(tmp_path):
+    r = commlab_run("ps://?shards=1&mode=sync", tmp_path / "m.jsonl", "examples/tp_lm.py")
+    assert r.returncode != 0
+    assert "ps:// serves whole tensors, and blocks.0.mlp.0.weight is a DTensor (tensor parallel)" in r.stdout + r.stderr
+
+
+def commlab_run(url: str, metrics: Path, script: str, *extra: str):
+    """``commlab run --workers 4 --exchanger URL SCRIPT`` with the small model, BATCH per replica."""
+    args = ["--workers", "4", "--exchanger", url, "--metrics", str(metrics), script, *MODEL,
+            "--batch-size", str(BATCH), *extra]
+    return run_group([sys.executable, "-m", "commlab.cli", "run", *args], TIMEOUT, cwd=ROOT, env=child_env(),
+                     capture_output=True, text=True)
+
+
+def assert_one_exchange_per_step(metrics: Path) -> None:
     for rank in range(4):
         path = Path(f"{metrics}.rank{rank}") if rank else metrics
         rows = [json.loads(line) for line in path.read_text().splitlines()]

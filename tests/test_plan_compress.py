@@ -121,6 +121,19 @@ def test_a_summed_compressor_pays_below_the_rate_where_its_encoding_equals_the_b
         assert unc == pytest.approx(1.5 * S / rate, rel=1e-12)
         assert (comp < unc) is pays
     assert K.bytes_per_step(half, 4) == 2 * 3 * (S // 2) // 4
+    slower = Topology(1, 1e8, 1e15, compute_scale=2.0)  # a CPU twice as slow: encoding and decoding too
+    assert K.step(cal, half, RING, slower, 4) == pytest.approx(2 * (E + D) + 1.5 * (S / 2) / 1e8, rel=1e-12)
+
+
+def test_a_runs_step_overhead_is_its_step_less_wait_beyond_the_calibrated_compute_and_moves_no_crossover():
+    cal = profile([2**20], fwd=0.001, bwd=0.002, opt=1e-8)  # 96 ms forward + backward at batch 32, 10.5 ms opt
+    assert K.step_overhead(cal, 0.096 + 2**20 * 1e-8 + 0.05, 32) == pytest.approx(0.05)
+    assert K.step_overhead(cal, 2 * 0.096 + 2**20 * 1e-8, 32, compute_scale=2.0) == pytest.approx(0.0)
+    cal = cal.with_compressors(cost((("sum",),), ((2**18,),), ((0.01,),), (0.0,)))
+    plain, more = (K.predict(cal, "hand", "100mbit", 2, batch=32, overhead_s=o) for o in (0.0, 0.05))
+    assert more["step_s"] == pytest.approx(plain["step_s"] + 0.05)
+    assert more["uncompressed_step_s"] == pytest.approx(plain["uncompressed_step_s"] + 0.05)
+    assert more["crossover_bps"] == plain["crossover_bps"]
 
 
 def test_a_gathered_compressor_sends_n_minus_1_payloads_and_decodes_n():
@@ -215,6 +228,8 @@ def test_the_bench_predicts_by_its_entries_urls(compute):
     url = "ring://?compress=topk:0.1&ef=0&timeout=30"
     assert K.parse_url(url) == (RING, "topk:0.1", False)
     assert K.parse_url("allreduce://?backend=gloo&compress=fp16")[0] == parse_regime("allreduce://?backend=gloo")
+    assert K.parse_url("ring://?transport=tcp&host=auto&insecure=1")[0] == parse_regime("ring://?transport=tcp")
+    assert K.parse_url("ps://?shards=2&mode=ssp&timeout=9")[0] == parse_regime("ps://?shards=2&mode=ssp")
     cal = K.with_urls(Calibration({}, 0.0, 0.0, compute), [url, "ring://"], reps=1)
     assert set(cal.compressors) == {"topk:0.1 (ef=0)"}
     assert K.predict_url(cal, url, "1gbit", 3) == K.predict(cal, "topk:0.1", "1gbit", 3, RING, ef=False)

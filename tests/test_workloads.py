@@ -120,6 +120,34 @@ def test_lm_sync_regime_coincides_with_local_on_the_combined_batch(tmp_path):
     assert any("**does NOT coincide**" in line for line in wl.sync_verdict(results["charlm"]))
 
 
+def test_pipeline_figures_take_each_ranks_median_bubble_past_the_first_step():
+    rank0 = [{"step": 0, "pipeline_s": 1.0, "bubble_s": 0.9, "activation_bytes": 4096},  # warm-up: left out
+             *({"step": s, "pipeline_s": 1.0, "bubble_s": b} for s, b in ((1, 0.1), (2, 0.3), (3, 0.2)))]
+    rank1 = [{"step": s, "pipeline_s": 2.0, "bubble_s": b} for s, b in ((0, 0.0), (1, 1.0), (2, 0.0), (3, 0.2))]
+    got = wl.pipeline_figures([rank0, rank1, [{"step": 0, "loss": 1.0}]])  # a rank without the fields: skipped
+    assert got == {"bubble_per_rank": [0.2, 0.1], "bubble": pytest.approx(0.15), "activation_bytes_per_step": 4096}
+    assert wl.pipeline_figures([[{"step": 0, "loss": 1.0}]]) == {}
+
+
+@pytest.mark.multiproc
+@pytest.mark.full
+def test_pipeline_workload_coincides_with_local_and_reports_both_dimensions(tmp_path):
+    """2 stages on 2 ranks (one replica) against one process with one stage: the same arithmetic; rank 0
+    sends 4 micro-batches x 2 sequences x 64 positions x 64 floats of activations per step (stage 0: forward
+    only), its replica group moves nothing."""
+    cfg = wl.WorkloadsConfig(["pipeline"], [("gloo", "allreduce://?backend=gloo"), ("local", "local://")],
+                             workers=2, steps={"pipeline": 6}, job_timeout=150)
+    results = wl.run(cfg, tmp_path, budget_s=300)
+    rows = {r["regime"]: r for r in results["pipeline"]["rows"]}
+    assert [rows[n]["status"] for n in ("local", "gloo")] == ["ok", "ok"], {n: r["error"] for n, r in rows.items()}
+    assert rows["gloo"]["vs_local"]["coincides"] is True, rows["gloo"]["vs_local"]
+    assert rows["gloo"]["activation_bytes_per_step"] == 4 * 2 * 64 * 64 * 4 and rows["gloo"]["bytes_per_step"] == 0
+    assert rows["local"]["activation_bytes_per_step"] == 0
+    assert len(rows["gloo"]["bubble_per_rank"]) == 2 and all(0 <= b <= 1 for b in rows["gloo"]["bubble_per_rank"])
+    md = "\n".join(wl.section(results))
+    assert "(p-1)/(m+p-1) = 1/5 = 20%" in md and "| 131 kB |" in md
+
+
 def test_the_workloads_section_goes_before_the_reports_files(tmp_path):
     report = tmp_path / "report.md"
     report.write_text("# r\n\n## Convergence\n\nx\n\n## Files\n\n- `a`\n")

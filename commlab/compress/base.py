@@ -19,6 +19,14 @@ way to move them from that declaration alone, never from the compressor's name:
 ``sync_only``
     Needs every rank's payload at every step (PowerSGD's shared P and warm-started Q): a regime that
     lets ranks run ahead of each other must refuse it.
+``decodes_alone``
+    Each rank's payload decodes on its own (:meth:`Compressor.decode_add`) and the aggregate is the sum of
+    those decodings (casts, top-k, random-k, sign): a parameter server may add each push into a dense
+    float32 sum as it arrives, or apply it alone (async), and a rank's share is its own decoding.
+
+A decoder that holds only payloads (a parameter server) uses :meth:`Compressor.wire_meta` (what a step's
+payloads need besides themselves, plain data that travels in a header), :meth:`Compressor.decode_add` and
+:meth:`Compressor.aggregate`, the same code as :meth:`Compressor.finish`.
 
 One step of one bucket ``key`` (a bucket index; buckets are the same on every rank), in this order::
 
@@ -56,6 +64,7 @@ class Compressor(abc.ABC):
     summable: bool
     rounds: int = 1
     sync_only: bool = False
+    decodes_alone: bool = False
 
     def __init__(self) -> None:
         self.world_size = 1
@@ -106,6 +115,23 @@ class Compressor(abc.ABC):
     def describe(self) -> str:
         return self.name
 
+    # ----- for a decoder that holds payloads only (a parameter server) -----------------------------
+    def wire_meta(self, key: int) -> dict:
+        """After :meth:`start`: what this step's payloads of ``key`` need to be decoded besides themselves (plain
+        data for a header: random-k's draw, PowerSGD's warm-up flag); the same on every rank in a synchronous step."""
+        return {}
+
+    def decode_add(self, key: int, payload: Payload, n: int, meta: dict, out: torch.Tensor) -> None:
+        """Add one rank's round-0 payload, decoded alone, into ``out`` (``n`` elements, float32 or wider).
+        Only where :attr:`decodes_alone`; raises ValueError for a payload that does not fit ``n``. Stateless."""
+        raise NotImplementedError(f"{self.name}'s payloads decode only together")
+
+    def aggregate(self, key: int, shapes, sums: list[Payload], meta: dict, out: torch.Tensor) -> None:
+        """Summable compressors: write the aggregate into ``out`` from each round's summed payloads (flat
+        tensors, round by round), as :meth:`finish` computes it on a rank: what a server holding only the sums
+        applies. Raises ValueError for sums that do not fit ``shapes``. Stateless."""
+        raise NotImplementedError(f"{self.name}'s aggregate needs every rank's payload")
+
 
 class ErrorFeedback(Compressor):
     """Error feedback around any compressor: what a rank did not get across is added to its next input.
@@ -123,6 +149,7 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.name = inner.name
         self.summable, self.rounds, self.sync_only = inner.summable, inner.rounds, inner.sync_only
+        self.decodes_alone = inner.decodes_alone
         self.residuals: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}
 
@@ -167,6 +194,15 @@ class ErrorFeedback(Compressor):
 
     def describe(self) -> str:
         return f"{self.inner.describe()} with error feedback"
+
+    def wire_meta(self, key):
+        return self.inner.wire_meta(key)
+
+    def decode_add(self, key, payload, n, meta, out):
+        self.inner.decode_add(key, payload, n, meta, out)
+
+    def aggregate(self, key, shapes, sums, meta, out):
+        self.inner.aggregate(key, shapes, sums, meta, out)
 
 
 # ----- the registry ----------------------------------------------------------------------------------

@@ -72,6 +72,14 @@ def orthonormalise(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(a.double() if a.dtype != torch.float64 else a)[0].to(a.dtype)
 
 
+def rebuild(lay: Layout, plain_sums, ps, qs, out: torch.Tensor) -> None:
+    """The aggregate: the plain tensors' sums, and P Q^T of each matrix (P orthonormalised, Q summed)."""
+    for (o, k), s in zip(lay.plain, plain_sums):
+        out[o:o + k].copy_(s.view(-1))
+    for (o, n, m, _), p, q in zip(lay.matrices, ps, qs):
+        torch.mm(p.to(out.dtype), q.t().to(out.dtype), out=out[o:o + n * m].view(n, m))  # no temporary
+
+
 class PowerSGD(Compressor):
     summable = True
     rounds = 2
@@ -110,7 +118,8 @@ class PowerSGD(Compressor):
         ms = [x[o:o + n * m].view(n, m) for o, n, m, _ in lay.matrices]
         qs = self._start_qs(key, lay, x)
         self._flight[key] = {"plain": False, "layout": lay, "ms": ms}
-        return [x[o:o + k] for o, k in lay.plain] + [mat @ q for mat, q in zip(ms, qs)]
+        # M Q as (Q^T M^T)^T: on one CPU thread 2.2x faster in MKL (25M MLP: 62 -> 28 ms)
+        return [x[o:o + k] for o, k in lay.plain] + [(q.t() @ mat.t()).t().contiguous() for mat, q in zip(ms, qs)]
 
     def advance(self, key, rnd, combined):
         f = self._flight[key]
@@ -130,13 +139,29 @@ class PowerSGD(Compressor):
             out.copy_(f["sum"])
             self._out[key] = out
             return
-        lay = f["layout"]
-        for (o, k), s in zip(lay.plain, f["plain_sums"]):
-            out[o:o + k].copy_(s)
-        for (o, n, m, _), p, q in zip(lay.matrices, f["ps"], combined):
-            torch.mm(p.to(out.dtype), q.t().to(out.dtype), out=out[o:o + n * m].view(n, m))  # no temporary
+        rebuild(f["layout"], f["plain_sums"], f["ps"], combined, out)
         self.qs[key] = [q.clone() for q in combined]
         self._out[key] = out
+
+    def wire_meta(self, key):
+        return {"plain": self._flight[key]["plain"]}
+
+    def aggregate(self, key, shapes, sums, meta, out):
+        """From the summed P (and plain tensors) and the summed Q, flat: orthonormalise P and rebuild, as
+        :meth:`advance` and :meth:`finish` do on every rank, so a server gets the ranks' aggregate bit for bit."""
+        if meta.get("plain"):
+            if len(sums[0]) != 1 or sums[0][0].numel() != out.numel() or sums[1]:
+                raise ValueError(f"{self.name}: a warm-up step's sums do not fit {out.numel()} elements")
+            out.copy_(sums[0][0])
+            return
+        lay = self._layout(shapes)
+        k = len(lay.plain)
+        want = [c for _, c in lay.plain] + [n * r for _, n, _, r in lay.matrices]
+        if [t.numel() for t in sums[0]] != want or [t.numel() for t in sums[1]] != [m * r for *_, m, r in lay.matrices]:
+            raise ValueError(f"{self.name}: sums do not fit the layout of {len(lay.matrices)} matrices")
+        ps = [orthonormalise(p.view(n, r)) for p, (_, n, _, r) in zip(sums[0][k:], lay.matrices)]
+        qs = [q.view(m, r) for q, (*_, m, r) in zip(sums[1], lay.matrices)]
+        rebuild(lay, sums[0][:k], ps, qs, out)
 
     def share(self, key):
         return self._out[key] / self.world_size

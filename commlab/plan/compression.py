@@ -56,7 +56,8 @@ from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
 from commlab.heap import keep_freed_gradients
 from commlab.plan.rates import parse_rate
-from commlab.plan.costmodel import Calibration, Compute, CompressorCost, Regime, Topology, parse_regime
+from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
+                                    parse_regime)
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.registry import regime_class
 
@@ -239,29 +240,43 @@ def _decode_s(cost: CompressorCost, b: int, n: int) -> float:
 def step(cal: Calibration, cost: CompressorCost | None, regime: Regime, topo: Topology, n: int,
          batch: int | None = None) -> float:
     """The predicted step (seconds) of ``n`` identical workers under all-reduce ``regime``, compressed by
-    ``cost`` (None: uncompressed); see the module's text."""
+    ``cost`` (None: uncompressed); see the module's text. ``topo.compute_scale`` stretches the worker's CPU
+    work: forward, backward, encoding and decoding (the optimizer stays as measured, as in the simulator)."""
     if regime.kind != "allreduce":
         raise ConfigError(f"plan: compression is modelled for all-reduce regimes (ring://, allreduce://), "
                           f"not {regime.url}")
     c = cal.compute
     cost = cost or _baseline(c)
     batch = batch or c.batch
-    fwd, bwd = c.fwd_s_per_sample * batch * topo.compute_scale, c.bwd_s_per_sample * batch * topo.compute_scale
+    k = topo.compute_scale
+    fwd, bwd = c.fwd_s_per_sample * batch * k, c.bwd_s_per_sample * batch * k
     T = [[_round_time(m, w, n, topo, regime, cal) for m, w in zip(ms, ws)] for ms, ws in zip(cost.moves, cost.wire_bytes)]
     end = [[0.0] * len(t) for t in T]
     free, hooks = 0.0, 0.0
     for b, bucket in enumerate(c.buckets):
-        issued = fwd + bwd * bucket.ready_frac + hooks + cost.encode_s[b][0]
-        hooks += cost.encode_s[b][0]
+        issued = fwd + bwd * bucket.ready_frac + hooks + cost.encode_s[b][0] * k
+        hooks += cost.encode_s[b][0] * k
         free = end[b][0] = max(issued, free) + T[b][0]
     t = fwd + bwd + hooks
     for b in range(len(T)):
         for r in range(1, len(T[b])):
-            t = max(t, end[b][r - 1]) + cost.encode_s[b][r]
+            t = max(t, end[b][r - 1]) + cost.encode_s[b][r] * k
             free = end[b][r] = max(t, free) + T[b][r]
     for b in range(len(T)):
-        t = max(t, end[b][-1]) + _decode_s(cost, b, n)
+        t = max(t, end[b][-1]) + _decode_s(cost, b, n) * k
     return t + c.param_bytes * cal.opt_s_per_byte
+
+
+def step_overhead(cal: Calibration, measured_s: float, batch: int | None = None, compute_scale: float = 1.0) -> float:
+    """A run's per-step overhead beyond the model: ``measured_s``, the "step − wait" of the run's uncompressed
+    step (what a worker does besides waiting on the exchange), less the calibrated forward, backward and
+    optimizer. It is the step's own mechanics (copying gradients into buckets, zero_grad, the loss, the
+    data) and, on a shared machine, what the calibration's single process did not see (two workers' memory
+    traffic on the same cores); a compressed step pays it too, so :func:`predict`'s ``overhead_s`` adds it
+    to both steps (the crossover does not move)."""
+    c = cal.compute
+    batch = batch or c.batch
+    return measured_s - (c.fwd_s_per_sample + c.bwd_s_per_sample) * batch * compute_scale - c.param_bytes * cal.opt_s_per_byte
 
 
 def bytes_per_step(cost: CompressorCost, n: int) -> int:
@@ -302,7 +317,8 @@ def _rate(link) -> float:
 
 
 def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime = "ring://",
-            workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True) -> dict:
+            workers_per_host: int = 1, batch: int | None = None, compute_scale: float = 1.0, ef: bool = True,
+            overhead_s: float = 0.0) -> dict:
     """The planner's prediction for ``compress=spec`` on ``cal``'s model at ``world`` workers, each host's NIC
     at ``link`` (bytes/s, or a tc rate such as ``'100mbit'``), ``workers_per_host`` to a host. Pure
     arithmetic: ``spec`` must be measured in ``cal`` already (:func:`with_compressors`), else
@@ -314,14 +330,17 @@ def predict(cal: Calibration, spec: str, link, world: int, regime: str | Regime 
         encode_decode_s                        the step's compressor compute (all buckets, all rounds)
         pays                                   step_s < uncompressed_step_s
         crossover_bps                          the link rate (bytes/s) below which it pays (inf: any; 0: none)
+
+    ``overhead_s``: a per-step overhead the model leaves out, added to both steps (:func:`step_overhead`
+    measures it on a run's uncompressed step).
     """
     reg = parse_regime(regime) if isinstance(regime, str) else regime
     return predict_at(cal, spec, reg, Topology(workers_per_host, _rate(link), compute_scale=compute_scale), world,
-                      batch, ef)
+                      batch, ef, overhead_s)
 
 
 def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, world: int, batch: int | None = None,
-               ef: bool = True) -> dict:
+               ef: bool = True, overhead_s: float = 0.0) -> dict:
     """:func:`predict` on a whole :class:`Topology` (its ``nic_bps`` the link)."""
     cost = None
     if spec.strip().lower() not in ("", "none"):
@@ -330,15 +349,15 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
             raise ConfigError(f"plan: compress={spec} (ef={int(ef)}) is not in this calibration (it has: "
                               f"{', '.join(cal.compressors) or 'none'}); measure it with "
                               f"commlab.plan.compression.with_compressors")
-    unc_s = step(cal, None, regime, topo, world, batch)
+    unc_s = step(cal, None, regime, topo, world, batch) + overhead_s
     unc_b = bytes_per_step(_baseline(cal.compute), world)
     out = {"spec": "none", "step_s": unc_s, "bytes_per_step": unc_b, "uncompressed_step_s": unc_s,
            "uncompressed_bytes_per_step": unc_b, "bytes_ratio": 1.0, "encode_decode_s": 0.0, "pays": False,
            "crossover_bps": None, "link_bps": topo.nic_bps, "world": world, "regime": regime.url}
     if cost is not None:
-        s, nbytes = step(cal, cost, regime, topo, world, batch), bytes_per_step(cost, world)
+        s, nbytes = step(cal, cost, regime, topo, world, batch) + overhead_s, bytes_per_step(cost, world)
         out.update(spec=cost.label, step_s=s, bytes_per_step=nbytes, bytes_ratio=nbytes / unc_b if unc_b else 1.0,
-                   encode_decode_s=encode_decode_s(cost, world), pays=s < unc_s,
+                   encode_decode_s=encode_decode_s(cost, world) * topo.compute_scale, pays=s < unc_s,
                    crossover_bps=crossover(cal, cost, regime, topo, world, batch))
     return out
 
@@ -346,10 +365,10 @@ def predict_at(cal: Calibration, spec: str, regime: Regime, topo: Topology, worl
 def parse_url(url: str) -> tuple[Regime, str, bool]:
     """(the planner's regime, the ``compress=`` spec, ``ef``) of an exchanger URL as the bench names its entries,
     e.g. ``ring://?compress=powersgd:4,start_iter=5&ef=0``; options the planner does not model (timeout,
-    bucket_mb...) are left out of the regime."""
+    bucket_mb, host...) are left out of the regime."""
     u = ExchangerURL.parse(url)
     q = dict(u.query)
-    keep: dict[str, str] = {k: q[k] for k in ("transport", "backend") if k in q}
+    keep: dict[str, str] = {k: v for k, v in q.items() if k in PLANNED_OPTIONS.get(u.scheme, ())}
     regime = parse_regime(f"{u.scheme}://" + ("?" + urlencode(keep) if keep else ""))
     return regime, q.get("compress", "none"), q.get("ef", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -364,10 +383,10 @@ def with_urls(cal: Calibration, urls, world: int = 2, reps: int = 3) -> Calibrat
 
 
 def predict_url(cal: Calibration, url: str, link, world: int, workers_per_host: int = 1, batch: int | None = None,
-                compute_scale: float = 1.0) -> dict:
+                compute_scale: float = 1.0, overhead_s: float = 0.0) -> dict:
     """:func:`predict` for an exchanger URL (:func:`parse_url`); its compressor measured by :func:`with_urls`."""
     regime, spec, ef = parse_url(url)
-    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef)
+    return predict(cal, spec, link, world, regime, workers_per_host, batch, compute_scale, ef, overhead_s)
 
 
 def encode_decode_s(cost: CompressorCost, n: int) -> float:
@@ -408,7 +427,8 @@ def table(cal: Calibration, specs, regime: Regime, topo: Topology, workers, batc
             at = {f"step_s_{name}": step(cal, cost, regime, replace(topo, nic_bps=rate), n, batch)
                   for name, rate in (("100mbit", 100 * MBIT), ("1gbit", GBIT))}
             data[n][spec] = x = {**x, **at}
-            out.append(f"| {n} | {x['spec']} | {x['bytes_per_step'] / 2**20:,.3g} MiB ({x['bytes_ratio']:.3g}x) | "
+            mib = x["bytes_per_step"] / 2**20
+            out.append(f"| {n} | {x['spec']} | {f'{mib:,.0f}' if mib >= 1000 else f'{mib:.3g}'} MiB ({x['bytes_ratio']:.3g}x) | "
                        f"{_fmt_s(x['encode_decode_s'])} | {_fmt_s(x['step_s'])} | {_fmt_s(x['step_s_100mbit'])} | "
                        f"{_fmt_s(x['step_s_1gbit'])} | "
                        f"{fmt_rate(x['crossover_bps']) if topo.hosts(n) > 1 or spec == 'none' else 'n/a: one host'} |")
@@ -426,8 +446,15 @@ def recommend(data: dict, topo: Topology) -> list[str]:
             lines.append(f"- N = {n}: no compressor pays {where}: the uncompressed exchange is the fastest "
                          f"({_fmt_s(base['step_s'])} a step).")
             continue
-        best, below = paying[0], (lambda x: f"below {fmt_rate(x['crossover_bps'])}" if topo.hosts(n) > 1
-                                  else "on one host, whatever the link")
+        best = paying[0]
+
+        def below(x: dict) -> str:
+            if topo.hosts(n) == 1:
+                return "on one host, whatever the link"
+            if math.isinf(x["crossover_bps"]):
+                return "at any link rate (the transport's own per-byte cost is the limit)"
+            return f"below {fmt_rate(x['crossover_bps'])}"
+
         text = (f"- **N = {n}: compress={best['spec']}**, step {_fmt_s(best['step_s'])} against "
                 f"{_fmt_s(base['step_s'])} uncompressed ({base['step_s'] / best['step_s']:.2f}x), "
                 f"{best['bytes_ratio']:.3g}x the bytes; it pays {below(best)}")

@@ -230,13 +230,16 @@ class Regime:
         return self.kind == "allreduce" or self.mode == "sync"
 
 
+# the options of each scheme's URL that the planner models (the others, such as timeout, change no cost here)
+PLANNED_OPTIONS = {"ring": {"transport"}, "allreduce": {"backend"}, "ps": {"shards", "mode", "staleness", "placement"}}
+
+
 def parse_regime(text: str) -> Regime:
     """``ring://[?transport=torch]``, ``allreduce://?backend=gloo|nccl``,
     ``ps://?shards=K&mode=sync|async|ssp&staleness=S&placement=dedicated|colocated``."""
     url = ExchangerURL.parse(text.strip())
     q = dict(url.query)
-    known = {"ring": {"transport"}, "allreduce": {"backend"},
-             "ps": {"shards", "mode", "staleness", "placement"}}
+    known = PLANNED_OPTIONS
     if url.scheme not in known:
         raise ConfigError(f"plan: regime {text!r}: scheme must be one of {', '.join(known)}")
     extra = set(q) - known[url.scheme]

@@ -17,6 +17,10 @@ shard, so all shards are fed in parallel). Where the update runs:
   state_dict and ``load_state_dict`` scatters one. See docs/ps.md for AMP and
   ``clip_norm``.
 
+``compress=SPEC&ef=0|1`` (:mod:`commlab.compress`): each bucket's pieces on a shard go through the
+compressor, and the shard sums or decodes the payloads as the compressor declares
+(:mod:`commlab.regimes.ps_compress`, :mod:`servers.compressed`).
+
 See :mod:`commlab.psproto` for the protocol and :mod:`servers` for the server.
 
 ``commlab train --exchanger 'ps://?shards=K&mode=...'`` starts K servers on
@@ -40,18 +44,20 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import psproto, psshm, rendezvous, shm, transport, wire
-from commlab.config import CommonOptions, ExchangerURL, option, parse_options
+from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
+from commlab.compress import CompressOptions
+from commlab.config import ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.regimes.ps_compress import CompressedPushes
 from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
 
 @dataclass(frozen=True)
-class PSOptions(CommonOptions):
+class PSOptions(CompressOptions):
     mode: str = option("", "consistency mode this worker expects; the server's rules (empty: accept it)",
                        choices=("",) + psproto.MODES)
     staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
@@ -100,6 +106,8 @@ class PSOptions(CommonOptions):
             raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
         if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
+        if self.mode in ("async", "ssp"):  # powersgd: refused before anything starts
+            compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
 
     @property
     def endpoint_list(self) -> list[str]:
@@ -191,11 +199,12 @@ class _Shard:
         if self.attempt:
             meta["attempt"] = self.attempt
         link = self.link
-        if link is not None and req.op == "push" and req.parts:  # one copy in; the server reads it there
+        if link is not None and req.op == "push" and req.parts and "unit" not in meta:  # one copy in; read there
             at = psshm.place(link.offsets, req.parts)
             for (spec, t), o in zip(req.parts, at):
                 link.inbound.write(o, t)
-        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum"):
+        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum") \
+                and "unit" not in meta:
             meta["shm_reply"] = True
         frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name, peer=self.peer)
@@ -474,6 +483,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
         self._warned_loop = False  # said once that the servers cannot do what the loop does to p.grad
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
+        self._cps: CompressedPushes | None = None  # compress=: the compressed step
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -492,7 +502,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
                               f"your optimizer steps on the workers")
         manifest = model_manifest(model)
         params = dict(model.named_parameters())
+        from torch.distributed.tensor import DTensor
         for name, shape, dtype in manifest:
+            if isinstance(params[name], DTensor):
+                raise ConfigError(f"ps:// serves whole tensors, and {name} is a DTensor (tensor parallel): exchange "
+                                  f"its shards with allreduce:// or ring:// over the data-parallel group")
             if params[name].device.type not in ("cpu", "cuda"):
                 raise ConfigError(f"ps:// serves workers whose parameters are on the CPU or a CUDA GPU, and {name} is "
                                   f"on {params[name].device}")
@@ -547,6 +561,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
+        if self.compressor is not None:
+            self._cps = CompressedPushes(self, self._plan)
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
         buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
         replies = self._on_all(lambda s: s.hello({
@@ -555,12 +571,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "update": self.options.update or None, "manifest": manifest_wire,
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
-            "shard": [s.index, k], "optim": desc}), "hello")
+            "shard": [s.index, k], "optim": desc,
+            **({"compress": self._cps.hello(s.index)} if self._cps is not None else {})}), "hello")
         self.mode, self.update = replies[0]["mode"], replies[0]["update"]
         self._base = self._resume_step(replies)
         if self.options.clip_norm and self.mode != "sync":
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
         self.updates_remotely = self.update == "server"
+        if self._cps is not None:
+            self._cps.connected()
         for s in self.shards:
             s.adopt_shm = self.update == "server"
         fresh = not all(r["initialized"] for r in replies)
@@ -696,9 +715,11 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _start_bucket(self, bucket) -> Handle:
         step = self._wire_step()
+        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
+        if self._cps is not None:
+            return self._cps.start_bucket(bucket, step, hyper)
         # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
         src, _ = self._staging.to_host_async(bucket.index)
-        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
         handles = []
         for k, items in self._plan[bucket.index].items():
             shard = self.shards[k]
@@ -756,10 +777,13 @@ class PSExchanger(BucketedExchanger, PlansServers):
 
     def _finish(self) -> None:
         step = self._wire_step()
+        if self._cps is not None and self.update != "worker":
+            self.stats.bytes_received += self._cps.finish(step)
         if self.update == "worker":
             self._absent = set()
-            received = self._on_all(lambda s: s.collect(), f"averages of step {step}")
-            self.stats.bytes_received += sum(received)
+            received = self._cps.finish(step) if self._cps is not None else \
+                sum(self._on_all(lambda s: s.collect(), f"averages of step {step}"))
+            self.stats.bytes_received += received
             dropped = {pc.param for pieces in self._pieces for pc in pieces if pc.key in self._absent}
             for b in self.buckets:
                 for i, (name, p) in enumerate(zip(b.names, b.params)):
@@ -877,6 +901,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
+        if self._cps is not None:
+            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
+                              "drop compress= or give every rank the same number of steps")
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
         own = self.update == "worker"
@@ -1067,6 +1094,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """
         if self.model is None:
             raise ConfigError("call setup(model, optim) before push_pull_async()")
+        if self._cps is not None:
+            raise ConfigError("push_pull_async() pushes the tensor uncompressed: drop compress=")
         if self.update != "server":
             raise ConfigError("push_pull_async() pulls the parameter the servers updated: it needs update=server "
                               f"(this client runs update={self.update})")

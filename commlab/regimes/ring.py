@@ -231,6 +231,9 @@ class RingExchanger(CollectiveExchanger):
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
+        if self.options.transport == "torch" and rank.members:  # its p2p would need a registered subgroup
+            raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
+                              "allreduce:// there, or transport=shm|tcp|ipc|auto")
         self._gather_steps = gather_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
@@ -252,9 +255,6 @@ class RingExchanger(CollectiveExchanger):
         ns = f"ring/{self.store.add(f'ring/instances/{self.rank}', 1)}/"
         self._ns = ns
         if self.world_size > 1:
-            if opts.transport == "torch" and self.rank_info.members:
-                raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
-                                  "allreduce:// there, or transport=shm|tcp|ipc|auto")
             if opts.transport == "torch":
                 self._meet_torch(ns)
             else:

@@ -13,8 +13,9 @@ split into the same micro-batches: the run a synchronous regime must reproduce.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,33 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
+def micro_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, count: int,
+                around: Callable[[int], ContextManager] = lambda m: contextlib.nullcontext()) -> torch.Tensor:
+    """Forward and backward over ``count`` micro-batches of (x, y), each inside ``around(m)`` (an exchanger's
+    ``no_sync()`` for all but the last); gradients add up to the mean loss's. Returns the mean loss."""
+    losses = []
+    for m, (xm, ym) in enumerate(zip(x.chunk(count), y.chunk(count))):
+        with around(m):
+            loss = loss_fn(model(xm), ym)
+            (loss / count).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def end_step(step: int, loss: torch.Tensor, optimizer, scheduler, args, t0: float, report=None,
+             show: bool = True) -> None:
+    """The optimizer's and the schedule's step, then every ``--log-every`` steps ``report(step, fields)``
+    (a metrics line) and, where ``show``, a line on stdout."""
+    optimizer.step()
+    scheduler.step()
+    if step % args.log_every == 0 or step == args.steps - 1:
+        now = time.perf_counter()
+        if report is not None:
+            report(step, {"loss": loss.item(), "lr": scheduler.get_last_lr()[0], "time_s": now - t0})
+        if show:
+            print(f"step {step:5d}  loss {loss.item():.4f}  {now - t0:.1f}s", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -103,18 +131,10 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         optimizer.zero_grad()
         x, y = next_batch(step)
-        losses = []
-        for xm, ym in zip(x.chunk(args.microbatches), y.chunk(args.microbatches)):  # what a schedule does
-            loss = loss_fn(model(xm), ym)
-            (loss / args.microbatches).backward()
-            losses.append(loss.detach())
-        loss = torch.stack(losses).mean()
+        loss = micro_steps(model, x, y, args.microbatches)  # what a pipeline schedule does
         if args.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        scheduler.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - t0:.1f}s", flush=True)
+        end_step(step, loss, optimizer, scheduler, args, t0)
     if args.save:
         torch.save(model.state_dict(), args.save)
 
