@@ -92,6 +92,36 @@ def _w0() -> torch.Tensor:
     return nn.Linear(3, 1, bias=False).weight.detach().view(-1)
 
 
+def test_a_round_id_is_agreed_past_a_dead_rounds_keys_and_above_its_id():
+    """The store still holds a dead round's keys (rank 1's nonce, the id it took, rank 0's answer to it, and an
+    id from a clock ahead of this one); rank 1 asks 0.3 s after rank 0 has read them. Both take the same id,
+    above the dead round's."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from commlab.rendezvous import RankInfo, agree_round
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    dead = 10 ** 13  # a dead round's id from a clock far ahead
+    for key, value in {"ask/1": "stale", "took/1": str(dead), "give/1": f"stale {dead}", "last": str(dead)}.items():
+        store.set(f"commlab/round/{key}", value)
+    got = {}
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        got[r] = agree_round(dist.TCPStore("127.0.0.1", store.port, None, False, timedelta(seconds=10)),
+                             RankInfo(r, 2, r, "127.0.0.1", store.port, "test"), 10)
+
+    threads = [threading.Thread(target=rank, args=(r, 0.3 * r)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {0: dead + 1, 1: dead + 1}
+
+
 def test_a_job_shrinks_to_one_rank_and_grows_back_each_step_applied_once_over_its_own_n(tmp_path, procs):
     """Round 0, N = 2: rank 1 pushes step 4 and is gone for good before rank 0, held, pushed it. Round 1,
     N = 1 (restart count 1): resumes at step 4 (rank 1's half of step 4 dropped, counted as replaced); the
