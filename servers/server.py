@@ -172,14 +172,11 @@ class ParameterServer:
         self.starters: set[int] = set()
         self.started = False
         self.version = 0
-        self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.senders: dict[str, int] = {}  # wire sender -> rank
         self.detached: set[int] = set()
         self.gone: set[int] = set()  # ranks that said bye (closed their exchanger)
         self.joined: dict[int, tuple[int, bool]] = {}  # rank -> (first step it did not push, divide by N): ex.join()
         self.terminated: int | None = None  # the rank that joined with throw_on_early_termination: pushes refused
-        self.partial: dict[int, Partial] = {}
-        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._since_checkpoint = 0
@@ -192,6 +189,11 @@ class ParameterServer:
         self.shm_run = host.shm_run
         self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
         self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
+
+    @property
+    def last_step(self) -> dict[int, int]:
+        """rank -> last step applied (-1: none): the mode's bookkeeping (:attr:`servers.modes.Mode.last_step`)."""
+        return self.mode.last_step
 
     @property
     def sock(self) -> zmq.Socket:
@@ -242,27 +244,16 @@ class ParameterServer:
         return self.mode.waiting_for() if self.waiting else []
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
-               tracked: bool = True, link: psshm.Link | None = None) -> None:
-        at = None
-        if link is not None and parts:  # copied into the worker's outbound segment; the reply is a header
-            at = psshm.place(link.offsets, list(parts))
-            for (spec, t), o in zip(parts, at):
-                link.outbound.write(o, t)
-            self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+               tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
+        at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
-        if at is not None:
-            try:
-                transport.send(self.sock, frames, timeout=5.0, who="a worker")
-            except Exception as exc:
-                print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
-            return
         try:
-            if parts:
+            if parts and at is None:  # data frames zmq may still read from the shard's tensors: tracked
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
                 for (spec, _), tr in zip(parts, trackers[2:]):  # after identity and header
                     if tr is not None and tracked:
                         self.trackers.setdefault(spec.key, []).append(tr)
-            else:
+            else:  # a header alone (its payload, if any, is in the worker's segment)
                 transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
@@ -528,13 +519,11 @@ class ParameterServer:
         expected = self.mode.expected_step(rank)
         if t != expected:
             raise Refused(f"push of step {t} from {h.sender}, but {self.cfg.name} expects step {expected} from it")
-        if rank in getattr(self.mode, "complete", ()):  # sync: its step is in, the others' are not yet
+        if self.mode.step_in(rank):  # sync: its step is in, the others' are not yet
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
             return
-        part = self.partial.get(rank)
-        if part is None or part.step != t:
-            part = self.partial[rank] = Partial(t)
+        part = self.mode.partial_step(rank, t)
         if "unit" in h.meta:
             self._push_unit(ident, h, data, rank, t, part)
             return
@@ -736,8 +725,8 @@ class ParameterServer:
     def _send(self, ident, h) -> None:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
-        link = self.links.get(ident) if h.meta.get("shm_reply") else None
-        if h.meta.get("shm_reply") and link is None:
+        payloads = self.links.get(ident) if h.meta.get("shm_reply") else psshm.FRAMES
+        if payloads is None:
             self.stats.refused += 1
             self._reply(ident, "error", rid, {"reason": f"pull from {h.sender} asks for a reply in shared memory, "
                                                         f"but its connection has no link to {self.cfg.name}"})
@@ -755,7 +744,7 @@ class ParameterServer:
             absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
-                        tracked=False, link=link)
+                        tracked=False, payloads=payloads)
             return
         if what == "csum":
             mode, units = self.mode, self.units
@@ -776,7 +765,7 @@ class ParameterServer:
             return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
-        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, link=link)
+        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, payloads=payloads)
 
     # ----- buffers, optimizer state ----------------------------------------------------------
     def _op_buffers(self, ident, h, data):
@@ -977,8 +966,7 @@ class ParameterServer:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
         self.version, self.world, self.update = state["version"], state["world"], state["update"]
-        self.mode.load(state["mode_state"])
-        self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
+        self.mode.load(state["mode_state"], {int(r): int(t) for r, t in state["last_step"].items()})
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
         self.piece_param = dict(state["piece_param"])
@@ -1123,12 +1111,13 @@ class ShardServer:
         return base
 
     # ----- dispatch --------------------------------------------------------------------------
-    def _link(self, ident: bytes) -> psshm.Link | None:
+    def _payloads(self, ident: bytes) -> psshm.Payloads:
+        """How this connection's payloads travel: through its shared-memory link, if a space made one."""
         for sp in self.spaces.values():
             link = sp.links.get(ident)
             if link is not None:
                 return link
-        return None
+        return psshm.FRAMES
 
     def handle(self, frames: list) -> None:
         if len(frames) < 2:
@@ -1136,12 +1125,12 @@ class ShardServer:
             return
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
-        link = self._link(ident)
+        payloads = self._payloads(ident)
         space = None
         try:
             limit = self.max_bytes
             h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
-                            region=link.inbound.size if link is not None else None)
+                            region=payloads.rx_size)
             req_id = h.meta.get("id")
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
@@ -1150,12 +1139,7 @@ class ShardServer:
                 return
             space = self._space(h)
             space.stats.bytes_in += h.data_bytes
-            if "shm" in h.meta:
-                assert link is not None  # decode refuses offsets from a connection without a link
-                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
-                data = link.inbound.frames(h)
-            else:
-                data = body[1:]
+            data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)
             if h.op == "bye" and space.closed:
                 self._free(space)
