@@ -104,8 +104,8 @@ class Mode:
         return []
 
     def restart(self) -> int:
-        """A new attempt of the job (every rank restarted): drop what the dead attempt left half-done, so
-        that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
+        """A new attempt of the job (every rank restarted; the server set its world size already): drop what
+        the dead attempt left half-done, so that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
         rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
         dropped = len(self.partial)
         self.partial.clear()
@@ -128,6 +128,11 @@ class Async(Mode):
     def __init__(self, srv):
         super().__init__(srv)
         self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer: a step that came in pieces
+
+    def start_step(self):
+        """A rank joining a job that already ran (a grown attempt) starts on the slowest clock still held, so
+        SSP's bound neither stalls the others for its sake nor lets it run ahead; 0 for a fresh job."""
+        return min((t + 1 for t in self.last_step.values()), default=0)
 
     def restart(self):
         self.grads.clear()
@@ -363,9 +368,11 @@ class Sync(Mode):
         gathered (update=server: every push in, the commits awaited) is kept, and its commits dropped: its
         average exists, and another shard may have applied it already (a rank killed between its commits
         to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
-        from the same pushes as there. Applied steps are kept, whatever their pulls' fate."""
+        from the same pushes as there; so are the pushes of a rank the new attempt added (its world, already
+        set, may be another). Applied steps are kept, whatever their pulls' fate."""
         if self.gathered:
             self.commits.clear()
+            self.complete = set(range(self.srv.world))
             return 0
         dropped = len(self.complete | set(self.partial))
         self.partial.clear()

@@ -130,6 +130,7 @@ class Stats:
     nonfinite: int = 0  # pushes refused for NaN/Inf (async, ssp)
     skipped: int = 0  # sync steps dropped because their summed gradient was not finite
     replaced: int = 0  # ranks' pushes of a step a dead attempt left unapplied, dropped when the job restarted
+    resized: int = 0  # restarts whose attempt had another number of workers than the one before
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -216,7 +217,8 @@ class ParameterServer:
         return {"space": self.space, "shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
-                "skipped": s.skipped, "replaced": s.replaced, "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "skipped": s.skipped, "replaced": s.replaced, "resized": s.resized, "world": self.world,
+                "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
                 "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
@@ -299,8 +301,13 @@ class ParameterServer:
             raise Refused(f"hello from {h.sender}: unreadable manifest, pieces or optimizer ({exc})") from None
         if update == "server":
             optimizer_class(optim["class"])  # refused by name before anything is fixed
+        attempt = m.get("attempt", 0)
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < self.attempt:
+            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
+                          f"{self.attempt} (a process of an earlier attempt, or a store that forgot the job's rounds)")
+        new_round = attempt > self.attempt  # a restarted job, possibly of another size (torchrun --nnodes MIN:MAX)
         if self.manifest is None:
-            if self.world is not None and world != self.world:  # resumed state fixes the world size
+            if self.world is not None and world != self.world and not new_round:  # resumed state fixes the world
                 raise Refused(f"worker {h.sender} says {world} workers; the resumed shard had {self.world}")
             if self.update is not None and update != self.update:
                 raise Refused(f"worker {h.sender} asks for update={update}; the resumed shard ran update={self.update}")
@@ -324,14 +331,10 @@ class ParameterServer:
                 diff = None if same else diff
             if diff:
                 raise Refused(f"optimizer mismatch on {self.cfg.name}: {diff}")
-            if world != self.world:
+            if world != self.world and not new_round:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
-        attempt = m.get("attempt", 0)
-        if not isinstance(attempt, int) or attempt < self.attempt:
-            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
-                          f"{self.attempt} (a process of an earlier attempt, or TORCHELASTIC_RESTART_COUNT lies)")
-        if attempt > self.attempt:
-            self._new_attempt(attempt)
+        if new_round:
+            self._new_attempt(attempt, world)
         self._agree_compress(h.sender, m.get("compress"))
         self.senders[h.sender] = rank
         self.detached.discard(rank)
@@ -344,16 +347,33 @@ class ParameterServer:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)
 
-    def _new_attempt(self, attempt: int) -> None:
+    def _new_attempt(self, attempt: int, world: int) -> None:
         """The first hello of a restarted job (every rank was stopped and starts again, torchrun's
         restart): what the dead attempt left half-done goes, so that the new attempt's pushes replace it
         and every step is applied once (the mode's :meth:`~servers.modes.Mode.restart`); its pulls, joins
         and byes go with it, and the start gate closes again, so every rank of the new attempt starts from
         the same parameters. What the servers applied stays: update=server resumes from it. Under
         update=worker the shard holds no trained parameters (only sums), so rank 0 initialises it again
-        from its own (its checkpoint)."""
-        self.stats.replaced += self.mode.restart()
+        from its own (its checkpoint).
+
+        ``world``: the new attempt's size, which replaces the old one's membership (torchrun's elastic
+        rendezvous renumbers the ranks 0..world-1): a sync step averages over the new N, SSP's bound counts
+        the new ranks, and the departed ranks' clocks, connections and links go."""
         self.attempt = attempt
+        if self.world is not None and world != self.world:
+            self.stats.resized += 1
+            for sender, rank in list(self.senders.items()):
+                if rank >= world:
+                    del self.senders[sender]
+                    old = self.link_of.get(sender)
+                    if old is not None:
+                        self._drop_link(old)
+            for rank in [r for r in self.last_step if r >= world]:
+                del self.last_step[rank]
+            if self.units is not None:  # compress=: a rank's share of a summed aggregate is now 1/world
+                self.units.comp.bind(world)
+        self.world = world
+        self.stats.replaced += self.mode.restart()
         self.waiting = []  # the dead processes' pulls
         self.starters.clear()
         self.started = False
@@ -1072,7 +1092,7 @@ class ShardServer:
         print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
 
     COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
-                "bytes_in", "bytes_out", "copies_on_write")
+                "resized", "bytes_in", "bytes_out", "copies_on_write")
 
     def stats_dict(self, space: str | None = None) -> dict:
         """One space's stats (``space``; by default the job's first, else the newest) with the counters

@@ -526,11 +526,14 @@ class PSExchanger(BucketedExchanger, PlansServers):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
+        # membership change); bounded as the start gate is: the ranks start when they do
+        self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
         if self.rank_info.members:  # connect(group=): the members agree on it first; a space per group
             self._check_group()
         self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.attempt_id
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -676,9 +679,12 @@ class PSExchanger(BucketedExchanger, PlansServers):
     def _on_all(self, fn, what: str) -> list:
         """Run ``fn(shard)`` on every shard's thread at once; wait for all (each has its own timeout)."""
         futures = [s.submit(fn, s) for s in self.shards]
-        # each attempt: a timeout, a probe, a hello on the fresh connection
-        bound = self.options.timeout * (1 + 2 * self.options.retries) + _Shard.PROBE_S * (1 + self.options.retries) + 5
-        return [FutureHandle(f, f"{what} on {s.name}").wait(bound) for f, s in zip(futures, self.shards)]
+        return [FutureHandle(f, f"{what} on {s.name}").wait(self._setup_bound) for f, s in zip(futures, self.shards)]
+
+    @property
+    def _setup_bound(self) -> float:
+        """The longest a setup wait may take: each try a timeout, a probe, a hello on the fresh connection."""
+        return self.options.timeout * (1 + 2 * self.options.retries) + _Shard.PROBE_S * (1 + self.options.retries) + 5
 
     def _parts(self, shard: int, flat: torch.Tensor | None) -> list:
         """Frames of a shard's pieces, read from the parameters (``flat`` None) or from ``flat``."""

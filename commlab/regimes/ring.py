@@ -246,7 +246,7 @@ class RingExchanger(CollectiveExchanger):
             return
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
-            store = rendezvous.default_group_store()
+            store = rendezvous.default_group_store(self.rank_info, opts.timeout)
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
         self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)  # its own namespace
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
