@@ -242,6 +242,17 @@ def merge_launches(records: list[dict]) -> list[dict]:
     return out
 
 
+def paired(rs: list[dict]) -> bool:
+    """Records whose samples were taken turn by turn in one job: sample i of each, the same seconds."""
+    return (len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
+            and len({tuple(r.get("launch_sizes") or ()) for r in rs}) == 1)
+
+
+def clusters(rs: list[dict]):
+    """The launches paired records' samples came from (None: one launch, or not paired)."""
+    return rs[0].get("launch_sizes") if paired(rs) else None
+
+
 def launch_groups(records: list[dict]) -> list[list[list[float]]]:
     """Per record of several launches, its samples launch by launch (for :func:`bench.verdict.launch_sigma`)."""
     groups = []

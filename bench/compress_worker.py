@@ -9,7 +9,7 @@ difference between two entries is how the gradients travel, and a process start 
 entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or
 a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
-and ``start_powerSGD_iter=--start-iter``). An entry that raises leaves an ``.error`` file and the next runs.
+and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own. An entry that raises leaves an ``.error`` file and the next runs.
 
 Models: ``mlp-25m`` (workers/models.py, digits, SGD: the ``commlab train`` model and data) and ``charlm``
 (examples/charlm.py's model at its default size, text windows, AdamW in its parameter groups with warm-up
@@ -38,6 +38,7 @@ import commlab
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("ddp", "ddp+fp16", "ddp+powersgd")
+ONE_BUCKET_MB = 4096  # DDP+PowerSGD's bucket cap: every model here in one bucket (see ddp_wrap)
 # charlm's shape (d_model, layers, heads, context) per name; the MLPs are workers/models.py's
 LMS = {"charlm": (96, 3, 4, 64), "charlm-tiny": (16, 1, 2, 16)}
 MODELS = ("mlp-25m", "tiny", *LMS)
@@ -128,16 +129,21 @@ def ddp_bytes(model, peer: str, step: int, world: int, rank_r: int, start_iter: 
     return plain, plain
 
 
-def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int):
-    """DistributedDataParallel (the default group: gloo) around ``task.model``, with the peer's torch comm hook."""
+def ddp_wrap(task: Task, peer: str, rank_r: int, start_iter: int, group):
+    """DistributedDataParallel over ``group`` (gloo, this entry's own) around ``task.model``, with the peer's
+    torch comm hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(task.model)
+    # torch's PowerSGD hook over gloo with several buckets: the all-reduce of Q that each bucket's callback issues
+    # went out in different orders on the two ranks (the 25M MLP: gloo "24576 vs 4096 bytes, a collective
+    # mismatch" at the first compressed step, every time); one bucket for it, as its communication is small
+    one = {"bucket_cap_mb": ONE_BUCKET_MB} if peer == "ddp+powersgd" else {}
+    ddp = DistributedDataParallel(task.model, process_group=group, **one)
     if peer == "ddp+fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif peer == "ddp+powersgd":
-        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=start_iter,
+        state = powerSGD_hook.PowerSGDState(group, matrix_approximation_rank=rank_r, start_powerSGD_iter=start_iter,
                                             min_compression_rate=2, random_seed=0)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp
@@ -166,8 +172,11 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
     """One entry's run from a fresh model: ``a.steps`` steps, one line per step to ``path``."""
     task = Task(a.model, a.seed, a.batch_size, a.lr, a.steps)
     peer, ex = entry.get("peer"), None
-    if peer:
-        forward = ddp_wrap(task, peer, a.rank_r, a.start_iter)
+    if peer:  # a group of its own: nothing an earlier entry left on a group can meet this one's collectives
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+        forward = ddp_wrap(task, peer, a.rank_r, a.start_iter, group)
     else:
         ex = commlab.connect(entry["url"])
         forward = task.model
@@ -197,7 +206,7 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
             commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start, **line)
     finally:
         if ex is not None:
-            ex.close()
+            ex.close()  # (an entry's DDP group lives to the end: destroying it under its DDP aborted a rank)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(a.rounds):
         for i, entry in enumerate(entries):
             path = f"{a.metrics}.{i}.{rnd}"
+            dist.barrier()  # every rank starts each entry together (rank 0 evaluated the last one alone)
             try:
                 train_entry(entry, a, rank, world, path)
             except Exception as exc:  # this entry failed here: say so and go on with the next (they all time out)

@@ -24,10 +24,11 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import curves
 from bench import regimes as R
 from bench.bandwidth import Budget
-from bench.jobs import python, run_job
-from commlab.metrics import metrics_path
+from bench.jobs import python, read_ranks, run_job
+from bench.text import slug
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
 # step is within this of local's. Summation order differs (bucketed all-reduce vs one
@@ -88,20 +89,6 @@ class ConvergenceConfig:
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
-
-
-def slug(name: str) -> str:
-    """A regime's name as a file name (``ps-async-lr/N`` -> ``ps-async-lr_N``)."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-
-
-def read_metrics(path: Path, workers: int) -> list[list[dict]]:
-    """Per rank, the JSON lines it wrote (rank r > 0 writes PATH.rank<r>)."""
-    out = []
-    for r in range(workers):
-        p = metrics_path(path, r)
-        out.append([json.loads(l) for l in p.read_text().splitlines() if l.strip()] if p.exists() else [])
-    return out
 
 
 SERVER_STATS = re.compile(r"^commlab server (?P<name>[^:]+): (?P<json>\{.*\})\s*$")
@@ -175,7 +162,6 @@ def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], tar
     r0 = ranks[0]
     evals = [{"step": x["step"] + 1, "time_s": x["time_s"], "test_loss": x["test_loss"], "test_acc": x["test_acc"],
               "bytes": sum(x2["bytes_sent"] for x2 in r0[: x["step"] + 1])} for x in r0 if "test_acc" in x]
-    hit = next((e for e in evals if e["test_acc"] >= target), None)
     def given(key):  # a peer may not know a field (DDP: no exposed communication apart from compute)
         return [x[key] for x in r0 if x.get(key) is not None]
 
@@ -191,7 +177,7 @@ def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], tar
             "step_s_mean": mean("step_s"), "compute_s_mean": mean("compute_s"), "comm_s_mean": mean("comm_s"),
             "step_s_min": min((x["step_s"] for x in r0), default=float("nan")),
             "step_s_max": max((x["step_s"] for x in r0), default=float("nan")),
-            "time_to_target_s": hit["time_s"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+            **curves.reach(test_loss_curve({"evals": evals}), [e["test_acc"] for e in evals], lambda a: a >= target),
             "evals": evals, "batch_per_worker": batch, "lr": lr, "samples": batch * sum(map(len, ranks)),
             "step_s_samples": [x["step_s"] for x in r0], "comm_s_samples": [x["comm_s"] for x in r0]}
 
@@ -248,7 +234,7 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
     res = run_job(argv, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
     budget.note(res.seconds)
-    ranks = read_metrics(metrics, ranks_n)
+    ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
         status, error = budget.outcome(res) if not res.ok else ("failed", "")
         return None, {"phase": "convergence", "regime": name, "url": e.url, "status": status, "workers": workers,
@@ -334,16 +320,18 @@ def _point(s: dict, steps_dropped: int) -> dict:
             "step_s_samples": step, "comm_s_samples": comm}
 
 
+def test_loss_curve(s: dict) -> list[dict]:
+    """A summary's evaluations as a curve (:mod:`bench.curves`): step counted from 0, loss = test loss."""
+    return [{"step": e["step"] - 1, "loss": e["test_loss"], "time_s": e["time_s"]} for e in s["evals"]]
+
+
 def compare_with_reference(summaries: list[dict]) -> None:
-    """Set ``max_abs_test_loss_diff`` (against local://, at the eval steps both have) on every summary."""
+    """Set ``vs_local`` (:func:`bench.curves.coincidence` of the test-loss curves, at the eval steps both
+    have), ``max_abs_test_loss_diff`` and ``coincides_with_local`` (its figures) on every summary."""
     ref = next((s for s in summaries if s["kind"] == "reference"), None)
     for s in summaries:
-        s["max_abs_test_loss_diff"] = None
-        s["coincides_with_local"] = None
-        if ref is None or s is ref:
-            continue
-        mine = {e["step"]: e["test_loss"] for e in s["evals"]}
-        common = [(mine[e["step"]], e["test_loss"]) for e in ref["evals"] if e["step"] in mine]
-        if common:
-            s["max_abs_test_loss_diff"] = max(abs(a - b) for a, b in common)
-            s["coincides_with_local"] = s["max_abs_test_loss_diff"] <= COINCIDE_TOL
+        v = None if ref is None or s is ref else curves.coincidence(test_loss_curve(ref), test_loss_curve(s),
+                                                                      COINCIDE_TOL)
+        s["vs_local"] = v
+        s["max_abs_test_loss_diff"] = v and v["max_abs_diff"]
+        s["coincides_with_local"] = v and v["coincides"]

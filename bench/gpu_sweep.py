@@ -27,7 +27,6 @@ alone (files named ``gpu-dryrun-cpu``).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch import nn
 
 from bench import records as rec
 from bench import verdict
+from bench.text import slug
 
 CASE = "gpu-sweep"
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,10 +143,6 @@ def verdicts(records: list[dict]) -> list[tuple[str, verdict.Verdict]]:
             out.append((f"{r['url']} {r['size_bytes'] / 2**20:g} MiB CUDA / CPU algbw",
                         verdict.compare("cuda", r["samples_us"], "cpu", cpu["samples_us"], paired=False)))
     return out
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def markdown(device: str, a, records: list[dict], vs: list[tuple[str, verdict.Verdict]], skipped: list,

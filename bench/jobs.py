@@ -11,6 +11,7 @@ report shows.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from commlab import launcher
+from commlab.metrics import metrics_path
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,25 @@ def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None)
         finally:  # also on KeyboardInterrupt: the group goes with us
             launcher.kill_groups([proc], grace=3.0)
     return JobResult(proc.returncode, time.monotonic() - started, log, timed_out)
+
+
+def read_ranks(base: Path, workers: int, *, need_step: bool = True) -> list[list[dict]]:
+    """What each of a job's ranks wrote with :func:`commlab.metrics.report` (rank r > 0 writes
+    ``base.rank<r>``, :func:`commlab.metrics.metrics_path`): its JSON objects in order, a line cut short
+    (a rank killed mid-write) skipped; with ``need_step``, only those with an integer ``step``. A rank
+    that wrote nothing has ``[]``."""
+    out = []
+    for r in range(workers):
+        lines, p = [], metrics_path(base, r)
+        for line in p.read_text(errors="replace").splitlines() if p.exists() else ():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and (not need_step or isinstance(rec.get("step"), int)):
+                lines.append(rec)
+        out.append(lines)
+    return out
 
 
 def stop_groups(procs: list[subprocess.Popen]) -> None:

@@ -38,9 +38,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
-from bench import bandwidth, verdict
-from bench.convergence import read_metrics, read_staleness
-from bench.jobs import python, run_job
+from bench import bandwidth, text, verdict
+from bench import regimes as R
+from bench.convergence import read_staleness
+from bench.jobs import python, read_ranks, run_job
 from bench.netns import Links, link_unavailable_reason
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
@@ -48,21 +49,16 @@ from commlab.plan import compression
 from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
 from commlab.plan.simulate import SimResult, simulate
 
-REGIMES = {"ring": "ring://?transport=torch", "gloo": "allreduce://?backend=gloo",
-           "ps-1": "ps://?shards=1&mode=sync", "ps-2": "ps://?shards=2&mode=sync",
+REGIMES = {"ring": R.BANDWIDTH["ring-torch"].url, "gloo": R.url_of("gloo"), "ps-1": R.url_of("ps-sync"),
+           "ps-2": R.url_of("ps-sync-2"),
            # commlab's own ring over zmq tcp, bound to its namespace's address (no keys: the addresses exist
            # only inside the run's namespaces), as `commlab bench compress` runs it across links
-           "ring-tcp": "ring://?transport=tcp&host=auto&insecure=1"}
+           "ring-tcp": R.BANDWIDTH["ring-hosts"].url}
 BEGIN, END = "<!-- plan-validate:begin -->", "<!-- plan-validate:end -->"
 LOOPBACK_BPS = 1e12  # no link limit: the transports' own per-byte cost decides
 # tc's rate counts whole frames: a TCP segment of a 1500-byte MTU carries 1448 bytes (timestamps on)
 # in 1514 on the wire, so the transports see this share of the capped rate
 TCP_GOODPUT = 1448 / 1514
-
-
-def quantile(v: Sequence[float], q: float) -> float:
-    v = sorted(v)
-    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
 
 
 def share_now(cal: Calibration, url: str, n: int, a) -> float | None:
@@ -95,7 +91,7 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     res = run_job(argv, out / "logs" / f"{name}.log", a.job_timeout, env=env)
     if around:
         around()
-    ranks = read_metrics(metrics, n)
+    ranks = read_ranks(metrics, n)
     times = [x["step_s"] for lines in ranks for x in lines[a.warmup:]]
     # one sample per step: the ranks' mean of step t (a synchronous step ends on every rank together,
     # so its N records are one observation, not N)
@@ -104,7 +100,8 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     rec = {"name": name, "url": url, "workers": n, "ok": res.ok and bool(times), "error": res.error(),
            "seconds": res.seconds, "step_s": times, "steps_s": per_step}
     if times:
-        rec.update(median=statistics.median(times), p25=quantile(times, 0.25), p75=quantile(times, 0.75),
+        rec.update(median=statistics.median(times), p25=verdict.quantile(times, 0.25),
+                   p75=verdict.quantile(times, 0.75),
                    # the worker's own time in a step: its step less what it waited on the exchange (its
                    # compute_s runs until backward ends, and an overlapped exchange waits inside backward)
                    compute_median=statistics.median(x["step_s"] - x["comm_s"] for lines in ranks
@@ -166,10 +163,6 @@ def add_overhead(points: list[dict], cal: Calibration) -> None:
         pred = compression.predict_at(cal, spec, regime, topo, p["workers"], p["batch"], ef, o)["step_s"]
         p.update(overhead_s=o, predicted_with_overhead=pred,
                  error_with_overhead_pct=100 * (pred - p["median"]) / p["median"])
-
-
-def with_compress(url: str, spec: str) -> str:
-    return url + ("&" if "?" in url else "?") + f"compress={spec}"
 
 
 def compressed_pairs(points: list[dict]) -> list[tuple[dict, dict]]:
@@ -253,17 +246,18 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
                                             sorted({compression.parse_url(p["url"])[0].transport
                                                     for p in points}))) +
            ". Link rate the prediction uses: " +
-           "; ".join(f"{r}: {how}" for r, how in links_seen.items()) + ".", "",
-           "| link | N | regime | hosts | measured step [p25–p75] | predicted | error | measured step − wait | "
-           "predicted compute |", "|---|---|---|---|---|---|---|---|---|"]
+           "; ".join(f"{r}: {how}" for r, how in links_seen.items()) + ".", ""]
+    rows = []
     for p in points:
+        head = [p["rate"], p["workers"], p["regime"], p["hosts"]]
         if not p["ok"]:
-            out.append(f"| {p['rate']} | {p['workers']} | {p['regime']} | {p['hosts']} | failed: "
-                       f"{p['error'][:120].replace('|', '/')} | {p['predicted'] * 1e3:.0f} ms | | | |")
+            rows.append(head + [f"failed: {p['error'][:120]}", f"{p['predicted'] * 1e3:.0f} ms", "", "", ""])
             continue
-        out.append(f"| {p['rate']} | {p['workers']} | {p['regime']} | {p['hosts']} | {p['median'] * 1e3:.0f} ms "
-                   f"[{p['p25'] * 1e3:.0f}–{p['p75'] * 1e3:.0f}] | {p['predicted'] * 1e3:.0f} ms | "
-                   f"{p['error_pct']:+.1f}% | {p['compute_median'] * 1e3:.0f} ms | {p['predicted_compute'] * 1e3:.0f} ms |")
+        rows.append(head + [f"{p['median'] * 1e3:.0f} ms [{p['p25'] * 1e3:.0f}–{p['p75'] * 1e3:.0f}]",
+                            f"{p['predicted'] * 1e3:.0f} ms", f"{p['error_pct']:+.1f}%",
+                            f"{p['compute_median'] * 1e3:.0f} ms", f"{p['predicted_compute'] * 1e3:.0f} ms"])
+    out += text.table(["link", "N", "regime", "hosts", "measured step [p25–p75]", "predicted", "error",
+                       "measured step − wait", "predicted compute"], rows)
     checked, agree, misses = rank_check(points)
     one_checked, one_agree, one_misses = rank_check(points, launch_sigma=0.0)
     iqr_checked, iqr_agree = iqr_rank_check(points)
@@ -322,7 +316,7 @@ def between_markers(text: str, lines: list[str]) -> str:
 
 
 def hist_stats(values: Sequence[int]) -> tuple[float, float, float]:
-    return statistics.fmean(values), quantile(values, 0.9), max(values)
+    return statistics.fmean(values), verdict.quantile(values, 0.9), max(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
     entries = [(n, n, None, REGIMES[n]) for n in names] + [
-        (f"{n} {spec}", n, spec, with_compress(REGIMES[n], spec)) for spec in a.compress for n in names
+        (f"{n} {spec}", n, spec, R.with_query(REGIMES[n], f"compress={spec}")) for spec in a.compress for n in names
         if compression.parse_url(REGIMES[n])[0].kind == "allreduce"]
     cal = compression.with_urls(cal, [url for *_, url in entries])
     cal.save(out / "calibration.json")

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench import verdict  # noqa: E402
+from bench.bandwidth import clusters, paired  # noqa: E402
 from bench.text import human_bytes  # noqa: E402
 
 CEILING_STYLE = {"linestyle": "--", "linewidth": 1.2, "alpha": 0.8}
@@ -30,9 +32,6 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
     intervals the report's verdicts read."""
     if not records:
         return None
-    from bench import verdict
-    from bench.report import _clusters, _paired
-
     peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and r.get("samples_us")}
     fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(19 if peers else 13, 5))
     ax_t, ax_b = axes[0], axes[1]
@@ -62,8 +61,8 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
                           label=label, **style)
         if peers and name != peer and rs[0]["method"] not in ("noop", "memcpy"):
             pts = [(r["size_bytes"], verdict.compare(name, r["samples_us"], peer, peers[r["size_bytes"]]["samples_us"],
-                                                     paired=_paired([r, peers[r["size_bytes"]]]),
-                                                     clusters=_clusters([r, peers[r["size_bytes"]]])))
+                                                     paired=paired([r, peers[r["size_bytes"]]]),
+                                                     clusters=clusters([r, peers[r["size_bytes"]]])))
                    for r in rs if r["size_bytes"] in peers and not r["wrong"]]
             if pts:
                 axes[2].errorbar([p for p, _ in pts], [v.ratio for _, v in pts],
@@ -169,7 +168,6 @@ def scaling(points: list[dict], path: Path, cpus: int | None) -> Path | None:
     """Step time and exposed communication against N, medians with 95% intervals; N > cores shaded."""
     if not points:
         return None
-    from bench import verdict
 
     fig, (ax_s, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8))
     ns = sorted({p["workers"] for p in points})

@@ -40,8 +40,9 @@ from typing import Sequence
 
 from bench import manifest
 from commlab import scratch
+from bench import text
 from bench.text import fmt_us, human_bytes
-from bench.verdict import Verdict
+from bench.verdict import Verdict, quantile
 
 KINDS = ("regime", "peer", "ceiling", "reference")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
@@ -84,7 +85,7 @@ def record(case: str, regime: str, *, kind: str, method: str, workers: int, size
         raise ValueError(f"extra fields {clash} would replace common ones")
     ts = sorted(times_s)
     med = statistics.median(ts)
-    p90 = ts[min(len(ts) - 1, int(round(0.9 * (len(ts) - 1))))]
+    p90 = quantile(ts, 0.9)
     f = bus_factor(method, workers)
     gb = lambda t: size_bytes / t / 1e9 if t > 0 else float("inf")
     return {"case": case, "regime": regime, "kind": kind, "url": url, "method": method, "workers": workers,
@@ -121,20 +122,10 @@ def goal_text(v: Verdict, goal: float) -> str:
 def table(records: list[dict], extra: Sequence[tuple[str, str]] = ()) -> list[str]:
     """Markdown lines: the common columns and the ``(header, key)`` extras, one row per record."""
     head = ["regime", "kind", "N", "size", "time (median [min–max])", "algbw GB/s", "busbw GB/s", *(h for h, _ in extra)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in records:
-        cells = [r["regime"], r["kind"], str(r["workers"]), human_bytes(r["size_bytes"]),
-                 f"{fmt_us(r['time_us'])} [{fmt_us(r['time_us_min'])}–{fmt_us(r['time_us_max'])}]",
-                 f"{r['algbw_gbps']:.3g}", "—" if r["method"] == "noop" else f"{r['busbw_gbps']:.3g}"]
-        cells += [_cell(r.get(key)) for _, key in extra]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def _cell(x) -> str:
-    if x is None:
-        return "—"
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
+    return text.table(head, [[r["regime"], r["kind"], str(r["workers"]), human_bytes(r["size_bytes"]),
+                              f"{fmt_us(r['time_us'])} [{fmt_us(r['time_us_min'])}–{fmt_us(r['time_us_max'])}]",
+                              f"{r['algbw_gbps']:.3g}", "—" if r["method"] == "noop" else f"{r['busbw_gbps']:.3g}",
+                              *(text.fmt(r.get(key), 4) for _, key in extra)] for r in records])
 
 
 def write(path: str | os.PathLike, case: str, config: dict, records: list[dict], verdicts: list[tuple[str, Verdict]],
@@ -163,8 +154,8 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
     Blocks until the job ends. Raises CaseFailed for a failed job, KeyboardInterrupt when the job
     was stopped by Ctrl-C or SIGTERM.
     """
-    from bench.jobs import last_error_line
-    from commlab import launcher, metrics
+    from bench.jobs import last_error_line, read_ranks
+    from commlab import launcher
 
     with scratch.folder("case") as tmp:
         base, logs = Path(tmp) / "metrics.jsonl", Path(tmp) / "logs"
@@ -179,8 +170,4 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
             said = [line for log in sorted(logs.glob("*.log")) if (line := last_error_line(log))]
             said.sort(key=lambda line: "Error" not in line)  # an exception's line before a stopped rank's last
             raise CaseFailed(f"{name}: exit {code}" + (f": {said[0]}" if said else ""))
-        out = []
-        for r in range(workers):
-            p = metrics.metrics_path(base, r)
-            out.append([json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else [])
-        return out
+        return read_ranks(base, workers, need_step=False)

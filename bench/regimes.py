@@ -94,6 +94,7 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
     "ps-ssp-1": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1"),
     "ps-ssp-1-lr/N": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1, lr / N",
                                       lr_over_n=True),
+    "ps-ssp-2": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=2", "async", "SSP, bound 2"),
     "ps-ssp-4": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=4", "async", "SSP, bound 4"),
     # the default run's one row of compression (issue 26); `commlab bench compress` is the whole comparison
     "ring-powersgd": ConvergenceEntry("ring://?compress=powersgd:4,start_iter=10", "compressed",
@@ -107,6 +108,16 @@ DEFAULT_CONVERGENCE = ["local", "ddp", "gloo", "ring", "ring-tcp", "ps-sync", "p
                        "ps-ssp-1-lr/N", "ring-powersgd", "noop"]
 # step time and exposed communication against N (N = --workers comes from the convergence runs when they ran)
 DEFAULT_SCALING = ["gloo", "ring-tcp"]
+
+
+def with_query(url: str, extra: str) -> str:
+    """``url`` with ``extra`` (``key=value[&...]``) appended to its query; ``url`` itself if ``extra`` is empty."""
+    return url + ("&" if "?" in url else "?") + extra if extra else url
+
+
+def url_of(name: str) -> str:
+    """A convergence regime's URL by its name (``gloo`` -> ``allreduce://?backend=gloo``); a URL as given."""
+    return CONVERGENCE[name].url if name in CONVERGENCE else name
 
 
 def unavailable(url: str) -> str | None:

@@ -11,20 +11,14 @@ import statistics
 from pathlib import Path
 
 from bench import plots, verdict
+from bench import bandwidth, curves
 from bench.bandwidth import launch_groups
 from bench.records import bus_factor
-from bench.convergence import COINCIDE_TOL
-from bench.text import fmt, fmt_us, human_bytes
+from bench.text import fmt, fmt_us, human_bytes, table
 from commlab.plan.recommend import at_scale_from_bench
 
 SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Scaling with N",
             "## Probes", "## Files")
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out
 
 
 def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[str]:
@@ -55,7 +49,7 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
                          fmt_us(r["time_us_p90"]), "— (floor)" if r["method"] == "noop" else f"{r['algbw_gbps']:.3g}",
                          f"{r['busbw_gbps']:.3g} [{r['busbw_gbps_min']:.3g}–{r['busbw_gbps_max']:.3g}]", str(r["wrong"])])
         out += [f"### {human_bytes(size)} ({size // 4} float32)", ""]
-        out += _table(["regime", "N", "repeats", "time median [min–max]", "p90", "algbw GB/s",
+        out += table(["regime", "N", "repeats", "time median [min–max]", "p90", "algbw GB/s",
                        "busbw GB/s median [min–max]", "wrong"], rows)
         out.append("")
     out += ["### Verdict: fastest exchange per size", "",
@@ -66,17 +60,6 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
     if png:
         out += [f"![exchange time and busbw against size]({png.name})", ""]
     return out
-
-
-def _paired(rs: list[dict]) -> bool:
-    """Records whose samples were taken turn by turn in one job: sample i of each, the same seconds."""
-    return (len({r.get("job") for r in rs}) == 1 and len({len(r.get("samples_us") or ()) for r in rs}) == 1
-            and len({tuple(r.get("launch_sizes") or ()) for r in rs}) == 1)
-
-
-def _clusters(rs: list[dict]):
-    """The launches paired records' samples came from (None: one launch, or not paired)."""
-    return rs[0].get("launch_sizes") if _paired(rs) else None
 
 
 def _compared(records: list[dict], size: int) -> list[dict]:
@@ -91,16 +74,16 @@ def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
     real = _compared(records, size)
     if len(real) < 2:
         return []
-    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
-                                clusters=_clusters(real))
+    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=bandwidth.paired(real),
+                                clusters=bandwidth.clusters(real))
 
 
 def size_pairs(records: list[dict], size: int) -> list[verdict.Verdict]:
     """Every pair of regimes at ``size``, in the order the run listed them (the same lines in every
     run, whichever is fastest), from records with samples and no wrong result."""
     real = _compared(records, size)
-    return verdict.pairs({r["regime"]: r["samples_us"] for r in real}, paired=_paired(real),
-                         clusters=_clusters(real)) if len(real) > 1 else []
+    return verdict.pairs({r["regime"]: r["samples_us"] for r in real}, paired=bandwidth.paired(real),
+                         clusters=bandwidth.clusters(real)) if len(real) > 1 else []
 
 
 def bandwidth_verdict(records: list[dict]) -> list[str]:
@@ -162,14 +145,15 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
                 row.append("—")
                 continue
             v = verdict.compare(name, r["samples_us"], peer, peers[size]["samples_us"],
-                                paired=_paired([r, peers[size]]), clusters=_clusters([r, peers[size]]))
+                                paired=bandwidth.paired([r, peers[size]]),
+                                clusters=bandwidth.clusters([r, peers[size]]))
             row.append(f"{'≈ ' if v.winner is None else ''}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
         rows.append(row)
     return ([f"### Against {peer}: busbw / {peer}'s busbw (= {peer}'s time / the regime's), 95% interval", "",
              f"Bootstrap over the timed iterations, paired where the two took turns in one job; ≈ marks an interval "
              f"that contains 1.0 (indistinguishable on this machine). Ceilings are listed too: how far {peer} is "
              "from what plain sockets reach.", ""]
-            + _table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
+            + table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
 
 def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0) -> list[str]:
@@ -204,7 +188,7 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
                      f"{s['compute_s_median'] * 1e3:.1f}",
                      "overlapped" if math.isnan(s["comm_s_median"]) else f"{s['comm_s_median'] * 1e3:.1f}",
                      fmt(s["max_abs_test_loss_diff"], 2)])
-    out += _table(["regime", "kind", "N", "lr per update", "samples", "updates applied", "final test acc",
+    out += table(["regime", "kind", "N", "lr per update", "samples", "updates applied", "final test acc",
                    "final test loss", "wall s", "steps to target",
                    "s to target", "sent / worker / step", "step ms median [min–max]", "compute ms",
                    "exposed comm ms", "max abs test-loss diff vs local"], rows)
@@ -227,23 +211,9 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
 
 
 def sync_check(summaries: list[dict]) -> list[str]:
-    ref = next((s for s in summaries if s["kind"] == "reference"), None)
-    sync = [s for s in summaries if s["kind"] == "sync"]
-    if ref is None:
-        return ["- local:// did not run, so there is nothing to check against."]
-    if not sync:
-        return ["- No synchronous regime ran."]
-    lines = []
-    for s in sync:
-        d = s["max_abs_test_loss_diff"]
-        if d is None:
-            lines.append(f"- {s['regime']}: no eval step in common with local://.")
-        elif s["coincides_with_local"]:
-            lines.append(f"- {s['regime']}: **coincides** with local:// (max |test-loss difference| {d:.2g} over "
-                         f"{len(s['evals'])} eval steps, tolerance {COINCIDE_TOL:g}; float32 summation order).")
-        else:
-            lines.append(f"- {s['regime']}: **does NOT coincide** with local:// (max |test-loss difference| "
-                         f"{d:.3g} > {COINCIDE_TOL:g}): a synchronous regime that changes the arithmetic is a bug.")
+    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)?"""
+    lines = curves.agreement(summaries, any(s["kind"] == "reference" for s in summaries), what="test-loss",
+                             why="float32 summation order")
     for s in summaries:  # compression changes the arithmetic by design: how far it went, not a verdict
         if s["kind"] == "compressed" and s["max_abs_test_loss_diff"] is not None:
             lines.append(f"- {s['regime']}: compressed, so not local's arithmetic by design: max |test-loss "
@@ -287,9 +257,8 @@ def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -
 
 
 def _stale_stats(vals: list[int]) -> str:
-    v = sorted(vals)
-    return (f"mean {statistics.fmean(v):.2f}, median {statistics.median(v):g}, "
-            f"p90 {v[min(len(v) - 1, int(0.9 * (len(v) - 1)))]}, max {v[-1]}")
+    return (f"mean {statistics.fmean(vals):.2f}, median {statistics.median(vals):g}, "
+            f"p90 {verdict.quantile(vals, 0.9)}, max {max(vals)}")
 
 
 def _bound(url: str) -> int | None:
@@ -351,7 +320,7 @@ def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus
         cm = verdict.median_interval(p["comm_s_samples"]) if min(p["comm_s_samples"]) > 0 else (p["comm_s_median"],) * 3
         rows.append([p["regime"], str(p["workers"]), f"{st[0] * 1e3:.1f} [{st[1] * 1e3:.1f}, {st[2] * 1e3:.1f}]",
                      f"{cm[0] * 1e3:.1f} [{cm[1] * 1e3:.1f}, {cm[2] * 1e3:.1f}]"])
-    out += _table(["regime", "N", "step ms, median [95%]", "exposed comm ms, median [95%]"], rows) + [""]
+    out += table(["regime", "N", "step ms, median [95%]", "exposed comm ms, median [95%]"], rows) + [""]
     for name in dict.fromkeys(p["regime"] for p in points):
         ps = sorted((p for p in points if p["regime"] == name), key=lambda p: p["workers"])
         for a, b in zip(ps, ps[1:]):
@@ -426,7 +395,7 @@ def launch_notes(records: list[dict], pairs: dict[int, list[verdict.Verdict]] | 
     out = []
     for size, vs in (bandwidth_pairs(records) if pairs is None else pairs).items():
         real = _compared(records, size)
-        clusters = _clusters(real)
+        clusters = bandwidth.clusters(real)
         if not clusters or len(clusters) < 2:
             continue
         samples = {r["regime"]: r["samples_us"] for r in real}
@@ -445,9 +414,9 @@ def failures_section(failures: list[dict]) -> list[str]:
     if not failures:
         return out + ["Every requested regime ran.", ""]
     rows = [[f["phase"], f["regime"], f"`{f['url']}`" if f.get("url") else "", f["status"],
-             f["error"].replace("|", "\\|").replace("\n", " ")[:300] + (f" (log: `{f['log']}`)" if f.get("log") else "")]
+             f["error"][:300] + (f" (log: `{f['log']}`)" if f.get("log") else "")]
             for f in failures]
-    return out + _table(["phase", "regime", "URL", "status", "error"], rows) + [""]
+    return out + table(["phase", "regime", "URL", "status", "error"], rows) + [""]
 
 
 def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[dict], curves: dict,

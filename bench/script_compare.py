@@ -38,7 +38,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.jobs import python, run_job
+from bench import text
+from bench.curves import curve, number, median, smooth_window, smoothed, step_times, time_to_target
+from bench.jobs import python, read_ranks, run_job
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
 from commlab.metrics import metrics_path
@@ -66,10 +68,6 @@ def split_regimes(text: str) -> list[str]:
     return [u.strip() for u in re.split(r",(?=\s*[A-Za-z][A-Za-z0-9+.-]*://)", text) if u.strip()]
 
 
-def slug(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "regime"
-
-
 @dataclass(frozen=True)
 class Regime:
     """One job of the comparison: the script's ranks under ``url``."""
@@ -93,24 +91,6 @@ class Outcome:
     log: str = ""
 
 
-def read_ranks(base: Path, workers: int) -> list[list[dict]]:
-    """Every rank's whole JSON lines (rank r > 0 writes ``base.rank<r>``); a line cut short is skipped."""
-    out = []
-    for r in range(workers):
-        lines = []
-        p = metrics_path(base, r)
-        if p.exists():
-            for text in p.read_text(errors="replace").splitlines():
-                try:
-                    rec = json.loads(text)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    lines.append(rec)
-        out.append(lines)
-    return out
-
-
 def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: float,
                env: dict | None = None) -> Outcome:
     """``commlab run`` the script under one regime; never raises for the regime's own failure.
@@ -121,7 +101,7 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
     why = unavailable(regime.url)
     if why:
         return Outcome(regime, "unavailable", why)
-    name = slug(regime.label)
+    name = text.slug(regime.label)
     metrics = out / "raw" / f"{name}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     for r in range(regime.workers):
@@ -146,74 +126,6 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
 
 # ----- from lines to curves and summaries ---------------------------------------------------------
 
-def _num(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-def curve(ranks: list[list[dict]]) -> list[dict]:
-    """One point per step rank 0 reported a loss for: ``step``, ``loss`` (mean over the ranks that
-    reported that step), ``time_s`` (rank 0's), ``bytes`` (rank 0's bytes sent up to that step) and
-    ``step_s`` / ``comm_s`` / ``bytes_sent`` where rank 0 reported them. A step's first line counts
-    (a script's closing line repeating the last step adds its held-out figures, not a second point)."""
-    per_rank: list[dict[int, dict]] = []
-    for lines in ranks:
-        first: dict[int, dict] = {}
-        for rec in lines:
-            if _num(rec.get("loss")) is not None:
-                first.setdefault(rec["step"], rec)
-        per_rank.append(first)
-    if not per_rank or not per_rank[0]:
-        return []
-    r0 = per_rank[0]
-    stamps = [_num(rec.get("unix_s")) for rec in r0.values()]
-    t0_unix = min((t for t in stamps if t is not None), default=None)
-    points, sent = [], 0.0
-    steps = sorted(r0)
-    contiguous = steps == list(range(steps[0], steps[0] + len(steps)))
-    mean_sent = statistics.fmean([b for b in (_num(r0[s].get("bytes_sent")) for s in steps) if b is not None] or [0.0])
-    for s in steps:
-        rec = r0[s]
-        losses = [_num(pr[s]["loss"]) for pr in per_rank if s in pr]
-        t = _num(rec.get("time_s"))
-        if t is None and t0_unix is not None and _num(rec.get("unix_s")) is not None:
-            t = rec["unix_s"] - t0_unix
-        b = _num(rec.get("bytes_sent"))
-        # bytes up to this step: exact when every step was reported, else the mean per reported step x steps
-        sent = (sent + (b or 0.0)) if contiguous else mean_sent * (s + 1)
-        points.append({"step": s, "loss": statistics.fmean(losses), "ranks": len(losses), "time_s": t,
-                       "bytes": sent, "step_s": _num(rec.get("step_s")), "comm_s": _num(rec.get("comm_s")),
-                       "bytes_sent": b})
-    return points
-
-
-def smooth_window(n: int) -> int:
-    """Points in the trailing mean that the final loss and the time to target use: a tenth of the curve."""
-    return max(1, round(n / 10))
-
-
-def smoothed(points: list[dict]) -> list[float]:
-    """Trailing mean of the loss over :func:`smooth_window` points (a per-batch loss is noisy)."""
-    w = smooth_window(len(points))
-    losses = [p["loss"] for p in points]
-    return [statistics.fmean(losses[max(0, i + 1 - w): i + 1]) for i in range(len(losses))]
-
-
-def _median(values) -> float | None:
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(vals) if vals else None
-
-
-def step_times(points: list[dict]) -> list[float]:
-    """Seconds per step: the reported ``step_s``, else the time between reported steps per step."""
-    if any(p["step_s"] is not None for p in points):
-        return [p["step_s"] for p in points if p["step_s"] is not None]
-    out = []
-    for a, b in zip(points, points[1:]):
-        if a["time_s"] is not None and b["time_s"] is not None and b["step"] > a["step"]:
-            out.append((b["time_s"] - a["time_s"]) / (b["step"] - a["step"]))
-    return out
-
-
 def summarize(o: Outcome, target: float | None = None) -> dict:
     """The table's row for one outcome (and its curve)."""
     r = o.regime
@@ -228,18 +140,11 @@ def summarize(o: Outcome, target: float | None = None) -> dict:
     sent = [p["bytes_sent"] for p in pts if p["bytes_sent"] is not None]
     row.update({"steps": pts[-1]["step"] + 1, "final_loss": sm[-1], "last_loss": pts[-1]["loss"],
                 "smooth_window": smooth_window(len(pts)), "wall_s": pts[-1]["time_s"],
-                "test_loss": _num(last0.get("test_loss")), "test_acc": _num(last0.get("test_acc")),
-                "step_s_median": _median(step_times(pts)), "comm_s_median": _median(p["comm_s"] for p in pts),
+                "test_loss": number(last0.get("test_loss")), "test_acc": number(last0.get("test_acc")),
+                "step_s_median": median(step_times(pts)), "comm_s_median": median(p["comm_s"] for p in pts),
                 "bytes_per_step": statistics.fmean(sent) if sent else None})
     row.update(time_to_target(pts, sm, target))
     return row
-
-
-def time_to_target(pts: list[dict], sm: list[float], target: float | None) -> dict:
-    """The first reported step (and its wall time) whose smoothed loss is at or below ``target``."""
-    hit = None if target is None else next((p for p, s in zip(pts, sm) if s <= target), None)
-    return {"target_loss": target, "steps_to_target": hit["step"] + 1 if hit else None,
-            "time_to_target_s": hit["time_s"] if hit else None}
 
 
 def default_target(rows: list[dict]) -> float | None:
@@ -259,41 +164,23 @@ def summarize_all(outcomes: list[Outcome], target: float | None = None) -> tuple
 
 # ----- the table, the JSON, the plot --------------------------------------------------------------
 
-def _ms(x: float | None) -> str:
-    return "—" if x is None else f"{x * 1e3:.1f}"
-
-
-def _f(x: float | None, spec: str = ".4f") -> str:
-    return "—" if x is None else format(x, spec)
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
 def table(rows: list[dict], extra: list[tuple[str, callable]] = ()) -> list[str]:
     """Markdown: one row per regime (those that did not run say why in the last column)."""
     header = ["regime", "kind", "N", "steps", "final loss", "test loss", "steps to target", "s to target",
               "step ms (median)", "exposed comm ms (median)", "sent / rank / step", *[h for h, _ in extra], "status"]
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out = []
     for r in rows:
         ok = bool(r.get("curve"))
-        status = "ok" if r["status"] == "ok" else f"{r['status']}: " + r["error"].replace("|", "\\|").replace("\n", " ")[:240]
+        status = "ok" if r["status"] == "ok" else f"{r['status']}: " + r["error"][:240]
         cells = [f"`{r['regime']}`" if "://" in r["regime"] else r["regime"], r["kind"], str(r["workers"])]
         if ok:
-            cells += [str(r["steps"]), _f(r["final_loss"]), _f(r["test_loss"]), _f(r["steps_to_target"], "d"),
-                      _f(r["time_to_target_s"], ".2f"), _ms(r["step_s_median"]), _ms(r["comm_s_median"]),
-                      human_bytes(r["bytes_per_step"])]
+            cells += [str(r["steps"]), text.fixed(r["final_loss"]), text.fixed(r["test_loss"]),
+                      text.fixed(r["steps_to_target"], "d"), text.fixed(r["time_to_target_s"], ".2f"),
+                      text.ms(r["step_s_median"]), text.ms(r["comm_s_median"]), text.human_bytes(r["bytes_per_step"])]
         else:
             cells += ["—"] * 8
-        cells += [fn(r) for _, fn in extra] + [status]
-        out.append("| " + " | ".join(cells) + " |")
-    return out
+        out.append(cells + [fn(r) for _, fn in extra] + [status])
+    return text.table(header, out)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path | None:
@@ -339,7 +226,7 @@ def write(out: Path, rows: list[dict], target: float | None, command: list[str],
     """``script.md`` and ``script.json`` in ``out``; returns the markdown's path."""
     md = [f"# Your script under each regime", "",
           f"- Command: `{' '.join(shlex.quote(c) for c in command)}`",
-          f"- Target loss: {_f(target)} ({'given' if target_given else 'the highest final loss among the regimes that finished: every one reached it'}); "
+          f"- Target loss: {text.fixed(target)} ({'given' if target_given else 'the highest final loss among the regimes that finished: every one reached it'}); "
           "final loss and time to target use the trailing mean over a tenth of each curve's reported steps.",
           "- Loss is the mean over the ranks of each rank's reported loss (with equal batches: the combined "
           "batch's); step time, exposed communication (time spent waiting on the exchange) and bytes are rank 0's; "

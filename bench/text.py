@@ -1,4 +1,8 @@
-"""Sizes and numbers as people write them."""
+"""The one renderer of ``bench/``: sizes and numbers as people write them, markdown tables, file names.
+
+Every bench module writes its tables with :func:`table`, its sizes with :func:`human_bytes` (binary
+units: a 4096-byte message is "4 KiB"), and names its files with :func:`slug`.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s.strip()]
 
 
-def human_bytes(n: float) -> str:
+def human_bytes(n: float | None) -> str:
+    """``4096`` -> ``'4 KiB'``, ``1.5 * 2**20`` -> ``'1.5 MiB'``; None -> ``'—'``."""
+    if n is None:
+        return "—"
     for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= k:
             v = n / k
@@ -39,6 +46,16 @@ def fmt_us(us: float) -> str:
     return f"{us:.1f} µs"
 
 
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds with one decimal (``'12.3'``); None -> ``'—'``."""
+    return "—" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def fixed(x: float | None, spec: str = ".4f") -> str:
+    """``format(x, spec)``; None -> ``'—'``."""
+    return "—" if x is None else format(x, spec)
+
+
 def fmt(x, digits: int = 3) -> str:
     if x is None:
         return "—"
@@ -47,3 +64,17 @@ def fmt(x, digits: int = 3) -> str:
             return "—"
         return f"{x:.{digits}g}"
     return str(x)
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table: the header, the rule, one line per row. A ``|`` inside a cell is
+    escaped and a line break becomes a space, so no cell breaks its row."""
+    cell = lambda c: re.sub(r"(?<!\\)\|", r"\\|", str(c)).replace("\n", " ")
+    return (["| " + " | ".join(map(cell, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
+
+
+def slug(name: str) -> str:
+    """A name or URL as a file name: every run of other characters than ``A-Za-z0-9_.-`` becomes one ``_``
+    (``ps-async-lr/N`` -> ``ps-async-lr_N``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "_"

@@ -28,6 +28,7 @@ import sys
 
 from bench import records as rec
 from bench import verdict
+from bench import regimes as R
 from bench.text import human_bytes
 
 CASE = "train-step"
@@ -44,7 +45,7 @@ def gradient_bytes(model: str, seed: int = 0) -> int:
 
 def url_of(entry: str) -> str:
     """The exchanger URL an entry's ranks get ("" for DDP, which is no commlab regime)."""
-    return "" if entry.startswith("ddp") else "local://" if entry == "local" else entry
+    return "" if entry.startswith("ddp") else R.url_of(entry)
 
 
 def run_entry(entry: str, a) -> list[dict]:

@@ -109,6 +109,11 @@ class Verdict:
                 "n_a": self.n_a, "n_b": self.n_b, "level": self.level, "winner": self.winner}
 
 
+def quantile(values, q: float):
+    """The ``q``-quantile of ``values`` as one of them (numpy's nearest rank), a Python number."""
+    return np.quantile(np.asarray(values), q, method="nearest").item()
+
+
 def _stat(x: np.ndarray, stat: str, axis=None):
     if stat == "median":
         return np.median(x, axis=axis)

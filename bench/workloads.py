@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Callable
 
 from bench import script_compare as sc
+from bench import curves
+from bench import regimes as R
+from bench import text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,15 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 COINCIDE_TOL = 0.01
 
 # name -> URL; --regimes takes these names or URLs
-REGIMES = {
-    "local": "local://",
-    "gloo": "allreduce://?backend=gloo",
-    "ring": "ring://",
-    "ps-sync": "ps://?shards=1&mode=sync",
-    "ps-async": "ps://?shards=1&mode=async",
-    "ps-ssp-2": "ps://?shards=1&mode=ssp&staleness=2",
-}
+REGIMES = {n: R.url_of(n) for n in ("local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2")}
 DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
+# the default `commlab bench` runs the synchronous ones (the asynchronous ones are in its training comparison)
+BENCH_REGIMES = ["local", "gloo", "ring", "ps-sync"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class Workload:
         scheme = url.split("://", 1)[0]
         for s, opt in self.url_options:
             if s == scheme and opt.split("=", 1)[0] + "=" not in url:
-                url += ("&" if "?" in url else "?") + opt
+                url = R.with_query(url, opt)
         return url
 
 
@@ -156,24 +153,12 @@ WORKLOADS = {
 DEFAULT_WORKLOADS = ["charlm", "resnet"]
 # seconds the default `commlab bench` (after bandwidth and the MLP convergence) may spend starting
 # workload jobs; the LM's regimes go first, what does not fit is listed as skipped
-BENCH_BUDGET_S = 90.0
+BENCH_BUDGET_S = 300.0  # a cap: the default workloads and regimes finish well within it
 
 
 def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
-    """Compare two loss curves (:func:`bench.script_compare.curve`) at the steps both reported.
-
-    Returns ``{"steps_compared", "max_abs_diff", "at_step", "tolerance", "coincides"}``;
-    ``coincides`` is None when they share no step (nothing to judge), else whether every common
-    step's losses differ by at most ``tol``. A curve that stops early is compared where it has points,
-    and says so through ``steps_compared``.
-    """
-    ref = {p["step"]: p["loss"] for p in reference}
-    diffs = [(abs(p["loss"] - ref[p["step"]]), p["step"]) for p in points if p["step"] in ref]
-    if not diffs:
-        return {"steps_compared": 0, "max_abs_diff": None, "at_step": None, "tolerance": tol, "coincides": None}
-    worst, at = max(diffs, key=lambda d: (not math.isfinite(d[0]), d[0]))
-    return {"steps_compared": len(diffs), "max_abs_diff": worst, "at_step": at, "tolerance": tol,
-            "coincides": math.isfinite(worst) and worst <= tol and len(diffs) == len(ref)}
+    """:func:`bench.curves.coincidence` at this module's tolerance (the training loss, mean over ranks)."""
+    return curves.coincidence(reference, points, tol)
 
 
 def resolve_regimes(text: str | None) -> list[tuple[str, str]]:
@@ -253,35 +238,18 @@ def _one(w: Workload, steps: int, label: str, url: str, cfg: WorkloadsConfig, ou
         return sc.Outcome(regime, "skipped", "the workloads' time budget ran out before this run")
     progress and progress(f"{w.name} {label}")
     o = sc.run_regime((str(ROOT / w.script),), regime, out / "workloads" / w.name, cfg.job_timeout)
-    if o.status == "ok" and len(sc.curve(o.ranks)) < steps:
-        o.status, o.error = "failed", f"rank 0 reported {len(sc.curve(o.ranks))} of {steps} steps"
+    if o.status == "ok" and len(curves.curve(o.ranks)) < steps:
+        o.status, o.error = "failed", f"rank 0 reported {len(curves.curve(o.ranks))} of {steps} steps"
     return o
 
 
 # ----- the report ---------------------------------------------------------------------------------
 
 def sync_verdict(res: dict) -> list[str]:
-    """One line per synchronous regime: does its curve lie on local://'s?"""
-    rows = res["rows"]
-    ref = next((r for r in rows if r["kind"] == "reference"), None)
-    if ref is None or not ref.get("curve"):
-        return ["- local:// did not run, so there is nothing to check against."]
-    sync = [r for r in rows if r["kind"] == "sync" and r.get("vs_local")]
-    if not sync:
-        return ["- No synchronous regime finished."]
-    lines = []
-    for r in sync:
-        v = r["vs_local"]
-        d = f"max |loss difference| {v['max_abs_diff']:.2g} at step {v['at_step'] + 1}, over {v['steps_compared']} steps"
-        if not res["coincide"]:
-            lines.append(f"- {r['regime']}: {d} (not judged: {res['why_not']}).")
-        elif v["coincides"]:
-            lines.append(f"- {r['regime']}: **coincides** with local:// ({d}; tolerance {v['tolerance']:g}: bf16 "
-                         "autocast and summation order).")
-        else:
-            lines.append(f"- {r['regime']}: **does NOT coincide** with local:// ({d} > {v['tolerance']:g}, or steps "
-                         "missing): a synchronous regime that changes the arithmetic is a bug.")
-    return lines
+    """One line per synchronous regime: does its curve lie on local://'s? (:func:`bench.curves.agreement`)"""
+    ref = next((r for r in res["rows"] if r["kind"] == "reference"), None)
+    return curves.agreement(res["rows"], bool(ref and ref.get("curve")), what="loss",
+                            why="bf16 autocast and summation order", judged=res["coincide"], why_not=res["why_not"])
 
 
 def _vs_local(r: dict) -> str:
@@ -302,14 +270,14 @@ def section(results: dict, pngs: dict | None = None) -> list[str]:
                 f"local:// runs one process on the combined batch (`{' '.join(res['reference_args'])}`). "
                 f"Started with `commlab run` per regime: `{res['script']} {' '.join(res['args'])}`. Loss is the "
                 f"training loss, mean over the ranks at each step; final loss and time to target use the trailing "
-                f"mean over a tenth of the steps; target loss {sc._f(res['target_loss'])}. Step time, exposed "
+                f"mean over a tenth of the steps; target loss {text.fixed(res['target_loss'])}. Step time, exposed "
                 f"communication (time spent waiting on the exchange: backward's end and, for ps://, the pull) and "
                 f"bytes are rank 0's medians.", ""]
         out += ["Regimes: " + ", ".join(f"{r['regime']} = `{r['url']}`" for r in res["rows"]) + ".", ""]
         extra = [("max abs loss diff vs local", _vs_local)]
         if name == "pipeline":
             extra += [("bubble (measured: mean; per rank)", _bubble),
-                      ("activations / rank / step", lambda r: sc.human_bytes(r.get("activation_bytes_per_step")))]
+                      ("activations / rank / step", lambda r: text.human_bytes(r.get("activation_bytes_per_step")))]
             out += [pipeline_note(res), ""]
         out += sc.table(res["rows"], extra) + [""]
         out += ["Do the synchronous regimes reproduce local:// on the combined batch?", ""] + sync_verdict(res) + [""]
@@ -374,15 +342,16 @@ def names_arg(text: str) -> list[str]:
 
 def run_default(run_dir: Path, budget_s: float, workers: int = 2, *, progress=None,
                 names: list[str] | None = None) -> tuple[dict, dict]:
-    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under the default
-    regimes; writes the files. Raises ValueError for an unknown workload name."""
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under
+    :data:`BENCH_REGIMES`; writes the files. Raises ValueError for an unknown workload name."""
     names = list(DEFAULT_WORKLOADS) if names is None else names
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     if progress is None:
         progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
-    results = run(WorkloadsConfig(names, workers=workers), run_dir, budget_s, progress)
+    results = run(WorkloadsConfig(names, [(n, REGIMES[n]) for n in BENCH_REGIMES], workers=workers), run_dir,
+                  budget_s, progress)
     _, pngs = write(run_dir, results)
     return results, pngs
 

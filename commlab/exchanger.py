@@ -154,6 +154,10 @@ class Exchanger:
         # the regime keeps them (ps:// update=server); 0 and None otherwise, where the user's checkpoint is the state
         self.start_step = 0
         self.restored_state: dict | None = None
+        # which attempt of the job this is, the same on every rank of it and larger than any earlier one's
+        # (rendezvous.job_attempt: the restart count under commlab run, a round id agreed under torchrun);
+        # set by setup in the regimes that need it (ps://: the servers refuse an older attempt), else 0
+        self.attempt_id = 0
 
     @property
     def keeps_state(self) -> bool:

@@ -132,8 +132,10 @@ class Proc:
     pumps: list[threading.Thread] = field(default_factory=list)
     files: list = field(default_factory=list)  # closed once the pumps are done
 
-    def drain(self, timeout: float = 2.0) -> None:
-        """Wait for the output pumps (bounded: a grandchild that escaped the group may hold a pipe)."""
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait for the output pumps (bounded: a grandchild that escaped the group may hold a pipe). The
+        launcher's own last line comes after this, so a bound too short for a loaded machine would let a
+        rank's last words (its traceback) land after it."""
         for t in self.pumps:
             t.join(timeout)
         if not any(t.is_alive() for t in self.pumps):

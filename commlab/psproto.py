@@ -53,6 +53,7 @@ on the client as :class:`~commlab.errors.RemoteError`)::
       the first hello of attempt a > the shard's: the step in flight is dropped (its pushes are made
       again by the new attempt), pulls, joins and byes go, the start gate closes again; pushes of an
       earlier attempt are refused. Applied steps stay: the hello's next_step says where to resume.
+      Its world may differ (torchrun --nnodes MIN:MAX): the new attempt's ranks replace the old.
 
 Modes (the server's; a worker that names another one is refused):
 

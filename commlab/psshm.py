@@ -81,12 +81,67 @@ def place(offsets: dict[str, int], parts: list) -> list[int]:
     return [offsets[spec.key] + spec.offset * wire.DTYPES[spec.dtype].itemsize for spec, _ in parts]
 
 
-class Link:
-    """A connection's two regions: ``inbound`` (the worker writes, the server reads) and ``outbound``."""
+class Payloads:
+    """How one end of a ps:// connection moves the tensor payloads of its messages, so that the client and
+    the server send and receive without asking how: this base sends them as zmq data frames after the
+    header (a connection without a link, :data:`FRAMES`); a :class:`Link` through shared memory. Headers
+    always travel over zmq. Not thread-safe: one connection's end, used by the thread that owns it."""
 
-    def __init__(self, inbound: Region, outbound: Region, offsets: dict[str, int]):
+    kind = "zmq frames"
+    rx_size: int | None = None  # bytes a received header's offsets may point into (wire.decode's region=): none
+
+    def place(self, parts: list) -> list[int] | None:
+        """Ready the wire parts ``(FrameSpec, tensor)`` of a message to send: None when they travel as frames
+        after the header (wire.encode's default), else their byte offsets in the shared region they have just
+        been copied into (the header carries those instead). Blocks only for the copy."""
+        return None
+
+    def reply_meta(self) -> dict:
+        """What a pull of parameters or sums adds to its header to have the reply's payload come this way."""
+        return {}
+
+    def take(self, h: wire.Header, frames: list) -> list:
+        """The data of a received message whose header is ``h``: ``frames`` (those after the header), or views
+        of the shared region at the offsets ``h`` names (valid until this end places parts there again)."""
+        return frames
+
+    def close(self) -> None:
+        pass
+
+
+FRAMES = Payloads()  # stateless: shared by every connection without a link
+
+
+class Link(Payloads):
+    """A connection's two regions: ``inbound`` (the worker writes, the server reads) and ``outbound``. As
+    :class:`Payloads` it is one end's view: the server's (:meth:`create`) places into ``outbound`` and
+    takes from ``inbound``, the worker's (:meth:`attach`) the other way round."""
+
+    kind = "shm"
+
+    def __init__(self, inbound: Region, outbound: Region, offsets: dict[str, int], worker: bool):
         self.inbound, self.outbound, self.offsets = inbound, outbound, offsets
+        self.tx, self.rx = (inbound, outbound) if worker else (outbound, inbound)
+        self.rx_size = self.rx.size
+        self.worker = worker
         self.unlinked = False
+
+    def place(self, parts: list) -> list[int] | None:
+        if not parts:
+            return None
+        at = place(self.offsets, parts)
+        for (_, t), o in zip(parts, at):
+            self.tx.write(o, t)
+        return at
+
+    def reply_meta(self) -> dict:
+        return {"shm_reply": True} if self.worker else {}
+
+    def take(self, h: wire.Header, frames: list) -> list:
+        if "shm" not in h.meta:
+            return frames
+        self.unlink()  # the peer has mapped it (the worker unlinks at once): nothing stays in /dev/shm
+        return self.rx.frames(h)
 
     @classmethod
     def create(cls, run: str, what: str, pieces: list[tuple[str, str, int]]) -> "Link":
@@ -98,7 +153,7 @@ class Link:
         except BaseException:
             inbound.close()
             raise
-        return cls(Region(inbound), Region(outbound), offsets)
+        return cls(Region(inbound), Region(outbound), offsets, worker=False)
 
     def describe(self) -> dict:
         return {"in": self.inbound.segment.path, "out": self.outbound.segment.path, "size": self.inbound.size}
@@ -115,7 +170,7 @@ class Link:
         except BaseException:
             inbound.close()
             raise
-        link = cls(Region(inbound), Region(outbound), offsets)
+        link = cls(Region(inbound), Region(outbound), offsets, worker=True)
         link.unlink()  # mapped: nothing left in /dev/shm for a kill -9 to strand
         return link
 

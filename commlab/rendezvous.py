@@ -44,7 +44,7 @@ class RankInfo:
     source: str  # which launcher's convention supplied it
     members: tuple[int, ...] = ()  # a group's global ranks, position order; (): the whole job
     job_size: int = 0  # with members: the job's world size
-    attempt: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 first, N after the N-th restart of the job
+    attempt: int = 0  # TORCHELASTIC_RESTART_COUNT: 0 first, N after the N-th restart (an exchanger: job_attempt)
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -164,31 +164,102 @@ def from_env(env: Mapping[str, str] | None = None, *, rank: int | None = None, w
     return RankInfo(r, w, local, addr or "127.0.0.1", port or 0, src, attempt=attempt)
 
 
-def store_prefix(env: Mapping[str, str] | None = None) -> str:
-    """commlab's keys in the job's store: ``commlab/``, and ``commlab/attemptN/`` after the N-th restart,
-    so that a store that outlives an attempt (a launcher that keeps it) never hands one attempt's keys
-    to the next."""
-    env = os.environ if env is None else env
-    attempt = env.get(RESTART_COUNT, "0")
-    return "commlab/" if attempt in ("", "0") else f"commlab/attempt{attempt}/"
+def store_prefix(attempt: int) -> str:
+    """commlab's keys in the job's store: ``commlab/``, and ``commlab/attemptN/`` for attempt N > 0 (see
+    :func:`job_attempt`), so that a store that outlives an attempt (torchrun's agent's) never hands one
+    attempt's keys to the next."""
+    return "commlab/" if attempt == 0 else f"commlab/attempt{attempt}/"
 
+
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun: its agent hosts the store
+RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun (not by commlab run, whose restart count is exact)
 
 _STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
+_ROUND_KEY = "commlab/round"  # agree_round's keys, beside every attempt's prefix
+_ROUNDS: dict[tuple[str, int], int] = {}  # (addr, port) -> the attempt agreed through that store (one per process)
 
 
-def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
-    """The job's TCPStore under commlab's prefix (rank 0 hosts it unless torchrun's agent or commlab's
-    launcher already does). One connection per process and job: every exchanger after the first reuses it,
-    so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own namespace of it
-    (:func:`exchanger_store`)."""
+def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None) -> int:
+    """The job's attempt id, the same on every rank of this attempt and larger than any earlier attempt's:
+    what pushes carry to the servers and what names commlab's keys in the store (:func:`store_prefix`).
+
+    ``commlab run`` counts exactly: ``TORCHELASTIC_RESTART_COUNT`` (``info.attempt``), with a fresh store per
+    attempt. Under torchrun (``TORCHELASTIC_RUN_ID`` set) the count cannot serve: torchrun does not raise it
+    on a membership change (``--nnodes MIN:MAX``), an agent that joins later starts at 0, and the store may
+    be one that outlives rounds (the agent's) or a fresh one (rank 0's): the ranks agree on a round id
+    through the store instead (:func:`agree_round`). Collective on the first call (every rank of the job
+    sets up an exchanger); later calls in the process return the agreed id."""
+    env = os.environ if env is None else env
+    if RUN_ID not in env or not info.master_port:
+        return info.attempt
+    where = (info.master_addr, info.master_port)
+    if where not in _ROUNDS:
+        _ROUNDS[where] = agree_round(_meeting_store(info, timeout, env), info.job, timeout)
+    return _ROUNDS[where]
+
+
+def _meeting_store(info: RankInfo, timeout: float, env: Mapping[str, str]):
+    """The store every rank of the job reaches: the default process group's when the script made one (its
+    rank 0 may host it on MASTER_PORT already), else the one at the launcher's address."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    return _raw_store(info, timeout, env)
+
+
+def agree_round(store, info: RankInfo, timeout: float) -> int:
+    """Every rank of a new round of the job learns the same fresh round id from ``store``, which may hold a
+    dead round's keys. Rank 0 draws it: its clock in milliseconds, above the last id this store handed
+    out, so it grows across rounds whatever store each round met in (torchrun may host a fresh one when
+    rank 0 moves). Rank 0 hands it to each rank that asked with a random nonce; a rank takes only the
+    answer to its own nonce and acknowledges with the id, so neither side takes a dead round's key for this
+    round's. Blocks until every rank has it, at most ``timeout``: CommTimeout naming the ranks that never
+    took it (rank 0) or rank 0 that never answered (the others)."""
+    import uuid
+
+    deadline = time.monotonic() + timeout
+    if info.rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{_ROUND_KEY}/ask/{info.rank}", nonce)
+        while True:
+            if store.check([f"{_ROUND_KEY}/give/{info.rank}"]):
+                got, _, number = store.get(f"{_ROUND_KEY}/give/{info.rank}").decode().partition(" ")
+                if got == nonce:
+                    store.set(f"{_ROUND_KEY}/took/{info.rank}", number)
+                    return int(number)
+            if time.monotonic() > deadline:
+                raise CommTimeout(f"rank {info.rank}: rank 0 did not hand out this round's id within {timeout:g}s "
+                                  f"(agreed through the job's store)", peer=0, op="connect")
+            time.sleep(0.01)
+    last = int(store.get(f"{_ROUND_KEY}/last")) if store.check([f"{_ROUND_KEY}/last"]) else 0
+    number = str(max(time.time_ns() // 1_000_000, last + 1))
+    store.set(f"{_ROUND_KEY}/last", number)
+    pending = set(range(1, info.world_size))
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{_ROUND_KEY}/took/{r}"]) and store.get(f"{_ROUND_KEY}/took/{r}").decode() == number:
+                pending.discard(r)
+            elif store.check([f"{_ROUND_KEY}/ask/{r}"]):
+                store.set(f"{_ROUND_KEY}/give/{r}", f"{store.get(f'{_ROUND_KEY}/ask/{r}').decode()} {number}")
+        if pending and time.monotonic() > deadline:
+            raise CommTimeout(f"rank 0: rank(s) {sorted(pending)} did not take round {number} within {timeout:g}s "
+                              f"(agreed through the job's store)", peer=min(pending), op="connect")
+        time.sleep(0.01 if pending else 0)
+    return int(number)
+
+
+def _raw_store(info: RankInfo, timeout: float, env: Mapping[str, str]):
+    """This process's connection to the job's store (hosting it on rank 0 unless a launcher's agent does)."""
     import torch.distributed as dist
 
     info = info.job  # the job's rank 0 hosts it, whatever group this process is in
-    env = os.environ if env is None else env
     where = (info.master_addr, info.master_port)
     store = _STORES.get(where)
     if store is None:
-        agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        agent = env.get(AGENT_STORE) == "True"
         try:
             store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
                                   is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
@@ -197,17 +268,29 @@ def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None 
             raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
                               f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
         _STORES[where] = store
-    return dist.PrefixStore(store_prefix(env), store)
+    return store
 
 
-def default_group_store():
+def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
+    """The job's TCPStore under commlab's prefix for this attempt (rank 0 hosts it unless torchrun's agent or
+    commlab's launcher already does). One connection per process and job: every exchanger after the first
+    reuses it, so rank 0 hosts the store once and keeps it for the job. An exchanger meets in its own
+    namespace of it (:func:`exchanger_store`)."""
+    import torch.distributed as dist
+
+    env = os.environ if env is None else env
+    store = _raw_store(info, timeout, env)
+    return dist.PrefixStore(store_prefix(job_attempt(info, timeout, env)), store)
+
+
+def default_group_store(info: RankInfo, timeout: float):
     """The store of the default process group someone else made (DDP's, a user's ``init_process_group``),
     under commlab's prefix: the one store every rank surely reaches (rank 0 may already host one on
     ``MASTER_PORT``, so a second could not bind it)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    return dist.PrefixStore(store_prefix(), distributed_c10d._get_default_store())
+    return dist.PrefixStore(store_prefix(job_attempt(info, timeout)), distributed_c10d._get_default_store())
 
 
 def exchanger_store(store, info: RankInfo, timeout: float):
@@ -236,7 +319,7 @@ def job_store(info: RankInfo, timeout: float):
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return default_group_store()
+        return default_group_store(info, timeout)
     return connect_store(info, timeout)
 
 

@@ -4,7 +4,11 @@ The server (:mod:`servers.server`) validates a request, then asks its mode what 
 which step a worker's push must carry (:meth:`Mode.expected_step`), what a validated push does
 (:meth:`Mode.fold`), whether a waiting pull can be answered (:meth:`Mode.ready`), what a commit
 does (:meth:`Mode.commit`), whom pulls wait for (:meth:`Mode.waiting_for`) and what goes into a
-checkpoint. The mode owns its step bookkeeping; the server owns sockets, keys and the optimizer.
+checkpoint. The mode owns its step bookkeeping (each rank's last applied step, what each rank has
+sent of the step in flight, async's gradient buffers): the server asks it (:meth:`Mode.partial_step`,
+:meth:`Mode.step_in`, :attr:`Mode.last_step`); a mode reads the server's membership and pieces, counts
+into its stats and steps its optimizer, and sets none of its attributes. The server owns sockets, keys,
+membership and the optimizer.
 
 Update placement (``update=`` in the worker's URL, fixed by the first hello):
 
@@ -50,17 +54,31 @@ class Mode:
 
     def __init__(self, srv):
         self.srv = srv
+        self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
+        self.partial: dict[int, Partial] = {}  # rank -> what it has sent of the step in flight
+
+    def partial_step(self, rank: int, t: int) -> Partial:
+        """What ``rank`` has sent of step ``t`` so far: a fresh record when ``t`` is not the step it was on."""
+        part = self.partial.get(rank)
+        if part is None or part.step != t:
+            part = self.partial[rank] = Partial(t)
+        return part
+
+    def step_in(self, rank: int) -> bool:
+        """Whether ``rank``'s whole step is in while the shard still gathers the others' (sync): a push of
+        that step again is a duplicate. Async, ssp: never (a complete step is applied at once)."""
+        return False
 
     def start_step(self) -> int:
         """The step a rank the shard never saw starts at (hello of a new or resumed worker)."""
         return 0
 
     def expected_step(self, rank: int) -> int:
-        return self.srv.last_step[rank] + 1
+        return self.last_step[rank] + 1
 
     def latest_pull(self, rank: int) -> int:
         """The latest step a pull from ``rank`` may name (a later one could only wait forever)."""
-        return self.srv.last_step[rank] + 1
+        return self.last_step[rank] + 1
 
     def fold(self, rank: int, t: int, part: Partial, frames: dict, absent: list, meta: dict) -> None:
         raise NotImplementedError
@@ -71,7 +89,7 @@ class Mode:
         raise NotImplementedError
 
     def ready(self, rank: int, after: int, what: str, keys) -> bool:
-        return self.srv.last_step[rank] >= after
+        return self.last_step[rank] >= after
 
     def commit(self, rank: int, t: int, meta: dict) -> dict:
         raise Refused(f"mode {self.name} takes no commit: each push is applied as it completes")
@@ -86,26 +104,39 @@ class Mode:
         return []
 
     def restart(self) -> int:
-        """A new attempt of the job (every rank restarted): drop what the dead attempt left half-done, so
-        that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
+        """A new attempt of the job (every rank restarted; the server set its world size already): drop what
+        the dead attempt left half-done, so that the new attempt's pushes replace it; return how many ranks' pushes were dropped. Async, ssp: a
         rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
-        srv = self.srv
-        dropped = len(srv.partial)
-        srv.partial.clear()
-        srv.grads.clear()
+        dropped = len(self.partial)
+        self.partial.clear()
         return dropped
 
     def state(self) -> dict:
+        """The mode's part of a checkpoint (``last_step`` is stored beside it, see :meth:`load`)."""
         return {}
 
-    def load(self, state: dict) -> None:
-        pass
+    def load(self, state: dict, last_step: dict[int, int]) -> None:
+        """Resume from a checkpoint: :meth:`state`'s dict, and each rank's last applied step."""
+        self.last_step = dict(last_step)
 
 
 class Async(Mode):
     """Each worker's step is applied once all of its pieces for this shard are in."""
 
     name = "async"
+
+    def __init__(self, srv):
+        super().__init__(srv)
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer: a step that came in pieces
+
+    def start_step(self):
+        """A rank joining a job that already ran (a grown attempt) starts on the slowest clock still held, so
+        SSP's bound neither stalls the others for its sake nor lets it run ahead; 0 for a fresh job."""
+        return min((t + 1 for t in self.last_step.values()), default=0)
+
+    def restart(self):
+        self.grads.clear()
+        return super().restart()
 
     def fold(self, rank, t, part, frames, absent, meta):
         tensors = {key: [(spec.offset, wire.frame_tensor(spec, frame)) for spec, frame in parts]
@@ -130,7 +161,7 @@ class Async(Mode):
         if whole and all(len(parts) == 1 for parts in tensors.values()):
             grads = {key: parts[0][1] for key, parts in tensors.items()}  # no copy at all
         else:
-            buffers = srv.grads.setdefault(rank, {})
+            buffers = self.grads.setdefault(rank, {})
             for key, parts in tensors.items():
                 buf = buffers.get(key)
                 if buf is None:
@@ -142,12 +173,12 @@ class Async(Mode):
             if len(part.seen) + len(part.absent) < len(srv.pieces):
                 return
             grads = {k: buffers[k] for k in part.seen}
-        del srv.partial[rank]
+        del self.partial[rank]
         srv.set_hyper(meta.get("hyper"))
         srv.step_optimizer(grads)
-        clocks = [srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()]
+        clocks = [self.last_step.get(r, -1) + 1 for r in srv.on_the_clock()]
         srv.stats.clock_gap[t - min(clocks, default=t)] += 1
-        srv.last_step[rank] = t
+        self.last_step[rank] = t
         srv.count_update([srv.version - part.base])
 
 
@@ -157,8 +188,7 @@ class SSP(Async):
     name = "ssp"
 
     def _active(self) -> dict[int, int]:
-        srv = self.srv
-        return {r: srv.last_step.get(r, -1) + 1 for r in srv.on_the_clock()}
+        return {r: self.last_step.get(r, -1) + 1 for r in self.srv.on_the_clock()}
 
     def ready(self, rank, after, what, keys):
         if not super().ready(rank, after, what, keys):
@@ -204,6 +234,9 @@ class Sync(Mode):
     def start_step(self):
         return self.step
 
+    def step_in(self, rank):
+        return rank in self.complete
+
     def expected_step(self, rank):
         return self.step
 
@@ -232,7 +265,7 @@ class Sync(Mode):
         part.seen |= set(frames)
         part.absent |= set(absent)
         if len(part.seen) + len(part.absent) == len(srv.pieces):
-            del srv.partial[rank]
+            del self.partial[rank]
             self.complete.add(rank)
         self._complete_if_in(needed)
 
@@ -254,12 +287,12 @@ class Sync(Mode):
                 if self.present[key]:
                     self.sums[key] = dense[o:o + c]
         if all(part.rounds.get(u) == last for u in units.units):
-            del srv.partial[rank]
+            del self.partial[rank]
             self.complete.add(rank)
         self._complete_if_in(needed)
 
     def join(self, rank, t):
-        pushed = rank in self.complete or rank in self.srv.partial
+        pushed = rank in self.complete or rank in self.partial
         if t != self.step or pushed:
             raise Refused(f"join of rank {rank} before step {t}, but {self.srv.cfg.name} is gathering step "
                           f"{self.step}" + (" with pushes of that rank" if pushed else ""))
@@ -335,20 +368,21 @@ class Sync(Mode):
         gathered (update=server: every push in, the commits awaited) is kept, and its commits dropped: its
         average exists, and another shard may have applied it already (a rank killed between its commits
         to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
-        from the same pushes as there. Applied steps are kept, whatever their pulls' fate."""
-        srv = self.srv
+        from the same pushes as there; so are the pushes of a rank the new attempt added (its world, already
+        set, may be another). Applied steps are kept, whatever their pulls' fate."""
         if self.gathered:
             self.commits.clear()
+            self.complete = set(range(self.srv.world))
             return 0
-        dropped = len(self.complete | set(srv.partial))
-        srv.partial.clear()
+        dropped = len(self.complete | set(self.partial))
+        self.partial.clear()
         self._clear()
         return dropped
 
     def _done(self, counted: bool) -> None:
         srv = self.srv
         for r in range(srv.world):
-            srv.last_step[r] = self.step
+            self.last_step[r] = self.step
         self.step += 1
         if srv.units is not None:
             srv.units.next_step()  # compress=: this step's sums stay for the pulls still to come
@@ -385,7 +419,8 @@ class Sync(Mode):
         return {"sync_step": self.step, "last_sums": {k: v.clone() for k, v in self.last_sums.items()},
                 "last_absent": list(self.last_absent), "report": self.report}
 
-    def load(self, state):
+    def load(self, state, last_step):
+        super().load(state, last_step)
         self.step = int(state.get("sync_step", 0))
         self.last_sums = dict(state.get("last_sums", {}))
         self.last_absent = list(state.get("last_absent", []))

@@ -130,6 +130,7 @@ class Stats:
     nonfinite: int = 0  # pushes refused for NaN/Inf (async, ssp)
     skipped: int = 0  # sync steps dropped because their summed gradient was not finite
     replaced: int = 0  # ranks' pushes of a step a dead attempt left unapplied, dropped when the job restarted
+    resized: int = 0  # restarts whose attempt had another number of workers than the one before
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -171,14 +172,11 @@ class ParameterServer:
         self.starters: set[int] = set()
         self.started = False
         self.version = 0
-        self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.senders: dict[str, int] = {}  # wire sender -> rank
         self.detached: set[int] = set()
         self.gone: set[int] = set()  # ranks that said bye (closed their exchanger)
         self.joined: dict[int, tuple[int, bool]] = {}  # rank -> (first step it did not push, divide by N): ex.join()
         self.terminated: int | None = None  # the rank that joined with throw_on_early_termination: pushes refused
-        self.partial: dict[int, Partial] = {}
-        self.grads: dict[int, dict[str, torch.Tensor]] = {}  # rank -> key -> buffer (async/ssp)
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._since_checkpoint = 0
@@ -191,6 +189,11 @@ class ParameterServer:
         self.shm_run = host.shm_run
         self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
         self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
+
+    @property
+    def last_step(self) -> dict[int, int]:
+        """rank -> last step applied (-1: none): the mode's bookkeeping (:attr:`servers.modes.Mode.last_step`)."""
+        return self.mode.last_step
 
     @property
     def sock(self) -> zmq.Socket:
@@ -214,7 +217,8 @@ class ParameterServer:
         return {"space": self.space, "shard": self.cfg.shard, "shards": self.cfg.shards, "mode": self.cfg.mode, "update": self.update,
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
-                "skipped": s.skipped, "replaced": s.replaced, "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "skipped": s.skipped, "replaced": s.replaced, "resized": s.resized, "world": self.world,
+                "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
                 "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
@@ -240,27 +244,16 @@ class ParameterServer:
         return self.mode.waiting_for() if self.waiting else []
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
-               tracked: bool = True, link: psshm.Link | None = None) -> None:
-        at = None
-        if link is not None and parts:  # copied into the worker's outbound segment; the reply is a header
-            at = psshm.place(link.offsets, list(parts))
-            for (spec, t), o in zip(parts, at):
-                link.outbound.write(o, t)
-            self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+               tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
+        at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
-        if at is not None:
-            try:
-                transport.send(self.sock, frames, timeout=5.0, who="a worker")
-            except Exception as exc:
-                print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
-            return
         try:
-            if parts:
+            if parts and at is None:  # data frames zmq may still read from the shard's tensors: tracked
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
                 for (spec, _), tr in zip(parts, trackers[2:]):  # after identity and header
                     if tr is not None and tracked:
                         self.trackers.setdefault(spec.key, []).append(tr)
-            else:
+            else:  # a header alone (its payload, if any, is in the worker's segment)
                 transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
@@ -308,8 +301,13 @@ class ParameterServer:
             raise Refused(f"hello from {h.sender}: unreadable manifest, pieces or optimizer ({exc})") from None
         if update == "server":
             optimizer_class(optim["class"])  # refused by name before anything is fixed
+        attempt = m.get("attempt", 0)
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < self.attempt:
+            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
+                          f"{self.attempt} (a process of an earlier attempt, or a store that forgot the job's rounds)")
+        new_round = attempt > self.attempt  # a restarted job, possibly of another size (torchrun --nnodes MIN:MAX)
         if self.manifest is None:
-            if self.world is not None and world != self.world:  # resumed state fixes the world size
+            if self.world is not None and world != self.world and not new_round:  # resumed state fixes the world
                 raise Refused(f"worker {h.sender} says {world} workers; the resumed shard had {self.world}")
             if self.update is not None and update != self.update:
                 raise Refused(f"worker {h.sender} asks for update={update}; the resumed shard ran update={self.update}")
@@ -333,14 +331,10 @@ class ParameterServer:
                 diff = None if same else diff
             if diff:
                 raise Refused(f"optimizer mismatch on {self.cfg.name}: {diff}")
-            if world != self.world:
+            if world != self.world and not new_round:
                 raise Refused(f"worker {h.sender} says {world} workers, the first worker said {self.world}")
-        attempt = m.get("attempt", 0)
-        if not isinstance(attempt, int) or attempt < self.attempt:
-            raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
-                          f"{self.attempt} (a process of an earlier attempt, or TORCHELASTIC_RESTART_COUNT lies)")
-        if attempt > self.attempt:
-            self._new_attempt(attempt)
+        if new_round:
+            self._new_attempt(attempt, world)
         self._agree_compress(h.sender, m.get("compress"))
         self.senders[h.sender] = rank
         self.detached.discard(rank)
@@ -353,16 +347,33 @@ class ParameterServer:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)
 
-    def _new_attempt(self, attempt: int) -> None:
+    def _new_attempt(self, attempt: int, world: int) -> None:
         """The first hello of a restarted job (every rank was stopped and starts again, torchrun's
         restart): what the dead attempt left half-done goes, so that the new attempt's pushes replace it
         and every step is applied once (the mode's :meth:`~servers.modes.Mode.restart`); its pulls, joins
         and byes go with it, and the start gate closes again, so every rank of the new attempt starts from
         the same parameters. What the servers applied stays: update=server resumes from it. Under
         update=worker the shard holds no trained parameters (only sums), so rank 0 initialises it again
-        from its own (its checkpoint)."""
-        self.stats.replaced += self.mode.restart()
+        from its own (its checkpoint).
+
+        ``world``: the new attempt's size, which replaces the old one's membership (torchrun's elastic
+        rendezvous renumbers the ranks 0..world-1): a sync step averages over the new N, SSP's bound counts
+        the new ranks, and the departed ranks' clocks, connections and links go."""
         self.attempt = attempt
+        if self.world is not None and world != self.world:
+            self.stats.resized += 1
+            for sender, rank in list(self.senders.items()):
+                if rank >= world:
+                    del self.senders[sender]
+                    old = self.link_of.get(sender)
+                    if old is not None:
+                        self._drop_link(old)
+            for rank in [r for r in self.last_step if r >= world]:
+                del self.last_step[rank]
+            if self.units is not None:  # compress=: a rank's share of a summed aggregate is now 1/world
+                self.units.comp.bind(world)
+        self.world = world
+        self.stats.replaced += self.mode.restart()
         self.waiting = []  # the dead processes' pulls
         self.starters.clear()
         self.started = False
@@ -508,13 +519,11 @@ class ParameterServer:
         expected = self.mode.expected_step(rank)
         if t != expected:
             raise Refused(f"push of step {t} from {h.sender}, but {self.cfg.name} expects step {expected} from it")
-        if rank in getattr(self.mode, "complete", ()):  # sync: its step is in, the others' are not yet
+        if self.mode.step_in(rank):  # sync: its step is in, the others' are not yet
             self.stats.duplicates += 1
             self._reply(ident, "ok", h.meta.get("id"), {"duplicate": True}, step=t)
             return
-        part = self.partial.get(rank)
-        if part is None or part.step != t:
-            part = self.partial[rank] = Partial(t)
+        part = self.mode.partial_step(rank, t)
         if "unit" in h.meta:
             self._push_unit(ident, h, data, rank, t, part)
             return
@@ -716,8 +725,8 @@ class ParameterServer:
     def _send(self, ident, h) -> None:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
-        link = self.links.get(ident) if h.meta.get("shm_reply") else None
-        if h.meta.get("shm_reply") and link is None:
+        payloads = self.links.get(ident) if h.meta.get("shm_reply") else psshm.FRAMES
+        if payloads is None:
             self.stats.refused += 1
             self._reply(ident, "error", rid, {"reason": f"pull from {h.sender} asks for a reply in shared memory, "
                                                         f"but its connection has no link to {self.cfg.name}"})
@@ -735,7 +744,7 @@ class ParameterServer:
             absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
             parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
             self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
-                        tracked=False, link=link)
+                        tracked=False, payloads=payloads)
             return
         if what == "csum":
             mode, units = self.mode, self.units
@@ -756,7 +765,7 @@ class ParameterServer:
             return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
-        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, link=link)
+        self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, payloads=payloads)
 
     # ----- buffers, optimizer state ----------------------------------------------------------
     def _op_buffers(self, ident, h, data):
@@ -957,8 +966,7 @@ class ParameterServer:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
         self.version, self.world, self.update = state["version"], state["world"], state["update"]
-        self.mode.load(state["mode_state"])
-        self.last_step = {int(r): int(t) for r, t in state["last_step"].items()}
+        self.mode.load(state["mode_state"], {int(r): int(t) for r, t in state["last_step"].items()})
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
         self.piece_param = dict(state["piece_param"])
@@ -1084,7 +1092,7 @@ class ShardServer:
         print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
 
     COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
-                "bytes_in", "bytes_out", "copies_on_write")
+                "resized", "bytes_in", "bytes_out", "copies_on_write")
 
     def stats_dict(self, space: str | None = None) -> dict:
         """One space's stats (``space``; by default the job's first, else the newest) with the counters
@@ -1103,12 +1111,13 @@ class ShardServer:
         return base
 
     # ----- dispatch --------------------------------------------------------------------------
-    def _link(self, ident: bytes) -> psshm.Link | None:
+    def _payloads(self, ident: bytes) -> psshm.Payloads:
+        """How this connection's payloads travel: through its shared-memory link, if a space made one."""
         for sp in self.spaces.values():
             link = sp.links.get(ident)
             if link is not None:
                 return link
-        return None
+        return psshm.FRAMES
 
     def handle(self, frames: list) -> None:
         if len(frames) < 2:
@@ -1116,12 +1125,12 @@ class ShardServer:
             return
         ident, body = frames[0].bytes, frames[1:]
         req_id = None
-        link = self._link(ident)
+        payloads = self._payloads(ident)
         space = None
         try:
             limit = self.max_bytes
             h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
-                            region=link.inbound.size if link is not None else None)
+                            region=payloads.rx_size)
             req_id = h.meta.get("id")
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
@@ -1130,12 +1139,7 @@ class ShardServer:
                 return
             space = self._space(h)
             space.stats.bytes_in += h.data_bytes
-            if "shm" in h.meta:
-                assert link is not None  # decode refuses offsets from a connection without a link
-                link.unlink()  # the worker has mapped it (it unlinks too): nothing stays in /dev/shm
-                data = link.inbound.frames(h)
-            else:
-                data = body[1:]
+            data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)
             if h.op == "bye" and space.closed:
                 self._free(space)

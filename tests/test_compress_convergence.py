@@ -7,8 +7,9 @@ exchanger's buckets (commlab.exchanger.make_buckets, the default bucket size) an
 :func:`commlab.compress.simulate.exchange`, which tests/test_compress_allreduce.py holds bitwise equal to
 the real exchange at N=2. Uncompressed, the average of the ranks' gradients is one process on the combined
 batch (workers/data.py shards it so), which is how the reference runs. PowerSGD starts after a warm-up of
-``START_ITER`` steps (torch's default of 1000 would never compress in 200). Under ``full``, the same
-through ``commlab train`` itself: two processes over gloo per compressor.
+``START_ITER`` steps (torch's default of 1000 would never compress in 200). Under ``full``: top-k without
+error feedback (what error feedback buys), and all of it through ``commlab train`` itself, two processes
+over gloo per compressor.
 """
 
 from __future__ import annotations

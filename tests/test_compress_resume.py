@@ -9,8 +9,8 @@ into fresh objects and runs steps 10..19. Every step's parameters and optimizer 
 equal the uninterrupted run's on every rank; the ranks' digests must equal each other. Several buckets
 (``bucket_mb`` tiny), so per-bucket state is keyed correctly; PowerSGD's warm-up ends before the stop.
 Under ``allreduce://`` the program makes the default process group first, which every exchanger borrows.
-``allreduce://`` in the default run; ``ring://`` under ``full`` (skipped, saying so, where this checkout's
-ring does not take ``compress=`` yet).
+``allreduce://`` in the default run; ``ring://`` and ``ps://`` (sync, ``update=worker``, one shard) under
+``full`` (each skipped, saying so, where this checkout's regime does not take ``compress=`` yet).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 
 from bench.regimes import unavailable
+from test_ps_update import servers  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.multiproc
 
@@ -86,11 +87,20 @@ print(json.dumps(out))
 """
 
 RING = "ring://?timeout=60"
+PS = "ps://?mode=sync&update=worker&timeout=60"  # one shard, started here (the servers fixture)
 
 
-@pytest.mark.parametrize("url", ["allreduce://?timeout=60", pytest.param(RING, marks=[pytest.mark.full, pytest.mark.skipif(
-    unavailable(RING + "&compress=fp16") is not None, reason="this checkout's ring:// does not take compress= yet")])])
-def test_every_compressor_resumes_from_every_ranks_checkpoint_as_if_never_stopped(run_ranks, tmp_path, url):
+def takes_compress(url: str):
+    return pytest.mark.skipif(unavailable(url + "&compress=fp16") is not None,
+                              reason=f"this checkout's {url.split(':')[0]}:// does not take compress= yet")
+
+
+@pytest.mark.parametrize("url", ["allreduce://?timeout=60",
+                                 pytest.param(RING, marks=[pytest.mark.full, takes_compress(RING)]),
+                                 pytest.param(PS, marks=[pytest.mark.full, takes_compress(PS)])])
+def test_every_compressor_resumes_from_every_ranks_checkpoint_as_if_never_stopped(run_ranks, servers, tmp_path, url):
+    if url.startswith("ps://"):
+        url = servers(1, "sync") + url.removeprefix("ps://")
     ck = str(tmp_path / "ck-%d.rank%d.pt")
     first = [r.json() for r in run_ranks(PROGRAM % ((url, QUERIES, STEPS, STOP, ck, "first"),), 2, timeout=150)]
     again = [r.json() for r in run_ranks(PROGRAM % ((url, QUERIES, STEPS, STOP, ck, "resume"),), 2, timeout=150)]

@@ -283,10 +283,11 @@ def test_the_bench_predicts_by_its_entries_urls(compute):
 
 
 def test_validation_checks_the_crossover_against_what_the_measured_medians_say():
-    from bench.plan_validate import crossover_check, with_compress
-    assert with_compress("ring://?transport=torch", "powersgd:4,start_iter=2") == \
+    from bench.plan_validate import crossover_check
+    from bench.regimes import with_query
+    assert with_query("ring://?transport=torch", "compress=powersgd:4,start_iter=2") == \
         "ring://?transport=torch&compress=powersgd:4,start_iter=2"
-    assert with_compress("ring://", "sign") == "ring://?compress=sign"
+    assert with_query("ring://", "compress=sign") == "ring://?compress=sign" and with_query("ring://", "") == "ring://"
     point = lambda rate, spec, median, cross=None: {"rate": rate, "workers": 2, "base": "ring", "ok": True,
                                                    "compress": spec, "regime": f"ring {spec or ''}".strip(),
                                                    "median": median, "crossover_bps": cross, "link_bps": 1e8}

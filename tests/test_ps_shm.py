@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, psproto, psshm, shm
+from commlab import launcher, psproto, psshm, shm, wire
 from commlab.errors import ConfigError
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
@@ -60,6 +60,30 @@ def wait_until(cond, timeout: float, what: str):
 def test_layout_places_every_piece_aligned_and_apart():
     at, size = psshm.layout([("w", "float32", 6), ("b", "float16", 3), ("e", "float64", 0), ("z", "uint8", 65)])
     assert at == {"w": 0, "b": 64, "e": 128, "z": 128} and size == 256
+
+
+def test_payloads_through_a_link_arrive_as_frames_would_both_ways():
+    """The seam the client and the server send through without asking how (psshm.Payloads): what one end
+    of a link places, the other end takes back bit for bit from a header-only message, worker to server
+    (a push) and server to worker (a reply); a connection without a link (FRAMES) sends data frames."""
+    pieces = [("w", "float32", 6), ("b", "float16", 3)]
+    w, b = torch.randn(6), torch.tensor([1.5, -2.0, 65504.0], dtype=torch.float16)
+    parts = [*wire.split("w", w), *wire.split("b", b)]
+    server = psshm.Link.create(shm.new_run_id(), "s0-test", pieces)
+    worker = psshm.Link.attach(server.describe(), pieces)  # one process holds both ends here
+    try:
+        for sender, receiver in ((worker, server), (server, worker), (psshm.FRAMES, psshm.FRAMES)):
+            frames = wire.encode("push", "rank0", 3, parts, {"id": 1}, sender.place(parts))
+            assert len(frames) == (len(parts) + 1 if sender is psshm.FRAMES else 1)  # data frames, or the header alone
+            h = wire.decode(frames, region=receiver.rx_size)
+            got = [wire.frame_tensor(spec, f) for spec, f in zip(h.frames, receiver.take(h, frames[1:]))]
+            assert torch.equal(got[0], w) and torch.equal(got[1], b)
+        assert worker.reply_meta() == {"shm_reply": True} and psshm.FRAMES.reply_meta() == {}
+        assert worker.place([]) is None  # nothing to send: a header alone, as over zmq
+    finally:
+        worker.close()
+        server.close()
+    assert not os.path.exists(server.inbound.segment.path) and not os.path.exists(server.outbound.segment.path)
 
 
 def test_a_link_lives_under_the_server_goes_once_mapped_and_on_sigterm(procs):

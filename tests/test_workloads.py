@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import curves
 from bench import script_compare as sc
 from bench import workloads as wl
 from conftest import child_env, run_group
@@ -59,9 +60,9 @@ def test_curve_averages_the_ranks_and_adds_up_bytes():
                                                                           "bytes_sent": 10},
               {"step": 1, "loss": 3.0, "test_loss": 2.5}],
              [{"step": 0, "loss": 2.0}, {"step": 1, "loss": 5.0}]]
-    pts = sc.curve(ranks)
+    pts = curves.curve(ranks)
     assert [(p["step"], p["loss"], p["bytes"]) for p in pts] == [(0, 1.5, 10), (1, 4.0, 20)]
-    assert sc.step_times(pts) == [2.0]
+    assert curves.step_times(pts) == [2.0]
     row = sc.summarize(sc.Outcome(sc.Regime("x", "ring://", 2, ()), "ok", ranks=ranks), target=2.0)
     assert row["test_loss"] == 2.5 and row["steps_to_target"] == 1 and row["bytes_per_step"] == 10
 
@@ -76,6 +77,28 @@ def test_coincidence_check_fails_for_a_curve_that_is_not_the_reference():
     assert v["coincides"] is False and v["at_step"] == 7
     assert wl.coincidence(ref, same[:5])["coincides"] is False  # stopped early: not the reference's curve
     assert wl.coincidence(ref, [{"step": 99, "loss": 1.0}])["coincides"] is None
+
+
+def test_the_training_comparison_judges_its_test_loss_curves_with_the_same_check():
+    """convergence's evaluations (step = steps done) go through bench.curves like a workload's curve:
+    a sync regime 2e-3 off local's test loss at its second evaluation does not coincide (tolerance 1e-3),
+    one 1e-4 off does, and the step named is the evaluation's."""
+    from bench import convergence, report
+    evals = lambda losses: [{"step": 10 * (i + 1), "time_s": float(i), "test_loss": l, "test_acc": 0.5 + 0.1 * i}
+                            for i, l in enumerate(losses)]
+    ref = [2.0, 1.5, 1.0]
+    summaries = [{"regime": "local", "kind": "reference", "evals": evals(ref)},
+                 {"regime": "near", "kind": "sync", "evals": evals([x + 1e-4 for x in ref])},
+                 {"regime": "off", "kind": "sync", "evals": evals([2.0, 1.502, 1.0])}]
+    convergence.compare_with_reference(summaries)
+    assert [s["coincides_with_local"] for s in summaries] == [None, True, False]
+    assert summaries[2]["vs_local"]["at_step"] + 1 == 20 and summaries[2]["vs_local"]["steps_compared"] == 3
+    lines = report.sync_check(summaries)
+    assert lines[0].startswith("- near: **coincides** with local:// (max |test-loss difference| 0.0001 at step")
+    assert lines[1].startswith("- off: **does NOT coincide** with local:// (max |test-loss difference| 0.002 at step 20")
+    hit = curves.reach(convergence.test_loss_curve(summaries[0]), [e["test_acc"] for e in summaries[0]["evals"]],
+                       lambda a: a >= 0.6)
+    assert hit == {"steps_to_target": 20, "time_to_target_s": 1.0}
 
 
 @pytest.mark.multiproc
@@ -145,7 +168,7 @@ def test_pipeline_workload_coincides_with_local_and_reports_both_dimensions(tmp_
     assert rows["local"]["activation_bytes_per_step"] == 0
     assert len(rows["gloo"]["bubble_per_rank"]) == 2 and all(0 <= b <= 1 for b in rows["gloo"]["bubble_per_rank"])
     md = "\n".join(wl.section(results))
-    assert "(p-1)/(m+p-1) = 1/5 = 20%" in md and "| 131 kB |" in md
+    assert "(p-1)/(m+p-1) = 1/5 = 20%" in md and "| 128 KiB |" in md
 
 
 def test_the_workloads_section_goes_before_the_reports_files(tmp_path):

@@ -131,7 +131,7 @@ class AllReduceExchanger(CollectiveExchanger):
         backend = str(dist.get_backend())  # "gloo", or per device type: "cpu:gloo,cuda:nccl"
         if self.options.backend not in backend.replace(",", ":").split(":"):
             raise ConfigError(f"the default process group runs {backend}, not backend={self.options.backend}")
-        self.store = rendezvous.exchanger_store(rendezvous.default_group_store(), self.rank_info, self.options.timeout)
+        self.store = rendezvous.exchanger_store(rendezvous.default_group_store(self.rank_info, self.options.timeout), self.rank_info, self.options.timeout)
         self.group, self.owns_group = dist.group.WORLD, False
 
     def _stalled(self) -> str:

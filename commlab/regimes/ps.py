@@ -162,8 +162,7 @@ class _Shard:
         # transport=shm|auto (see commlab.psshm): payloads through two segments the server made for this connection
         self.shm_want = ""  # "", "shm" or "auto"
         self.shm_pieces: list[tuple[str, str, int]] = []  # (key, dtype, numel) in hello order: the layout
-        self.link: psshm.Link | None = None
-        self.payloads = "zmq frames"  # or "shm": what this connection carries payloads in, after hello
+        self.link: psshm.Payloads = psshm.FRAMES  # after hello: a psshm.Link where the shard gave one
         self.shm_note = ""  # auto: why not shm
         # update=server: a key's place in the outbound segment is written only by pulls of that key's
         # parameters, so a whole parameter may live there (no copy out); update=worker reuses the place
@@ -198,14 +197,11 @@ class _Shard:
             meta["space"] = self.space
         if self.attempt:
             meta["attempt"] = self.attempt
-        link = self.link
-        if link is not None and req.op == "push" and req.parts and "unit" not in meta:  # one copy in; read there
-            at = psshm.place(link.offsets, req.parts)
-            for (spec, t), o in zip(req.parts, at):
-                link.inbound.write(o, t)
-        elif link is not None and req.op == "pull" and meta.get("what", "params") in ("params", "sum") \
-                and "unit" not in meta:
-            meta["shm_reply"] = True
+        if "unit" not in meta:  # (a compressed unit's payload travels in frames)
+            if req.op == "push":  # through a link: one copy in, the server reads it there
+                at = self.link.place(req.parts)
+            elif req.op == "pull" and meta.get("what", "params") in ("params", "sum"):
+                meta.update(self.link.reply_meta())
         frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name, peer=self.peer)
 
@@ -224,17 +220,14 @@ class _Shard:
                 raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s", peer=self.peer,
                                   op="receive") from None
             limit = max([self.max_reply, *(r.max_bytes for r in self.outstanding)])
-            link = self.link
             try:
-                h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit,
-                                region=link.outbound.size if link is not None else None)
+                h = wire.decode(msg, ops=psproto.REPLIES, max_bytes=limit, region=self.link.rx_size)
             except ProtocolError as exc:
                 raise ProtocolError(f"{self.name} sent a reply that breaks the protocol: {exc}", peer=self.peer,
                                     op="receive") from None
             rid = h.meta.get("id")
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
-                assert link is not None or "shm" not in h.meta  # decode refuses offsets without a link
-                self.inbox[rid] = (h, link.outbound.frames(h) if link is not None and "shm" in h.meta else msg[1:])
+                self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
         if h.op == "error":
@@ -258,14 +251,14 @@ class _Shard:
 
     def _take_link(self, offer) -> None:
         """Map the segments the server made for this connection (transport=shm), or say why not (auto)."""
-        why = ""
+        why, link = "", None
         if not isinstance(offer, dict):
             why = f"{self.name} offered no shared memory (an older server?)"
         elif "refused" in offer:
             why = str(offer["refused"])
         else:
             try:
-                self.link = psshm.Link.attach(offer, self.shm_pieces)
+                link = psshm.Link.attach(offer, self.shm_pieces)
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 why = f"this worker cannot map {self.name}'s shared memory: {exc}"
                 for path in (offer.get("in"), offer.get("out")):  # the server's files: do not strand them
@@ -274,18 +267,17 @@ class _Shard:
                             os.unlink(path)
                         except OSError:
                             pass
-        if self.link is not None:
-            self.payloads, self.shm_note = "shm", ""
+        if link is not None:
+            self.link, self.shm_note = link, ""
             return
         if self.shm_want == "shm":
             raise ConfigError(f"ps:// transport=shm: {why}; use transport=auto (shm where it can, zmq frames "
                               f"elsewhere) or tcp")
-        self.payloads, self.shm_note = "zmq frames", why
+        self.shm_note = why
 
     def _drop_link(self) -> None:
-        if self.link is not None:
-            self.link.close()
-            self.link = None
+        self.link.close()
+        self.link = psshm.FRAMES
 
     def collect(self) -> int:
         """Wait for every posted request's reply, in order; copy pulled parameters in; bytes received.
@@ -534,11 +526,14 @@ class PSExchanger(BucketedExchanger, PlansServers):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
+        # membership change); bounded as the start gate is: the ranks start when they do
+        self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
         if self.rank_info.members:  # connect(group=): the members agree on it first; a space per group
             self._check_group()
         self.space = self.options.space or _next_space(self.rank_info, endpoints)
         for shard in self.shards:
-            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.rank_info.attempt
+            shard.space, shard.members, shard.attempt = self.space, self.rank_info.members, self.attempt_id
         where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         if self.options.transport in ("shm", "auto"):
             shm.sweep_stale()  # what killed runs left behind
@@ -684,9 +679,12 @@ class PSExchanger(BucketedExchanger, PlansServers):
     def _on_all(self, fn, what: str) -> list:
         """Run ``fn(shard)`` on every shard's thread at once; wait for all (each has its own timeout)."""
         futures = [s.submit(fn, s) for s in self.shards]
-        # each attempt: a timeout, a probe, a hello on the fresh connection
-        bound = self.options.timeout * (1 + 2 * self.options.retries) + _Shard.PROBE_S * (1 + self.options.retries) + 5
-        return [FutureHandle(f, f"{what} on {s.name}").wait(bound) for f, s in zip(futures, self.shards)]
+        return [FutureHandle(f, f"{what} on {s.name}").wait(self._setup_bound) for f, s in zip(futures, self.shards)]
+
+    @property
+    def _setup_bound(self) -> float:
+        """The longest a setup wait may take: each try a timeout, a probe, a hello on the fresh connection."""
+        return self.options.timeout * (1 + 2 * self.options.retries) + _Shard.PROBE_S * (1 + self.options.retries) + 5
 
     def _parts(self, shard: int, flat: torch.Tensor | None) -> list:
         """Frames of a shard's pieces, read from the parameters (``flat`` None) or from ``flat``."""
@@ -1137,7 +1135,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
                  **self._heap_facts()}
         if self.options.transport in ("shm", "auto"):  # what each connection carries its payloads in, and why
             facts["transport"] = {"asked": self.options.transport,
-                                  "payloads": {s.endpoint: s.payloads for s in self.shards},
+                                  "payloads": {s.endpoint: s.link.kind for s in self.shards},
                                   **({"why_not_shm": {s.endpoint: s.shm_note for s in self.shards if s.shm_note}}
                                      if any(s.shm_note for s in self.shards) else {})}
         return facts

@@ -219,8 +219,7 @@ class RingExchanger(CollectiveExchanger):
         self._seq = 0
         self._plans: dict[tuple[int, int], tuple[list[int], int, tuple[Step, ...]]] = {}  # (numel, itemsize) -> plan()
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (numel, itemsize) -> bytes_moved()
-        self._transport: Transport | None = None
-        self._ipc_dir: str | None = None
+        self._meeting: RingMeeting | None = None  # zmq/shm links: what they share until close()
         self._inbox: Inbox | None = None  # from the left neighbour
         self._outbox: Outbox | None = None  # to the right neighbour
         self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
@@ -247,7 +246,7 @@ class RingExchanger(CollectiveExchanger):
             return
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
-            store = rendezvous.default_group_store()
+            store = rendezvous.default_group_store(self.rank_info, opts.timeout)
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
         self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)  # its own namespace
         # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
@@ -293,80 +292,23 @@ class RingExchanger(CollectiveExchanger):
         return inward, outward
 
     def _meet_links(self, ns: str) -> None:
-        """zmq and shared-memory links. In an order no rank can block on: publish what the left
-        neighbour needs (our PULL address, or our segment and socket), connect to the right's PULL,
-        attach to the left's segment and socket, then accept the right's connection."""
-        opts = self.options
+        """zmq and shared-memory links, each made by its kind (:class:`LinkKind`). In an order no rank can block
+        on: publish what the neighbours need (our PULL address, or our segment and socket), connect to the
+        right's PULL, attach to the left's segment and socket, then accept the right's connection."""
         inward, outward = self._link_kinds(ns)
         self._kinds = {"from_left": inward, "to_right": outward}
-        left_who = f"{self.rank_info.who(self.left)} (left neighbour)"
-        right_who = f"{self.rank_info.who(self.right)} (right neighbour)"
-        net = None
-        if inward != "shm" or outward != "shm":
-            if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
-                self._heap_kept = keep_freed_memory()
-            net = self._transport = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
-        slot_bytes = shm_slot_bytes(self._chunk_mb)
-        run = ""
-        if "shm" in (inward, outward):
-            shm.sweep_stale()  # what runs killed before they could unlink left behind
-            run = self.store.compare_set(f"{ns}shm-run", "", shm.new_run_id()).decode()
-        curve = _curve_keys(opts.keys, opts.key_name) if opts.keys else None
-        io_in, io_out = 0, opts.io_threads - 1  # one zmq I/O thread per direction when there are two
-
-        pull = offer = None
-        if net is not None and inward != "shm":
-            pull = self._bind_pull(ns, net, inward, io_in, curve)
-        if outward == "shm":
-            offer = ShmOffer(run, self.rank, slot_bytes)
-            self.store.set(f"{ns}shm/{self.rank}", offer.describe())
-        if net is not None and outward != "shm":
-            address = self._wait_key(f"{ns}addr/{self.right}", "ring address").decode()
-            push = net.connect(zmq.PUSH, address, io_thread=io_out, curve=curve[2] if curve else None)
-            self._outbox = ZmqOutbox(Link(push, right_who, self.right), self.rank, self.right, opts.timeout)
-        attached = None
-        if inward == "shm":
-            attached = ShmOffer.attach(json.loads(self._wait_key(f"{ns}shm/{self.left}", "shared-memory segment")))
-        if offer is not None:
-            segment, conn = offer.accept(opts.timeout, right_who, self.right)
-            self._outbox = ShmOutbox(segment, conn, slot_bytes, self.rank, self.right, right_who, opts.timeout,
-                                     self._check_reports)
-        if self._outbox is None:
-            raise CommError(f"{self.rank_info.who()}: no link to {right_who} ({outward})")
-        if attached is not None:
-            mapped, conn, theirs = attached
-            self._inbox = ShmInbox(mapped, conn, theirs, self.rank, self.left, left_who, opts.timeout,
-                                   self._check_reports, self._outbox)
-        elif pull is not None:
-            self._inbox = ZmqInbox(Link(pull, left_who, self.left), self.rank, self.left, opts.timeout,
-                                   self._check_reports, self._outbox)
-
-    def _bind_pull(self, ns: str, net: Transport, kind: str, io_thread: int, curve) -> zmq.Socket:
-        """The socket the left neighbour sends to (tcp or ipc), its address published in the store."""
-        opts = self.options
-        if kind == "ipc":
-            scratch.sweep_stale()  # socket folders of ranks killed before they could remove them
-            self._ipc_dir = scratch.mkdtemp("ring")
-            where = f"ipc://{self._ipc_dir}/r{self.rank}"
-        else:
-            host = self._bind_host()
-            opts.check_bind(host)
-            where = f"tcp://{host}:0"
-        pull = net.bind(zmq.PULL, where, io_thread=io_thread, curve=curve[0] if curve else None,
-                        authorized=curve[1] if curve else None, insecure=opts.insecure)
-        self.store.set(f"{ns}addr/{self.rank}", pull.last_endpoint)
-        return pull
-
-    def _bind_host(self) -> str:
-        """``host``, or for ``auto`` the local address of the route to the rendezvous store's host."""
-        if self.options.host != "auto":
-            return self.options.host
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect((self.rank_info.master_addr, self.rank_info.master_port or 9))  # no packet is sent
-            return probe.getsockname()[0]
-        finally:
-            probe.close()
+        self._meeting = meeting = RingMeeting(self, ns)
+        left = LINK_KINDS[inward](meeting, self.left, f"{self.rank_info.who(self.left)} (left neighbour)", io_thread=0)
+        right = LINK_KINDS[outward](meeting, self.right, f"{self.rank_info.who(self.right)} (right neighbour)",
+                                    io_thread=self.options.io_threads - 1)  # a zmq I/O thread per direction if two
+        left.publish_inbound()
+        right.publish_outbound()
+        right.connect_outbound()
+        left.attach_inbound()
+        self._outbox = right.accept_outbound()
+        self._inbox = left.inbox(self._outbox)
+        if meeting.heap_kept is not None:
+            self._heap_kept = meeting.heap_kept
 
     def _meet_torch(self, ns: str) -> None:
         import torch.distributed as dist
@@ -533,12 +475,9 @@ class RingExchanger(CollectiveExchanger):
         if not self._met:
             return
         self._close_links(linger_s=min(5.0, self.options.timeout))
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
+        if self._meeting is not None:
+            self._meeting.close()
+            self._meeting = None
         if self._own_group:
             import torch.distributed as dist
             if dist.is_initialized():
@@ -762,6 +701,176 @@ def run_schedule(c: Collective, inbox: Inbox, outbox: Outbox) -> None:
             if t < last:
                 outbox.send(t + 1, j)
     outbox.finish()
+
+
+# ----- meeting the neighbours: one kind per transport ------------------------------------------------------
+class RingMeeting:
+    """What a rank's two link ends share while the ring meets (:meth:`RingExchanger._meet_links`), and what
+    outlives the meeting until :meth:`close`: the zmq context (made when a zmq end first asks), the ipc socket
+    folder, the shared-memory run id."""
+
+    def __init__(self, ring: RingExchanger, ns: str):
+        opts = ring.options
+        self.ring, self.ns, self.store, self.options, self.rank = ring, ns, ring.store, opts, ring.rank
+        self.timeout = opts.timeout
+        self.idle = ring._check_reports  # what every wait of a link calls about once a second
+        self.slot_bytes = shm_slot_bytes(ring._chunk_mb)
+        self.curve = _curve_keys(opts.keys, opts.key_name) if opts.keys else None
+        self.net: Transport | None = None
+        self.heap_kept: bool | None = None
+        self.ipc_dir: str | None = None
+        self._shm_run: str | None = None
+
+    def wait_key(self, key: str, what: str) -> bytes:
+        return self.ring._wait_key(key, what)
+
+    def transport(self) -> Transport:
+        """The zmq context and I/O threads both zmq ends use (made once)."""
+        if self.net is None:
+            opts = self.options
+            if opts.heap == "keep":  # received zmq chunks reuse heap memory instead of faulting in fresh pages
+                self.heap_kept = keep_freed_memory()
+            self.net = Transport(io_threads=opts.io_threads, sndbuf=opts.sndbuf_kb * 1024 or None)
+        return self.net
+
+    def ipc_folder(self) -> str:
+        if self.ipc_dir is None:
+            scratch.sweep_stale()  # socket folders of ranks killed before they could remove them
+            self.ipc_dir = scratch.mkdtemp("ring")
+        return self.ipc_dir
+
+    def shm_run(self) -> str:
+        """The run id every rank's segments are named by (the first rank to ask picks it)."""
+        if self._shm_run is None:
+            shm.sweep_stale()  # what runs killed before they could unlink left behind
+            self._shm_run = self.store.compare_set(f"{self.ns}shm-run", "", shm.new_run_id()).decode()
+        return self._shm_run
+
+    def bind_host(self) -> str:
+        """``host``, or for ``auto`` the local address of the route to the rendezvous store's host."""
+        if self.options.host != "auto":
+            return self.options.host
+        info = self.ring.rank_info
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((info.master_addr, info.master_port or 9))  # no packet is sent
+            return probe.getsockname()[0]
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        if self.net is not None:
+            self.net.close()
+            self.net = None
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+
+
+class LinkKind:
+    """One transport's way of making a ring link; an instance is this rank's end of one link: the link from
+    the left neighbour (``*_inbound`` phases, then :meth:`inbox`) or the one to the right (``*_outbound``
+    phases). :meth:`RingExchanger._meet_links` calls the phases in the same order on every rank; a kind
+    implements those its transport needs (the others do nothing). torch p2p meets separately
+    (:meth:`RingExchanger._meet_torch`): a process group, not two links."""
+
+    def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
+        self.m, self.peer, self.who, self.io_thread = m, peer, who, io_thread
+
+    def publish_inbound(self) -> None:
+        """Put in the store what the left neighbour needs to send here. Never waits."""
+
+    def publish_outbound(self) -> None:
+        """Put in the store what the right neighbour needs to receive from here. Never waits."""
+
+    def connect_outbound(self) -> None:
+        """Reach the right neighbour's end; waits (bounded) only for what it published."""
+
+    def attach_inbound(self) -> None:
+        """Reach the left neighbour's end; waits (bounded) only for what it published."""
+
+    def accept_outbound(self) -> Outbox:
+        """The outbox to the right, once the right neighbour has reached this end (bounded wait)."""
+        raise NotImplementedError
+
+    def inbox(self, outbox: Outbox) -> Inbox:
+        """The inbox from the left (its waits also watch ``outbox``)."""
+        raise NotImplementedError
+
+
+class ZmqKind(LinkKind):
+    """tcp and ipc: the receiver binds a PULL socket and publishes its address, the sender connects a PUSH."""
+
+    def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
+        super().__init__(m, peer, who, io_thread)
+        self.socket: zmq.Socket | None = None
+
+    def where(self) -> str:
+        """The address the PULL socket binds."""
+        raise NotImplementedError
+
+    def publish_inbound(self) -> None:
+        m, curve = self.m, self.m.curve
+        self.socket = m.transport().bind(zmq.PULL, self.where(), io_thread=self.io_thread,
+                                         curve=curve[0] if curve else None, authorized=curve[1] if curve else None,
+                                         insecure=m.options.insecure)
+        m.store.set(f"{m.ns}addr/{m.rank}", self.socket.last_endpoint)
+
+    def connect_outbound(self) -> None:
+        m = self.m
+        address = m.wait_key(f"{m.ns}addr/{self.peer}", "ring address").decode()
+        self.socket = m.transport().connect(zmq.PUSH, address, io_thread=self.io_thread,
+                                            curve=m.curve[2] if m.curve else None)
+
+    def accept_outbound(self) -> Outbox:
+        return ZmqOutbox(Link(self.socket, self.who, self.peer), self.m.rank, self.peer, self.m.timeout)
+
+    def inbox(self, outbox: Outbox) -> Inbox:
+        return ZmqInbox(Link(self.socket, self.who, self.peer), self.m.rank, self.peer, self.m.timeout, self.m.idle,
+                        outbox)
+
+
+class TcpKind(ZmqKind):
+    def where(self) -> str:
+        host = self.m.bind_host()
+        self.m.options.check_bind(host)
+        return f"tcp://{host}:0"
+
+
+class IpcKind(ZmqKind):
+    def where(self) -> str:
+        return f"ipc://{self.m.ipc_folder()}/r{self.m.rank}"
+
+
+class ShmKind(LinkKind):
+    """Shared memory: the sender offers its segment and a listening Unix socket (:class:`ShmOffer`), the
+    receiver maps the segment and connects."""
+
+    def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
+        super().__init__(m, peer, who, io_thread)
+        self.offer: ShmOffer | None = None
+        self.attached: tuple[shm.Segment, socket.socket, int] | None = None
+
+    def publish_outbound(self) -> None:
+        m = self.m
+        self.offer = ShmOffer(m.shm_run(), m.rank, m.slot_bytes)
+        m.store.set(f"{m.ns}shm/{m.rank}", self.offer.describe())
+
+    def attach_inbound(self) -> None:
+        offer = self.m.wait_key(f"{self.m.ns}shm/{self.peer}", "shared-memory segment")
+        self.attached = ShmOffer.attach(json.loads(offer))
+
+    def accept_outbound(self) -> Outbox:
+        m = self.m
+        segment, conn = self.offer.accept(m.timeout, self.who, self.peer)
+        return ShmOutbox(segment, conn, m.slot_bytes, m.rank, self.peer, self.who, m.timeout, m.idle)
+
+    def inbox(self, outbox: Outbox) -> Inbox:
+        mapped, conn, theirs = self.attached
+        return ShmInbox(mapped, conn, theirs, self.m.rank, self.peer, self.who, self.m.timeout, self.m.idle, outbox)
+
+
+LINK_KINDS: dict[str, type[LinkKind]] = {"tcp": TcpKind, "ipc": IpcKind, "shm": ShmKind}
 
 
 def shm_slot_bytes(chunk_mb: float) -> int:
