@@ -10,6 +10,8 @@
 - **Compute**: forward and backward per sample, and the moment each gradient bucket is ready during
   backward, taken from the real model with a post-accumulate-grad hook on every parameter and
   commlab's own bucketing (reverse parameter order, ``bucket_mb``).
+- **The clock**: every compute time is the calibrating thread's CPU time (``cpu_clock``), whatever else the
+  machine runs; what a worker gets of the cores while all compute is :func:`cpu_share`'s.
 """
 
 from __future__ import annotations

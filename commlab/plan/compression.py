@@ -1,7 +1,7 @@
 """When compression pays: each compressor's bytes and compute on the user's model, a compressed step's time at
 a link rate, and the rate below which it beats the uncompressed exchange.
 
-**What a compressor costs** (:func:`measure`, on this CPU, one thread as
+**What a compressor costs** (:func:`measure`, on this CPU, one thread and its CPU time as
 :func:`~commlab.plan.calibrate.measure_compute`, big freed blocks kept in the heap as a worker's exchanger
 keeps them, :mod:`commlab.heap`): the model's own buckets (commlab's bucketing, with their presence flags)
 go through the real seam (:func:`commlab.compress.seam.start_compressed`) and the real compressor, with
