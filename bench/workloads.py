@@ -53,8 +53,8 @@ COINCIDE_TOL = 0.01
 # name -> URL; --regimes takes these names or URLs
 REGIMES = {n: R.url_of(n) for n in ("local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2")}
 DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
-# the default `commlab bench` runs the synchronous ones (the asynchronous ones are in its training comparison)
-BENCH_REGIMES = ["local", "gloo", "ring", "ps-sync"]
+# the default `commlab bench` runs the all-reduce ones (the parameter servers are in its training comparison)
+BENCH_REGIMES = ["local", "gloo", "ring"]
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -823,11 +824,12 @@ class ZmqKind(LinkKind):
                                             curve=m.curve[2] if m.curve else None)
 
     def accept_outbound(self) -> Outbox:
-        return ZmqOutbox(Link(self.socket, self.who, self.peer), self.m.rank, self.peer, self.m.timeout)
+        return ZmqOutbox(Link(_met(self.socket, self.who), self.who, self.peer), self.m.rank, self.peer,
+                         self.m.timeout)
 
     def inbox(self, outbox: Outbox) -> Inbox:
-        return ZmqInbox(Link(self.socket, self.who, self.peer), self.m.rank, self.peer, self.m.timeout, self.m.idle,
-                        outbox)
+        return ZmqInbox(Link(_met(self.socket, self.who), self.who, self.peer), self.m.rank, self.peer, self.m.timeout,
+                        self.m.idle, outbox)
 
 
 class TcpKind(ZmqKind):
@@ -862,15 +864,24 @@ class ShmKind(LinkKind):
 
     def accept_outbound(self) -> Outbox:
         m = self.m
-        segment, conn = self.offer.accept(m.timeout, self.who, self.peer)
+        segment, conn = _met(self.offer, self.who).accept(m.timeout, self.who, self.peer)
         return ShmOutbox(segment, conn, m.slot_bytes, m.rank, self.peer, self.who, m.timeout, m.idle)
 
     def inbox(self, outbox: Outbox) -> Inbox:
-        mapped, conn, theirs = self.attached
+        mapped, conn, theirs = _met(self.attached, self.who)
         return ShmInbox(mapped, conn, theirs, self.m.rank, self.peer, self.who, self.m.timeout, self.m.idle, outbox)
 
 
 LINK_KINDS: dict[str, type[LinkKind]] = {"tcp": TcpKind, "ipc": IpcKind, "shm": ShmKind}
+
+_T = TypeVar("_T")
+
+
+def _met(end: _T | None, who: str) -> _T:
+    """A link end's socket, offer or mapping, which the meeting's earlier phase made (a bug if not)."""
+    if end is None:
+        raise CommError(f"the link with {who} was used before its meeting phase made it")
+    return end
 
 
 def shm_slot_bytes(chunk_mb: float) -> int:
