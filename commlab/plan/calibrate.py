@@ -224,29 +224,33 @@ def cpu_share(procs: int, seconds: float = 2.0, step_cpu_s: float = 0.1, syncs: 
     part = step_cpu_s / syncs
     ps = [subprocess.Popen([sys.executable, "-c", _SPIN, repr(part)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, start_new_session=True) for _ in range(procs)]
+    pipes = [(p.stdin, p.stdout) for p in ps]
     try:
         steps, t0 = -1, 0.0
         while steps < 3 * syncs or time.perf_counter() - t0 < seconds:
-            for i, p in enumerate(ps):
-                ready, _, _ = select.select([p.stdout], [], [], timeout)
-                if not ready or p.stdout.read(1) != b"x":
+            for i, (p, (_, out)) in enumerate(zip(ps, pipes)):
+                assert out is not None  # made with stdout=PIPE
+                ready, _, _ = select.select([out], [], [], timeout)
+                if not ready or out.read(1) != b"x":
                     raise ConfigError(f"cpu_share: process {i} of {procs} did not finish its step within "
                                       f"{timeout:g}s (exit {p.poll()})")
             steps += 1
             if steps == 0:  # the first part ends: every interpreter is up, timing starts
                 t0 = time.perf_counter()
             elapsed = time.perf_counter() - t0
-            for p in ps:
-                p.stdin.write(b"g")
-                p.stdin.flush()
+            for into, _ in pipes:
+                assert into is not None  # made with stdin=PIPE
+                into.write(b"g")
+                into.flush()
         return min(1.0, steps * part / elapsed)
     finally:
         for p in ps:
             if p.poll() is None:
                 p.kill()
             p.wait()
-            p.stdin.close()
-            p.stdout.close()
+            for pipe in (p.stdin, p.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 def calibration_run(out_dir: str | Path, workers: int = 2, regimes: str = CALIBRATION_REGIMES,
