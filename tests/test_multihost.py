@@ -85,8 +85,8 @@ from commlab import wire
 addr, port, server_key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the job's first exchanger's keys
     addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
-store.wait(["ring/1/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
-endpoint = store.get("ring/1/addr/0").decode()
+store.wait(["ring/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
+endpoint = store.get("ring/addr/0").decode()
 ctx = zmq.Context()
 plain = ctx.socket(zmq.PUSH)  # no keys at all
 keyed = ctx.socket(zmq.PUSH)  # a key pair of its own, not among the authorised clients

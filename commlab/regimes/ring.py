@@ -249,11 +249,10 @@ class RingExchanger(CollectiveExchanger):
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
             store = rendezvous.default_group_store(self.rank_info, opts.timeout)
         self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
-        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)  # its own namespace
-        # Several ring exchangers may live in one job (benchmarks): each gets its own namespace,
-        # numbered by how many this rank made before (every rank makes them in the same order).
-        ns = f"ring/{self.store.add(f'ring/instances/{self.rank}', 1)}/"
-        self._ns = ns
+        # Several exchangers may live in one job (benchmarks, a resumed run): exchanger_store gives each its own
+        # namespace, numbered by how many this rank met before (every rank meets them in the same order).
+        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)
+        ns = self._ns = "ring/"
         if self.world_size > 1:
             if opts.transport == "torch":
                 self._meet_torch(ns)
