@@ -146,8 +146,8 @@ class CompressedPushes:
             i = int(spec.key.partition("/")[2])
             while len(got) <= i:
                 got.append([])
-            got[i].append(wire.frame_tensor(spec, frame).clone())
-        tensors = [torch.cat(ts) if len(ts) > 1 else ts[0] for ts in got]
+            got[i].append(wire.frame_tensor(spec, frame))  # a view of the frame: copied out once, just below
+        tensors = [torch.cat(ts) if len(ts) > 1 else ts[0].clone() for ts in got]
         n = h.meta.get("sparse")
         if n is not None:  # a dense sum's nonzero values and their indices (servers.compressed.Units.sums)
             values, idx = tensors
