@@ -48,8 +48,8 @@ PEERS = ("ddp", "ddp+powersgd", "ddp+fp16")
 DEFAULT_CELLS = (("mlp", "100mbit"), ("lm", "10mbit"), ("mlp", "loopback"), ("lm", "loopback"), ("lm", "1gbit"),
                  ("mlp", "1gbit"))
 # steps per job in each cell: a 25M MLP step at 100 Mbit/s moves 100 MB (about 8 s uncompressed)
-STEPS = {("mlp", "loopback"): 10, ("mlp", "1gbit"): 6, ("mlp", "100mbit"): 5, ("lm", "loopback"): 60,
-         ("lm", "1gbit"): 60, ("lm", "100mbit"): 40, ("lm", "10mbit"): 30}
+STEPS = {("mlp", "loopback"): 10, ("mlp", "1gbit"): 6, ("mlp", "100mbit"): 5, ("lm", "loopback"): 40,
+         ("lm", "1gbit"): 40, ("lm", "100mbit"): 40, ("lm", "10mbit"): 30}
 BATCH = {"mlp": 32, "lm": 16}
 DEFAULT_BUDGET_S = 840.0
 MIN_CELL_S = 120.0  # a cell is not started with less of the budget left (it would be cut short, half measured)
