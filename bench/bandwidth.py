@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import regimes as R
-from bench.jobs import python, run_job
+from bench import jobs
+from commlab import launcher
 from bench.records import record
 from bench.text import human_bytes
 from commlab.metrics import metrics_path
@@ -145,7 +146,7 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
 
     Everything that can share a job shares one, taking turns iteration by iteration (bench.bw_worker).
     Jobs of their own: a second ``allreduce://`` regime (one process group per process), and over
-    ``--link`` a regime whose servers must be placed in namespaces, one size per job (bench.launch_job).
+    ``--link`` a regime whose servers must be placed in namespaces, one size per job (:func:`bench.jobs.place_servers`).
     """
     together, alone, failures = [], [], []
     for name in cfg.regimes:
@@ -286,21 +287,16 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
         out, log = run_dir / "raw" / f"{name}.json", run_dir / "logs" / f"{name}.log"
         its = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in todo]
         launch = next((c["launch"] for c in left if "launch" in c), "noop://")
-        argv = [python(), "-m", "bench.launch_job", "--url", launch, "--workers", str(workers),
-                "--module", "bench.bw_worker"]
-        if links is not None:
-            argv += ["--link", links.rate, "--link-tag", links.tag]
         wire_cases = [{k: c[k] for k in ("name", "method", "url")} for c in left]
-        argv += ["--", "--cases", json.dumps(wire_cases), "--sizes", ",".join(map(str, todo)),
-                 "--iters", ",".join(map(str, its)), "--warmup", str(cfg.warmup), "--out", str(out),
-                 "--timeout", str(min(cfg.job_timeout, 60.0))]
-        if cfg.corrupt:
-            argv.append("--corrupt")
+        args = ["--cases", json.dumps(wire_cases), "--sizes", ",".join(map(str, todo)),
+                "--iters", ",".join(map(str, its)), "--warmup", str(cfg.warmup), "--out", str(out),
+                "--timeout", str(min(cfg.job_timeout, 60.0)), *(["--corrupt"] if cfg.corrupt else [])]
         env = None
         if any("nccl" in c["url"] for c in left):
             from commlab.doctor import NCCL_DEBUG_ENV
             env = dict(os.environ, **NCCL_DEBUG_ENV)  # NCCL's own word on GPUDirect RDMA lands in the log
-        res = run_job(argv, log, min(cfg.job_timeout, budget.left()), env=env)
+        job = launcher.worker_job(launch, workers, args, module="bench.bw_worker", name=name, env=env)
+        res = jobs.run(job, log, min(cfg.job_timeout, budget.left()), links)
         budget.note(res.seconds)
         try:
             got = combine_ranks(out, workers)

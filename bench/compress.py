@@ -33,7 +33,9 @@ from pathlib import Path
 
 from bench import records as rec
 from bench import verdict
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
+from commlab import launcher
 from bench.curves import smoothed, time_to_target
 from bench.script_compare import Outcome, Regime, plot, summarize_all, table
 from bench.regimes import unavailable, with_query
@@ -122,11 +124,8 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
     args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
             "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
             "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
-    argv = [python(), "-m", "bench.launch_job", "--url", "local://", "--workers", str(a.workers),
-            "--module", "bench.compress_worker"]
-    if links is not None:
-        argv += ["--link", links.rate, "--link-tag", links.tag]
-    res = run_job([*argv, "--", *args], out / "logs" / f"{tag}.log", timeout)
+    job = launcher.worker_job("local://", a.workers, args, module="bench.compress_worker", name=f"compress {tag}")
+    res = jobs.run(job, out / "logs" / f"{tag}.log", timeout, links)
     log = str(res.log.relative_to(out))
     for i, (e, regime) in enumerate(runnable):
         outcomes[e.label] = []

@@ -1,7 +1,7 @@
 """Convergence: the same model, seed, data order and global batch under every regime.
 
-Each regime runs through ``commlab train`` as a job of its own (``python -m
-commlab.cli train ... --metrics F --eval-every K``); the workers write one JSON
+Each regime runs the built-in worker (``python -m workers ... --metrics F --eval-every K``, or a
+peer's module) as a launcher job of its own (:func:`bench.jobs.run`); the workers write one JSON
 line per step (loss, acc, compute_s, comm_s, step_s, bytes_sent, time_s, and on
 rank 0 test_loss/test_acc at eval steps). ``local://`` runs one worker on the
 combined batch (N x B): the reference every synchronous regime must reproduce,
@@ -27,7 +27,9 @@ from pathlib import Path
 from bench import curves
 from bench import regimes as R
 from bench.bandwidth import Budget
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
+from commlab import launcher
 from bench.text import slug
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
@@ -36,38 +38,13 @@ from bench.text import slug
 COINCIDE_TOL = 1e-3
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What every regime trains: a program the bench starts once per (regime, N).
-
-    ``python *launch --exchanger URL --workers N --steps S --batch-size B --lr LR --seed K
-    --eval-every E --metrics FILE --no-progress *args``; the program runs N ranks under the regime
-    and each rank writes one JSON line per step to FILE (rank r > 0: ``FILE.rank<r>``) with ``step,
-    loss, compute_s, comm_s, step_s, bytes_sent, time_s`` and, on rank 0 at eval steps, ``test_loss``
-    (and ``test_acc`` where the task has one). ``commlab train`` is the built-in one; a script of
-    one's own (the examples) plugs in with its launch command, e.g. ``("-m", "commlab.cli", "run",
-    "examples/x.py")``, as long as it takes those flags and writes those lines.
-    """
-
-    name: str = "mlp"
-    launch: tuple[str, ...] = ("-m", "commlab.cli", "train")
-    args: tuple[str, ...] = ("--model", "mlp")
-
-    @classmethod
-    def model(cls, model: str) -> "Workload":
-        """``commlab train --model MODEL``."""
-        return cls(model, args=("--model", model))
-
-    def argv(self, url: str, workers: int, *, steps: int, batch: int, lr: float, seed: int, eval_every: int,
-             metrics: Path) -> list[str]:
-        return [python(), *self.launch, "--exchanger", url, "--workers", str(workers), "--steps", str(steps),
-                "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed), "--eval-every", str(eval_every),
-                "--metrics", str(metrics), "--no-progress", *self.args]
-
-    def rank_args(self, *, steps: int, batch: int, lr: float, seed: int, eval_every: int, metrics: Path) -> list[str]:
-        """The per-rank flags alone (``bench.launch_job`` starts the ranks itself over ``--link``)."""
-        return ["--steps", str(steps), "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed),
-                "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress", *self.args]
+def rank_args(model: str, *, steps: int, batch: int, lr: float, seed: int, eval_every: int, metrics: Path) -> list[str]:
+    """Every rank's flags: the built-in worker's (``python -m workers``), which a peer's module takes too
+    (:func:`workers.loop.add_training_args`). Each rank writes one JSON line per step to ``metrics`` (rank
+    r > 0: ``metrics.rank<r>``) with ``step, loss, compute_s, comm_s, step_s, bytes_sent, time_s`` and, on
+    rank 0 at eval steps, ``test_loss`` and ``test_acc``."""
+    return ["--model", model, "--steps", str(steps), "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed),
+            "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress"]
 
 
 @dataclass
@@ -82,10 +59,6 @@ class ConvergenceConfig:
     eval_every: int = 10
     target_acc: float = 0.85
     job_timeout: float = 120.0
-    workload: Workload | None = None  # None: commlab train --model MODEL
-
-    def the_workload(self) -> Workload:
-        return self.workload or Workload.model(self.model)
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
@@ -221,18 +194,12 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     metrics = run_dir / "raw" / f"{tag}.jsonl"
     stats_dir = run_dir / "raw" / f"{tag}.stats"
     stats_dir.mkdir(parents=True, exist_ok=True)
-    w = cfg.the_workload()
-    flags = dict(steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every, metrics=metrics)
-    if e.module:  # a peer (DDP): its module under the launcher, with the built-in worker's flags
-        argv = [python(), "-m", "commlab.cli", "run", "--workers", str(ranks_n), "--exchanger", e.url, "-m", e.module,
-                "--", *w.rank_args(**flags)]
-    elif links is None or e.kind == "reference":
-        argv = w.argv(e.url, ranks_n, **flags)
-    else:
-        argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(ranks_n), "--module", "workers",
-                "--link", links.rate, "--link-tag", links.tag, "--", *w.rank_args(**flags)]
-    env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
-    res = run_job(argv, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+    args = rank_args(cfg.model, steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every,
+                     metrics=metrics)
+    job = launcher.worker_job(e.url, ranks_n, args, module=e.module or "workers", name=f"convergence {name}",
+                              env=dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir)))
+    res = jobs.run(job, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()),
+                   None if e.kind == "reference" else links)
     budget.note(res.seconds)
     ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
