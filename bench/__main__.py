@@ -31,6 +31,7 @@ from bench import bandwidth, convergence, manifest, report
 from bench import regimes as R
 from bench import workloads
 from bench.netns import Links, link_unavailable_reason
+from bench.records import failure
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
@@ -212,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                     probed["restart"] = probes.restart()
                 (run_dir / "probes.json").write_text(json.dumps(probed, indent=1))
             else:
-                failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
-                                 "error": "the benchmark's time budget ran out before the probes"})
+                failures.append(failure("probes", "-", "the benchmark's time budget ran out before the probes",
+                                        status="skipped"))
         if a.what == "all" and a.workloads and not any(f["status"] == "interrupted" for f in failures):
             wl_results, wl_pngs = workloads.run_default(run_dir, a.workloads_budget_s, a.workers, names=a.workloads)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
-        failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers what finished"})
+        failures.append(failure("bench", "-", "interrupted (Ctrl-C or SIGTERM): the report covers what finished",
+                                status="interrupted"))
     finally:
         if links is not None:
             links.close()

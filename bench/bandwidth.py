@@ -38,7 +38,7 @@ from pathlib import Path
 from bench import regimes as R
 from bench import jobs
 from commlab import launcher
-from bench.records import record
+from bench.records import failure, record
 from bench.text import human_bytes
 from commlab.metrics import metrics_path
 
@@ -158,7 +158,7 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
         if why is None and links is not None and e.loopback_only:
             why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
         if why:
-            failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            failures.append(failure("bandwidth", name, why, e.url, "unavailable"))
             continue
         case = {"name": name, "method": e.method, "url": e.url, "kind": "regime"}
         if e.one_size_per_job and links is not None:
@@ -169,8 +169,8 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
             together.append(case)
     for c in cfg.ceilings:
         if links is not None and c.startswith("zmq"):
-            failures.append({"phase": "bandwidth", "regime": c, "url": "", "status": "unavailable",
-                             "error": "not run over --link: pyzmq's ceiling binds 127.0.0.1"})
+            failures.append(failure("bandwidth", c, "not run over --link: pyzmq's ceiling binds 127.0.0.1",
+                                    status="unavailable"))
             continue
         together.append({"name": c, "method": c, "url": "", "kind": "ceiling"})
     jobs = [(together, cfg.sizes)] if together else []
@@ -209,8 +209,8 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
                     failures[seen:] = [f for f in failures[seen:] if (f["regime"], f["status"]) not in known]
                 bar and bar.update(1)
     except KeyboardInterrupt:
-        failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
+        failures.append(failure("bandwidth", "-", "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that "
+                                "finished", status="interrupted"))
     if bar:
         bar.close()
     return merge_launches(records), failures, facts
@@ -274,9 +274,9 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
     link = f"{links.rate} veth+tbf" if links else "loopback"
     workers = cfg.workers
     left, todo, attempt = list(cases), list(sizes), 0
-    fail = lambda c, status, error, log=None: failures.append(
-        {"phase": "bandwidth", "regime": c["name"], "url": c.get("launch", c["url"]), "status": status,
-         "error": error, **({"log": str(log.relative_to(run_dir))} if log else {})})
+    fail = lambda c, status, error, log=None: failures.append(dict(
+        failure("bandwidth", c["name"], error, c.get("launch", c["url"]), status),
+        **({"log": str(log.relative_to(run_dir))} if log else {})))
     while left and todo:
         if not budget.fits():
             for c in left:

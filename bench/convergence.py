@@ -29,6 +29,7 @@ from bench import regimes as R
 from bench.bandwidth import Budget
 from bench import jobs
 from bench.jobs import read_ranks
+from bench.records import failure
 from commlab import launcher
 from bench.text import slug
 
@@ -160,28 +161,59 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
 
     ``curves[name]`` holds rank 0's per-step lines (and the staleness values, if any).
     """
-    summaries, failures, curves = [], [], {}
-    (run_dir / "raw").mkdir(parents=True, exist_ok=True)
-    todo = []
-    for name in cfg.regimes:
+    failures: list[dict] = []
+    todo = [(name, cfg.workers) for name in _runnable(cfg.regimes, "convergence", links, failures)]
+    summaries = _train_each(cfg, "convergence", todo, cfg.steps, run_dir, budget, links, progress, failures)
+    curves = {s["regime"]: s.pop("curve") for s in summaries}
+    compare_with_reference(summaries)
+    return summaries, failures, curves
+
+
+def _runnable(names: list[str], phase: str, links, failures: list[dict]) -> list[str]:
+    """The regimes of ``names`` that can run here (over ``links``, if given); the others are appended to
+    ``failures`` as unavailable, with the reason."""
+    out = []
+    for name in names:
         e = R.CONVERGENCE[name]
         why = R.unavailable(e.url)
         if why is None and links is not None and e.loopback_only:
             why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
         if why:
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            failures.append(failure(phase, name, why, e.url, "unavailable"))
         else:
-            todo.append(name)
-    bar = progress(total=len(todo), desc="convergence", unit="run") if progress else None
+            out.append(name)
+    return out
+
+
+def _train_each(cfg: ConvergenceConfig, phase: str, todo: list[tuple[str, int]], steps: int, run_dir: Path,
+                budget: Budget, links, progress, failures: list[dict]) -> list[dict]:
+    """:func:`train` each (regime, N) of ``todo`` in turn; the summaries of those that finished, the others
+    appended to ``failures`` (a job starts only while the budget holds one more; Ctrl-C or SIGTERM stops
+    the phase, which keeps what finished)."""
+    scaling = phase == "scaling"
+    done = []
+    bar = progress(total=len(todo), desc=phase, unit="run") if progress else None
     try:
-        _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves)
+        for name, n in todo:
+            at = f"N={n}: " if scaling else ""
+            bar and bar.set_postfix_str(f"{name} N={n}" if scaling else name)
+            if not budget.fits(8.0):
+                failures.append(dict(failure(phase, name, at + "the benchmark's time budget ran out before this run",
+                                             R.CONVERGENCE[name].url, "skipped"), workers=n))
+            else:
+                s, failed = train(cfg, name, n, steps, run_dir, budget, links,
+                                  f"scale-{slug(name)}-n{n}" if scaling else f"conv-{slug(name)}")
+                if failed:
+                    failures.append(dict(failed, phase=phase, error=at + failed["error"]))
+                else:
+                    done.append(s)
+            bar and bar.update(1)
     except KeyboardInterrupt:
-        failures.append({"phase": "convergence", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
+        failures.append(failure(phase, "-", "interrupted (Ctrl-C or SIGTERM): the report covers the runs that "
+                                "finished", status="interrupted"))
     if bar:
         bar.close()
-    compare_with_reference(summaries)
-    return summaries, failures, curves
+    return done
 
 
 def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: Path, budget: Budget, links,
@@ -204,32 +236,13 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
         status, error = budget.outcome(res) if not res.ok else ("failed", "")
-        return None, {"phase": "convergence", "regime": name, "url": e.url, "status": status, "workers": workers,
-                      "error": error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
-                      "log": str(res.log.relative_to(run_dir))}
+        return None, dict(failure("convergence", name, error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
+                                  e.url, status), workers=workers, log=str(res.log.relative_to(run_dir)))
     s = summarize(name, e, ranks, cfg.target_acc, batch, lr)
     s["staleness"] = read_staleness(stats_dir, ranks, res.log)
     s["clock_gap"] = read_staleness(stats_dir, ranks, res.log, key="clock_gap")
     s["curve"] = ranks[0]
     return s, None
-
-
-def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves) -> None:
-    for name in todo:
-        e = R.CONVERGENCE[name]
-        bar and bar.set_postfix_str(name)
-        if not budget.fits(8.0):
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "skipped",
-                             "error": "the benchmark's time budget ran out before this run"})
-            bar and bar.update(1)
-            continue
-        s, failure = train(cfg, name, cfg.workers, cfg.steps, run_dir, budget, links, f"conv-{slug(name)}")
-        if failure:
-            failures.append(failure)
-        else:
-            curves[name] = s.pop("curve")
-            summaries.append(s)
-        bar and bar.update(1)
 
 
 def run_scaling(cfg: ConvergenceConfig, names: list[str], workers: list[int], steps: int, run_dir: Path,
@@ -240,40 +253,16 @@ def run_scaling(cfg: ConvergenceConfig, names: list[str], workers: list[int], st
     ``cfg.workers``, reused for that N. Returns (points, failures); a point holds the per-step samples."""
     points, failures = [], []
     todo = []
-    for name in names:
-        e = R.CONVERGENCE[name]
-        why = R.unavailable(e.url)
-        if why is None and links is not None and e.loopback_only:
-            why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
-        if why:
-            failures.append({"phase": "scaling", "regime": name, "url": e.url, "status": "unavailable", "error": why})
-            continue
+    for name in _runnable(names, "scaling", links, failures):
         for n in workers:
             old = next((s for s in have or [] if s["regime"] == name and s["workers"] == n), None)
             if old is not None:
                 points.append(_point(old, steps_dropped=0))
             else:
                 todo.append((name, n))
-    bar = progress(total=len(todo), desc="scaling", unit="run") if progress else None
-    try:
-        for name, n in todo:
-            bar and bar.set_postfix_str(f"{name} N={n}")
-            if not budget.fits(8.0):
-                failures.append({"phase": "scaling", "regime": name, "url": R.CONVERGENCE[name].url, "workers": n,
-                                 "status": "skipped", "error": f"N={n}: the benchmark's time budget ran out"})
-            else:
-                s, failure = train(cfg, name, n, steps, run_dir, budget, links, f"scale-{slug(name)}-n{n}")
-                if failure:
-                    failures.append(dict(failure, phase="scaling", error=f"N={n}: {failure['error']}"))
-                else:
-                    s.pop("curve")
-                    points.append(_point(s, steps_dropped=SCALING_WARMUP))
-            bar and bar.update(1)
-    except KeyboardInterrupt:
-        failures.append({"phase": "scaling", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
-    if bar:
-        bar.close()
+    for s in _train_each(cfg, "scaling", todo, steps, run_dir, budget, links, progress, failures):
+        s.pop("curve")
+        points.append(_point(s, steps_dropped=SCALING_WARMUP))
     return sorted(points, key=lambda p: (names.index(p["regime"]), p["workers"])), failures
 
 

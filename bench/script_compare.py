@@ -184,10 +184,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     have = [r for r in rows if r.get("curve")]
     if not have:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import plt, save
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     silent = []
@@ -211,10 +208,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=100)
 
 
 def write(out: Path, rows: list[dict], target: float | None, command: list[str], png: Path | None,

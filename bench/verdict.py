@@ -83,11 +83,6 @@ class Verdict:
             return self.b
         return None
 
-    @property
-    def loser(self) -> str | None:
-        w = self.winner
-        return None if w is None else (self.b if w == self.a else self.a)
-
     def oriented(self) -> "Verdict":
         """The same verdict with the winner (or, if none, the one with the better statistic) as ``a``."""
         if self.winner == self.b or (self.winner is None and self.ratio < 1.0):
