@@ -39,7 +39,7 @@ from commlab import launcher
 from bench.curves import smoothed, time_to_target
 from bench.script_compare import Outcome, Regime, plot, summarize_all, table
 from bench.regimes import unavailable, with_query
-from bench.text import slug
+from bench.text import names, slug
 
 CASE = "compress"
 MODELS = {"mlp": "mlp-25m", "lm": "charlm"}
@@ -321,13 +321,9 @@ def read_predictions(path: str | None) -> dict | None:
 
 
 def cells_of(a) -> list[tuple[str, str]]:
-    models = [m.strip() for m in a.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in MODELS]
-    if bad:
-        raise ValueError(f"--models: unknown {bad}; known: {', '.join(MODELS)}")
+    models = names(a.models, MODELS, "--models")
     if a.link:
-        links = [x.strip() for x in a.link.split(",") if x.strip()]
-        return [(m, link) for m in models for link in links]
+        return [(m, link) for m in models for link in names(a.link)]
     return [c for c in DEFAULT_CELLS if c[0] in models]
 
 
@@ -357,14 +353,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _names(text: str, known=None, what: str = "") -> list[str]:
-    names = [] if text.strip().lower() == "none" else [s.strip() for s in text.split(",") if s.strip()]
-    bad = [n for n in names if known is not None and n not in known]
-    if bad:
-        raise ValueError(f"{what}: unknown {bad}; known: {', '.join(known)}")
-    return names
-
-
 def check(a) -> list[tuple[str, str]]:
     """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
     from commlab.compress import build
@@ -374,9 +362,9 @@ def check(a) -> list[tuple[str, str]]:
         raise ValueError("--workers must be >= 2")
     if a.rounds < 1 or (a.steps is not None and a.steps < a.start_iter + 2):
         raise ValueError(f"--rounds must be >= 1 and --steps >= --start-iter + 2 ({a.start_iter + 2})")
-    if a.start_iter < 2 and "ddp+powersgd" in _names(a.peers, PEERS, "--peers"):
+    if a.start_iter < 2 and "ddp+powersgd" in names(a.peers, PEERS, "--peers"):
         raise ValueError("--start-iter must be >= 2 with the ddp+powersgd peer (torch's hook with error feedback)")
-    for c in _names(a.compressors):
+    for c in names(a.compressors):
         try:
             build(spec_of(c, a.start_iter))
         except ValueError as exc:
@@ -399,7 +387,7 @@ def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[lis
     """Run the cells (grouped by link, one namespace topology per rate); returns (cells, failures)."""
     from bench.netns import Links, link_unavailable_reason
 
-    es = entries(a.regime, _names(a.compressors), _names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
+    es = entries(a.regime, names(a.compressors), names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
     deadline = time.monotonic() + a.budget_s
     done, failures = [], []
     by_link: dict[str, list[str]] = {}

@@ -350,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", help="rewrite the table in this markdown file between the markers")
     a = p.parse_args(argv)
     command = "python -m bench.plan_validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        names = text.names(a.regimes, REGIMES, "--regimes")
+    except ValueError as exc:
+        print(f"plan_validate: {exc}", file=sys.stderr)
+        return 2
     why = link_unavailable_reason()
     if why:
         print(f"plan_validate: {why}: the runs across capped links need it", file=sys.stderr)
@@ -363,11 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = a.bench_run or C.calibration_run(out / "calibration")
         cal = C.calibrate(a.model, a.batch_size, run)
-    names = [n.strip() for n in a.regimes.split(",") if n.strip()]
-    bad = [n for n in names if n not in REGIMES]
-    if bad:
-        print(f"plan_validate: unknown regime(s) {bad}; known: {', '.join(REGIMES)}", file=sys.stderr)
-        return 2
     # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
     entries = [(n, n, None, REGIMES[n]) for n in names] + [
         (f"{n} {spec}", n, spec, R.with_query(REGIMES[n], f"compress={spec}")) for spec in a.compress for n in names

@@ -26,7 +26,8 @@ training", comparable between entries of one run, not against a link.
 
 Also here: what the cases share besides the record. :func:`run_ranks` runs a job of ranks
 (:func:`bench.jobs.run`) and returns what each rank wrote with :func:`commlab.metrics.report`;
-:func:`ratio_line` words a ratio with its interval; :func:`write` writes a case's document.
+:func:`take_turns` runs a case's entries round after round; :func:`ratio_line` words a ratio with its
+interval; :func:`write` writes a case's document.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from bench import jobs, manifest, text
 from commlab import launcher, scratch
@@ -43,6 +45,7 @@ from bench.text import fmt_us, human_bytes
 from bench.verdict import Verdict, quantile
 
 KINDS = ("regime", "peer", "ceiling", "reference")
+T = TypeVar("T")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 FIELDS = ("case", "regime", "kind", "url", "method", "workers", "link", "size_bytes", "count", "dtype", "iters",
           "warmup", "time_us", "time_us_min", "time_us_p90", "time_us_max", "algbw_gbps", "algbw_gbps_min",
@@ -159,3 +162,27 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
         if not res.ok:
             raise CaseFailed(f"{name}: {res.error()}")
         return jobs.read_ranks(base, workers, need_step=False)
+
+
+def take_turns(case: str, names: Sequence[str], rounds: int, run_one: Callable[[str], T],
+               said: Callable[[int, str, T], None]) -> tuple[dict[str, list[T]], dict[str, str]]:
+    """``run_one(name)`` for each of ``names`` in turn, ``rounds`` times (drift on a shared machine hits
+    every entry alike); ``said(round, name, result)`` after each. Returns each name's results in round
+    order and the error of each that failed (CaseFailed: one failing entry must not sink the comparison;
+    it is left out of later rounds). Ctrl-C or SIGTERM ends the rounds: what finished is returned."""
+    got: dict[str, list[T]] = {n: [] for n in names}
+    failures: dict[str, str] = {}
+    try:
+        for rnd in range(rounds):
+            for name in names:
+                if name in failures:
+                    continue
+                try:
+                    got[name].append(run_one(name))
+                except CaseFailed as exc:
+                    failures[name] = str(exc)
+                    continue
+                said(rnd, name, got[name][-1])
+    except KeyboardInterrupt:
+        print(f"commlab bench {case}: interrupted; reporting what finished", file=sys.stderr)
+    return got, failures

@@ -331,23 +331,19 @@ def append_section(report: Path, results: dict, pngs: dict) -> None:
     report.write_text(text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block)
 
 
-def names_arg(text: str) -> list[str]:
+def names_arg(arg: str) -> list[str]:
     """``--workloads charlm,resnet`` -> the names (``none``: []); argparse's ``type``."""
-    names = [] if text.strip() == "none" else [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}, or none")
-    return names
+    try:
+        return text.names(arg, WORKLOADS, "--workloads")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or none") from None
 
 
 def run_default(run_dir: Path, budget_s: float, workers: int = 2, *, progress=None,
                 names: list[str] | None = None) -> tuple[dict, dict]:
-    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under
-    :data:`BENCH_REGIMES`; writes the files. Raises ValueError for an unknown workload name."""
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both; :func:`names_arg`
+    checked them) under :data:`BENCH_REGIMES`; writes the files."""
     names = list(DEFAULT_WORKLOADS) if names is None else names
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     if progress is None:
         progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
     results = run(WorkloadsConfig(names, [(n, REGIMES[n]) for n in BENCH_REGIMES], workers=workers), run_dir,
