@@ -61,12 +61,9 @@ def _names(text: str | None, default: list[str], table: dict, what: str) -> list
 def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
     """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
     from commlab.config import ExchangerURL
-    most = 0
-    for url in [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
-        query = dict(ExchangerURL.parse(url).query)
-        if url.startswith("ps://"):
-            most = max(most, int(query.get("shards", 1)))
-    return most
+    urls = [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]
+    return max((int(dict(ExchangerURL.parse(u).query).get("shards", 1)) for u in urls if u.startswith("ps://")),
+               default=0)
 
 
 def _interrupt(signum, frame):
@@ -240,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
            "transport": manifest.transport(links, link_note, facts), "failures": failures}
     (run_dir / "manifest.json").write_text(json.dumps(man, indent=1))
     if a.json:
-        data = {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed,
-                "all": {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}}
-        Path(a.json).write_text(json.dumps(data[a.what], indent=1))
+        data = {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}
+        Path(a.json).write_text(json.dumps(data if a.what == "all" else data[a.what], indent=1))
     path = report.write(run_dir, man, records, summaries, curves, failures, points, probed)
     if wl_results:
         workloads.append_section(path, wl_results, wl_pngs)

@@ -189,7 +189,6 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
     # every launch runs the whole iteration count: a launch costs mostly its process starts (the
     # ranks, a PS's servers per size), and a median of a few iterations per launch is what made the
     # small sizes' verdicts swing (gloo's 4 KiB times are bimodal here: ~0.5 ms or 2-7 ms)
-    per = cfg
     bar = progress(total=len(jobs) * launches, desc="bandwidth", unit="job") if progress else None
     try:
         for launch in range(launches):  # launch by launch, every job in each: drift spreads over all
@@ -202,7 +201,7 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
                 if bar:
                     bar.set_postfix_str(f"launch {launch + 1}/{launches}: " + ",".join(c["name"] for c in cases))
                 seen = len(failures)
-                _run_job(per, cases, sizes, f"bw{i}" + (f"-l{launch}" if launches > 1 else ""), run_dir, budget,
+                _run_job(cfg, cases, sizes, f"bw{i}" + (f"-l{launch}" if launches > 1 else ""), run_dir, budget,
                          links, records, failures, facts)
                 if launch:  # a case that fails again: one line of the first launch's is enough
                     known = {(f["regime"], f["status"]) for f in failures[:seen]}

@@ -7,7 +7,7 @@
 The character-level GPT (``examples/charlm.py``: AdamW with parameter groups, warm-up + cosine
 schedule, clipping, bf16 autocast, accumulation under ``no_sync``) and the BatchNorm ResNet
 (``examples/resnet_digits.py``: SGD with momentum, StepLR) are started unchanged with
-``commlab run`` (:func:`bench.script_compare.run_regime`), one job per regime; their
+``commlab run`` runs them (:func:`bench.script_compare.run_regime`), one job per regime; their
 ``commlab.report`` lines (``$COMMLAB_METRICS``) are the only thing read. Each regime gives the
 loss against step, wall time and bytes sent, the time to a target loss, the median step time,
 the exposed communication and the bytes per step.
@@ -52,7 +52,7 @@ COINCIDE_TOL = 0.01
 
 # name -> URL; --regimes takes these names or URLs
 REGIMES = {n: R.url_of(n) for n in ("local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2")}
-DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
+DEFAULT_REGIMES = list(REGIMES)
 # the default `commlab bench` runs the all-reduce ones (the parameter servers are in its training comparison)
 BENCH_REGIMES = ["local", "gloo", "ring"]
 
