@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from commlab import ConfigError
 from commlab.compress import build, check_fits
 from commlab.compress.codecs import pack_bits, unpack_bits
+from commlab.compress import powersgd
 from commlab.compress.powersgd import layout
 from commlab.compress.seam import nbytes, pack, unpack
 from commlab.compress.simulate import exchange
@@ -138,6 +139,21 @@ def test_powersgd_is_exact_on_a_gradient_of_rank_at_most_R(r, n_ranks):
         assert torch.equal(out, outs[0])
         assert (out - want).abs().max() <= 1e-5 * want.abs().max()
         assert torch.equal(out[64 * 48:], want[64 * 48:]) or n_ranks > 1  # one rank: the vector's bits as sent
+
+
+@pytest.mark.parametrize("n, m, r", [(5, 7, 2), (37, 11, 4), (64, 40, 3), (4099, 33, 4)])
+def test_powersgd_grouped_products_equal_one_product(n, m, r, monkeypatch):
+    """M Q, M^T P and P Q^T by groups of rows (with a tail of rows past the last group, and M^T P's groups
+    summed over several chunks) equal the one-call products to float32 rounding."""
+    monkeypatch.setattr(powersgd, "CHUNK", 4 * r * m)  # several chunks of M^T P's partial products
+    g = torch.Generator().manual_seed(n * m + r)
+    mat, q, p = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, m), (m, r), (n, r)))
+    out = torch.empty(n, m)
+    powersgd.outer(p.float(), q.float(), out)
+    for got, want in ((powersgd.project(mat.float(), q.float()), mat @ q),
+                      (powersgd.back_project(mat.float(), p.float()), mat.t() @ p), (out, p @ q.t())):
+        assert got.is_contiguous() and got.shape == want.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * math.sqrt(max(n, m)))
 
 
 def test_powersgd_warm_start_converges_to_the_best_rank_R_approximation():

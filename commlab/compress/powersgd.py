@@ -72,12 +72,68 @@ def orthonormalise(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(a.double() if a.dtype != torch.float64 else a)[0].to(a.dtype)
 
 
+# The three products of a step, M Q, M^T P and P Q^T, have an inner or outer dimension of R (a few): one BLAS
+# call on a whole CPU matrix runs them far below the memory's speed. As batched products over groups of rows
+# they run 1.3-2x faster; measured on one thread of this project's CPU (AMD EPYC, MKL 2024.2), old -> new,
+# for 4096 x 4096 and R = 4: M Q 8.3 -> 6.2 ms, M^T P 9.1 -> 6.2 ms, P Q^T 12.2 -> 6.0 ms. A GPU's tensor keeps
+# the one call. The grouping is fixed by the shapes, so every rank and server computes the same bits.
+GROUP = 16  # rows of M per batched product in M Q and M^T P
+OUT_GROUP = 8  # rows of the result per batched product in P Q^T
+CHUNK = 1 << 20  # elements of M^T P's per-group partial products held at once (4 MiB of float32)
+
+
+def _grouped(t: torch.Tensor, group: int) -> int:
+    """How many leading rows of ``t`` the batched products cover (a multiple of ``group``; 0 off the CPU)."""
+    return t.shape[0] - t.shape[0] % group if t.device.type == "cpu" else 0
+
+
+def project(mat: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``M Q`` (n x r, contiguous) for M n x m and Q m x r."""
+    n, m = mat.shape
+    qt = q.t().to(mat.dtype).contiguous()
+    r, h = qt.shape[0], _grouped(mat, GROUP)
+    p = torch.empty(n, r, dtype=mat.dtype, device=mat.device)
+    if h:  # per group of rows: Q^T M_g^T (r x GROUP), read from M row by row
+        p[:h] = torch.bmm(qt.expand(h // GROUP, r, m), mat[:h].view(h // GROUP, GROUP, m).transpose(1, 2)) \
+            .transpose(1, 2).reshape(h, r)
+    if h < n:  # M Q as (Q^T M^T)^T: on one CPU thread 2.2x faster in MKL than M @ Q
+        p[h:] = (qt @ mat[h:].t()).t()
+    return p
+
+
+def back_project(mat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``M^T P`` (m x r, contiguous) for M n x m and P n x r."""
+    n, m = mat.shape
+    p = p.to(mat.dtype)
+    r, h = p.shape[1], _grouped(mat, GROUP)
+    acc = torch.zeros(r, m, dtype=mat.dtype, device=mat.device)
+    span = GROUP * max(1, CHUNK // (r * m))
+    for i in range(0, h, span):  # per group: P_g^T M_g (r x m); the groups' products summed in order
+        j = min(h, i + span)
+        acc += torch.bmm(p[i:j].view(-1, GROUP, r).transpose(1, 2), mat[i:j].view(-1, GROUP, m)).sum(0)
+    if h < n:  # M^T P as (P^T M)^T: reads M row by row (12x faster on one CPU thread than a transposed M's)
+        acc += p[h:].t() @ mat[h:]
+    return acc.t().contiguous()
+
+
+def outer(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = P Q^T`` (n x m) in place, with no temporary."""
+    n, m = out.shape
+    p, qt = p.to(out.dtype), q.t().to(out.dtype).contiguous()
+    r, h = p.shape[1], _grouped(out, OUT_GROUP)
+    if h:
+        torch.bmm(p[:h].view(h // OUT_GROUP, OUT_GROUP, r), qt.expand(h // OUT_GROUP, r, m),
+                  out=out[:h].view(h // OUT_GROUP, OUT_GROUP, m))
+    if h < n:
+        torch.mm(p[h:], qt, out=out[h:])
+
+
 def rebuild(lay: Layout, plain_sums, ps, qs, out: torch.Tensor) -> None:
     """The aggregate: the plain tensors' sums, and P Q^T of each matrix (P orthonormalised, Q summed)."""
     for (o, k), s in zip(lay.plain, plain_sums):
         out[o:o + k].copy_(s.view(-1))
     for (o, n, m, _), p, q in zip(lay.matrices, ps, qs):
-        torch.mm(p.to(out.dtype), q.t().to(out.dtype), out=out[o:o + n * m].view(n, m))  # no temporary
+        outer(p, q, out[o:o + n * m].view(n, m))
 
 
 class PowerSGD(Compressor):
@@ -118,8 +174,7 @@ class PowerSGD(Compressor):
         ms = [x[o:o + n * m].view(n, m) for o, n, m, _ in lay.matrices]
         qs = self._start_qs(key, lay, x)
         self._flight[key] = {"plain": False, "layout": lay, "ms": ms}
-        # M Q as (Q^T M^T)^T: on one CPU thread 2.2x faster in MKL (25M MLP: 62 -> 28 ms)
-        return [x[o:o + k] for o, k in lay.plain] + [(q.t() @ mat.t()).t().contiguous() for mat, q in zip(ms, qs)]
+        return [x[o:o + k] for o, k in lay.plain] + [project(mat, q) for mat, q in zip(ms, qs)]
 
     def advance(self, key, rnd, combined):
         f = self._flight[key]
@@ -130,8 +185,7 @@ class PowerSGD(Compressor):
         k = len(lay.plain)
         f["plain_sums"] = combined[:k]
         f["ps"] = ps = [orthonormalise(p) for p in combined[k:]]  # sums come in float32 or wider
-        # M^T P as (P^T M)^T: reads M row by row (on one CPU thread 12x faster than a transposed M's product)
-        return [(p.t().to(mat.dtype) @ mat).t().contiguous() for mat, p in zip(f["ms"], ps)]
+        return [back_project(mat, p) for mat, p in zip(f["ms"], ps)]
 
     def finish(self, key, combined, out):
         f = self._flight.pop(key)
