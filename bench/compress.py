@@ -239,12 +239,12 @@ def goals(model: str, link: str, rows: list[dict], base: str, rank_r: int) -> li
         if peer in by:
             w = step_verdict(by[psgd], by[peer])
             out.append(f"step time {peer} / {psgd}: {w.ratio:.2f}x [{w.lo:.2f}, {w.hi:.2f}]; never slower: "
-                       + ("meets" if w.lo >= 1.0 else "misses" if w.hi < 1.0 else "the interval straddles 1"))
+                       + rec.meets(w, 1.0))
     if link == "loopback":
-        limit = 1 / LOOPBACK_OVERHEAD  # base / psgd >= 1/1.15: powersgd adds at most 15%
-        said = "meets" if v.lo >= limit else "misses" if v.hi < limit else "the interval straddles it"
+        # base / psgd >= 1/1.15: powersgd adds at most 15%
         out.append(f"powersgd's overhead on loopback, step {psgd} / {base}: {1 / v.ratio:.2f}x "
-                   f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]; goal <= {LOOPBACK_OVERHEAD:g}x: {said}")
+                   f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]; goal <= {LOOPBACK_OVERHEAD:g}x: "
+                   + rec.meets(v, 1 / LOOPBACK_OVERHEAD))
     if (model, link) == ("lm", "10mbit"):
         ttt = [(r["regime"], target_verdict(by[r["regime"]], by[base])) for r in rows
                if r["regime"] in by and "compress=" in r["regime"]]

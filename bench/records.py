@@ -110,13 +110,15 @@ def ratio_line(label: str, v: Verdict) -> str:
     return f"{label}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}], {said}"
 
 
+def meets(v: Verdict, goal: float) -> str:
+    """``meets`` where ``v.ratio >= goal`` holds over the whole interval, ``misses`` where it fails over it,
+    else ``the interval straddles it``."""
+    return "meets" if v.lo >= goal else "misses" if v.hi < goal else "the interval straddles it"
+
+
 def goal_text(v: Verdict, goal: float) -> str:
-    """Whether ``v.ratio >= goal`` holds over the whole interval, fails over it, or the run cannot say."""
-    if v.lo >= goal:
-        return f"goal >= {goal:g}x: meets"
-    if v.hi < goal:
-        return f"goal >= {goal:g}x: misses"
-    return f"goal >= {goal:g}x: the interval straddles it"
+    """``goal >= GOALx: meets`` (:func:`meets`)."""
+    return f"goal >= {goal:g}x: {meets(v, goal)}"
 
 
 def table(records: list[dict], extra: Sequence[tuple[str, str]] = ()) -> list[str]:
