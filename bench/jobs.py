@@ -69,8 +69,9 @@ def last_error_line(log: Path) -> str:
 
 
 def run(job: launcher.Job, log: Path, timeout: float, links: Links | None = None) -> JobResult:
-    """Run ``job`` through the launcher in this process; block at most ``timeout`` seconds (its
-    deadline) plus the stop; leave nothing running.
+    """Run ``job`` through the launcher in this process; leave nothing running. Blocks for the job's
+    deadline, ``timeout`` seconds from its start (checked once its ranks run; the start of its servers
+    gets at most as long again), plus the stop.
 
     ``job``'s environment gets the checkout on ``PYTHONPATH``; its log goes to ``log`` and its
     processes' logs to the folder ``log`` names without ``.log`` (module docstring). With ``links``
@@ -90,6 +91,7 @@ def run(job: launcher.Job, log: Path, timeout: float, links: Links | None = None
     with log.open("w", buffering=1) as console:
         console.write(f"$ {job.workers} x python {json.dumps([*job.command, *job.args])} under {job.exchanger}\n")
         code = launcher.run_job(dataclasses.replace(job, env=env, deadline_s=max(0.1, timeout),
+                                                    start_timeout_s=min(job.start_timeout_s, max(1.0, timeout)),
                                                     log_dir=str(log.with_suffix("")), console=console, summary=False,
                                                     **place))
     if code in INTERRUPTED:
