@@ -31,6 +31,7 @@ from bench import bandwidth, convergence, manifest, report
 from bench import regimes as R
 from bench import workloads
 from bench.netns import Links, link_unavailable_reason
+from bench.records import failure
 from bench.text import human_bytes, parse_sizes
 
 DEFAULT_SIZES = "4K,256K,4M,32M"
@@ -60,12 +61,9 @@ def _names(text: str | None, default: list[str], table: dict, what: str) -> list
 def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
     """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
     from commlab.config import ExchangerURL
-    most = 0
-    for url in [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]:
-        query = dict(ExchangerURL.parse(url).query)
-        if url.startswith("ps://"):
-            most = max(most, int(query.get("shards", 1)))
-    return most
+    urls = [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]
+    return max((int(dict(ExchangerURL.parse(u).query).get("shards", 1)) for u in urls if u.startswith("ps://")),
+               default=0)
 
 
 def _interrupt(signum, frame):
@@ -212,14 +210,14 @@ def main(argv: list[str] | None = None) -> int:
                     probed["restart"] = probes.restart()
                 (run_dir / "probes.json").write_text(json.dumps(probed, indent=1))
             else:
-                failures.append({"phase": "probes", "regime": "-", "url": "", "status": "skipped",
-                                 "error": "the benchmark's time budget ran out before the probes"})
+                failures.append(failure("probes", "-", "the benchmark's time budget ran out before the probes",
+                                        status="skipped"))
         if a.what == "all" and a.workloads and not any(f["status"] == "interrupted" for f in failures):
             wl_results, wl_pngs = workloads.run_default(run_dir, a.workloads_budget_s, a.workers, names=a.workloads)
     except KeyboardInterrupt:
         print("commlab bench: interrupted; every job was stopped", file=sys.stderr)
-        failures.append({"phase": "bench", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers what finished"})
+        failures.append(failure("bench", "-", "interrupted (Ctrl-C or SIGTERM): the report covers what finished",
+                                status="interrupted"))
     finally:
         if links is not None:
             links.close()
@@ -239,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
            "transport": manifest.transport(links, link_note, facts), "failures": failures}
     (run_dir / "manifest.json").write_text(json.dumps(man, indent=1))
     if a.json:
-        data = {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed,
-                "all": {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}}
-        Path(a.json).write_text(json.dumps(data[a.what], indent=1))
+        data = {"bandwidth": records, "convergence": summaries, "scaling": points, "probes": probed}
+        Path(a.json).write_text(json.dumps(data if a.what == "all" else data[a.what], indent=1))
     path = report.write(run_dir, man, records, summaries, curves, failures, points, probed)
     if wl_results:
         workloads.append_section(path, wl_results, wl_pngs)

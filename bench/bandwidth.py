@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import regimes as R
-from bench.jobs import python, run_job
-from bench.records import record
+from bench import jobs
+from commlab import launcher
+from bench.records import failure, record
 from bench.text import human_bytes
 from commlab.metrics import metrics_path
 
@@ -145,7 +146,7 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
 
     Everything that can share a job shares one, taking turns iteration by iteration (bench.bw_worker).
     Jobs of their own: a second ``allreduce://`` regime (one process group per process), and over
-    ``--link`` a regime whose servers must be placed in namespaces, one size per job (bench.launch_job).
+    ``--link`` a regime whose servers must be placed in namespaces, one size per job (:func:`bench.jobs.place_servers`).
     """
     together, alone, failures = [], [], []
     for name in cfg.regimes:
@@ -157,7 +158,7 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
         if why is None and links is not None and e.loopback_only:
             why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
         if why:
-            failures.append({"phase": "bandwidth", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            failures.append(failure("bandwidth", name, why, e.url, "unavailable"))
             continue
         case = {"name": name, "method": e.method, "url": e.url, "kind": "regime"}
         if e.one_size_per_job and links is not None:
@@ -168,8 +169,8 @@ def plan(cfg: BandwidthConfig, links=None) -> tuple[list[tuple[list[dict], list[
             together.append(case)
     for c in cfg.ceilings:
         if links is not None and c.startswith("zmq"):
-            failures.append({"phase": "bandwidth", "regime": c, "url": "", "status": "unavailable",
-                             "error": "not run over --link: pyzmq's ceiling binds 127.0.0.1"})
+            failures.append(failure("bandwidth", c, "not run over --link: pyzmq's ceiling binds 127.0.0.1",
+                                    status="unavailable"))
             continue
         together.append({"name": c, "method": c, "url": "", "kind": "ceiling"})
     jobs = [(together, cfg.sizes)] if together else []
@@ -188,7 +189,6 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
     # every launch runs the whole iteration count: a launch costs mostly its process starts (the
     # ranks, a PS's servers per size), and a median of a few iterations per launch is what made the
     # small sizes' verdicts swing (gloo's 4 KiB times are bimodal here: ~0.5 ms or 2-7 ms)
-    per = cfg
     bar = progress(total=len(jobs) * launches, desc="bandwidth", unit="job") if progress else None
     try:
         for launch in range(launches):  # launch by launch, every job in each: drift spreads over all
@@ -201,15 +201,15 @@ def run(cfg: BandwidthConfig, run_dir: Path, budget: Budget, links=None, progres
                 if bar:
                     bar.set_postfix_str(f"launch {launch + 1}/{launches}: " + ",".join(c["name"] for c in cases))
                 seen = len(failures)
-                _run_job(per, cases, sizes, f"bw{i}" + (f"-l{launch}" if launches > 1 else ""), run_dir, budget,
+                _run_job(cfg, cases, sizes, f"bw{i}" + (f"-l{launch}" if launches > 1 else ""), run_dir, budget,
                          links, records, failures, facts)
                 if launch:  # a case that fails again: one line of the first launch's is enough
                     known = {(f["regime"], f["status"]) for f in failures[:seen]}
                     failures[seen:] = [f for f in failures[seen:] if (f["regime"], f["status"]) not in known]
                 bar and bar.update(1)
     except KeyboardInterrupt:
-        failures.append({"phase": "bandwidth", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that finished"})
+        failures.append(failure("bandwidth", "-", "interrupted (Ctrl-C or SIGTERM): the report covers the jobs that "
+                                "finished", status="interrupted"))
     if bar:
         bar.close()
     return merge_launches(records), failures, facts
@@ -273,9 +273,9 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
     link = f"{links.rate} veth+tbf" if links else "loopback"
     workers = cfg.workers
     left, todo, attempt = list(cases), list(sizes), 0
-    fail = lambda c, status, error, log=None: failures.append(
-        {"phase": "bandwidth", "regime": c["name"], "url": c.get("launch", c["url"]), "status": status,
-         "error": error, **({"log": str(log.relative_to(run_dir))} if log else {})})
+    fail = lambda c, status, error, log=None: failures.append(dict(
+        failure("bandwidth", c["name"], error, c.get("launch", c["url"]), status),
+        **({"log": str(log.relative_to(run_dir))} if log else {})))
     while left and todo:
         if not budget.fits():
             for c in left:
@@ -286,21 +286,16 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
         out, log = run_dir / "raw" / f"{name}.json", run_dir / "logs" / f"{name}.log"
         its = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in todo]
         launch = next((c["launch"] for c in left if "launch" in c), "noop://")
-        argv = [python(), "-m", "bench.launch_job", "--url", launch, "--workers", str(workers),
-                "--module", "bench.bw_worker"]
-        if links is not None:
-            argv += ["--link", links.rate, "--link-tag", links.tag]
         wire_cases = [{k: c[k] for k in ("name", "method", "url")} for c in left]
-        argv += ["--", "--cases", json.dumps(wire_cases), "--sizes", ",".join(map(str, todo)),
-                 "--iters", ",".join(map(str, its)), "--warmup", str(cfg.warmup), "--out", str(out),
-                 "--timeout", str(min(cfg.job_timeout, 60.0))]
-        if cfg.corrupt:
-            argv.append("--corrupt")
+        args = ["--cases", json.dumps(wire_cases), "--sizes", ",".join(map(str, todo)),
+                "--iters", ",".join(map(str, its)), "--warmup", str(cfg.warmup), "--out", str(out),
+                "--timeout", str(min(cfg.job_timeout, 60.0)), *(["--corrupt"] if cfg.corrupt else [])]
         env = None
         if any("nccl" in c["url"] for c in left):
             from commlab.doctor import NCCL_DEBUG_ENV
             env = dict(os.environ, **NCCL_DEBUG_ENV)  # NCCL's own word on GPUDirect RDMA lands in the log
-        res = run_job(argv, log, min(cfg.job_timeout, budget.left()), env=env)
+        job = launcher.worker_job(launch, workers, args, module="bench.bw_worker", name=name, env=env)
+        res = jobs.run(job, log, min(cfg.job_timeout, budget.left()), links)
         budget.note(res.seconds)
         try:
             got = combine_ranks(out, workers)

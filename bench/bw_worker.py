@@ -628,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Results(str(metrics_path(a.out, info.rank)), info)
     job = None
     try:
-        # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.launch_job)
+        # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.jobs.place_servers)
         cases = [dict(c, url=a.exchanger if c["url"] == "@launcher" else c["url"]) for c in json.loads(a.cases)]
         job = Job(cases, info, a.timeout, a.corrupt)
         for name, err in job.errors.items():

@@ -33,11 +33,13 @@ from pathlib import Path
 
 from bench import records as rec
 from bench import verdict
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
+from commlab import launcher
 from bench.curves import smoothed, time_to_target
 from bench.script_compare import Outcome, Regime, plot, summarize_all, table
 from bench.regimes import unavailable, with_query
-from bench.text import slug
+from bench.text import names, slug
 
 CASE = "compress"
 MODELS = {"mlp": "mlp-25m", "lm": "charlm"}
@@ -122,11 +124,8 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
     args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
             "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
             "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
-    argv = [python(), "-m", "bench.launch_job", "--url", "local://", "--workers", str(a.workers),
-            "--module", "bench.compress_worker"]
-    if links is not None:
-        argv += ["--link", links.rate, "--link-tag", links.tag]
-    res = run_job([*argv, "--", *args], out / "logs" / f"{tag}.log", timeout)
+    job = launcher.worker_job("local://", a.workers, args, module="bench.compress_worker", name=f"compress {tag}")
+    res = jobs.run(job, out / "logs" / f"{tag}.log", timeout, links)
     log = str(res.log.relative_to(out))
     for i, (e, regime) in enumerate(runnable):
         outcomes[e.label] = []
@@ -240,12 +239,12 @@ def goals(model: str, link: str, rows: list[dict], base: str, rank_r: int) -> li
         if peer in by:
             w = step_verdict(by[psgd], by[peer])
             out.append(f"step time {peer} / {psgd}: {w.ratio:.2f}x [{w.lo:.2f}, {w.hi:.2f}]; never slower: "
-                       + ("meets" if w.lo >= 1.0 else "misses" if w.hi < 1.0 else "the interval straddles 1"))
+                       + rec.meets(w, 1.0))
     if link == "loopback":
-        limit = 1 / LOOPBACK_OVERHEAD  # base / psgd >= 1/1.15: powersgd adds at most 15%
-        said = "meets" if v.lo >= limit else "misses" if v.hi < limit else "the interval straddles it"
+        # base / psgd >= 1/1.15: powersgd adds at most 15%
         out.append(f"powersgd's overhead on loopback, step {psgd} / {base}: {1 / v.ratio:.2f}x "
-                   f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]; goal <= {LOOPBACK_OVERHEAD:g}x: {said}")
+                   f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]; goal <= {LOOPBACK_OVERHEAD:g}x: "
+                   + rec.meets(v, 1 / LOOPBACK_OVERHEAD))
     if (model, link) == ("lm", "10mbit"):
         ttt = [(r["regime"], target_verdict(by[r["regime"]], by[base])) for r in rows
                if r["regime"] in by and "compress=" in r["regime"]]
@@ -322,13 +321,9 @@ def read_predictions(path: str | None) -> dict | None:
 
 
 def cells_of(a) -> list[tuple[str, str]]:
-    models = [m.strip() for m in a.models.split(",") if m.strip()]
-    bad = [m for m in models if m not in MODELS]
-    if bad:
-        raise ValueError(f"--models: unknown {bad}; known: {', '.join(MODELS)}")
+    models = names(a.models, MODELS, "--models")
     if a.link:
-        links = [x.strip() for x in a.link.split(",") if x.strip()]
-        return [(m, link) for m in models for link in links]
+        return [(m, link) for m in models for link in names(a.link)]
     return [c for c in DEFAULT_CELLS if c[0] in models]
 
 
@@ -358,14 +353,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _names(text: str, known=None, what: str = "") -> list[str]:
-    names = [] if text.strip().lower() == "none" else [s.strip() for s in text.split(",") if s.strip()]
-    bad = [n for n in names if known is not None and n not in known]
-    if bad:
-        raise ValueError(f"{what}: unknown {bad}; known: {', '.join(known)}")
-    return names
-
-
 def check(a) -> list[tuple[str, str]]:
     """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
     from commlab.compress import build
@@ -375,9 +362,9 @@ def check(a) -> list[tuple[str, str]]:
         raise ValueError("--workers must be >= 2")
     if a.rounds < 1 or (a.steps is not None and a.steps < a.start_iter + 2):
         raise ValueError(f"--rounds must be >= 1 and --steps >= --start-iter + 2 ({a.start_iter + 2})")
-    if a.start_iter < 2 and "ddp+powersgd" in _names(a.peers, PEERS, "--peers"):
+    if a.start_iter < 2 and "ddp+powersgd" in names(a.peers, PEERS, "--peers"):
         raise ValueError("--start-iter must be >= 2 with the ddp+powersgd peer (torch's hook with error feedback)")
-    for c in _names(a.compressors):
+    for c in names(a.compressors):
         try:
             build(spec_of(c, a.start_iter))
         except ValueError as exc:
@@ -400,7 +387,7 @@ def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[lis
     """Run the cells (grouped by link, one namespace topology per rate); returns (cells, failures)."""
     from bench.netns import Links, link_unavailable_reason
 
-    es = entries(a.regime, _names(a.compressors), _names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
+    es = entries(a.regime, names(a.compressors), names(a.peers, PEERS, "--peers"), a.start_iter, a.rank_r)
     deadline = time.monotonic() + a.budget_s
     done, failures = [], []
     by_link: dict[str, list[str]] = {}

@@ -3,7 +3,7 @@
     python -m bench.compress_worker --exchanger local:// --model mlp-25m --steps 6 --metrics F \
         --entries '[{"url": "ring://"}, {"url": "ring://?compress=powersgd:4,start_iter=2"}, {"peer": "ddp"}]'
 
-Started by the launcher (``bench.launch_job``, job URL ``local://``: torchrun's environment, nothing else).
+Started by the launcher (:func:`bench.jobs.run`, job URL ``local://``: torchrun's environment, nothing else).
 One job runs a whole cell: every entry in turn (``--rounds`` times), each from a fresh model, so the only
 difference between two entries is how the gradients travel, and a process start is paid once, not per
 entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or

@@ -1,7 +1,7 @@
 """Convergence: the same model, seed, data order and global batch under every regime.
 
-Each regime runs through ``commlab train`` as a job of its own (``python -m
-commlab.cli train ... --metrics F --eval-every K``); the workers write one JSON
+Each regime runs the built-in worker (``python -m workers ... --metrics F --eval-every K``, or a
+peer's module) as a launcher job of its own (:func:`bench.jobs.run`); the workers write one JSON
 line per step (loss, acc, compute_s, comm_s, step_s, bytes_sent, time_s, and on
 rank 0 test_loss/test_acc at eval steps). ``local://`` runs one worker on the
 combined batch (N x B): the reference every synchronous regime must reproduce,
@@ -27,7 +27,10 @@ from pathlib import Path
 from bench import curves
 from bench import regimes as R
 from bench.bandwidth import Budget
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
+from bench.records import failure
+from commlab import launcher
 from bench.text import slug
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
@@ -36,38 +39,13 @@ from bench.text import slug
 COINCIDE_TOL = 1e-3
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What every regime trains: a program the bench starts once per (regime, N).
-
-    ``python *launch --exchanger URL --workers N --steps S --batch-size B --lr LR --seed K
-    --eval-every E --metrics FILE --no-progress *args``; the program runs N ranks under the regime
-    and each rank writes one JSON line per step to FILE (rank r > 0: ``FILE.rank<r>``) with ``step,
-    loss, compute_s, comm_s, step_s, bytes_sent, time_s`` and, on rank 0 at eval steps, ``test_loss``
-    (and ``test_acc`` where the task has one). ``commlab train`` is the built-in one; a script of
-    one's own (the examples) plugs in with its launch command, e.g. ``("-m", "commlab.cli", "run",
-    "examples/x.py")``, as long as it takes those flags and writes those lines.
-    """
-
-    name: str = "mlp"
-    launch: tuple[str, ...] = ("-m", "commlab.cli", "train")
-    args: tuple[str, ...] = ("--model", "mlp")
-
-    @classmethod
-    def model(cls, model: str) -> "Workload":
-        """``commlab train --model MODEL``."""
-        return cls(model, args=("--model", model))
-
-    def argv(self, url: str, workers: int, *, steps: int, batch: int, lr: float, seed: int, eval_every: int,
-             metrics: Path) -> list[str]:
-        return [python(), *self.launch, "--exchanger", url, "--workers", str(workers), "--steps", str(steps),
-                "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed), "--eval-every", str(eval_every),
-                "--metrics", str(metrics), "--no-progress", *self.args]
-
-    def rank_args(self, *, steps: int, batch: int, lr: float, seed: int, eval_every: int, metrics: Path) -> list[str]:
-        """The per-rank flags alone (``bench.launch_job`` starts the ranks itself over ``--link``)."""
-        return ["--steps", str(steps), "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed),
-                "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress", *self.args]
+def rank_args(model: str, *, steps: int, batch: int, lr: float, seed: int, eval_every: int, metrics: Path) -> list[str]:
+    """Every rank's flags: the built-in worker's (``python -m workers``), which a peer's module takes too
+    (:func:`workers.loop.add_training_args`). Each rank writes one JSON line per step to ``metrics`` (rank
+    r > 0: ``metrics.rank<r>``) with ``step, loss, compute_s, comm_s, step_s, bytes_sent, time_s`` and, on
+    rank 0 at eval steps, ``test_loss`` and ``test_acc``."""
+    return ["--model", model, "--steps", str(steps), "--batch-size", str(batch), "--lr", repr(lr), "--seed", str(seed),
+            "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress"]
 
 
 @dataclass
@@ -82,10 +60,6 @@ class ConvergenceConfig:
     eval_every: int = 10
     target_acc: float = 0.85
     job_timeout: float = 120.0
-    workload: Workload | None = None  # None: commlab train --model MODEL
-
-    def the_workload(self) -> Workload:
-        return self.workload or Workload.model(self.model)
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
@@ -187,28 +161,59 @@ def run(cfg: ConvergenceConfig, run_dir: Path, budget: Budget, links=None, progr
 
     ``curves[name]`` holds rank 0's per-step lines (and the staleness values, if any).
     """
-    summaries, failures, curves = [], [], {}
-    (run_dir / "raw").mkdir(parents=True, exist_ok=True)
-    todo = []
-    for name in cfg.regimes:
+    failures: list[dict] = []
+    todo = [(name, cfg.workers) for name in _runnable(cfg.regimes, "convergence", links, failures)]
+    summaries = _train_each(cfg, "convergence", todo, cfg.steps, run_dir, budget, links, progress, failures)
+    curves = {s["regime"]: s.pop("curve") for s in summaries}
+    compare_with_reference(summaries)
+    return summaries, failures, curves
+
+
+def _runnable(names: list[str], phase: str, links, failures: list[dict]) -> list[str]:
+    """The regimes of ``names`` that can run here (over ``links``, if given); the others are appended to
+    ``failures`` as unavailable, with the reason."""
+    out = []
+    for name in names:
         e = R.CONVERGENCE[name]
         why = R.unavailable(e.url)
         if why is None and links is not None and e.loopback_only:
             why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
         if why:
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "unavailable", "error": why})
+            failures.append(failure(phase, name, why, e.url, "unavailable"))
         else:
-            todo.append(name)
-    bar = progress(total=len(todo), desc="convergence", unit="run") if progress else None
+            out.append(name)
+    return out
+
+
+def _train_each(cfg: ConvergenceConfig, phase: str, todo: list[tuple[str, int]], steps: int, run_dir: Path,
+                budget: Budget, links, progress, failures: list[dict]) -> list[dict]:
+    """:func:`train` each (regime, N) of ``todo`` in turn; the summaries of those that finished, the others
+    appended to ``failures`` (a job starts only while the budget holds one more; Ctrl-C or SIGTERM stops
+    the phase, which keeps what finished)."""
+    scaling = phase == "scaling"
+    done = []
+    bar = progress(total=len(todo), desc=phase, unit="run") if progress else None
     try:
-        _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves)
+        for name, n in todo:
+            at = f"N={n}: " if scaling else ""
+            bar and bar.set_postfix_str(f"{name} N={n}" if scaling else name)
+            if not budget.fits(8.0):
+                failures.append(dict(failure(phase, name, at + "the benchmark's time budget ran out before this run",
+                                             R.CONVERGENCE[name].url, "skipped"), workers=n))
+            else:
+                s, failed = train(cfg, name, n, steps, run_dir, budget, links,
+                                  f"scale-{slug(name)}-n{n}" if scaling else f"conv-{slug(name)}")
+                if failed:
+                    failures.append(dict(failed, phase=phase, error=at + failed["error"]))
+                else:
+                    done.append(s)
+            bar and bar.update(1)
     except KeyboardInterrupt:
-        failures.append({"phase": "convergence", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
+        failures.append(failure(phase, "-", "interrupted (Ctrl-C or SIGTERM): the report covers the runs that "
+                                "finished", status="interrupted"))
     if bar:
         bar.close()
-    compare_with_reference(summaries)
-    return summaries, failures, curves
+    return done
 
 
 def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: Path, budget: Budget, links,
@@ -221,48 +226,23 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     metrics = run_dir / "raw" / f"{tag}.jsonl"
     stats_dir = run_dir / "raw" / f"{tag}.stats"
     stats_dir.mkdir(parents=True, exist_ok=True)
-    w = cfg.the_workload()
-    flags = dict(steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every, metrics=metrics)
-    if e.module:  # a peer (DDP): its module under the launcher, with the built-in worker's flags
-        argv = [python(), "-m", "commlab.cli", "run", "--workers", str(ranks_n), "--exchanger", e.url, "-m", e.module,
-                "--", *w.rank_args(**flags)]
-    elif links is None or e.kind == "reference":
-        argv = w.argv(e.url, ranks_n, **flags)
-    else:
-        argv = [python(), "-m", "bench.launch_job", "--url", e.url, "--workers", str(ranks_n), "--module", "workers",
-                "--link", links.rate, "--link-tag", links.tag, "--", *w.rank_args(**flags)]
-    env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir))
-    res = run_job(argv, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()), env=env)
+    args = rank_args(cfg.model, steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every,
+                     metrics=metrics)
+    job = launcher.worker_job(e.url, ranks_n, args, module=e.module or "workers", name=f"convergence {name}",
+                              env=dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir)))
+    res = jobs.run(job, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()),
+                   None if e.kind == "reference" else links)
     budget.note(res.seconds)
     ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
         status, error = budget.outcome(res) if not res.ok else ("failed", "")
-        return None, {"phase": "convergence", "regime": name, "url": e.url, "status": status, "workers": workers,
-                      "error": error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
-                      "log": str(res.log.relative_to(run_dir))}
+        return None, dict(failure("convergence", name, error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
+                                  e.url, status), workers=workers, log=str(res.log.relative_to(run_dir)))
     s = summarize(name, e, ranks, cfg.target_acc, batch, lr)
     s["staleness"] = read_staleness(stats_dir, ranks, res.log)
     s["clock_gap"] = read_staleness(stats_dir, ranks, res.log, key="clock_gap")
     s["curve"] = ranks[0]
     return s, None
-
-
-def _run_jobs(cfg, todo, run_dir, budget, links, bar, summaries, failures, curves) -> None:
-    for name in todo:
-        e = R.CONVERGENCE[name]
-        bar and bar.set_postfix_str(name)
-        if not budget.fits(8.0):
-            failures.append({"phase": "convergence", "regime": name, "url": e.url, "status": "skipped",
-                             "error": "the benchmark's time budget ran out before this run"})
-            bar and bar.update(1)
-            continue
-        s, failure = train(cfg, name, cfg.workers, cfg.steps, run_dir, budget, links, f"conv-{slug(name)}")
-        if failure:
-            failures.append(failure)
-        else:
-            curves[name] = s.pop("curve")
-            summaries.append(s)
-        bar and bar.update(1)
 
 
 def run_scaling(cfg: ConvergenceConfig, names: list[str], workers: list[int], steps: int, run_dir: Path,
@@ -273,40 +253,16 @@ def run_scaling(cfg: ConvergenceConfig, names: list[str], workers: list[int], st
     ``cfg.workers``, reused for that N. Returns (points, failures); a point holds the per-step samples."""
     points, failures = [], []
     todo = []
-    for name in names:
-        e = R.CONVERGENCE[name]
-        why = R.unavailable(e.url)
-        if why is None and links is not None and e.loopback_only:
-            why = "not run over --link: this regime's addresses are chosen on loopback (127.0.0.1)"
-        if why:
-            failures.append({"phase": "scaling", "regime": name, "url": e.url, "status": "unavailable", "error": why})
-            continue
+    for name in _runnable(names, "scaling", links, failures):
         for n in workers:
             old = next((s for s in have or [] if s["regime"] == name and s["workers"] == n), None)
             if old is not None:
                 points.append(_point(old, steps_dropped=0))
             else:
                 todo.append((name, n))
-    bar = progress(total=len(todo), desc="scaling", unit="run") if progress else None
-    try:
-        for name, n in todo:
-            bar and bar.set_postfix_str(f"{name} N={n}")
-            if not budget.fits(8.0):
-                failures.append({"phase": "scaling", "regime": name, "url": R.CONVERGENCE[name].url, "workers": n,
-                                 "status": "skipped", "error": f"N={n}: the benchmark's time budget ran out"})
-            else:
-                s, failure = train(cfg, name, n, steps, run_dir, budget, links, f"scale-{slug(name)}-n{n}")
-                if failure:
-                    failures.append(dict(failure, phase="scaling", error=f"N={n}: {failure['error']}"))
-                else:
-                    s.pop("curve")
-                    points.append(_point(s, steps_dropped=SCALING_WARMUP))
-            bar and bar.update(1)
-    except KeyboardInterrupt:
-        failures.append({"phase": "scaling", "regime": "-", "url": "", "status": "interrupted",
-                         "error": "interrupted (Ctrl-C or SIGTERM): the report covers the runs that finished"})
-    if bar:
-        bar.close()
+    for s in _train_each(cfg, "scaling", todo, steps, run_dir, budget, links, progress, failures):
+        s.pop("curve")
+        points.append(_point(s, steps_dropped=SCALING_WARMUP))
     return sorted(points, key=lambda p: (names.index(p["regime"]), p["workers"])), failures
 
 

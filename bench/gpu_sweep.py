@@ -13,8 +13,8 @@ CPU-tensor bandwidth: "URL S CUDA / CPU algbw" carries its 95% bootstrap interva
 Rows: ``ring://`` and ``ps://`` (host-staged, the goal applies), gloo (which stages CUDA tensors itself:
 a peer for our staging, run through commlab's ``allreduce://`` regime), and NCCL on CUDA alone when
 there are at least as many GPUs as workers (its transport, and whether it used GPUDirect RDMA, are
-in the document from ``commlab doctor``'s probe). Regimes not registered in
-``commlab.registry.REGIMES`` are skipped by name. Every case is a job of the launcher
+in the document from ``commlab doctor``'s probe). Regimes that cannot be built here
+(:func:`bench.regimes.unavailable`) are skipped with the reason. Every case is a job of the launcher
 (:func:`bench.records.run_ranks`).
 
 Writes ``bench/results/gpu-<device>.json`` (:mod:`bench.records`' document) and ``.md``, the device
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from bench import records as rec
+from bench import regimes as R
 from bench import verdict
 from bench.text import slug
 
@@ -42,7 +43,6 @@ CASE = "gpu-sweep"
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.8  # CUDA-tensor bandwidth / CPU-tensor bandwidth, host-staged regimes
 STAGED = ("ring", "ps")  # schemes the goal applies to (they copy CUDA buckets through pinned host mirrors)
-CPU_ONLY: dict[str, str] = {}  # scheme -> why it has no CUDA row (none since ps:// stages CUDA buckets)
 DEFAULT_REGIMES = ("ring://", "ps://", "allreduce://?backend=gloo")
 NCCL_URL = "allreduce://?backend=nccl"
 
@@ -94,21 +94,6 @@ def rank_main(device_spec: str, numel: int, steps: int, warmup: int) -> int:
     finally:
         ex.close()
     return 0
-
-
-def registered(url: str) -> str | None:
-    """None if ``url``'s regime can be built here, else why not."""
-    from commlab.config import ExchangerURL
-    from commlab.registry import REGIMES, regime_class
-
-    scheme = ExchangerURL.parse(url).scheme
-    if scheme not in REGIMES:
-        return f"{scheme}:// is not registered in commlab.registry.REGIMES (not merged yet?)"
-    try:
-        regime_class(scheme)
-    except ImportError as exc:
-        return f"{scheme}:// cannot be imported: {exc}"
-    return None
 
 
 def run_case(url: str, device: str, numel: int, workers: int, steps: int, warmup: int, timeout: float) -> dict:
@@ -217,17 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-sweep on {device_name}: {a.workers} workers, sizes {a.sizes_mib} MiB", flush=True)
     records, failures = [], []
     for url in regimes:
-        why = registered(url)
+        why = R.unavailable(url)
         if why:
             print(f"  {url}: skipped: {why}", flush=True)
             skipped.append((url, why))
             continue
         devices = ["cuda"] if url == NCCL_URL else a.devices
-        cpu_only = CPU_ONLY.get(url.split("://")[0])
-        if cpu_only and "cuda" in devices:
-            devices = [d for d in devices if d != "cuda"]
-            print(f"  {url} on cuda: skipped: {cpu_only}", flush=True)
-            skipped.append((f"{url} on cuda", cpu_only))
         for mib in a.sizes_mib:
             numel = max(1, int(mib * 2**20) // 4)
             for dev in devices:

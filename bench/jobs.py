@@ -1,33 +1,44 @@
-"""Every benchmark job is a process group of its own, with a deadline, a log, and no survivors.
+"""The one way a benchmark case runs a job: :func:`run`, the launcher in the bench's own process.
 
-A job (``commlab train ...`` or one bandwidth run) starts in a new session, through the
-launcher's :func:`commlab.launcher.start_group`, and dies with the benchmark. When the job
-ends, fails, runs past its deadline, or the benchmark is interrupted, the whole group is
-stopped by the launcher's one kill (:func:`commlab.launcher.kill_groups`: SIGTERM, then
-SIGKILL after a grace period): nothing a job started outlives it. Its stdout and stderr go
-to a log file; when a job fails, the last meaningful line of that log becomes the error the
-report shows.
+A job is a :class:`commlab.launcher.Job` (what each rank runs, how many, under which exchanger URL)
+run by :func:`commlab.launcher.run_job` here, without a second Python process in between: its ranks
+and servers each lead a process group of their own, and when the job ends, fails, passes its
+deadline, or the benchmark is interrupted, the launcher stops every group
+(:func:`commlab.launcher.kill_groups`: SIGTERM, then SIGKILL): nothing a job started outlives it.
+What ``commlab run`` would show on a terminal (rank 0's output, the servers', the launcher's own
+lines: ``Job.console``) goes to the job's log instead, and every process's output to its own log in
+the folder beside it (``LOG`` without ``.log``: ``rank<r>.log``, ``server<i>.log``). When a job
+fails, the telling line of its log (:func:`last_error_line`) becomes the error the report shows.
+With a :class:`bench.netns.Links` topology, rank r runs in host r's namespace, the rendezvous store
+beside rank 0, and the servers a regime plans on loopback in hosts N, N+1, ... (:func:`place_servers`).
+
+:mod:`bench.probes`' killed-rank probe starts its ranks itself, for the reason its docstring gives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import subprocess
-import sys
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.netns import Links
 from commlab import launcher
 from commlab.metrics import metrics_path
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: `python -m bench.X`, `-m workers` resolve from it
+LOOPBACK_TCP = re.compile(r"^tcp://127\.0\.0\.1:(\d+)$")
+TIMED_OUT, INTERRUPTED = 124, (130, 143)  # the launcher's exit codes: the deadline; Ctrl-C, SIGTERM
 
 
 @dataclass(frozen=True)
 class JobResult:
     returncode: int
     seconds: float
-    log: Path
+    log: Path  # what a terminal would have shown; the per-process logs are in log.with_suffix("")
     timed_out: bool
 
     @property
@@ -46,7 +57,7 @@ class JobResult:
 def last_error_line(log: Path) -> str:
     """The most telling line of a failed job's log: a commlab error, else the last exception, else the last line."""
     try:
-        # the first line is the command run_job wrote: not the job's own word
+        # the first line is the job :func:`run` wrote: not the job's own word
         lines = [l.strip() for l in log.read_text(errors="replace").splitlines() if l.strip() and not l.startswith("$ ")]
     except OSError:
         return ""
@@ -57,27 +68,57 @@ def last_error_line(log: Path) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def run_job(argv: list[str], log: Path, timeout: float, env: dict | None = None) -> JobResult:
-    """Run ``argv`` as a new process group (:func:`commlab.launcher.start_group`); block at most
-    ``timeout`` seconds; leave nothing running (:func:`commlab.launcher.kill_groups`, SIGTERM then,
-    after 3 s, SIGKILL to the whole group, also when the job ended by itself)."""
+def run(job: launcher.Job, log: Path, timeout: float, links: Links | None = None) -> JobResult:
+    """Run ``job`` through the launcher in this process; leave nothing running. Blocks for the job's
+    deadline, ``timeout`` seconds from its start (checked once its ranks run; the start of its servers
+    gets at most as long again), plus the stop.
+
+    ``job``'s environment gets the checkout on ``PYTHONPATH``; its log goes to ``log`` and its
+    processes' logs to the folder ``log`` names without ``.log`` (module docstring). With ``links``
+    its ranks, store and servers are placed in the namespaces (the caller owns them). A failed job
+    is a result (``ok`` False, ``error()``); Ctrl-C or SIGTERM while it runs raises
+    KeyboardInterrupt once every process is stopped.
+    """
     log.parent.mkdir(parents=True, exist_ok=True)
-    full_env = dict(os.environ if env is None else env)
-    root = str(Path(__file__).resolve().parent.parent)  # the checkout, so `python -m workers` resolves
-    full_env["PYTHONPATH"] = root + (os.pathsep + full_env["PYTHONPATH"] if full_env.get("PYTHONPATH") else "")
+    env = dict(os.environ if job.env is None else job.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    place = {}
+    if links is not None:
+        n = job.workers
+        place = dict(master_addr=links.addr(0), rank_prefix=links.prefix, server_prefix=lambda i: links.prefix(n + i),
+                     place_servers=lambda url, argvs: place_servers(url, argvs, links, first_host=n))
     started = time.monotonic()
-    with log.open("w") as fh:
-        fh.write("$ " + " ".join(argv) + "\n")
-        fh.flush()
-        proc = launcher.start_group(argv, full_env, stdout=fh, stderr=subprocess.STDOUT)
-        timed_out = False
-        try:
-            proc.wait(timeout=max(0.1, timeout))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:  # also on KeyboardInterrupt: the group goes with us
-            launcher.kill_groups([proc], grace=3.0)
-    return JobResult(proc.returncode, time.monotonic() - started, log, timed_out)
+    with log.open("w", buffering=1) as console:
+        console.write(f"$ {job.workers} x python {json.dumps([*job.command, *job.args])} under {job.exchanger}\n")
+        code = launcher.run_job(dataclasses.replace(job, env=env, deadline_s=max(0.1, timeout),
+                                                    start_timeout_s=min(job.start_timeout_s, max(1.0, timeout)),
+                                                    log_dir=str(log.with_suffix("")), console=console, summary=False,
+                                                    **place))
+    if code in INTERRUPTED:
+        raise KeyboardInterrupt(f"{job.name}: stopped (exit {code})")
+    return JobResult(code, time.monotonic() - started, log, code == TIMED_OUT)
+
+
+def place_servers(url: str, server_argvs: list[list[str]], links: Links, first_host: int) -> tuple[str, list[list[str]]]:
+    """Move the loopback endpoints of a ``plan_local`` plan onto hosts ``first_host``, ``first_host + 1``, ...
+
+    Server i's ``--bind tcp://127.0.0.1:P`` (P is 0 in a plan: the server reports what it bound)
+    becomes ``tcp://<address of host first_host + i>:P`` in its argv and in the workers' URL
+    template, in server order (:func:`commlab.launcher.with_endpoints`), with ``--insecure`` (the
+    address exists only inside namespaces this benchmark created). A plan whose servers are not on
+    loopback tcp cannot be placed.
+    """
+    binds, placed, out = [], [], []
+    for i, argv in enumerate(server_argvs):
+        bind = launcher.bind_of(argv)
+        m = LOOPBACK_TCP.match(bind)
+        if m is None:
+            raise ValueError(f"server {i}'s plan {argv} does not bind one loopback tcp endpoint: cannot place it "
+                             f"in a namespace")
+        binds.append(bind)
+        placed.append(f"tcp://{links.addr(first_host + i)}:{m.group(1)}")
+        out.append([placed[-1] if a == bind else a for a in argv] + ["--insecure"])
+    return launcher.with_endpoints(url, binds, placed), out
 
 
 def read_ranks(base: Path, workers: int, *, need_step: bool = True) -> list[list[dict]]:
@@ -97,32 +138,3 @@ def read_ranks(base: Path, workers: int, *, need_step: bool = True) -> list[list
                 lines.append(rec)
         out.append(lines)
     return out
-
-
-def stop_groups(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL the process group each of ``procs`` leads, with whatever the process started; reap
-    each (:func:`commlab.launcher.kill_groups` with no grace, which new code calls directly)."""
-    launcher.kill_groups(procs, grace=0)
-
-
-def wait_all(procs: list[subprocess.Popen], timeout: float, what: str) -> list[int]:
-    """Exit codes of ``procs``, waited for under one deadline: blocks at most ``timeout`` s plus the kill.
-
-    For jobs whose output goes to the terminal or a file (nobody reads a pipe here). Each process
-    leads a process group of its own (``start_new_session=True``). If the deadline passes, or
-    anything is raised while waiting (Ctrl-C), every one of those groups is stopped
-    (:func:`stop_groups`), a launcher's ranks and servers included, before the error goes on; the
-    deadline raises TimeoutError naming ``what``. Processes that finish in time are left alone.
-    """
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(max(0.0, deadline - time.monotonic())) for p in procs]
-    except BaseException as exc:
-        stop_groups(procs)
-        if isinstance(exc, subprocess.TimeoutExpired):
-            raise TimeoutError(f"{what} did not finish within {timeout:g}s; its processes were killed") from exc
-        raise
-
-
-def python() -> str:
-    return sys.executable

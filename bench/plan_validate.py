@@ -6,7 +6,7 @@
 For each link rate, a :class:`bench.netns.Links` star of network namespaces capped with ``tc tbf``
 (one host per worker, one per PS shard); first the bench's raw-TCP ceiling measures what the capped
 link carries each way with both directions busy (the rate the prediction uses); then each regime trains the communication-heavy model for
-a few steps (``bench.launch_job``, the same path as ``commlab bench --link``), and the median step
+a few steps (:func:`bench.jobs.run`, the same path as ``commlab bench --link``), and the median step
 time (every rank's steps after the warm-up) is put beside the simulator's prediction for the same
 model, batch, N, K and link rate. The calibration is this machine's: the model's compute from its
 hooks and the transports from a short loopback ``commlab bench bandwidth`` (or ``--bench-run``,
@@ -41,8 +41,10 @@ from typing import Sequence
 from bench import bandwidth, text, verdict
 from bench import regimes as R
 from bench.convergence import read_staleness
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
 from bench.netns import Links, link_unavailable_reason
+from commlab import launcher
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression
@@ -80,15 +82,13 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     stats_dir = out / "raw" / f"{name}.stats"
     stats_dir.mkdir(parents=True, exist_ok=True)
     steps = steps or a.steps
-    argv = [python(), "-m", "bench.launch_job", "--url", url, "--workers", str(n), "--module", module]
-    if links is not None:
-        argv += ["--link", str(links.rate), "--link-tag", links.tag]
-    argv += ["--", "--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seed", "0",
-             "--metrics", str(metrics), "--no-progress"]
+    args = ["--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seed", "0",
+            "--metrics", str(metrics), "--no-progress"]
     env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir), **(env_extra or {}))
+    job = launcher.worker_job(url, n, args, module=module, name=f"plan-validate {name}", env=env)
     if around:
         around()
-    res = run_job(argv, out / "logs" / f"{name}.log", a.job_timeout, env=env)
+    res = jobs.run(job, out / "logs" / f"{name}.log", a.job_timeout, links)
     if around:
         around()
     ranks = read_ranks(metrics, n)
@@ -350,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", help="rewrite the table in this markdown file between the markers")
     a = p.parse_args(argv)
     command = "python -m bench.plan_validate " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:
+        names = text.names(a.regimes, REGIMES, "--regimes")
+    except ValueError as exc:
+        print(f"plan_validate: {exc}", file=sys.stderr)
+        return 2
     why = link_unavailable_reason()
     if why:
         print(f"plan_validate: {why}: the runs across capped links need it", file=sys.stderr)
@@ -363,11 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run = a.bench_run or C.calibration_run(out / "calibration")
         cal = C.calibrate(a.model, a.batch_size, run)
-    names = [n.strip() for n in a.regimes.split(",") if n.strip()]
-    bad = [n for n in names if n not in REGIMES]
-    if bad:
-        print(f"plan_validate: unknown regime(s) {bad}; known: {', '.join(REGIMES)}", file=sys.stderr)
-        return 2
     # (name, base regime, spec or None, url): each regime, then each all-reduce regime with each compressor
     entries = [(n, n, None, REGIMES[n]) for n in names] + [
         (f"{n} {spec}", n, spec, R.with_query(REGIMES[n], f"compress={spec}")) for spec in a.compress for n in names

@@ -18,6 +18,14 @@ from bench.text import human_bytes  # noqa: E402
 CEILING_STYLE = {"linestyle": "--", "linewidth": 1.2, "alpha": 0.8}
 
 
+def save(fig, path: Path, dpi: int = 110) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG, close it; ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _size_axis(ax, sizes):
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes)
@@ -86,10 +94,7 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
         ax.set_title(f"Against {peer} (an interval across 1: indistinguishable)")
         _size_axis(ax, sizes)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def convergence(summaries: list[dict], curves: dict, path: Path, target: float) -> Path | None:
@@ -127,10 +132,7 @@ def convergence(summaries: list[dict], curves: dict, path: Path, target: float) 
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def staleness(summaries: list[dict], path: Path) -> Path | None:
@@ -158,17 +160,13 @@ def staleness(summaries: list[dict], path: Path) -> Path | None:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_title("Version gap of the asynchronous regimes")
     axes[1].set_title("Clock gap (SSP with bound S: never above S)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def scaling(points: list[dict], path: Path, cpus: int | None) -> Path | None:
     """Step time and exposed communication against N, medians with 95% intervals; N > cores shaded."""
     if not points:
         return None
-
     fig, (ax_s, ax_c) = plt.subplots(1, 2, figsize=(13, 4.8))
     ns = sorted({p["workers"] for p in points})
     for i, name in enumerate(dict.fromkeys(p["regime"] for p in points)):
@@ -186,10 +184,7 @@ def scaling(points: list[dict], path: Path, cpus: int | None) -> Path | None:
                title=f"{what.capitalize()} against N")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def step_split(summaries: list[dict], path: Path) -> Path | None:
@@ -211,7 +206,4 @@ def step_split(summaries: list[dict], path: Path) -> Path | None:
     ax.set(xlabel="milliseconds per step (means over the steps, rank 0)", title="Where a training step's time goes")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -9,8 +9,10 @@
   the first step after the restart, and the steps lost (done before the kill, done again after it):
   ``ps://`` with update=server resumes from the servers, ``ring://`` from a checkpoint every few steps.
 
-Each runs its processes as a group of its own with a deadline (:mod:`bench.jobs`) and returns a
-dict for ``probes.json``; :func:`lines` words them for the report.
+Each returns a dict for ``probes.json``; :func:`lines` words them for the report. The heap and restart
+probes run launcher jobs (:func:`bench.jobs.run`); the peer-loss probe starts its ranks itself, each a
+process group of its own, killed with :func:`commlab.launcher.kill_groups` at its end (a launcher
+job would stop the survivors the moment the victim dies, before they report).
 
     python -m bench.probes            # all three, printed as JSON
 """
@@ -27,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from commlab import scratch
-from bench.jobs import python, run_job, stop_groups, wait_all
+from bench import jobs
+from commlab import launcher, scratch
 
 GRAD_BYTES = 64 * 2**20
 FAULTS = """
@@ -56,7 +58,7 @@ def heap_faults(timeout: float = 90.0) -> dict:
     with scratch.folder("probe") as tmp:
         for mode in ("system", "keep"):
             log = Path(tmp) / f"{mode}.log"
-            res = run_job([python(), "-c", FAULTS, mode], log, timeout)
+            res = jobs.run(launcher.Job(("-c", FAULTS), (mode,), name=f"heap probe {mode}"), log, timeout)
             lines = [l for l in log.read_text().splitlines() if l.startswith("[")]
             if not res.ok or not lines:
                 return dict(out, error=f"{mode}: {res.error() or 'printed no counts'}")
@@ -101,31 +103,33 @@ def _rank_peer_loss(a) -> int:
 def peer_loss(world: int = 3, victim: int = 1, timeout: float = 20.0, deadline: float = 90.0) -> dict:
     """Kill rank ``victim`` of a ``world``-rank ring mid-collective; how long each survivor took to raise."""
     from commlab import store as store_mod
-    from commlab.launcher import AGENT_STORE
 
     out = {"world": world, "victim": victim, "timeout_s": timeout, "survivors": {}}
     with scratch.folder("probe") as tmp:
         ready = Path(tmp, "ready")
         ready.mkdir()
         # the rendezvous store, hosted here on port 0 as the launcher hosts it: every rank is a client.
-        # Not launcher.run_job: it would stop the survivors the moment the victim dies, before they report.
+        # Not a launcher job: it would stop the survivors the moment the victim dies, before they report.
         store = store_mod.host("127.0.0.1", deadline)
-        root = str(Path(__file__).resolve().parent.parent)
         procs: list[subprocess.Popen] = []
         try:
             for r in range(world):
                 env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **{AGENT_STORE: "True"},
-                           PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-                procs.append(subprocess.Popen([python(), "-m", "bench.probes", "peer-loss-rank", "--ready", str(ready),
-                                               "--victim", str(victim), "--timeout", str(timeout),
-                                               "--out", str(Path(tmp, "loss"))], env=env, start_new_session=True,
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            wait_all(procs, deadline, f"peer-loss probe ({world} ranks)")
-        except (TimeoutError, OSError) as exc:
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), **{launcher.AGENT_STORE: "True"},
+                           PYTHONPATH=os.pathsep.join(p for p in (str(jobs.ROOT), os.environ.get("PYTHONPATH")) if p))
+                procs.append(launcher.start_group(
+                    [sys.executable, "-m", "bench.probes", "peer-loss-rank", "--ready", str(ready), "--victim",
+                     str(victim), "--timeout", str(timeout), "--out", str(Path(tmp, "loss"))], env,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            until = time.monotonic() + deadline
+            for p in procs:
+                p.wait(max(0.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            out["error"] = f"peer-loss probe ({world} ranks) did not finish within {deadline:g}s; its processes were killed"
+        except OSError as exc:
             out["error"] = str(exc)
         finally:
-            stop_groups(procs)
+            launcher.kill_groups(procs, grace=0)
         for r in range(world):
             p = Path(tmp, f"loss.rank{r}")
             if r != victim and p.exists():
@@ -185,10 +189,10 @@ def restart(steps: int = 40, kill_at: int = 25, every: int = 10, timeout: float 
     out = {"steps": steps, "kill_at": kill_at, "checkpoint_every": every, "regimes": {}}
     for name, url in RESTART_URLS.items():
         with scratch.folder("probe") as tmp:
-            res = run_job([python(), "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "1",
-                           "--exchanger", url, "-m", "bench.probes", "restart-rank", "--out", tmp, "--steps",
-                           str(steps), "--kill-at", str(kill_at), "--every", str(every)],
-                          Path(tmp, "job.log"), timeout)
+            job = launcher.Job(("-m", "bench.probes"), ("restart-rank", "--out", tmp, "--steps", str(steps),
+                                                         "--kill-at", str(kill_at), "--every", str(every)),
+                               2, url, max_restarts=1, name=f"restart probe {name}")
+            res = jobs.run(job, Path(tmp, "job.log"), timeout)
             killed = Path(tmp, "killed")
             if not res.ok or not killed.exists():
                 out["regimes"][name] = {"url": url, "error": res.error() or "no rank was killed"}

@@ -204,22 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds, --repeats and --workers must be >= 1, --warmup >= 0, --mib > 0")
     numel = max(1, int(a.mib * 2**20) // 4)
     names = [n for n in CONFIGS if not a.only or n in a.only]
-    samples: dict[str, list[list[list[float]]]] = {n: [] for n in names}
-    failures: dict[str, str] = {}
-    try:
-        for rep in range(a.repeats):  # configurations alternate, so drift on a shared machine hits all alike
-            for name in names:
-                if name in failures:
-                    continue
-                try:
-                    samples[name].append(run_config(name, a, numel))
-                except rec.CaseFailed as exc:  # one failing configuration must not sink the comparison
-                    failures[name] = str(exc)
-                    continue
-                rate = sum(len(t) / sum(t) for t in samples[name][-1])
-                print(f"  [{rep + 1}/{a.repeats}] {name:13} {rate:8.1f} rounds/s", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("commlab bench ps-rounds: interrupted; reporting what finished", file=sys.stderr)
+    samples, failures = rec.take_turns(
+        CASE, names, a.repeats, lambda name: run_config(name, a, numel),
+        lambda rep, name, times: print(f"  [{rep + 1}/{a.repeats}] {name:13} "
+                                       f"{sum(len(t) / sum(t) for t in times):8.1f} rounds/s", file=sys.stderr,
+                                       flush=True))
     records = [to_record(n, samples[n], a, numel) for n in names if samples[n] and n not in failures]
     vs = verdicts(records)
     print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull, "

@@ -24,10 +24,10 @@ and whatever the case adds (``wrong``, ``cpu_us`` and ``job`` for bandwidth; ``s
 A training step's "bandwidth" includes its compute: it reads as "gradient bytes per second of
 training", comparable between entries of one run, not against a link.
 
-Also here: what the cases share besides the record. :func:`run_ranks` runs a job of ranks through
-the launcher (:func:`commlab.launcher.run_job`, which hosts the rendezvous store and starts the
-regime's servers itself) and returns what each rank wrote with :func:`commlab.metrics.report`;
-:func:`ratio_line` words a ratio with its interval; :func:`write` writes a case's document.
+Also here: what the cases share besides the record. :func:`run_ranks` runs a job of ranks
+(:func:`bench.jobs.run`) and returns what each rank wrote with :func:`commlab.metrics.report`;
+:func:`take_turns` runs a case's entries round after round; :func:`ratio_line` words a ratio with its
+interval; :func:`write` writes a case's document.
 """
 
 from __future__ import annotations
@@ -35,21 +35,21 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
-from bench import manifest
-from commlab import scratch
-from bench import text
+from bench import jobs, manifest, text
+from commlab import launcher, scratch
 from bench.text import fmt_us, human_bytes
 from bench.verdict import Verdict, quantile
 
 KINDS = ("regime", "peer", "ceiling", "reference")
+T = TypeVar("T")
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 FIELDS = ("case", "regime", "kind", "url", "method", "workers", "link", "size_bytes", "count", "dtype", "iters",
           "warmup", "time_us", "time_us_min", "time_us_p90", "time_us_max", "algbw_gbps", "algbw_gbps_min",
           "algbw_gbps_max", "busbw_gbps", "busbw_gbps_min", "busbw_gbps_max", "samples_us")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def bus_factor(method: str, workers: int) -> float:
@@ -110,13 +110,15 @@ def ratio_line(label: str, v: Verdict) -> str:
     return f"{label}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}], {said}"
 
 
+def meets(v: Verdict, goal: float) -> str:
+    """``meets`` where ``v.ratio >= goal`` holds over the whole interval, ``misses`` where it fails over it,
+    else ``the interval straddles it``."""
+    return "meets" if v.lo >= goal else "misses" if v.hi < goal else "the interval straddles it"
+
+
 def goal_text(v: Verdict, goal: float) -> str:
-    """Whether ``v.ratio >= goal`` holds over the whole interval, fails over it, or the run cannot say."""
-    if v.lo >= goal:
-        return f"goal >= {goal:g}x: meets"
-    if v.hi < goal:
-        return f"goal >= {goal:g}x: misses"
-    return f"goal >= {goal:g}x: the interval straddles it"
+    """``goal >= GOALx: meets`` (:func:`meets`)."""
+    return f"goal >= {goal:g}x: {meets(v, goal)}"
 
 
 def table(records: list[dict], extra: Sequence[tuple[str, str]] = ()) -> list[str]:
@@ -144,30 +146,45 @@ class CaseFailed(RuntimeError):
 
 def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, workers: int, deadline_s: float,
               exchanger: str = "local://", url_flag: str | None = None) -> list[list[dict]]:
-    """Run ``python COMMAND ARGS`` as ``workers`` ranks through the launcher; each rank's metrics lines.
+    """Run ``python COMMAND ARGS`` as ``workers`` ranks (:func:`bench.jobs.run`); each rank's metrics lines.
 
-    :func:`commlab.launcher.run_job` starts the servers ``exchanger``'s regime plans (they bind
-    port 0 and report), hosts the rendezvous TCPStore on port 0 (``MASTER_PORT``, with
-    ``TORCHELASTIC_USE_AGENT_STORE=True``, so torch's ``env://`` init of a process group or of
-    torch.distributed.rpc connects as a client), and stops everything when a process fails or
-    ``deadline_s`` passes. Ranks write with :func:`commlab.metrics.report` (``$COMMLAB_METRICS``).
-    Blocks until the job ends. Raises CaseFailed for a failed job, KeyboardInterrupt when the job
-    was stopped by Ctrl-C or SIGTERM.
+    The launcher starts the servers ``exchanger``'s regime plans (they bind port 0 and report), hosts
+    the rendezvous TCPStore on port 0 (``MASTER_PORT``, with ``TORCHELASTIC_USE_AGENT_STORE=True``, so
+    torch's ``env://`` init of a process group or of torch.distributed.rpc connects as a client), and
+    stops everything when a process fails or ``deadline_s`` passes. Ranks write with
+    :func:`commlab.metrics.report` (``$COMMLAB_METRICS``). Blocks until the job ends. Raises CaseFailed
+    for a failed job (naming its log's telling line), KeyboardInterrupt when it was stopped by Ctrl-C or
+    SIGTERM.
     """
-    from bench.jobs import last_error_line, read_ranks
-    from commlab import launcher
-
     with scratch.folder("case") as tmp:
-        base, logs = Path(tmp) / "metrics.jsonl", Path(tmp) / "logs"
-        # the checkout's bench/ and workers/ for `python -m`, whichever directory we run from
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        job = launcher.Job(tuple(command), tuple(args), workers, exchanger, url_flag=url_flag, env=env,
-                           deadline_s=deadline_s, log_dir=str(logs), metrics=str(base), name=name, summary=False)
-        code = launcher.run_job(job)
-        if code in (130, 143):
-            raise KeyboardInterrupt(f"{name}: stopped (exit {code})")
-        if code:
-            said = [line for log in sorted(logs.glob("*.log")) if (line := last_error_line(log))]
-            said.sort(key=lambda line: "Error" not in line)  # an exception's line before a stopped rank's last
-            raise CaseFailed(f"{name}: exit {code}" + (f": {said[0]}" if said else ""))
-        return read_ranks(base, workers, need_step=False)
+        base = Path(tmp) / "metrics.jsonl"
+        job = launcher.Job(tuple(command), tuple(args), workers, exchanger, url_flag=url_flag, metrics=str(base),
+                           name=name)
+        res = jobs.run(job, Path(tmp) / "job.log", deadline_s)
+        if not res.ok:
+            raise CaseFailed(f"{name}: {res.error()}")
+        return jobs.read_ranks(base, workers, need_step=False)
+
+
+def take_turns(case: str, names: Sequence[str], rounds: int, run_one: Callable[[str], T],
+               said: Callable[[int, str, T], None]) -> tuple[dict[str, list[T]], dict[str, str]]:
+    """``run_one(name)`` for each of ``names`` in turn, ``rounds`` times (drift on a shared machine hits
+    every entry alike); ``said(round, name, result)`` after each. Returns each name's results in round
+    order and the error of each that failed (CaseFailed: one failing entry must not sink the comparison;
+    it is left out of later rounds). Ctrl-C or SIGTERM ends the rounds: what finished is returned."""
+    got: dict[str, list[T]] = {n: [] for n in names}
+    failures: dict[str, str] = {}
+    try:
+        for rnd in range(rounds):
+            for name in names:
+                if name in failures:
+                    continue
+                try:
+                    got[name].append(run_one(name))
+                except CaseFailed as exc:
+                    failures[name] = str(exc)
+                    continue
+                said(rnd, name, got[name][-1])
+    except KeyboardInterrupt:
+        print(f"commlab bench {case}: interrupted; reporting what finished", file=sys.stderr)
+    return got, failures

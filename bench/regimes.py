@@ -29,7 +29,7 @@ class BandwidthEntry:
     note: str = ""
     one_size_per_job: bool = False  # setup() binds a model of one size: fresh servers (and clients) per size
     # the regime picks 127.0.0.1 addresses itself: cannot cross --link namespaces. (Servers a regime
-    # starts through plan_local are moved into namespaces by bench.launch_job, so ps:// can.)
+    # starts through plan_local are moved into namespaces by bench.jobs.place_servers, so ps:// can.)
     loopback_only: bool = False
     needs_cuda: bool = False
 

@@ -480,7 +480,8 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
     if records:  # the planner's "at scale" section, from this run's bandwidth records (docs/plan.md)
         out += at_scale_from_bench(records, cv_cfg["model"] if cv_cfg else "mlp", cv_cfg["batch_size"] if cv_cfg else 32)
     out += ["## Files", ""] + [f"- `{p.name}`" for p in sorted(run_dir.iterdir()) if p.is_file()] + \
-           ["- `raw/`: per-job outputs (per-rank times, per-step metrics); `logs/`: each job's output", ""]
+           ["- `raw/`: per-job outputs (per-rank times, per-step metrics); `logs/`: each job's log (`JOB.log`) "
+            "and its processes' (`JOB/rank<r>.log`, `JOB/server<i>.log`)", ""]
     path = run_dir / "report.md"
     path.write_text("\n".join(out))
     return path

@@ -3,9 +3,9 @@
     commlab bench script --regimes 'local://,allreduce://?backend=gloo,ring://' --workers 2 \\
         --local-args '--batch-size 64' -- train.py --batch-size 32 --steps 200
 
-Each regime is one ``commlab run`` of the script (the launcher's Job: the ranks get torchrun's
+Each regime is one launcher job of the script, as ``commlab run`` runs it (the ranks get torchrun's
 environment, ``COMMLAB_EXCHANGER`` and ``COMMLAB_METRICS``; a ``ps://?shards=K`` regime gets its
-servers), as a process group of its own with a deadline (:mod:`bench.jobs`). The script reports
+servers), with a deadline and a log (:func:`bench.jobs.run`). The script reports
 with ``commlab.report(step, loss=..., ...)`` (the fields are in docs/bench.md, "Your own script");
 this module reads every rank's lines and writes, in ``--out``:
 
@@ -40,10 +40,11 @@ from pathlib import Path
 
 from bench import text
 from bench.curves import curve, number, median, smooth_window, smoothed, step_times, time_to_target
-from bench.jobs import python, read_ranks, run_job
+from bench import jobs
+from bench.jobs import read_ranks
+from commlab import launcher
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
-from commlab.metrics import metrics_path
 
 # how each regime's curve is drawn and which table rows a check applies to
 KINDS = ("reference", "sync", "async", "floor")
@@ -93,7 +94,7 @@ class Outcome:
 
 def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: float,
                env: dict | None = None) -> Outcome:
-    """``commlab run`` the script under one regime; never raises for the regime's own failure.
+    """Run the script under one regime as ``commlab run`` would; never raises for the regime's own failure.
 
     ``command`` is what follows the interpreter (``("train.py",)`` or ``("-m", "pkg.train")``).
     Blocks at most ``timeout`` seconds (plus the kill); leaves no process behind.
@@ -104,16 +105,11 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
     name = text.slug(regime.label)
     metrics = out / "raw" / f"{name}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
-    for r in range(regime.workers):
-        metrics_path(metrics, r).unlink(missing_ok=True)
-    run_args = ["--workers", str(regime.workers), "--exchanger", regime.url, "--metrics", str(metrics),
-                "--log-dir", str(out / "logs" / name), "--deadline", f"{max(1.0, timeout - 5):g}"]
-    if command[0] == "-m":
-        argv = [python(), "-m", "commlab.cli", "run", *run_args, "-m", command[1], *command[2:], *regime.args]
-    else:
-        argv = [python(), "-m", "commlab.cli", "run", *run_args, *command, *regime.args]
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
-    res = run_job(argv, out / "logs" / f"{name}.log", timeout, env=env)
+    head, rest = (command[:2], command[2:]) if command[0] == "-m" else (command[:1], command[1:])
+    job = launcher.Job(head, (*rest, *regime.args), regime.workers, regime.url, env=env, metrics=str(metrics),
+                       name=f"bench script {regime.label}")
+    res = jobs.run(job, out / "logs" / f"{name}.log", timeout)
     ranks = read_ranks(metrics, regime.workers)
     log = str(res.log.relative_to(out))
     if not res.ok:
@@ -188,10 +184,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     have = [r for r in rows if r.get("curve")]
     if not have:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from bench.plots import plt, save
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     silent = []
@@ -215,10 +208,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path | None:
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save(fig, path, dpi=100)
 
 
 def write(out: Path, rows: list[dict], target: float | None, command: list[str], png: Path | None,

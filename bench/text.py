@@ -74,6 +74,16 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
             + ["| " + " | ".join(map(cell, r)) + " |" for r in rows])
 
 
+def names(text: str, known=None, option: str = "") -> list[str]:
+    """The comma-separated names in ``text`` (``none``: none). Raises ValueError naming ``option`` for a
+    name not in ``known`` (where given)."""
+    out = [] if text.strip().lower() == "none" else [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in out if known is not None and n not in known]
+    if bad:
+        raise ValueError(f"{option}: unknown {bad}; known: {', '.join(known)}")
+    return out
+
+
 def slug(name: str) -> str:
     """A name or URL as a file name: every run of other characters than ``A-Za-z0-9_.-`` becomes one ``_``
     (``ps-async-lr/N`` -> ``ps-async-lr_N``)."""

@@ -29,7 +29,7 @@ import sys
 from bench import records as rec
 from bench import verdict
 from bench import regimes as R
-from bench.text import human_bytes
+from bench.text import human_bytes, names
 
 CASE = "train-step"
 PEERS = {"local": "one process, the same per-rank batch, no exchange", "ddp": "DistributedDataParallel (gloo)",
@@ -110,10 +110,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     a = p.parse_args(argv)
-    peers = [s for s in a.peers.split(",") if s]
-    bad = [s for s in peers if s not in PEERS]
-    if bad:
-        p.error(f"unknown peer(s) {bad}; known: {', '.join(PEERS)}")
+    try:
+        peers = names(a.peers, PEERS, "--peers")
+    except ValueError as exc:
+        p.error(str(exc))
     if a.workers < 2 or a.steps < 1 or a.warmup < 0 or a.rounds < 1:
         p.error("--workers must be >= 2, --steps and --rounds >= 1, --warmup >= 0")
     from commlab.cli import check_url
@@ -122,20 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("; ".join(problems))
     entries = [*peers, *a.regimes]
     size = gradient_bytes(a.model)
-    rows: dict[str, list[dict]] = {e: [] for e in entries}
-    failures: dict[str, str] = {}
-    try:
-        for rnd in range(a.rounds):
-            for e in entries:
-                if e in failures:
-                    continue
-                print(f"[round {rnd + 1}/{a.rounds}] {e}", file=sys.stderr, flush=True)
-                try:
-                    rows[e] += run_entry(e, a)[a.warmup:]
-                except rec.CaseFailed as exc:  # one failing regime must not sink the comparison
-                    failures[e] = str(exc)
-    except KeyboardInterrupt:
-        print("commlab bench train-step: interrupted; reporting what finished", file=sys.stderr)
+    got, failures = rec.take_turns(CASE, entries, a.rounds, lambda e: run_entry(e, a)[a.warmup:],
+                                   lambda rnd, e, rows: print(f"[round {rnd + 1}/{a.rounds}] {e}: {len(rows)} steps",
+                                                              file=sys.stderr, flush=True))
+    rows = {e: [r for part in got[e] for r in part] for e in entries}
     records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
     vs = verdicts(records, a.regimes)
     print(f"\n{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch {a.batch_size}, "

@@ -83,11 +83,6 @@ class Verdict:
             return self.b
         return None
 
-    @property
-    def loser(self) -> str | None:
-        w = self.winner
-        return None if w is None else (self.b if w == self.a else self.a)
-
     def oriented(self) -> "Verdict":
         """The same verdict with the winner (or, if none, the one with the better statistic) as ``a``."""
         if self.winner == self.b or (self.winner is None and self.ratio < 1.0):
@@ -235,14 +230,10 @@ def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: f
     return float(np.median(x)), float(lo), float(hi)
 
 
-def compare(a_name: str, a, b_name: str, b, *, paired: bool, stat: str = "median", seed: int = SEED,
-            resamples: int = RESAMPLES, level: float = LEVEL, scale_a: float = 1.0, scale_b: float = 1.0,
-            clusters=None, launch_sigma: float = 0.0, steps_sigma_a: float = 0.0,
-            steps_sigma_b: float = 0.0) -> Verdict:
-    """Which of two regimes is faster, from their samples (lower is better): see the module's text."""
-    ratio, lo, hi = interval(a, b, paired=paired, stat=stat, resamples=resamples, seed=seed, level=level,
-                             scale_a=scale_a, scale_b=scale_b, clusters=clusters, launch_sigma=launch_sigma,
-                             steps_sigma_a=steps_sigma_a, steps_sigma_b=steps_sigma_b)
+def compare(a_name: str, a, b_name: str, b, *, paired: bool, level: float = LEVEL, **options) -> Verdict:
+    """Which of two regimes is faster, from their samples (lower is better): :func:`interval`'s ratio and
+    interval (``options``: its other keywords) under the two names; see the module's text."""
+    ratio, lo, hi = interval(a, b, paired=paired, level=level, **options)
     return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level)
 
 

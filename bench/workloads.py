@@ -7,7 +7,7 @@
 The character-level GPT (``examples/charlm.py``: AdamW with parameter groups, warm-up + cosine
 schedule, clipping, bf16 autocast, accumulation under ``no_sync``) and the BatchNorm ResNet
 (``examples/resnet_digits.py``: SGD with momentum, StepLR) are started unchanged with
-``commlab run`` (:func:`bench.script_compare.run_regime`), one job per regime; their
+``commlab run`` runs them (:func:`bench.script_compare.run_regime`), one job per regime; their
 ``commlab.report`` lines (``$COMMLAB_METRICS``) are the only thing read. Each regime gives the
 loss against step, wall time and bytes sent, the time to a target loss, the median step time,
 the exposed communication and the bytes per step.
@@ -52,7 +52,7 @@ COINCIDE_TOL = 0.01
 
 # name -> URL; --regimes takes these names or URLs
 REGIMES = {n: R.url_of(n) for n in ("local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2")}
-DEFAULT_REGIMES = ["local", "gloo", "ring", "ps-sync", "ps-async", "ps-ssp-2"]
+DEFAULT_REGIMES = list(REGIMES)
 # the default `commlab bench` runs the all-reduce ones (the parameter servers are in its training comparison)
 BENCH_REGIMES = ["local", "gloo", "ring"]
 
@@ -331,23 +331,19 @@ def append_section(report: Path, results: dict, pngs: dict) -> None:
     report.write_text(text[:at + 1] + block + text[at + 1:] if at >= 0 else text.rstrip("\n") + "\n\n" + block)
 
 
-def names_arg(text: str) -> list[str]:
+def names_arg(arg: str) -> list[str]:
     """``--workloads charlm,resnet`` -> the names (``none``: []); argparse's ``type``."""
-    names = [] if text.strip() == "none" else [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}, or none")
-    return names
+    try:
+        return text.names(arg, WORKLOADS, "--workloads")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or none") from None
 
 
 def run_default(run_dir: Path, budget_s: float, workers: int = 2, *, progress=None,
                 names: list[str] | None = None) -> tuple[dict, dict]:
-    """What the default ``commlab bench`` runs: the workloads ``names`` (default both) under
-    :data:`BENCH_REGIMES`; writes the files. Raises ValueError for an unknown workload name."""
+    """What the default ``commlab bench`` runs: the workloads ``names`` (default both; :func:`names_arg`
+    checked them) under :data:`BENCH_REGIMES`; writes the files."""
     names = list(DEFAULT_WORKLOADS) if names is None else names
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
     if progress is None:
         progress = lambda what: print(f"commlab bench: workload {what}", file=sys.stderr, flush=True)
     results = run(WorkloadsConfig(names, [(n, REGIMES[n]) for n in BENCH_REGIMES], workers=workers), run_dir,

@@ -19,7 +19,9 @@ torchrun. The job, in order:
    servers report theirs. Servers may be placed likewise (``server_prefix``, ``place_servers``).
 3. Ranks start; rank 0's stdout and stderr reach the terminal (progress), the servers' output
    reaches stderr, the other ranks' only their logs; every process's output goes to its log
-   (``rank<r>.log``, ``server<i>.log`` in ``log_dir``).
+   (``rank<r>.log``, ``server<i>.log`` in ``log_dir``). With ``console`` (a text file), what would
+   reach the terminal goes there instead, the launcher's own lines too: a caller that runs jobs in
+   its own process (the benchmark) keeps its terminal and gets one log per job.
 4. The launcher watches: the first process to fail is named with the tail of its log, the
    rest are stopped. With ``max_restarts`` R (torchrun's ``--max-restarts``) a failed *rank* stops
    the ranks alone: the servers keep running and every rank starts again, up to R times, with
@@ -44,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import IO, Callable, Iterator, Mapping, Sequence
 
 from commlab import metrics, shm, zygote
 from commlab import scratch as scratch_dirs
@@ -257,17 +259,19 @@ def start_group(argv: Sequence[str], env: Mapping[str, str] | None = None, **pop
 
 
 def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: str | None = None,
-          report_endpoint: bool = False) -> Proc:
+          report_endpoint: bool = False, console: IO[str] | None = None) -> Proc:
     """Start ``argv`` in a process group of its own that dies with this process.
 
     Its output goes to ``log`` and, with ``forward="both"``, to this process's stdout and stderr
     (rank 0: progress and prints; a stderr that is a terminal is handed over as it is, so that
     progress bars see a terminal, and is then not in the log), with ``forward="stderr"`` both its streams to this process's
     stderr (servers: diagnostics, never mixed into the stdout a caller may parse).
-    With ``report_endpoint`` the first ``... listening on ENDPOINT`` line on its stdout sets
-    ``Proc.endpoint`` and ``Proc.reported``. Does not block.
+    With ``console`` (a text file with a ``buffer``), what is forwarded goes there instead of this
+    process's stdout and stderr. With ``report_endpoint`` the first ``... listening on ENDPOINT``
+    line on its stdout sets ``Proc.endpoint`` and ``Proc.reported``. Does not block.
     """
-    terminal = forward == "both" and _is_terminal(sys.stderr)
+    out, err = (console, console) if console is not None else (sys.stdout, sys.stderr)
+    terminal = forward == "both" and _is_terminal(err)
     stderr = None if terminal else subprocess.PIPE if forward == "both" else subprocess.STDOUT
     popen = start_group(argv, env, stdout=subprocess.PIPE, stderr=stderr)
     proc = Proc(name, popen, log, forward is not None)
@@ -282,9 +286,9 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
                 proc.reported.set()
 
     if forward == "both":  # to the terminal as it came
-        streams = [(popen.stdout, sys.stdout)] + ([] if terminal else [(popen.stderr, sys.stderr)])
+        streams = [(popen.stdout, out)] + ([] if terminal else [(popen.stderr, err)])
     elif forward == "stderr":
-        streams = [(popen.stdout, sys.stderr)]
+        streams = [(popen.stdout, err)]
     else:
         streams = [(popen.stdout, None)]
     for src, term in streams:
@@ -336,17 +340,18 @@ def await_endpoints(procs: Sequence[Proc], timeout: float) -> list[str]:
 
 
 def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
-                  timeout: float, procs: list[Proc], prefix: Callable[[int], Sequence[str]] | None = None) -> str:
+                  timeout: float, procs: list[Proc], prefix: Callable[[int], Sequence[str]] | None = None,
+                  console: IO[str] | None = None) -> str:
     """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
     return the workers' URL with the endpoints they reported. ``prefix(i)`` goes before server i's
     command line (``ip netns exec NS``: a server in another network namespace binds there and
     reports what it bound all the same). Blocks until every server reported, at most ``timeout``
-    seconds; raises JobFailed naming a server that exited or never reported."""
+    seconds; raises JobFailed naming a server that exited or never reported. ``console``: see :func:`spawn`."""
     servers = []
     for i, argv in enumerate(argvs):
         cmd = [*(prefix(i) if prefix else ()), sys.executable, "-m", "servers", *argv]
         p = spawn(f"server {i}", cmd, env, logs / f"server{i}.log" if logs else None, forward="stderr",
-                  report_endpoint=True)
+                  report_endpoint=True, console=console)
         procs.append(p)
         servers.append(p)
     endpoints = await_endpoints(servers, timeout)
@@ -354,17 +359,17 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
 
 
 def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
-                procs: list[Proc]) -> int:
+                procs: list[Proc], console: IO[str] | None = None) -> int:
     """Host the rendezvous store in a process of its own (``python -m commlab.store``) started with
     ``prefix`` (``ip netns exec NS``), bound to ``addr`` and port 0; return the port it reports.
 
     For ranks that cannot reach this process's own store (:func:`commlab.store.host`): ranks in
     other network namespaces. The process is appended to ``procs`` at once (the caller stops it);
     ``timeout`` bounds its start-up and each of its waits. Blocks until it reported; raises
-    JobFailed if it exits or does not report within ``timeout``.
+    JobFailed if it exits or does not report within ``timeout``. ``console``: see :func:`spawn`.
     """
     p = spawn("store", [*prefix, sys.executable, "-m", "commlab.store", "--bind", addr, "--timeout", f"{timeout:g}"],
-              env, log, forward="stderr", report_endpoint=True)
+              env, log, forward="stderr", report_endpoint=True, console=console)
     procs.append(p)
     endpoint = await_endpoints([p], timeout)[0]
     return int(endpoint.rsplit(":", 1)[1])
@@ -407,9 +412,17 @@ class Job:
     summary: bool = True
     poll_s: float = 0.05
     max_restarts: int = 0  # torchrun's --max-restarts: a failed rank restarts every rank, servers kept
+    # a text file: rank 0's and the servers' output and the launcher's own lines go here instead of this
+    # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
+    console: IO[str] | None = None
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
+
+    def say(self, line: str, *, stdout: bool = False) -> None:
+        """One line of the launcher's own, ``NAME: line``, to the console (default: stderr; ``stdout``:
+        stdout)."""
+        print(f"{self.name}: {line}", file=self.console or (sys.stdout if stdout else sys.stderr), flush=True)
 
 
 class Terminated(Exception):
@@ -428,10 +441,10 @@ def run_job(job: Job) -> int:
     (130/143). Call from the main thread to have SIGTERM handled.
     """
     if job.workers < 1:
-        print(f"{job.name}: --workers must be >= 1", file=sys.stderr)
+        job.say("--workers must be >= 1")
         return 2
     if job.max_restarts < 0:
-        print(f"{job.name}: --max-restarts must be >= 0, got {job.max_restarts}", file=sys.stderr)
+        job.say(f"--max-restarts must be >= 0, got {job.max_restarts}")
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)
@@ -440,16 +453,16 @@ def run_job(job: Job) -> int:
     try:
         return _run(job)
     except JobFailed as exc:
-        print(f"{job.name}: {exc}", file=sys.stderr)
+        job.say(str(exc))
         return exc.code
     except ConfigError as exc:
-        print(f"{job.name}: {exc}", file=sys.stderr)
+        job.say(str(exc))
         return 2
     except KeyboardInterrupt:
-        print(f"{job.name}: interrupted; stopped every process", file=sys.stderr)
+        job.say("interrupted; stopped every process")
         return 130
     except Terminated:
-        print(f"{job.name}: terminated (SIGTERM); stopped every process", file=sys.stderr)
+        job.say("terminated (SIGTERM); stopped every process")
         return 128 + signal.SIGTERM
     finally:
         if installed:  # None: a handler set outside Python, which Python cannot put back
@@ -478,7 +491,8 @@ def _run(job: Job) -> int:
         base[MAX_RESTARTS] = str(job.max_restarts)
         failures: list[str] = []  # per restart: which rank failed, how
         try:
-            url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix)
+            url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
+                                job.console)
             base[ENV_URL] = url
             for attempt in range(job.max_restarts + 1):
                 try:
@@ -487,8 +501,8 @@ def _run(job: Job) -> int:
                     break
                 except RankFailed as exc:
                     failures.append(f"{exc.rank} ({exc.how})")
-                    print(f"{job.name}: {exc.rank} failed ({exc.how}); restarting every rank (restart {attempt + 1} "
-                          f"of {job.max_restarts})" + exc.tail, file=sys.stderr, flush=True)
+                    job.say(f"{exc.rank} failed ({exc.how}); restarting every rank (restart {attempt + 1} of "
+                            f"{job.max_restarts})" + exc.tail)
         except JobFailed as exc:
             if failures:
                 exc.args = (f"{exc.args[0]} (after {_restarts(failures)})",)
@@ -498,9 +512,9 @@ def _run(job: Job) -> int:
             shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
-            print(f"{job.name}: {job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, "
-                  f"{job.exchanger}: " + metrics.summary(record, time.monotonic() - started)
-                  + (f"; {_restarts(failures)}" if job.max_restarts else ""), flush=True)
+            job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
+                    + metrics.summary(record, time.monotonic() - started)
+                    + (f"; {_restarts(failures)}" if job.max_restarts else ""), stdout=True)
     return 0
 
 
@@ -532,7 +546,7 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
             env["MASTER_PORT"] = str(store.port)
         else:  # ranks in other namespaces: the store runs where rank 0 runs
             env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
-                                                 job.start_timeout_s, attempt))
+                                                 job.start_timeout_s, attempt, job.console))
         ranks = []
         for r in range(job.workers):
             argv = [sys.executable, *job.command, *job.args]
@@ -543,7 +557,7 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
             if job.rank_prefix:
                 argv = [*job.rank_prefix(r), *argv]
             ranks.append(spawn(f"rank {r}", argv, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                               logs / f"rank{r}.log", forward="both" if r == 0 else None))
+                               logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console))
             attempt.append(ranks[-1])
         _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0)
     except RankFailed:

@@ -147,7 +147,7 @@ def test_the_start_line_holds_every_rank_and_names_the_one_that_never_came():
 
 
 def test_servers_planned_on_loopback_move_to_their_namespaces():
-    from bench.launch_job import place_servers
+    from bench.jobs import place_servers
     ls = links.Links(2, "1gbit", tag="clplan")  # not entered: nothing is created
     url = "ps://?mode=sync&endpoints=tcp://127.0.0.1:4001,tcp://127.0.0.1:4002"
     argvs = [["--bind", "tcp://127.0.0.1:4001", "--shard", "0/2"], ["--bind", "tcp://127.0.0.1:4002", "--shard", "1/2"]]

@@ -220,23 +220,25 @@ def test_ring_training_across_hosts_equals_local(ring_hosts, tmp_path):
 
 
 # ----- the launcher across hosts --------------------------------------------------------------------------
-def test_launch_job_places_ranks_store_and_servers_in_namespaces_and_trains(tmp_path):
-    """bench.launch_job over a Links topology: two ranks on hosts 0 and 1 (the store beside rank 0),
+def test_a_bench_job_places_ranks_store_and_servers_in_namespaces_and_trains(tmp_path):
+    """bench.jobs.run over a Links topology: two ranks on hosts 0 and 1 (the store beside rank 0),
     the two shards ps:// plans on hosts 2 and 3, each bound to port 0 on its namespace's address
     and reporting what it bound. Sync PS with SGD equals local:// on the combined batch."""
+    from bench import jobs
+    from commlab import launcher
     from conftest import child_env, run_group
 
     tag = f"cj{os.getpid() % 100000}"
     common = ["--model", "tiny", "--steps", "5", "--lr", "0.1"]
-    with netns.Links(4, None, tag=tag) as links:  # launch_job finds it again by its tag: the default subnet
+    with netns.Links(4, None, tag=tag) as links:
         ps = tmp_path / "ps.pt"
-        r = run_group([sys.executable, "-m", "bench.launch_job", "--url", "ps://?shards=2&mode=sync&timeout=60",
-                       "--workers", "2", "--link-tag", tag, "--", "--batch-size", "8", "--save-params", str(ps),
-                       *common], 240, "bench.launch_job over namespaces", env=child_env(), capture_output=True,
-                      text=True, cwd=str(Path(__file__).resolve().parents[1]))
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert all(f"listening on tcp://{links.addr(h)}:" in r.stderr for h in (2, 3)), r.stderr[-3000:]
-        assert f"listening on tcp://{links.addr(0)}:" in r.stderr, r.stderr[-3000:]  # the store, beside rank 0
+        job = launcher.worker_job("ps://?shards=2&mode=sync&timeout=60", 2,
+                                  ["--batch-size", "8", "--save-params", str(ps), *common], env=child_env())
+        res = jobs.run(job, tmp_path / "job.log", 240, links)
+        said = res.log.read_text()
+        assert res.ok, said[-3000:]
+        assert all(f"listening on tcp://{links.addr(h)}:" in said for h in (2, 3)), said[-3000:]
+        assert f"listening on tcp://{links.addr(0)}:" in said, said[-3000:]  # the store, beside rank 0
     assert namespaces(tag) == []
     ref = tmp_path / "local.pt"
     r = run_group([sys.executable, "-m", "workers", "--exchanger", "local://", "--batch-size", "16", "--no-progress",
