@@ -95,8 +95,9 @@ def measure_compute(model: nn.Module, sample_shape: tuple[int, ...], batch: int,
         views = {id(p): b.view(j) for b in buckets for j, p in enumerate(b.params)}
 
         def moved(p: torch.Tensor, i: int) -> None:  # as an exchanger's hook moves a gradient into its bucket
-            view = views[id(p)]
-            torch.mul(p.grad, 0.5, out=view)  # scaled by 1/N (N = 2 here; the cost is the same for any N)
+            view, g = views[id(p)], p.grad
+            assert g is not None  # the hook runs once the gradient has accumulated
+            torch.mul(g, 0.5, out=view)  # scaled by 1/N (N = 2 here; the cost is the same for any N)
             p.grad = view
             landed[i] = cpu_clock()
 
