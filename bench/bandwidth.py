@@ -1,34 +1,16 @@
-"""Bandwidth: every regime and ceiling, every size, the nccl-tests columns.
+"""Bandwidth: every regime and ceiling, every size, the nccl-tests columns (:mod:`bench.records`).
 
-Per (regime, size, workers): the median time of one exchange of ``S`` bytes of
-float32 (per iteration, the slowest rank's time), its min, p90 and max, and:
-
-- ``algbw = S / t``: how fast the application gets its ``S``-byte result, the same
-  definition for every regime;
-- ``busbw``: bytes each worker's link carries per second *in each direction*, so
-  figures from different algorithms read on one axis and against the link:
-
-  ====================  ======================  =====================================
-  regime                per worker, each way    busbw
-  ====================  ======================  =====================================
-  all-reduce (ring)     2(N-1)/N x S            algbw x 2(N-1)/N  (as nccl-tests)
-  parameter server      pushes S, pulls S       algbw x 1
-  raw TCP ceilings      S                       algbw x 1
-  memcpy                S read, S written       algbw x 1
-  noop                  0                       0
-  ====================  ======================  =====================================
-
-  A PS and a ring reaching the same busbw use their links equally well; the ring
-  needs fewer bytes per worker (2(N-1)/N against 2), so at equal busbw its algbw
-  is higher by N/(2(N-1)) -- and a PS's servers carry N x S / K each way per shard.
-- ``wrong``: elements that differed from the exact reference, over all timed iterations.
+Per (regime, size, workers): the median time of one exchange of ``S`` bytes of float32 (per
+iteration, the slowest rank's time), its spread, ``algbw = S / t``, ``busbw`` (algbw x the method's
+bus factor, :func:`bench.records.bus_factor`: what each worker's link carries per second in each
+direction, so a parameter server and a ring read on one axis) and ``wrong`` (elements that differed
+from the exact reference, over all timed iterations). docs/bench.md ("What is measured") has the
+definitions; :mod:`bench.bw_worker` is one rank of a job, :func:`plan` which cases share one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import statistics
 import time
@@ -40,7 +22,6 @@ from bench import jobs
 from commlab import launcher
 from bench.records import failure, record
 from bench.text import human_bytes
-from commlab.metrics import metrics_path
 
 DTYPE = "float32"
 
@@ -104,10 +85,7 @@ class JobOutcome:
 def combine_ranks(out: Path, workers: int) -> JobOutcome:
     """The sizes every rank finished, per case: per-iteration slowest-rank times, wrong summed over
     ranks; the regimes' facts. Ranks write after every size, so a job cut short still has some."""
-    per_rank = []
-    for r in range(workers):
-        p = metrics_path(out, r)
-        per_rank.append(json.loads(p.read_text())["rows"] if p.exists() else [])
+    per_rank = jobs.read_ranks(out, workers, need_step=False)
     res = JobOutcome()
     for rows in per_rank:
         for row in rows:
@@ -283,7 +261,7 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
                      + (f" (sizes not measured: {', '.join(map(human_bytes, todo))})" if todo != sizes else ""))
             return
         name = f"{tag}-{attempt}" if attempt else tag
-        out, log = run_dir / "raw" / f"{name}.json", run_dir / "logs" / f"{name}.log"
+        out, log = run_dir / "raw" / f"{name}.jsonl", run_dir / "logs" / f"{name}.log"
         its = [iters_for(s, cfg.repeat_bytes, cfg.min_iters, cfg.max_iters) for s in todo]
         launch = next((c["launch"] for c in left if "launch" in c), "noop://")
         wire_cases = [{k: c[k] for k in ("name", "method", "url")} for c in left]

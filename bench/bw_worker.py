@@ -1,38 +1,21 @@
-"""One rank of a bandwidth job. Started by the launcher (``python -m bench.bw_worker``), like a worker.
+"""One rank of a bandwidth job (``python -m bench.bw_worker``), started by the launcher like a worker.
 
-A job measures several *cases* (regimes and ceilings) at once, and they **take turns iteration by
-iteration**: for each size S (float32, ``count = S / 4``), iteration i runs every case once, the
-first one rotating with i, and every rank picks the same order (as a collective must). A slow
-spell of a shared machine then hits all of them alike, so their ratios are taken over the same
-seconds, and sample i of one case is paired with sample i of another (see :mod:`bench.verdict`).
-The first ``warmup`` iterations are not kept. Rank r > 0 writes ``OUT.rank<r>``; the parent takes,
-per iteration, the slowest rank's time.
+A job measures several *cases* (regimes and the ceilings of :data:`bench.regimes.CEILINGS`) at once;
+docs/bench.md ("What is measured") says what each measures and how it is checked. For each size S
+(float32, ``count = S / 4``), iteration i runs every case once, starting from case i mod their number,
+in the same order on every rank (:func:`turns`), each exchange after a start line outside the timing
+(:func:`start_line`); the first ``warmup`` iterations are not kept. Each rank writes its rows as lines of
+its metrics file ``OUT`` (rank r > 0: ``OUT.rank<r>``; :func:`commlab.metrics.report`) as soon as they
+are known: per (case, size) ``times_s``, ``cpu_s`` and ``wrong``; a case's ``setup_error``; the case that
+``failed`` while running (``at``: when); the regimes' ``facts`` at the end. The parent
+(:func:`bench.bandwidth.combine_ranks`) takes the slowest rank's time of each iteration.
 
-Inputs and references are small integers, so every sum is exact in float32 and
-"wrong" means wrong, not rounded. Rank r's input is ``x_r[i] = (r + 1) + (i mod 13)``:
-
-- all-reduce: every rank must end with ``sum_r x_r = N(N+1)/2 + N (i mod 13)``;
-- push-pull (parameter server, sync, SGD with lr 1 on a parameter that starts at 0):
-  after each round the pulled parameter must be the previous one minus the workers'
-  mean ``(N+1)/2 + (i mod 13)`` (exactly when N is a power of two; otherwise 1/N itself is
-  rounded, and a relative difference above 4e-7, about 3 float32 ulps, counts as wrong);
-- noop: the buffer must still hold the input;
-- ceilings: what was received must be what was sent.
-
-The input is refilled before every exchange (outside the timing), and every result is checked
-(also outside), so ``wrong`` counts over all timed ones. ``--corrupt`` shifts one element of the
-reference, to prove the check can fail.
-
-Ceilings, beside the regimes in the same turns: ``tcp-oneway`` and ``tcp-duplex`` (raw TCP between
-ranks 0 and 1: rank 1 listens on ``BENCH_ADDR``, loopback unless a ``--link`` namespace sets it);
-``zmq-tcp`` and ``zmq-ipc`` (both directions at once through pyzmq PUSH/PULL as the ring uses it:
-4 MiB zero-copy frames, received and not even read, the ring's I/O threads, send buffer and heap
-setting: what a ring over that transport meets before it adds a byte); ``memcpy`` (rank 0 copies S
-bytes). Ranks that take no part in a ceiling pass their turn.
-
-A case whose setup fails on any rank is left out on every rank (the ranks agree through the
-store) and reported with its error; a case that fails while running stops the job, naming itself,
-and the parent runs the others again without it.
+Inputs and references are small integers, so every sum is exact in float32 and "wrong" means wrong, not
+rounded (rank r's input is ``x_r[i] = (r + 1) + (i mod 13)``). The input is refilled before every exchange
+and every result checked, both outside the timing, so ``wrong`` counts over all timed ones; ``--corrupt``
+shifts one element of the reference, to prove the check can fail. A case whose setup fails on any rank is
+left out on every rank (the ranks agree through the store); one that fails while running stops the job,
+naming itself, and the parent runs the others again without it.
 """
 
 from __future__ import annotations
@@ -47,16 +30,16 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, rendezvous, scratch
+from commlab import launcher, metrics, rendezvous, scratch
 from commlab.config import ExchangerURL
 from commlab.exchanger import Collective, PlansServers
 from commlab.handles import DoneHandle
-from commlab.metrics import metrics_path
 from commlab.optim import OptimizerSpec
 from commlab.registry import regime_class
 
@@ -99,32 +82,6 @@ def turns(names: list, i: int) -> list:
     """The order of iteration ``i``: every case once, starting from case ``i mod len``."""
     k = i % len(names) if names else 0
     return names[k:] + names[:k]
-
-
-class Results(list):
-    """This rank's rows, written to its file after every size (atomically), so a job stopped
-    midway (a failure, the time budget) still leaves what it measured."""
-
-    def __init__(self, path: str, info):
-        super().__init__()
-        self.path, self.info = path, info
-        self.save()
-
-    def append(self, row: dict) -> None:
-        super().append(row)
-        self.save()
-
-    def save(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"rank": self.info.rank, "world_size": self.info.world_size, "rows": list(self)}, fh)
-        os.replace(tmp, self.path)
-
-
-class FlatParam(nn.Module):
-    def __init__(self, count: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(count))
 
 
 def start_line(store, rank: int, world: int, n: int, timeout: float, what: str) -> None:
@@ -213,7 +170,7 @@ class PushPull(Exchange):
         super().__init__(*args)
         self.timeout = timeout
         self.ex = commlab.connect(url, info)
-        self.model = FlatParam(self.count)
+        self.model = nn.ParameterList([nn.Parameter(torch.zeros(self.count))])  # one flat parameter
         self.ex.setup(self.model, OptimizerSpec("sgd", lr=1.0))
         self.mean = mean_input(self.count, self.world)
         self.prev = torch.zeros(self.count)
@@ -222,7 +179,7 @@ class PushPull(Exchange):
     def go(self) -> None:
         got = self.ex.push_pull_async(self.buf).wait(self.timeout)
         # the client returns the pulled parameter (or leaves it in the model's parameter)
-        self.pulled = got if isinstance(got, torch.Tensor) else self.model.weight
+        self.pulled = got if isinstance(got, torch.Tensor) else self.model[0]
 
     def result_and_reference(self):
         got, ref = self.pulled.detach().cpu().clone(), self.prev - self.mean
@@ -279,13 +236,14 @@ class Memcpy(Bytes):
 
 
 class TcpLink:
-    """One TCP connection between ranks 0 and 1 for the raw ceilings, made once per job."""
+    """One TCP connection between ranks 0 and 1 for the raw ceilings, made once per job: rank 1 listens on
+    ``$BENCH_ADDR`` (loopback unless a ``--link`` namespace sets it). Ranks > 1 pass their turns."""
 
-    def __init__(self, store, info, timeout: float, tag: str):
+    def __init__(self, store, info, timeout: float, method: str):
         self.sock, self.rank, self.timeout = None, info.rank, timeout
         if info.rank > 1:
             return
-        key = f"bench/{tag}/addr"
+        key = f"bench/{method}/addr"
         if info.rank == 1:
             lsock = socket.socket()
             lsock.bind((os.environ.get("BENCH_ADDR", "127.0.0.1"), 0))
@@ -362,12 +320,12 @@ class TcpDuplex(Bytes):
 
 
 class ZmqLink:
-    """PUSH/PULL between ranks 0 and 1 over ``transport`` (tcp or ipc), set up as the ring sets up
-    its sockets (I/O threads, send buffer, heap setting), once per job."""
+    """PUSH/PULL between ranks 0 and 1 over ``method``'s transport (``zmq-tcp``, ``zmq-ipc``), set up as the
+    ring sets up its sockets (I/O threads, send buffer, heap setting), once per job."""
 
     PIECE = 4 << 20
 
-    def __init__(self, store, info, timeout: float, transport: str):
+    def __init__(self, store, info, timeout: float, method: str):
         import zmq
 
         from commlab.heap import keep_freed_memory
@@ -380,10 +338,10 @@ class ZmqLink:
         keep_freed_memory()
         io_threads = RingOptions.io_threads
         self.net = Transport(io_threads=io_threads, sndbuf=RingOptions.sndbuf_kb * 1024 or None)
-        self.folder = scratch.mkdtemp("bench") if transport == "ipc" else None
+        self.folder = scratch.mkdtemp("bench") if method == "zmq-ipc" else None
         where = f"ipc://{self.folder}/r{info.rank}" if self.folder else "tcp://127.0.0.1:0"
         self.pull = self.net.bind(zmq.PULL, where, io_thread=0)
-        key = f"bench/zmq-{transport}/"
+        key = f"bench/{method}/"
         store.set(f"{key}{info.rank}", self.pull.last_endpoint.decode())
         store.wait([f"{key}{1 - info.rank}"], timedelta(seconds=timeout))
         self.push = self.net.connect(zmq.PUSH, store.get(f"{key}{1 - info.rank}").decode(), io_thread=io_threads - 1)
@@ -420,6 +378,11 @@ class ZmqBothWays(Bytes):
 
 
 # ----- a job: its cases, set up once, measured size by size --------------------------------------------
+# ceiling -> (the link it keeps for the whole job, between ranks 0 and 1; one size's exchange over it)
+CEILING_LINKS = {"tcp-oneway": (TcpLink, TcpOneway), "tcp-duplex": (TcpLink, TcpDuplex),
+                 "zmq-tcp": (ZmqLink, ZmqBothWays), "zmq-ipc": (ZmqLink, ZmqBothWays)}
+
+
 class ServersPerSize:
     """Fresh servers for every size, for a regime whose ``setup()`` binds one model (``ps://``).
 
@@ -515,10 +478,8 @@ class Job:
         elif method == "pushpull":
             if issubclass(regime_class(ExchangerURL.parse(url).scheme), PlansServers):
                 self.state[name] = ServersPerSize(name, url, self.info, self._store(), self.timeout)
-        elif method in ("tcp-oneway", "tcp-duplex"):
-            self.state[name] = TcpLink(self._store(), self.info, self.timeout, name)
-        elif method in ("zmq-tcp", "zmq-ipc"):
-            self.state[name] = ZmqLink(self._store(), self.info, self.timeout, method[4:])
+        elif method in CEILING_LINKS:
+            self.state[name] = CEILING_LINKS[method][0](self._store(), self.info, self.timeout, method)
         elif method not in ("noop", "memcpy"):
             raise commlab.ConfigError(f"unknown method {method!r}")
 
@@ -550,14 +511,10 @@ class Job:
             return PushPull(st.start(size) if st else c["url"], self.info, self.timeout, *common)
         if method == "memcpy":
             return Memcpy(size, rank)
-        if method == "tcp-oneway":
-            return TcpOneway(st, size)
-        if method == "tcp-duplex":
-            return TcpDuplex(st, size)
-        return ZmqBothWays(st, size)
+        return CEILING_LINKS[method][1](st, size)
 
-    def measure(self, out: Results, size: int, iters: int, warmup: int) -> None:
-        """Every case on ``size``, taking turns; one row per case."""
+    def measure(self, out: Callable[[dict], None], size: int, iters: int, warmup: int) -> None:
+        """Every case on ``size``, taking turns; ``out(row)`` once per case."""
         by_name = {c["name"]: c for c in self.cases}
         xs: dict[str, Exchange] = {}
         try:
@@ -596,7 +553,7 @@ class Job:
             if isinstance(self.state.get(name), ServersPerSize):
                 self.state[name].stop(size)
         for name in self.names:
-            out.append({"case": name, "size_bytes": size, "count": size // 4, "iters": iters, "warmup": warmup,
+            out({"case": name, "size_bytes": size, "count": size // 4, "iters": iters, "warmup": warmup,
                         "times_s": times[name], "cpu_s": cpu[name], "wrong": wrong[name]})
 
     def facts(self) -> dict:
@@ -625,19 +582,21 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in a.sizes.split(",")]
     iters = [int(s) for s in a.iters.split(",")]
     info = rendezvous.from_env()
-    out = Results(str(metrics_path(a.out, info.rank)), info)
+    # this rank's rows, each a line of its metrics file as soon as it is known: a job stopped midway (a
+    # failure, the time budget) still leaves what it measured
+    out = lambda row: metrics.report(0, path=a.out, rank=info.rank, **row)
     job = None
     try:
         # "@launcher": the URL the launcher handed the ranks (servers it placed, bench.jobs.place_servers)
         cases = [dict(c, url=a.exchanger if c["url"] == "@launcher" else c["url"]) for c in json.loads(a.cases)]
         job = Job(cases, info, a.timeout, a.corrupt)
         for name, err in job.errors.items():
-            out.append({"case": name, "setup_error": err})
+            out({"case": name, "setup_error": err})
         for size, n in zip(sizes, iters):
             job.measure(out, size, n, a.warmup)
-        out.append({"facts": job.facts()})
+        out({"facts": job.facts()})
     except CaseFailed as exc:
-        out.append({"case": exc.case, "failed": str(exc), "at": time.time()})
+        out({"case": exc.case, "failed": str(exc), "at": time.time()})
         print(f"commlab worker rank {info.rank}: {exc.case}: {exc}", file=sys.stderr)
         return 2
     except (commlab.CommError, commlab.ConfigError) as exc:

@@ -6,18 +6,14 @@
     commlab bench compress --models mlp --link loopback --steps 8 --compressors powersgd:4 --peers ddp
 
 A cell is one model at one link rate (``loopback``, or a ``tc tbf`` cap between network namespaces, as
-root: :class:`bench.netns.Links`). In a cell, every entry trains the same model from the same seed on
-the same data with N ranks (:mod:`bench.compress_worker`: one job per cell, the entries taking turns in
-it, round after round, each from a fresh model): ``REGIME`` uncompressed (``ring://`` by default),
-``REGIME?compress=C`` for each compressor, and the peers DDP uncompressed, DDP with torch's PowerSGD hook
-(the same rank and warm-up) and DDP with torch's fp16 hook. Per entry: step time (median and p90 after
-the warm-up), bytes sent per step and their ratio to the uncompressed exchange, the loss against step and
-against time, time to a target loss (by default what the uncompressed regime reached half way through its
-steps: an entry that learns up to 2x slower per step reaches it in the run); every "faster" is :mod:`bench.verdict`'s ratio with its 95% interval. The issue's goals are checked where their cell ran.
-
-Models: ``mlp`` (the 25M MLP, 100 MB of gradients a step) and ``lm`` (examples/charlm.py's model, 1.45
-MB a step). Writes ``compress.md``, ``compress.json`` and one ``compress-<model>-<link>.png`` per cell
-(loss against step, time and bytes) in ``--out`` (default ``runs/compress-<UTC time>/``).
+root: :class:`bench.netns.Links`), run as one job (:mod:`bench.compress_worker`) whose entries take turns,
+each from a fresh model: ``REGIME`` uncompressed (``ring://`` by default), ``REGIME?compress=C`` for each
+compressor, and the peers DDP, DDP with torch's PowerSGD hook and DDP with torch's fp16 hook. Per entry:
+step time, bytes per step (and their ratio to uncompressed), the loss against step and time, and the time
+to a target loss; every "faster" is :mod:`bench.verdict`'s ratio with its 95% interval, and the issue's
+goals are checked where their cell ran. Models: ``mlp`` (the 25M MLP) and ``lm`` (examples/charlm.py's).
+Writes ``compress.md``, ``compress.json`` and one ``compress-<model>-<link>.png`` per cell in ``--out``
+(default ``runs/compress-<UTC time>/``). docs/bench.md ("When compression pays") has the details.
 """
 
 from __future__ import annotations
@@ -141,10 +137,6 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
     return outcomes
 
 
-def measured(lines: list[dict], skip: int) -> list[dict]:
-    return [x for x in lines if x["step"] >= skip and x.get("step_s")]
-
-
 def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: float | None
               ) -> tuple[list[dict], float | None]:
     """The table's rows of one cell: script_compare's summary (curve, final loss, time to target) of each
@@ -159,7 +151,7 @@ def cell_rows(outcomes: dict[str, list[Outcome]], skip: int, base: str, given: f
         ok = [o for o in outs if o.status == "ok"]
         firsts.append(ok[0] if ok else outs[-1])
         first = skip if "powersgd" in label else 1  # step 0: every entry's first-touch allocations
-        extra[label] = [line for o in ok for line in measured(o.ranks[0], first)]
+        extra[label] = [x for o in ok for x in o.ranks[0] if x["step"] >= first and x.get("step_s")]
     rows, target = summarize_all(firsts, target)
     plain = next((r for r in rows if r["regime"] == base and r.get("curve")), None)
     if given is None and plain is not None:  # what the uncompressed run reached TARGET_AT of the way through

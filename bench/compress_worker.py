@@ -11,21 +11,18 @@ a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
 and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own. An entry that raises leaves an ``.error`` file and the next runs.
 
-Models: ``mlp-25m`` (workers/models.py, digits, SGD: the ``commlab train`` model and data) and ``charlm``
-(examples/charlm.py's model at its default size, text windows, AdamW in its parameter groups with warm-up
-and cosine, bf16 autocast, clipping at 1.0; one micro-step a step); ``tiny`` and ``charlm-tiny`` are the
-same at test size. Every rank writes one line per step through :func:`commlab.report` (entry i, round r:
-``BASE.<i>.<r>``): ``loss, step_s, comm_s, time_s, bytes_sent`` (``bytes_uncompressed`` too), and on rank 0
-at the end ``test_loss``. DDP's ``bytes_sent`` is the closed form of what its hook all-reduces, counted as
-a ring counts (2(N-1)/N of the tensor), so the peers' bytes read as commlab's do; ``comm_s`` is not known
-under DDP (its wait is inside backward).
+Models (:class:`Task`): ``mlp-25m`` (the ``commlab train`` model and data, SGD) and ``charlm``
+(examples/charlm.py's model, AdamW in its parameter groups, warm-up and cosine, bf16 autocast, clipping);
+``tiny`` and ``charlm-tiny`` are the same at test size. Every rank writes one line per step through
+:func:`commlab.report` (entry i, round r: ``BASE.<i>.<r>``): ``loss, step_s, comm_s, time_s, bytes_sent,
+bytes_uncompressed``, and on rank 0 at the end ``test_loss``. Under DDP ``comm_s`` is None (its wait is
+inside backward) and the bytes are a closed form (:func:`ddp_bytes`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -35,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import commlab
+from bench.ddp_worker import leave
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("ddp", "ddp+fp16", "ddp+powersgd")
@@ -233,12 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # this entry failed here: say so and go on with the next (they all time out)
                 Path(f"{path}.error.rank{rank}").write_text(f"{type(exc).__name__}: {exc}"[:2000])
                 print(f"bench.compress_worker rank {rank}: {entry}: {type(exc).__name__}: {exc}", file=sys.stderr)
-    dist.barrier()
-    dist.destroy_process_group()
-    # DDP jobs here sometimes die of std::terminate in the interpreter's teardown (see bench/ddp_worker.py);
-    # everything this rank had to say is written (commlab.report closes its file on every line)
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -1,24 +1,17 @@
 """Convergence: the same model, seed, data order and global batch under every regime.
 
-Each regime runs the built-in worker (``python -m workers ... --metrics F --eval-every K``, or a
-peer's module) as a launcher job of its own (:func:`bench.jobs.run`); the workers write one JSON
-line per step (loss, acc, compute_s, comm_s, step_s, bytes_sent, time_s, and on
-rank 0 test_loss/test_acc at eval steps). ``local://`` runs one worker on the
-combined batch (N x B): the reference every synchronous regime must reproduce,
-step for step. From the lines this module derives:
-
-- loss and accuracy against step, wall-clock time and bytes sent;
-- time (and step) to a target test accuracy;
-- each step split into compute (forward + backward), exposed communication (the
-  time ``step()`` blocked) and the rest;
-- for synchronous regimes, max |test_loss - local's test_loss| over eval steps;
-- for asynchronous ones, the staleness distribution (see :func:`read_staleness`).
+Each regime runs the built-in worker (or a peer's module taking its flags, :func:`rank_args`) as a
+launcher job of its own (:func:`bench.jobs.run`). ``local://`` runs one worker on the combined batch
+(N x B): the reference every synchronous regime must reproduce, step for step. From the workers'
+per-step lines :func:`summarize` derives the loss and accuracy against step, time and bytes, the time
+to a target accuracy and the step split (compute, exposed communication, the rest);
+:func:`compare_with_reference` how far each curve lies from local's; :func:`read_staleness` the
+asynchronous regimes' staleness, from the servers.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 from dataclasses import dataclass
@@ -68,13 +61,18 @@ class ConvergenceConfig:
 SERVER_STATS = re.compile(r"^commlab server (?P<name>[^:]+): (?P<json>\{.*\})\s*$")
 
 
-def server_stats_from_log(log: Path) -> list[dict]:
-    """The last stats line each PS server printed (``commlab server NAME: {json}``, at exit)."""
+def read_staleness(log: Path, key: str = "staleness") -> list[int] | None:
+    """Every applied update's staleness, from the stats line each PS server prints when it stops
+    (``commlab server NAME: {json}``, in the job's log ``log``): its ``key`` histogram (``{"0": count,
+    "1": count, ...}``), the last line of each server, shards added up. ``key``: ``"staleness"`` (the
+    version gap: server updates between the parameters a gradient was computed on and the ones it is
+    applied to) or ``"clock_gap"`` (the pushing worker's step minus the slowest worker's). None where no
+    server reported it (a regime without servers)."""
     last: dict[str, dict] = {}
     try:
         text = log.read_text(errors="replace")
     except OSError:
-        return []
+        return None
     for line in text.splitlines():
         m = SERVER_STATS.match(line.strip())
         if m:
@@ -82,53 +80,10 @@ def server_stats_from_log(log: Path) -> list[dict]:
                 last[m.group("name")] = json.loads(m.group("json"))
             except ValueError:
                 continue
-    return list(last.values())
-
-
-def read_staleness(stats_dir: Path, ranks: list[list[dict]], log: Path | None = None,
-                   key: str = "staleness") -> list[int] | None:
-    """The staleness of every applied update, or None if the regime did not report it. ``key``:
-    ``"staleness"`` (the version gap: server versions between the parameters a gradient was computed
-    on and the ones it is applied to) or ``"clock_gap"`` (the pushing worker's step minus the slowest
-    worker's).
-
-    The seam, in order of preference:
-      1. files ``*.json`` in ``stats_dir`` (the job's ``COMMLAB_STATS_DIR``), each a JSON object
-         with ``"staleness"``: either a list of per-update staleness values, or a histogram
-         ``{"0": count, "1": count, ...}``;
-      2. the stats line each PS server prints when it stops (``commlab server NAME: {json}`` with a
-         ``"staleness"`` histogram), read from the job's log; shards' histograms are added up;
-      3. a ``"staleness"`` field (int or list of ints) in the workers' per-step lines.
-    """
-    values: list[int] = []
-    found = False
-    docs = []
-    for p in sorted(stats_dir.glob("*.json")) if stats_dir.exists() else []:
-        try:
-            docs.append(json.loads(p.read_text()))
-        except (OSError, ValueError):
-            continue
-    if not any(isinstance(d, dict) and key in d for d in docs) and log is not None:
-        docs = server_stats_from_log(log)
-    for doc in docs:
-        st = doc.get(key) if isinstance(doc, dict) else None
-        if isinstance(st, dict):
-            found = True
-            for k, n in st.items():
-                values += [int(k)] * int(n)
-        elif isinstance(st, list):
-            found = True
-            values += [int(v) for v in st]
-    if found:
-        return values
-    for lines in ranks:
-        for rec in lines:
-            st = rec.get(key)
-            if st is None:
-                continue
-            found = True
-            values += [int(v) for v in st] if isinstance(st, list) else [int(st)]
-    return values if found else None
+    hists = [doc[key] for doc in last.values() if isinstance(doc, dict) and isinstance(doc.get(key), dict)]
+    if not hists:
+        return None
+    return [int(k) for h in hists for k, n in h.items() for _ in range(int(n))]
 
 
 def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], target: float, batch: int = 0,
@@ -224,12 +179,10 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     ranks_n, batch = (1, workers * cfg.batch_size) if e.kind == "reference" else (workers, cfg.batch_size)
     lr = cfg.lr_for(e, workers)
     metrics = run_dir / "raw" / f"{tag}.jsonl"
-    stats_dir = run_dir / "raw" / f"{tag}.stats"
-    stats_dir.mkdir(parents=True, exist_ok=True)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
     args = rank_args(cfg.model, steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every,
                      metrics=metrics)
-    job = launcher.worker_job(e.url, ranks_n, args, module=e.module or "workers", name=f"convergence {name}",
-                              env=dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir)))
+    job = launcher.worker_job(e.url, ranks_n, args, module=e.module or "workers", name=f"convergence {name}")
     res = jobs.run(job, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()),
                    None if e.kind == "reference" else links)
     budget.note(res.seconds)
@@ -239,8 +192,8 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
         return None, dict(failure("convergence", name, error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
                                   e.url, status), workers=workers, log=str(res.log.relative_to(run_dir)))
     s = summarize(name, e, ranks, cfg.target_acc, batch, lr)
-    s["staleness"] = read_staleness(stats_dir, ranks, res.log)
-    s["clock_gap"] = read_staleness(stats_dir, ranks, res.log, key="clock_gap")
+    s["staleness"] = read_staleness(res.log)
+    s["clock_gap"] = read_staleness(res.log, key="clock_gap")
     s["curve"] = ranks[0]
     return s, None
 

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -68,12 +69,17 @@ def main() -> None:
             line["test_loss"], line["test_acc"] = evaluate(model, data.test_x, data.test_y)
         if path:
             metrics.report(step, path=path, rank=rank, **line)
+    leave()
+
+
+def leave() -> NoReturn:
+    """End a rank of a DDP job (collective: every rank calls it): meet the others, destroy the default group,
+    then exit without the interpreter's teardown. About one DDP job in ten here died of std::terminate
+    ("terminate called without an active exception", SIGABRT) at exit, whether rank 0 hosted the store or
+    the launcher did, and deleting the DDP module first did not stop it. Call it once everything the rank
+    had to say is written (:func:`commlab.metrics.report` closes its file on every line)."""
     dist.barrier()
     dist.destroy_process_group()
-    # Then leave without the interpreter's teardown: about one DDP job in ten here died of std::terminate
-    # ("terminate called without an active exception", SIGABRT) after this point, at exit, whether rank 0
-    # hosted the store or the launcher did, and deleting the DDP module first did not stop it. Everything
-    # this rank had to say is written (metrics.report closes its file on every line).
     sys.stderr.flush()
     os._exit(0)
 

@@ -10,16 +10,12 @@ hook on, up as each range arrives); the goal is that they keep >= 80% of the sam
 CPU-tensor bandwidth: "URL S CUDA / CPU algbw" carries its 95% bootstrap interval over the steps
 (:mod:`bench.verdict`, unpaired).
 
-Rows: ``ring://`` and ``ps://`` (host-staged, the goal applies), gloo (which stages CUDA tensors itself:
-a peer for our staging, run through commlab's ``allreduce://`` regime), and NCCL on CUDA alone when
-there are at least as many GPUs as workers (its transport, and whether it used GPUDirect RDMA, are
-in the document from ``commlab doctor``'s probe). Regimes that cannot be built here
-(:func:`bench.regimes.unavailable`) are skipped with the reason. Every case is a job of the launcher
-(:func:`bench.records.run_ranks`).
-
-Writes ``bench/results/gpu-<device>.json`` (:mod:`bench.records`' document) and ``.md``, the device
-named. Without CUDA it says so and measures nothing; ``--devices cpu`` dry-runs the harness on CPU
-alone (files named ``gpu-dryrun-cpu``).
+Rows: ``ring://`` and ``ps://`` (host-staged: the goal applies), gloo (which stages CUDA tensors itself,
+through commlab's ``allreduce://``), and NCCL on CUDA alone when there is a GPU per worker (its transport
+and GPUDirect RDMA: ``commlab doctor``'s probe, in the document). Regimes that cannot be built here are
+skipped with the reason; every case is a job of the launcher (:func:`bench.records.run_ranks`). Writes
+``bench/results/gpu-<device>.json`` (:mod:`bench.records`' document) and ``.md``. Without CUDA it
+measures nothing and says so; ``--devices cpu`` dry-runs the harness (files ``gpu-dryrun-cpu``).
 
     commlab bench gpu-sweep [--regimes ring:// ps://] [--sizes-mib 1 4 16 64] [--workers 2]
 """
@@ -47,19 +43,6 @@ DEFAULT_REGIMES = ("ring://", "ps://", "allreduce://?backend=gloo")
 NCCL_URL = "allreduce://?backend=nccl"
 
 
-class Flat(nn.Module):
-    """One flat parameter: the sweep's "model"."""
-
-    def __init__(self, numel: int, device: torch.device):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(numel, device=device))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def rank_main(device_spec: str, numel: int, steps: int, warmup: int) -> int:
     """One rank of one case ($COMMLAB_EXCHANGER, torchrun's environment); rank 0 reports the step times."""
     import json
@@ -72,18 +55,19 @@ def rank_main(device_spec: str, numel: int, steps: int, warmup: int) -> int:
     torch.set_num_threads(1)
     info = rendezvous.from_env()
     device = resolve_device(device_spec, info.local_rank)
-    model = Flat(numel, device)
+    model = nn.ParameterList([nn.Parameter(torch.zeros(numel, device=device))])  # one flat parameter
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     ex = commlab.connect(rank=info)
     try:
         ex.setup(model, OptimizerSpec("sgd", lr=1e-6))
         times = []
         for i in range(warmup + steps):
             ex.zero_grad()
-            _sync(device)
+            sync()
             t0 = time.perf_counter()
-            model.w.sum().backward()
+            model[0].sum().backward()
             ex.step()
-            _sync(device)
+            sync()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
         if info.rank == 0:

@@ -21,6 +21,15 @@ def git_facts() -> dict:
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
+def _proc_value(path: str, key: str) -> str | None:
+    """The value of the first ``KEY: value`` line of a /proc file; None where there is none."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
+
+
 def environment() -> dict:
     pkgs = {}
     for name in PACKAGES:
@@ -33,21 +42,8 @@ def environment() -> dict:
         pkgs["libzmq"] = zmq.zmq_version()
     except ImportError:
         pass
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = 0.0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = int(line.split()[1]) / 2**20
-    except OSError:
-        pass
+    cpu = _proc_value("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    mem = int((_proc_value("/proc/meminfo", "MemTotal") or "0 kB").split()[0]) / 2**20
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": cpu,
             "cpus": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)), "memory_gib": mem,
             "packages": pkgs}

@@ -79,12 +79,11 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
     """Train ``n`` workers under ``url`` (over ``links`` if given); the steps after the warm-up. ``around``:
     called just before and just after the run (e.g. a measurement of the machine's load)."""
     metrics = out / "raw" / f"{name}.jsonl"
-    stats_dir = out / "raw" / f"{name}.stats"
-    stats_dir.mkdir(parents=True, exist_ok=True)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
     steps = steps or a.steps
     args = ["--model", a.model, "--steps", str(steps), "--batch-size", str(a.batch_size), "--seed", "0",
             "--metrics", str(metrics), "--no-progress"]
-    env = dict(os.environ, COMMLAB_STATS_DIR=str(stats_dir), **(env_extra or {}))
+    env = dict(os.environ, **(env_extra or {}))
     job = launcher.worker_job(url, n, args, module=module, name=f"plan-validate {name}", env=env)
     if around:
         around()
@@ -110,7 +109,7 @@ def run_point(name: str, url: str, n: int, links: Links | None, a, out: Path, mo
         if cpu:  # the worker's main-thread CPU per step: against the step, the share of a core it got
             rec.update(cpu_median=statistics.median(cpu), share_median=statistics.median(
                 x["cpu_s"] / x["step_s"] for lines in ranks for x in lines[a.warmup:] if "cpu_s" in x))
-    rec["staleness"] = read_staleness(stats_dir, ranks, res.log)
+    rec["staleness"] = read_staleness(res.log)
     return rec
 
 
@@ -196,35 +195,34 @@ def rank_check(points: list[dict], launch_sigma: float = verdict.LAUNCH_SIGMA_FL
     agreeing, misses)."""
     checked = agree = 0
     misses = []
-    groups: dict = {}
-    for p in points:
-        if p["ok"] and p.get("steps_s"):
-            groups.setdefault((p["rate"], p["workers"]), []).append(p)
-    for (rate, n), ps in groups.items():
-        for i, x in enumerate(ps):
-            for y in ps[i + 1:]:
-                faster = verdict.compare(x["regime"], x["steps_s"], y["regime"], y["steps_s"], paired=False,
-                                         launch_sigma=launch_sigma).winner
-                if faster is None:
-                    continue
-                checked += 1
-                if (faster == x["regime"]) == (x["predicted"] < y["predicted"]):
-                    agree += 1
-                else:
-                    misses.append(f"{rate} N={n}: {x['regime']} vs {y['regime']}")
+    for x, y in _pairs_at_one_point(points):
+        faster = verdict.compare(x["regime"], x["steps_s"], y["regime"], y["steps_s"], paired=False,
+                                 launch_sigma=launch_sigma).winner
+        if faster is None:
+            continue
+        checked += 1
+        if (faster == x["regime"]) == (x["predicted"] < y["predicted"]):
+            agree += 1
+        else:
+            misses.append(f"{x['rate']} N={x['workers']}: {x['regime']} vs {y['regime']}")
     return checked, agree, misses
 
 
 def iqr_rank_check(points: list[dict]) -> tuple[int, int]:
     """The rougher rule, for comparison: pairs whose measured [p25, p75] do not overlap (checked, agreeing)."""
     checked = agree = 0
-    ok = [p for p in points if p["ok"]]
-    for i, x in enumerate(ok):
-        for y in ok[i + 1:]:
-            if (x["rate"], x["workers"]) == (y["rate"], y["workers"]) and (x["p75"] < y["p25"] or y["p75"] < x["p25"]):
-                checked += 1
-                agree += (x["median"] < y["median"]) == (x["predicted"] < y["predicted"])
+    for x, y in _pairs_at_one_point(points):
+        if x["p75"] < y["p25"] or y["p75"] < x["p25"]:
+            checked += 1
+            agree += (x["median"] < y["median"]) == (x["predicted"] < y["predicted"])
     return checked, agree
+
+
+def _pairs_at_one_point(points: list[dict]) -> list[tuple[dict, dict]]:
+    """Every pair of points that ran, with their steps, at one (rate, N), in the order ``points`` lists them."""
+    ok = [p for p in points if p["ok"] and p.get("steps_s")]
+    return [(x, y) for i, x in enumerate(ok) for y in ok[i + 1:]
+            if (x["rate"], x["workers"]) == (y["rate"], y["workers"])]
 
 
 def met(ok: bool) -> str:

@@ -26,12 +26,15 @@ def save(fig, path: Path, dpi: int = 110) -> Path:
     return path
 
 
-def _size_axis(ax, sizes):
+def _against_size(ax, sizes, ylabel: str, title: str) -> None:
+    """A panel against message size: both axes logarithmic, the sizes as ticks, a legend."""
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(sizes)
     ax.set_xticklabels([human_bytes(s) for s in sizes])
-    ax.set_xlabel("message size S (float32)")
+    ax.set(xlabel="message size S (float32)", ylabel=ylabel, title=title)
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo") -> Path | None:
@@ -76,24 +79,14 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
                 axes[2].errorbar([p for p, _ in pts], [v.ratio for _, v in pts],
                                  yerr=[[v.ratio - v.lo for _, v in pts], [v.hi - v.ratio for _, v in pts]],
                                  label=label, **style)
-    ax_t.set_yscale("log")
-    ax_t.set_ylabel("time per exchange (µs): median, 95% interval")
-    ax_t.set_title(f"Exchange time, {workers} workers (lower is better)")
-    _size_axis(ax_t, sizes)
-    ax_t.legend(fontsize=8)
-    ax_b.set_yscale("log")
-    ax_b.set_ylabel("busbw (GB/s): at the median time, 95% interval")
-    ax_b.set_title("Bus bandwidth per worker, each direction (higher is better)")
-    _size_axis(ax_b, sizes)
-    ax_b.legend(fontsize=8)
+    _against_size(ax_t, sizes, "time per exchange (µs): median, 95% interval",
+                  f"Exchange time, {workers} workers (lower is better)")
+    _against_size(ax_b, sizes, "busbw (GB/s): at the median time, 95% interval",
+                  "Bus bandwidth per worker, each direction (higher is better)")
     if peers:
-        ax = axes[2]
-        ax.axhline(1.0, color="black", linewidth=1)
-        ax.set_yscale("log")
-        ax.set_ylabel(f"busbw / {peer}'s busbw, 95% interval")
-        ax.set_title(f"Against {peer} (an interval across 1: indistinguishable)")
-        _size_axis(ax, sizes)
-        ax.legend(fontsize=8)
+        axes[2].axhline(1.0, color="black", linewidth=1)
+        _against_size(axes[2], sizes, f"busbw / {peer}'s busbw, 95% interval",
+                      f"Against {peer} (an interval across 1: indistinguishable)")
     return save(fig, path)
 
 

@@ -1,18 +1,12 @@
 """Probes: what this machine does that a test must not assert (seconds, page-fault counts).
 
-- :func:`heap_faults`: minor page faults per backward of a layer whose weight gradient is a fresh
-  64 MiB tensor every step, with glibc's default heap and with commlab's kept heap
-  (:func:`commlab.heap.keep_freed_memory`). The default maps and faults in every page anew.
-- :func:`peer_loss`: seconds from a ring rank's death (SIGKILL, mid-collective) until each survivor's
-  all-reduce raises, against the ring's timeout: a loss seen as a loss, not by running out the clock.
-- :func:`restart`: a rank killed mid-run under ``commlab run --max-restarts 1``: seconds from the kill to
-  the first step after the restart, and the steps lost (done before the kill, done again after it):
-  ``ps://`` with update=server resumes from the servers, ``ring://`` from a checkpoint every few steps.
-
-Each returns a dict for ``probes.json``; :func:`lines` words them for the report. The heap and restart
-probes run launcher jobs (:func:`bench.jobs.run`); the peer-loss probe starts its ranks itself, each a
-process group of its own, killed with :func:`commlab.launcher.kill_groups` at its end (a launcher
-job would stop the survivors the moment the victim dies, before they report).
+:func:`heap_faults` (page faults per backward, glibc's default heap against commlab's kept one),
+:func:`peer_loss` (how fast the survivors of a SIGKILLed ring rank raise) and :func:`restart` (a rank
+killed under ``commlab run --max-restarts 1``: time to resume, steps lost) each return a dict for
+``probes.json``; :func:`lines` words them for the report. The heap and restart probes run launcher
+jobs (:func:`bench.jobs.run`); the peer-loss probe starts its ranks itself, each a process group of
+its own, killed with :func:`commlab.launcher.kill_groups` at its end (a launcher job would stop the
+survivors the moment the victim dies, before they report).
 
     python -m bench.probes            # all three, printed as JSON
 """

@@ -17,11 +17,9 @@ rank, the server included, is a client), so no port is picked and released. The 
 the client regime's benchmark hook ``PSExchanger.push_pull_async(tensor)`` after ``setup`` on a
 one-parameter model.
 
-Each configuration runs ``--repeats`` times, alternating with the others. Records
-(:mod:`bench.records`): time = one round of one worker (every timed round of every worker and
-repeat is a sample), ``rounds_per_s`` = the sum over workers of rounds / seconds (median over
-repeats). The ratios the goals name ("ps-tcp / rpc-uv-basic rounds/s" = the rpc round's mean time
-over ps's) carry a 95% bootstrap interval over the rounds (:mod:`bench.verdict`, unpaired).
+Each configuration runs ``--repeats`` times, alternating with the others. Records (:mod:`bench.records`):
+time = one round of one worker, ``rounds_per_s`` = the sum over workers of rounds / seconds (median over
+repeats); each goal's ratio ("ps-tcp / rpc-uv-basic rounds/s") carries its 95% interval over the rounds.
 
     commlab bench ps-rounds [--rounds 200] [--only ps-shm rpc-default] [--json ps_rounds.json]
 """
@@ -210,21 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                                        f"{sum(len(t) / sum(t) for t in times):8.1f} rounds/s", file=sys.stderr,
                                        flush=True))
     records = [to_record(n, samples[n], a, numel) for n in names if samples[n] and n not in failures]
-    vs = verdicts(records)
-    print(f"\nparameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push then pull, "
-          f"{a.repeats} repeats x {a.rounds} rounds (after {a.warmup} warm-up)\n")
-    print("\n".join(rec.table(records, [("rounds/s", "rounds_per_s")])))
-    print()
-    for label, v, goal in vs:
-        print(f"{rec.ratio_line(label, v)} ({rec.goal_text(v, goal)})")
-    for name, err in failures.items():
-        print(f"{name}: failed: {err}")
-    if a.json:
-        rec.write(a.json, CASE, {k: v for k, v in vars(a).items() if k not in ("rank_of", "numel")}, records,
-                  [(label, v) for label, v, _ in vs],
-                  [rec.failure(CASE, n, err, CONFIGS[n].url) for n, err in failures.items()])
-        print(f"wrote {a.json}")
-    return 1 if failures else 0
+    return rec.conclude(CASE, f"parameter-server rounds: 1 server, {a.workers} workers, {a.mib:g} MiB float32, push "
+                        f"then pull, {a.repeats} repeats x {a.rounds} rounds (after {a.warmup} warm-up)", records,
+                        [("rounds/s", "rounds_per_s")], verdicts(records), failures, lambda n: CONFIGS[n].url, a.json,
+                        {k: v for k, v in vars(a).items() if k not in ("rank_of", "numel")})
 
 
 if __name__ == "__main__":  # python -m bench.ps_rounds: the same as commlab bench ps-rounds

@@ -21,13 +21,9 @@ table and one verdict serve them all. :func:`record` builds one from the timed i
 
 and whatever the case adds (``wrong``, ``cpu_us`` and ``job`` for bandwidth; ``step_ms``,
 ``comm_ms``, ``model`` for train-step; ``rounds_per_s`` for ps-rounds; ``device`` for gpu-sweep).
-A training step's "bandwidth" includes its compute: it reads as "gradient bytes per second of
-training", comparable between entries of one run, not against a link.
-
-Also here: what the cases share besides the record. :func:`run_ranks` runs a job of ranks
-(:func:`bench.jobs.run`) and returns what each rank wrote with :func:`commlab.metrics.report`;
-:func:`take_turns` runs a case's entries round after round; :func:`ratio_line` words a ratio with its
-interval; :func:`write` writes a case's document.
+A training step's algbw is gradient bytes per second of training, compute included. Also here what
+the cases share besides the record: running a job of ranks (:func:`run_ranks`), taking turns
+(:func:`take_turns`), wording a ratio (:func:`ratio_line`), writing a case's document (:func:`write`).
 """
 
 from __future__ import annotations
@@ -138,6 +134,25 @@ def write(path: str | os.PathLike, case: str, config: dict, records: list[dict],
            "records": records, "verdicts": [dict(label=label, **v.as_dict()) for label, v in verdicts],
            "failures": failures, **extra}
     Path(path).write_text(json.dumps(doc, indent=1))
+
+
+def conclude(case: str, title: str, records: list[dict], columns: Sequence[tuple[str, str]], verdicts: list[tuple],
+             failures: dict[str, str], url_of: Callable[[str], str], json_path: str | None, config: dict) -> int:
+    """The end of a case: print ``title``, the records' :func:`table` (with ``columns``), each verdict
+    ``(label, v)`` or ``(label, v, goal)`` as its :func:`ratio_line` (and :func:`goal_text`), and each
+    entry that failed; write the case's document (:func:`write`) to ``json_path`` where given. Returns the
+    exit status: 1 if an entry failed, else 0."""
+    print(f"\n{title}\n")
+    print("\n".join(table(records, columns)) + "\n")
+    for label, v, *goal in verdicts:
+        print(ratio_line(label, v) + "".join(f" ({goal_text(v, g)})" for g in goal))
+    for name, err in failures.items():
+        print(f"{name}: failed: {err}")
+    if json_path:
+        write(json_path, case, config, records, [(label, v) for label, v, *_ in verdicts],
+              [failure(case, name, err, url_of(name)) for name, err in failures.items()])
+        print(f"wrote {json_path}")
+    return 1 if failures else 0
 
 
 class CaseFailed(RuntimeError):

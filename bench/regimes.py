@@ -1,16 +1,9 @@
-"""The regimes the benchmarks compare: one line each.
+"""The regimes the benchmarks compare: one line each (docs/bench.md, "Regimes: one line each").
 
-A bandwidth entry names the regime's URL and how one exchange of a flat tensor
-is driven (``method``):
-
-- ``allreduce``: ``ex.meet()`` once, then ``ex.allreduce_async(t).wait()`` (all-reduce regimes:
-  ``allreduce://``, ``ring://``); each rank ends with the sum.
-- ``pushpull``: ``ex.setup(model with one flat parameter)``, then ``ex.push_pull_async(g).wait()``
-  (``ps://``); each worker pushes its tensor and pulls the updated parameter.
-- ``noop``: nothing moves; the harness's own floor (fill, handle, check).
-
-A regime that is missing (no such scheme, an import fails, an option it does not
-know) or fails while running is reported as such, and the rest still run.
+A bandwidth entry names the regime's URL and how one exchange of a flat tensor is driven (``method``):
+``allreduce`` (``ex.meet()``, then ``ex.allreduce_async(t).wait()``: each rank ends with the sum),
+``pushpull`` (``ex.setup(one flat parameter)``, then ``ex.push_pull_async(g).wait()``: each worker
+pushes its tensor and pulls the updated parameter) or ``noop`` (nothing moves: the harness's floor).
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from commlab.config import ExchangerURL
-from commlab.registry import regime_class, resolve
+from commlab.registry import resolve
 from commlab.transport import is_loopback
 
 

@@ -68,22 +68,15 @@ def _compared(records: list[dict], size: int) -> list[dict]:
             and not r["wrong"] and r.get("samples_us")]
 
 
-def size_verdicts(records: list[dict], size: int) -> list[verdict.Verdict]:
-    """The fastest regime at ``size`` against each other one (bootstrap over iterations, paired when
-    they took turns), from records with samples and no wrong result."""
+def size_verdicts(records: list[dict], size: int, each_pair: bool = False) -> list[verdict.Verdict]:
+    """At ``size``, from the regimes' records with samples and no wrong result: the fastest against each
+    other one, or with ``each_pair`` every pair in the order the run listed them (the same lines in every
+    run, whichever is fastest); bootstrap over iterations, paired when they took turns."""
     real = _compared(records, size)
     if len(real) < 2:
         return []
-    return verdict.against_best({r["regime"]: r["samples_us"] for r in real}, paired=bandwidth.paired(real),
-                                clusters=bandwidth.clusters(real))
-
-
-def size_pairs(records: list[dict], size: int) -> list[verdict.Verdict]:
-    """Every pair of regimes at ``size``, in the order the run listed them (the same lines in every
-    run, whichever is fastest), from records with samples and no wrong result."""
-    real = _compared(records, size)
-    return verdict.pairs({r["regime"]: r["samples_us"] for r in real}, paired=bandwidth.paired(real),
-                         clusters=bandwidth.clusters(real)) if len(real) > 1 else []
+    return (verdict.pairs if each_pair else verdict.against_best)(
+        {r["regime"]: r["samples_us"] for r in real}, paired=bandwidth.paired(real), clusters=bandwidth.clusters(real))
 
 
 def bandwidth_verdict(records: list[dict]) -> list[str]:
@@ -228,6 +221,21 @@ def steps_sigmas(summaries: list[dict]) -> dict[str, float]:
     return {s["regime"]: verdict.STEPS_SIGMA_ASYNC if s["kind"] == "async" else 0.0 for s in summaries}
 
 
+def to_target(hit: list[dict], sigma: float, against: dict | None = None) -> list[verdict.Verdict]:
+    """Time to the target (steps to it x the mean step time, bootstrapped over each regime's steps,
+    unpaired, with the launch spread ``sigma`` and :func:`steps_sigmas`) of the summaries ``hit``: the
+    fastest against each other one, or ``against`` (one of them) against each other one."""
+    sig = steps_sigmas(hit)
+    if against is None:
+        return verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
+                                    scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma,
+                                    steps_sigmas=sig)
+    return [verdict.compare(against["regime"], against["step_s_samples"], s["regime"], s["step_s_samples"],
+                            paired=False, stat="mean", scale_a=against["steps_to_target"], scale_b=s["steps_to_target"],
+                            launch_sigma=sigma, steps_sigma_a=sig[against["regime"]], steps_sigma_b=sig[s["regime"]])
+            for s in hit if s is not against]
+
+
 def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -> list[str]:
     """Who reached the target first, with intervals: time to target = steps to target x the mean step
     time, bootstrapped over each regime's steps (unpaired: each regime ran as a job of its own)."""
@@ -235,10 +243,7 @@ def accuracy_verdict(summaries: list[dict], target: float, sigma: float = 0.0) -
     hit = [s for s in cands if s["time_to_target_s"] is not None and s.get("step_s_samples")]
     lines = []
     if hit:
-        samples = {s["regime"]: s["step_s_samples"] for s in hit}
-        scales = {s["regime"]: s["steps_to_target"] for s in hit}
-        vs = verdict.against_best(samples, paired=False, stat="mean", scales=scales,
-                                  launch_sigma=sigma, steps_sigmas=steps_sigmas(hit))
+        vs = to_target(hit, sigma)
         best = next(s for s in hit if s["regime"] == (vs[0].a if vs else hit[0]["regime"]))
         lines.append(f"- Estimated time to {target:.0%} test accuracy = steps to target x mean step time (rank 0). "
                      f"Best: {best['regime']}, step {best['steps_to_target']}, about "
@@ -292,8 +297,7 @@ def staleness_verdict(summaries: list[dict], sigma: float = 0.0) -> list[str]:
         if s.get("staleness"):
             text += f". Version gap (server updates between pull and apply): {_stale_stats(s['staleness'])}"
         else:
-            text += (". Version gap: not reported by this regime (seam: the PS server writes "
-                     "`{\"staleness\": {...}}` into `$COMMLAB_STATS_DIR/*.json`)")
+            text += ". Version gap: not reported (no server printed a `staleness` histogram when it stopped)"
         if s.get("clock_gap"):
             text += f". Clock gap (the pushing worker's step minus the slowest worker's): {_stale_stats(s['clock_gap'])}"
             b = _bound(s["url"])
@@ -350,8 +354,8 @@ def _short(v: verdict.Verdict) -> str:
 
 
 def bandwidth_pairs(records: list[dict]) -> dict[int, list[verdict.Verdict]]:
-    """:func:`size_pairs` at every size of the run, smallest first."""
-    return {size: size_pairs(records, size) for size in sorted({r["size_bytes"] for r in records})}
+    """:func:`size_verdicts` of every pair at every size of the run, smallest first."""
+    return {size: size_verdicts(records, size, each_pair=True) for size in sorted({r["size_bytes"] for r in records})}
 
 
 def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0,
@@ -367,17 +371,7 @@ def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0,
     if len(hit) > 1:
         # against the one-process reference where it ran (the same lines in every run), else the best
         ref = next((s for s in hit if s["kind"] == "reference"), None)
-        sig = steps_sigmas(hit)
-        if ref is None:
-            vs = verdict.against_best({s["regime"]: s["step_s_samples"] for s in hit}, paired=False, stat="mean",
-                                      scales={s["regime"]: s["steps_to_target"] for s in hit}, launch_sigma=sigma,
-                                      steps_sigmas=sig)
-        else:
-            vs = [verdict.compare(ref["regime"], ref["step_s_samples"], s["regime"], s["step_s_samples"], paired=False,
-                                  stat="mean", scale_a=ref["steps_to_target"], scale_b=s["steps_to_target"],
-                                  launch_sigma=sigma, steps_sigma_a=sig[ref["regime"]],
-                                  steps_sigma_b=sig[s["regime"]]) for s in hit if s is not ref]
-        out.append("- time to target: " + "; ".join(_short(v) for v in vs))
+        out.append("- time to target: " + "; ".join(_short(v) for v in to_target(hit, sigma, ref)))
     base = next((s for s in summaries if s["regime"] == "ps-sync"), None)
     for s in summaries:
         if base and s["kind"] == "async" and s.get("step_s_samples") and base.get("step_s_samples"):

@@ -3,25 +3,15 @@
     commlab bench script --regimes 'local://,allreduce://?backend=gloo,ring://' --workers 2 \\
         --local-args '--batch-size 64' -- train.py --batch-size 32 --steps 200
 
-Each regime is one launcher job of the script, as ``commlab run`` runs it (the ranks get torchrun's
-environment, ``COMMLAB_EXCHANGER`` and ``COMMLAB_METRICS``; a ``ps://?shards=K`` regime gets its
-servers), with a deadline and a log (:func:`bench.jobs.run`). The script reports
-with ``commlab.report(step, loss=..., ...)`` (the fields are in docs/bench.md, "Your own script");
-this module reads every rank's lines and writes, in ``--out``:
-
-- ``script.md``: one row per regime: final loss, time to a target loss, median step time, exposed
-  communication and bytes per step (what the script did not report shows as "—");
-- ``script.json``: the same summaries and each regime's curve;
-- ``script.png``: loss against step, wall time and bytes sent;
-- ``raw/`` (each regime's metrics files) and ``logs/`` (each job's output).
-
-A regime that cannot run here (unknown scheme, missing backend) or fails is a row with its reason;
-the others still run. ``local://`` runs one rank (it has no peers): ``--local-args`` are appended to
-its arguments, so it can be handed the combined batch.
-
-The loss of a step is the mean over the ranks that reported that step (with equal per-rank batches,
-the loss of the combined batch); wall time is rank 0's ``time_s`` (or, if the script does not report
-it, the time since rank 0's first line); bytes are rank 0's ``bytes_sent``, added up over the steps.
+Each regime is one launcher job of the script, as ``commlab run`` runs it (:func:`run_regime`). The
+script reports with ``commlab.report(step, loss=..., ...)``; every rank's lines become one curve per
+regime (:func:`bench.curves.curve`: the loss is the mean over the ranks, times and bytes are rank 0's).
+Writes, in ``--out``: ``script.md`` (one row per regime: final loss, time to a target loss, median step
+time, exposed communication and bytes per step, "—" for what the script did not report, or why the
+regime did not run), ``script.json`` (the same, with each regime's curve), ``script.png`` (loss against
+step, wall time and bytes sent), ``raw/`` and ``logs/``. ``local://`` runs one rank, with
+``--local-args`` appended (the combined batch). The fields and how they are read: docs/bench.md, "Your
+own script in the comparison".
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import text
@@ -45,9 +35,6 @@ from bench.jobs import read_ranks
 from commlab import launcher
 from bench.regimes import unavailable
 from commlab.config import ExchangerURL
-
-# how each regime's curve is drawn and which table rows a check applies to
-KINDS = ("reference", "sync", "async", "floor")
 
 
 def kind_of(url: str) -> str:

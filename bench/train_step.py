@@ -8,16 +8,14 @@ per rank, as a job of the launcher (:func:`bench.records.run_ranks`). Entries ru
 rounds (DDP, regime A, regime B, DDP, ...) so drift of the machine hits them alike; each entry's
 samples are all its post-warm-up steps of all rounds (rank 0's step times). The peers, beside
 the regimes: ``ddp`` (DistributedDataParallel over gloo, :mod:`bench.ddp_worker`), ``ddp+heap``
-(DDP with the heap setting commlab's exchangers make, see :mod:`commlab.heap`; in the run in
+(DDP with the heap setting commlab's exchangers make, :mod:`commlab.heap`; in the run in
 bench/results/train_step-mlp25m.json the setting alone took DDP's step from 250 to 206 ms), and
 ``local`` (one process, no exchange, for scale). The ratio to ``ddp+heap`` shows what the
 exchange itself gains over DDP's, the ratio to plain ``ddp`` what a user gains by switching.
 
-Records: :mod:`bench.records` (size = the model's gradient bytes, time = one training step,
-``step_ms`` and, for commlab regimes, ``comm_ms``: the median time ``step()`` blocked). Each
-"X / ddp step time" ratio, and each later regime's to the first of ``--regimes`` ("ps:// /
-allreduce:// step time"), carries its 95% bootstrap interval over the steps (:mod:`bench.verdict`,
-unpaired: each entry is a job of its own).
+Records (:mod:`bench.records`): time = one training step, with ``step_ms`` and ``comm_ms`` (the median
+time ``step()`` blocked); each ratio carries its 95% bootstrap interval (docs/bench.md, "Cases with
+flags of their own").
 """
 
 from __future__ import annotations
@@ -127,19 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                                                               file=sys.stderr, flush=True))
     rows = {e: [r for part in got[e] for r in part] for e in entries}
     records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
-    vs = verdicts(records, a.regimes)
-    print(f"\n{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch {a.batch_size}, "
-          f"1 thread each, {a.rounds} rounds x {a.steps} steps (after {a.warmup} warm-up)\n")
-    print("\n".join(rec.table(records, [("step ms", "step_ms"), ("blocked ms", "comm_ms")])))
-    print()
-    for label, v in vs:
-        print(rec.ratio_line(label, v))
-    for e, err in failures.items():
-        print(f"{e}: failed: {err}")
-    if a.json:
-        rec.write(a.json, CASE, vars(a), records, vs,
-                  [rec.failure(CASE, e, err, url_of(e)) for e, err in failures.items()])
-    return 1 if failures else 0
+    return rec.conclude(CASE, f"{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch "
+                        f"{a.batch_size}, 1 thread each, {a.rounds} rounds x {a.steps} steps "
+                        f"(after {a.warmup} warm-up)",
+                        records, [("step ms", "step_ms"), ("blocked ms", "comm_ms")], verdicts(records, a.regimes),
+                        failures, url_of, a.json, vars(a))
 
 
 if __name__ == "__main__":  # python -m bench.train_step: the same as commlab bench train-step

@@ -11,17 +11,12 @@ report written twice from the same records says the same thing.
 - **Unpaired** otherwise (each regime's training run is a job of its own): A and B are resampled
   independently.
 
-- **Launches.** A benchmark process started again runs differently (where its threads land, how
-  its memory is laid out): on this machine one regime's median moved 1.4x between two launches while
-  its iterations within each launch agreed. An interval from one launch's samples misses that
-  spread, so the same question got a winner in one run and none in the next. Two remedies:
-  samples from several launches (``clusters``: how many consecutive samples each launch gave,
-  the same for both sides when paired) are resampled in two stages, launches with replacement and
-  then iterations within each; and comparisons of regimes that ran one launch each (training jobs)
-  take ``launch_sigma``, the spread of log medians between launches measured in the same run
-  (:func:`launch_sigma`), as a random launch effect on each side of the ratio; never less than
-  this machine's pooled spread (:func:`spread`, :data:`LAUNCH_SIGMA_FLOOR`), since a few launches
-  can make one run's estimate far too small.
+- **Launches.** A process started again runs differently (docs/bench.md, "Verdicts"), so one
+  launch's samples miss the launch-to-launch spread. Samples from several launches (``clusters``:
+  how many consecutive samples each launch gave, the same for both sides when paired) are resampled
+  launches first, then iterations within each; comparisons of regimes that ran one launch each take
+  ``launch_sigma`` (:func:`launch_sigma`, never less than :func:`spread`'s floor) as a random launch
+  effect on each side of the ratio.
 
 - **Steps to a target.** Time to a target is steps to the target x the mean step time. A synchronous
   regime reaches the target at the same step in every run (it does local's arithmetic from the same

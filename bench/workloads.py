@@ -4,25 +4,14 @@
     commlab bench workloads --workloads pipeline --workers 2 --regimes local,gloo   # the pipeline's bubble
     commlab bench workloads --workloads charlm --regimes local,gloo,ring,ps-sync --lm-steps 300
 
-The character-level GPT (``examples/charlm.py``: AdamW with parameter groups, warm-up + cosine
-schedule, clipping, bf16 autocast, accumulation under ``no_sync``) and the BatchNorm ResNet
-(``examples/resnet_digits.py``: SGD with momentum, StepLR) are started unchanged with
-``commlab run`` runs them (:func:`bench.script_compare.run_regime`), one job per regime; their
-``commlab.report`` lines (``$COMMLAB_METRICS``) are the only thing read. Each regime gives the
-loss against step, wall time and bytes sent, the time to a target loss, the median step time,
-the exposed communication and the bytes per step.
-
-``local://`` is the reference: one process on the combined batch (N x B sequences, and for the
-LM ``--data-shards N``, so it draws exactly the windows the N ranks draw together). A
-synchronous regime computes the same update from the same averaged gradient, so its loss curve
-(the mean of the ranks' losses at each step) must lie on local's: :func:`coincidence` checks every
-step within :data:`COINCIDE_TOL`. For the ResNet the check does not apply: each rank normalises
-with the BatchNorm statistics of its own B samples, local:// with those of all N x B (as under DDP
-without SyncBatchNorm), so the curves differ by design; the difference is shown, not judged.
-
-A regime the registry does not know here, or whose job fails (the LM's AdamW with two parameter
-groups under a ``ps://`` that runs only SGD or Adam with one group on its servers), is a row with
-the reason, and the rest still run. The regime list is a flag.
+The examples (:data:`WORKLOADS`) are started unchanged, one job per regime, as ``commlab run`` runs
+them (:func:`bench.script_compare.run_regime`); their ``commlab.report`` lines are the only thing read,
+and give each regime's curve, time to a target loss, median step time, exposed communication and bytes
+per step. ``local://`` is the reference: one process on the combined batch. A synchronous regime's loss
+curve must lie on local's within :data:`COINCIDE_TOL` at every step (:func:`bench.curves.coincidence`),
+except where a workload says why it cannot (the ResNet's BatchNorm: the difference is shown, not
+judged). A regime that is unknown here or whose job fails is a row with the reason; the rest still run.
+docs/bench.md ("Real workloads") has the details.
 """
 
 from __future__ import annotations
@@ -31,7 +20,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -156,11 +145,6 @@ DEFAULT_WORKLOADS = ["charlm", "resnet"]
 BENCH_BUDGET_S = 300.0  # a cap: the default workloads and regimes finish well within it
 
 
-def coincidence(reference: list[dict], points: list[dict], tol: float = COINCIDE_TOL) -> dict:
-    """:func:`bench.curves.coincidence` at this module's tolerance (the training loss, mean over ranks)."""
-    return curves.coincidence(reference, points, tol)
-
-
 def resolve_regimes(text: str | None) -> list[tuple[str, str]]:
     """``(label, URL)`` for each comma-separated name (see :data:`REGIMES`) or URL."""
     if not text:
@@ -193,7 +177,7 @@ def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[st
     alike. A job starts only while the budget holds another like that workload's last (the rows of
     those that do not say "skipped"); a started job may run ``cfg.job_timeout``. A result holds the
     workload's config, each regime's summary row (:func:`bench.script_compare.summarize`, with its
-    curve and ``vs_local`` from :func:`coincidence`) and the target loss. Never raises for a regime's
+    curve and ``vs_local`` from :func:`bench.curves.coincidence`) and the target loss. Never raises for a regime's
     failure.
     """
     deadline = time.monotonic() + budget_s
@@ -210,7 +194,8 @@ def run(cfg: WorkloadsConfig, out: Path, budget_s: float, progress: Callable[[st
         rows, target = sc.summarize_all(outcomes[wname], w.target_loss)
         ref = next((r for r in rows if r["kind"] == "reference" and r.get("curve")), None)
         for r, o in zip(rows, outcomes[wname]):
-            r["vs_local"] = coincidence(ref["curve"], r["curve"]) if ref and r is not ref and r.get("curve") else None
+            r["vs_local"] = (curves.coincidence(ref["curve"], r["curve"], COINCIDE_TOL)
+                             if ref and r is not ref and r.get("curve") else None)
             if wname == "pipeline" and o.status == "ok":
                 r.update(pipeline_figures(o.ranks))
         results[wname] = {"workload": wname, "script": w.script, "what": w.what, "steps": steps[wname],

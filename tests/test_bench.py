@@ -71,13 +71,12 @@ def test_ranks_results_combine_over_the_sizes_every_rank_finished(tmp_path):
     out = tmp_path / "bw.json"
     row = lambda case, size, times, wrong: {"case": case, "size_bytes": size, "count": size // 4, "times_s": times,
                                             "cpu_s": times, "wrong": wrong}
-    out.write_text(json.dumps({"rows": [row("a", 4, [1.0, 5.0], 1), row("b", 4, [1.0, 1.0], 0), row("a", 8, [1.0], 0),
-                                        {"case": "c", "setup_error": "ConfigError: no"},
-                                        {"case": "b", "failed": "PeerLost: rank 1", "at": 20.0},
-                                        {"facts": {"a": {"scheme": "x"}}}]}))
-    (tmp_path / "bw.json.rank1").write_text(json.dumps({"rows": [
-        row("a", 4, [2.0, 3.0], 2), row("b", 4, [2.0, 0.5], 0),  # cut short: no size 8
-        {"case": "a", "failed": "CommTimeout: b broke first", "at": 10.0}]}))
+    write = lambda path, rows: path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # metrics lines
+    write(out, [row("a", 4, [1.0, 5.0], 1), row("b", 4, [1.0, 1.0], 0), row("a", 8, [1.0], 0),
+                {"case": "c", "setup_error": "ConfigError: no"},
+                {"case": "b", "failed": "PeerLost: rank 1", "at": 20.0}, {"facts": {"a": {"scheme": "x"}}}])
+    write(tmp_path / "bw.json.rank1", [row("a", 4, [2.0, 3.0], 2), row("b", 4, [2.0, 0.5], 0),  # cut short: no size 8
+                                       {"case": "a", "failed": "CommTimeout: b broke first", "at": 10.0}])
     got = bandwidth.combine_ranks(out, 2)
     assert sorted(got.rows) == [("a", 4), ("b", 4)]
     assert got.rows[("a", 4)][1:] == ([2.0, 5.0], [1.0, 5.0], 3)  # slowest rank per iteration; rank 0's CPU
@@ -303,7 +302,7 @@ def test_launches_that_disagree_are_shown_launch_by_launch_and_only_for_indistin
     """Two launches: in one ring is 5x faster than gloo, in the other they tie. The run's interval, which
     resamples launches, reaches across 1 (≈); the note gives each launch's own verdict. Lines the run
     settles, and launches that agree, get no note."""
-    from bench.report import launch_notes, size_pairs
+    from bench.report import launch_notes, size_verdicts
     rng = np.random.default_rng(3)
     noise = lambda n: 1 + 0.05 * rng.random(n)
 
@@ -319,14 +318,14 @@ def test_launches_that_disagree_are_shown_launch_by_launch_and_only_for_indistin
     ring = 1e-4 * noise(60)
     gloo = np.concatenate([1e-4 * noise(30), 5e-4 * noise(30)])  # launch 1: a tie; launch 2: ring 5x faster
     recs = records(gloo, ring)
-    (v,) = size_pairs(recs, 4096)
+    (v,) = size_verdicts(recs, 4096, each_pair=True)
     assert v.winner is None, v  # two launches this far apart: the run cannot say
     (note,) = launch_notes(recs)
     assert note.startswith("- bandwidth 4 KiB, gloo vs ring: launch 1 "), note
     assert "launch 1 ring ≈ gloo" in note or "launch 1 gloo ≈ ring" in note, note
     assert 4.5 < float(re.search(r"launch 2 ring > gloo ([0-9.]+)x", note).group(1)) < 5.5, note
     # both launches 5x: the run names ring, and there is nothing to explain
-    assert size_pairs(records(5e-4 * noise(60), ring), 4096)[0].winner == "ring"
+    assert size_verdicts(records(5e-4 * noise(60), ring), 4096, each_pair=True)[0].winner == "ring"
     assert launch_notes(records(5e-4 * noise(60), ring)) == []
     # the same law on both sides: no launch names a winner, so no note
     assert launch_notes(records(1e-4 * noise(60), ring)) == []
@@ -458,13 +457,11 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
                    'commlab server shard 1/2: {"staleness": {"0": 1}}\n'
                    'commlab server shard 0/2: {"staleness": {"0": 2, "3": 1}, "updates": 3}\n')
     from bench.convergence import read_staleness
-    assert sorted(read_staleness(tmp_path / "none", [], log)) == [0, 0, 0, 3]
-    (tmp_path / "stats").mkdir()
-    (tmp_path / "stats" / "s.json").write_text('{"staleness": [1, 2]}')
-    assert read_staleness(tmp_path / "stats", [], log) == [1, 2]
-    assert read_staleness(tmp_path / "none", [[{"step": 0}]]) is None
+    assert sorted(read_staleness(log)) == [0, 0, 0, 3]
+    assert read_staleness(tmp_path / "none.log") is None
+    assert read_staleness(log, key="clock_gap") is None  # no server reported it
     log.write_text('commlab server shard 0/1: {"staleness": {"0": 2}, "clock_gap": {"0": 3, "1": 1}}\n')
-    assert sorted(read_staleness(tmp_path / "none", [], log, key="clock_gap")) == [0, 0, 0, 1]
+    assert sorted(read_staleness(log, key="clock_gap")) == [0, 0, 0, 1]
 
 
 def test_the_staleness_verdict_states_equal_samples_and_shows_the_ssp_bound():

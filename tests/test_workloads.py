@@ -70,13 +70,14 @@ def test_curve_averages_the_ranks_and_adds_up_bytes():
 def test_coincidence_check_fails_for_a_curve_that_is_not_the_reference():
     ref = [{"step": s, "loss": 3.0 - 0.1 * s} for s in range(10)]
     same = [dict(p, loss=p["loss"] + 1e-4) for p in ref]
-    assert wl.coincidence(ref, same)["coincides"] is True
+    assert curves.coincidence(ref, same, wl.COINCIDE_TOL)["coincides"] is True
     off = copy.deepcopy(same)
     off[7]["loss"] += 2 * wl.COINCIDE_TOL
-    v = wl.coincidence(ref, off)
+    v = curves.coincidence(ref, off, wl.COINCIDE_TOL)
     assert v["coincides"] is False and v["at_step"] == 7
-    assert wl.coincidence(ref, same[:5])["coincides"] is False  # stopped early: not the reference's curve
-    assert wl.coincidence(ref, [{"step": 99, "loss": 1.0}])["coincides"] is None
+    # stopped early: not the reference's curve
+    assert curves.coincidence(ref, same[:5], wl.COINCIDE_TOL)["coincides"] is False
+    assert curves.coincidence(ref, [{"step": 99, "loss": 1.0}], wl.COINCIDE_TOL)["coincides"] is None
 
 
 def test_the_training_comparison_judges_its_test_loss_curves_with_the_same_check():
@@ -138,8 +139,8 @@ def test_lm_sync_regime_coincides_with_local_on_the_combined_batch(tmp_path):
     # the same check, handed a curve that drifts off local's at one step, says so
     drifted = copy.deepcopy(rows["gloo"]["curve"])
     drifted[3]["loss"] += 3 * wl.COINCIDE_TOL
-    assert wl.coincidence(rows["local"]["curve"], drifted)["coincides"] is False
-    rows["gloo"]["vs_local"] = wl.coincidence(rows["local"]["curve"], drifted)
+    assert curves.coincidence(rows["local"]["curve"], drifted, wl.COINCIDE_TOL)["coincides"] is False
+    rows["gloo"]["vs_local"] = curves.coincidence(rows["local"]["curve"], drifted, wl.COINCIDE_TOL)
     assert any("**does NOT coincide**" in line for line in wl.sync_verdict(results["charlm"]))
 
 
