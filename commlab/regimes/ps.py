@@ -889,13 +889,19 @@ class PSExchanger(BucketedExchanger, PlansServers):
                take=take, max_bytes=self._buffer_bytes())
         return s.collect()
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """As :meth:`Exchanger.join`; with ``compress=`` refused when entered (before the loop it would wrap):
+        the shards have no way yet to count a joined worker's compressed rounds."""
+        if enable and self._cps is not None:
+            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
+                              "drop compress= or give every rank the same number of steps")
+        return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
+
     def _wait_out_join(self, options) -> None:
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
-        if self._cps is not None:
-            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
-                              "drop compress= or give every rank the same number of steps")
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
         own = self.update == "worker"
