@@ -1,6 +1,6 @@
 """``commlab bench compress``: when does gradient compression pay, for this model and this link?
 
-    commlab bench compress                                  # the default cells (about 15 minutes)
+    commlab bench compress                                  # the default cells (about 10 minutes, at most 15)
     commlab bench compress --models mlp --link 100mbit      # one cell: the lead's runs for a median
     commlab bench compress --models lm --link 10mbit --rounds 2
     commlab bench compress --models mlp --link loopback --steps 8 --compressors powersgd:4 --peers ddp

@@ -57,7 +57,7 @@ import abc
 import contextlib
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Iterator, Sequence, cast
 
 import torch
@@ -919,8 +919,12 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         handles = []
         for b, zeros in zip(self.buckets, self._shadows):
             zeros.zero_()
-            handles.append(self.allreduce_async(zeros, f"{self.scheme}:// zeros of joined {self.rank_info.who()} for "
-                                                       f"bucket {b.index}"))
+            what = f"{self.scheme}:// zeros of joined {self.rank_info.who()} for bucket {b.index}"
+            if self.compressor is None:
+                handles.append(self.allreduce_async(zeros, what))
+            else:  # as DDP's join runs its comm hook on zero buckets: every round, error feedback's residual included
+                handles.append(compress_seam.start_compressed(self.compressor, replace(b, buffer=zeros),
+                                                              cast(compress_seam.Mover, self), what, self.carry_presence))
         deadline = time.monotonic() + self.options.timeout
         for h in handles:
             h.wait(max(1e-3, deadline - time.monotonic()))

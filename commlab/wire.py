@@ -256,3 +256,75 @@ def check_chunk_header(got: bytes, expected: bytes, who: str, peer: int | str | 
     elif any(d.startswith("dtype") for d in diffs):
         hint = ": do the ranks' tensors have the same dtype?"
     raise ProtocolError(f"{who} sent chunk with " + ", ".join(diffs) + hint, peer=peer, op="receive")
+
+
+# ----- a rank's small state as bytes, without pickle (ex.commit_state) --------------------------------
+STATE_MAGIC = b"CLSTATE1"
+STATE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+_TENSOR, _TUPLE = 1, 2  # msgpack extension codes
+
+
+def pack_state(state: Any) -> bytes:
+    """``state`` (dicts with str or int keys, lists, tuples, numbers, strings, bools, None and CPU or GPU
+    tensors, nested) as bytes with nothing pickled: :data:`STATE_MAGIC`, a 4-byte length, a msgpack tree in
+    which each tensor is a reference ``[dtype, shape, offset, nbytes]`` (a msgpack extension) into the
+    tensors' raw bytes, which follow. Anything else raises ValueError naming where it sits (``state['a'][0]``)."""
+    blobs: list[bytes] = []
+    offset = 0
+
+    def tree(obj: Any, where: str) -> Any:
+        nonlocal offset
+        if obj is None:
+            return obj
+        for kind in (bool, int, float, str):  # subclasses too (numpy's float64, an IntEnum), as the plain type
+            if isinstance(obj, kind):
+                return kind(obj)
+        if isinstance(obj, torch.Tensor):
+            name = str(obj.dtype).removeprefix("torch.")
+            if name not in STATE_DTYPES or obj.is_sparse:
+                raise ValueError(f"{where} is a {obj.dtype} tensor{' (sparse)' if obj.is_sparse else ''}: the state's "
+                                 f"tensors may be dense {', '.join(STATE_DTYPES)}")
+            raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            ref = msgpack.packb([name, list(obj.shape), offset, len(raw)])
+            blobs.append(raw)
+            offset += len(raw)
+            return msgpack.ExtType(_TENSOR, ref)
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_TUPLE, msgpack.packb([tree(v, f"{where}[{i}]") for i, v in enumerate(obj)],
+                                                         strict_types=True))
+        if isinstance(obj, list):
+            return [tree(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            for k in obj:
+                if not isinstance(k, (str, int)) or isinstance(k, bool):
+                    raise ValueError(f"{where} has a key {k!r}: the state's dict keys may be strings or ints")
+            return {k: tree(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        raise ValueError(f"{where} is a {type(obj).__name__}: a state may hold only dicts, lists, tuples, numbers, "
+                         f"strings, bools, None and tensors (nothing is pickled)")
+
+    header = msgpack.packb(tree(state, "state"), strict_types=True)
+    return STATE_MAGIC + struct.pack("<I", len(header)) + header + b"".join(blobs)
+
+
+def unpack_state(data: bytes) -> Any:
+    """The state :func:`pack_state` made (tensors on the CPU, tuples as tuples). Raises ProtocolError for bytes
+    it did not make (an older commlab's ``torch.save`` blob included: nothing pickled is read)."""
+    n = len(STATE_MAGIC) + 4
+    _expect(data[:len(STATE_MAGIC)] == STATE_MAGIC and len(data) >= n,
+            "a committed state not made by commlab.wire.pack_state (an older commlab's torch.save bytes are not read)")
+    (size,) = struct.unpack("<I", data[len(STATE_MAGIC):n])
+    _expect(n + size <= len(data), "a committed state's header runs past its bytes")
+    body = memoryview(data)[n + size:]
+
+    def ext(code: int, raw: bytes) -> Any:
+        if code == _TUPLE:
+            return tuple(msgpack.unpackb(raw, ext_hook=ext, strict_map_key=False))
+        _expect(code == _TENSOR, f"a committed state has an unknown extension {code}")
+        name, shape, offset, nbytes = msgpack.unpackb(raw)
+        _expect(name in STATE_DTYPES and 0 <= offset and offset + nbytes <= len(body),
+                f"a committed state's tensor ({name}, {nbytes} bytes at {offset}) does not fit its bytes")
+        flat = torch.frombuffer(bytearray(body[offset:offset + nbytes]), dtype=torch.uint8) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, name)).reshape(shape)
+
+    return msgpack.unpackb(bytes(data[n:n + size]), ext_hook=ext, strict_map_key=False)

@@ -237,3 +237,24 @@ def test_ranks_that_compress_differently_are_refused_by_name(run_ranks, servers)
     assert any("asks for compress=topk:0.01&ef=1, the first worker of shard 0/1 for compress=fp16&ef=1: every rank "
                "must compress alike" in out or "asks for compress=fp16&ef=1, the first worker of shard 0/1 for "
                "compress=topk:0.01&ef=1: every rank must compress alike" in out for out in said), said
+
+
+JOIN = """
+import commlab, torch
+from torch import nn
+model = nn.Linear(4, 2)
+ex = commlab.connect(%r)
+ex.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+entered = False
+try:
+    with ex.join():
+        entered = True
+except commlab.ConfigError as exc:
+    print("REFUSED", entered, exc)
+ex.close()
+"""
+
+
+def test_join_with_compression_is_refused_before_the_loop_it_wraps(run_ranks, servers):
+    (res,) = run_ranks(JOIN % (servers(1) + "?timeout=10&compress=fp16"), 1, timeout=60)
+    assert "REFUSED False ps:// compress=: ex.join() (uneven inputs) is not supported with compression" in res.out

@@ -1,5 +1,7 @@
 """The wire: frames round-trip exactly, big tensors split at the frame limit, lying headers are refused."""
 
+import re
+
 import msgpack
 import pytest
 import torch
@@ -112,3 +114,44 @@ def test_data_in_a_shared_region_is_bounded_by_it():
     with pytest.raises(ProtocolError, match="one offset per frame spec"):
         wire.decode([msgpack.packb({"v": 1, "op": "push", "from": "r", "step": 0, "frames": [["b", "float32", 0, 2]],
                                     "meta": {"shm": [0, 64]}})], region=128)
+
+
+def test_committed_state_round_trips_without_pickle():
+    """ex.commit_state's bytes: a scheduler's and a scaler's state dicts, tensors of every state dtype (0-d,
+    empty, 2-d), tuples, int keys and inf come back equal, and the bytes hold no pickle opcode stream."""
+    import collections
+    import math
+    import pickle
+
+    tensors = {name: (torch.arange(6) % 2).to(getattr(torch, name)).view(2, 3) for name in wire.STATE_DTYPES}
+    state = {"sched": collections.OrderedDict(base_lrs=[0.1, 0.2], last_epoch=3, _last_lr=(0.1, 0.05), fn=None),
+             "scaler": {"scale": 65536.0, "_growth_tracker": 0, "enabled": True}, 7: tensors,
+             "zero_d": torch.tensor(1.5, dtype=torch.bfloat16), "empty": torch.empty(0, 4), "nested": ((1, 2), [3]),
+             "inf": math.inf}
+    raw = wire.pack_state(state)
+    assert raw.startswith(wire.STATE_MAGIC)
+    with pytest.raises(Exception):
+        pickle.loads(raw)
+    back = wire.unpack_state(raw)
+    assert back["sched"] == dict(state["sched"]) and back["scaler"] == state["scaler"]
+    assert back["nested"] == ((1, 2), [3]) and back["inf"] == math.inf
+    for name, t in tensors.items():
+        assert back[7][name].dtype == t.dtype and torch.equal(back[7][name], t), name
+    assert back["zero_d"].shape == () and back["zero_d"].item() == 1.5 and back["empty"].shape == (0, 4)
+
+
+@pytest.mark.parametrize("state, said", [({"a": [1, print]}, "state['a'][1] is a builtin_function_or_method"),
+                                         ({(1, 2): 3}, "state has a key (1, 2)"),
+                                         ({"c": torch.zeros(2, dtype=torch.complex64)}, "state['c'] is a torch.complex64")])
+def test_committed_state_refuses_what_it_cannot_carry_naming_where(state, said):
+    with pytest.raises(ValueError, match=re.escape(said)):
+        wire.pack_state(state)
+
+
+def test_a_committed_state_not_packed_by_commlab_is_refused():
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf)
+    with pytest.raises(ProtocolError, match="not made by commlab.wire.pack_state"):
+        wire.unpack_state(buf.getvalue())

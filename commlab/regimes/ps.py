@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import io
 import math
 import os
 import re
@@ -616,18 +615,21 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
         servers, replacing what this rank kept before; a restarted job reads it back as
         :attr:`restored_state`. Blocks until shard 0 holds it (its timeout); not collective (each rank
-        keeps its own). ``state`` travels as ``torch.save`` bytes the servers never read; it is read back
-        with ``weights_only=True`` (tensors, numbers, strings, lists and dicts of them), at most 1 MiB."""
+        keeps its own). ``state`` (dicts, lists, tuples, numbers, strings, bools, None and tensors) travels as
+        :func:`commlab.wire.pack_state` bytes, nothing pickled, which the servers never read; at most 1 MiB. Anything
+        else in it raises ValueError naming where it sits."""
         if not self.shards:
             raise ConfigError("call setup(model, optimizer) before commit_state()")
         if not self.keeps_state:
             super().commit_state(state)  # update=worker: the parameters are the user's checkpoint's, and so is this
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        if buf.tell() > psproto.BLOB_MAX:
-            raise ValueError(f"commit_state: the state takes {buf.tell()} bytes, more than {psproto.BLOB_MAX}: keep "
+        try:
+            raw = wire.pack_state(state)
+        except ValueError as exc:
+            raise ValueError(f"commit_state: {exc}") from None
+        if len(raw) > psproto.BLOB_MAX:
+            raise ValueError(f"commit_state: the state takes {len(raw)} bytes, more than {psproto.BLOB_MAX}: keep "
                              f"a small state here (a scheduler, a scaler, a data position), the rest in a checkpoint")
-        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        blob = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         first, step = self.shards[0], self._wire_step()
         first.submit(first.request, "blob", step, wire.split("blob", blob), {"put": True},
                      f"commit_state at step {step}").result(timeout=self.options.timeout * 2 + 10)
@@ -639,8 +641,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
             timeout=self.options.timeout * 2 + 10)
         if h.op != "params":
             return None
-        raw = wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes()
-        return torch.load(io.BytesIO(raw), weights_only=True)
+        return wire.unpack_state(wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes())
 
     def _check_group(self) -> None:
         """``connect(group=)``: the group's members name the same group (through the job's store, which stays
@@ -889,13 +890,19 @@ class PSExchanger(BucketedExchanger, PlansServers):
                take=take, max_bytes=self._buffer_bytes())
         return s.collect()
 
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """As :meth:`Exchanger.join`; with ``compress=`` refused when entered (before the loop it would wrap):
+        the shards have no way yet to count a joined worker's compressed rounds."""
+        if enable and self._cps is not None:
+            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
+                              "drop compress= or give every rank the same number of steps")
+        return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
+
     def _wait_out_join(self, options) -> None:
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
-        if self._cps is not None:
-            raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
-                              "drop compress= or give every rank the same number of steps")
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
         own = self.update == "worker"
