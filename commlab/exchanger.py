@@ -923,8 +923,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
             if self.compressor is None:
                 handles.append(self.allreduce_async(zeros, what))
             else:  # as DDP's join runs its comm hook on zero buckets: every round, error feedback's residual included
-                handles.append(compress_seam.start_compressed(self.compressor, replace(b, buffer=zeros),
-                                                              cast(compress_seam.Mover, self), what, self.carry_presence))
+                handles.append(self._start_compressed(replace(b, buffer=zeros), what))
         deadline = time.monotonic() + self.options.timeout
         for h in handles:
             h.wait(max(1e-3, deadline - time.monotonic()))
@@ -942,12 +941,18 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         if bucket.index == 0:  # the stall report reads how far each rank got
             rendezvous.heartbeat(self.store, self.rank, self._step)
         what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"
-        if self.compressor is not None:  # the regime moves the payloads: allreduce_async, allgather_async
-            mover = cast(compress_seam.Mover, self)  # a regime that compresses also gathers (allgather_async)
+        if self.compressor is not None:
             n = self.world_size  # uncompressed, the bucket would have been all-reduced: 2(N-1)/N of it sent
             self.stats.bytes_uncompressed += 2 * (n - 1) * bucket.nbytes // n
-            return compress_seam.start_compressed(self.compressor, bucket, mover, what, self.carry_presence)
+            return self._start_compressed(bucket, what)
         return self._allreduce_bucket(bucket, what)
+
+    def _start_compressed(self, bucket: Bucket, what: str) -> Handle:
+        """Begin ``bucket``'s exchange through the compressor; this regime moves the payloads (allreduce_async,
+        allgather_async: a regime that compresses also gathers)."""
+        assert self.compressor is not None
+        return compress_seam.start_compressed(self.compressor, bucket, cast(compress_seam.Mover, self), what,
+                                              self.carry_presence)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
         """Start summing ``bucket``'s buffer (a regime that stages CUDA buckets through the host overrides it)."""
