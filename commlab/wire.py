@@ -351,7 +351,8 @@ class _Frame:
     __slots__ = ("items", "done", "make", "where")
 
     def __init__(self, items, make, where: str):
-        self.items, self.done, self.make, self.where = iter(items), [], make, where
+        self.items, self.make, self.where = iter(items), make, where
+        self.done: list = []
 
 
 def _opened(obj: list | msgpack.ExtType, where: str) -> _Frame:

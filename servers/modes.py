@@ -348,6 +348,7 @@ class Sync(Mode):
         factor, hyper = meta.get("factor"), meta.get("hyper")
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
             raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
+        srv.check_hyper(hyper)  # now, not when the last commit applies the step
         self.commits[rank] = (float(factor), hyper)
         if len(self.commits) < self._needed():
             return {}

@@ -53,9 +53,10 @@ import torch
 import zmq
 
 from commlab import psproto, psshm, shm, transport, wire
-from commlab.errors import ProtocolError
+from commlab.config import check_number
+from commlab.errors import ConfigError, ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
-from commlab.optim import OptimizerSpec
+from commlab.optim import OptimizerSpec, check_hyper, torch_optimizer
 from servers.compressed import Units
 from servers.modes import MODES, Partial, Refused, Sync
 
@@ -76,10 +77,8 @@ def _finite(spec: wire.FrameSpec, frame) -> bool:
 def optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
     """The torch.optim class a description names (``torch.optim.adamw.AdamW``): only torch.optim's own
     classes, looked up by name, are built; nothing is imported or unpickled from the wire."""
-    short = name.rsplit(".", 1)[-1]
-    cls = getattr(torch.optim, short, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-            and f"{cls.__module__}.{cls.__qualname__}" == name):
+    cls = torch_optimizer(name)
+    if cls is None:
         raise Refused(f"optimizer {name} is not one of torch.optim's: the servers cannot build it "
                       f"(use update=worker to step it on the workers)")
     return cls
@@ -109,8 +108,10 @@ class ServerConfig:
     def __post_init__(self):
         if self.mode not in psproto.MODES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {list(psproto.MODES)}")
-        if self.staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        check_number("staleness", self.staleness, ge=0)
+        check_number("log_every", self.log_every, ge=0)
+        check_number("checkpoint_every", self.checkpoint_every, ge=0)
+        check_number("io_threads", self.io_threads, ge=1, le=64)
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard}/{self.shards}: the index must be in [0, {self.shards})")
 
@@ -297,6 +298,8 @@ class ParameterServer:
                     and all(isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(g.get("hyper"), dict)
                             for g in optim["groups"])):
                 raise ValueError("the optimizer is not {class, groups: [{params, hyper}]}")
+            for i, g in enumerate(optim["groups"]):  # numbers where numbers belong, before anything is fixed
+                check_hyper(optim["class"], g["hyper"], f"param group {i}")
         except Exception as exc:
             raise Refused(f"hello from {h.sender}: unreadable manifest, pieces or optimizer ({exc})") from None
         if update == "server":
@@ -488,14 +491,26 @@ class ParameterServer:
                                                              if self.piece_param[k] in names]})
         self.optimizer = cls(groups)
 
-    def set_hyper(self, hyper) -> None:
-        """A scheduler's (or the user's) change of group hyperparameters, carried by a push or commit."""
+    def check_hyper(self, hyper) -> None:
+        """Refuse group hyperparameters from the wire (a push's or commit's) that :meth:`set_hyper` could not
+        set: one dict per group, numbers where the optimizer's are (:func:`commlab.optim.check_hyper`)."""
         if hyper is None or self.optimizer is None:
             return
         if not isinstance(hyper, list) or len(hyper) != len(self.optimizer.param_groups) \
                 or not all(isinstance(h, dict) for h in hyper):
             raise Refused(f"hyperparameters for {len(hyper) if isinstance(hyper, list) else '?'} group(s); "
                           f"the optimizer has {len(self.optimizer.param_groups)}")
+        try:
+            for i, values in enumerate(hyper):
+                check_hyper(self.optim_desc["class"] if self.optim_desc else "", values, f"param group {i}")
+        except ConfigError as exc:
+            raise Refused(f"hyperparameters: {exc}") from None
+
+    def set_hyper(self, hyper) -> None:
+        """A scheduler's (or the user's) change of group hyperparameters, carried by a push or commit."""
+        self.check_hyper(hyper)  # every group's values before any is set
+        if hyper is None or self.optimizer is None:
+            return
         for group, values in zip(self.optimizer.param_groups, hyper):
             for k, v in _hyper(values).items():
                 if k != "params":

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from commlab import wire
 from commlab.errors import ProtocolError
-from tests.conftest import child_env, run_group
+from conftest import child_env, run_group
 
 DEPTH = wire.MAX_STATE_DEPTH
 

@@ -45,7 +45,7 @@ import zmq
 
 from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
-from commlab.config import ExchangerURL, option, parse_options
+from commlab.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
@@ -55,12 +55,16 @@ from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
 
+MAX_SHARDS = 64  # servers commlab train starts on one host (ps://?shards=K): each is a process with its own heap
+
+
 @dataclass(frozen=True)
 class PSOptions(CompressOptions):
     mode: str = option("", "consistency mode this worker expects; the server's rules (empty: accept it)",
                        choices=("",) + psproto.MODES)
-    staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
-    shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)")
+    staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)", ge=-1)
+    shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)", ge=0,
+                         le=MAX_SHARDS, why="each is a server process on this host; list more servers in the URL")
     transport: str = option("auto", "auto: payloads through shared memory with each server on this host and in this "
                                     "network namespace, zmq frames with the others (servers commlab train starts "
                                     "listen on loopback tcp); tcp or ipc: payloads in zmq frames (servers commlab "
@@ -69,9 +73,11 @@ class PSOptions(CompressOptions):
                             choices=("tcp", "ipc", "shm", "auto"))
     endpoints: str = option("", "comma-separated zmq endpoints, instead of HOST:PORT in the URL (e.g. ipc://...)")
     piece_mb: float = option(16.0, "parameters are cut into pieces of at most this many MiB, each reduced, "
-                                   "updated and returned on its own (pipelining); every worker must agree")
+                                   "updated and returned on its own (pipelining); every worker must agree",
+                             gt=0, le=MAX_MB)
     retries: int = option(1, "a push not acknowledged within timeout is sent again this many times, "
-                             "on a fresh connection (the server applies each (worker, step) once)")
+                             "on a fresh connection (the server applies each (worker, step) once)", ge=0, le=100,
+                        why="each waits up to timeout")
     keys: str = option("", "folder made by 'commlab keys' (CURVE: server.key and KEY_NAME.key_secret)")
     key_name: str = option("worker", "with keys=: which client key pair in that folder is this worker's")
     curve_secret: str = option("", "this worker's CURVE secret key file")
@@ -80,7 +86,7 @@ class PSOptions(CompressOptions):
                              "server (the servers run the optimizer; the only choice for async and ssp)",
                          choices=("", "worker", "server"))
     clip_norm: float = option(0.0, "update=server, sync: the servers clip the averaged gradient to this global "
-                                   "L2 norm, as clip_grad_norm_ would (0: off)")
+                                   "L2 norm, as clip_grad_norm_ would (0: off)", ge=0)
     space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
@@ -91,18 +97,10 @@ class PSOptions(CompressOptions):
         if self.update == "worker" and self.mode in ("async", "ssp"):
             raise ConfigError(f"ps:// mode={self.mode} updates on the servers only: drop update=worker "
                               f"(or use mode=sync)")
-        if self.clip_norm < 0:
-            raise ConfigError(f"clip_norm must be >= 0, got {self.clip_norm}")
         if self.clip_norm and (self.update == "worker" or self.mode in ("async", "ssp")
                                or (not self.update and self.mode in ("", "sync"))):
             raise ConfigError("clip_norm= needs update=server and mode=sync (with update=worker, clip in your "
                               "loop: torch.nn.utils.clip_grad_norm_ sees the averaged gradient)")
-        if self.shards < 0 or self.retries < 0:
-            raise ConfigError("shards and retries must be >= 0")
-        if self.piece_mb <= 0:
-            raise ConfigError(f"piece_mb must be > 0, got {self.piece_mb}")
-        if self.staleness < -1:
-            raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
         if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
         if self.mode in ("async", "ssp"):  # powersgd: refused before anything starts
