@@ -124,6 +124,26 @@ class Collective(abc.ABC):
         return False
 
 
+class AveragesSteps(abc.ABC):
+    """Ability: average every rank's gradients of a step in lockstep and leave the update to the caller, a whole
+    step at a time on request (:meth:`exchange_step`) rather than bucket by bucket (:class:`Collective`). What
+    :func:`commlab.ddp_hook` needs from a regime that is not a collective (``ps://`` with mode=sync and
+    update=worker), whose own buckets it fills through a mirror of DDP's parameters."""
+
+    @abc.abstractmethod
+    def check_averages(self) -> None:
+        """Raise :class:`ConfigError` (one line, naming the option) unless this exchanger, as configured (and, after
+        ``setup``, as its peers run it), averages in lockstep and leaves the update to the caller. Never blocks."""
+
+    @abc.abstractmethod
+    def exchange_step(self, timeout: float | None = None) -> StepReport:
+        """Exchange the gradients now in the parameters' ``.grad`` as a backward would have, and close the step
+        with no ``optimizer.step()`` of this exchanger's (the caller's own optimizer steps on the result).
+        Collective: every rank calls it once per step, after ``setup``. Blocks until ``.grad`` is final and equal
+        on every rank (bounded by ``timeout``, default the URL's); until then the ``.grad`` tensors are the
+        exchanger's, not to be touched."""
+
+
 class PlansServers(abc.ABC):
     """Ability: the regime needs server processes, which a launcher on this host can start."""
 
@@ -721,6 +741,19 @@ class BucketedExchanger(Exchanger):
             raise ConfigError("optimizer.step() inside exchanger.no_sync(): leave the block for the last micro-step")
         self._finalize(self.options.timeout)
 
+    def exchange_step(self, timeout: float | None = None) -> StepReport:
+        """See :meth:`AveragesSteps.exchange_step` (a regime that updates on its servers refuses: its update is
+        not the caller's to take)."""
+        if self.model is None:
+            raise ConfigError("call setup(model, optimizer) before exchange_step()")
+        if self.updates_remotely:
+            raise ConfigError(f"{self.scheme}:// updates on its servers: use optimizer.step(), not exchange_step()")
+        self._finalize(self.options.timeout if timeout is None else timeout)
+        report = self.last_report
+        assert report is not None  # _finalize made one
+        self._after_step()
+        return report
+
     def _after_step(self) -> None:
         self.stats.steps += 1
         self._reset_step_state()
@@ -931,6 +964,13 @@ class CollectiveExchanger(BucketedExchanger, Collective):
             self._sync_buffers(self.options.buffers)
         self._step += 1  # the exchange's index, as on the ranks still training (a stall report compares them)
         rendezvous.heartbeat(self.store, self.rank, self._step)
+
+    def begin_exchange(self, step: int) -> None:
+        """For a caller that drives this regime's collectives itself (:func:`commlab.ddp_hook`): its exchange
+        ``step`` begins on this rank. A stall report names that step, and this rank's heartbeat says it got
+        there. Call it before the step's first collective; not collective; one store write, bounded."""
+        self._step = step
+        rendezvous.heartbeat(self.store, self.rank, step)
 
     def _wait_out_join(self, options: JoinOptions) -> None:
         if self.world_size > 1:

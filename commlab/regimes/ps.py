@@ -47,7 +47,7 @@ from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
 from commlab.config import ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.exchanger import BucketedExchanger, PlansServers
+from commlab.exchanger import AveragesSteps, BucketedExchanger, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
@@ -408,7 +408,7 @@ class _Shard:
         self._drop_link()
 
 
-class PSExchanger(BucketedExchanger, PlansServers):
+class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     scheme = "ps"
     Options = PSOptions
     carry_presence = False  # absent gradients travel as names in the push header
@@ -604,6 +604,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
             return max(steps)
         self.start_step = min(steps)
         return self.start_step
+
+    def check_averages(self) -> None:
+        """Before setup the URL's mode= and update= (either may be left to the servers), after it the servers'."""
+        mode, update = (self.mode, self.update) if self.update else (self.options.mode, self.options.update)
+        if update == "server":
+            raise ConfigError("option 'update': the servers update (update=server), not the caller's optimizer: "
+                              "use update=worker")
+        if mode in ("async", "ssp"):
+            raise ConfigError(f"option 'mode': ranks step together only under mode=sync, not mode={mode}")
 
     # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
     @property
