@@ -47,7 +47,7 @@ from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
 from commlab.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.exchanger import BucketedExchanger, PlansServers
+from commlab.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
@@ -406,7 +406,20 @@ class _Shard:
         self._drop_link()
 
 
-class PSExchanger(BucketedExchanger, PlansServers):
+class _ServerJoin(Join):
+    """join() on a parameter server: the shards count the workers that joined (no vote among the workers), so a
+    rank still training does nothing extra per exchange; a joined one tells the shards and waits
+    (:meth:`PSExchanger._wait_out_join`)."""
+
+    def __init__(self, ex: "PSExchanger", options: JoinOptions):
+        super().__init__(options)
+        self.ex, self.opts = ex, options
+
+    def wait_out(self) -> None:
+        self.ex._wait_out_join(self.opts)
+
+
+class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     scheme = "ps"
     Options = PSOptions
     carry_presence = False  # absent gradients travel as names in the push header
@@ -602,6 +615,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
             return max(steps)
         self.start_step = min(steps)
         return self.start_step
+
+    def check_averages(self) -> None:
+        """Before setup the URL's mode= and update= (either may be left to the servers), after it the servers'."""
+        mode, update = (self.mode, self.update) if self.update else (self.options.mode, self.options.update)
+        if update == "server":
+            raise ConfigError("option 'update': the servers update (update=server), not the caller's optimizer: "
+                              "use update=worker")
+        if mode in ("async", "ssp"):
+            raise ConfigError(f"option 'mode': ranks step together only under mode=sync, not mode={mode}")
 
     # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
     @property
@@ -864,7 +886,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         first = self.shards[0]
 
         def run(s: _Shard):
-            if self._joining is not None:  # every worker still training: the servers take the highest one's
+            if self._join.joining:  # every worker still training: the servers take the highest one's
                 s.post("buffers", step, self._buffer_parts(), {"how": mode, "joining": True},
                        what=f"buffers of step {step}")
             elif mode == "average" or self.rank == 0:
@@ -897,7 +919,10 @@ class PSExchanger(BucketedExchanger, PlansServers):
                               "drop compress= or give every rank the same number of steps")
         return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
-    def _wait_out_join(self, options) -> None:
+    def _join_hook(self, options: JoinOptions) -> Join:
+        return _ServerJoin(self, options)
+
+    def _wait_out_join(self, options: JoinOptions) -> None:
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
