@@ -90,15 +90,16 @@ class CompressedPushes:
     def connected(self) -> None:
         """After hello: the servers' mode and placement are known."""
         ex = self.ex
-        compress.check_fits(self.comp, "ps", ex.mode == "sync")
-        self.in_place = ex.update == "worker"
-        self.scale = 1.0 / ex.world_size if ex.mode == "sync" else 1.0
-        self.pulls = ex.mode == "sync" and (self.in_place or not self.comp.decodes_alone)
+        gathers = ex.consistency.gathers  # a step is summed over every worker (sync), else each push applied alone
+        compress.check_fits(self.comp, "ps", gathers)
+        self.in_place = not ex.steps.spec.shards_step  # the workers step on the average: it lands in the bucket
+        self.scale = 1.0 / ex.world_size if gathers else 1.0
+        self.pulls = gathers and (self.in_place or not self.comp.decodes_alone)
         if self.in_place:
             ex.grad_scale = self.scale  # the bucket is x: the shards' sum of it is the average
 
     # ----- the step ------------------------------------------------------------------------------
-    def start_bucket(self, bucket, step: int, hyper) -> Handle:
+    def start_bucket(self, bucket, step: int, extra: dict) -> Handle:
         """In the backward hook: compress each of the bucket's units and send round 0 to its shard."""
         ex = self.ex
         handles = []
@@ -114,9 +115,7 @@ class CompressedPushes:
             self._flight[u.key] = {"x": x, "payloads": [payload]}
             ex.stats.bytes_uncompressed += bucket.grads.element_size() * sum(
                 c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
-            meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key)}
-            if hyper is not None:
-                meta["hyper"] = hyper  # async, ssp: a scheduler's change travels with the next push
+            meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key), **extra}  # extra: the placement's
             handles.append(self._send(u, step, 0, payload, meta))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
