@@ -421,6 +421,79 @@ class _Shard:
         self._drop_link()
 
 
+class FramePushes:
+    """The uncompressed step of one :class:`PSExchanger`: each bucket's pieces as raw frames, grouped up to one
+    frame's size per message, pushed to the shards that hold them. It has the methods of
+    :class:`~commlab.regimes.ps_compress.CompressedPushes`, which takes its place under ``compress=``
+    (chosen once at setup, from the exchanger's :class:`~commlab.compress.seam.CompressState`): the step
+    path does not know which one moves the bucket."""
+
+    joins = True  # ex.join(): the shards count a joined worker's pushes as zeros
+    raw = True  # push_pull_async() pushes a tensor as it is
+
+    def __init__(self, ex: "PSExchanger"):
+        self.ex = ex
+
+    def hello(self, shard: int) -> dict:
+        """What each shard's hello says of the pushes (nothing: raw frames)."""
+        return {}
+
+    def connected(self) -> None:
+        """After hello: the servers' mode and placement are known."""
+
+    def start_bucket(self, bucket, step: int, extra: dict) -> Handle:
+        """In the backward hook: push the bucket's pieces to their shards (``extra``: what every push of the
+        step carries besides). Does not block."""
+        ex = self.ex
+        # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
+        src, _ = ex._staging.to_host_async(bucket.index)
+        handles = []
+        for k, items in ex._plan[bucket.index].items():
+            shard = ex.shards[k]
+            messages: list[tuple] = []  # (parts, absent keys, keys): pieces grouped up to one frame's size per message
+            size = wire.MAX_FRAME
+            for pc, slot in items:
+                if size + pc.nbytes > wire.MAX_FRAME:
+                    messages.append(([], [], []))
+                    size = 0
+                parts, absent, keys = messages[-1]
+                keys.append(pc.key)
+                size += pc.nbytes
+                if not bucket.present[slot]:
+                    absent.append(pc.key)
+                    continue
+                at = bucket.offsets[slot] + pc.start
+                parts += wire.split(pc.key, src[at:at + pc.count])
+                ex.stats.bytes_sent += pc.nbytes
+            what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
+            handles.append(FutureHandle(shard.submit(self._post, shard, step, messages, extra, bucket.index),
+                                        what))
+        if not handles:
+            return DoneHandle(what=f"bucket {bucket.index}")
+        return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
+
+    def _post(self, shard: _Shard, step: int, messages: list, extra: dict, bucket: int) -> None:
+        """On the shard's thread: send the pushes, each followed by what the placement asks for at once
+        (update=worker: those keys' averages, which the server sends as soon as every worker's gradient for
+        them is in, while backward is still busy with earlier layers). The parts are read from ``bucket``'s
+        host mirror (the bucket itself unless it is staged), ready once its copy from the GPU is."""
+        ex, steps = self.ex, self.ex.steps
+        assert steps is not None  # setup
+        ex._staging.wait(bucket, ex.options.timeout)
+        for parts, absent, keys in messages:
+            shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
+            shard.post("push", step, parts, {"base": shard.version, "absent": absent, **extra},
+                       f"push of {shown} at step {step}")
+            steps.after_push(shard, step, keys, shown)
+
+    def finish(self, step: int, replies: bool) -> int:
+        """At the end of backward: collect the replies the placement asked for during backward (``replies``);
+        the bytes received."""
+        if not replies:
+            return 0
+        return sum(self.ex._on_all(lambda s: s.collect(), f"replies of step {step}"))
+
+
 class PSExchanger(BucketedExchanger, PlansServers):
     scheme = "ps"
     Options = PSOptions
@@ -482,7 +555,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._buffer_targets: dict[str, torch.Tensor] = {}
         self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
-        self._cps: CompressedPushes | None = None  # compress=: the compressed step
+        self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -560,8 +633,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
-        if self.compressor is not None:
-            self._cps = CompressedPushes(self, self._plan)
+        # compress=: through the compressor (the seam's state), else raw frames; the step path asks either alike
+        pushes = self._pushes = (CompressedPushes(self, self._plan, self.compress_state)
+                                 if self.compress_state is not None else FramePushes(self))
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
         buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
         replies = self._on_all(lambda s: s.hello({
@@ -571,11 +645,10 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
             "shard": [s.index, k], "optim": desc,
-            **({"compress": self._cps.hello(s.index)} if self._cps is not None else {})}), "hello")
+            **pushes.hello(s.index)}), "hello")
         self._take_placement(replies[0])
         self._base = self.steps.resume_step([r["next_step"] for r in replies])
-        if self._cps is not None:
-            self._cps.connected()
+        pushes.connected()
         fresh = not all(r["initialized"] for r in replies)
         if fresh and self.rank == 0:  # a fresh start takes rank 0's parameters and buffers, as DDP does
             self._on_all(lambda s: None if replies[s.index]["initialized"] else
@@ -722,59 +795,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         return self._base + self._step
 
     def _start_bucket(self, bucket) -> Handle:
-        step = self._wire_step()
-        assert self.steps is not None  # setup
-        extra = self.steps.push_meta()
-        if self._cps is not None:
-            return self._cps.start_bucket(bucket, step, extra)
-        # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
-        src, _ = self._staging.to_host_async(bucket.index)
-        handles = []
-        for k, items in self._plan[bucket.index].items():
-            shard = self.shards[k]
-            messages: list[tuple] = []  # (parts, absent keys, keys): pieces grouped up to one frame's size per message
-            size = wire.MAX_FRAME
-            for pc, slot in items:
-                if size + pc.nbytes > wire.MAX_FRAME:
-                    messages.append(([], [], []))
-                    size = 0
-                parts, absent, keys = messages[-1]
-                keys.append(pc.key)
-                size += pc.nbytes
-                if not bucket.present[slot]:
-                    absent.append(pc.key)
-                    continue
-                at = bucket.offsets[slot] + pc.start
-                parts += wire.split(pc.key, src[at:at + pc.count])
-                self.stats.bytes_sent += pc.nbytes
-            what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, extra, bucket.index),
-                                        what))
-        if not handles:
-            return DoneHandle(what=f"bucket {bucket.index}")
-        return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
-
-    def _post_bucket(self, shard: _Shard, step: int, messages: list, extra: dict, bucket: int) -> None:
-        """On the shard's thread: send the pushes, each followed by what the placement asks for at once
-        (update=worker: those keys' averages, which the server sends as soon as every worker's gradient for
-        them is in, while backward is still busy with earlier layers). The parts are read from ``bucket``'s
-        host mirror (the bucket itself unless it is staged), ready once its copy from the GPU is."""
-        assert self.steps is not None  # setup
-        self._staging.wait(bucket, self.options.timeout)
-        for parts, absent, keys in messages:
-            shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
-            shard.post("push", step, parts, {"base": shard.version, "absent": absent, **extra},
-                       f"push of {shown} at step {step}")
-            self.steps.after_push(shard, step, keys, shown)
+        assert self.steps is not None and self._pushes is not None  # setup
+        return self._pushes.start_bucket(bucket, self._wire_step(), self.steps.push_meta())
 
     def _finish(self) -> None:
         step = self._wire_step()
         assert self.steps is not None  # setup
+        assert self._pushes is not None  # setup
         self._absent = set()
-        if self._cps is not None:
-            self.stats.bytes_received += self._cps.finish(step)
-        elif self.steps.replies_in_backward:
-            self.stats.bytes_received += sum(self._on_all(lambda s: s.collect(), f"replies of step {step}"))
+        self.stats.bytes_received += self._pushes.finish(step, self.steps.replies_in_backward)
         self.steps.finish(step)
 
     def _sync_buffers(self, mode: str) -> None:
@@ -815,7 +844,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
              throw_on_early_termination: bool = False):
         """As :meth:`Exchanger.join`; with ``compress=`` refused when entered (before the loop it would wrap):
         the shards have no way yet to count a joined worker's compressed rounds."""
-        if enable and self._cps is not None:
+        if enable and self._pushes is not None and not self._pushes.joins:
             raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
                               "drop compress= or give every rank the same number of steps")
         return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
@@ -994,7 +1023,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """
         if self.model is None:
             raise ConfigError("call setup(model, optim) before push_pull_async()")
-        if self._cps is not None:
+        if self._pushes is None or not self._pushes.raw:
             raise ConfigError("push_pull_async() pushes the tensor uncompressed: drop compress=")
         if self.steps is None or not self.steps.updates_remotely:
             raise ConfigError("push_pull_async() pulls the parameter the servers updated: it needs update=server "

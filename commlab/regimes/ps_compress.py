@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from commlab import compress, wire
-from commlab.compress.seam import nbytes
+from commlab.compress.seam import CompressState, nbytes
 from commlab.errors import ConfigError
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 
@@ -65,10 +65,15 @@ def piece_shape(shape: torch.Size, start: int, count: int) -> tuple[int, ...]:
 
 
 class CompressedPushes:
-    """The compressed step of one :class:`~commlab.regimes.ps.PSExchanger` (built by its ``_connect``)."""
+    """The compressed step of one :class:`~commlab.regimes.ps.PSExchanger` (built by its ``_connect`` from the
+    exchanger's :class:`~commlab.compress.seam.CompressState`), in place of its raw-frame pushes
+    (:class:`~commlab.regimes.ps.FramePushes`, the same methods)."""
 
-    def __init__(self, ex, plan: list[dict[int, list]]):
-        self.ex, self.comp = ex, ex.compressor
+    joins = False  # the shards have no way yet to count a joined worker's compressed rounds
+    raw = False
+
+    def __init__(self, ex, plan: list[dict[int, list]], state: CompressState):
+        self.ex, self.comp = ex, state.comp
         k = len(ex.shards)
         self.units: list[list[Unit]] = []  # per bucket
         for b, by_shard in zip(ex.buckets, plan):
@@ -82,10 +87,11 @@ class CompressedPushes:
         self._got: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, round) -> the shard's sum
 
     def hello(self, shard: int) -> dict:
+        """What ``shard``'s hello says of the pushes: the compressor and this shard's units."""
         o = self.ex.options
-        return {"spec": o.compress, "ef": bool(o.ef),
-                "units": [[u.key, u.keys, [list(s) for s in u.shapes]] for units in self.units for u in units
-                          if u.shard == shard]}
+        return {"compress": {"spec": o.compress, "ef": bool(o.ef),
+                             "units": [[u.key, u.keys, [list(s) for s in u.shapes]] for units in self.units
+                                       for u in units if u.shard == shard]}}
 
     def connected(self) -> None:
         """After hello: the servers' mode and placement are known."""
@@ -169,9 +175,10 @@ class CompressedPushes:
     def _collect(self, step: int) -> int:
         return sum(self.ex._on_all(lambda s: s.collect(), f"compressed exchange of step {step}"))
 
-    def finish(self, step: int) -> int:
+    def finish(self, step: int, replies: bool) -> int:
         """At the end of backward (every bucket's round 0 is sent): the later rounds, then each unit's
-        aggregate (update=worker: into the bucket). Returns the bytes received."""
+        aggregate (update=worker: into the bucket). Returns the bytes received. (``replies``: whether the
+        placement asked for replies during backward; the rounds' own pulls are the compressor's to decide.)"""
         ex, comp = self.ex, self.comp
         units = [u for per_bucket in self.units for u in per_bucket]
         received = 0
