@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from commlab import compress
-from commlab.compress.seam import CompressedExchange
+from commlab.compress.seam import CompressState
 from commlab.config import ExchangerURL
 from commlab.errors import CommError, ConfigError
 from commlab.exchanger import AveragesSteps, CollectiveExchanger
@@ -89,7 +89,8 @@ class DDPHookState:
         self._sizes: dict[int, list[int]] = {}  # compressor key -> its parameters' sizes
         self._orphans: dict[int, torch.Tensor] = {}  # id(parameter) -> its residual from a bucket DDP rebuilt
         self._connected = False
-        self._train: list[CompressedExchange] = []  # this step's compressed exchanges, in bucket order
+        # the compressed step's state (commlab.compress.seam), as the exchanger's regimes keep it
+        self._compress = CompressState(self.compressor) if self.compressor is not None else None
         self._step_jobs: list[_Job] = []  # this step's buckets, until its last (multi-round compressors, ps://)
         self._step = 0
         self._first = True  # the next bucket is its step's first
@@ -121,15 +122,14 @@ class DDPHookState:
             if self._first:  # the stall report reads how far each rank got (and the regime's step)
                 self.ex.begin_exchange(self._step)
             what = f"{self.scheme}:// DDP bucket {bucket.index()} ({len(params)} parameters) at step {self._step}"
-            if self.compressor is None:
+            if self._compress is None:
                 job.handle = self.ex.allreduce_async(buffer, what)
             else:
                 shapes = tuple(p.shape for p in params)
                 if sum(p.numel() for p in params) != buffer.numel():
                     shapes = (buffer.shape,)
-                job.handle = CompressedExchange(self.compressor, self._key(params), buffer, shapes, None, self.ex,
-                                                what, self._train)
-                self._train.append(job.handle)
+                job.handle = self._compress.start(self._key(params), buffer, shapes, None, self.ex, what,
+                                                  first=self._first)
             if self.compressor is None or self.compressor.rounds == 1:
                 self._jobs.put((self._wait_for, [job]))  # nothing more to issue: wait for it now
             else:
@@ -138,7 +138,7 @@ class DDPHookState:
         if last:
             if self._step_jobs:
                 self._jobs.put((self._whole.run if self._whole is not None else self._wait_for, self._step_jobs))
-            self._step_jobs, self._train = [], []
+            self._step_jobs = []
             self._step += 1
         # DDP reads the result in C++, which cannot unwrap a Python exception set on the future: a failure
         # raised by ``then``'s callback marks the chained future failed, and DDP raises it out of backward()

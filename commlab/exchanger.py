@@ -468,6 +468,8 @@ class BucketedExchanger(Exchanger):
         self._open_step: Handle | None = None
         self.last_report: StepReport | None = None
         self.compressor = compress.from_options(options, rank.world_size)  # None unless compress= (commlab.compress)
+        # the compressed step's state, handed to every bucket's start (commlab.compress.seam)
+        self.compress_state = compress_seam.CompressState(self.compressor) if self.compressor is not None else None
         self._fwd_sync = True  # require_backward_grad_sync as the last forward (with grad enabled) read it
         self._flag_holders: list[nn.Module] = []  # where that flag is read: the model, and its compile wrapper
         self._join = Join()  # inside join(): the regime's (_join_hook), for that join() alone
@@ -940,8 +942,8 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _start_compressed(self, bucket: Bucket, what: str) -> Handle:
         """Begin ``bucket``'s exchange through the compressor; this regime moves the payloads (allreduce_async,
         allgather_async: a regime that compresses also gathers)."""
-        assert self.compressor is not None
-        return compress_seam.start_compressed(self.compressor, bucket, cast(compress_seam.Mover, self), what,
+        assert self.compress_state is not None
+        return compress_seam.start_compressed(self.compress_state, bucket, cast(compress_seam.Mover, self), what,
                                               self.carry_presence)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
