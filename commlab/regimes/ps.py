@@ -708,11 +708,11 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         """Before setup the URL's mode= and update= (either may be left to the servers), after it the servers'."""
         placement = self.steps.spec if self.steps is not None else self.options.placement
         mode = self.consistency if self.consistency is not None else self.options.consistency
+        if mode is not None and not mode.gathers:  # first: it names the placement it implies
+            raise ConfigError(f"option 'mode': ranks step together only under mode=sync, not mode={mode.name}")
         if placement is not None and placement.shards_step:
             raise ConfigError("option 'update': the servers update (update=server), not the caller's optimizer: "
                               "use update=worker")
-        if mode is not None and not mode.gathers:
-            raise ConfigError(f"option 'mode': ranks step together only under mode=sync, not mode={mode.name}")
 
     # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
     @property
