@@ -180,3 +180,31 @@ def test_error_feedback_residuals_follow_their_parameters_into_rebuilt_buckets()
     assert state.compressor.residuals[rest].tolist() == [2.0, 3.0, 4.0, 0.0, 1.0]
     assert state._key([c]) == later and state._key([a, b, c]) == first  # keyed by parameters, stably
     state.close()
+
+
+def test_a_compressor_without_error_feedback_declares_no_residual_to_carry():
+    """The hook asks the compressor (keeps_residuals), never probes it: without error feedback a rebuilt bucket
+    starts from nothing, and handing such a compressor a residual is refused."""
+    import torch
+    state, _ = commlab.ddp_hook("allreduce://?compress=topk:0.5&ef=0")
+    assert not state.compressor.keeps_residuals
+    a, b = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3))
+    assert (state._key([a, b]), state._key([b])) == (0, 1)  # DDP's rebuild: nothing to carry
+    with pytest.raises(ConfigError, match="keeps no residual"):
+        state.compressor.put_residual(0, torch.zeros(5))
+    state.close()
+
+
+def test_exchange_step_is_refused_before_setup_and_where_the_servers_update():
+    from commlab.regimes.ps import PSExchanger
+    from commlab.registry import resolve
+    from commlab.rendezvous import RankInfo
+
+    _, options = resolve("ps://127.0.0.1:1?mode=sync")
+    ex = PSExchanger(options, RankInfo.single())
+    with pytest.raises(ConfigError, match=r"call setup\(model, optimizer\) before exchange_step\(\)"):
+        ex.exchange_step()
+    ex.check_averages()  # mode=sync, update left to the servers: not refused before they say
+    ex.mode, ex.update = "sync", "server"  # what a hello from servers that update would set
+    with pytest.raises(ConfigError, match="option 'update'"):
+        ex.check_averages()

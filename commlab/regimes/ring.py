@@ -97,7 +97,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -216,20 +216,19 @@ class RingExchanger(CollectiveExchanger):
         self._seq = 0
         self._plans: dict[tuple[int, int], tuple[list[int], int, tuple[Step, ...]]] = {}  # (numel, itemsize) -> plan()
         self._moved: dict[tuple[int, int], tuple[int, int]] = {}  # (numel, itemsize) -> bytes_moved()
-        self._meeting: RingMeeting | None = None  # zmq/shm links: what they share until close()
+        self._meeting: RingMeeting | None = None  # what the links share until close()
         self._inbox: Inbox | None = None  # from the left neighbour
         self._outbox: Outbox | None = None  # to the right neighbour
         self._kinds: dict[str, str] = {}  # "from_left" / "to_right" -> tcp | ipc | shm | torch, once joined
+        self._kind = kind_for(self.options.transport)  # what the ring asks of its links, declared by their kind
         self._chunk_mb = self.options.chunk  # auto: shm's once meet() finds every link of the ring on one host
-        self._group = None
-        self._own_group = False
         self._staging: HostStaging | None = None  # after setup: the buckets' host mirrors (CUDA ones staged)
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
-        if self.options.transport == "torch" and rank.members:  # its p2p would need a registered subgroup
-            raise ConfigError("ring://?transport=torch does not run over a group (connect(group=...)): use "
-                              "allreduce:// there, or transport=shm|tcp|ipc|auto")
+        if rank.members and not self._kind.in_groups:
+            raise ConfigError(f"ring://?transport={self.options.transport} does not run over a group "
+                              f"(connect(group=...)): use allreduce:// there, or transport=shm|tcp|ipc|auto")
         self._gather_steps = gather_steps(self.rank, self.world_size)
 
     # ----- meeting the neighbours ----------------------------------------------------------
@@ -250,14 +249,11 @@ class RingExchanger(CollectiveExchanger):
         self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)
         ns = self._ns = "ring/"
         if self.world_size > 1:
-            if opts.transport == "torch":
-                self._meet_torch(ns)
-            else:
-                self._meet_links(ns)
+            self._meet_links(ns)
         self._thread = threading.Thread(target=self._serve, name=f"ring-comm-rank{self.rank}", daemon=True)
         self._thread.start()
         self._met = True
-        if self.world_size > 1 and opts.transport != "torch":
+        if self.world_size > 1 and self._kind.proves_ring:
             # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
 
@@ -288,9 +284,9 @@ class RingExchanger(CollectiveExchanger):
         return inward, outward
 
     def _meet_links(self, ns: str) -> None:
-        """zmq and shared-memory links, each made by its kind (:class:`LinkKind`). In an order no rank can block
-        on: publish what the neighbours need (our PULL address, or our segment and socket), connect to the
-        right's PULL, attach to the left's segment and socket, then accept the right's connection."""
+        """The two links, each made by its kind (:class:`LinkKind`). In an order no rank can block on: publish
+        what the neighbours need (our PULL address, or our segment and socket), connect to the right's PULL (or
+        join the process group), attach to the left's segment and socket, then accept the right's connection."""
         inward, outward = self._link_kinds(ns)
         self._kinds = {"from_left": inward, "to_right": outward}
         self._meeting = meeting = RingMeeting(self, ns)
@@ -306,34 +302,12 @@ class RingExchanger(CollectiveExchanger):
         if meeting.heap_kept is not None:
             self._heap_kept = meeting.heap_kept
 
-    def _meet_torch(self, ns: str) -> None:
-        import torch.distributed as dist
-        backend = self.options.backend
-        if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-            raise BackendUnavailable("ring://?transport=torch&backend=nccl needs CUDA and a torch build with NCCL; "
-                                     "use backend=gloo for CPU tensors")
-        if dist.is_initialized():
-            if dist.get_world_size() != self.world_size:
-                raise ConfigError(f"the process group has {dist.get_world_size()} ranks, this job {self.world_size}")
-            self._group = dist.group.WORLD
-        else:
-            if backend == "nccl":
-                torch.cuda.set_device(self.rank_info.local_rank % torch.cuda.device_count())
-            dist.init_process_group(backend, store=dist.PrefixStore(ns + "pg/", self.store), rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=self.options.timeout))
-            self._group, self._own_group = dist.group.WORLD, True
-        self._kinds = {"from_left": "torch", "to_right": "torch"}
-        self._outbox = TorchOutbox(self._group, self.rank, self.right, f"{self.rank_info.who(self.right)} (right neighbour)",
-                                   self.options.timeout)
-        self._inbox = TorchInbox(self._group, self.rank, self.left, f"{self.rank_info.who(self.left)} (left neighbour)",
-                                 self.options.timeout)
-
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
         self.meet()
         compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
-        if self.options.transport != "torch":  # CUDA buckets through pinned mirrors (CPU ones pass through)
+        if not self._kind.on_device:  # CUDA buckets through pinned mirrors (CPU ones pass through)
             self._staging = HostStaging.for_buckets(self.buckets)
 
     def _allreduce_bucket(self, bucket, what: str) -> Handle:
@@ -442,22 +416,7 @@ class RingExchanger(CollectiveExchanger):
                  "zero_copy_above_bytes": wire.COPY_THRESHOLD, "half_types_reduce_in": "float32"}
         if self.compressor is not None:
             facts["compress"] = self.compressor.describe()
-        if o.transport == "torch":
-            facts["backend"] = o.backend
-            facts["staging"] = ("none: NCCL send/recv on the GPU (GPUDirect RDMA where available)"
-                                if o.backend == "nccl" else "CPU tensors only (gloo)")
-        else:
-            facts["staging"] = (self._staging.facts() if self._staging is not None else
-                                "decided at setup: CUDA buckets through pinned host mirrors (no GPUDirect over zmq "
-                                "or shm); other CUDA tensors copied to host memory and back")
-            facts["io_threads"] = o.io_threads
-            facts["sndbuf_kb"] = o.sndbuf_kb or "system"
-            facts["authentication"] = "CURVE (keys folder)" if o.keys else ("none (insecure=1)" if o.insecure
-                                                                             else "none (loopback/ipc/shm only)")
-            if "shm" in self._kinds.values() or o.transport in ("shm", "auto"):
-                facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(self._chunk_mb),
-                                "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
-            facts.update(self._heap_facts())
+        facts.update(self._kind.facts(self))
         return facts
 
     def close(self):
@@ -472,13 +431,8 @@ class RingExchanger(CollectiveExchanger):
             return
         self._close_links(linger_s=min(5.0, self.options.timeout))
         if self._meeting is not None:
-            self._meeting.close()
+            self._meeting.close()  # and the process group, if the ring made one
             self._meeting = None
-        if self._own_group:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self._own_group = False
         self._met = False
 
     def _close_links(self, linger_s: float) -> None:
@@ -621,10 +575,11 @@ class RingExchanger(CollectiveExchanger):
         if flat.numel() == 0 or self.world_size == 1:
             return
         work = flat
+        on = self._work_device(flat)
         if flat.dtype in HALF and not per_hop:  # summed in float32, rounded once at the end
-            work = flat.to("cpu" if self.options.transport != "torch" else flat.device, torch.float32)
-        elif flat.is_cuda and self.options.transport != "torch":  # staged through host memory
-            work = flat.cpu()
+            work = flat.to(on, torch.float32)
+        elif flat.device != on:  # staged through host memory
+            work = flat.to(on)
         bounds, K, plan = self.plan(work.numel(), work.element_size())
         with np.errstate(all="ignore"):  # inf and nan add up silently, as they do in torch
             self._schedule((HopCastCollective if per_hop else Collective)(work, seq, bounds, K, plan))
@@ -636,13 +591,16 @@ class RingExchanger(CollectiveExchanger):
         the ring (:func:`gather_steps`), chunked as an all-reduce is."""
         seq = self._next_seq()
         N, S = self.world_size, flat.numel() * flat.element_size()
-        on = "cpu" if self.options.transport != "torch" else flat.device
-        out = torch.empty(N * S, dtype=torch.uint8, device=on)
+        out = torch.empty(N * S, dtype=torch.uint8, device=self._work_device(flat))
         out[self.rank * S:(self.rank + 1) * S].copy_(flat.view(torch.uint8))
         if S and N > 1:
             K = max(1, -(-S // max(1, int(self._chunk_mb * 2**20))))
             self._schedule(Collective(out, seq, [i * S for i in range(N + 1)], K, self._gather_steps))
         return [out[i * S:(i + 1) * S].view(flat.dtype).view(shape).to(flat.device) for i in range(N)]
+
+    def _work_device(self, flat: torch.Tensor) -> torch.device:
+        """Where a collective of ``flat`` runs: where it is if the links move device tensors, else host memory."""
+        return flat.device if self._kind.on_device else torch.device("cpu")
 
     def _next_seq(self) -> int:
         """The next collective's number (every rank counts every collective, empty ones too, alike)."""
@@ -716,6 +674,8 @@ class RingMeeting:
         self.heap_kept: bool | None = None
         self.ipc_dir: str | None = None
         self._shm_run: str | None = None
+        self.group = None  # torch p2p: the default process group (made here, or the one before the ring)
+        self.own_group = False
 
     def wait_key(self, key: str, what: str) -> bytes:
         return self.ring._wait_key(key, what)
@@ -754,6 +714,28 @@ class RingMeeting:
         finally:
             probe.close()
 
+    def torch_group(self):
+        """The default process group both torch p2p ends use: the one made before the ring (DDP's, a user's), never
+        destroyed here, or one made now in the ring's store. Collective the first time (every rank asks)."""
+        if self.group is None:
+            import torch.distributed as dist
+            backend, ring = self.options.backend, self.ring
+            if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+                raise BackendUnavailable("ring://?transport=torch&backend=nccl needs CUDA and a torch build with "
+                                         "NCCL; use backend=gloo for CPU tensors")
+            if dist.is_initialized():
+                if dist.get_world_size() != ring.world_size:
+                    raise ConfigError(f"the process group has {dist.get_world_size()} ranks, this job "
+                                      f"{ring.world_size}")
+            else:
+                if backend == "nccl":
+                    torch.cuda.set_device(ring.rank_info.local_rank % torch.cuda.device_count())
+                dist.init_process_group(backend, store=dist.PrefixStore(self.ns + "pg/", self.store), rank=self.rank,
+                                        world_size=ring.world_size, timeout=timedelta(seconds=self.timeout))
+                self.own_group = True
+            self.group = dist.group.WORLD
+        return self.group
+
     def close(self) -> None:
         if self.net is not None:
             self.net.close()
@@ -761,17 +743,48 @@ class RingMeeting:
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             self.ipc_dir = None
+        if self.own_group:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.own_group = False
+        self.group = None
 
 
 class LinkKind:
     """One transport's way of making a ring link; an instance is this rank's end of one link: the link from
     the left neighbour (``*_inbound`` phases, then :meth:`inbox`) or the one to the right (``*_outbound``
     phases). :meth:`RingExchanger._meet_links` calls the phases in the same order on every rank; a kind
-    implements those its transport needs (the others do nothing). torch p2p meets separately
-    (:meth:`RingExchanger._meet_torch`): a process group, not two links."""
+    implements those its transport needs (the others do nothing). The halves it makes supply send,
+    receive-into / add-from and wait (:mod:`commlab.regimes.ring_links`); the schedule and the regime ask
+    the kind only what it declares below, never its name."""
+
+    # Moves tensors where they are (torch p2p: NCCL on the GPU). Else the ring runs on host memory: CUDA
+    # buckets staged through pinned mirrors (commlab.staging), other CUDA tensors copied down and back.
+    on_device: ClassVar[bool] = False
+    # Links the members of a group (connect(group=...)) as well as a whole job.
+    in_groups: ClassVar[bool] = True
+    # A first tiny all-reduce after meeting proves every link before anyone relies on the ring.
+    proves_ring: ClassVar[bool] = True
 
     def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
         self.m, self.peer, self.who, self.io_thread = m, peer, who, io_thread
+
+    @classmethod
+    def facts(cls, ring: RingExchanger) -> dict:
+        """What a manifest records about links of this kind (zmq and shared memory: host-staged, their knobs)."""
+        o = ring.options
+        facts: dict = {"staging": (ring._staging.facts() if ring._staging is not None else
+                                   "decided at setup: CUDA buckets through pinned host mirrors (no GPUDirect over "
+                                   "zmq or shm); other CUDA tensors copied to host memory and back"),
+                       "io_threads": o.io_threads, "sndbuf_kb": o.sndbuf_kb or "system",
+                       "authentication": "CURVE (keys folder)" if o.keys else (
+                           "none (insecure=1)" if o.insecure else "none (loopback/ipc/shm only)")}
+        if "shm" in ring._kinds.values() or o.transport in ("shm", "auto"):
+            facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(ring._chunk_mb),
+                            "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
+        facts.update(ring._heap_facts())
+        return facts
 
     def publish_inbound(self) -> None:
         """Put in the store what the left neighbour needs to send here. Never waits."""
@@ -867,7 +880,39 @@ class ShmKind(LinkKind):
         return ShmInbox(mapped, conn, theirs, self.m.rank, self.peer, self.who, self.m.timeout, self.m.idle, outbox)
 
 
-LINK_KINDS: dict[str, type[LinkKind]] = {"tcp": TcpKind, "ipc": IpcKind, "shm": ShmKind}
+class TorchKind(LinkKind):
+    """torch.distributed ``isend``/``irecv`` to the neighbours (gloo for CPU tensors, NCCL for CUDA ones, on the
+    GPU): both ends share the default process group, which the right end's connect phase joins (collective:
+    every rank reaches that phase after publishing nothing). Its p2p would need a registered subgroup, so it
+    links whole jobs only; joining the group proves the ring."""
+
+    on_device = True
+    in_groups = False
+    proves_ring = False
+
+    def connect_outbound(self) -> None:
+        self.m.torch_group()
+
+    def accept_outbound(self) -> Outbox:
+        return TorchOutbox(self.m.torch_group(), self.m.rank, self.peer, self.who, self.m.timeout)
+
+    def inbox(self, outbox: Outbox) -> Inbox:
+        return TorchInbox(self.m.torch_group(), self.m.rank, self.peer, self.who, self.m.timeout)
+
+    @classmethod
+    def facts(cls, ring: RingExchanger) -> dict:
+        backend = ring.options.backend
+        return {"backend": backend, "staging": ("none: NCCL send/recv on the GPU (GPUDirect RDMA where available)"
+                                                if backend == "nccl" else "CPU tensors only (gloo)")}
+
+
+LINK_KINDS: dict[str, type[LinkKind]] = {"tcp": TcpKind, "ipc": IpcKind, "shm": ShmKind, "torch": TorchKind}
+
+
+def kind_for(transport: str) -> type[LinkKind]:
+    """The kind ``transport=`` names, whose declarations the ring follows; ``auto`` picks tcp or shm per link,
+    which declare alike (the base's)."""
+    return LINK_KINDS.get(transport, LinkKind)
 
 _T = TypeVar("_T")
 

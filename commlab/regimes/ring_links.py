@@ -20,9 +20,13 @@ and raises a :mod:`commlab.errors` type with ``peer`` (the neighbour's rank) and
 header (:func:`commlab.wire.chunk_header`) is compared with the one the receiver expects,
 whatever carries it.
 
-Transports: :class:`ZmqOutbox`/:class:`ZmqInbox` (pyzmq PUSH/PULL over tcp or ipc),
-:class:`TorchOutbox`/:class:`TorchInbox` (torch.distributed isend/irecv), and
-:class:`ShmOutbox`/:class:`ShmInbox` (one host: shared memory, see below).
+An outbox's other calls (``pending``, ``pump``, ``fileno``, ``poll_drop``) are for the waits of
+this rank's inbox, with defaults that do nothing: only a kind whose sends can queue (shared memory)
+or whose neighbour's drop shows apart from its receives (zmq) overrides them.
+
+Transports, each made by a link kind (:class:`commlab.regimes.ring.LinkKind`): :class:`ZmqOutbox`/
+:class:`ZmqInbox` (pyzmq PUSH/PULL over tcp or ipc), :class:`TorchOutbox`/:class:`TorchInbox`
+(torch.distributed isend/irecv), and :class:`ShmOutbox`/:class:`ShmInbox` (one host: shared memory, see below).
 
 Shared memory (``transport=shm``)::
 
@@ -41,6 +45,7 @@ neighbour at once: the kernel closes a killed process's end (EOF, or POLLHUP).
 
 from __future__ import annotations
 
+import abc
 import collections
 import select
 import socket
@@ -128,66 +133,75 @@ class HopCastCollective(Collective):
         self.work[lo:hi].copy_(partial)
 
 
-class Half:
-    """What both halves share: whose rank, which neighbour (``peer``, named ``who`` in errors)."""
+class Half(abc.ABC):
+    """What both halves share: whose rank, which neighbour (``peer``, named ``who`` in errors), the collective
+    in progress (``begin``), and ``close``."""
 
-    kind = ""
     c: Collective  # the collective in progress (set by begin)
 
     def __init__(self, me: int, peer: int, who: str, timeout: float):
         self.me, self.peer, self.who, self.timeout = me, peer, who, timeout
+
+    def begin(self, c: Collective) -> None:
+        self.c = c
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Release the link (``linger_s``: how long an outbox may wait for the neighbour to take what it sent)."""
+
+
+class Outbox(Half):
+    """The sending half. The schedule calls :meth:`send`, :meth:`release` and :meth:`finish` (see the module's
+    docstring for when they block). The rest is for the waits of this rank's inbox, and only a kind whose
+    sends can queue (shared memory) or whose neighbour's drop shows apart from its receives (zmq) overrides it:
+    :attr:`pending`, :meth:`pump` and :meth:`fileno` keep queued sends going while the inbox waits (transport.Link
+    takes the outbox as ``pump``), :meth:`poll_drop` tells the inbox the right neighbour is gone."""
+
+    @abc.abstractmethod
+    def send(self, t: int, j: int) -> None:
+        """Hand over chunk ``j`` of what step ``t`` sends; never waits for the neighbour."""
+
+    @abc.abstractmethod
+    def release(self, t: int, j: int) -> None:
+        """Return once that chunk's bytes are no longer read from the tensor (bounded wait)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Return once no send of this collective reads the tensor any more (bounded wait)."""
 
     @property
     def pending(self) -> bool:
         """Whether sends are queued for later (see :class:`ShmOutbox`)."""
         return False
 
-    def begin(self, c: Collective) -> None:
-        self.c = c
-
-    def poll_drop(self) -> bool:
-        return False
-
     def pump(self, wait_s: float) -> None:
-        pass
-
-    def close(self, linger_s: float = 0.0) -> None:
-        pass
-
-
-class Outbox(Half):
-    """The sending half (see the module's docstring for the calls and when they block)."""
-
-    def send(self, t: int, j: int) -> None:
-        raise NotImplementedError
-
-    def release(self, t: int, j: int) -> None:
-        raise NotImplementedError
-
-    def finish(self) -> None:
-        raise NotImplementedError
+        """Move queued sends on, waiting up to ``wait_s`` for room if none can go now."""
 
     def fileno(self) -> int | None:
         """A descriptor that turns readable when queued sends may go on (None: nothing is ever queued)."""
         return None
 
+    def poll_drop(self) -> bool:
+        """Whether the right neighbour's end has gone (no waiting)."""
+        return False
+
 
 class Inbox(Half):
-    """The receiving half (see the module's docstring for the calls and when they block)."""
+    """The receiving half: the schedule calls :meth:`reduce` and :meth:`store` (see the module's docstring)."""
 
+    @abc.abstractmethod
     def reduce(self, t: int, j: int, release: Callable[[int, int], None] | None = None) -> None:
-        raise NotImplementedError
+        """Wait (bounded) for chunk ``j`` of step ``t`` and add it into the tensor, calling ``release(t, j)`` first
+        when given."""
 
+    @abc.abstractmethod
     def store(self, t: int, j: int) -> None:
-        raise NotImplementedError
+        """Wait (bounded) for chunk ``j`` of step ``t`` and write it into the tensor."""
 
 
 # ----- zmq: PUSH/PULL over tcp or ipc -------------------------------------------------------------------
 class ZmqOutbox(Outbox):
     """Chunks up to 64 KiB travel in the header's frame, above 1 MiB zero-copy (tracked: see
     :meth:`release`), between them copied (:meth:`commlab.transport.Link.send`)."""
-
-    kind = "zmq"
 
     def __init__(self, link: Link, me: int, peer: int, timeout: float):
         super().__init__(me, peer, link.who, timeout)
@@ -231,8 +245,6 @@ class ZmqInbox(Inbox):
     reduce-scatter chunks are added straight from zmq's frame, all-gather chunks are received
     straight into the caller's tensor."""
 
-    kind = "zmq"
-
     def __init__(self, link: Link, me: int, peer: int, timeout: float, idle: Callable[[], None], outbox: Outbox):
         super().__init__(me, peer, link.who, timeout)
         self.link, self.idle, self.outbox = link, idle, outbox
@@ -252,9 +264,8 @@ class ZmqInbox(Inbox):
         expected = c.header(self.peer, t, j, lo, hi)
         # the right neighbour may close normally once it has had our last chunk; until then its drop is a loss
         watch = (self.outbox,) if t < c.steps - 1 or self.outbox.pending else ()
-        pump = self.outbox if self.outbox.fileno() is not None else None  # a shared-memory outbox queues sends
         if nbytes <= wire.INLINE_MAX:  # one frame, header then data, into the scratch buffer
-            size = link.recv_message_into(self.scratch_view, self.timeout, watch, self.idle, pump)
+            size = link.recv_message_into(self.scratch_view, self.timeout, watch, self.idle, self.outbox)
             if size != hsize + nbytes or bytes(self.scratch_view[:hsize]) != expected:
                 wire.check_chunk_header(bytes(self.scratch_view[:min(size, hsize)]), expected, self.who,
                                         peer=self.peer)
@@ -268,7 +279,7 @@ class ZmqInbox(Inbox):
             elif nbytes:
                 c.add_array(lo, hi, self.scratch_np[hsize:hsize + nbytes])
             return
-        got = link.recv_header(self.timeout, watch, self.idle, pump)
+        got = link.recv_header(self.timeout, watch, self.idle, self.outbox)
         wire.check_chunk_header(got, expected, self.who, peer=self.peer)
         if not link.more():
             raise ProtocolError(f"{self.who} sent a chunk header without its data frame", peer=self.peer,
@@ -312,8 +323,6 @@ def _finish_work(w, timeout: float, peer: int, who: str, verb: str, op: str, seq
 
 
 class TorchOutbox(Outbox):
-    kind = "torch"
-
     def __init__(self, group, me: int, peer: int, who: str, timeout: float):
         super().__init__(me, peer, who, timeout)
         self.group = group
@@ -345,7 +354,6 @@ class TorchInbox(Inbox):
     ones straight into the tensor. Tags number the messages of one collective so none can be matched
     to the wrong receive."""
 
-    kind = "torch"
     WINDOW = 4
 
     def __init__(self, group, me: int, peer: int, who: str, timeout: float):
@@ -412,8 +420,6 @@ class ShmOutbox(Outbox):
     chunk waits in a queue (``pending``), which :meth:`pump` (called by every wait of this rank) and
     :meth:`release` / :meth:`finish` drain as TAKEN signals come back. A queued chunk is still read
     from the caller's tensor: the schedule writes nowhere it sent before ``release``/``finish``."""
-
-    kind = "shm"
 
     def __init__(self, segment, conn: socket.socket, slot_bytes: int, me: int, peer: int, who: str, timeout: float,
                  idle: Callable[[], None]):
@@ -540,8 +546,6 @@ class ShmInbox(Inbox):
     """Maps the left neighbour's segment and reads chunks straight out of its slots: adds them into
     the tensor (reduce-scatter) or copies them there (all-gather), then says TAKEN. Waits poll the
     connection from the left and, while this rank's outbox has queued sends, the one to the right."""
-
-    kind = "shm"
 
     def __init__(self, segment, conn: socket.socket, slot_bytes: int, me: int, peer: int, who: str, timeout: float,
                  idle: Callable[[], None], outbox: Outbox):
