@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def real_starts(monkeypatch):
     """The launcher's stops, its children's death with it and its deadline are tested with real starts:
-    no fork server (commlab.zygote) for the commands these tests start, nor for what those start (the
+    no fork server (tests/zygote.py) for the commands these tests start, nor for what those start (the
     tests find the ranks as the launcher's children in /proc). The rest may be forked."""
     for key, value in REAL_STARTS.items():
         monkeypatch.setenv(key, value)
