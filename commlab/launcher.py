@@ -31,11 +31,17 @@ torchrun. The job, in order:
    124). Each process leads a process group of its own, so a stop takes whatever it started;
    each also dies with the launcher if the launcher is SIGKILLed (``commlab/childexec.py``).
 5. A one-line summary from rank 0's last metrics line (:mod:`commlab.metrics`) goes to stdout.
+
+How a process starts is a parameter (a :data:`Starter`: ``Job.starter``, ``start_group(starter=)``):
+an ordinary ``subprocess`` start by default. The deadline, the group kill and the log names above hold
+for any starter; the test suite passes a fork server of its own (``tests/zygote.py``), and reaches the
+launchers its commands run through ``$COMMLAB_STARTER`` (:func:`starter_from_env`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import shutil
@@ -48,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
-from commlab import metrics, shm, zygote
+from commlab import metrics, shm
 from commlab import scratch as scratch_dirs
 from commlab import store as store_mod
 from commlab.config import ExchangerURL, check_number
@@ -58,6 +64,7 @@ from commlab.registry import ENV_URL, regime_class
 from commlab.rendezvous import RESTART_COUNT
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
+STARTER_ENV = "COMMLAB_STARTER"  # a module whose start() starts this process's children (a test harness's)
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store is hosted for you"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
@@ -240,28 +247,50 @@ def _pump(src, sinks: list, lock: threading.Lock, on_line: Callable[[bytes], Non
     src.close()
 
 
-def start_group(argv: Sequence[str], env: Mapping[str, str] | None = None, **popen_kw) -> subprocess.Popen:
-    """``subprocess.Popen(argv, **popen_kw)`` as the leader of a process group of its own, which
-    dies with this process (``commlab/childexec.py``: SIGKILLed if the thread that called this
-    exits). :func:`kill_groups` stops it with whatever it started. ``env`` defaults to this
-    process's; stdin defaults to /dev/null. The pid is ``argv``'s own. Does not block.
+Starter = Callable[..., subprocess.Popen]
+"""How a process starts: ``starter(argv, env, **popen_kw)`` returns a :class:`subprocess.Popen` of ``argv``
+with environment ``env`` (a full mapping) that leads a session (so a process group) of its own and dies
+with this process. :func:`plain_start` is the default; a test harness passes its own (a fork server)."""
 
-    Where ``$COMMLAB_ZYGOTE`` names a fork server (the test suite starts one: :mod:`commlab.zygote`),
-    a Python command line is forked from it instead, with torch already imported; the child still
-    leads a group of its own and dies with this process (the zygote kills it when this process's
-    connection closes).
+
+def plain_start(argv: Sequence[str], env: Mapping[str, str], **popen_kw) -> subprocess.Popen:
+    """The ordinary start (a :data:`Starter`): ``subprocess.Popen`` through ``commlab/childexec.py``, which
+    makes ``argv`` a session leader that is SIGKILLed if the thread that called this exits."""
+    return subprocess.Popen([sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv], env=dict(env),
+                            start_new_session=True, **popen_kw)
+
+
+def starter_from_env(environ: Mapping[str, str] | None = None) -> Starter:
+    """The starter this process's children get when the caller names none: :func:`plain_start`, unless
+    ``$COMMLAB_STARTER`` names a module; then that module's ``start`` (a :data:`Starter`). The variable is
+    how a harness reaches the processes it does not call directly (a ``commlab run`` that a test starts
+    starts ranks, which start servers): they inherit it. Raises ConfigError where the module or its
+    ``start`` cannot be imported."""
+    name = (os.environ if environ is None else environ).get(STARTER_ENV, "")
+    if not name:
+        return plain_start
+    try:
+        return importlib.import_module(name).start
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"${STARTER_ENV}={name!r} names no importable module with a start(): {exc}") from None
+
+
+def start_group(argv: Sequence[str], env: Mapping[str, str] | None = None, *, starter: Starter | None = None,
+                **popen_kw) -> subprocess.Popen:
+    """``argv`` started by ``starter`` (default: :func:`starter_from_env`, which is :func:`plain_start`
+    unless a harness says otherwise) as the leader of a process group of its own, which dies with this
+    process. :func:`kill_groups` stops it with whatever it started. ``env`` defaults to this process's;
+    stdin defaults to /dev/null. The pid is ``argv``'s own. Does not block.
     """
     popen_kw.setdefault("stdin", subprocess.DEVNULL)
-    if zygote.socket_path() and zygote.serves(argv):
-        return zygote.Popen(list(argv), env=dict(os.environ if env is None else env), start_new_session=True,
-                            **popen_kw)
-    return subprocess.Popen([sys.executable, "-I", CHILDEXEC, str(os.getpid()), *argv],
-                            env=dict(os.environ if env is None else env), start_new_session=True, **popen_kw)
+    start = starter if starter is not None else starter_from_env()
+    return start(list(argv), dict(os.environ if env is None else env), **popen_kw)
 
 
 def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, *, forward: str | None = None,
-          report_endpoint: bool = False, console: IO[str] | None = None) -> Proc:
-    """Start ``argv`` in a process group of its own that dies with this process.
+          report_endpoint: bool = False, console: IO[str] | None = None, starter: Starter | None = None) -> Proc:
+    """Start ``argv`` in a process group of its own that dies with this process (``starter``: see
+    :func:`start_group`).
 
     Its output goes to ``log`` and, with ``forward="both"``, to this process's stdout and stderr
     (rank 0: progress and prints; a stderr that is a terminal is handed over as it is, so that
@@ -274,7 +303,7 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
     out, err = (console, console) if console is not None else (sys.stdout, sys.stderr)
     terminal = forward == "both" and _is_terminal(err)
     stderr = None if terminal else subprocess.PIPE if forward == "both" else subprocess.STDOUT
-    popen = start_group(argv, env, stdout=subprocess.PIPE, stderr=stderr)
+    popen = start_group(argv, env, starter=starter, stdout=subprocess.PIPE, stderr=stderr)
     proc = Proc(name, popen, log, forward is not None)
     lock = threading.Lock()
     fh = log.open("ab") if log is not None else None
@@ -342,17 +371,18 @@ def await_endpoints(procs: Sequence[Proc], timeout: float) -> list[str]:
 
 def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
                   timeout: float, procs: list[Proc], prefix: Callable[[int], Sequence[str]] | None = None,
-                  console: IO[str] | None = None) -> str:
+                  console: IO[str] | None = None, starter: Starter | None = None) -> str:
     """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
     return the workers' URL with the endpoints they reported. ``prefix(i)`` goes before server i's
     command line (``ip netns exec NS``: a server in another network namespace binds there and
     reports what it bound all the same). Blocks until every server reported, at most ``timeout``
-    seconds; raises JobFailed naming a server that exited or never reported. ``console``: see :func:`spawn`."""
+    seconds; raises JobFailed naming a server that exited or never reported. ``console``, ``starter``: see
+    :func:`spawn`."""
     servers = []
     for i, argv in enumerate(argvs):
         cmd = [*(prefix(i) if prefix else ()), sys.executable, "-m", "servers", *argv]
         p = spawn(f"server {i}", cmd, env, logs / f"server{i}.log" if logs else None, forward="stderr",
-                  report_endpoint=True, console=console)
+                  report_endpoint=True, console=console, starter=starter)
         procs.append(p)
         servers.append(p)
     endpoints = await_endpoints(servers, timeout)
@@ -360,17 +390,17 @@ def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str],
 
 
 def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
-                procs: list[Proc], console: IO[str] | None = None) -> int:
+                procs: list[Proc], console: IO[str] | None = None, starter: Starter | None = None) -> int:
     """Host the rendezvous store in a process of its own (``python -m commlab.store``) started with
     ``prefix`` (``ip netns exec NS``), bound to ``addr`` and port 0; return the port it reports.
 
     For ranks that cannot reach this process's own store (:func:`commlab.store.host`): ranks in
     other network namespaces. The process is appended to ``procs`` at once (the caller stops it);
     ``timeout`` bounds its start-up and each of its waits. Blocks until it reported; raises
-    JobFailed if it exits or does not report within ``timeout``. ``console``: see :func:`spawn`.
+    JobFailed if it exits or does not report within ``timeout``. ``console``, ``starter``: see :func:`spawn`.
     """
     p = spawn("store", [*prefix, sys.executable, "-m", "commlab.store", "--bind", addr, "--timeout", f"{timeout:g}"],
-              env, log, forward="stderr", report_endpoint=True, console=console)
+              env, log, forward="stderr", report_endpoint=True, console=console, starter=starter)
     procs.append(p)
     endpoint = await_endpoints([p], timeout)[0]
     return int(endpoint.rsplit(":", 1)[1])
@@ -416,6 +446,7 @@ class Job:
     # a text file: rank 0's and the servers' output and the launcher's own lines go here instead of this
     # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
     console: IO[str] | None = None
+    starter: Starter | None = None  # how every process of the job starts (start_group; default: plain_start)
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -495,7 +526,7 @@ def _run(job: Job) -> int:
         failures: list[str] = []  # per restart: which rank failed, how
         try:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
-                                job.console)
+                                job.console, job.starter)
             base[ENV_URL] = url
             for attempt in range(job.max_restarts + 1):
                 try:
@@ -549,7 +580,7 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
             env["MASTER_PORT"] = str(store.port)
         else:  # ranks in other namespaces: the store runs where rank 0 runs
             env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
-                                                 job.start_timeout_s, attempt, job.console))
+                                                 job.start_timeout_s, attempt, job.console, job.starter))
         ranks = []
         for r in range(job.workers):
             argv = [sys.executable, *job.command, *job.args]
@@ -560,7 +591,8 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
             if job.rank_prefix:
                 argv = [*job.rank_prefix(r), *argv]
             ranks.append(spawn(f"rank {r}", argv, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                               logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console))
+                               logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console,
+                               starter=job.starter))
             attempt.append(ranks[-1])
         _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0)
     except RankFailed:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from commlab import launcher, store, zygote
+import zygote
+from commlab import launcher, store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,8 +75,8 @@ def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = N
     for r in range(n):
         env = child_env(RANK=r, WORLD_SIZE=n, LOCAL_RANK=r, MASTER_ADDR="127.0.0.1", MASTER_PORT=hosted.port,
                         **{launcher.AGENT_STORE: "True"}, **(extra_env or {}))
-        procs.append(launcher.start_group([sys.executable, str(path)], env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))
+        procs.append(launcher.start_group([sys.executable, str(path)], env, starter=zygote.start,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return Ranks(procs, hosted)
 
 
@@ -138,7 +139,7 @@ def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace
     """
     if capture_output:
         popen_kw.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with launcher.start_group(argv, popen_kw.pop("env", None), **popen_kw) as proc:
+    with launcher.start_group(argv, popen_kw.pop("env", None), starter=zygote.start, **popen_kw) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -212,23 +213,27 @@ FULL_ONLY = {
 }
 
 
-REAL_STARTS = {zygote.ENV: "off"}  # in a child's environment: what that child starts starts the ordinary way
+# in a child's environment (or os.environ, monkeypatched): what that child starts starts the ordinary way
+REAL_STARTS = {zygote.ENV: "off", launcher.STARTER_ENV: ""}
 _ZYGOTE: dict = {}
 
 
 def _start_zygote() -> None:
-    """One fork server for the whole run (:mod:`commlab.zygote`): every Python process the tests start
-    through :func:`commlab.launcher.start_group` (ranks, servers, launchers, and what those start) is
-    forked from it with torch and torch._dynamo already imported, instead of importing them again
-    (3-4 s of CPU each). It imports while pytest collects. ``COMMLAB_ZYGOTE=off make test`` runs the
-    suite with real starts throughout; the launcher's own tests always start for real."""
+    """One fork server for the whole run (``tests/zygote.py``): every Python process the tests start
+    (ranks, servers, launchers, and what those start) is forked from it with torch and torch._dynamo
+    already imported, instead of importing them again (3-4 s of CPU each). It imports while pytest
+    collects. The tests' helpers pass its starter to the launcher (``starter=zygote.start``); the
+    processes they start inherit ``$COMMLAB_STARTER`` naming it, for the launchers they run.
+    ``COMMLAB_ZYGOTE=off make test`` runs the suite with real starts throughout; the launcher's own
+    tests always start for real."""
     if os.environ.get(zygote.ENV):  # "off", or a zygote of the caller's
         return
-    folder = tempfile.mkdtemp(prefix="commlab-zygote-")
+    folder = tempfile.mkdtemp(prefix="commlab-zygote-")  # mode 0700: the zygote's socket is reachable by us alone
     path = os.path.join(folder, "socket")
-    _ZYGOTE.update(proc=launcher.start_group([sys.executable, "-m", "commlab.zygote", path], child_env()),
-                   folder=folder)
+    _ZYGOTE.update(proc=launcher.start_group([sys.executable, "-m", zygote.MODULE, path], child_env(),
+                                             starter=launcher.plain_start), folder=folder)
     os.environ[zygote.ENV] = path
+    os.environ[launcher.STARTER_ENV] = zygote.MODULE
 
 
 def zygote_children() -> set[int]:
@@ -261,6 +266,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _ZYGOTE:
         os.environ.pop(zygote.ENV, None)
+        os.environ.pop(launcher.STARTER_ENV, None)
         launcher.kill_groups([_ZYGOTE.pop("proc")], grace=5)  # its children die with it (PR_SET_PDEATHSIG)
         shutil.rmtree(_ZYGOTE.pop("folder"), ignore_errors=True)
 

@@ -20,6 +20,7 @@ import zmq
 from commlab import launcher, psproto, transport, wire
 from commlab.regimes.ps import server_stats
 
+import zygote
 from conftest import REAL_STARTS, GroupTimeout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ class Procs:
 
     def popen(self, cmd: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
         """``cmd`` with the tests' environment (plus ``env``), from the repository root."""
-        p = launcher.start_group(cmd, {**ENV, **(env or {})}, cwd=REPO, **kw)
+        p = launcher.start_group(cmd, {**ENV, **(env or {})}, cwd=REPO, starter=zygote.start, **kw)
         self.procs.append(launcher.Proc(f"process {len(self.procs)}", p))
         return p
 
@@ -79,7 +80,8 @@ class Procs:
         """``python -m servers`` (its output in a log), once it reported the endpoint it bound."""
         log = self.tmp / f"server{len(self.procs)}.log"
         p = launcher.spawn(f"server {len(self.procs)}", [*prefix, sys.executable, "-m", "servers", "--bind", bind,
-                                                           "--log-every", "0", *args], ENV, log, report_endpoint=True)
+                                                           "--log-every", "0", *args], ENV, log, report_endpoint=True,
+                           starter=zygote.start)
         self.procs.append(p)
         endpoint = launcher.await_endpoints([p], START_TIMEOUT)[0]
         return Server(p.popen, endpoint, log)
@@ -89,7 +91,7 @@ class Procs:
         ``addr``, started with ``prefix`` (a namespace); its port. Ranks that use it need
         ``TORCHELASTIC_USE_AGENT_STORE=True`` (:data:`AGENT_ENV`)."""
         return launcher.start_store(addr, prefix, ENV, self.tmp / f"store{len(self.procs)}.log", START_TIMEOUT,
-                                    self.procs)
+                                    self.procs, starter=zygote.start)
 
     def worker(self, url: str, rank: int, workers: int, steps: int, *extra: str,
                prefix: tuple[str, ...] = ()) -> subprocess.Popen:
@@ -225,7 +227,7 @@ def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -
     nothing it started outlives the call."""
     cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
                                 "--workers", "3", "--model", model, "--steps", "100000"], LAUNCHER_ENV, cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               starter=zygote.start, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         victim = wait_for_rank_process(cli.pid, rank=rank, timeout=START_TIMEOUT)
         time.sleep(settle_s)  # let training start

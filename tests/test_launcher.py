@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def real_starts(monkeypatch):
     """The launcher's stops, its children's death with it and its deadline are tested with real starts:
-    no fork server (commlab.zygote) for the commands these tests start, nor for what those start (the
+    no fork server (tests/zygote.py) for the commands these tests start, nor for what those start (the
     tests find the ranks as the launcher's children in /proc). The rest may be forked."""
     for key, value in REAL_STARTS.items():
         monkeypatch.setenv(key, value)
@@ -304,3 +304,27 @@ def test_report_writes_one_json_line_per_call_to_the_rank_s_own_file(tmp_path, m
     commlab.report(10, path=base, rank=0, exchange=dataclasses.replace(step, exchanges=2))
     assert summary(last_record(base), 3.0).endswith("2 MB sent, 1 kB received in 2 exchanges per step by rank 0")
     assert "no metrics reported" in summary(None, 1.0)
+
+
+def test_how_a_process_starts_is_the_callers_and_the_environment_names_only_a_module(tmp_path):
+    """start_group and a Job start through the starter they are given; without one, through the module
+    $COMMLAB_STARTER names (how a harness reaches the launchers its commands run), else the ordinary way."""
+    import zygote
+    from commlab.errors import ConfigError
+
+    asked: list[list[str]] = []
+
+    def recording(argv, env, **popen_kw):
+        asked.append(list(argv))
+        return launcher.plain_start(argv, env, **popen_kw)
+
+    p = launcher.start_group([sys.executable, "-c", "print('hi')"], child_env(), starter=recording,
+                             stdout=subprocess.PIPE, text=True)
+    assert p.communicate(timeout=120)[0] == "hi\n" and p.returncode == 0
+    code = launcher.run_job(launcher.Job(("-c", "pass"), workers=2, env=child_env(), starter=recording,
+                                         summary=False, log_dir=str(tmp_path)))
+    assert code == 0 and asked[0][-1] == "print('hi')" and len(asked) == 3  # the command, then the job's 2 ranks
+    assert launcher.starter_from_env({}) is launcher.plain_start
+    assert launcher.starter_from_env({launcher.STARTER_ENV: "zygote"}) is zygote.start
+    with pytest.raises(ConfigError, match=r"\$COMMLAB_STARTER='no_such_starter' names no importable module"):
+        launcher.starter_from_env({launcher.STARTER_ENV: "no_such_starter"})

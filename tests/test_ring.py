@@ -23,7 +23,7 @@ from commlab.errors import CommError, ConfigError, ProtocolError
 from commlab.store import host as host_store
 from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
 from commlab import wire
-from commlab.zygote import ENV as ZYGOTE_ENV
+from zygote import ENV as ZYGOTE_ENV
 
 from conftest import run_group
 

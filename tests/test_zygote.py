@@ -1,43 +1,50 @@
-"""commlab.zygote: a forked child runs its program as a fresh interpreter would (argv, environment,
+"""tests/zygote.py, the suite's fork server: a forked child runs its program as a fresh interpreter would (argv, environment,
 folder, sys.path, streams, exit status, signals, RNGs), leads a group of its own, and dies with the
-process that asked for it. The suite's own zygote serves these (conftest), or one of this module's
-when the run has none (COMMLAB_ZYGOTE=off)."""
+process that asked for it; it serves its own user only. The suite's own zygote serves these (conftest),
+or one of this module's when the run has none (COMMLAB_ZYGOTE=off)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from commlab import launcher, zygote
+import zygote
+from commlab import launcher
 
 from conftest import child_env
 
 
 @pytest.fixture(scope="module")
 def zygote_env(tmp_path_factory):
-    """An environment whose start_group calls go to a zygote; os.environ names it during the module."""
-    before = os.environ.get(zygote.ENV)
+    """An environment whose start_group calls go to a zygote (``starter=zygote.start`` here, and
+    ``$COMMLAB_STARTER`` in a process started with it); os.environ names it during the module."""
+    before = {k: os.environ.get(k) for k in (zygote.ENV, launcher.STARTER_ENV)}
     own = None
     if zygote.socket_path() is None:
-        path = str(tmp_path_factory.mktemp("zygote") / "socket")
-        own = launcher.start_group([sys.executable, "-m", "commlab.zygote", path], child_env())
-        os.environ[zygote.ENV] = path
+        path = str(tmp_path_factory.mktemp("zygote") / "private" / "socket")
+        own = launcher.start_group([sys.executable, "-m", zygote.MODULE, path], child_env(),
+                                   starter=launcher.plain_start)
+        os.environ.update({zygote.ENV: path, launcher.STARTER_ENV: zygote.MODULE})
     yield child_env()
     if own is not None:
         launcher.kill_groups([own], grace=5)
-        os.environ[zygote.ENV] = before if before is not None else "off"
+        for k, v in before.items():
+            os.environ[k] = v if v is not None else ""
 
 
 def _start(argv_tail: list[str], env: dict, **kw) -> subprocess.Popen:
-    p = launcher.start_group([sys.executable, *argv_tail], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, **kw)
+    p = launcher.start_group([sys.executable, *argv_tail], env, starter=zygote.start, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, **kw)
     assert isinstance(p, zygote.Popen)
     return p
 
@@ -112,7 +119,7 @@ def test_exceptions_and_signals_end_a_child_as_they_end_an_interpreter(zygote_en
 
 def test_a_missing_folder_fails_the_start_as_popen_does(zygote_env, tmp_path):
     with pytest.raises(FileNotFoundError):
-        launcher.start_group([sys.executable, "-c", "pass"], zygote_env, cwd=tmp_path / "nowhere")
+        launcher.start_group([sys.executable, "-c", "pass"], zygote_env, starter=zygote.start, cwd=tmp_path / "nowhere")
 
 
 def test_an_exited_child_stays_a_zombie_until_waited_for_as_a_child_of_ones_own(zygote_env):
@@ -130,18 +137,19 @@ REQUESTER = """
 import subprocess, sys, time
 from commlab import launcher
 p = launcher.start_group([sys.executable, "-c", "import time; time.sleep(600)"])
-print(p.pid, type(p).__name__, flush=True)
+print(p.pid, type(p).__module__, flush=True)
 time.sleep(600)
 """
 
 
 def test_a_child_dies_with_the_process_that_asked_for_it(zygote_env):
-    """The requester is SIGKILLed (no clean-up of its own): the zygote kills the child it asked for."""
+    """The requester is SIGKILLed (no clean-up of its own): the zygote kills the child it asked for. The
+    requester names no starter: it finds the zygote through ``$COMMLAB_STARTER``, as a launcher a test runs."""
     requester = subprocess.Popen([sys.executable, "-c", REQUESTER], env=zygote_env, stdout=subprocess.PIPE,
                                  text=True, start_new_session=True)
     try:
         pid, kind = requester.stdout.readline().split()
-        assert kind == "Popen"
+        assert kind == zygote.MODULE
         os.kill(int(pid), 0)  # running
         requester.kill()
         requester.wait(30)
@@ -181,10 +189,91 @@ def test_a_child_joins_the_network_namespace_ip_netns_exec_names(zygote_env):
         real = subprocess.run(["ip", "netns", "exec", name, "stat", "-L", "-c", "%i", "/proc/self/ns/net"],
                               capture_output=True, text=True, check=True, timeout=30).stdout.split()
         p = launcher.start_group(["ip", "netns", "exec", name, "env", "ZYGOTE_X=in", sys.executable, "-c", NETNS],
-                                 zygote_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 zygote_env, starter=zygote.start, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
         assert isinstance(p, zygote.Popen)
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         assert out.split() == [real[0], "in"] and real[0] != str(os.stat("/proc/self/ns/net").st_ino)
     finally:
         subprocess.run(["ip", "netns", "delete", name], timeout=30)
+
+
+STRANGER = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+try:
+    sock.connect(sys.argv[1])
+except PermissionError:
+    print("no entry")
+    sys.exit()
+try:
+    socket.send_fds(sock, [bytes.fromhex(sys.argv[2])], [0, 1, 2])
+    sock.settimeout(60)
+    reply = sock.recv(1 << 20)
+    if reply:  # the child's pid; stay until its exit status comes (closing first would kill it)
+        reply = sock.recv(1 << 20)
+except OSError:
+    reply = b""
+print("served" if reply else "closed")
+"""
+
+
+def _ask_as(uid: int | None, path: Path, request: bytes) -> str:
+    """What a client running as ``uid`` (None: this process's) gets from the zygote at ``path``."""
+    who = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    done = subprocess.run([SYSTEM_PYTHON, "-I", "-c", STRANGER, str(path), request.hex()], capture_output=True,
+                          text=True, timeout=60, **who)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # another user cannot enter the folders of this venv's interpreter
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="needs root (to be another user)")
+def test_only_the_zygotes_own_user_reaches_it_or_is_served(tmp_path):
+    """The socket is 0600 in a 0700 folder; a client of another uid (nobody) cannot pass the folder, and
+    where it can reach the socket (the modes loosened here, as a careless umask or folder would), the
+    zygote closes its connection unread (SO_PEERCRED), counts it and says so; its own user is served."""
+    import msgpack
+
+    base = Path(tempfile.mkdtemp(prefix="commlab-zygote-test-"))
+    try:
+        base.chmod(0o711)  # the test's own folder may be entered: only the zygote's keeps a stranger out
+        folder, path, ran = base / "private", base / "private" / "socket", base / "ran"
+        own = launcher.start_group([sys.executable, "-m", zygote.MODULE, "--bare", str(path)], child_env(),
+                                   starter=launcher.plain_start, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not path.exists():
+                assert own.poll() is None and time.monotonic() < deadline, "the zygote did not bind its socket"
+                time.sleep(0.05)
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert stat.S_ISSOCK(path.stat().st_mode) and [p.name for p in folder.iterdir()] == ["socket"]
+            request = msgpack.packb({"argv": [sys.executable, "-c", f"open({str(ran)!r}, 'w').close()"],
+                                     "netns": None, "env": child_env(), "cwd": str(base)})
+            assert _ask_as(NOBODY, path, request) == "no entry"
+            folder.chmod(0o711)
+            path.chmod(0o666)
+            assert _ask_as(NOBODY, path, request) == "closed"
+            assert not ran.exists()  # nothing ran
+            assert _ask_as(None, path, request) == "served" and ran.exists()  # the same request, from its own user
+        finally:
+            launcher.kill_groups([own], grace=5)
+        log = own.stderr.read()
+        assert f"refused a connection from uid {NOBODY}" in log and "1 refused so far" in log, log
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+NOBODY = 65534
+
+
+def test_the_zygote_refuses_a_folder_others_may_enter(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    done = subprocess.run([sys.executable, "-m", zygote.MODULE, "--bare", str(folder / "socket")], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "must be a folder of uid" in done.stderr and not (folder / "socket").exists()

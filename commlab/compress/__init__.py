@@ -10,7 +10,6 @@ A regime that compresses takes :class:`CompressOptions` as the base of its optio
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -44,15 +43,13 @@ def from_options(options, world_size: int) -> Compressor | None:
     return comp
 
 
-_agreements = itertools.count()  # the n-th exchanger of this process meets the n-th of every other rank
-
-
 def agree(store, info, options, timeout: float) -> None:
     """Every rank compresses as rank 0 does (``compress=`` and ``ef=``), before any payload of mismatched size
     reaches a collective: else a rank that differs, and rank 0 (which reads every rank's), raise
-    :class:`ConfigError` naming both."""
+    :class:`ConfigError` naming both. ``store``: the exchanger's own namespace of the job's store
+    (:func:`commlab.rendezvous.exchanger_store`), so each exchanger agrees apart from any other. Collective."""
     mine = f"compress={getattr(options, 'compress', 'none')}&ef={int(getattr(options, 'ef', True))}"
-    key = f"compress/{next(_agreements)}/"
+    key = "compress/"
     store.set(key + str(info.rank), mine)
     for r in range(info.world_size) if info.rank == 0 else [0]:
         try:

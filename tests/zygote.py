@@ -1,16 +1,29 @@
 """A fork server for the test suite: torch imported once, every Python process forked from it.
 
+Test plumbing, not the library's (as torch keeps its harness under ``torch/testing/_internal``): the
+launcher takes how to start a process as a parameter (:data:`commlab.launcher.Starter`), and this
+module provides one.
+
 Each rank, server and launcher the tests start imports torch (about 2 s of CPU) and, to build an
 optimizer, torch._dynamo (1.3-1.6 s more); the suite starts several hundred of them on 2 cores.
-A zygote (``python -m commlab.zygote SOCKET``) imports all that once, then serves requests on a Unix
+A zygote (``python -m tests.zygote SOCKET``) imports all that once, then serves requests on a Unix
 socket: each request is a command line ``[sys.executable, -m MODULE | -c CODE | SCRIPT, ARGS...]``,
 an environment, a folder and three file descriptors (stdin, stdout, stderr, passed with
 ``SCM_RIGHTS``), and is answered by a forked child that runs the program as a fresh interpreter
 would, with torch already in memory.
 
-Opt-in only: :func:`commlab.launcher.start_group` asks the zygote named by ``$COMMLAB_ZYGOTE``
-(the tests' conftest starts one and sets it) for command lines it can serve, and starts every
-other command, or any command without that variable, the ordinary way. Users never get one.
+Opt-in only: the tests' helpers pass :func:`start` to :func:`commlab.launcher.start_group` (and
+``Job(starter=...)``); it asks the zygote named by ``$COMMLAB_ZYGOTE`` (the tests' conftest starts one
+and sets it) for command lines it can serve, and starts every other command, or any command without
+that variable (or with ``off``), the ordinary way. The processes the tests start inherit
+``$COMMLAB_STARTER=tests.zygote``, so the launchers, ranks and servers they run start theirs here too
+(:func:`commlab.launcher.starter_from_env`). Users never get one.
+
+Only its owner: the socket is bound under a temporary name inside a folder of mode 0700 that the
+zygote makes (or finds owned by it, with no access for others), set to mode 0600 and renamed, so
+no other user can reach it in between; and every connection's peer uid (``SO_PEERCRED``) must be
+the zygote's own, else it is closed unread, counted and logged on stderr (what a connection can ask
+for, ``-c CODE``, is code run as the zygote's user).
 A command line may start with ``ip netns exec NS`` (as root; the child joins the network
 namespace, without the /sys and /etc mounts ``ip netns exec`` adds) and ``env NAME=VALUE...``.
 
@@ -46,14 +59,17 @@ import os
 import select
 import signal
 import socket
+import stat
+import struct
 import subprocess
 import sys
 import time
 
 ENV = "COMMLAB_ZYGOTE"  # the zygote's socket path; unset (or "off"): real starts
+MODULE = "tests.zygote"  # this module's name for $COMMLAB_STARTER (the repository root on sys.path)
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.checkpoint", "numpy", "zmq", "msgpack",
            "tqdm", "commlab", "commlab.cli", "commlab.launcher", "commlab.exchanger", "commlab.store",
-           "workers.loop", "servers.server", "bench")
+           "workers.loop", "servers.server", "bench", MODULE)
 MAX_MSG = 1 << 20
 CONNECT_S = 120.0  # how long a requester waits for a zygote that is still importing
 REAP_S = 30.0  # how long a requester waits for the zygote to reap a child whose exit it reported
@@ -64,6 +80,30 @@ CLONE_NEWNET = 0x40000000
 def socket_path() -> str | None:
     path = os.environ.get(ENV, "")
     return None if path in ("", "off", "0") else path
+
+
+class Starter:
+    """A :data:`commlab.launcher.Starter` that forks what it can from the zygote listening at ``path``
+    and starts anything else the ordinary way (:func:`commlab.launcher.plain_start`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, argv, env, **popen_kw) -> subprocess.Popen:
+        from commlab import launcher
+
+        if serves(argv):
+            return Popen(list(argv), zygote=self.path, env=dict(env), start_new_session=True, **popen_kw)
+        return launcher.plain_start(argv, env, **popen_kw)
+
+
+def start(argv, env, **popen_kw) -> subprocess.Popen:
+    """The starter ``$COMMLAB_STARTER=tests.zygote`` names: the zygote at ``$COMMLAB_ZYGOTE`` (read now, so
+    a test that turns it off turns it off), else the ordinary start."""
+    from commlab import launcher
+
+    path = socket_path()
+    return Starter(path)(argv, env, **popen_kw) if path else launcher.plain_start(argv, env, **popen_kw)
 
 
 def serves(argv) -> bool:
@@ -109,13 +149,17 @@ def _connect(path: str, timeout: float) -> socket.socket:
 
 
 class Popen(subprocess.Popen):
-    """:class:`subprocess.Popen` whose child is forked by the zygote at ``$COMMLAB_ZYGOTE``.
+    """:class:`subprocess.Popen` whose child is forked by the zygote listening at ``zygote``.
 
     Used like any Popen (pipes, ``communicate``, ``poll``, ``wait``, signals to ``pid``); the
     child is not this process's own, so its exit status comes from the zygote over the connection
     this object holds. Only what :func:`commlab.launcher.start_group` passes is supported: stdio
     redirections, ``cwd``, ``env``, ``text``, and a new session (always).
     """
+
+    def __init__(self, args, *, zygote: str, **popen_kw):
+        self._zygote_path = zygote
+        super().__init__(args, **popen_kw)
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
@@ -129,7 +173,7 @@ class Popen(subprocess.Popen):
                                  "env": {**{os.fsdecode(k): os.fsdecode(v) for k, v in
                                             (os.environ if env is None else env).items()}, **extra},
                                  "cwd": os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()})
-        sock = _connect(socket_path() or "", CONNECT_S)
+        sock = _connect(self._zygote_path, CONNECT_S)
         try:
             fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
                    errwrite if errwrite != -1 else 2]
@@ -190,6 +234,38 @@ class Popen(subprocess.Popen):
 
 # ----- the zygote ---------------------------------------------------------------------------------
 
+def _private_folder(folder: str) -> None:
+    """``folder`` made with mode 0700, or found as a folder of this user's that no one else may enter;
+    PermissionError otherwise (the socket inside is reachable by whoever may enter it)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"the zygote's folder {folder} must be a folder of uid {os.geteuid()} with mode 0700, "
+                              f"not mode {stat.S_IMODE(st.st_mode):o} of uid {st.st_uid}")
+
+
+def _bind_private(path: str) -> socket.socket:
+    """A listening socket at ``path``, mode 0600, in a private folder (:func:`_private_folder`). Bound
+    under a temporary name (bind makes the file with the umask's mode), then set to 0600 and renamed:
+    connectable under its name only once it is, and the folder keeps others out in between."""
+    _private_folder(os.path.dirname(os.path.abspath(path)))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    tmp = f"{path}.{os.getpid()}"
+    listener.bind(tmp)
+    os.chmod(tmp, 0o600)
+    listener.listen(128)
+    os.rename(tmp, path)
+    return listener
+
+
+def peer_uid(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a Unix socket, as the kernel recorded it at connect
+    (``SO_PEERCRED``)."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 def _die_with_parent(parent: int) -> None:
     import ctypes
 
@@ -200,19 +276,17 @@ def _die_with_parent(parent: int) -> None:
 
 
 class Zygote:
-    def __init__(self, path: str):
+    def __init__(self, path: str, preload: tuple[str, ...] = PRELOAD):
+        _private_folder(os.path.dirname(os.path.abspath(path)))  # before the minute of imports
         self.path = path
         self.zygote_pid = os.getpid()
         self.children: dict[int, socket.socket] = {}  # pid -> its requester's connection
         self.reported: dict[int, socket.socket] = {}  # exited, status sent, a zombie until the requester closes
         self.orphans: set[int] = set()  # requester gone, group killed, not reaped yet
+        self.refused = 0  # connections from another user, closed unread
         self.base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-        self.preload()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        tmp = f"{path}.{os.getpid()}"
-        self.listener.bind(tmp)
-        self.listener.listen(128)
-        os.rename(tmp, path)  # connectable once it has its name
+        self.preload(preload)
+        self.listener = _bind_private(path)
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -220,10 +294,11 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
-    def preload(self) -> None:
+    @staticmethod
+    def preload(names: tuple[str, ...]) -> None:
         import importlib
 
-        for name in PRELOAD:
+        for name in names:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
 
@@ -299,6 +374,13 @@ class Zygote:
         import msgpack
 
         conn, _ = self.listener.accept()
+        pid, uid = peer_uid(conn)
+        if uid != os.geteuid():  # what it would ask for runs as this user: only this user may ask
+            conn.close()
+            self.refused += 1
+            print(f"zygote: refused a connection from uid {uid} (pid {pid}): only uid {os.geteuid()} is served; "
+                  f"{self.refused} refused so far", file=sys.stderr, flush=True)
+            return
         fds: list[int] = []
         try:
             conn.settimeout(10)
@@ -483,21 +565,26 @@ class Zygote:
             setattr(sys, name, made)
             setattr(sys, f"__{name}__", made)
 
-    def reseed(self) -> None:
-        import numpy
-        import torch
-
-        numpy.random.seed()  # from the OS, as at a fresh import (random: reseeded at fork by Python)
-        torch.seed()  # a fresh interpreter's torch seeds its default generator from the OS too
+    @staticmethod
+    def reseed() -> None:
+        """The generators a preloaded module seeded once in the zygote, seeded from the OS again, as at a fresh
+        import (``random``: reseeded at fork by Python; a module not preloaded seeds itself when imported)."""
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        if "torch" in sys.modules:
+            sys.modules["torch"].seed()
 
 
 def main(argv: list[str]) -> int:
+    """``[--bare] SOCKET_PATH``; ``--bare``: import nothing ahead (a zygote to test the zygote with)."""
+    bare = argv[:1] == ["--bare"]
+    argv = argv[1:] if bare else argv
     if len(argv) != 1:
-        print("usage: python -m commlab.zygote SOCKET_PATH", file=sys.stderr)
+        print("usage: python -m tests.zygote [--bare] SOCKET_PATH", file=sys.stderr)
         return 2
     os.environ.pop(ENV, None)
     _die_with_parent(os.getppid())
-    zygote = Zygote(argv[0])
+    zygote = Zygote(argv[0], () if bare else PRELOAD)
     try:
         zygote.serve()
     finally:
@@ -507,7 +594,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    # served from the module commlab.zygote, not from __main__, whose dict each child's program takes over
-    from commlab.zygote import main as served
+    # served from the module tests.zygote, not from __main__, whose dict each child's program takes over
+    from tests.zygote import main as served
 
     sys.exit(served(sys.argv[1:]))
