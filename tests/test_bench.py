@@ -466,9 +466,9 @@ def test_staleness_is_read_from_the_servers_last_stats_lines(tmp_path):
 
 def test_the_staleness_verdict_states_equal_samples_and_shows_the_ssp_bound():
     from bench.report import staleness_verdict
-    common = {"kind": "async", "final_test_acc": 0.5, "final_test_loss": 1.5, "samples": 640,
+    common = {"kind": "async", "test_acc": 0.5, "test_loss": 1.5, "samples": 640,
               "step_s_samples": [0.01, 0.011, 0.012]}
-    sync = dict(common, regime="ps-sync", kind="sync", url="ps://?shards=1&mode=sync", lr=0.1, final_test_loss=1.0)
+    sync = dict(common, regime="ps-sync", kind="sync", url="ps://?shards=1&mode=sync", lr=0.1, test_loss=1.0)
     ssp = dict(common, regime="ps-ssp-2", url="ps://?shards=1&mode=ssp&staleness=2", lr=0.05,
                staleness=[0, 1, 3, 1], clock_gap=[0, 2, 1, 2])
     broken = dict(ssp, regime="ps-ssp-broken", clock_gap=[0, 3])
