@@ -149,7 +149,8 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
             + table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
 
-def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0) -> list[str]:
+def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0,
+                        link: str | None = None) -> list[str]:
     out = ["## Convergence", ""]
     if not summaries:
         return out + ["Not measured in this run.", ""]
@@ -186,7 +187,7 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
                    "s to target", "sent / worker / step", "step ms median [min–max]", "compute ms",
                    "exposed comm ms", "max abs test-loss diff vs local"], rows)
     out += ["", "### Do the synchronous regimes reproduce local:// on the combined batch?", ""]
-    out += sync_check(summaries) + [""]
+    out += sync_check(summaries, link) + [""]
     out += ["### Verdict: fastest to accuracy", ""] + accuracy_verdict(summaries, cfg["target_acc"], sigma) + [""]
     out += ["### Verdict: the cost of staleness", ""] + staleness_verdict(summaries, sigma) + [""]
     if pngs.get("staleness"):
@@ -203,14 +204,18 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
     return out
 
 
-def sync_check(summaries: list[dict]) -> list[str]:
-    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)?"""
+def sync_check(summaries: list[dict], link: str | None = None) -> list[str]:
+    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)? A
+    compressed regime's line says how far it went and, on loopback (``link`` None), that no compressor pays there."""
     lines = curves.agreement(summaries, any(s["kind"] == "reference" for s in summaries), what="test-loss",
                              why="float32 summation order")
+    where = ("on loopback no compressor pays (the link is memory: encoding costs more than the bytes it saves); "
+             "`commlab bench compress` measures where one does" if link in (None, "loopback")
+             else "`commlab bench compress` says when it pays")
     for s in summaries:  # compression changes the arithmetic by design: how far it went, not a verdict
         if s["kind"] == "compressed" and s["max_abs_test_loss_diff"] is not None:
             lines.append(f"- {s['regime']}: compressed, so not local's arithmetic by design: max |test-loss "
-                         f"difference| {s['max_abs_test_loss_diff']:.3g} (`commlab bench compress` says when it pays).")
+                         f"difference| {s['max_abs_test_loss_diff']:.3g} ({where}).")
     return lines
 
 
@@ -475,7 +480,7 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
                     "verdict of the run; more launches (`--launches 6`) can settle these.", ""] + notes + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
-    out += convergence_section(summaries, cv_cfg, pngs, sigma) if cv_cfg else ["## Convergence", "", "Not run.", ""]
+    out += convergence_section(summaries, cv_cfg, pngs, sigma, manifest["config"].get("link")) if cv_cfg else ["## Convergence", "", "Not run.", ""]
     out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus"), sigma) \
         if sc_cfg else ["## Scaling with N", "", "Not run.", ""]
     out += probes_section(probes or {})

@@ -192,7 +192,8 @@ def compression_section(cal: Calibration, specs: list[str], regime, topo: Topolo
             f"Each compressor measured on this model here (its bytes by closed form; encode and decode timed on its "
             f"buckets, with error feedback, once past its warm-up), its step predicted for identical workers "
             f"(docs/plan.md#compression). \"pays below\": the link rate under which its step beats the uncompressed "
-            f"one.", ""]
+            f"one. On loopback (the ranks on one machine) no compressor pays, measured: the link is memory, and "
+            f"encoding costs more than the bytes it saves (docs/compress.md); the rates here are a NIC's.", ""]
     return head + rows + ["", "### Recommendation (compression)", ""] + K.recommend(data, topo) + [""], data
 
 
