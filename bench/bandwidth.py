@@ -48,11 +48,30 @@ class Budget:
     def note(self, seconds: float) -> None:
         self.durations.append(seconds)
 
-    def outcome(self, res) -> tuple[str, str]:
-        """(status, error) of a job that did not succeed: cut by the budget, or failed."""
+    def outcome(self, res, stuck_s: float | None = None) -> tuple[str, str]:
+        """(status, error) of a job that did not succeed: cut by the budget (``"skipped"``), stopped by its
+        own deadline while it still worked (:data:`TOO_SLOW`: this machine, loaded as it is now, could
+        not finish it in time; not a failure), or failed. ``stuck_s``: seconds the job had gone without a
+        sign of progress when it was stopped, where the caller knows it; a job stopped by its deadline
+        after :func:`stuck_after` of them is stuck, a failure."""
         if res.timed_out and self.left() <= 1.0:
             return "skipped", f"stopped after {res.seconds:.0f}s when the benchmark's time budget ran out"
+        if res.timed_out and stuck_s is not None and stuck_s > stuck_after(res.seconds):
+            return "failed", (f"stopped by its deadline after {res.seconds:.0f}s, with no progress in its last "
+                              f"{stuck_s:.0f}s: stuck, not slow; last output: {jobs.last_error_line(res.log)}")
+        if res.timed_out:
+            return TOO_SLOW, (f"{TOO_SLOW}: stopped by its deadline after {res.seconds:.0f}s while it still "
+                              f"progressed; last output: {jobs.last_error_line(res.log)}")
         return "failed", res.error()
+
+
+TOO_SLOW = "too slow to judge here now"  # the status of a run its deadline stopped while it still progressed
+
+
+def stuck_after(seconds: float) -> float:
+    """Seconds without progress after which a job its deadline stopped counts as stuck, not slow: a
+    quarter of its run, at least 30 (a loaded machine's pauses between steps stay far below)."""
+    return max(30.0, seconds / 4)
 
 
 def iters_for(size: int, repeat_bytes: int, min_iters: int, max_iters: int) -> int:

@@ -12,8 +12,10 @@ asynchronous regimes' staleness, from the servers.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from bench import jobs
 from bench.jobs import read_ranks
 from bench.records import failure
 from commlab import launcher
+from commlab.metrics import metrics_path
+from commlab.plan.calibrate import cpu_share
 from bench.text import slug
 
 # A synchronous regime "coincides" with local:// when its test loss at every eval
@@ -41,6 +45,15 @@ def rank_args(model: str, *, steps: int, batch: int, lr: float, seed: int, eval_
             "--eval-every", str(eval_every), "--metrics", str(metrics), "--no-progress"]
 
 
+def machine_slowdown(procs: int, seconds: float = 0.5) -> float:
+    """How many times slower than on a quiet machine ``procs`` processes that compute in lockstep run here
+    now: the share of a core each would get on this machine alone (``min(1, cores / procs)``) over the
+    share each gets now (:func:`commlab.plan.calibrate.cpu_share`, measured for ``seconds``); at least 1.
+    Blocks about ``seconds`` plus the start of ``procs`` interpreters."""
+    quiet = min(1.0, len(os.sched_getaffinity(0)) / procs)
+    return max(1.0, quiet / cpu_share(procs, seconds=seconds, step_cpu_s=0.02))
+
+
 @dataclass
 class ConvergenceConfig:
     regimes: list[str]
@@ -52,10 +65,21 @@ class ConvergenceConfig:
     seed: int = 0
     eval_every: int = 10
     target_acc: float = 0.85
-    job_timeout: float = 120.0
+    job_timeout: float = 120.0  # one job's deadline on a quiet machine, stretched by ``slowdown`` at its start
+    # how many times slower than on a quiet machine the jobs run here: None measures it at each job's start
+    # (:func:`machine_slowdown`); a number fixes it (1: the deadline is job_timeout)
+    slowdown: float | None = None
 
     def lr_for(self, entry: R.ConvergenceEntry, workers: int) -> float:
         return self.lr / workers if entry.lr_over_n else self.lr
+
+
+def quiet_for(metrics: Path, ranks: int, started: float) -> float:
+    """Seconds since any of a job's ranks last wrote a metrics line (the files' last change; since the
+    job started, at ``started`` on ``time.time()``'s clock, when none wrote one): how long it had gone
+    without progress."""
+    stamps = [p.stat().st_mtime for p in (metrics_path(metrics, r) for r in range(ranks)) if p.exists()]
+    return time.time() - max(stamps, default=started)
 
 
 SERVER_STATS = re.compile(r"^commlab server (?P<name>[^:]+): (?P<json>\{.*\})\s*$")
@@ -88,24 +112,14 @@ def read_staleness(log: Path, key: str = "staleness") -> list[int] | None:
 
 def summarize(name: str, entry: R.ConvergenceEntry, ranks: list[list[dict]], target: float, batch: int = 0,
               lr: float = float("nan")) -> dict:
+    """One regime's summary: :func:`bench.curves.summary`'s figures (``test_loss`` / ``test_acc``: the
+    last evaluation's), with the evaluations (``evals``: step counted from 1, time, test loss and
+    accuracy, bytes rank 0 sent so far), the steps and time to ``target`` test accuracy, the per-step
+    samples the scaling phase and the verdicts use, ``lr`` and ``samples`` (every rank's)."""
     r0 = ranks[0]
     evals = [{"step": x["step"] + 1, "time_s": x["time_s"], "test_loss": x["test_loss"], "test_acc": x["test_acc"],
               "bytes": sum(x2["bytes_sent"] for x2 in r0[: x["step"] + 1])} for x in r0 if "test_acc" in x]
-    def given(key):  # a peer may not know a field (DDP: no exposed communication apart from compute)
-        return [x[key] for x in r0 if x.get(key) is not None]
-
-    med = lambda key: statistics.median(given(key)) if given(key) else float("nan")
-    mean = lambda key: statistics.fmean(given(key)) if given(key) else float("nan")
-    bytes_total = sum(x["bytes_sent"] for lines in ranks for x in lines)
-    return {"regime": name, "url": entry.url, "kind": entry.kind, "workers": len(ranks), "steps": len(r0),
-            "wall_s": r0[-1]["time_s"] if r0 else float("nan"),
-            "final_test_acc": evals[-1]["test_acc"] if evals else float("nan"),
-            "final_test_loss": evals[-1]["test_loss"] if evals else float("nan"),
-            "bytes_sent_total": bytes_total, "bytes_sent_per_worker_step": bytes_total / max(1, sum(map(len, ranks))),
-            "step_s_median": med("step_s"), "compute_s_median": med("compute_s"), "comm_s_median": med("comm_s"),
-            "step_s_mean": mean("step_s"), "compute_s_mean": mean("compute_s"), "comm_s_mean": mean("comm_s"),
-            "step_s_min": min((x["step_s"] for x in r0), default=float("nan")),
-            "step_s_max": max((x["step_s"] for x in r0), default=float("nan")),
+    return {"regime": name, "url": entry.url, "kind": entry.kind, "workers": len(ranks), **curves.summary(ranks),
             **curves.reach(test_loss_curve({"evals": evals}), [e["test_acc"] for e in evals], lambda a: a >= target),
             "evals": evals, "batch_per_worker": batch, "lr": lr, "samples": batch * sum(map(len, ranks)),
             "step_s_samples": [x["step_s"] for x in r0], "comm_s_samples": [x["comm_s"] for x in r0]}
@@ -183,18 +197,28 @@ def train(cfg: ConvergenceConfig, name: str, workers: int, steps: int, run_dir: 
     args = rank_args(cfg.model, steps=steps, batch=batch, lr=lr, seed=cfg.seed, eval_every=cfg.eval_every,
                      metrics=metrics)
     job = launcher.worker_job(e.url, ranks_n, args, module=e.module or "workers", name=f"convergence {name}")
-    res = jobs.run(job, run_dir / "logs" / f"{tag}.log", min(cfg.job_timeout, budget.left()),
+    # the deadline scales with this machine's speed now: a loaded machine gets the time it needs, and a run
+    # its deadline still stops is too slow to judge here, not failed (bench.bandwidth.Budget.outcome)
+    slowdown = machine_slowdown(ranks_n) if cfg.slowdown is None else cfg.slowdown
+    deadline = cfg.job_timeout * slowdown
+    started = time.time()
+    res = jobs.run(job, run_dir / "logs" / f"{tag}.log", min(deadline, budget.left()),
                    None if e.kind == "reference" else links)
     budget.note(res.seconds)
     ranks = read_ranks(metrics, ranks_n)
     if not res.ok or len(ranks[0]) < steps:
-        status, error = budget.outcome(res) if not res.ok else ("failed", "")
+        status, error = (budget.outcome(res, quiet_for(metrics, ranks_n, started)) if not res.ok
+                         else ("failed", ""))
+        if res.timed_out:
+            error += (f" (rank 0 had done {len(ranks[0])} of {steps} steps; deadline {deadline:.0f}s: "
+                      f"{cfg.job_timeout:g}s on a quiet machine x {slowdown:.2f}, this machine's slowdown at the start)")
         return None, dict(failure("convergence", name, error or f"rank 0 wrote {len(ranks[0])} of {steps} steps",
-                                  e.url, status), workers=workers, log=str(res.log.relative_to(run_dir)))
+                                  e.url, status), workers=workers, log=str(res.log.relative_to(run_dir)),
+                          deadline_s=deadline, slowdown=slowdown)
     s = summarize(name, e, ranks, cfg.target_acc, batch, lr)
     s["staleness"] = read_staleness(res.log)
     s["clock_gap"] = read_staleness(res.log, key="clock_gap")
-    s["curve"] = ranks[0]
+    s["curve"] = ranks[0]  # the raw lines (convergence.json's curves), not bench.curves' points
     return s, None
 
 

@@ -3,10 +3,13 @@ whether a curve coincides with the reference's.
 
 A *curve* is a list of points ``{"step", "loss", "time_s", ...}``, ``step`` counted from 0, as
 :func:`curve` reads them from the ranks' metrics lines (``commlab bench script``, the workloads,
-``commlab bench compress``); the convergence phase's evaluations are such points too (``loss``:
-the test loss). :func:`reach` finds the first point at a target, :func:`coincidence` compares a
-curve with the reference's (``local://`` on the combined batch) step by step, and
-:func:`agreement` words those comparisons for a report, one line per synchronous regime.
+``commlab bench compress``, the convergence phase); the convergence phase's evaluations are such
+points too (``loss``: the test loss). :func:`summary` is the one set of figures every phase states
+about a run (steps, wall time, step / compute / exposed-communication times, bytes per step, the last
+evaluation), under the same keys; a phase adds its own beside them. :func:`reach` finds the first point
+at a target, :func:`coincidence` compares a curve with the reference's (``local://`` on the combined
+batch) step by step, and :func:`agreement` words those comparisons for a report, one line per
+synchronous regime.
 """
 
 from __future__ import annotations
@@ -21,18 +24,21 @@ def number(x) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+def first_lines(lines: list[dict]) -> dict[int, dict]:
+    """One rank's lines by step, each step's first line that reports a loss (a script's closing line
+    repeating the last step adds its held-out figures, not a second point)."""
+    first: dict[int, dict] = {}
+    for rec in lines:
+        if number(rec.get("loss")) is not None:
+            first.setdefault(rec["step"], rec)
+    return first
+
+
 def curve(ranks: list[list[dict]]) -> list[dict]:
     """One point per step rank 0 reported a loss for: ``step``, ``loss`` (mean over the ranks that
     reported that step), ``time_s`` (rank 0's), ``bytes`` (rank 0's bytes sent up to that step) and
-    ``step_s`` / ``comm_s`` / ``bytes_sent`` where rank 0 reported them. A step's first line counts
-    (a script's closing line repeating the last step adds its held-out figures, not a second point)."""
-    per_rank: list[dict[int, dict]] = []
-    for lines in ranks:
-        first: dict[int, dict] = {}
-        for rec in lines:
-            if number(rec.get("loss")) is not None:
-                first.setdefault(rec["step"], rec)
-        per_rank.append(first)
+    ``step_s`` / ``comm_s`` / ``bytes_sent`` where rank 0 reported them (:func:`first_lines`)."""
+    per_rank = [first_lines(lines) for lines in ranks]
     if not per_rank or not per_rank[0]:
         return []
     r0 = per_rank[0]
@@ -73,6 +79,42 @@ def median(values) -> float | None:
     """The median of the finite values among ``values`` (None skipped); None if there are none."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.median(vals) if vals else None
+
+
+def mean(values) -> float | None:
+    """The mean of the finite values among ``values`` (None skipped); None if there are none."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.fmean(vals) if vals else None
+
+
+def summary(ranks: list[list[dict]]) -> dict:
+    """The figures every training-curve summary of ``bench/`` states, under these keys, from the ranks'
+    metrics lines (each step's first line, :func:`first_lines`); ``{}`` when rank 0 reported no loss.
+
+    ``steps`` (rank 0's last step + 1), ``wall_s`` (its time then), ``step_s_median`` / ``_mean`` /
+    ``_min`` / ``_max`` (:func:`step_times` of rank 0), ``compute_s_median`` / ``_mean`` and
+    ``comm_s_median`` / ``_mean`` (rank 0's; None where it did not report them: DDP's communication
+    overlaps its compute), ``bytes_per_step`` (bytes sent per rank per step, over every rank's reported
+    steps) and ``bytes_sent_total``, ``test_loss`` / ``test_acc`` (rank 0's last evaluation, None
+    without one) and ``curve`` (:func:`curve`).
+    """
+    pts = curve(ranks)
+    if not pts:
+        return {}
+    r0 = list(first_lines(ranks[0]).values())
+    sent = [b for lines in ranks for b in (number(x.get("bytes_sent")) for x in first_lines(lines).values())
+            if b is not None]
+    last_eval = next((rec for rec in reversed(ranks[0]) if "test_loss" in rec or "test_acc" in rec), {})
+    steps = step_times(pts)
+    of = lambda key: [number(x.get(key)) for x in r0]
+    return {"steps": pts[-1]["step"] + 1, "wall_s": pts[-1]["time_s"],
+            "step_s_median": median(steps), "step_s_mean": mean(steps),
+            "step_s_min": min(steps, default=None), "step_s_max": max(steps, default=None),
+            "compute_s_median": median(of("compute_s")), "compute_s_mean": mean(of("compute_s")),
+            "comm_s_median": median(of("comm_s")), "comm_s_mean": mean(of("comm_s")),
+            "bytes_per_step": statistics.fmean(sent) if sent else None, "bytes_sent_total": sum(sent),
+            "test_loss": number(last_eval.get("test_loss")), "test_acc": number(last_eval.get("test_acc")),
+            "curve": pts}
 
 
 def step_times(points: list[dict]) -> list[float]:

@@ -185,9 +185,9 @@ def step_split(summaries: list[dict], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(summaries) + 1.6))
     names = [s["regime"] for s in summaries]
-    comp = [s["compute_s_mean"] * 1e3 for s in summaries]
+    comp = [(s["compute_s_mean"] or 0.0) * 1e3 for s in summaries]
     # DDP reports no exposed communication apart from compute (its all-reduces run inside backward)
-    comm = [0.0 if math.isnan(s["comm_s_mean"]) else s["comm_s_mean"] * 1e3 for s in summaries]
+    comm = [0.0 if s["comm_s_mean"] is None else s["comm_s_mean"] * 1e3 for s in summaries]
     other = [max(0.0, s["step_s_mean"] * 1e3 - c - m) for s, c, m in zip(summaries, comp, comm)]
     y = range(len(names))
     ax.barh(y, comp, label="compute (forward + backward)", color="tab:blue")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from bench import plots, verdict
 from bench import bandwidth, curves
-from bench.bandwidth import launch_groups
+from bench.bandwidth import TOO_SLOW, launch_groups
 from bench.records import bus_factor
-from bench.text import fmt, fmt_us, human_bytes, table
+from bench.text import fixed, fmt, fmt_us, human_bytes, ms, table
 from commlab.plan.recommend import at_scale_from_bench
 
 SECTIONS = ("## Run", "## Failed, skipped or unavailable", "## Bandwidth", "## Convergence", "## Scaling with N",
@@ -149,7 +149,8 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
             + table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
 
-def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0) -> list[str]:
+def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: float = 0.0,
+                        link: str | None = None) -> list[str]:
     out = ["## Convergence", ""]
     if not summaries:
         return out + ["Not measured in this run.", ""]
@@ -173,20 +174,20 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
     for s in summaries:
         rows.append([s["regime"], s["kind"], str(s["workers"]), fmt(s.get("lr")), fmt(s.get("samples")),
                      fmt(len(s["staleness"])) if s.get("staleness") else ("—" if s["kind"] != "sync" else fmt(s["steps"])),
-                     f"{s['final_test_acc']:.3f}", f"{s['final_test_loss']:.4f}",
+                     fixed(s["test_acc"], ".3f"), fixed(s["test_loss"]),
                      f"{s['wall_s']:.2f}", fmt(s["steps_to_target"]),
                      "—" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.2f}",
-                     human_bytes(s["bytes_sent_per_worker_step"]),
+                     human_bytes(s["bytes_per_step"]),
                      f"{s['step_s_median'] * 1e3:.1f} [{s['step_s_min'] * 1e3:.1f}–{s['step_s_max'] * 1e3:.1f}]",
-                     f"{s['compute_s_median'] * 1e3:.1f}",
-                     "overlapped" if math.isnan(s["comm_s_median"]) else f"{s['comm_s_median'] * 1e3:.1f}",
+                     ms(s["compute_s_median"]),
+                     "overlapped" if s["comm_s_median"] is None else f"{s['comm_s_median'] * 1e3:.1f}",
                      fmt(s["max_abs_test_loss_diff"], 2)])
     out += table(["regime", "kind", "N", "lr per update", "samples", "updates applied", "final test acc",
                    "final test loss", "wall s", "steps to target",
                    "s to target", "sent / worker / step", "step ms median [min–max]", "compute ms",
                    "exposed comm ms", "max abs test-loss diff vs local"], rows)
     out += ["", "### Do the synchronous regimes reproduce local:// on the combined batch?", ""]
-    out += sync_check(summaries) + [""]
+    out += sync_check(summaries, link) + [""]
     out += ["### Verdict: fastest to accuracy", ""] + accuracy_verdict(summaries, cfg["target_acc"], sigma) + [""]
     out += ["### Verdict: the cost of staleness", ""] + staleness_verdict(summaries, sigma) + [""]
     if pngs.get("staleness"):
@@ -203,14 +204,18 @@ def convergence_section(summaries: list[dict], cfg: dict, pngs: dict, sigma: flo
     return out
 
 
-def sync_check(summaries: list[dict]) -> list[str]:
-    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)?"""
+def sync_check(summaries: list[dict], link: str | None = None) -> list[str]:
+    """Do the synchronous regimes' test-loss curves lie on local://'s (:func:`bench.curves.agreement`)? A
+    compressed regime's line says how far it went and, on loopback (``link`` None), that no compressor pays there."""
     lines = curves.agreement(summaries, any(s["kind"] == "reference" for s in summaries), what="test-loss",
                              why="float32 summation order")
+    where = ("on loopback no compressor pays (the link is memory: encoding costs more than the bytes it saves); "
+             "`commlab bench compress` measures where one does" if link in (None, "loopback")
+             else "`commlab bench compress` says when it pays")
     for s in summaries:  # compression changes the arithmetic by design: how far it went, not a verdict
         if s["kind"] == "compressed" and s["max_abs_test_loss_diff"] is not None:
             lines.append(f"- {s['regime']}: compressed, so not local's arithmetic by design: max |test-loss "
-                         f"difference| {s['max_abs_test_loss_diff']:.3g} (`commlab bench compress` says when it pays).")
+                         f"difference| {s['max_abs_test_loss_diff']:.3g} ({where}).")
     return lines
 
 
@@ -282,14 +287,14 @@ def staleness_verdict(summaries: list[dict], sigma: float = 0.0) -> list[str]:
     lines = []
     if base:
         lines.append(f"- Against {base['regime']} at equal samples ({base.get('samples', '?')} samples, lr "
-                     f"{fmt(base.get('lr'))}): final test loss {base['final_test_loss']:.4f}, acc "
-                     f"{base['final_test_acc']:.3f}. One run each: the loss differences below are one draw, not an "
+                     f"{fmt(base.get('lr'))}): final test loss {base['test_loss']:.4f}, acc "
+                     f"{base['test_acc']:.3f}. One run each: the loss differences below are one draw, not an "
                      "interval; step times come with theirs.")
     for s in asyncs:
         text = (f"- {s['regime']} (lr {fmt(s.get('lr'))} per update, {len(s['staleness']) if s.get('staleness') else '?'}"
-                f" updates): final test acc {s['final_test_acc']:.3f}, loss {s['final_test_loss']:.4f}")
+                f" updates): final test acc {s['test_acc']:.3f}, loss {s['test_loss']:.4f}")
         if base:
-            text += f" ({s['final_test_loss'] - base['final_test_loss']:+.4f} against {base['regime']})"
+            text += f" ({s['test_loss'] - base['test_loss']:+.4f} against {base['regime']})"
             if s.get("step_s_samples") and base.get("step_s_samples"):
                 v = verdict.compare(s["regime"], s["step_s_samples"], base["regime"], base["step_s_samples"],
                                     paired=False, launch_sigma=sigma)
@@ -404,9 +409,17 @@ def launch_notes(records: list[dict], pairs: dict[int, list[verdict.Verdict]] | 
 
 
 def failures_section(failures: list[dict]) -> list[str]:
+    """The runs that did not give a result: the failures first, then those too slow to judge here now
+    (stopped by a deadline that had already scaled with this machine's load), skipped or unavailable."""
     out = ["## Failed, skipped or unavailable", ""]
     if not failures:
         return out + ["Every requested regime ran.", ""]
+    failures = sorted(failures, key=lambda f: f["status"] != "failed")  # stable: each group in run order
+    slow = sum(f["status"] == TOO_SLOW for f in failures)
+    if slow:
+        out += [f"{slow} run(s) **{TOO_SLOW}**: stopped by their deadline while they still progressed, on a "
+                f"machine too busy to finish them even with the deadline stretched by its measured slowdown. "
+                f"They are not failures: nothing is known about them from this run; rerun on a quieter machine.", ""]
     rows = [[f["phase"], f["regime"], f"`{f['url']}`" if f.get("url") else "", f["status"],
              f["error"][:300] + (f" (log: `{f['log']}`)" if f.get("log") else "")]
             for f in failures]
@@ -467,7 +480,7 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
                     "verdict of the run; more launches (`--launches 6`) can settle these.", ""] + notes + [""]
     out += failures_section(failures)
     out += bandwidth_section(records, bw_cfg, pngs.get("busbw")) if bw_cfg else ["## Bandwidth", "", "Not run.", ""]
-    out += convergence_section(summaries, cv_cfg, pngs, sigma) if cv_cfg else ["## Convergence", "", "Not run.", ""]
+    out += convergence_section(summaries, cv_cfg, pngs, sigma, manifest["config"].get("link")) if cv_cfg else ["## Convergence", "", "Not run.", ""]
     out += scaling_section(scaling or [], sc_cfg, pngs.get("scaling"), manifest["environment"].get("cpus"), sigma) \
         if sc_cfg else ["## Scaling with N", "", "Not run.", ""]
     out += probes_section(probes or {})

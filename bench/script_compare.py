@@ -22,14 +22,14 @@ import math
 import os
 import re
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import text
-from bench.curves import curve, number, median, smooth_window, smoothed, step_times, time_to_target
+from bench import curves
+from bench.curves import smooth_window, smoothed, time_to_target
 from bench import jobs
 from bench.jobs import read_ranks
 from commlab import launcher
@@ -110,22 +110,17 @@ def run_regime(command: tuple[str, ...], regime: Regime, out: Path, timeout: flo
 # ----- from lines to curves and summaries ---------------------------------------------------------
 
 def summarize(o: Outcome, target: float | None = None) -> dict:
-    """The table's row for one outcome (and its curve)."""
+    """The table's row for one outcome: :func:`bench.curves.summary`'s figures (and curve), with the final
+    smoothed loss (``final_loss``), the last one (``last_loss``) and the time to ``target``."""
     r = o.regime
     row = {"regime": r.label, "url": r.url, "kind": r.kind, "workers": r.workers, "status": o.status,
-           "error": o.error, "job_s": o.seconds, "log": o.log}
-    pts = curve(o.ranks) if o.status == "ok" else []
-    row["curve"] = pts
+           "error": o.error, "job_s": o.seconds, "log": o.log, "curve": []}
+    row.update(curves.summary(o.ranks) if o.status == "ok" else {})
+    pts = row["curve"]
     if not pts:
         return row
     sm = smoothed(pts)
-    last0 = next((rec for rec in reversed(o.ranks[0]) if "test_loss" in rec or "test_acc" in rec), {})
-    sent = [p["bytes_sent"] for p in pts if p["bytes_sent"] is not None]
-    row.update({"steps": pts[-1]["step"] + 1, "final_loss": sm[-1], "last_loss": pts[-1]["loss"],
-                "smooth_window": smooth_window(len(pts)), "wall_s": pts[-1]["time_s"],
-                "test_loss": number(last0.get("test_loss")), "test_acc": number(last0.get("test_acc")),
-                "step_s_median": median(step_times(pts)), "comm_s_median": median(p["comm_s"] for p in pts),
-                "bytes_per_step": statistics.fmean(sent) if sent else None})
+    row.update({"final_loss": sm[-1], "last_loss": pts[-1]["loss"], "smooth_window": smooth_window(len(pts))})
     row.update(time_to_target(pts, sm, target))
     return row
 

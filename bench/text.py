@@ -1,12 +1,15 @@
 """The one renderer of ``bench/``: sizes and numbers as people write them, markdown tables, file names.
 
-Every bench module writes its tables with :func:`table`, its sizes with :func:`human_bytes` (binary
-units: a 4096-byte message is "4 KiB"), and names its files with :func:`slug`.
+Every bench module writes its tables with :func:`table`, its sizes with :func:`human_bytes` (commlab's
+own, :func:`commlab.metrics.human_bytes`: binary units, a 4096-byte message is "4 KiB"), and names its
+files with :func:`slug`.
 """
 
 from __future__ import annotations
 
 import re
+
+from commlab.metrics import human_bytes  # noqa: F401  (the one size renderer; bench writes sizes as commlab does)
 
 _SUFFIX = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
            "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -25,17 +28,6 @@ def parse_size(text: str) -> int:
 
 def parse_sizes(text: str) -> list[int]:
     return [parse_size(s) for s in text.split(",") if s.strip()]
-
-
-def human_bytes(n: float | None) -> str:
-    """``4096`` -> ``'4 KiB'``, ``1.5 * 2**20`` -> ``'1.5 MiB'``; None -> ``'—'``."""
-    if n is None:
-        return "—"
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            v = n / k
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_us(us: float) -> str:

@@ -30,25 +30,39 @@ def keep_freed_memory(mmap_threshold: int = 32 * 2**20, trim_threshold: int = 2*
     """Serve allocations below ``mmap_threshold`` bytes from the heap and keep up to
     ``trim_threshold`` bytes of freed memory there for reuse (never lowers an earlier setting).
     Returns whether glibc took it."""
-    import ctypes
-    import ctypes.util
-
     global _current
     with _lock:
         mmap_threshold = max(mmap_threshold, _current[0])
         trim_threshold = max(trim_threshold, _current[1], 2 * mmap_threshold)
         if (mmap_threshold, trim_threshold) == _current:
             return True
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):
+        mallopt = _glibc("mallopt")
+        if mallopt is None:
             return False
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         ok = bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
         if ok:
             _current = (mmap_threshold, trim_threshold)
         return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the system now (glibc's ``malloc_trim``), whatever trim
+    threshold :func:`keep_freed_memory` set: for a process done with a big model's temporaries (``commlab
+    plan`` between its measurements), not for a worker's loop. Returns whether glibc did it."""
+    trim = _glibc("malloc_trim")
+    return trim is not None and bool(trim(0))
+
+
+def _glibc(name: str):
+    """The C library's function ``name``, or None where there is no such library or function."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def keep_freed_gradients(params) -> bool:

@@ -93,16 +93,21 @@ def last_record(path: str | os.PathLike) -> dict | None:
     return None
 
 
-def human_bytes(n: float) -> str:
-    """``'9.66 kB'``, ``'1.52 MB'`` (powers of 1000, three significant digits)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
+def human_bytes(n: float | None) -> str:
+    """Bytes in binary units, as nccl-tests and every page of docs/ write them: ``4096`` -> ``'4 KiB'``,
+    ``1.5 * 2**20`` -> ``'1.5 MiB'``, ``1500`` -> ``'1.5 KiB'`` (a whole number bare, else one decimal);
+    None -> ``'—'``. The one such function: ``bench`` writes its sizes with it too."""
+    if n is None:
+        return "—"
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= k:
+            v = n / k
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
     return f"{n:.0f} B"
 
 
 def summary(record: dict | None, wall_s: float) -> str:
-    """``'200 steps in 12.3 s, final loss 0.412, test accuracy 91.7%, 1.52 MB sent per step'`` from a
+    """``'200 steps in 12.3 s, final loss 0.412, test accuracy 91.7%, 1.5 MiB sent per step'`` from a
     rank-0 record (whatever of it is there); without one, says how to report."""
     if record is None:
         return (f"finished in {wall_s:.1f} s; no metrics reported (call commlab.report(step=..., loss=...) "

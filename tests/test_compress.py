@@ -289,7 +289,7 @@ def test_bad_specs_fail_in_one_line_naming_the_option(spec, words):
 def test_the_summary_gives_the_ratio_to_uncompressed():
     from commlab.metrics import summary
     line = summary({"step": 9, "bytes_sent": 1500, "bytes_received": 1500, "bytes_uncompressed": 12000}, 2.0)
-    assert line == "10 steps in 2.0 s, 1.5 kB sent, 1.5 kB received per step by rank 0 (0.125x of uncompressed)"
+    assert line == "10 steps in 2.0 s, 1.5 KiB sent, 1.5 KiB received per step by rank 0 (0.125x of uncompressed)"
 
 
 def test_the_url_carries_compress_and_ef():

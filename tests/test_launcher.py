@@ -300,9 +300,9 @@ def test_report_writes_one_json_line_per_call_to_the_rank_s_own_file(tmp_path, m
                    "exchanges": 1, "loss": 0.25}
     commlab.report(9, path=base, rank=0, loss=0.125, test_acc=0.875, bytes_sent=1500)
     assert summary(last_record(base), 3.0) == ("10 steps in 3.0 s, final loss 0.125, test accuracy 87.5%, "
-                                               "1.5 kB sent per step by rank 0")
+                                               "1.5 KiB sent per step by rank 0")
     commlab.report(10, path=base, rank=0, exchange=dataclasses.replace(step, exchanges=2))
-    assert summary(last_record(base), 3.0).endswith("2 MB sent, 1 kB received in 2 exchanges per step by rank 0")
+    assert summary(last_record(base), 3.0).endswith("1.9 MiB sent, 1000 B received in 2 exchanges per step by rank 0")
     assert "no metrics reported" in summary(None, 1.0)
 
 

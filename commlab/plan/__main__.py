@@ -3,11 +3,15 @@
     commlab plan --model mlp-25m --workers 8,64,512,4096 --link 100gbit --workers-per-host 8
     commlab plan --model mypkg.models:resnet --input-shape 3,32,32 --bench-run runs/20261123T070000Z
     commlab plan --calibrate --save-calibration cal.json      # a short bench run first (about a minute)
+    commlab plan --model mlp-25m --recalibrate                 # measure this machine again (kept: docs/plan.md)
     commlab plan --calibration cal.json --regimes 'ring://' 'ps://?shards=16&mode=ssp&staleness=2'
 
 Prints a table (step time, exposed communication, scaling efficiency, samples/s, the busiest link's
 bytes, staleness), the crossovers (how many PS shards beat the ring at each N) and a recommendation;
-writes ``plan.md``, ``plan.json`` and ``plan.png`` into ``--out``. See docs/plan.md.
+writes ``plan.md``, ``plan.json`` and ``plan.png`` into ``--out``. What it measures here (the model's
+compute, the server costs, the compressors) is measured once per machine and kept in the user's cache
+folder (:mod:`commlab.plan.cache`); ``plan.json``'s ``calibration`` says what this call measured and
+where the rest was kept. See docs/plan.md.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import math
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from commlab.errors import ConfigError
 from commlab.compress import build
+from commlab.plan.cache import Kept
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression as K
@@ -57,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--calibration", help="a calibration JSON saved before (--save-calibration)")
     g.add_argument("--bench-run", help="a 'commlab bench' run folder: transports fitted to its bandwidth.json")
     g.add_argument("--calibrate", action="store_true", help="run a short 'commlab bench bandwidth' first")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this machine again (compute, server costs, compressors) instead of using what was "
+                        "kept from an earlier call, and keep the new figures (commlab.plan.cache)")
     p.add_argument("--save-calibration", help="write the calibration used to this JSON file")
     p.add_argument("--out", help="folder for plan.md, plan.json, plan.png (default runs/plan-<UTC time>)")
     p.add_argument("--seed", type=int, default=0)
@@ -77,17 +86,31 @@ def parse_cpu_share(text: str, workers_per_host: int) -> float:
     return share
 
 
-def load_calibration(a) -> Calibration:
+def load_calibration(a) -> tuple[Calibration, Kept | None, list[str]]:
+    """The calibration of this call, the file it is kept in (None with ``--calibration``: the user's own
+    file), and what was measured now (empty when everything came from the kept file)."""
     if sum(bool(x) for x in (a.calibration, a.bench_run, a.calibrate)) > 1:
         raise ConfigError("give at most one of --calibration, --bench-run, --calibrate")
     if a.calibration:
-        return Calibration.load(a.calibration)
+        if a.recalibrate:
+            raise ConfigError("--recalibrate: measures this machine again, which --calibration FILE replaces; "
+                              "give one of them")
+        return Calibration.load(a.calibration), None, []
     shape = tuple(int(x) for x in a.input_shape.split(",")) if a.input_shape else None
     run = a.bench_run
     if a.calibrate:
         run = C.calibration_run(Path(tempfile.mkdtemp(prefix="commlab-plan-cal-")))
         print(f"commlab plan: calibration run in {run}", file=sys.stderr)
-    return C.calibrate(a.model, a.batch_size, run, input_shape=shape)
+    kept = Kept.of(a.model, a.batch_size, shape)
+    cal, why = (None, "--recalibrate: measuring this machine again") if a.recalibrate else kept.load()
+    measured = []
+    if cal is None:
+        print(f"commlab plan: {why}", file=sys.stderr)
+        cal = C.calibrate(a.model, a.batch_size, None, input_shape=shape)
+        measured.append("compute and server costs")
+    transports = C.transports_from_run(run) if run else {}
+    return (replace(cal, transports=transports, facts={**cal.facts, "run_dir": str(run) if run else None}), kept,
+            measured)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,12 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         straggler = Straggler.parse(a.straggler)
         specs = compress_specs(a.compress)
         creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))
-        cal = load_calibration(a)
+        cal, kept, measured = load_calibration(a)
         if specs and creg is not None:
+            had = set(cal.compressors)
             cal = K.with_compressors(cal, specs, creg)
+            new = [label for label in cal.compressors if label not in had]
+            measured += [f"compressors {', '.join(new)}"] if new else []
     except (ConfigError, ValueError) as exc:
         print(f"commlab plan: {exc}", file=sys.stderr)
         return 2
+    if kept is not None and measured:
+        kept.save(cal)
+        print(f"commlab plan: measured {'; '.join(measured)} on this machine; kept in {kept.path} for the next "
+              f"call", file=sys.stderr)
+    elif kept is not None:
+        print(f"commlab plan: measured nothing: this machine's figures (measured {cal.facts.get('measured_utc')}) "
+              f"kept in {kept.path} (--recalibrate measures again)", file=sys.stderr)
     if a.save_calibration:
         cal.save(a.save_calibration)
     t0 = time.perf_counter()
@@ -128,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         "results": [{"regime": k[0], "workers": k[1], **(v.as_dict() if not isinstance(v, str) else {"error": v})}
                     for k, v in plan.results.items()],
         "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took,
-        "compression": {"regime": creg.url if creg else None, "by_workers": {str(n): v for n, v in compression.items()}}},
+        "compression": {"regime": creg.url if creg else None, "by_workers": {str(n): v for n, v in compression.items()}},
+        "calibration": {"kept": str(kept.path) if kept else None, "measured_now": measured,
+                        "measured_utc": cal.facts.get("measured_utc")}},
         indent=1, default=str))
     print("\n".join(text[4:]))
     print(f"\ncommlab plan: wrote {out}/plan.md, plan.json" + (", plan.png" if png else ""), file=sys.stderr)
@@ -157,7 +192,8 @@ def compression_section(cal: Calibration, specs: list[str], regime, topo: Topolo
             f"Each compressor measured on this model here (its bytes by closed form; encode and decode timed on its "
             f"buckets, with error feedback, once past its warm-up), its step predicted for identical workers "
             f"(docs/plan.md#compression). \"pays below\": the link rate under which its step beats the uncompressed "
-            f"one.", ""]
+            f"one. On loopback (the ranks on one machine) no compressor pays, measured: the link is memory, and "
+            f"encoding costs more than the bytes it saves (docs/compress.md); the rates here are a NIC's.", ""]
     return head + rows + ["", "### Recommendation (compression)", ""] + K.recommend(data, topo) + [""], data
 
 

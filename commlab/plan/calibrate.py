@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import select
@@ -31,7 +32,7 @@ from torch import nn
 
 from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
-from commlab.heap import keep_freed_gradients
+from commlab.heap import keep_freed_gradients, release_freed_memory
 from commlab.manifest import model_manifest
 from commlab.plan.costmodel import Bucket, Calibration, Compute, Transport
 
@@ -287,6 +288,9 @@ def calibrate(model: str, batch: int, run_dir: str | Path | None = None, input_s
     net, shape = load_model(model, seed, input_shape)
     keep_freed_gradients(net.parameters())  # as every worker's exchanger does (heap=keep, the default)
     compute = measure_compute(net, shape, batch, model, reps=reps, bucket_mb=bucket_mb)
+    del net
+    gc.collect()
+    release_freed_memory()  # the model and its gradients, kept in the heap for the timing, are done with
     add, opt = measure_server_costs()
     transports = transports_from_run(run_dir) if run_dir else {}
     return Calibration(transports, add, opt, compute,

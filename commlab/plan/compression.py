@@ -43,6 +43,7 @@ refined by bisection; ``inf`` where it pays at any rate (the transport's own per
 
 from __future__ import annotations
 
+import gc
 import inspect
 import math
 import statistics
@@ -60,7 +61,7 @@ from commlab.config import ExchangerURL
 from commlab.errors import ConfigError
 from commlab.exchanger import make_buckets
 from commlab.handles import DoneHandle
-from commlab.heap import keep_freed_gradients
+from commlab.heap import keep_freed_gradients, release_freed_memory
 from commlab.plan.calibrate import cpu_clock
 from commlab.plan.rates import parse_rate
 from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
@@ -99,26 +100,35 @@ class _AllMe:
 
 
 class _Timed:
-    """``inner`` (a compressor) with its ``advance`` timed and each round's last payload kept, per bucket (for
-    the seam's rule of how it moves); everything else is ``inner``'s own."""
+    """``inner`` (a compressor) with its ``advance`` timed and, per bucket and round, how the seam moves
+    what it hands the regime and how many bytes (:func:`_how`: taken as each payload is made, so no payload
+    outlives its round; ``untimed_s`` adds up the seconds that took, which no timing may count); everything
+    else is ``inner``'s own. ``flags``: each bucket's presence flags, which round 0 carries."""
 
-    def __init__(self, inner: Compressor):
-        self.inner = inner
+    def __init__(self, inner: Compressor, mover, flags: dict[int, torch.Tensor]):
+        self.inner, self.mover, self.flags = inner, mover, flags
         self.advance_s: dict[tuple[int, int], float] = {}
-        self.payloads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.moves: dict[tuple[int, int], tuple[str, int]] = {}
+        self.untimed_s = 0.0
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
+    def _note(self, key, rnd, payload, flags) -> None:
+        t0 = cpu_clock()
+        self.moves[key, rnd] = _how(self.inner, payload, flags, self.mover)
+        self.untimed_s += cpu_clock() - t0
+
     def start(self, key, x, shapes):
-        self.payloads[key, 0] = payload = self.inner.start(key, x, shapes)
+        payload = self.inner.start(key, x, shapes)
+        self._note(key, 0, payload, self.flags[key])
         return payload
 
     def advance(self, key, rnd, combined):
         t0 = cpu_clock()
         payload = self.inner.advance(key, rnd, combined)
         self.advance_s[key, rnd] = cpu_clock() - t0
-        self.payloads[key, rnd] = payload
+        self._note(key, rnd, payload, None)
         return payload
 
 
@@ -127,7 +137,9 @@ def exchange_buckets(compute: Compute):
     included), from the calibration's parameter lists; gradients zero."""
     out = []
     for b, bucket in enumerate(compute.buckets):
-        named = [(name, nn.Parameter(torch.empty(shape, dtype=getattr(torch, dtype)), requires_grad=False))
+        # the parameters give make_buckets their names, shapes and dtype, never their values: one element each,
+        # expanded (no 100 MB of parameters beside the 25M model's buckets)
+        named = [(name, nn.Parameter(torch.empty(1, dtype=getattr(torch, dtype)).expand(shape), requires_grad=False))
                  for name, shape, dtype in reversed(bucket.params)]  # make_buckets reverses them again
         (one,) = make_buckets(named, 2**62, carry_presence=True)
         out.append(replace(one, index=b))
@@ -158,42 +170,40 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
     if comp is None:
         raise ConfigError(f"option 'compress': {spec!r} is the uncompressed exchange, the baseline: nothing to measure")
     comp.bind(world)
-    timed = _Timed(comp)
     mover = _AllMe(world, sums)
     buckets = exchange_buckets(compute)
+    timed = _Timed(comp, mover, {bk.index: bk.flags for bk in buckets})
     keep_freed_gradients(p for bk in buckets for p in bk.params)  # as a worker's exchanger does (heap=keep)
     g = torch.Generator().manual_seed(seed)
-    source = [torch.randn(bk.numel, generator=g).to(bk.buffer.dtype) for bk in buckets]
+    for bk in buckets:  # once: what the compressor leaves in them (error feedback's sum) is gradients as good
+        bk.grads.copy_(torch.randn(bk.numel, generator=g))
     nb, nr = len(buckets), comp.rounds
     enc: list[list[list[float]]] = [[[] for _ in range(nr)] for _ in range(nb)]
     dec: list[list[float]] = [[] for _ in range(nb)]
-    moves: list = []
     state = seam.CompressState(cast(Compressor, timed))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for step in range(comp.warmup_steps + reps):
-            handles = []
-            for bk, src in zip(buckets, source):
-                bk.grads.copy_(src)
-                bk.flags.fill_(1)
-                t0 = cpu_clock()
-                handles.append(seam.start_compressed(state, bk, mover, f"bucket {bk.index}", True))
-                enc[bk.index][0].append(cpu_clock() - t0)
             timed.advance_s.clear()
-            for b, h in enumerate(handles):
-                before = sum(timed.advance_s.values())
-                t0 = cpu_clock()
+            # each bucket's exchange ends before the next one starts (the costs are per bucket either way):
+            # one bucket's temporaries at a time, not the whole model's (peak memory: docs/plan.md)
+            for bk in buckets:
+                bk.flags.fill_(1)
+                t0, untimed = cpu_clock(), timed.untimed_s
+                h = seam.start_compressed(state, bk, mover, f"bucket {bk.index}", True)
+                t1, untimed1, before = cpu_clock(), timed.untimed_s, sum(timed.advance_s.values())
+                enc[bk.index][0].append(t1 - t0 - (untimed1 - untimed))
                 h.wait(600.0)
-                dec[b].append(cpu_clock() - t0 - (sum(timed.advance_s.values()) - before))
+                dec[bk.index].append(cpu_clock() - t1 - (sum(timed.advance_s.values()) - before)
+                                     - (timed.untimed_s - untimed1))
+                del h
             for (b, r), s in timed.advance_s.items():
                 enc[b][r].append(s)
             if step < comp.warmup_steps:
                 enc = [[[] for _ in range(nr)] for _ in range(nb)]
                 dec = [[] for _ in range(nb)]
-        for bk in buckets:
-            moves.append(tuple(_how(comp, timed.payloads[bk.index, r], bk.flags if r == 0 else None, mover)
-                               for r in range(nr)))
+        moves = [tuple(timed.moves[bk.index, r] for r in range(nr)) for bk in buckets]
     finally:
         torch.set_num_threads(old_threads)
     med = lambda xs: statistics.median(xs) if xs else 0.0
@@ -217,7 +227,12 @@ def with_compressors(cal: Calibration, specs, regime: Regime, world: int = 2, ef
     sums = regime_sums(regime)
     label = lambda s: s if ef else f"{s} (ef=0)"
     todo = [s for s in specs if label(s) not in cal.compressors or cal.compressors[label(s)].sums != sums]
-    return cal.with_compressors(*(measure(cal.compute, s, ef, world, sums, reps) for s in todo))
+    costs = []
+    for s in todo:
+        costs.append(measure(cal.compute, s, ef, world, sums, reps))
+        gc.collect()  # the compressor's state and its exchanges hold one another
+        release_freed_memory()  # each compressor's buffers go before the next one's come (docs/plan.md)
+    return cal.with_compressors(*costs)
 
 
 # ----- predicting ------------------------------------------------------------------------------------
