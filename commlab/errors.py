@@ -54,6 +54,11 @@ class ProtocolError(CommError):
     """A message broke the wire protocol: bad header, frame, size or dtype."""
 
 
+class AuthError(ProtocolError):
+    """A peer did not prove the job's secret (:mod:`commlab.auth`), or a store value is not signed with it:
+    a process outside the job, never one of its ranks."""
+
+
 class RemoteError(CommError):
     """A peer understood the request and refused it; its reason is the message."""
 
