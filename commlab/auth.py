@@ -65,6 +65,11 @@ class JobSecret:
             mac.update(len(b).to_bytes(4, "big") + b)
         return mac.digest()
 
+    def answer(self, role: str, theirs: bytes, mine: bytes, me: str, them: str) -> bytes:
+        """``me``'s proof, in ``role`` ("initiator" or "responder"), over ``them``'s nonce ``theirs`` (and its
+        own ``mine``, b"" where it sends none): what every handshake below sends and checks."""
+        return self.proof(role, theirs, mine, me, them)
+
     def check(self, expected: bytes, got) -> bool:
         return isinstance(got, bytes) and hmac.compare_digest(expected, got)
 
@@ -205,10 +210,10 @@ class Initiator:
         if "refused" in msg:
             raise AuthError(f"{self.peer} refused the handshake: {str(msg['refused'])[:200]}")
         theirs, name = _nonce(msg, what), _who(msg, what)
-        if not self.secret.check(self.secret.proof("responder", self.nonce, theirs, name, self.who), msg.get("proof")):
+        if not self.secret.check(self.secret.answer("responder", self.nonce, theirs, name, self.who), msg.get("proof")):
             raise AuthError(f"{self.peer} did not prove the job's secret: it is not this job's process")
         self.peer_name = name
-        return pack({"proof": self.secret.proof("initiator", theirs, self.nonce, self.who, name)})
+        return pack({"proof": self.secret.answer("initiator", theirs, self.nonce, self.who, name)})
 
     def done(self, raw) -> str:
         msg = unpack(raw, f"{self.peer}'s handshake")
@@ -231,16 +236,49 @@ class Responder:
         msg = unpack(raw, "a handshake's hello")
         self.theirs, self.peer_name = _nonce(msg, "a handshake's hello"), _who(msg, "a handshake's hello")
         return pack({"nonce": self.nonce, "who": self.who,
-                     "proof": self.secret.proof("responder", self.theirs, self.nonce, self.who, self.peer_name)})
+                     "proof": self.secret.answer("responder", self.theirs, self.nonce, self.who, self.peer_name)})
 
     def check(self, raw) -> bytes:
         if self.theirs is None:
             raise AuthError("a handshake's proof before its hello")
         msg = unpack(raw, f"{self.peer_name}'s handshake proof")
-        expected = self.secret.proof("initiator", self.nonce, self.theirs, self.peer_name, self.who)
+        expected = self.secret.answer("initiator", self.nonce, self.theirs, self.peer_name, self.who)
         if not self.secret.check(expected, msg.get("proof")):
             raise AuthError(f"{self.peer_name!r} did not prove the job's secret")
         return pack({"ok": True})
+
+
+class Offer:
+    """The same proofs where the responder's nonce reaches the initiator beforehand, in a signed store value
+    (the ring's links: a rank offers its end with :attr:`nonce`, its neighbour connects later). Two messages
+    instead of four, so that neither side waits on the other inside one phase of a ring's meeting:
+    :meth:`claim` (the initiator's nonce, name and proof over the offer's nonce), answered by :meth:`grant`
+    (the responder's proof over the initiator's nonce), which the initiator checks with :meth:`granted`."""
+
+    def __init__(self, secret: JobSecret, nonce: bytes | None = None):
+        self.secret = secret
+        self.nonce = os.urandom(NONCE) if nonce is None else nonce
+
+    def claim(self, offered: bytes, me: str, them: str) -> bytes:
+        """The initiator's message, for an offer of nonce ``offered`` by ``them``; keeps its own nonce."""
+        return pack({"nonce": self.nonce, "who": me, "proof": self.secret.answer("initiator", offered, self.nonce,
+                                                                                me, them)})
+
+    def grant(self, raw, me: str, them: str) -> bytes:
+        """The responder's answer to a claim that ``them`` made over this offer; AuthError if it does not prove
+        the secret as ``them``."""
+        msg = unpack(raw, f"{them}'s handshake")
+        theirs, name = _nonce(msg, f"{them}'s handshake"), _who(msg, f"{them}'s handshake")
+        if name != them or not self.secret.check(self.secret.answer("initiator", self.nonce, theirs, name, me),
+                                                  msg.get("proof")):
+            raise AuthError(f"a connection claiming to be {them} did not prove the job's secret")
+        return pack({"proof": self.secret.answer("responder", theirs, self.nonce, me, them)})
+
+    def granted(self, raw, offered: bytes, me: str, them: str) -> None:
+        """Check the responder's answer to our claim; AuthError if it is not ``them`` of this job."""
+        msg = unpack(raw, f"{them}'s handshake")
+        if not self.secret.check(self.secret.answer("responder", self.nonce, offered, them, me), msg.get("proof")):
+            raise AuthError(f"{them} did not prove the job's secret")
 
 
 def refusal(why: str) -> bytes:

@@ -102,12 +102,13 @@ class Transport:
         return sock
 
     def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None,
-             io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
+             io_thread: int | None = None, curve: CurveKeys | None = None, plain: bool = False) -> zmq.Socket:
         """A server socket. Non-loopback needs CURVE keys (``authorized``: a folder of client
         ``*.key`` files; every client key there may connect) or ``insecure=True``. ``io_thread``:
         which of the context's I/O threads moves this socket's bytes (see :meth:`pin`). ``curve``:
         this socket's server key pair, where it is not the transport's own (a process that is a
-        CURVE server and a client at once, as a ring's rank is)."""
+        CURVE server and a client at once, as a ring's rank is). ``plain`` (without CURVE): a zmq PLAIN
+        server, admitting only what :meth:`admit_plain` says (nobody until it is called)."""
         curve = curve or self.curve
         if not is_loopback(endpoint) and curve is None and not insecure:
             raise ConfigError(f"refusing to bind {endpoint} without authentication: it is reachable from other "
@@ -118,11 +119,16 @@ class Transport:
             self._start_auth(authorized)
             self._curve_keys(sock, curve)
             sock.curve_server = True
+        elif plain:
+            self._authenticator()  # before the first connection: without a ZAP handler PLAIN admits anyone
+            sock.plain_server = True
         return _open(sock, sock.bind, "bind", endpoint, self.sndbuf)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
-                io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
-        """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`."""
+                io_thread: int | None = None, curve: CurveKeys | None = None,
+                plain: tuple[str, str] | None = None) -> zmq.Socket:
+        """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
+        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects."""
         sock = self.pin(self.socket(kind), io_thread)
         if identity is not None:
             sock.identity = identity
@@ -132,6 +138,8 @@ class Transport:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
             self._curve_keys(sock, curve)
             sock.curve_serverkey = curve.server_public
+        elif plain is not None:
+            sock.plain_username, sock.plain_password = (x.encode() for x in plain)
         return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:
@@ -302,6 +310,11 @@ class Link:
         self.dropped = False
         self.failed = 0  # connections whose handshake failed and whose DISCONNECTED is still to come
         self.refused = 0  # connections whose handshake failed, ever (strangers: without keys or the job's secret)
+
+    def refusals(self) -> int:
+        """Connections refused so far (their handshakes failed), with the monitor's latest events read."""
+        self.poll_drop()
+        return self.refused
 
     def poll_drop(self) -> bool:
         """Drain monitor events; True once the peer's connection has dropped. A connection whose
