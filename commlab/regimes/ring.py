@@ -845,6 +845,7 @@ class ZmqKind(LinkKind):
     def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
         super().__init__(m, peer, who, io_thread)
         self.socket: zmq.Socket | None = None
+        self.link: Link | None = None
 
     def where(self) -> str:
         """The address the PULL socket binds."""
@@ -866,6 +867,7 @@ class ZmqKind(LinkKind):
                                          curve=curve[0] if curve else None, authorized=curve[1] if curve else None,
                                          insecure=m.options.insecure, plain=plain)
         self.endpoint = self.socket.last_endpoint.decode()
+        self._link()  # its monitor counts the connections refused from now on
         m.put(f"{m.ns}addr/{m.rank}", json.dumps({"endpoint": self.endpoint, "nonce": nonce.hex()}))
 
     def publish_outbound(self) -> None:
@@ -897,9 +899,11 @@ class ZmqKind(LinkKind):
         return ZmqOutbox(self._link(), m.rank, self.peer, m.timeout)
 
     def _link(self) -> Link:
-        link = Link(_met(self.socket, self.who), self.who, self.peer)
-        self.m.links.append(link)
-        return link
+        """This end's link (made once)."""
+        if self.link is None:
+            self.link = Link(_met(self.socket, self.who), self.who, self.peer)
+            self.m.links.append(self.link)
+        return self.link
 
     def inbox(self, outbox: Outbox) -> Inbox:
         return ZmqInbox(self._link(), self.m.rank, self.peer, self.m.timeout, self.m.idle, outbox)
