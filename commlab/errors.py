@@ -64,6 +64,11 @@ class ProtocolError(CommError):
         return {**super().fields(), "where": self.where}
 
 
+class AuthError(ProtocolError):
+    """A peer did not prove the job's secret (:mod:`commlab.auth`), or a store value is not signed with it:
+    a process outside the job, never one of its ranks."""
+
+
 class RemoteError(CommError):
     """A peer understood the request and refused it; its reason is the message."""
 

@@ -22,6 +22,8 @@ torchrun. The job, in order:
    (``rank<r>.log``, ``server<i>.log`` in ``log_dir``). With ``console`` (a text file), what would
    reach the terminal goes there instead, the launcher's own lines too: a caller that runs jobs in
    its own process (the benchmark) keeps its terminal and gets one log per job.
+   Every rank and server gets the job's secret (``COMMLAB_JOB_SECRET_FILE``, a 0600 file in the
+   launcher's scratch folder, made fresh unless the environment names one): :mod:`commlab.auth`.
 4. The launcher watches: the first process to fail is named with the tail of its log, the
    rest are stopped. With ``max_restarts`` R (torchrun's ``--max-restarts``) a failed *rank* stops
    the ranks alone: the servers keep running and every rank starts again, up to R times, with
@@ -54,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
-from commlab import metrics, shm
+from commlab import auth, metrics, shm
 from commlab import scratch as scratch_dirs
 from commlab import store as store_mod
 from commlab.config import ExchangerURL, check_number
@@ -521,6 +523,8 @@ def _run(job: Job) -> int:
         base[metrics.ENV] = metrics_base
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
+        if auth.load(base) is None:  # the job's secret, for its ranks and servers only (none given: a fresh one)
+            base[auth.SECRET_FILE_ENV] = auth.create_file(str(scratch))
         base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
         base[MAX_RESTARTS] = str(job.max_restarts)
         failures: list[str] = []  # per restart: which rank failed, how

@@ -8,7 +8,10 @@ for big frames and copies for small ones, and errors translated into the
 :mod:`commlab.errors` hierarchy naming the peer.
 
 Security: binding to anything but loopback (127.0.0.0/8, ::1, localhost) or an
-``ipc://`` path requires CURVE keys, or ``insecure=True`` said in so many words.
+``ipc://`` path requires CURVE keys, or ``insecure=True`` said in so many words. On every endpoint a
+job's processes also prove the job's secret to each other (:mod:`commlab.auth`): :func:`handshake`
+on a DEALER (the ``ps://`` client; the server answers in its loop), :meth:`Transport.admit_plain`
+for a PULL whose senders prove it in zmq's own PLAIN handshake (the ring's links).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from commlab import wire
+from commlab import auth, wire
 from commlab.errors import CommError, CommTimeout, ConfigError, PeerLost
 
 # libzmq drops (disconnects) a peer that sends a frame larger than this.
@@ -99,12 +102,13 @@ class Transport:
         return sock
 
     def bind(self, kind: int, endpoint: str, *, insecure: bool = False, authorized: str | os.PathLike | None = None,
-             io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
+             io_thread: int | None = None, curve: CurveKeys | None = None, plain: bool = False) -> zmq.Socket:
         """A server socket. Non-loopback needs CURVE keys (``authorized``: a folder of client
         ``*.key`` files; every client key there may connect) or ``insecure=True``. ``io_thread``:
         which of the context's I/O threads moves this socket's bytes (see :meth:`pin`). ``curve``:
         this socket's server key pair, where it is not the transport's own (a process that is a
-        CURVE server and a client at once, as a ring's rank is)."""
+        CURVE server and a client at once, as a ring's rank is). ``plain`` (without CURVE): a zmq PLAIN
+        server, admitting only what :meth:`admit_plain` says (nobody until it is called)."""
         curve = curve or self.curve
         if not is_loopback(endpoint) and curve is None and not insecure:
             raise ConfigError(f"refusing to bind {endpoint} without authentication: it is reachable from other "
@@ -115,11 +119,16 @@ class Transport:
             self._start_auth(authorized)
             self._curve_keys(sock, curve)
             sock.curve_server = True
+        elif plain:
+            self._authenticator()  # before the first connection: without a ZAP handler PLAIN admits anyone
+            sock.plain_server = True
         return _open(sock, sock.bind, "bind", endpoint, self.sndbuf)
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
-                io_thread: int | None = None, curve: CurveKeys | None = None) -> zmq.Socket:
-        """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`."""
+                io_thread: int | None = None, curve: CurveKeys | None = None,
+                plain: tuple[str, str] | None = None) -> zmq.Socket:
+        """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
+        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects."""
         sock = self.pin(self.socket(kind), io_thread)
         if identity is not None:
             sock.identity = identity
@@ -129,6 +138,8 @@ class Transport:
                 raise ConfigError(f"CURVE client for {endpoint} needs the server's public key")
             self._curve_keys(sock, curve)
             sock.curve_serverkey = curve.server_public
+        elif plain is not None:
+            sock.plain_username, sock.plain_password = (x.encode() for x in plain)
         return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:
@@ -150,14 +161,24 @@ class Transport:
         sock.curve_publickey = keys.public
 
     def _start_auth(self, authorized) -> None:
-        if self._auth is not None:
-            return
-        from zmq.auth.thread import ThreadAuthenticator
         if authorized is None or not Path(authorized).is_dir():
             raise ConfigError("a CURVE server needs a folder of authorised client public keys")
-        self._auth = ThreadAuthenticator(self.ctx)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=str(authorized))
+        self._authenticator().configure_curve(domain="*", location=str(authorized))
+
+    def _authenticator(self):
+        """The context's ZAP handler (a thread pyzmq runs), started on first use."""
+        if self._auth is None:
+            from zmq.auth.thread import ThreadAuthenticator
+            self._auth = ThreadAuthenticator(self.ctx)
+            self._auth.start()
+        return self._auth
+
+    def admit_plain(self, passwords: dict[str, str]) -> None:
+        """zmq PLAIN servers of this context (sockets with ``plain_server`` set before they bind) admit exactly
+        these user names with these passwords from now on; every other connection fails its handshake
+        (libzmq reports HANDSHAKE_FAILED_AUTH to the socket's monitor: :class:`Link` counts it) and never
+        delivers a message. ``{}`` shuts the door. Thread-safe (the ZAP thread reads it per handshake)."""
+        self._authenticator().configure_plain(domain="*", passwords=dict(passwords))
 
     def close(self) -> None:
         if self._auth is not None:
@@ -177,6 +198,24 @@ def _open(sock: zmq.Socket, attach, verb: str, endpoint: str, sndbuf: int | None
         sock.close()
         raise CommError(f"cannot {verb} {endpoint}: {exc}") from exc
     return sock
+
+
+def handshake(sock: zmq.Socket, secret: "auth.JobSecret", who: str, name: str, timeout: float,
+              peer: int | str | None = None) -> str:
+    """Prove the job's secret to the server behind a fresh DEALER ``sock`` and have it prove it back
+    (:func:`commlab.auth.initiate`), each message within ``timeout``. Returns the server's name; AuthError
+    (a :class:`~commlab.errors.ProtocolError`) when it is not this job's, CommTimeout when it is silent.
+    Blocks; the socket's first messages."""
+    def recv_one() -> bytes:
+        frames = recv(sock, timeout, name, peer)
+        return frames[0].bytes if len(frames) == 1 else b""
+
+    try:
+        return auth.initiate(secret, who, name, lambda b: send(sock, [b], timeout=timeout, who=name, peer=peer),
+                             recv_one)
+    except auth.AuthError as exc:
+        raise auth.AuthError(f"{exc} (is {name} this job's, started with the job's secret: --secret-file FILE or "
+                             f"${auth.SECRET_FILE_ENV}?)", peer=peer, op="connect") from None
 
 
 def send(sock: zmq.Socket, frames: Sequence, *, timeout: float | None = None, who: str = "peer",
@@ -270,6 +309,12 @@ class Link:
         self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self.dropped = False
         self.failed = 0  # connections whose handshake failed and whose DISCONNECTED is still to come
+        self.refused = 0  # connections whose handshake failed, ever (strangers: without keys or the job's secret)
+
+    def refusals(self) -> int:
+        """Connections refused so far (their handshakes failed), with the monitor's latest events read."""
+        self.poll_drop()
+        return self.refused
 
     def poll_drop(self) -> bool:
         """Drain monitor events; True once the peer's connection has dropped. A connection whose
@@ -281,6 +326,7 @@ class Link:
             event = recv_monitor_message(self.monitor)["event"]
             if event & _HANDSHAKE_FAILED:
                 self.failed += 1
+                self.refused += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.failed:
                     self.failed -= 1

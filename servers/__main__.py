@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from commlab import psproto
+from commlab import auth, psproto
 from commlab.errors import CommError, ConfigError
 
 
@@ -27,6 +27,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true", help="allow binding a non-loopback address without CURVE")
     p.add_argument("--curve-secret", help="this server's CURVE secret key file (commlab keys)")
     p.add_argument("--authorized", help="folder of authorised client public keys (with --curve-secret)")
+    p.add_argument("--secret-file", help="the job's secret (a 0600 file): serve only processes that prove it "
+                                         "(default: $COMMLAB_JOB_SECRET_FILE or $COMMLAB_JOB_SECRET, which "
+                                         "commlab run/train set for the servers they start; none: anyone, "
+                                         "with a warning)")
+    p.add_argument("--peer-timeout", type=float, default=60.0,
+                   help="seconds after which a key space whose connections all closed without bye is freed "
+                        "(zmq heartbeats close a dead host's connection within half of it)")
     return p
 
 
@@ -51,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             from commlab.keys import server_keys
             _, clients = server_keys(a.keys)  # checks the folder; says how to create it
             a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
+        secret = auth.load({auth.SECRET_FILE_ENV: a.secret_file} if a.secret_file else None)
         cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
-                           a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized)
+                           a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized, secret,
+                           a.peer_timeout)
         server = ShardServer(cfg)
     except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
         print(f"commlab server: {exc}", file=sys.stderr)

@@ -48,10 +48,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import torch
 import zmq
 
-from commlab import psproto, psshm, shm, transport, wire
+from commlab import auth, psproto, psshm, shm, transport, wire
 from commlab.config import check_number
 from commlab.errors import ConfigError, ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
@@ -88,6 +89,8 @@ class ServerConfig:
     insecure: bool = False
     curve_secret: str | None = None
     authorized: str | None = None
+    secret: auth.JobSecret | None = None  # the job's: only processes that prove it are served (None: anyone)
+    peer_timeout: float = 60.0  # a key space whose connections are all gone this long is freed
 
     def __post_init__(self):
         if self.mode not in psproto.MODES:
@@ -98,6 +101,8 @@ class ServerConfig:
         check_number("io_threads", self.io_threads, ge=1, le=64)
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard}/{self.shards}: the index must be in [0, {self.shards})")
+        if not 0 < self.peer_timeout < 2**31 / 1000:  # (NaN fails too)
+            raise ValueError(f"peer timeout must be a positive number of seconds, got {self.peer_timeout}")
 
     @property
     def name(self) -> str:
@@ -983,6 +988,10 @@ class ShardServer:
         curve = transport.CurveKeys.load(cfg.curve_secret) if cfg.curve_secret else None
         self.transport = transport.Transport(io_threads=cfg.io_threads, curve=curve)
         self.sock = self.transport.bind(zmq.ROUTER, cfg.bind, insecure=cfg.insecure, authorized=cfg.authorized)
+        # zmq pings every peer; one silent for half the peer timeout (its host died) is disconnected
+        self.sock.heartbeat_ivl = max(1, int(cfg.peer_timeout * 250))
+        self.sock.heartbeat_timeout = max(1, int(cfg.peer_timeout * 500))
+        self.admission = Admission(cfg, self.sock)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.boot = os.urandom(6).hex()  # this process's incarnation: a worker that sees it change resends
         self.shm_run = shm.new_run_id()
@@ -1016,10 +1025,17 @@ class ShardServer:
         shm.sweep_stale()  # segments of servers and workers killed before they could remove them
         print(f"commlab server {self.cfg.name} mode={self.cfg.mode} listening on {self.endpoint}", flush=True)
         next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
+        if self.cfg.secret is None:
+            auth.warn_unauthenticated(f"commlab server {self.cfg.name}")
         while not self._stop:
+            self._reap()
             if self.sock.poll(100, zmq.POLLIN):
                 limit = self.max_parts
                 frames, count = transport.recv_bounded(self.sock, limit)
+                # closed connections first: a descriptor the kernel reuses must not be taken for the old one's
+                self._reap()
+                if not self.admission.admits(frames):
+                    continue
                 if count > len(frames):
                     self.stats.refused += 1
                     self._answer(frames[0].bytes, None, "error", {"reason": f"message of {count} frames; "
@@ -1036,6 +1052,17 @@ class ShardServer:
         for space in self.spaces.values():
             space._close_links()
 
+    def _reap(self) -> None:
+        """Forget closed connections (their shared-memory links go now) and free the key spaces whose
+        connections have all been gone for the peer timeout (:class:`Admission`)."""
+        for ident in self.admission.gone():
+            for sp in self.spaces.values():
+                sp._drop_link(ident)  # its segments are of no use to a connection that is gone
+        for space in self.admission.orphans(self.spaces):
+            print(f"commlab server {self.cfg.name}: every connection of key space {space.space or '(the first)'!r} "
+                  f"closed {self.cfg.peer_timeout:g}s ago without bye: freed", file=sys.stderr, flush=True)
+            self._free(space)
+
     @property
     def max_parts(self) -> int:
         return max([2 + _MIN_FRAMES, *(sp.max_parts for sp in self.spaces.values())])
@@ -1047,6 +1074,7 @@ class ShardServer:
     def close(self) -> None:
         for space in self.spaces.values():
             space._close_links()
+        self.admission.close()
         self.sock.close(linger=0)
         self.transport.close()
 
@@ -1072,6 +1100,7 @@ class ShardServer:
             base[key] = getattr(self.stats, key) + sum(st[key] for st in every.values())
         base["boot"] = self.boot
         base["shm_links"] = sum(len(sp.links) for sp in self.spaces.values())
+        base["auth"] = self.admission.stats()
         base["spaces"] = {name: {"live": name in self.spaces, "updates": st["updates"], "version": st["version"],
                                  "workers": st["workers"], "update": st["update"]} for name, st in every.items()}
         return base
@@ -1104,6 +1133,8 @@ class ShardServer:
                 self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
                 return
             space = self._space(h)
+            if h.op == "hello":
+                self.admission.joined(ident, space.space, body[0])
             space.stats.bytes_in += h.data_bytes
             data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)
@@ -1152,3 +1183,138 @@ class ShardServer:
             transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
+
+
+class Admission:
+    """Who the shard serves, and which connections are still there (one per shard, on its thread).
+
+    With the job's secret (``cfg.secret``), a connection (a ROUTER identity) is served only once it
+    proved the secret in its first messages (:class:`commlab.auth.Responder`; the client side is
+    :func:`commlab.transport.handshake`). Until then its messages are dropped and counted (``refused``),
+    answered with one error that says why, never read as a request: a stranger's hello makes no key
+    space and no shared memory. Handshakes under way are bounded (``PENDING``; the oldest goes first).
+
+    Liveness: a monitor tells which connections closed (zmq's heartbeats close one whose host died
+    within half the peer timeout); a message's source descriptor (``SRCFD``) ties identities to
+    connections. A closed connection's shared-memory links go at once; a key space none of whose
+    connections is left is freed once ``peer_timeout`` passed without a new hello (a restarted job's
+    ranks say hello again well within it)."""
+
+    PENDING = 256
+
+    def __init__(self, cfg: ServerConfig, sock: zmq.Socket):
+        from collections import OrderedDict
+        self.cfg, self.sock, self.secret = cfg, sock, cfg.secret
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.pending: OrderedDict[bytes, auth.Responder] = OrderedDict()
+        self.peers: dict[bytes, str] = {}  # identity -> the name it proved the secret as
+        self.fd: dict[bytes, int] = {}  # identity -> its connection's descriptor
+        self.spaces: dict[bytes, set[str]] = {}  # identity -> the key spaces it said hello to
+        self.orphaned: dict[str, float] = {}  # key space -> when its last connection closed
+        self.counts = Counter()
+
+    def stats(self) -> dict:
+        return {"required": self.secret is not None, "peers": len(self.peers), "handshaking": len(self.pending),
+                "handshakes": self.counts["handshakes"], "failed_handshakes": self.counts["failed"],
+                "refused_messages": self.counts["refused"], "connections_closed": self.counts["closed"],
+                "spaces_freed": self.counts["freed"]}
+
+    def admits(self, frames: list) -> bool:
+        """Whether to serve this message; a handshake message is answered here, anything else from a
+        connection that has not proved the secret is dropped (counted, answered with an error)."""
+        ident = frames[0].bytes
+        if self.secret is None or ident in self.peers:
+            return True
+        body = frames[1:]
+        if len(body) == 1 and auth.is_handshake(body[0].bytes):
+            self._handshake(ident, body[0])
+            return False
+        self.counts["refused"] += 1
+        reason = (f"{self.cfg.name} serves only its job's processes: prove the job's secret first (give the "
+                  f"worker ${auth.SECRET_FILE_ENV} or ${auth.SECRET_ENV}, as the server has)")
+        self._send(ident, wire.encode("error", f"server{self.cfg.shard}", -1, (),
+                                      {"reason": reason, "id": _request_id(body)}))
+        return False
+
+    def _handshake(self, ident: bytes, frame) -> None:
+        side = self.pending.pop(ident, None)
+        try:
+            if side is None:
+                if len(self.pending) >= self.PENDING:  # a flood of half-done handshakes: the oldest goes
+                    self.pending.popitem(last=False)
+                    self.counts["failed"] += 1
+                side = auth.Responder(self.secret, f"server{self.cfg.shard}")
+                reply = side.challenge(frame.bytes)
+                self.pending[ident] = side
+            else:
+                reply = side.check(frame.bytes)
+                self.peers[ident] = side.peer_name
+                self.counts["handshakes"] += 1
+            self._track(ident, frame)
+        except auth.AuthError as exc:
+            self.counts["failed"] += 1
+            reply = auth.refusal(str(exc))
+        self._send(ident, [reply])
+
+    def _send(self, ident: bytes, frames: list) -> None:
+        try:
+            transport.send(self.sock, [ident, *frames], timeout=1.0, who="a peer")
+        except Exception:  # gone already: nothing to tell it
+            pass
+
+    def _track(self, ident: bytes, frame) -> None:
+        try:
+            self.fd[ident] = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            pass
+
+    def joined(self, ident: bytes, space: str, frame) -> None:
+        """``ident`` said hello to ``space`` (whatever the answer): its closing counts against the space."""
+        self._track(ident, frame)
+        self.spaces.setdefault(ident, set()).add(space)
+        self.orphaned.pop(space, None)
+
+    def gone(self) -> list[bytes]:
+        """The identities whose connections closed since the last call (their state dropped here)."""
+        from zmq.utils.monitor import recv_monitor_message
+        closed = []
+        while self.monitor.poll(0):
+            fd = recv_monitor_message(self.monitor)["value"]
+            closed += [i for i, f in self.fd.items() if f == fd]
+        now = time.monotonic()
+        for ident in closed:
+            self.counts["closed"] += 1
+            self.fd.pop(ident, None)
+            self.peers.pop(ident, None)
+            self.pending.pop(ident, None)
+            for space in self.spaces.pop(ident, ()):
+                if not any(space in names for names in self.spaces.values()):
+                    self.orphaned[space] = now
+        return closed
+
+    def orphans(self, spaces: dict) -> list:
+        """The live key spaces whose connections have all been gone for ``peer_timeout``."""
+        now = time.monotonic()
+        due = [name for name, since in self.orphaned.items() if now - since >= self.cfg.peer_timeout]
+        for name in due:
+            del self.orphaned[name]
+        self.counts["freed"] += sum(1 for name in due if name in spaces)
+        return [spaces[name] for name in due if name in spaces]
+
+    def close(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+
+
+def _request_id(body: list):
+    """The ``id`` a request's header carries (for an error reply it can be matched to), or None."""
+    try:
+        meta = msgpack.unpackb(body[0].bytes, raw=False, max_bin_len=0, max_str_len=256, max_array_len=64,
+                               max_map_len=64).get("meta")
+        rid = meta.get("id")
+        return rid if isinstance(rid, int) else None
+    except Exception:
+        return None

@@ -31,9 +31,13 @@ from pathlib import Path
 import pytest
 
 import zygote
-from commlab import launcher, store
+from commlab import auth, launcher, store
 
 ROOT = Path(__file__).resolve().parents[1]
+# The test session is one "job": every server, rank and raw client a test starts proves this secret, as a
+# launcher's processes prove theirs (commlab.auth). A test that wants a stranger or an unauthenticated run
+# removes it from that process's environment.
+os.environ.setdefault(auth.SECRET_ENV, os.urandom(24).hex())
 
 
 @dataclass

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from commlab import launcher, psproto, transport, wire
+from commlab import auth, launcher, psproto, transport, wire
 from commlab.regimes.ps import server_stats
 
 import zygote
@@ -127,9 +127,15 @@ def kill9(proc: subprocess.Popen) -> None:
 class Raw:
     """A bare DEALER speaking the wire protocol, to send what a correct client never would."""
 
-    def __init__(self, endpoint: str, sender: str = "rank0", curve: transport.CurveKeys | None = None):
+    def __init__(self, endpoint: str, sender: str = "rank0", curve: transport.CurveKeys | None = None,
+                 secret: auth.JobSecret | None | bool = True):
+        """``secret``: True proves the test session's secret (as the job's processes do), None or a
+        JobSecret of another job makes a stranger."""
         self.tp = transport.Transport(curve=curve)
         self.sock = self.tp.connect(zmq.DEALER, endpoint)
+        secret = auth.load() if secret is True else secret
+        if secret is not None:
+            transport.handshake(self.sock, secret, sender, "server", 10.0)
         self.sender, self.id = sender, 1000
         self.link = None  # a commlab.psshm.Link, once the caller mapped what a hello with shm_host offered
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import netns
-from commlab import keys
+from commlab import auth, keys
 
 from faultkit import AGENT_ENV, Procs, finish
 
@@ -77,7 +77,7 @@ RING_SUBNET = "10.93.0"
 RING_DRIVER = str(Path(__file__).resolve().parent / "ring_driver.py")
 
 STRANGER = """
-import sys, time
+import json, sys, time
 from datetime import timedelta
 import torch, zmq, zmq.auth
 import torch.distributed as dist
@@ -86,7 +86,8 @@ addr, port, server_key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the job's first exchanger's keys
     addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
 store.wait(["ring/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
-endpoint = store.get("ring/addr/0").decode()
+raw = store.get("ring/addr/0")  # signed with the job's secret, but readable: a JSON tail
+endpoint = raw.decode() if raw.startswith(b"tcp") else json.loads(raw[36:])["endpoint"]  # after the signature
 ctx = zmq.Context()
 plain = ctx.socket(zmq.PUSH)  # no keys at all
 keyed = ctx.socket(zmq.PUSH)  # a key pair of its own, not among the authorised clients
@@ -124,7 +125,7 @@ def ring_hosts(tmp_path_factory):
     assert namespaces(tag) == []
 
 
-def _ring_ranks(procs: Procs, links, hosts: list[int], url: str, *extra: str):
+def _ring_ranks(procs: Procs, links, hosts: list[int], url: str, *extra: str, env: dict | None = None):
     """One ring driver per rank, rank r in namespace host ``hosts[r]``; the store in a process of its own
     on host ``hosts[0]``, bound to port 0 there. Returns the ranks and the store's port."""
     port = procs.store(links.addr(hosts[0]), tuple(links.prefix(hosts[0])))
@@ -132,7 +133,8 @@ def _ring_ranks(procs: Procs, links, hosts: list[int], url: str, *extra: str):
     for r, h in enumerate(hosts):
         cmd = [*links.prefix(h), sys.executable, RING_DRIVER, url.format(r=r), "--rank", str(r), "--workers",
                str(len(hosts)), "--master-addr", links.addr(hosts[0]), "--master-port", str(port), *extra]
-        out.append(procs.popen(cmd, AGENT_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        out.append(procs.popen(cmd, {**AGENT_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True))
     return out, port
 
 
@@ -162,7 +164,9 @@ def test_ring_insecure_control_a_stranger_breaks_it(ring_hosts, tmp_path):
     procs = Procs(tmp_path)
     try:
         url = "ring://?transport=tcp&host=auto&insecure=1&chunk_mb=1&timeout=20"
-        ranks, port = _ring_ranks(procs, links, [0, 1, 2], url, "--rounds", "30", "--await", "stranger/knocking")
+        # no keys and no job secret (the ranks' environment names none): nothing shuts the stranger out
+        ranks, port = _ring_ranks(procs, links, [0, 1, 2], url, "--rounds", "30", "--await", "stranger/knocking",
+                                  env={auth.SECRET_ENV: ""})
         stranger = procs.popen([*links.prefix(3), sys.executable, "-c", STRANGER, links.addr(0), str(port),
                                 str(d / "server.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         results = finish(ranks + [stranger], timeout=240)

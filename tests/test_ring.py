@@ -174,7 +174,7 @@ def _shm_link(run: str, rank: int, slot_bytes: int):
     import json
     from commlab.regimes.ring import ShmOffer
     offer = ShmOffer(run, rank, slot_bytes)
-    receiver = ShmOffer.attach(json.loads(offer.describe()))
+    receiver = ShmOffer.attach(json.loads(offer.describe()))[0]
     return offer.accept(5.0, f"rank {rank + 1}", rank + 1), receiver
 
 

@@ -42,15 +42,15 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
+from commlab import auth, compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
 from commlab.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
-from commlab.manifest import _plain, describe_optimizer, model_manifest
+from commlab.manifest import describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
-from commlab.regimes.ps_steps import StepPlacement, for_servers, hypers
+from commlab.regimes.ps_steps import StepPlacement, for_servers
 from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
@@ -180,6 +180,7 @@ class _Shard:
         self.adopt_shm = False
         # CUDA parameters (HostStaging): key, offset, values -> True when the exchanger took the values
         self.put_staged: Callable[[str, int, torch.Tensor], bool] | None = None
+        self.secret: auth.JobSecret | None = None  # the job's: each connection proves it first (None: no handshake)
 
     def submit(self, fn, *args) -> cf.Future:
         return self.pool.submit(fn, *args)
@@ -199,9 +200,21 @@ class _Shard:
             self.unsettled.append(req)
         return req
 
+    def _open(self) -> zmq.Socket:
+        """A fresh connection to the shard; with the job's secret, each side has proved it to the other
+        before this returns (:func:`commlab.transport.handshake`, bounded by ``timeout``)."""
+        sock = self.tp.connect(zmq.DEALER, self.endpoint)
+        if self.secret is not None:
+            try:
+                transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
+            except BaseException:
+                sock.close(linger=0)
+                raise
+        return sock
+
     def _transmit(self, req: _Request) -> None:
         if self.sock is None:
-            self.sock = self.tp.connect(zmq.DEALER, self.endpoint)
+            self.sock = self._open()
         meta, at = dict(req.meta, id=req.rid), None
         if self.space:
             meta["space"] = self.space
@@ -567,6 +580,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
         self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
+        self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -617,6 +631,11 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        self._secret = auth.load()
+        if self._secret is None:
+            auth.warn_unauthenticated(f"ps:// rank {self.rank_info.global_rank()}")
+        for shard in self.shards:
+            shard.secret = self._secret
         # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
         # membership change); bounded as the start gate is: the ranks start when they do
         self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
@@ -1093,6 +1112,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     def facts(self) -> dict:
         facts = {"scheme": self.scheme, "mode": self.options.mode or "server's",
                  "servers": [s.endpoint for s in self.shards], "staging": self._staging.facts(),
+                 "authentication": auth.describe(self._secret),
                  **self._heap_facts()}
         if self.options.transport in ("shm", "auto"):  # what each connection carries its payloads in, and why
             facts["transport"] = {"asked": self.options.transport,
@@ -1154,6 +1174,7 @@ def server_stats(endpoint: str, timeout: float = 10.0) -> dict:
     tp = transport.Transport()
     try:
         shard = _Shard(0, 1, transport.tcp_endpoint(endpoint), tp, "observer", timeout, 0)
+        shard.secret = auth.load()
         try:
             return shard.submit(shard.request, "stats", -1, (), None, "stats").result(timeout + 1)[0].meta["stats"]
         finally:

@@ -103,10 +103,10 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import compress, rendezvous, scratch, shm, wire
+from commlab import auth, compress, rendezvous, scratch, shm, wire
 from commlab.compress import CompressOptions
 from commlab.config import option
-from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
+from commlab.errors import AuthError, BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import FutureHandle, Handle
 from commlab.heap import keep_freed_memory
@@ -223,6 +223,8 @@ class RingExchanger(CollectiveExchanger):
         self._kind = kind_for(self.options.transport)  # what the ring asks of its links, declared by their kind
         self._chunk_mb = self.options.chunk  # auto: shm's once meet() finds every link of the ring on one host
         self._staging: HostStaging | None = None  # after setup: the buckets' host mirrors (CUDA ones staged)
+        self._secret: auth.JobSecret | None = None  # the job's (meet reads it): links and store values prove it
+        self._forged = 0  # failure reports in the store not signed with the job's secret (ignored)
         self.left = (self.rank - 1) % self.world_size
         self.right = (self.rank + 1) % self.world_size
         self._ring_steps = ring_steps(self.rank, self.world_size)
@@ -248,7 +250,10 @@ class RingExchanger(CollectiveExchanger):
         # namespace, numbered by how many this rank met before (every rank meets them in the same order).
         self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)
         ns = self._ns = "ring/"
+        self._secret = auth.load()
         if self.world_size > 1:
+            if self._secret is None and self._kind.proves_secret:
+                auth.warn_unauthenticated(f"ring:// {self.rank_info.who()}")
             self._meet_links(ns)
         self._thread = threading.Thread(target=self._serve, name=f"ring-comm-rank{self.rank}", daemon=True)
         self._thread.start()
@@ -256,15 +261,19 @@ class RingExchanger(CollectiveExchanger):
         if self.world_size > 1 and self._kind.proves_ring:
             # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
+            if self._meeting is not None:
+                self._meeting.close_door()  # every link is met: no one else may connect from now on
 
     def _wait_key(self, key: str, what: str) -> bytes:
+        """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
+        the rank that never published it, AuthError naming the key if a stranger wrote it."""
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
             peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
             raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
-        return self.store.get(key)
+        return auth.get(self.store, self._secret, key)
 
     def _link_kinds(self, ns: str) -> tuple[str, str]:
         """(link from the left, link to the right): the transport asked for, or for ``auto`` shm where
@@ -274,7 +283,7 @@ class RingExchanger(CollectiveExchanger):
         if kind != "auto":
             return kind, kind
         here = host_identity()
-        self.store.set(f"{ns}where/{self.rank}", here)
+        auth.put(self.store, self._secret, f"{ns}where/{self.rank}", here)
         where = [self._wait_key(f"{ns}where/{k}", "host identity").decode() for k in range(self.world_size)]
         if not self.options.chunk_mb and len(set(where)) == 1:
             # every link of the ring is shared memory (every rank sees the same): shm's chunk
@@ -454,7 +463,10 @@ class RingExchanger(CollectiveExchanger):
         """What the first rank to fail wrote to the store, or None."""
         try:
             if self.store.check([self._ns + "fault"]):
-                return json.loads(self.store.get(self._ns + "fault"))
+                return json.loads(auth.get(self.store, self._secret, self._ns + "fault"))
+        except AuthError:  # a stranger's report cannot stop the ring
+            self._forged += 1
+            return None
         except Exception:
             return {"origin": None, "peer": 0,
                     "text": "the rendezvous store hosted by rank 0 is unreachable: rank 0 is likely dead"}
@@ -509,8 +521,9 @@ class RingExchanger(CollectiveExchanger):
             exc.peer = self.rank_info.global_rank(exc.peer)
         me = self.rank_info.global_rank()
         try:
-            self.store.compare_set(self._ns + "fault", "",
-                                   json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}))
+            report = json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}).encode()
+            key = self._ns + "fault"
+            self.store.compare_set(key, "", self._secret.sign(key, report) if self._secret is not None else report)
         except Exception:
             pass
         if isinstance(exc, PeerLost):  # a neighbour that closed on purpose may have said why
@@ -670,6 +683,9 @@ class RingMeeting:
         self.idle = ring._check_reports  # what every wait of a link calls about once a second
         self.slot_bytes = shm_slot_bytes(ring._chunk_mb)
         self.curve = _curve_keys(opts.keys, opts.key_name) if opts.keys else None
+        self.secret = ring._secret
+        self.links: list[Link] = []  # the zmq links made (they count the connections they refused)
+        self.refused = 0  # shared-memory links' connections that did not prove the job's secret
         self.net: Transport | None = None
         self.heap_kept: bool | None = None
         self.ipc_dir: str | None = None
@@ -679,6 +695,27 @@ class RingMeeting:
 
     def wait_key(self, key: str, what: str) -> bytes:
         return self.ring._wait_key(key, what)
+
+    def put(self, key: str, value: str | bytes) -> None:
+        """Publish ``value`` under ``key``, signed with the job's secret."""
+        auth.put(self.store, self.secret, key, value)
+
+    def answer(self, role: str, theirs: bytes, me: int, them: int) -> str:
+        """Rank ``me``'s proof of the job's secret over rank ``them``'s nonce (:meth:`commlab.auth.JobSecret.answer`)."""
+        return self.secret.answer(role, theirs, b"", self.name(me), self.name(them)).hex() if self.secret else ""
+
+    @staticmethod
+    def name(rank: int) -> str:
+        """How a rank is named in handshakes: its place in this exchanger's ring."""
+        return f"ring-rank{rank}"
+
+    def refusals(self) -> int:
+        return self.refused + sum(link.refusals() for link in self.links)
+
+    def close_door(self) -> None:
+        """Admit no further zmq connection (each link's one sender has connected and proved the secret)."""
+        if self.net is not None and self.secret is not None and self.curve is None:
+            self.net.admit_plain({})
 
     def transport(self) -> Transport:
         """The zmq context and I/O threads both zmq ends use (made once)."""
@@ -699,7 +736,9 @@ class RingMeeting:
         """The run id every rank's segments are named by (the first rank to ask picks it)."""
         if self._shm_run is None:
             shm.sweep_stale()  # what runs killed before they could unlink left behind
-            self._shm_run = self.store.compare_set(f"{self.ns}shm-run", "", shm.new_run_id()).decode()
+            key, mine = f"{self.ns}shm-run", shm.new_run_id().encode()
+            won = self.store.compare_set(key, "", self.secret.sign(key, mine) if self.secret is not None else mine)
+            self._shm_run = (self.secret.open(key, won) if self.secret is not None else won).decode()
         return self._shm_run
 
     def bind_host(self) -> str:
@@ -778,8 +817,10 @@ class LinkKind:
                                    "decided at setup: CUDA buckets through pinned host mirrors (no GPUDirect over "
                                    "zmq or shm); other CUDA tensors copied to host memory and back"),
                        "io_threads": o.io_threads, "sndbuf_kb": o.sndbuf_kb or "system",
-                       "authentication": "CURVE (keys folder)" if o.keys else (
-                           "none (insecure=1)" if o.insecure else "none (loopback/ipc/shm only)")}
+                       "authentication": ("CURVE (keys folder)" if o.keys else auth.describe(ring._secret))
+                       + (", unencrypted (insecure=1)" if o.insecure and not o.keys else ""),
+                       "refused": {"connections": ring._meeting.refusals() if ring._meeting is not None else 0,
+                                   "forged_reports": ring._forged}}
         if "shm" in ring._kinds.values() or o.transport in ("shm", "auto"):
             facts["shm"] = {"slots_per_link": SLOTS, "slot_bytes": shm_slot_bytes(ring._chunk_mb),
                             "segments": f"{shm.SHM_DIR}/commlab-<run>-<pid>.<start>-*, unlinked once mapped"}
@@ -813,31 +854,68 @@ class ZmqKind(LinkKind):
     def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
         super().__init__(m, peer, who, io_thread)
         self.socket: zmq.Socket | None = None
+        self.link: Link | None = None
 
     def where(self) -> str:
         """The address the PULL socket binds."""
         raise NotImplementedError
 
+    # With the job's secret both ends prove it over the other's fresh nonce. A PUSH/PULL link carries
+    # nothing back, and a PULL cannot tell which connection a message came from: so the sender proves it in
+    # zmq's own PLAIN handshake (its password: an HMAC over the receiver's nonce, which the receiver's ZAP
+    # handler checks; a connection that fails never delivers a message, and once the ring met no other is
+    # admitted), and the receiver proves it over the sender's nonce through the store, where the sender
+    # reads it before its first chunk goes out. With CURVE keys, CURVE admits the sender instead.
     def publish_inbound(self) -> None:
         m, curve = self.m, self.m.curve
+        plain = curve is None and m.secret is not None
+        nonce = os.urandom(auth.NONCE)
+        if plain:  # the left neighbour's password, before it can connect
+            m.transport().admit_plain({m.name(self.peer): m.answer("initiator", nonce, self.peer, m.rank)})
         self.socket = m.transport().bind(zmq.PULL, self.where(), io_thread=self.io_thread,
                                          curve=curve[0] if curve else None, authorized=curve[1] if curve else None,
-                                         insecure=m.options.insecure)
-        m.store.set(f"{m.ns}addr/{m.rank}", self.socket.last_endpoint)
+                                         insecure=m.options.insecure, plain=plain)
+        self.endpoint = self.socket.last_endpoint.decode()
+        self._link()  # its monitor counts the connections refused from now on
+        m.put(f"{m.ns}addr/{m.rank}", json.dumps({"endpoint": self.endpoint, "nonce": nonce.hex()}))
+
+    def publish_outbound(self) -> None:
+        self.nonce = os.urandom(auth.NONCE)
+        self.m.put(f"{self.m.ns}nonce/{self.m.rank}", self.nonce.hex())
 
     def connect_outbound(self) -> None:
         m = self.m
-        address = m.wait_key(f"{m.ns}addr/{self.peer}", "ring address").decode()
-        self.socket = m.transport().connect(zmq.PUSH, address, io_thread=self.io_thread,
-                                            curve=m.curve[2] if m.curve else None)
+        offer = json.loads(m.wait_key(f"{m.ns}addr/{self.peer}", "ring address"))
+        self.endpoint = offer["endpoint"]
+        plain = (m.name(m.rank), m.answer("initiator", bytes.fromhex(offer["nonce"]), m.rank, self.peer)) \
+            if m.secret is not None and m.curve is None else None
+        self.socket = m.transport().connect(zmq.PUSH, self.endpoint, io_thread=self.io_thread,
+                                            curve=m.curve[2] if m.curve else None, plain=plain)
+
+    def attach_inbound(self) -> None:
+        m = self.m
+        if m.secret is not None:  # our proof over the sender's nonce, for the address we bound
+            theirs = bytes.fromhex(m.wait_key(f"{m.ns}nonce/{self.peer}", "link nonce").decode())
+            m.put(f"{m.ns}proof/{m.rank}", m.answer("responder", theirs, m.rank, self.peer))
 
     def accept_outbound(self) -> Outbox:
-        return ZmqOutbox(Link(_met(self.socket, self.who), self.who, self.peer), self.m.rank, self.peer,
-                         self.m.timeout)
+        m = self.m
+        if m.secret is not None:  # before our first chunk goes out: is the receiver this job's?
+            got = m.wait_key(f"{m.ns}proof/{self.peer}", "link proof")
+            if not m.secret.check(m.answer("responder", self.nonce, self.peer, m.rank).encode(), got):
+                raise AuthError(f"no proof of the job's secret for {self.endpoint}, the address the store gives as "
+                                f"{self.who}'s: it is not this job's", op="connect")
+        return ZmqOutbox(self._link(), m.rank, self.peer, m.timeout)
+
+    def _link(self) -> Link:
+        """This end's link (made once)."""
+        if self.link is None:
+            self.link = Link(_met(self.socket, self.who), self.who, self.peer)
+            self.m.links.append(self.link)
+        return self.link
 
     def inbox(self, outbox: Outbox) -> Inbox:
-        return ZmqInbox(Link(_met(self.socket, self.who), self.who, self.peer), self.m.rank, self.peer, self.m.timeout,
-                        self.m.idle, outbox)
+        return ZmqInbox(self._link(), self.m.rank, self.peer, self.m.timeout, self.m.idle, outbox)
 
 
 class TcpKind(ZmqKind):
@@ -860,23 +938,26 @@ class ShmKind(LinkKind):
         super().__init__(m, peer, who, io_thread)
         self.offer: ShmOffer | None = None
         self.attached: tuple[shm.Segment, socket.socket, int] | None = None
+        self.claim: tuple[auth.Offer, bytes] | None = None  # with the job's secret: ours, and the offer's nonce
 
     def publish_outbound(self) -> None:
         m = self.m
-        self.offer = ShmOffer(m.shm_run(), m.rank, m.slot_bytes)
-        m.store.set(f"{m.ns}shm/{m.rank}", self.offer.describe())
+        self.offer = ShmOffer(m.shm_run(), m.rank, m.slot_bytes, m.secret)
+        m.put(f"{m.ns}shm/{m.rank}", self.offer.describe())
 
     def attach_inbound(self) -> None:
-        offer = self.m.wait_key(f"{self.m.ns}shm/{self.peer}", "shared-memory segment")
-        self.attached = ShmOffer.attach(json.loads(offer))
+        m = self.m
+        offer = m.wait_key(f"{m.ns}shm/{self.peer}", "shared-memory segment")
+        self.attached, self.claim = ShmOffer.attach(json.loads(offer), m, self.peer, self.who)
 
     def accept_outbound(self) -> Outbox:
         m = self.m
-        segment, conn = _met(self.offer, self.who).accept(m.timeout, self.who, self.peer)
+        segment, conn = _met(self.offer, self.who).accept(m.timeout, self.who, self.peer, m)
         return ShmOutbox(segment, conn, m.slot_bytes, m.rank, self.peer, self.who, m.timeout, m.idle)
 
     def inbox(self, outbox: Outbox) -> Inbox:
         mapped, conn, theirs = _met(self.attached, self.who)
+        ShmOffer.granted(self.claim, conn, self.m, self.peer, self.who)
         return ShmInbox(mapped, conn, theirs, self.m.rank, self.peer, self.who, self.m.timeout, self.m.idle, outbox)
 
 
@@ -889,6 +970,7 @@ class TorchKind(LinkKind):
     on_device = True
     in_groups = False
     proves_ring = False
+    proves_secret = False
 
     def connect_outbound(self) -> None:
         self.m.torch_group()
@@ -933,27 +1015,46 @@ class ShmOffer:
     """This rank's end of a shared-memory link to its right neighbour while the ring joins: the segment
     and a listening Unix socket (both under /dev/shm, removed once the neighbour has them)."""
 
-    def __init__(self, run: str, rank: int, slot_bytes: int):
+    def __init__(self, run: str, rank: int, slot_bytes: int, secret: auth.JobSecret | None = None):
         self.slot_bytes = slot_bytes
+        self.auth = auth.Offer(secret) if secret is not None else None
         self.segment = shm.Segment.create(run, f"r{rank}-out", SLOTS * slot_bytes)
         self.path = shm.path_for(run, f"r{rank}.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         shm.track(self.path)
         self.listener.bind(self.path)
         os.chmod(self.path, 0o600)
-        self.listener.listen(1)
+        self.listener.listen(8)
 
     def describe(self) -> str:
-        return json.dumps({"segment": self.segment.path, "socket": self.path, "slot_bytes": self.slot_bytes})
+        return json.dumps({"segment": self.segment.path, "socket": self.path, "slot_bytes": self.slot_bytes,
+                           **({"nonce": self.auth.nonce.hex()} if self.auth is not None else {})})
 
-    def accept(self, timeout: float, who: str, peer: int) -> tuple[shm.Segment, socket.socket]:
-        """Wait (at most ``timeout``) for the right neighbour to connect; it has mapped the segment then."""
-        self.listener.settimeout(timeout)
+    HANDSHAKE_S = 5.0  # longest one connection may take to prove the job's secret
+
+    def accept(self, timeout: float, who: str, peer: int, m: RingMeeting | None = None
+               ) -> tuple[shm.Segment, socket.socket]:
+        """Wait (at most ``timeout``) for the right neighbour to connect; it has mapped the segment then. With
+        a meeting ``m`` that holds the job's secret, a connection that does not prove it as the right
+        neighbour (:func:`commlab.auth.respond`) is closed, counted (``m.refused``) and the wait goes on."""
+        deadline = time.monotonic() + timeout
         try:
-            conn, _ = self.listener.accept()
-        except socket.timeout:
-            raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s", peer=peer,
-                              op="connect") from None
+            while True:
+                self.listener.settimeout(max(0.001, deadline - time.monotonic()))
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s",
+                                      peer=peer, op="connect") from None
+                if m is None or self.auth is None:
+                    break
+                conn.settimeout(min(self.HANDSHAKE_S, max(0.001, deadline - time.monotonic())))
+                try:  # the right neighbour sent its claim when it connected (attach)
+                    conn.send(self.auth.grant(conn.recv(auth.MAX_MESSAGE + 1), m.name(m.rank), m.name(peer)))
+                    break
+                except (AuthError, OSError):
+                    m.refused += 1
+                    conn.close()
         finally:
             self.listener.close()
             shm.remove(self.path)
@@ -962,14 +1063,38 @@ class ShmOffer:
         return self.segment, conn
 
     @staticmethod
-    def attach(offer: dict) -> tuple[shm.Segment, socket.socket, int]:
-        """The left neighbour's segment, mapped (and its file removed), and a connection to it."""
+    def attach(offer: dict, m: RingMeeting | None = None, peer: int = -1, who: str = ""):
+        """``((segment, connection, slot bytes), claim)``: the left neighbour's segment, mapped (and its file
+        removed), and a connection to it; with a meeting ``m`` that holds the job's secret, our claim to be
+        the right neighbour went out on it (the left answers in :meth:`accept`; :meth:`granted` checks the
+        answer, a phase later, so that no rank waits inside this one), and ``claim`` is what checks it."""
         slot_bytes = int(offer["slot_bytes"])
         mapped = shm.Segment.attach(offer["segment"], SLOTS * slot_bytes)
         mapped.unlink()  # mapped: the file is no longer needed, and a kill -9 can no longer leave it behind
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conn.connect(offer["socket"])
-        return mapped, conn, slot_bytes
+        claim = None
+        if m is not None and m.secret is not None:
+            mine, offered = auth.Offer(m.secret), bytes.fromhex(str(offer.get("nonce", "")))
+            conn.send(mine.claim(offered, m.name(m.rank), m.name(peer)))
+            claim = (mine, offered)
+        return (mapped, conn, slot_bytes), claim
+
+    @staticmethod
+    def granted(claim: tuple[auth.Offer, bytes] | None, conn: socket.socket, m: RingMeeting, peer: int,
+                who: str) -> None:
+        """The left neighbour's answer to our claim (bounded by the meeting's timeout); AuthError, blaming no
+        rank, when whoever holds the offered link is not this job's."""
+        if claim is None:
+            return
+        mine, offered = claim
+        conn.settimeout(m.timeout)
+        try:
+            mine.granted(conn.recv(auth.MAX_MESSAGE + 1), offered, m.name(m.rank), m.name(peer))
+        except (AuthError, OSError) as exc:  # someone else answered at the address the store gave
+            raise AuthError(f"the shared-memory link the store gives as {who}'s: {exc}", op="connect") from None
+        finally:
+            conn.settimeout(None)
 
 
 def _curve_keys(folder: str, key_name: str):
