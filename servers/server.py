@@ -1211,7 +1211,7 @@ class Admission:
         self.fd: dict[bytes, int] = {}  # identity -> its connection's descriptor
         self.spaces: dict[bytes, set[str]] = {}  # identity -> the key spaces it said hello to
         self.orphaned: dict[str, float] = {}  # key space -> when its last connection closed
-        self.counts = Counter()
+        self.counts: Counter[str] = Counter()
 
     def stats(self) -> dict:
         return {"required": self.secret is not None, "peers": len(self.peers), "handshaking": len(self.pending),
@@ -1243,6 +1243,7 @@ class Admission:
                 if len(self.pending) >= self.PENDING:  # a flood of half-done handshakes: the oldest goes
                     self.pending.popitem(last=False)
                     self.counts["failed"] += 1
+                assert self.secret is not None  # (admits() serves everyone without one)
                 side = auth.Responder(self.secret, f"server{self.cfg.shard}")
                 reply = side.challenge(frame.bytes)
                 self.pending[ident] = side

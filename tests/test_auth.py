@@ -79,14 +79,13 @@ def _job(endpoint: str, steps: int = 3) -> list[dict]:
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         ex = commlab.connect(f"ps://{endpoint}?timeout=30&transport=tcp", RankInfo(r, 2, r, "127.0.0.1", 0, "flags"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
         ex.setup(model, opt)
         for t in range(steps):
             ex.zero_grad()
             x = torch.full((3, 4), float(r + 1 + t))
             model(x).pow(2).sum().backward()
-            ex.step()
-            opt.step()
+            ex.step()  # (steps the optimizer it was set up with)
         out[r] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         ex.close()
 
@@ -102,7 +101,7 @@ def _job(endpoint: str, steps: int = 3) -> list[dict]:
 def _reference(steps: int = 3) -> dict:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for t in range(steps):
         grads = []
         for r in range(2):
@@ -158,7 +157,9 @@ def test_a_stranger_at_a_ps_server_is_refused_holds_nothing_and_the_job_trains(t
             Raw(server.endpoint, "rank0", secret=OTHER)
         stats = server.stats()
         a = stats["auth"]
-        assert a["required"] and a["refused_messages"] >= sent + 3 and a["failed_handshakes"] >= 2, a
+        # refused: 70 hellos, the junk, the replayed connection's hello; failed: a proof first, the replay (the
+        # client of another job gave up itself: the server did not prove its secret)
+        assert a["required"] and a["refused_messages"] == sent + 2 and a["failed_handshakes"] == 2, a
         assert stats["spaces"] == {} and stats["shm_links"] == 0 and _commlab_shm() == shm_before
         stranger.close()
         # the server's own job trains as a quiet run does

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import commlab
-from commlab import psproto, psshm, shm, transport, wire
+from commlab import auth, psproto, psshm, shm, transport, wire
 from commlab.manifest import describe_optimizer, model_manifest
 from commlab.rendezvous import RankInfo
 
@@ -344,6 +344,59 @@ def test_arbitrary_frames_and_headers_get_one_reply_and_apply_nothing(rig, data)
     assert raw.sock.poll(0, zmq.POLLIN) == 0
 
 
+HANDSHAKE_CASES = 1200  # fuzzed handshake messages (with the 6,000 above: the fuzz's 7,200 cases)
+
+
+def _fuzzed_handshake(rng: random.Random, good: bytes) -> bytes:
+    """A handshake message with a defect: bytes, broken msgpack, wrong types or sizes, a proof first."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(0, 200))
+    if kind == 1:
+        return good[:rng.randrange(0, len(good))]
+    if kind == 2:
+        return _pack({"auth": 1, "nonce": rng.randbytes(rng.choice([0, 31, 33, 64])), "who": "rank1"})
+    if kind == 3:
+        return _pack({"auth": 1, "nonce": rng.randbytes(32), "who": rng.choice([None, "", 5, "x" * 300, [1]])})
+    if kind == 4:
+        return _pack({"auth": rng.choice([0, 2, "1", None]), "nonce": rng.randbytes(32), "who": "rank1"})
+    if kind == 5:
+        return _pack({"auth": 1, "proof": rng.randbytes(rng.choice([0, 32, 100]))})
+    return _pack({"auth": 1, "nonce": rng.randbytes(32), "who": "rank1", "pad": rng.randbytes(2000)})
+
+
+def test_fuzzed_handshakes_are_refused_and_serve_nothing(rig):
+    """Fresh connections that never prove the secret: each fuzzed handshake message gets one answer (a refusal,
+    or for a well-formed hello a challenge, which a fuzzed proof then fails), nothing is served, the
+    parameters are unchanged."""
+    server, _, _, raw, _ = rig
+    before = checksum(raw)
+    s0 = server.stats()["auth"]
+    rng = random.Random(SEED + 1)
+    good = auth.Initiator(auth.load(), "rank1", "server").hello()
+    strangers = [Raw(server.endpoint, "rank1", secret=None) for _ in range(8)]
+    dropped = 0
+    try:
+        for n in range(HANDSHAKE_CASES):
+            s = strangers[n % len(strangers)]
+            s.send([_fuzzed_handshake(rng, good)])
+            answer = transport.recv(s.sock, 30, "server")
+            if b"auth" in answer[0].bytes[:16]:  # a handshake's answer (a refusal, or a challenge)
+                assert len(answer) == 1
+            else:  # not even a handshake: dropped, said so
+                h = wire.decode(answer, ops=psproto.REPLIES)
+                assert h.op == "error" and "serves only its job's processes" in h.meta["reason"]
+                dropped += 1
+        for s in strangers:  # still strangers: a request is refused
+            assert "serves only its job's processes" in s.request("pull", -1, after_step=-1).meta["reason"]
+    finally:
+        for s in strangers:
+            s.close()
+    s1 = server.stats()["auth"]  # (its own connection proved the secret: the one handshake that succeeded)
+    assert s1["handshakes"] - s0["handshakes"] == 1 and s1["refused_messages"] - s0["refused_messages"] == dropped + len(strangers)
+    assert checksum(raw) == before
+
+
 def test_after_the_fuzz_a_valid_step_lands_on_its_closed_form(rig):
     """Run last (file order): rank 0 through the client and rank 1 raw push step 0 together."""
     server, ex, model, raw, _ = rig
@@ -392,3 +445,4 @@ def _step(ex, model) -> bool:
     sum(p.sum() for p in model.parameters()).backward()
     ex.step()
     return True
+

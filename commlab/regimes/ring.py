@@ -521,9 +521,9 @@ class RingExchanger(CollectiveExchanger):
             exc.peer = self.rank_info.global_rank(exc.peer)
         me = self.rank_info.global_rank()
         try:
-            report = json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}).encode()
+            mine = json.dumps({"origin": me, "peer": exc.peer, "text": str(exc)}).encode()
             key = self._ns + "fault"
-            self.store.compare_set(key, "", self._secret.sign(key, report) if self._secret is not None else report)
+            self.store.compare_set(key, "", self._secret.sign(key, mine) if self._secret is not None else mine)
         except Exception:
             pass
         if isinstance(exc, PeerLost):  # a neighbour that closed on purpose may have said why
@@ -875,7 +875,7 @@ class ZmqKind(LinkKind):
         self.socket = m.transport().bind(zmq.PULL, self.where(), io_thread=self.io_thread,
                                          curve=curve[0] if curve else None, authorized=curve[1] if curve else None,
                                          insecure=m.options.insecure, plain=plain)
-        self.endpoint = self.socket.last_endpoint.decode()
+        self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._link()  # its monitor counts the connections refused from now on
         m.put(f"{m.ns}addr/{m.rank}", json.dumps({"endpoint": self.endpoint, "nonce": nonce.hex()}))
 
