@@ -183,6 +183,7 @@ CLI_CASES = [  # (command line, the option named): through the real command, a f
 ]
 
 
+@pytest.mark.multiproc
 def test_bad_numbers_on_the_command_line_exit_2_with_one_line_and_start_nothing(tmp_path):
     """``commlab train|run`` as a user types it: exit 2, one line naming the option, and nothing started: the
     launcher never made its log folder (the first thing it does, before any process) nor a scratch folder."""
@@ -204,6 +205,7 @@ def test_bad_numbers_on_the_command_line_exit_2_with_one_line_and_start_nothing(
         assert not logs.exists() and not any(tmp.iterdir()), f"{argv}: the launcher started"
 
 
+@pytest.mark.multiproc
 def test_a_hello_whose_optimizer_settings_are_not_numbers_is_refused_and_the_server_serves_on(tmp_path):
     """lr="x" (or betas of one number, maximize="yes") in a hello is refused with a reason naming it, before the
     shard fixes anything; the same hello with numbers is then served."""
