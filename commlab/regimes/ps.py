@@ -47,10 +47,10 @@ from commlab.compress import CompressOptions
 from commlab.config import ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.exchanger import BucketedExchanger, PlansServers
-from commlab.manifest import _plain, describe_optimizer, model_manifest
+from commlab.manifest import describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
-from commlab.regimes.ps_steps import StepPlacement, for_servers, hypers
+from commlab.regimes.ps_steps import StepPlacement, for_servers
 from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
 
@@ -568,7 +568,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
             raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
         desc = describe_optimizer(optimizer, model)
         asked = self.options.placement
-        if asked is not None and asked.shards_step and getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer):
+        foreign = getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer)
+        if foreign and asked is not None and asked.shards_step:
             raise ConfigError(f"ps:// update=server builds the optimizer on the servers from torch.optim, and "
                               f"{desc['class']} is not one of its classes: use update=worker (mode=sync), where "
                               f"your optimizer steps on the workers")
