@@ -164,6 +164,11 @@ class Mode:
         except ValueError as exc:
             raise Refused(f"{self.srv.cfg.name}: worker {sender} asked for update={update!r}, but {exc}") from None
 
+    @property
+    def gathering(self) -> int | None:
+        """The step the shard gathers from every worker (sync), or None: each push is applied alone."""
+        return None
+
     def step_pulls(self) -> frozenset[str]:
         """What a pull may ask for besides parameters, buffers and the final ones (``what=``)."""
         return frozenset()
@@ -352,6 +357,10 @@ class Sync(Mode):
         self.last_absent: list[str] = []
 
     def start_step(self):
+        return self.step
+
+    @property
+    def gathering(self):
         return self.step
 
     def step_in(self, rank):

@@ -213,7 +213,7 @@ class ParameterServer:
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
                 "skipped": s.skipped, "replaced": s.replaced, "resized": s.resized, "world": self.world,
-                "attempt": self.attempt, "boot": self.boot, "sync_step": getattr(self.mode, "step", None),
+                "attempt": self.attempt, "boot": self.boot, "sync_step": self.mode.gathering,
                 "waiting_for": self._waiting_for(), "gate": self._gate(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),

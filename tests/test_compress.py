@@ -326,7 +326,7 @@ class RecordingMover:
 
 def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first():
     from types import SimpleNamespace
-    from commlab.compress.seam import start_compressed
+    from commlab.compress.seam import CompressState, start_compressed
     comp = build("powersgd:2,start_iter=0")
     comp.bind(1)
     mover = RecordingMover()
@@ -335,7 +335,8 @@ def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first()
         params = [torch.nn.Parameter(torch.zeros(24, 20)), torch.nn.Parameter(torch.zeros(20))]
         buffer = torch.randn(500 + 2)
         buckets.append(SimpleNamespace(index=i, params=params, grads=buffer[:500], flags=buffer[500:], buffer=buffer))
-    handles = [start_compressed(comp, b, mover, f"bucket {b.index}", True) for b in buckets]
+    state = CompressState(comp)
+    handles = [start_compressed(state, b, mover, f"bucket {b.index}", True) for b in buckets]
     handles[0].wait(10)
     r0, r1 = "powersgd:2 round 0", "powersgd:2 round 1"
     assert mover.issued == [("sum", r0)] * 3 + [("sum", r1)] * 3  # every Q in flight before bucket 0 is finished
@@ -346,7 +347,7 @@ def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first()
     topk = build("topk:0.1")
     topk.bind(1)
     mover.issued.clear()
-    start_compressed(topk, buckets[0], mover, "bucket 0", True).wait(10)
+    start_compressed(CompressState(topk), buckets[0], mover, "bucket 0", True).wait(10)
     assert mover.issued == [("gather", "topk:0.1 round 0")]
 
 

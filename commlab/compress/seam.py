@@ -4,8 +4,8 @@ A regime supplies a :class:`Mover` (sum a tensor over ranks, gather one tensor f
 which dtypes its sums add without rounding below float32), keeps one :class:`CompressState` (the
 compressor and the step's exchanges, passed explicitly, as torch's PowerSGD hook state is) and calls
 :func:`start_compressed` with it from its ``_start_bucket``; a DDP comm hook calls
-:meth:`CompressState.start` with DDP's buckets. How each round travels follows from the compressor's declaration and the mover's
-abilities, never from the compressor's name:
+:meth:`CompressState.start` with DDP's buckets. How each round travels follows from the compressor's
+declaration and the mover's abilities, never from the compressor's name:
 
 * summable, and every payload dtype one the mover sums exactly (float32, float64) or per hop (a ring's
   float16/bfloat16: :meth:`Mover.sums_per_hop`): the round's tensors of each dtype are concatenated into

@@ -593,7 +593,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
         desc = describe_optimizer(optimizer, model)
         asked = self.options.placement
-        if asked is not None and asked.shards_step and getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer):
+        foreign = getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer)
+        if foreign and asked is not None and asked.shards_step:
             raise ConfigError(f"ps:// update=server builds the optimizer on the servers from torch.optim, and "
                               f"{desc['class']} is not one of its classes: use update=worker (mode=sync), where "
                               f"your optimizer steps on the workers")
