@@ -277,3 +277,22 @@ def test_the_zygote_refuses_a_folder_others_may_enter(tmp_path):
     done = subprocess.run([sys.executable, "-m", zygote.MODULE, "--bare", str(folder / "socket")], env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "must be a folder of uid" in done.stderr and not (folder / "socket").exists()
+
+
+PARENT = """
+import os
+with open(os.path.join(os.environ["OUT"], os.environ["RANK"]), "w") as fh:
+    fh.write(f"{os.getppid()} {open(f'/proc/{os.getppid()}/cmdline').read().split(chr(0))[:3]}")
+"""
+
+
+def test_the_ranks_of_a_launcher_a_test_starts_are_forked_from_the_zygote_too(zygote_env, tmp_path):
+    """``commlab run`` started by a test (the zygote's child) starts its ranks through ``$COMMLAB_STARTER``:
+    their parent is the zygote, not that launcher."""
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    cli = _start(["-m", "commlab.cli", "run", "--workers", "2", str(script)], dict(zygote_env, OUT=str(tmp_path)))
+    out, err = cli.communicate(timeout=170)
+    assert cli.returncode == 0, err
+    parents = [(tmp_path / r).read_text().split(" ", 1) for r in ("0", "1")]
+    assert all(int(pid) != cli.pid and zygote.MODULE in cmd for pid, cmd in parents), (cli.pid, parents)
