@@ -74,10 +74,12 @@ def test_the_secret_comes_from_a_private_file_or_the_environment(tmp_path):
 def _job(endpoint: str, steps: int = 3) -> list[dict]:
     """Two ranks (threads) of nn.Linear(4, 2) on fixed data, sync SGD: every rank's parameters after ``steps``."""
     out: list = [None, None]
+    torch.manual_seed(0)  # here, not in the threads: they would draw from torch's one generator in either order
+    init = nn.Linear(4, 2).state_dict()
 
     def rank(r: int):
-        torch.manual_seed(0)
         model = nn.Linear(4, 2)
+        model.load_state_dict(init)
         ex = commlab.connect(f"ps://{endpoint}?timeout=30&transport=tcp", RankInfo(r, 2, r, "127.0.0.1", 0, "flags"))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         ex.setup(model, opt)
