@@ -31,9 +31,10 @@ N = 2
 
 
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
-              combined: bool = False) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              combined: bool = False, T: int = 0, alpha: float = 0.0) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
-    ``SGD(**outer)`` on the mean change; ``combined``: one model on all N batches (synchronous SGD)."""
+    ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
+    alpha x local + (1 - alpha) x anchor; ``combined``: one model on all N batches (synchronous SGD)."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -62,18 +63,19 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
             o.step()
         t = step + 1
         due = {p for p in range(parts) if t % H == (H * (p + 1) // parts) % H}
-        if not due:
-            continue
+        land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
         with torch.no_grad():
+            if due:
+                for i, a in enumerate(anchor):
+                    a.grad = None
+                    if frag[i] in due:
+                        a.grad = sum(a - list(m.parameters())[i] for m in models) / N
+                outer_opt.step()
             for i, a in enumerate(anchor):
-                a.grad = None
-                if frag[i] in due:
-                    a.grad = sum(a - list(m.parameters())[i] for m in models) / N
-            outer_opt.step()
-            for i, a in enumerate(anchor):
-                if frag[i] in due:
+                if frag[i] in land:
                     for m in models:
-                        list(m.parameters())[i].copy_(a)
+                        q = list(m.parameters())[i]
+                        q.copy_(alpha * q + (1 - alpha) * a)
             if t % H == 0:
                 for bufs in zip(*(m.buffers() for m in models)):
                     if bufs[0].is_floating_point():
@@ -150,6 +152,15 @@ def test_fragments_and_batchnorm(run_ranks, tmp_path):
     assert offsets(4, 2) == [2, 0]
     assert saved[0]["sent"] == [0, per[0], 0, per[1] + buffers, 0, per[0], 0, per[1] + buffers, 0]
     assert max(s for s in saved[0]["sent"] if s) - buffers <= max(per)
+
+
+@pytest.mark.multiproc
+def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
+    """fragments=2, overlap=1: fragment p's exchange starts at its step and lands one inner step later, mixed
+    with the local parameters by alpha (the ring: its all-reduce runs on the ring's own thread)."""
+    url = REGIMES[1] + "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1"
+    saved = run(run_ranks, tmp_path, url, 10)
+    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
 
 
 @pytest.mark.multiproc

@@ -83,13 +83,13 @@ def parse_outer(spec: str) -> tuple[type, dict[str, Any]]:
     the optimizer itself refuses, with :class:`ConfigError` naming ``outer``."""
     name, _, rest = spec.partition(":")
     cls = _optimizer_class(name.strip())
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     kwargs: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, raw = item.partition("=")
         if not eq:
             raise ConfigError(f"outer: {item!r} is not KEY=VALUE")
-        if key not in params or key in ("self", "params"):
+        if key not in params or key == "params":
             raise ConfigError(f"outer: {cls.__name__} takes no keyword {key!r}")
         kwargs[key] = _value(key, raw, params[key].default)
     try:
