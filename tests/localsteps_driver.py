@@ -2,7 +2,9 @@
 the data, the inner optimizer): ``LS_CFG`` (JSON) says the URL, steps, model and optimizer; ``LS_OUT`` is
 where the rank saves its parameters, buffers, inner optimizer state, exchanger state and per-step bytes.
 
-``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
+``ahead``: rank 1 starts that step's fragment exchange only once rank 0 has computed its next step's
+gradients (through the rendezvous store): rank 0 can get there only if its own start of the exchange did not
+wait for rank 1. ``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
 (rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
 counts them (``redone``).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -59,10 +62,15 @@ def main() -> None:
         start = saved["step"]
         redone = cfg["kill_at"] + 1 - start  # the steps the killed run took past its last checkpoint
     sent = []
+    ahead = cfg.get("ahead")  # a fragment's step: rank 1 syncs it only once rank 0 is one step past it
     for step in range(start, cfg["steps"]):
         x, y = batch(rank, step)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
+        if ahead is not None and rank == 0 and step == ahead + 1:
+            ex.store.set("test/ahead", "1")
+        if ahead is not None and rank == 1 and step == ahead:
+            ex.store.wait(["test/ahead"], timedelta(seconds=20))
         opt.step()
         sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
         if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step

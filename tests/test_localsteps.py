@@ -184,9 +184,11 @@ def test_fragments_and_batchnorm(run_ranks, tmp_path):
 @pytest.mark.multiproc
 def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
     """fragments=2, overlap=1: fragment p's exchange starts at its step and lands one inner step later, mixed
-    with the local parameters by alpha (the ring: its all-reduce runs on the ring's own thread)."""
+    with the local parameters by alpha (the ring: its all-reduce runs on the ring's own thread). The training
+    thread does not wait on the link: rank 1 joins the exchange of step 5 (0-based) only after rank 0 has
+    computed step 6 (forced through the store; with overlap=0 rank 0 would wait at step 5 and the run hang)."""
     url = REGIMES[1] + "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1"
-    saved = run(run_ranks, tmp_path, url, 10)
+    saved = run(run_ranks, tmp_path, url, 10, ahead=5)
     check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
 
 
