@@ -6,11 +6,17 @@ parsed into that regime's ``Options`` dataclass, field by field, so an unknown
 key or a value of the wrong type fails at once with a message that lists what
 the regime accepts. Parsing happens once; everything downstream receives frozen
 dataclasses.
+
+Every number is checked where it is declared: a float field must be finite, and an
+:func:`option` states its range (``gt``, ``ge``, ``le``), so ``chunk_mb=nan`` or
+``shards=1000000`` fails here, in one line naming the option, before any process starts.
+:func:`check_number` is the same rule for the CLI's and the launcher's own flags.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
@@ -40,17 +46,58 @@ class ExchangerURL:
         return cls(scheme, endpoints, tuple(pairs), text)
 
 
-def option(default, help: str, choices: tuple | None = None):
-    """A field of a regime's Options: its default, one line of help, allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+MAX_MB = float(2**20)  # a size in MiB above this (1 TiB) is a typo, not a size: no host holds it
+MAX_WAIT_S = 7 * 86400.0  # a wait longer than a week is a hang; far longer ones overflow torch's timedelta
+
+
+def check_number(name: str, value, *, gt: float | None = None, ge: float | None = None,
+                 lt: float | None = None, le: float | None = None, why: str = "") -> None:
+    """Raise :class:`ConfigError`, one line naming ``name``, unless ``value`` is a finite number (not a
+    bool) with ``value > gt``, ``value >= ge``, ``value < lt`` and ``value <= le`` (each where given).
+    ``why`` follows the range in the message (what makes it the range)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    finite = not isinstance(value, float) or math.isfinite(value)  # (an int is: isfinite would overflow on 10**400)
+    if finite and (gt is None or value > gt) and (ge is None or value >= ge) and (lt is None or value < lt) \
+            and (le is None or value <= le):
+        return
+    bounds = _bounds(gt, ge, lt, le)
+    what = "a finite number" + (f" {bounds}" if bounds else "") if not finite else bounds
+    raise ConfigError(f"{name} must be {what}{f' ({why})' if why else ''}, got {value!r}")
+
+
+def _bounds(gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None,
+            **_) -> str:
+    """``> 0 and <= 1024``: a range as a message says it."""
+    said = [f"{op} {int(b) if float(b).is_integer() else b!r}"
+            for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le)) if b is not None]
+    return " and ".join(said)
+
+
+def option(default, help: str, choices: tuple | None = None, *, gt: float | None = None, ge: float | None = None,
+           le: float | None = None, why: str = ""):
+    """A field of a regime's Options: its default, one line of help, allowed values, and for a number its
+    range (:func:`check_number`'s ``gt``, ``ge``, ``le``, ``why``), checked when the options are built."""
+    return field(default=default, metadata={"help": help, "choices": choices,
+                                            "range": {"gt": gt, "ge": ge, "le": le, "why": why}})
+
+
+def check_ranges(options) -> None:
+    """Every number of a frozen options object is finite and in its declared range (else ConfigError)."""
+    hints = typing.get_type_hints(type(options))
+    for f in dataclasses.fields(options):
+        if hints.get(f.name) in (int, float) and f.metadata.get("choices") is None:
+            check_number(f.name, getattr(options, f.name), **f.metadata.get("range", {}))
 
 
 @dataclass(frozen=True)
 class CommonOptions:
     """Options every bucketed regime accepts."""
 
-    timeout: float = option(120.0, "seconds any single wait may take before it raises")
-    bucket_mb: float = option(25.0, "gradient bucket size in MiB (buckets fill in reverse parameter order)")
+    timeout: float = option(120.0, "seconds any single wait may take before it raises", gt=0, le=MAX_WAIT_S,
+                            why="a week: longer is a hang")
+    bucket_mb: float = option(25.0, "gradient bucket size in MiB (buckets fill in reverse parameter order)", gt=0,
+                              le=MAX_MB)
     heap: str = option("keep", "keep: big freed blocks (gradient temporaries, received messages) stay in the "
                                "heap instead of page-faulting in anew every step (glibc); system: C library defaults",
                        choices=("keep", "system"))
@@ -59,10 +106,7 @@ class CommonOptions:
                           choices=("broadcast", "average", "none"))
 
     def __post_init__(self):
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
-        if self.bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        check_ranges(self)  # every subclass's numbers too: each calls this first
 
 
 def _convert(name: str, raw: str, kind, choices):
@@ -104,7 +148,7 @@ def describe_options(options_cls) -> list[str]:
     for f in dataclasses.fields(options_cls):
         if not f.init or "help" not in f.metadata:
             continue
-        choices = f.metadata.get("choices")
-        extra = f" one of {list(choices)}" if choices else ""
+        choices, bounds = f.metadata.get("choices"), _bounds(**f.metadata.get("range", {}))
+        extra = f" one of {list(choices)}" if choices else f" {bounds}" if bounds else ""
         lines.append(f"{f.name}={f.default!r} ({hints[f.name].__name__}{extra}): {f.metadata['help']}")
     return lines

@@ -18,6 +18,10 @@ Each of DDP's gradient buckets then goes through a commlab regime that sums, and
   No overlap with backward (the step's exchange runs after its last bucket), and one copy of the model
   in the mirror.
 
+The hook uses only what the regime declares (:mod:`commlab.exchanger`): a :class:`~commlab.exchanger.Collective`
+(``meet``, ``allreduce_async``, ``begin_exchange``), or an :class:`~commlab.exchanger.AveragesSteps`
+(``check_averages``, ``setup``, ``exchange_step``).
+
 Uncompressed, the result equals plain DDP's (up to the order of the sums). The hook returns a
 ``torch.futures.Future`` at once; a thread of the state's completes it from the regime's handle, always
 within the URL's ``timeout`` (else with the error, which DDP raises out of ``backward()``). Every rank
@@ -37,11 +41,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from commlab import compress, rendezvous
-from commlab.compress.seam import CompressedExchange
+from commlab import compress
+from commlab.compress.seam import CompressState
 from commlab.config import ExchangerURL
 from commlab.errors import CommError, ConfigError
-from commlab.exchanger import CollectiveExchanger
+from commlab.exchanger import AveragesSteps, CollectiveExchanger
 from commlab.handles import Handle
 from commlab.registry import resolve, url_from_env
 from commlab.rendezvous import RankInfo, from_env
@@ -70,30 +74,26 @@ class DDPHookState:
         text = url_from_env(url)
         parsed = text if isinstance(text, ExchangerURL) else ExchangerURL.parse(text)
         cls, checked = resolve(parsed)  # a bad URL or compress= spec: ConfigError, one line naming the option
-        options: Any = checked
         self.scheme = parsed.scheme
-        self.ps = self.scheme == "ps"
-        if self.ps:
-            if getattr(options, "update", "") == "server":
-                raise ConfigError("option 'update': ddp_hook needs servers that sum (update=worker): DDP's own "
-                                  "optimizer steps on the workers")
-            if getattr(options, "mode", "") in ("async", "ssp"):
-                raise ConfigError(f"option 'mode': ddp_hook needs mode=sync (DDP's replicas step together), "
-                                  f"not mode={options.mode}")
-        elif not issubclass(cls, CollectiveExchanger):
+        if not issubclass(cls, (CollectiveExchanger, AveragesSteps)):
             raise ConfigError(f"ddp_hook: {self.scheme}:// does not sum gradients over ranks; use {SUMMING}")
-        self.ex: Any = cls(options, rank if rank is not None else from_env())
-        self.timeout: float = options.timeout
-        self.compressor: compress.Compressor | None = getattr(self.ex, "compressor", None)  # ps:// has none
+        ex = cls(checked, rank if rank is not None else from_env())
+        self.ex: Any = ex  # a CollectiveExchanger or an AveragesSteps (the abilities the hook uses)
+        # a regime that sums a whole step (ps://) gets it after the step's last bucket, through a mirror of DDP's
+        # parameters; a collective sums each bucket as DDP hands it over
+        self._whole: _WholeStep | None = _WholeStep(ex) if isinstance(ex, AveragesSteps) else None
+        self.timeout: float = ex.options.timeout
+        # the hook compresses a collective's buckets itself; ps:// compresses inside its own exchange_step
+        self.compressor: compress.Compressor | None = ex.compressor
         self._keys: dict[tuple[int, ...], int] = {}  # a bucket's parameters (identities) -> compressor key
         self._sizes: dict[int, list[int]] = {}  # compressor key -> its parameters' sizes
         self._orphans: dict[int, torch.Tensor] = {}  # id(parameter) -> its residual from a bucket DDP rebuilt
         self._connected = False
-        self._train: list[CompressedExchange] = []  # this step's compressed exchanges, in bucket order
+        # the compressed step's state (commlab.compress.seam), as the exchanger's regimes keep it
+        self._compress = CompressState(self.compressor) if self.compressor is not None else None
         self._step_jobs: list[_Job] = []  # this step's buckets, until its last (multi-round compressors, ps://)
         self._step = 0
         self._first = True  # the next bucket is its step's first
-        self._mirror: dict[int, nn.Parameter] = {}  # ps://: id(DDP parameter) -> its mirror
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -114,33 +114,31 @@ class DDPHookState:
         job = _Job(buffer, params, torch.futures.Future(devices=[buffer.device]) if buffer.is_cuda
                    else torch.futures.Future())
         last = bucket.is_last()
-        if self.ps:  # the whole step at once, after its last bucket (the servers average: no 1/N here)
+        if self._whole is not None:  # the whole step at once, after its last bucket (the servers average: no 1/N)
             self._step_jobs.append(job)
         else:
             self._connect_collective()
             buffer.div_(self.ex.world_size)
             if self._first:  # the stall report reads how far each rank got (and the regime's step)
-                self.ex._step = self._step
-                rendezvous.heartbeat(self.ex.store, self.rank, self._step)
+                self.ex.begin_exchange(self._step)
             what = f"{self.scheme}:// DDP bucket {bucket.index()} ({len(params)} parameters) at step {self._step}"
-            if self.compressor is None:
+            if self._compress is None:
                 job.handle = self.ex.allreduce_async(buffer, what)
             else:
                 shapes = tuple(p.shape for p in params)
                 if sum(p.numel() for p in params) != buffer.numel():
                     shapes = (buffer.shape,)
-                job.handle = CompressedExchange(self.compressor, self._key(params), buffer, shapes, None, self.ex,
-                                                what, self._train)
-                self._train.append(job.handle)
+                job.handle = self._compress.start(self._key(params), buffer, shapes, None, self.ex, what,
+                                                  first=self._first)
             if self.compressor is None or self.compressor.rounds == 1:
-                self._jobs.put([job])  # nothing more to issue: wait for it now
+                self._jobs.put((self._wait_for, [job]))  # nothing more to issue: wait for it now
             else:
                 self._step_jobs.append(job)
         self._first = last
         if last:
             if self._step_jobs:
-                self._jobs.put(self._step_jobs)
-            self._step_jobs, self._train = [], []
+                self._jobs.put((self._whole.run if self._whole is not None else self._wait_for, self._step_jobs))
+            self._step_jobs = []
             self._step += 1
         # DDP reads the result in C++, which cannot unwrap a Python exception set on the future: a failure
         # raised by ``then``'s callback marks the chained future failed, and DDP raises it out of backward()
@@ -162,19 +160,24 @@ class DDPHookState:
         had not sent yet. A bucket that shares a parameter with the new one is gone for good (a parameter is
         in one bucket at a time): its residual is cut per parameter, the new bucket takes its parameters'
         pieces, the rest wait for theirs."""
-        residuals = getattr(self.compressor, "residuals", None)
-        if residuals is None:
+        comp = self.compressor
+        if comp is None or not comp.keeps_residuals:
             return
         mine = set(ident)
         for old_ident, old in list(self._keys.items()):
-            if old != key and mine.intersection(old_ident) and old in residuals and \
-                    residuals[old].numel() == sum(self._sizes[old]):
-                for pid, piece in zip(old_ident, torch.split(residuals.pop(old), self._sizes[old])):
+            if old != key and mine.intersection(old_ident):
+                residual = comp.take_residual(old)
+                if residual is None:
+                    continue
+                if residual.numel() != sum(self._sizes[old]):  # not cut per parameter (a bucket of another shape)
+                    comp.put_residual(old, residual)
+                    continue
+                for pid, piece in zip(old_ident, torch.split(residual, self._sizes[old])):
                     self._orphans[pid] = piece
         if any(pid in self._orphans for pid in ident):
             like = next(self._orphans[pid] for pid in ident if pid in self._orphans)
-            residuals[key] = torch.cat([self._orphans.pop(pid) if pid in self._orphans else like.new_zeros(n)
-                                        for pid, n in zip(ident, self._sizes[key])])
+            comp.put_residual(key, torch.cat([self._orphans.pop(pid) if pid in self._orphans else like.new_zeros(n)
+                                              for pid, n in zip(ident, self._sizes[key])]))
 
     def _connect_collective(self) -> None:
         if self._connected:
@@ -190,17 +193,12 @@ class DDPHookState:
     # ----- on the state's thread -------------------------------------------------------------------
     def _drive(self) -> None:
         while True:
-            jobs = self._jobs.get()
-            if jobs is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            run, jobs = item
             try:
-                if self.ps:
-                    self._ps_step(jobs)
-                else:
-                    deadline = time.monotonic() + self.timeout
-                    for i, job in enumerate(jobs):  # a multi-round exchange's first wait brings the later ones along
-                        job.handle.wait(self.timeout if i == 0 else max(1e-3, deadline - time.monotonic()))
-                        job.future.set_result(job.buffer)
+                run(jobs)
             except BaseException as exc:  # noqa: BLE001 - DDP raises it out of backward()
                 if not isinstance(exc, (CommError, ConfigError)) or f"rank {self.rank}" not in str(exc):
                     exc = CommError(f"rank {self.rank}: DDP hook over {self.scheme}://: {exc}")
@@ -208,36 +206,13 @@ class DDPHookState:
                     if not job.future.done():
                         job.future.set_exception(exc)
 
-    def _ps_step(self, jobs: list[_Job]) -> None:
-        """ps://: push every bucket's gradients (through the mirror's ``grad``), pull the averages back."""
-        if not self._mirror:
-            self._setup_ps([p for job in jobs for p in job.params])
-        ex = self.ex
-        for job in jobs:
-            for p, g in zip(job.params, _views(job)):
-                self._mirror[id(p)].grad = g
-        ex._finalize(self.timeout)  # every bucket of the mirror pushed, and its average pulled
-        for job in jobs:
-            for p, g in zip(job.params, _views(job)):
-                avg = self._mirror[id(p)].grad
-                if avg is None:  # no rank had it (never, as DDP hands every gradient): DDP's zeros
-                    g.zero_()
-                else:
-                    g.copy_(avg)
-        ex._after_step()
-        for job in jobs:
+    def _wait_for(self, jobs: list[_Job]) -> None:
+        """A collective's buckets, started in the hook: their sums, in order."""
+        deadline = time.monotonic() + self.timeout
+        for i, job in enumerate(jobs):  # a multi-round exchange's first wait brings the later ones along
+            assert job.handle is not None
+            job.handle.wait(self.timeout if i == 0 else max(1e-3, deadline - time.monotonic()))
             job.future.set_result(job.buffer)
-
-    def _setup_ps(self, params: list[torch.Tensor]) -> None:
-        seen: dict[int, torch.Tensor] = {}
-        for p in params:
-            seen.setdefault(id(p), p)
-        mirror = _Mirror(list(seen.values()))
-        self.ex.setup(mirror, torch.optim.SGD(mirror.parameters(), lr=0.0))  # the servers only average
-        if (self.ex.mode, self.ex.update) != ("sync", "worker"):
-            raise ConfigError(f"option 'update': ddp_hook needs servers that sum (mode=sync&update=worker); these "
-                              f"run mode={self.ex.mode}&update={self.ex.update}")
-        self._mirror = {k: m for k, m in zip(seen, mirror.grads)}
 
     # ----- the rest ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -265,6 +240,45 @@ class DDPHookState:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _WholeStep:
+    """A regime that averages a whole step (:class:`~commlab.exchanger.AveragesSteps`, ps://): at the end of the
+    first step the hook knows every parameter (DDP's buckets cover them all) and sets the regime up on a mirror
+    of them; each step then hands it every bucket's gradients (as the mirror's ``grad``) and copies the averages
+    back. Runs on the hook state's thread, the only one that drives this exchanger."""
+
+    def __init__(self, ex: Any):  # an AveragesSteps (an Exchanger: setup)
+        ex.check_averages()  # the URL's mode= and update=: a bad one fails here, in one line naming it
+        self.ex = ex
+        self.mirror: dict[int, nn.Parameter] = {}  # id(DDP parameter) -> its mirror
+
+    def run(self, jobs: list[_Job]) -> None:
+        """Push every bucket's gradients (through the mirror's ``grad``), pull the averages back."""
+        if not self.mirror:
+            self._setup([p for job in jobs for p in job.params])
+        for job in jobs:
+            for p, g in zip(job.params, _views(job)):
+                self.mirror[id(p)].grad = g
+        self.ex.exchange_step()  # every bucket of the mirror pushed, and its average pulled
+        for job in jobs:
+            for p, g in zip(job.params, _views(job)):
+                avg = self.mirror[id(p)].grad
+                if avg is None:  # no rank had it (never, as DDP hands every gradient): DDP's zeros
+                    g.zero_()
+                else:
+                    g.copy_(avg)
+        for job in jobs:
+            job.future.set_result(job.buffer)
+
+    def _setup(self, params: list[torch.Tensor]) -> None:
+        seen: dict[int, torch.Tensor] = {}
+        for p in params:
+            seen.setdefault(id(p), p)
+        mirror = _Mirror(list(seen.values()))
+        self.ex.setup(mirror, torch.optim.SGD(mirror.parameters(), lr=0.0))  # never stepped: the servers average
+        self.ex.check_averages()  # now the servers' mode and update
+        self.mirror = {k: m for k, m in zip(seen, mirror.grads)}
 
 
 class _Mirror(nn.Module):

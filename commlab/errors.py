@@ -51,7 +51,17 @@ class PeerLost(CommError):
 
 
 class ProtocolError(CommError):
-    """A message broke the wire protocol: bad header, frame, size or dtype."""
+    """A message broke the wire protocol: bad header, frame, size or dtype.
+
+    ``where`` (a field, besides CommError's): the part of the message or blob that lied, when one is named
+    (``state['opt'][0]`` in a committed state); None otherwise."""
+
+    def __init__(self, message: str = "", *, where: str | None = None, **fields):
+        super().__init__(message, **fields)
+        self.where = where
+
+    def fields(self) -> dict:
+        return {**super().fields(), "where": self.where}
 
 
 class RemoteError(CommError):

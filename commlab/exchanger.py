@@ -104,6 +104,42 @@ class JoinOptions:
     throw_on_early_termination: bool = False
 
 
+class Join:
+    """One ``join()`` of one exchanger (torch's ``JoinHook``): its options, its state, and what it does at each
+    exchange. The exchanger holds one (this base class outside ``join()``, where every call does nothing) and
+    consults it alone; a regime makes its own by :meth:`BucketedExchanger._join_hook`. This base is also the
+    join of a regime with nobody to wait for (local://).
+
+    Called on the training thread only: :meth:`exchange_begins` and :meth:`exchange_ends` on a rank still
+    training (every rank, in the same exchanges), :meth:`wait_out` once this rank's loop is over."""
+
+    def __init__(self, options: JoinOptions | None = None):
+        self.options = options
+
+    @property
+    def joining(self) -> bool:
+        """Inside ``join()``."""
+        return self.options is not None
+
+    def exchange_begins(self) -> None:
+        """A rank still training: its exchange's first bucket is about to start. Collective; does not block."""
+
+    def exchange_ends(self) -> None:
+        """A rank still training: every bucket of its exchange is summed; ``p.grad`` is not final yet."""
+
+    def voters(self, world_size: int) -> Sequence[int]:
+        """The ranks whose buffers an ``average`` takes: every rank, or inside join() the ranks still training."""
+        return range(world_size)
+
+    def buffer_source(self) -> int:
+        """The rank whose buffers every rank takes: 0, or inside join() the highest rank still training (DDP's)."""
+        return 0
+
+    def wait_out(self) -> None:
+        """This rank's loop is over: take part in the others' exchanges until every rank's is, then take the last
+        joiner's model (DDP's join: the highest rank among those that left their loop last). Collective."""
+
+
 SYNC_FLAG = "require_backward_grad_sync"  # DDP's attribute; a False read at forward time means no_sync()
 
 
@@ -123,6 +159,26 @@ class Collective(abc.ABC):
         """Whether the regime can also sum ``dtype`` sent at its own width with float32 partial sums rounded once
         per hop (``allreduce_per_hop_async``, :class:`commlab.compress.seam.Mover`): not unless it says so."""
         return False
+
+
+class AveragesSteps(abc.ABC):
+    """Ability: average every rank's gradients of a step in lockstep and leave the update to the caller, a whole
+    step at a time on request (:meth:`exchange_step`) rather than bucket by bucket (:class:`Collective`). What
+    :func:`commlab.ddp_hook` needs from a regime that is not a collective (``ps://`` with mode=sync and
+    update=worker), whose own buckets it fills through a mirror of DDP's parameters."""
+
+    @abc.abstractmethod
+    def check_averages(self) -> None:
+        """Raise :class:`ConfigError` (one line, naming the option) unless this exchanger, as configured (and, after
+        ``setup``, as its peers run it), averages in lockstep and leaves the update to the caller. Never blocks."""
+
+    @abc.abstractmethod
+    def exchange_step(self, timeout: float | None = None) -> StepReport:
+        """Exchange the gradients now in the parameters' ``.grad`` as a backward would have, and close the step
+        with no ``optimizer.step()`` of this exchanger's (the caller's own optimizer steps on the result).
+        Collective: every rank calls it once per step, after ``setup``. Blocks until ``.grad`` is final and equal
+        on every rank (bounded by ``timeout``, default the URL's); until then the ``.grad`` tensors are the
+        exchanger's, not to be touched."""
 
 
 class PlansServers(abc.ABC):
@@ -413,11 +469,11 @@ class BucketedExchanger(Exchanger):
         self._open_step: Handle | None = None
         self.last_report: StepReport | None = None
         self.compressor = compress.from_options(options, rank.world_size)  # None unless compress= (commlab.compress)
+        # the compressed step's state, handed to every bucket's start (commlab.compress.seam)
+        self.compress_state = compress_seam.CompressState(self.compressor) if self.compressor is not None else None
         self._fwd_sync = True  # require_backward_grad_sync as the last forward (with grad enabled) read it
         self._flag_holders: list[nn.Module] = []  # where that flag is read: the model, and its compile wrapper
-        self._joining: JoinOptions | None = None  # inside join()
-        self._vote: Handle | None = None  # join: this exchange's tally of the ranks still training
-        self._join_active: list[int] = []  # join: the ranks still training at this exchange
+        self._join = Join()  # inside join(): the regime's (_join_hook), for that join() alone
         self.talk = localsteps.schedule(options)  # when to talk: every step, or every H (commlab.regimes.localsteps)
         self._begin_step_totals()
         self._reset_step_state()
@@ -446,18 +502,10 @@ class BucketedExchanger(Exchanger):
         """For a regime that updates on servers: what ``optimizer.step()`` becomes."""
         raise NotImplementedError
 
-    # join() by a vote at each exchange (the all-reduce regimes); a regime whose servers count joined
-    # workers overrides :meth:`_wait_out_join` instead
-    joins_by_vote: ClassVar[bool] = False
-
-    def _join_vote(self, flat: torch.Tensor) -> Handle:
-        """Sum ``flat`` (one slot per rank, then a terminate flag) over every rank. Collective."""
-        raise NotImplementedError
-
-    def _shadow_exchange(self) -> None:
-        """A joined rank's part in one exchange of the ranks still training (:attr:`_join_active`): zeros
-        for every bucket, then the buffers of :meth:`_buffer_source`. Collective."""
-        raise NotImplementedError
+    def _join_hook(self, options: JoinOptions) -> Join:
+        """The :class:`Join` of one ``join()`` with ``options``: the base's (nothing to wait for) unless the
+        regime has peers to wait out (a vote among the collectives, the servers' count on ps://)."""
+        return Join(options)
 
     def _take_model_from(self, src: int) -> None:
         """Every rank takes rank ``src``'s parameters (trainable or not) and buffers. Collective."""
@@ -552,60 +600,15 @@ class BucketedExchanger(Exchanger):
         if not self.talk.every_step:
             raise ConfigError("join() with sync_every= (local steps) is not supported: give every rank the same "
                               "number of optimizer steps")
-        if self._joining is not None:
+        if self._join.joining:
             raise ConfigError("join() inside join() on the same exchanger")
-        options = JoinOptions(bool(divide_by_initial_world_size), bool(throw_on_early_termination))
-        self._joining = options
+        self._join = self._join_hook(JoinOptions(bool(divide_by_initial_world_size), bool(throw_on_early_termination)))
         try:
             yield  # an error in the loop propagates as it is, as under DDP: nothing is shadowed then
-            self._wait_out_join(options)
+            self._join.wait_out()
         finally:
-            self._joining = None
-            self._join_active = []
+            self._join = Join()
             self._reset_step_state()
-
-    def _wait_out_join(self, options: JoinOptions) -> None:
-        """This rank's loop is over: take part in the others' exchanges until every rank's is, then take the
-        last joiner's model (DDP's join: the highest rank among those that left their loop last)."""
-        if not self.joins_by_vote or self.world_size == 1:
-            return
-        last = True
-        while True:
-            active, _ = self._tally(self._join_vote(self._ballot(False, options.throw_on_early_termination)))
-            if not active:
-                break
-            if options.throw_on_early_termination:
-                raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
-            last = False
-            self._join_active = active
-            self._shadow_exchange()
-        candidates, _ = self._tally(self._join_vote(self._ballot(last, False)))
-        self._take_model_from(max(candidates))
-
-    def _ballot(self, active: bool, terminate: bool) -> torch.Tensor:
-        flat = torch.zeros(self.world_size + 1, device=self.buckets[0].buffer.device)
-        flat[self.rank] = float(active)
-        flat[-1] = float(terminate)
-        return flat
-
-    def _tally(self, handle: Handle) -> tuple[list[int], bool]:
-        """(ranks that voted, whether any asked to terminate) from a finished :meth:`_join_vote`."""
-        flat = handle.wait(self.options.timeout)
-        counts = flat.tolist()
-        return [r for r, c in enumerate(counts[:-1]) if c > 0.5], counts[-1] > 0.5
-
-    def _count_active(self) -> None:
-        """Inside join(), on a rank still training: read this exchange's vote (started with its first bucket)."""
-        if self._vote is None or self._join_active:
-            return
-        active, terminate = self._tally(self._vote)
-        if terminate:
-            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
-        self._join_active = active
-
-    def _buffer_source(self) -> int:
-        """The rank whose buffers every rank takes: 0, or inside join() the highest rank still training (DDP's)."""
-        return max(self._join_active) if self._join_active else 0
 
     def step_async(self) -> Handle:
         if self.model is None or self.optimizer is None:
@@ -662,7 +665,6 @@ class BucketedExchanger(Exchanger):
         self._phase = "collecting"  # -> "exchanged" once _finalize ran, until the optimizer stepped
         self._got: set[int] = set()  # id(param) of every parameter backward gave a gradient since the last exchange
         self._queued: set[int] = set()  # backward (graph task) ids with an end-of-backward callback queued
-        self._vote, self._join_active = None, []
         self._ready = [False] * len(self.buckets)
         self._handles: list[Handle] = []
         self._next = 0
@@ -719,7 +721,7 @@ class BucketedExchanger(Exchanger):
         deadline = time.monotonic() + timeout
         for h in self._handles:
             h.wait(max(1e-3, deadline - time.monotonic()))
-        self._count_active()
+        self._join.exchange_ends()
         self._finish()
         if self.options.buffers != "none" and self.module_buffers:
             self._sync_buffers(self.options.buffers)
@@ -738,6 +740,19 @@ class BucketedExchanger(Exchanger):
         if not self._sync:
             raise ConfigError("optimizer.step() inside exchanger.no_sync(): leave the block for the last micro-step")
         self._finalize(self.options.timeout)
+
+    def exchange_step(self, timeout: float | None = None) -> StepReport:
+        """See :meth:`AveragesSteps.exchange_step` (a regime that updates on its servers refuses: its update is
+        not the caller's to take)."""
+        if self.model is None:
+            raise ConfigError("call setup(model, optimizer) before exchange_step()")
+        if self.updates_remotely:
+            raise ConfigError(f"{self.scheme}:// updates on its servers: use optimizer.step(), not exchange_step()")
+        self._finalize(self.options.timeout if timeout is None else timeout)
+        report = self.last_report
+        assert report is not None  # _finalize made one
+        self._after_step()
+        return report
 
     def _after_step(self) -> None:
         self.stats.steps += 1
@@ -775,11 +790,8 @@ class BucketedExchanger(Exchanger):
         optimizer.step = types.MethodType(step, optimizer)  # type: ignore[method-assign]
 
     def _launch_until(self, stop: int) -> None:
-        if self._joining is not None and self.joins_by_vote and self._vote is None and self._next < stop:
-            # join: the ranks still training say so before the first bucket, every joined rank answers zero
-            self._vote = self._join_vote(self._ballot(True, False))
-            if self._joining.throw_on_early_termination:
-                self._count_active()  # before any bucket: a rank that ran out makes every rank raise here
+        if self._next == 0 and stop > 0:
+            self._join.exchange_begins()
         while self._next < stop:
             bucket = self.buckets[self._next]
             self._prepare(bucket)
@@ -867,12 +879,10 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     """
 
     store: Any = None
-    joins_by_vote = True
 
     def __init__(self, options, rank: RankInfo):
         super().__init__(options, rank)
         self.grad_scale = 1.0 / rank.world_size  # the all-reduce's sum of scaled grads is their average
-        self._shadows: list[torch.Tensor] = []  # join: a joined rank's zeros, one per bucket
 
     def _agree_and_equalise(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Every rank checks its model and optimizer against rank 0's (through the store), then takes
@@ -911,7 +921,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         device = tensors[0].device
         flat = torch.cat([t.detach().reshape(-1).to(device=device, dtype=torch.float64) for t in tensors])
         if mode == "average":
-            voters = self._join_active or range(self.world_size)
+            voters = self._join.voters(self.world_size)
             offset = 0
             for t in tensors:
                 part = flat[offset:offset + t.numel()]
@@ -931,35 +941,17 @@ class CollectiveExchanger(BucketedExchanger, Collective):
 
     def _sync_buffers(self, mode: str) -> None:
         self._equalise([b for _, b in self.module_buffers], mode, f"buffers ({mode}) after step {self._step}",
-                       self._buffer_source())
+                       self._join.buffer_source())
 
-    def _join_vote(self, flat: torch.Tensor) -> Handle:
-        what = f"join tally of {self.rank_info.who()} at step {self._step}"
-        return GroupHandle([self.allreduce_async(flat, what)], what, then=lambda _: flat)
+    def _join_hook(self, options: JoinOptions) -> Join:
+        return VoteJoin(self, options)
 
-    def _shadow_exchange(self) -> None:
-        if not self._shadows:
-            self._shadows = [torch.zeros_like(b.buffer) for b in self.buckets]
-        handles = []
-        for b, zeros in zip(self.buckets, self._shadows):
-            zeros.zero_()
-            what = f"{self.scheme}:// zeros of joined {self.rank_info.who()} for bucket {b.index}"
-            if self.compressor is None:
-                handles.append(self.allreduce_async(zeros, what))
-            else:  # as DDP's join runs its comm hook on zero buckets: every round, error feedback's residual included
-                handles.append(self._start_compressed(replace(b, buffer=zeros), what))
-        deadline = time.monotonic() + self.options.timeout
-        for h in handles:
-            h.wait(max(1e-3, deadline - time.monotonic()))
-        if self.options.buffers != "none" and self.module_buffers:
-            self._sync_buffers(self.options.buffers)
-        self._step += 1  # the exchange's index, as on the ranks still training (a stall report compares them)
-        rendezvous.heartbeat(self.store, self.rank, self._step)
-
-    def _wait_out_join(self, options: JoinOptions) -> None:
-        if self.world_size > 1:
-            rendezvous.heartbeat(self.store, self.rank, self._step)  # in the next exchange, with the others
-        super()._wait_out_join(options)
+    def begin_exchange(self, step: int) -> None:
+        """For a caller that drives this regime's collectives itself (:func:`commlab.ddp_hook`): its exchange
+        ``step`` begins on this rank. A stall report names that step, and this rank's heartbeat says it got
+        there. Call it before the step's first collective; not collective; one store write, bounded."""
+        self._step = step
+        rendezvous.heartbeat(self.store, self.rank, step)
 
     def _make_outer(self, options) -> localsteps.Outer:
         return localsteps.ReplicatedOuter(self, options.outer)
@@ -977,8 +969,8 @@ class CollectiveExchanger(BucketedExchanger, Collective):
     def _start_compressed(self, bucket: Bucket, what: str) -> Handle:
         """Begin ``bucket``'s exchange through the compressor; this regime moves the payloads (allreduce_async,
         allgather_async: a regime that compresses also gathers)."""
-        assert self.compressor is not None
-        return compress_seam.start_compressed(self.compressor, bucket, cast(compress_seam.Mover, self), what,
+        assert self.compress_state is not None
+        return compress_seam.start_compressed(self.compress_state, bucket, cast(compress_seam.Mover, self), what,
                                               self.carry_presence)
 
     def _allreduce_bucket(self, bucket: Bucket, what: str) -> Handle:
@@ -986,8 +978,106 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         return self.allreduce_async(bucket.buffer, what)
 
     def _finish(self) -> None:
-        active = len(self._join_active)
-        if active and active < self.world_size and self._joining and not self._joining.divide_by_initial_world_size:
-            for b in self.buckets:  # the sum over the ranks still training of grad / N: their mean instead
-                b.grads.mul_(self.world_size / active)
         self._drop_absent_grads()
+
+
+class VoteJoin(Join):
+    """join() on the collectives, by a vote at each exchange (DDP's): before an exchange's first bucket every rank
+    still training all-reduces a ballot (one slot per rank, then a terminate flag) with its own slot 1; every
+    joined rank answers the same all-reduce with its slot 0, then runs the exchange's collectives on zero buckets
+    (compressed ones through every round, as DDP's join runs its comm hook on zero buckets) and takes part in
+    the buffers' sync. Once a vote finds no rank training, one more ballot finds the last joiners, and every rank
+    takes the highest one's model."""
+
+    def __init__(self, ex: CollectiveExchanger, options: JoinOptions):
+        super().__init__(options)
+        self.ex, self.opts = ex, options
+        self.vote: Handle | None = None  # this exchange's tally of the ranks still training
+        self.active: list[int] = []  # the ranks still training at this exchange, once counted
+        self.shadows: list[torch.Tensor] = []  # a joined rank's zeros, one per bucket
+
+    # ----- a rank still training -----------------------------------------------------------
+    def exchange_begins(self) -> None:
+        self.vote, self.active = self._vote(self._ballot(True, False)), []
+        if self.opts.throw_on_early_termination:
+            self._count()  # before any bucket: a rank that ran out makes every rank raise here
+
+    def exchange_ends(self) -> None:
+        self._count()
+        n, world = len(self.active), self.ex.world_size
+        if n and n < world and not self.opts.divide_by_initial_world_size:
+            for b in self.ex.buckets:  # the sum over the ranks still training of grad / N: their mean instead
+                b.grads.mul_(world / n)
+
+    def _count(self) -> None:
+        if self.vote is None or self.active:
+            return
+        active, terminate = self._tally(self.vote)
+        if terminate:
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        self.active = active
+
+    def voters(self, world_size: int) -> Sequence[int]:
+        return self.active or range(world_size)
+
+    def buffer_source(self) -> int:
+        return max(self.active) if self.active else 0
+
+    # ----- a joined rank ---------------------------------------------------------------------
+    def wait_out(self) -> None:
+        ex = self.ex
+        if ex.world_size == 1:
+            return
+        rendezvous.heartbeat(ex.store, ex.rank, ex._step)  # in the next exchange, with the others
+        last = True
+        while True:
+            active, _ = self._tally(self._vote(self._ballot(False, self.opts.throw_on_early_termination)))
+            if not active:
+                break
+            if self.opts.throw_on_early_termination:
+                raise RuntimeError(f"Rank {ex.rank_info.global_rank()} exhausted all inputs.")
+            last = False
+            self.active = active
+            self._shadow_exchange()
+        candidates, _ = self._tally(self._vote(self._ballot(last, False)))
+        ex._take_model_from(max(candidates))
+
+    def _shadow_exchange(self) -> None:
+        """A joined rank's part in one exchange of the ranks still training (:attr:`active`): zeros for every
+        bucket, then the buffers of :meth:`buffer_source`. Collective."""
+        ex = self.ex
+        if not self.shadows:
+            self.shadows = [torch.zeros_like(b.buffer) for b in ex.buckets]
+        handles = []
+        for b, zeros in zip(ex.buckets, self.shadows):
+            zeros.zero_()
+            what = f"{ex.scheme}:// zeros of joined {ex.rank_info.who()} for bucket {b.index}"
+            if ex.compressor is None:
+                handles.append(ex.allreduce_async(zeros, what))
+            else:  # as DDP's join runs its comm hook on zero buckets: every round, error feedback's residual included
+                handles.append(ex._start_compressed(replace(b, buffer=zeros), what))
+        deadline = time.monotonic() + ex.options.timeout
+        for h in handles:
+            h.wait(max(1e-3, deadline - time.monotonic()))
+        if ex.options.buffers != "none" and ex.module_buffers:
+            ex._sync_buffers(ex.options.buffers)
+        ex._step += 1  # the exchange's index, as on the ranks still training (a stall report compares them)
+        rendezvous.heartbeat(ex.store, ex.rank, ex._step)
+
+    # ----- the ballot ------------------------------------------------------------------------
+    def _ballot(self, active: bool, terminate: bool) -> torch.Tensor:
+        ex = self.ex
+        flat = torch.zeros(ex.world_size + 1, device=ex.buckets[0].buffer.device)
+        flat[ex.rank] = float(active)
+        flat[-1] = float(terminate)
+        return flat
+
+    def _vote(self, flat: torch.Tensor) -> Handle:
+        """Sum ``flat`` over every rank (does not block)."""
+        what = f"join tally of {self.ex.rank_info.who()} at step {self.ex._step}"
+        return GroupHandle([self.ex.allreduce_async(flat, what)], what, then=lambda _: flat)
+
+    def _tally(self, handle: Handle) -> tuple[list[int], bool]:
+        """(ranks that voted, whether any asked to terminate) from a finished :meth:`_vote`."""
+        counts = handle.wait(self.ex.options.timeout).tolist()
+        return [r for r, c in enumerate(counts[:-1]) if c > 0.5], counts[-1] > 0.5

@@ -51,7 +51,7 @@ from typing import IO, Callable, Iterator, Mapping, Sequence
 from commlab import metrics, shm, zygote
 from commlab import scratch as scratch_dirs
 from commlab import store as store_mod
-from commlab.config import ExchangerURL
+from commlab.config import ExchangerURL, check_number
 from commlab.errors import ConfigError
 from commlab.exchanger import PlansServers
 from commlab.registry import ENV_URL, regime_class
@@ -62,6 +62,7 @@ AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store i
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
 TAIL_LINES = 20
+MAX_LOCAL_RANKS = 256  # ranks one launcher starts on this host: each is a Python process with torch in memory
 
 
 # ----- servers a regime plans ---------------------------------------------------------------------
@@ -440,11 +441,13 @@ def run_job(job: Job) -> int:
     Blocks until every rank has exited, a process failed, the deadline passed, or Ctrl-C/SIGTERM
     (130/143). Call from the main thread to have SIGTERM handled.
     """
-    if job.workers < 1:
-        job.say("--workers must be >= 1")
-        return 2
-    if job.max_restarts < 0:
-        job.say(f"--max-restarts must be >= 0, got {job.max_restarts}")
+    try:  # before anything starts; the URL was checked by whoever built the job
+        check_number("--workers", job.workers, ge=1, le=MAX_LOCAL_RANKS, why="ranks this host starts")
+        check_number("--max-restarts", job.max_restarts, ge=0)
+        if job.deadline_s is not None:
+            check_number("--deadline", job.deadline_s, gt=0)
+    except ConfigError as exc:
+        job.say(str(exc))
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)

@@ -80,7 +80,73 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-MODES = ("sync", "async", "ssp")
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a step's update runs (``update=`` in the worker's URL), as both sides read it.
+
+    ``shards_step``: the shards run an optimizer over their pieces, so a step's pull carries the new
+    parameters and a restarted job resumes from the shards (they hold the trained model and its optimizer
+    state); else the shards only average, a step's pull carries the averaged gradients (``what=sum``) and
+    the workers' own optimizers step (a restarted job's rank 0 initialises the shards again). The client's
+    behaviour per placement is :mod:`commlab.regimes.ps_steps`, the shard's :mod:`servers.modes`.
+    """
+
+    name: str
+    shards_step: bool
+
+    @property
+    def step_reply(self) -> str:
+        """What a step's pull carries back: ``params`` (the shards stepped) or ``sum`` (the averages)."""
+        return "params" if self.shards_step else "sum"
+
+
+WORKER = Placement("worker", shards_step=False)
+SERVER = Placement("server", shards_step=True)
+PLACEMENTS = {p.name: p for p in (WORKER, SERVER)}
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """A consistency mode as both sides read it (the rules themselves: :mod:`servers.modes`).
+
+    ``gathers``: a step is one update over every worker's push (sync: averages, a report, commits);
+    else each worker's push is applied alone as it completes, carrying its own hyperparameters.
+    ``placements``: where the update may run, the default first.
+    """
+
+    name: str
+    gathers: bool
+    placements: tuple[Placement, ...]
+
+    def placement(self, update: str) -> Placement:
+        """The placement ``update`` names under this mode ("" : the mode's default); ValueError if the mode
+        does not allow it."""
+        if not update:
+            return self.placements[0]
+        chosen = PLACEMENTS.get(update)
+        if chosen is None:
+            raise ValueError(f"update={update!r}: known placements are {sorted(PLACEMENTS)}")
+        if chosen not in self.placements:
+            raise ValueError(f"mode={self.name} updates on the {' or '.join(p.name + 's' for p in self.placements)} "
+                             f"only")
+        return chosen
+
+
+SYNC = Consistency("sync", gathers=True, placements=(WORKER, SERVER))
+ASYNC = Consistency("async", gathers=False, placements=(SERVER,))
+SSP = Consistency("ssp", gathers=False, placements=(SERVER,))
+CONSISTENCIES = {c.name: c for c in (SYNC, ASYNC, SSP)}
+MODES = tuple(CONSISTENCIES)
+
+
+def consistency(name: str) -> Consistency:
+    """The mode ``name`` names; ValueError listing the known ones."""
+    try:
+        return CONSISTENCIES[name]
+    except KeyError:
+        raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
+
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
                       "bye", "blob"})
 REPLIES = frozenset({"ok", "params", "error"})

@@ -259,24 +259,35 @@ def check_chunk_header(got: bytes, expected: bytes, who: str, peer: int | str | 
 
 
 # ----- a rank's small state as bytes, without pickle (ex.commit_state) --------------------------------
+#
+# The bytes come back from a server or a checkpoint, so they are read as a stranger's: a blob pack_state could
+# not have made is a ProtocolError naming where it sits (``where``), never a crash or an allocation. Nothing
+# recurses per nesting level: msgpack unpacks one level at a time (a tuple is an extension whose payload is
+# unpacked when the walk reaches it, with lengths bounded by the payload's size) and the tree is rebuilt
+# with a stack of our own, so a blob nested 10^5 deep costs a few frames, not the C stack.
 STATE_MAGIC = b"CLSTATE1"
 STATE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+MAX_STATE_DEPTH = 64  # nested containers (dicts, lists, tuples): optimizer, scheduler and scaler states use < 10
+MAX_STATE_DIMS = 64  # of one tensor
 _TENSOR, _TUPLE = 1, 2  # msgpack extension codes
+_SCALARS = (bool, int, float, str)
 
 
 def pack_state(state: Any) -> bytes:
     """``state`` (dicts with str or int keys, lists, tuples, numbers, strings, bools, None and CPU or GPU
-    tensors, nested) as bytes with nothing pickled: :data:`STATE_MAGIC`, a 4-byte length, a msgpack tree in
-    which each tensor is a reference ``[dtype, shape, offset, nbytes]`` (a msgpack extension) into the
-    tensors' raw bytes, which follow. Anything else raises ValueError naming where it sits (``state['a'][0]``)."""
+    tensors, nested at most :data:`MAX_STATE_DEPTH` containers deep) as bytes with nothing pickled:
+    :data:`STATE_MAGIC`, a 4-byte length, a msgpack tree in which each tensor is a reference
+    ``[dtype, shape, offset, nbytes]`` (a msgpack extension) into the tensors' raw bytes, which follow in the
+    order the tree names them, each right after the one before. Anything else (what :func:`unpack_state`
+    would refuse) raises ValueError naming where it sits (``state['a'][0]``)."""
     blobs: list[bytes] = []
     offset = 0
 
-    def tree(obj: Any, where: str) -> Any:
+    def tree(obj: Any, where: str, depth: int) -> Any:
         nonlocal offset
         if obj is None:
             return obj
-        for kind in (bool, int, float, str):  # subclasses too (numpy's float64, an IntEnum), as the plain type
+        for kind in _SCALARS:  # subclasses too (numpy's float64, an IntEnum), as the plain type
             if isinstance(obj, kind):
                 return kind(obj)
         if isinstance(obj, torch.Tensor):
@@ -284,47 +295,161 @@ def pack_state(state: Any) -> bytes:
             if name not in STATE_DTYPES or obj.is_sparse:
                 raise ValueError(f"{where} is a {obj.dtype} tensor{' (sparse)' if obj.is_sparse else ''}: the state's "
                                  f"tensors may be dense {', '.join(STATE_DTYPES)}")
+            if obj.dim() > MAX_STATE_DIMS:
+                raise ValueError(f"{where} is a tensor of {obj.dim()} dimensions: a state's may have at most "
+                                 f"{MAX_STATE_DIMS}")
             raw = obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             ref = msgpack.packb([name, list(obj.shape), offset, len(raw)])
             blobs.append(raw)
             offset += len(raw)
             return msgpack.ExtType(_TENSOR, ref)
+        if isinstance(obj, (tuple, list, dict)) and depth >= MAX_STATE_DEPTH:
+            raise ValueError(f"{where} nests containers {depth + 1} deep: a state may nest at most "
+                             f"{MAX_STATE_DEPTH} (unpack_state refuses deeper ones)")
         if isinstance(obj, tuple):
-            return msgpack.ExtType(_TUPLE, msgpack.packb([tree(v, f"{where}[{i}]") for i, v in enumerate(obj)],
-                                                         strict_types=True))
+            return msgpack.ExtType(_TUPLE, msgpack.packb([tree(v, f"{where}[{i}]", depth + 1)
+                                                          for i, v in enumerate(obj)], strict_types=True))
         if isinstance(obj, list):
-            return [tree(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return [tree(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)]
         if isinstance(obj, dict):
             for k in obj:
                 if not isinstance(k, (str, int)) or isinstance(k, bool):
                     raise ValueError(f"{where} has a key {k!r}: the state's dict keys may be strings or ints")
-            return {k: tree(v, f"{where}[{k!r}]") for k, v in obj.items()}
+            return {k: tree(v, f"{where}[{k!r}]", depth + 1) for k, v in obj.items()}
         raise ValueError(f"{where} is a {type(obj).__name__}: a state may hold only dicts, lists, tuples, numbers, "
                          f"strings, bools, None and tensors (nothing is pickled)")
 
-    header = msgpack.packb(tree(state, "state"), strict_types=True)
+    header = msgpack.packb(tree(state, "state", 0), strict_types=True)
+    if len(header) >= 2**32:
+        raise ValueError(f"state: its header takes {len(header)} bytes, more than a 4-byte length says")
     return STATE_MAGIC + struct.pack("<I", len(header)) + header + b"".join(blobs)
 
 
+def _refuse(where: str, what: str) -> ProtocolError:
+    return ProtocolError(f"committed state: {where} {what} (not made by commlab.wire.pack_state)", where=where)
+
+
+def _unpack_level(raw: bytes, where: str) -> Any:
+    """One level of a state's tree: containers as they come, extensions left as ExtType for the walk to
+    open (no hook: nothing recurses), dicts as lists of pairs (so a repeated key is seen), every declared
+    length bounded by ``raw``'s size. msgpack's own errors (StackError, ExtraData...) are ProtocolErrors."""
+    n = len(raw)
+    try:
+        return msgpack.unpackb(raw, raw=False, strict_map_key=False, object_pairs_hook=_Pairs, use_list=True,
+                               max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=n)
+    except Exception as exc:  # msgpack's StackError, ExtraData, FormatError, ValueError, TypeError...
+        raise _refuse(where, f"is not msgpack ({type(exc).__name__}: {exc})") from None
+
+
+class _Pairs(list):
+    """A msgpack map as it came: its (key, value) pairs in order."""
+
+
+class _Frame:
+    """A container being rebuilt: its items still to read as (label, value), what they became, how to finish."""
+
+    __slots__ = ("items", "done", "make", "where")
+
+    def __init__(self, items, make, where: str):
+        self.items, self.make, self.where = iter(items), make, where
+        self.done: list = []
+
+
+def _opened(obj: list | msgpack.ExtType, where: str) -> _Frame:
+    """The frame that rebuilds the container ``obj`` (a list, a map's pairs or a tuple), its items labelled."""
+    if isinstance(obj, msgpack.ExtType) and obj.code == _TUPLE:
+        items = _unpack_level(obj.data, where)
+        if not isinstance(items, list) or isinstance(items, _Pairs):
+            raise _refuse(where, f"is a tuple holding a {type(items).__name__}, not a list of items")
+        return _Frame(((f"[{i}]", v) for i, v in enumerate(items)), tuple, where)
+    if isinstance(obj, _Pairs):
+        keys = [k for k, _ in obj]
+        for k in keys:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise _refuse(where, f"has a key {k!r:.40}: pack_state writes only str and int keys")
+        if len(set(keys)) != len(keys):
+            raise _refuse(where, "repeats a key")
+        return _Frame(((f"[{k!r}]", v) for k, v in obj), lambda done: dict(zip(keys, done)), where)
+    if isinstance(obj, list):
+        return _Frame(((f"[{i}]", v) for i, v in enumerate(obj)), list, where)
+    raise _refuse(where, f"is an unknown extension {obj.code}")
+
+
+def _state_tensor(raw: bytes, body: memoryview, at: int, where: str) -> tuple[torch.Tensor, int]:
+    """A tensor reference ``[dtype, shape, offset, nbytes]``, checked against what pack_state writes (its
+    bytes start at ``at``, right after the previous tensor's): the tensor, and where the next one starts."""
+    ref = _unpack_level(raw, where)
+    if not (isinstance(ref, list) and len(ref) == 4):
+        raise _refuse(where, f"is a tensor reference {ref!r:.80}, not [dtype, shape, offset, nbytes]")
+    name, shape, offset, nbytes = ref
+    if name not in STATE_DTYPES:
+        raise _refuse(where, f"has a tensor of unknown dtype {name!r:.40}; known: {', '.join(STATE_DTYPES)}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_STATE_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise _refuse(where, f"has a tensor shape {shape!r:.80}: not at most {MAX_STATE_DIMS} sizes >= 0")
+    for what, v in (("offset", offset), ("size", nbytes)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise _refuse(where, f"has a tensor {what} {v!r:.40}, not an integer >= 0")
+    if offset != at:
+        raise _refuse(where, f"has a tensor at byte {offset} of the data; the tensors before it end at {at}")
+    if nbytes > len(body) - offset:
+        raise _refuse(where, f"has a tensor of {nbytes} bytes at {offset}, past the data's end at {len(body)}")
+    itemsize = getattr(torch, name).itemsize
+    numel = 0 if 0 in shape else 1
+    for d in shape:  # stops as soon as it says too much: a shape [2**62, 2**62] costs nothing
+        numel *= d
+        if numel * itemsize > nbytes:
+            break
+    if numel * itemsize != nbytes:
+        raise _refuse(where, f"has a {name} tensor of shape {shape} in {nbytes} bytes")
+    flat = torch.frombuffer(bytearray(body[offset:offset + nbytes]), dtype=torch.uint8) if nbytes else \
+        torch.empty(0, dtype=torch.uint8)
+    if name == "bool" and bool((flat > 1).any()):
+        raise _refuse(where, "has a bool tensor holding bytes other than 0 and 1")
+    return flat.view(getattr(torch, name)).reshape(shape), offset + nbytes
+
+
 def unpack_state(data: bytes) -> Any:
-    """The state :func:`pack_state` made (tensors on the CPU, tuples as tuples). Raises ProtocolError for bytes
-    it did not make (an older commlab's ``torch.save`` blob included: nothing pickled is read)."""
+    """The state :func:`pack_state` made (tensors on the CPU, tuples as tuples). Raises ProtocolError (its
+    ``where``: the place in the state or the part of the blob) for bytes it could not have made: an older
+    commlab's ``torch.save`` blob, nesting deeper than :data:`MAX_STATE_DEPTH`, a tensor whose dtype, shape,
+    offset or size lies, bytes left over. Reads untrusted bytes safely: bounded memory, no recursion."""
+    data = bytes(data)
     n = len(STATE_MAGIC) + 4
-    _expect(data[:len(STATE_MAGIC)] == STATE_MAGIC and len(data) >= n,
-            "a committed state not made by commlab.wire.pack_state (an older commlab's torch.save bytes are not read)")
+    if not (data[:len(STATE_MAGIC)] == STATE_MAGIC and len(data) >= n):
+        raise ProtocolError("a committed state not made by commlab.wire.pack_state (an older commlab's "
+                            "torch.save bytes are not read)", where="magic")
     (size,) = struct.unpack("<I", data[len(STATE_MAGIC):n])
-    _expect(n + size <= len(data), "a committed state's header runs past its bytes")
+    if n + size > len(data):
+        raise _refuse("header", f"of {size} bytes runs past the blob's {len(data) - n}")
     body = memoryview(data)[n + size:]
-
-    def ext(code: int, raw: bytes) -> Any:
-        if code == _TUPLE:
-            return tuple(msgpack.unpackb(raw, ext_hook=ext, strict_map_key=False))
-        _expect(code == _TENSOR, f"a committed state has an unknown extension {code}")
-        name, shape, offset, nbytes = msgpack.unpackb(raw)
-        _expect(name in STATE_DTYPES and 0 <= offset and offset + nbytes <= len(body),
-                f"a committed state's tensor ({name}, {nbytes} bytes at {offset}) does not fit its bytes")
-        flat = torch.frombuffer(bytearray(body[offset:offset + nbytes]), dtype=torch.uint8) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
-        return flat.view(getattr(torch, name)).reshape(shape)
-
-    return msgpack.unpackb(bytes(data[n:n + size]), ext_hook=ext, strict_map_key=False)
+    at = 0  # where the next tensor's bytes start
+    # depth first, in order, as pack_state wrote it (so tensors come in the order of their bytes); the stack
+    # holds one frame per open container below a root frame that holds the whole tree
+    stack = [_Frame([("", _unpack_level(data[n:n + size], "state"))], lambda done: done[0], "state")]
+    while True:
+        frame = stack[-1]
+        item = next(frame.items, None)
+        if item is None:
+            stack.pop()
+            value = frame.make(frame.done)
+            if not stack:
+                break
+            stack[-1].done.append(value)
+            continue
+        label, obj = item
+        where = frame.where + label
+        if obj is None or type(obj) in _SCALARS:
+            frame.done.append(obj)
+        elif isinstance(obj, msgpack.ExtType) and obj.code == _TENSOR:
+            tensor, at = _state_tensor(obj.data, body, at, where)
+            frame.done.append(tensor)
+        elif isinstance(obj, (list, msgpack.ExtType)):
+            if len(stack) > MAX_STATE_DEPTH:
+                raise _refuse(where, f"nests containers {len(stack)} deep: at most {MAX_STATE_DEPTH}")
+            stack.append(_opened(obj, where))
+        else:
+            raise _refuse(where, f"holds a {type(obj).__name__}, which pack_state never writes")
+    if at != len(body):
+        raise _refuse("data", f"has {len(body) - at} bytes after its last tensor")
+    return value

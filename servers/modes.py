@@ -10,14 +10,23 @@ sent of the step in flight, async's gradient buffers): the server asks it (:meth
 into its stats and steps its optimizer, and sets none of its attributes. The server owns sockets, keys,
 membership and the optimizer.
 
-Update placement (``update=`` in the worker's URL, fixed by the first hello):
+Update placement (``update=`` in the worker's URL, fixed by the first hello), one object each with the
+same few methods (:class:`Placement`): what the shard builds to step (:meth:`Placement.build_optimizer`),
+what one update does (:meth:`Placement.apply`), what a sync step does once every push is in
+(:meth:`Placement.gathered`) and which pull its workers make then (:attr:`Placement.step_pull`):
 
-* ``worker`` (sync only): the shard sums. Step t's average of a key is sent to every worker
-  (``pull what=sum``) as soon as its N contributions are in; the workers' own optimizers step.
-* ``server``: the shard holds the optimizer. Sync: the average waits for every worker's
-  ``commit`` (hyperparameters and one factor: unscale x clip) or for a ``skip`` (the summed
-  gradient was not finite: every worker's GradScaler skips), then one update. Async/ssp: each
-  worker's push is applied when complete, with the hyperparameters it carries.
+* :class:`Averages` (``worker``, sync only): the shard sums. Step t's average of a key is sent to every
+  worker (``pull what=sum``) as soon as its N contributions are in; the workers' own optimizers step.
+* :class:`ShardOptimizer` (``server``): the shard holds the optimizer. Sync: the average waits for every
+  worker's ``commit`` (hyperparameters and one factor: unscale x clip) or for a ``skip`` (the summed
+  gradient was not finite: every worker's GradScaler skips), then one update. Async/ssp: each worker's
+  push is applied when complete, with the hyperparameters it carries.
+
+A mode and a placement are independent: a mode decides when pushes become an update and when a pull may be
+answered, a placement what an update is. The coming local steps with an outer optimizer (the shards own the
+anchor and the outer optimizer; workers push the pseudo-gradient and pull the anchor) is one more placement
+(its optimizer built from the outer spec; its :meth:`Placement.apply` staleness-aware under async), served
+by the same modes. The protocol-level description both sides read is :mod:`commlab.psproto`.
 """
 
 from __future__ import annotations
@@ -26,13 +35,95 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 import torch
 
-from commlab import wire
+from commlab import psproto, wire
+from commlab.optim import torch_optimizer
 
 
 class Refused(Exception):
     """A request this server will not serve; the message goes back to the worker."""
+
+
+def optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
+    """The torch.optim class a description names (``torch.optim.adamw.AdamW``): only torch.optim's own
+    classes, looked up by name, are built; nothing is imported or unpickled from the wire."""
+    cls = torch_optimizer(name)
+    if cls is None:
+        raise Refused(f"optimizer {name} is not one of torch.optim's: the servers cannot build it "
+                      f"(use update=worker to step it on the workers)")
+    return cls
+
+
+def hyper_from_wire(data: dict) -> dict:
+    """Hyperparameters from the wire: lists become tuples again (betas)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+class Placement:
+    """Where a key space's update runs (see the module's docstring); one instance per key space."""
+
+    spec: psproto.Placement
+    step_pull = ""  # what a sync worker pulls of a gathered step, beside the parameters: "sum" or "report"
+
+    def check(self, optim: dict) -> None:
+        """Hello: refuse, before anything is fixed, what this placement cannot serve."""
+
+    def build_optimizer(self, srv) -> torch.optim.Optimizer | None:
+        """What steps the key space's pieces (``srv.params``, in hello order), or None."""
+        return None
+
+    def apply(self, srv, grads: dict[str, torch.Tensor], hyper) -> None:
+        """One update over the keys in ``grads`` with the hyperparameters a push or commit carried."""
+        raise Refused(f"{srv.cfg.name} holds no optimizer (update={self.spec.name})")
+
+    def gathered(self, sync: "Sync") -> None:
+        """Every worker still training completed sync's step."""
+        raise NotImplementedError
+
+
+class Averages(Placement):
+    """update=worker: the shard only averages; the workers' optimizers step on what they pull."""
+
+    spec = psproto.WORKER
+    step_pull = "sum"
+
+    def gathered(self, sync):
+        sync.publish()
+
+
+class ShardOptimizer(Placement):
+    """update=server: the worker's optimizer class over this shard's pieces, one group per worker group (a
+    group may hold no piece here), with the groups' hyperparameters."""
+
+    spec = psproto.SERVER
+    step_pull = "report"
+
+    def check(self, optim):
+        optimizer_class(optim["class"])
+
+    def build_optimizer(self, srv):
+        if srv.optim_desc is None:
+            raise Refused("no optimizer yet: a worker must say hello first")
+        cls = optimizer_class(srv.optim_desc["class"])
+        groups = []
+        for g in srv.optim_desc["groups"]:
+            names = set(g["params"])
+            groups.append({**hyper_from_wire(g["hyper"]), "params": [p for k, p in srv.params.items()
+                                                                     if srv.piece_param[k] in names]})
+        return cls(groups)
+
+    def apply(self, srv, grads, hyper):
+        srv.set_hyper(hyper)
+        srv.step_optimizer(grads)
+
+    def gathered(self, sync):
+        sync.await_commits()
+
+
+PLACEMENTS: dict[str, type[Placement]] = {"worker": Averages, "server": ShardOptimizer}
 
 
 @dataclass
@@ -47,15 +138,40 @@ class Partial:
 
 
 class Mode:
-    name = ""
+    spec: psproto.Consistency
     refuses_nonfinite = True  # a NaN/Inf push poisons every worker's parameters: refuse it
-    placements: tuple[str, ...] = ("server",)
     buffers_wait = False  # buffer pulls wait for their round (sync) or take the latest (async, ssp)
 
     def __init__(self, srv):
         self.srv = srv
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.partial: dict[int, Partial] = {}  # rank -> what it has sent of the step in flight
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def check_hello(self, meta: dict, sender: str) -> None:
+        """Refuse a worker that asked for another mode (or, ssp, another bound)."""
+        mode = meta.get("mode")
+        if mode and mode != self.name:
+            raise Refused(f"{self.srv.cfg.name} runs mode {self.name!r}, worker {sender} asked for {mode!r}")
+
+    def placement(self, update, sender: str) -> Placement:
+        """The placement a hello's ``update`` names (none: the mode's default), refused where not allowed."""
+        try:
+            return PLACEMENTS[self.spec.placement(update or "").name]()
+        except ValueError as exc:
+            raise Refused(f"{self.srv.cfg.name}: worker {sender} asked for update={update!r}, but {exc}") from None
+
+    def step_pulls(self) -> frozenset[str]:
+        """What a pull may ask for besides parameters, buffers and the final ones (``what=``)."""
+        return frozenset()
+
+    def answer(self, what: str, h: wire.Header) -> tuple[str, dict, list, bool]:
+        """The reply to a ready pull of one of :meth:`step_pulls`: (op, meta, parts, through the worker's
+        shared-memory link)."""
+        raise Refused(f"{self.srv.cfg.name} runs {self.name}, which serves no pull of {what}")
 
     def partial_step(self, rank: int, t: int) -> Partial:
         """What ``rank`` has sent of step ``t`` so far: a fresh record when ``t`` is not the step it was on."""
@@ -88,7 +204,7 @@ class Mode:
         """A compressed push (:mod:`servers.compressed`): round ``r`` of ``unit``'s payload."""
         raise NotImplementedError
 
-    def ready(self, rank: int, after: int, what: str, keys) -> bool:
+    def ready(self, rank: int, after: int, what: str, meta: dict) -> bool:
         return self.last_step[rank] >= after
 
     def commit(self, rank: int, t: int, meta: dict) -> dict:
@@ -123,7 +239,7 @@ class Mode:
 class Async(Mode):
     """Each worker's step is applied once all of its pieces for this shard are in."""
 
-    name = "async"
+    spec = psproto.ASYNC
 
     def __init__(self, srv):
         super().__init__(srv)
@@ -174,8 +290,7 @@ class Async(Mode):
                 return
             grads = {k: buffers[k] for k in part.seen}
         del self.partial[rank]
-        srv.set_hyper(meta.get("hyper"))
-        srv.step_optimizer(grads)
+        srv.placement.apply(srv, grads, meta.get("hyper"))
         clocks = [self.last_step.get(r, -1) + 1 for r in srv.on_the_clock()]
         srv.stats.clock_gap[t - min(clocks, default=t)] += 1
         self.last_step[rank] = t
@@ -185,13 +300,19 @@ class Async(Mode):
 class SSP(Async):
     """Async updates; a pull after step t waits while ``t + 1 - slowest > S``."""
 
-    name = "ssp"
+    spec = psproto.SSP
+
+    def check_hello(self, meta, sender):
+        super().check_hello(meta, sender)
+        if meta.get("mode") and meta.get("staleness") not in (None, self.srv.cfg.staleness):
+            raise Refused(f"{self.srv.cfg.name} runs ssp with staleness {self.srv.cfg.staleness}, worker {sender} "
+                          f"asked for {meta.get('staleness')}")
 
     def _active(self) -> dict[int, int]:
         return {r: self.last_step.get(r, -1) + 1 for r in self.srv.on_the_clock()}
 
-    def ready(self, rank, after, what, keys):
-        if not super().ready(rank, after, what, keys):
+    def ready(self, rank, after, what, meta):
+        if not super().ready(rank, after, what, meta):
             return False
         slowest = min(self._active().values(), default=after + 1)
         return after + 1 - slowest <= self.srv.cfg.staleness
@@ -212,9 +333,8 @@ class Sync(Mode):
     commits (factor, hyperparameters) or skips; the N-th commit applies one optimizer step.
     """
 
-    name = "sync"
+    spec = psproto.SYNC
     refuses_nonfinite = False  # summed: every worker sees the inf, and every GradScaler skips
-    placements = ("worker", "server")
     buffers_wait = True
 
     def __init__(self, srv):
@@ -281,7 +401,7 @@ class Sync(Mode):
             for key in unit.keys:
                 self.contributed[key] += 1
                 self.present[key] += key not in absent
-        if r == last and acc.total is not None and srv.update == "server":
+        if r == last and acc.total is not None and srv.placement.spec.shards_step:  # the shard steps on the average
             dense = units.aggregate(unit)
             for key, (o, c) in unit.slices.items():
                 if self.present[key]:
@@ -314,16 +434,20 @@ class Sync(Mode):
             self.sums[key].mul_(srv.world / needed)
 
     def _complete_if_in(self, needed: int) -> None:
-        """Every worker still training completed the step: done (update=worker) or gathered (update=server)."""
-        srv = self.srv
+        """Every worker still training completed the step: the placement says what that means."""
         if needed and len(self.complete) == needed and not self.gathered:
-            if srv.update == "worker":
-                self.last_sums = self.sums
-                self.last_absent = [k for k in srv.pieces if self.present[k] == 0]
-                self._done(counted=True)
-            else:
-                self.gathered = True
-                self.report = self._report()
+            self.srv.placement.gathered(self)
+
+    def publish(self) -> None:
+        """The step's averages are final (update=worker): kept for the pulls still to come; the step is done."""
+        self.last_sums = self.sums
+        self.last_absent = [k for k in self.srv.pieces if self.present[k] == 0]
+        self._done(counted=True)
+
+    def await_commits(self) -> None:
+        """The step is gathered (update=server): its report is ready; every worker's commit applies it."""
+        self.gathered = True
+        self.report = self._report()
 
     def _report(self) -> dict:
         sumsq = 0.0
@@ -334,8 +458,8 @@ class Sync(Mode):
 
     def commit(self, rank, t, meta):
         srv = self.srv
-        if srv.update != "server":
-            raise Refused(f"commit from rank {rank}: {srv.cfg.name} only sums (update=worker)")
+        if not srv.placement.spec.shards_step:
+            raise Refused(f"commit from rank {rank}: {srv.cfg.name} only sums (update={srv.placement.spec.name})")
         if t < self.step:
             return {"duplicate": True}  # sent again after a reconnect, or the step was skipped already
         if t != self.step or not self.gathered:
@@ -348,6 +472,7 @@ class Sync(Mode):
         factor, hyper = meta.get("factor"), meta.get("hyper")
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not math.isfinite(factor):
             raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
+        srv.check_hyper(hyper)  # now, not when the last commit applies the step
         self.commits[rank] = (float(factor), hyper)
         if len(self.commits) < self._needed():
             return {}
@@ -357,8 +482,7 @@ class Sync(Mode):
         if factor != 1.0:
             for buf in grads.values():
                 buf.mul_(factor)
-        srv.set_hyper(self.commits[min(self.commits)][1])
-        srv.step_optimizer(grads)
+        srv.placement.apply(srv, grads, self.commits[min(self.commits)][1])
         self._done(counted=True)
         return {}
 
@@ -402,12 +526,36 @@ class Sync(Mode):
         if self.srv.units is not None:
             self.srv.units.drop_step()  # compress=: the step's held payloads and sums
 
-    def ready(self, rank, after, what, keys):
+    def ready(self, rank, after, what, meta):
         if what == "sum":
+            keys = meta.get("keys")
             return self.step > after or bool(keys) and self.summed.issuperset(keys)
         if what == "report":
             return self.step > after or self.gathered
+        if what == "csum":
+            units = self.srv.units
+            return self.step > after or units is not None and units.ready(meta["unit"], meta["round"])
         return self.step > after
+
+    def step_pulls(self):
+        """The placement's pull of a gathered step, and compress='s sums of a (unit, round)."""
+        return frozenset({self.srv.placement.step_pull, *(("csum",) if self.srv.units is not None else ())})
+
+    def answer(self, what, h):
+        srv, current = self.srv, self.step == h.meta["after_step"]
+        if what == "report":
+            return "ok", {"report": self.report}, [], False
+        if what == "sum":
+            sums = self.sums if current else self.last_sums
+            keys = h.meta.get("keys") or list(srv.pieces)
+            absent = [k for k in keys if (self.present[k] == 0 if current else k in self.last_absent)]
+            parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
+            return "params", {"version": srv.version, "absent": absent}, parts, True
+        units = srv.units  # csum: step_pulls offered it only with compress=
+        unit = units.units[h.meta["unit"]]
+        absent = [k for k in unit.keys if (self.present[k] == 0 if current else k in self.last_absent)]
+        parts, meta = units.sums(unit.key, h.meta["round"], current)
+        return "params", {"version": srv.version, "absent": absent, **meta}, parts, False
 
     def waiting_for(self):
         srv = self.srv
@@ -427,4 +575,4 @@ class Sync(Mode):
         self.report = state.get("report")
 
 
-MODES: dict[str, type[Mode]] = {"sync": Sync, "async": Async, "ssp": SSP}
+MODES: dict[str, type[Mode]] = {m.spec.name: m for m in (Sync, Async, SSP)}

@@ -47,17 +47,17 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import zmq
 
 from commlab import psproto, psshm, shm, transport, wire
-from commlab.errors import ProtocolError
+from commlab.config import check_number
+from commlab.errors import ConfigError, ProtocolError
 from commlab.manifest import manifest_difference, optimizer_difference
-from commlab.optim import OptimizerSpec
+from commlab.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
-from servers.modes import MODES, Partial, Refused, Sync
+from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
 
 
 _MIN_FRAMES = 16  # data frames a message may carry before any hello fixed the shard's pieces
@@ -71,23 +71,6 @@ def _finite(spec: wire.FrameSpec, frame) -> bool:
         return True
     total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
     return bool(torch.isfinite(total))
-
-
-def optimizer_class(name: str) -> Callable[..., torch.optim.Optimizer]:
-    """The torch.optim class a description names (``torch.optim.adamw.AdamW``): only torch.optim's own
-    classes, looked up by name, are built; nothing is imported or unpickled from the wire."""
-    short = name.rsplit(".", 1)[-1]
-    cls = getattr(torch.optim, short, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
-            and f"{cls.__module__}.{cls.__qualname__}" == name):
-        raise Refused(f"optimizer {name} is not one of torch.optim's: the servers cannot build it "
-                      f"(use update=worker to step it on the workers)")
-    return cls
-
-
-def _hyper(data: dict) -> dict:
-    """Hyperparameters from the wire: lists become tuples again (betas)."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
 @dataclass(frozen=True)
@@ -109,8 +92,10 @@ class ServerConfig:
     def __post_init__(self):
         if self.mode not in psproto.MODES:
             raise ValueError(f"unknown mode {self.mode!r}; known: {list(psproto.MODES)}")
-        if self.staleness < 0:
-            raise ValueError(f"staleness must be >= 0, got {self.staleness}")
+        check_number("staleness", self.staleness, ge=0)
+        check_number("log_every", self.log_every, ge=0)
+        check_number("checkpoint_every", self.checkpoint_every, ge=0)
+        check_number("io_threads", self.io_threads, ge=1, le=64)
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard}/{self.shards}: the index must be in [0, {self.shards})")
 
@@ -156,7 +141,7 @@ class ParameterServer:
         self.piece_param: dict[str, str] = {}  # key -> the parameter it is a range of
         self.buffer_keys: dict[str, tuple[str, int]] = {}  # module buffers this shard carries
         self.optim_desc: dict | None = None
-        self.update: str | None = None  # "worker" (sum) or "server" (optimizer here)
+        self.placement: Placement | None = None  # where the update runs (servers.modes.PLACEMENTS), from hello
         self.world: int | None = None
         self.units: Units | None = None  # compress= (servers.compressed): the compressed units and their sums
         self.compress_fixed = False  # a hello fixed compress= (or its absence)
@@ -194,6 +179,11 @@ class ParameterServer:
     def last_step(self) -> dict[int, int]:
         """rank -> last step applied (-1: none): the mode's bookkeeping (:attr:`servers.modes.Mode.last_step`)."""
         return self.mode.last_step
+
+    @property
+    def update(self) -> str | None:
+        """The placement's name (``update=``), None before the first hello."""
+        return self.placement.spec.name if self.placement is not None else None
 
     @property
     def sock(self) -> zmq.Socket:
@@ -268,16 +258,10 @@ class ParameterServer:
     # ----- ops -------------------------------------------------------------------------------
     def _op_hello(self, ident, h, _data):
         m = h.meta
-        mode, rank, world = m.get("mode"), m.get("rank"), m.get("world")
-        update = m.get("update") or ("worker" if self.cfg.mode == "sync" else "server")
-        if mode and mode != self.cfg.mode:
-            raise Refused(f"{self.cfg.name} runs mode {self.cfg.mode!r}, worker {h.sender} asked for {mode!r}")
-        if mode == "ssp" and m.get("staleness") not in (None, self.cfg.staleness):
-            raise Refused(f"{self.cfg.name} runs ssp with staleness {self.cfg.staleness}, worker {h.sender} asked "
-                          f"for {m.get('staleness')}")
-        if update not in self.mode.placements:
-            raise Refused(f"{self.cfg.name} runs mode {self.cfg.mode!r}, which updates on the server only; worker "
-                          f"{h.sender} asked for update={update!r}")
+        rank, world = m.get("rank"), m.get("world")
+        self.mode.check_hello(m, h.sender)
+        placement = self.mode.placement(m.get("update"), h.sender)
+        update = placement.spec.name
         if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
             raise Refused(f"hello from {h.sender}: bad rank/world {rank!r}/{world!r}")
         if m.get("shard") != [self.cfg.shard, self.cfg.shards]:
@@ -297,10 +281,11 @@ class ParameterServer:
                     and all(isinstance(g, dict) and isinstance(g.get("params"), list) and isinstance(g.get("hyper"), dict)
                             for g in optim["groups"])):
                 raise ValueError("the optimizer is not {class, groups: [{params, hyper}]}")
+            for i, g in enumerate(optim["groups"]):  # numbers where numbers belong, before anything is fixed
+                check_hyper(optim["class"], g["hyper"], f"param group {i}")
         except Exception as exc:
             raise Refused(f"hello from {h.sender}: unreadable manifest, pieces or optimizer ({exc})") from None
-        if update == "server":
-            optimizer_class(optim["class"])  # refused by name before anything is fixed
+        placement.check(optim)  # refused by name before anything is fixed
         attempt = m.get("attempt", 0)
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < self.attempt:
             raise Refused(f"hello from {h.sender} of attempt {attempt!r}: the job on {self.cfg.name} is at attempt "
@@ -312,7 +297,9 @@ class ParameterServer:
             if self.update is not None and update != self.update:
                 raise Refused(f"worker {h.sender} asks for update={update}; the resumed shard ran update={self.update}")
             self.manifest, self.pieces, self.piece_param, self.buffer_keys = manifest, pieces, owner, buffers
-            self.optim_desc, self.world, self.update = optim, world, update
+            self.optim_desc, self.world = optim, world
+            if self.placement is None:
+                self.placement = placement
             self._fix_limits()
         else:
             diff = manifest_difference(self.manifest, manifest, f"worker {h.sender}")
@@ -382,8 +369,8 @@ class ParameterServer:
         self.detached.clear()
         self.gone.clear()
         self.buf_acc.clear()
-        if self.update == "worker":
-            self.initialized = False
+        if self.placement is not None and not self.placement.spec.shards_step:
+            self.initialized = False  # the shard holds sums only: rank 0 initialises it again from its checkpoint
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.psshm`), or
@@ -473,31 +460,34 @@ class ParameterServer:
         return torch.empty(numel, dtype=wire.DTYPES[dtype])
 
     def _build_optimizer(self) -> None:
-        """update=server: the worker's optimizer class over this shard's pieces, one group per worker group
-        (a group may hold no piece here), with the groups' hyperparameters."""
+        """What the placement steps the pieces with (:meth:`servers.modes.Placement.build_optimizer`)."""
         self.params = {k: self.params[k] for k in self.pieces}  # hello order, on every shard the same
-        if self.update != "server":
-            return
-        if self.optim_desc is None:
-            raise Refused("no optimizer yet: a worker must say hello first")
-        cls = optimizer_class(self.optim_desc["class"])
-        groups = []
-        for g in self.optim_desc["groups"]:
-            names = set(g["params"])
-            groups.append({**_hyper(g["hyper"]), "params": [p for k, p in self.params.items()
-                                                             if self.piece_param[k] in names]})
-        self.optimizer = cls(groups)
+        if self.placement is None:
+            raise Refused("no placement yet: a worker must say hello first")
+        self.optimizer = self.placement.build_optimizer(self)
 
-    def set_hyper(self, hyper) -> None:
-        """A scheduler's (or the user's) change of group hyperparameters, carried by a push or commit."""
+    def check_hyper(self, hyper) -> None:
+        """Refuse group hyperparameters from the wire (a push's or commit's) that :meth:`set_hyper` could not
+        set: one dict per group, numbers where the optimizer's are (:func:`commlab.optim.check_hyper`)."""
         if hyper is None or self.optimizer is None:
             return
         if not isinstance(hyper, list) or len(hyper) != len(self.optimizer.param_groups) \
                 or not all(isinstance(h, dict) for h in hyper):
             raise Refused(f"hyperparameters for {len(hyper) if isinstance(hyper, list) else '?'} group(s); "
                           f"the optimizer has {len(self.optimizer.param_groups)}")
+        try:
+            for i, values in enumerate(hyper):
+                check_hyper(self.optim_desc["class"] if self.optim_desc else "", values, f"param group {i}")
+        except ConfigError as exc:
+            raise Refused(f"hyperparameters: {exc}") from None
+
+    def set_hyper(self, hyper) -> None:
+        """A scheduler's (or the user's) change of group hyperparameters, carried by a push or commit."""
+        self.check_hyper(hyper)  # every group's values before any is set
+        if hyper is None or self.optimizer is None:
+            return
         for group, values in zip(self.optimizer.param_groups, hyper):
-            for k, v in _hyper(values).items():
+            for k, v in hyper_from_wire(values).items():
                 if k != "params":
                     group[k] = v
 
@@ -652,6 +642,7 @@ class ParameterServer:
 
     # ----- pulls -----------------------------------------------------------------------------
     PULLS = ("params", "sum", "report", "buffers", "final", "csum")
+    STEP_PULLS = frozenset({"sum", "report", "csum"})  # the mode serves these (servers.modes.Mode.step_pulls)
 
     def _op_pull(self, ident, h, _data):
         rank = self._rank_of(h)
@@ -663,13 +654,10 @@ class ParameterServer:
         if keys is not None and (not isinstance(keys, list) or not keys or
                                  any(not isinstance(k, str) or k not in self.pieces for k in keys)):
             raise Refused(f"pull from {h.sender}: 'keys' must list keys {self.cfg.name} holds")
-        if what in ("sum", "report") and (self.cfg.mode != "sync" or (what == "sum") != (self.update == "worker")):
-            raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.cfg.mode} with "
-                          f"update={self.update}")
-        if what == "csum":
-            if self.cfg.mode != "sync" or self.units is None:
-                raise Refused(f"pull of a compressed sum from {h.sender}: {self.cfg.name} runs {self.cfg.mode} "
-                              f"{'with' if self.units is not None else 'without'} compress=")
+        if what in self.STEP_PULLS and what not in self.mode.step_pulls():
+            raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.mode.name} with "
+                          f"update={self.update} {'with' if self.units is not None else 'without'} compress=")
+        if what == "csum" and self.units is not None:
             self.units.unit(h)
         # A worker pulls after pushing on the same connection: the push is here already. A pull for a
         # later step could only wait forever, so it is refused, and so is a flood of waiting pulls.
@@ -708,10 +696,7 @@ class ParameterServer:
             return True
         if what == "buffers":
             return not self.mode.buffers_wait or self.buf_round >= after
-        if what == "csum":
-            assert isinstance(self.mode, Sync) and self.units is not None  # _op_pull refused it otherwise
-            return self.mode.step > after or self.units.ready(h.meta["unit"], h.meta["round"])
-        return self.mode.ready(rank, after, what, h.meta.get("keys"))
+        return self.mode.ready(rank, after, what, h.meta)
 
     def _serve_waiting(self) -> None:
         still = []
@@ -731,30 +716,10 @@ class ParameterServer:
             self._reply(ident, "error", rid, {"reason": f"pull from {h.sender} asks for a reply in shared memory, "
                                                         f"but its connection has no link to {self.cfg.name}"})
             return
-        if what == "report":
-            assert isinstance(self.mode, Sync)  # _op_pull refused report and sum pulls under other modes
-            self._reply(ident, "ok", rid, {"report": self.mode.report}, step=h.step)
-            return
-        if what == "sum":
-            mode = self.mode
-            assert isinstance(mode, Sync)
-            current = mode.step == h.meta["after_step"]
-            sums = mode.sums if current else mode.last_sums
-            keys = h.meta.get("keys") or list(self.pieces)
-            absent = [k for k in keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
-            parts = [part for k in keys if k not in absent for part in wire.split(k, sums[k])]
-            self._reply(ident, "params", rid, {"version": self.version, "absent": absent}, parts, step=h.step,
-                        tracked=False, payloads=payloads)
-            return
-        if what == "csum":
-            mode, units = self.mode, self.units
-            assert isinstance(mode, Sync) and units is not None
-            current = mode.step == h.meta["after_step"]
-            unit = units.units[h.meta["unit"]]
-            absent = [k for k in unit.keys if (mode.present[k] == 0 if current else k in mode.last_absent)]
-            parts, meta = units.sums(unit.key, h.meta["round"], current)
-            self._reply(ident, "params", rid, {"version": self.version, "absent": absent, **meta}, parts, step=h.step,
-                        tracked=False)
+        if what in self.STEP_PULLS:  # _op_pull let through only what the mode serves
+            op, meta, parts, linked = self.mode.answer(what, h)
+            self._reply(ident, op, rid, meta, parts, step=h.step, tracked=False,
+                        payloads=payloads if linked else psshm.FRAMES)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
@@ -965,7 +930,8 @@ class ParameterServer:
         if state["mode"] != self.cfg.mode or list(state["shard"]) != [self.cfg.shard, self.cfg.shards]:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
-        self.version, self.world, self.update = state["version"], state["world"], state["update"]
+        self.version, self.world = state["version"], state["world"]
+        self.placement = self.mode.placement(state["update"], f"the checkpoint {path}")
         self.mode.load(state["mode_state"], {int(r): int(t) for r, t in state["last_step"].items()})
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}

@@ -348,3 +348,41 @@ def test_the_seam_issues_every_buckets_later_rounds_before_finishing_the_first()
     mover.issued.clear()
     start_compressed(topk, buckets[0], mover, "bucket 0", True).wait(10)
     assert mover.issued == [("gather", "topk:0.1 round 0")]
+
+
+def test_two_compression_states_on_one_mover_keep_their_own_steps():
+    """The step's order of exchanges lives in the state handed to each start (seam.CompressState), not on the
+    mover: a second exchange starting its step on the same mover (another exchanger, a DDP hook) between two
+    buckets of the first leaves the first's step whole, and every bucket decodes as it does alone."""
+    from commlab.compress.seam import CompressState
+    from commlab.plan.compression import _AllMe
+
+    def state():
+        comp = build("powersgd:2,start_iter=0", False)  # compressed (two rounds) from the first step
+        comp.bind(2)
+        return CompressState(comp)
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(48, 16, generator=g) for _ in range(2)]
+    mover = _AllMe(2, ("float32",))
+
+    alone = state()
+    ref = [x.reshape(-1).clone() for x in grads]
+    handles = [alone.start(i, x, ((48, 16),), None, mover, f"alone {i}", first=i == 0) for i, x in enumerate(ref)]
+    for h in handles:
+        h.wait(10.0)
+
+    a, b = state(), state()
+    out = [x.reshape(-1).clone() for x in grads]
+    ha0 = a.start(0, out[0], ((48, 16),), None, mover, "a 0", first=True)
+    hb0 = b.start(0, grads[0].reshape(-1).clone(), ((48, 16),), None, mover, "b 0", first=True)
+    ha1 = a.start(1, out[1], ((48, 16),), None, mover, "a 1", first=False)
+    assert a.train == [ha0, ha1] and b.train == [hb0]
+    assert ha0.round == 0 and ha1.round == 0
+    ha0.wait(10.0)  # brings a's later bucket to its last round too, as the seam's order requires
+    assert ha1.round == 1
+    ha1.wait(10.0)
+    hb0.wait(10.0)
+    for got, want in zip(out, ref):
+        assert torch.equal(got, want)
+    assert not torch.equal(out[0], grads[0].reshape(-1))  # compressed: rank 2 of a random matrix is not exact

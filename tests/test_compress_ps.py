@@ -28,7 +28,7 @@ BASE, QUERIES, STEPS, RESUME_AT, SERVER = %r, %r, %d, %d, %r
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 def units(ex):
-    return [u for per in ex._cps.units for u in per]
+    return [u for per in ex._pushes.units for u in per]
 
 
 def simulated(ex, model, x, y, sims):

@@ -1,6 +1,9 @@
 """URL parsing, the registry, and launcher environments: bad configuration fails fast, by name."""
 
+import re
+
 import pytest
+import torch
 
 import commlab
 from commlab.config import ExchangerURL, parse_options
@@ -112,3 +115,118 @@ def test_bad_environments(env, message):
 @pytest.mark.parametrize("nodelist, first", [("node1", "node1"), ("n[3-5]", "n3"), ("a[10,12-13],b2", "a10")])
 def test_slurm_nodelist(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+# ---- every number is checked where it is parsed (issue 35) ------------------------------------------------
+
+BAD_URLS = [  # (URL, the option its one-line refusal names, the value it says it got)
+    ("ring://?chunk_mb=nan", "chunk_mb", "nan"), ("ring://?chunk_mb=inf", "chunk_mb", "inf"),
+    ("ring://?chunk_mb=4096", "chunk_mb", "4096.0"), ("ring://?chunk_mb=-1", "chunk_mb", "-1.0"),
+    ("ps://?bucket_mb=nan", "bucket_mb", "nan"), ("ps://?piece_mb=nan", "piece_mb", "nan"),
+    ("ps://?piece_mb=0", "piece_mb", "0.0"), ("allreduce://?bucket_mb=inf", "bucket_mb", "inf"),
+    ("allreduce://?bucket_mb=-1", "bucket_mb", "-1.0"), ("local://?bucket_mb=nan", "bucket_mb", "nan"),
+    ("noop://?timeout=nan", "timeout", "nan"), ("ps://?timeout=nan", "timeout", "nan"),
+    ("ring://?timeout=inf", "timeout", "inf"), ("ring://?timeout=-inf", "timeout", "-inf"),
+    ("allreduce://?timeout=1e300", "timeout", "1e+300"), ("ps://?timeout=0", "timeout", "0.0"),
+    ("ps://?update=server&clip_norm=nan", "clip_norm", "nan"), ("ps://?update=server&clip_norm=-1", "clip_norm", "-1.0"),
+    ("ps://?shards=1000000", "shards", "1000000"), ("ps://?shards=-1", "shards", "-1"),
+    ("ps://?staleness=-2", "staleness", "-2"), ("ps://?retries=-1", "retries", "-1"),
+    ("ps://?retries=1000", "retries", "1000"), ("ring://?sndbuf_kb=-1", "sndbuf_kb", "-1"),
+    ("ring://?sndbuf_kb=4000000", "sndbuf_kb", "4000000"), ("ring://?swap_kb=-1", "swap_kb", "-1"),
+]
+
+
+@pytest.mark.parametrize("url, name, got", BAD_URLS)
+def test_every_bad_number_in_a_url_is_one_line_naming_the_option(url, name, got):
+    """The check the CLI makes before anything starts (commlab.cli.check_url: the registry's resolve)."""
+    from commlab.cli import check_url
+
+    problem = check_url(url)
+    assert problem is not None and "\n" not in problem, problem
+    assert re.fullmatch(rf"--exchanger {re.escape(repr(url))}: {name} must be [^,]+, got {re.escape(got)}", problem), \
+        problem
+
+
+def test_every_number_of_every_regime_declares_its_range():
+    """A new numeric option cannot skip the check: each says its range where it is declared."""
+    import dataclasses
+    import typing
+
+    from commlab.registry import REGIMES, regime_class
+
+    for scheme in REGIMES:
+        options = regime_class(scheme).Options
+        hints = typing.get_type_hints(options)
+        for f in dataclasses.fields(options):
+            if hints[f.name] in (int, float) and not f.metadata.get("choices"):
+                assert any(f.metadata["range"][k] is not None for k in ("gt", "ge", "lt", "le")), \
+                    f"{scheme}://?{f.name}= declares no range"
+
+
+def test_options_built_in_code_are_checked_too():
+    from commlab.regimes.ps import PSOptions
+
+    with pytest.raises(ConfigError, match=r"^piece_mb must be a finite number > 0 and <= 1048576, got nan$"):
+        PSOptions(piece_mb=float("nan"))
+    with pytest.raises(ConfigError, match=r"^timeout must be a number, got '5'$"):
+        PSOptions(timeout="5")
+
+
+CLI_CASES = [  # (command line, the option named): through the real command, a few of each kind
+    (["train", "--exchanger", "ring://?chunk_mb=nan"], "chunk_mb"),
+    (["train", "--exchanger", "ps://?shards=1000000"], "shards"),
+    (["train", "--exchanger", "ps://?update=server&clip_norm=nan"], "clip_norm"),
+    (["train", "--deadline", "inf"], "--deadline"),
+    (["run", "--deadline", "-5", "SCRIPT"], "--deadline"),
+    (["run", "--deadline", "nan", "SCRIPT"], "--deadline"),
+    (["run", "--workers", "0", "SCRIPT"], "--workers"),
+]
+
+
+def test_bad_numbers_on_the_command_line_exit_2_with_one_line_and_start_nothing(tmp_path):
+    """``commlab train|run`` as a user types it: exit 2, one line naming the option, and nothing started: the
+    launcher never made its log folder (the first thing it does, before any process) nor a scratch folder."""
+    import sys
+
+    from conftest import child_env, run_group
+
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('started')\n")
+    for i, (argv, name) in enumerate(CLI_CASES):
+        logs, tmp = tmp_path / f"logs{i}", tmp_path / f"tmp{i}"
+        tmp.mkdir()
+        argv = [str(script) if a == "SCRIPT" else a for a in argv]
+        cmd = [sys.executable, "-m", "commlab.cli", argv[0], "--log-dir", str(logs), *argv[1:]]
+        r = run_group(cmd, 60, env=child_env(TMPDIR=str(tmp)), capture_output=True, text=True)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (argv, r.returncode, r.stderr)
+        assert re.fullmatch(rf"commlab {argv[0]}: .*{re.escape(name)}\b.* must be .*, got \S+", lines[0]), lines
+        assert not logs.exists() and not any(tmp.iterdir()), f"{argv}: the launcher started"
+
+
+def test_a_hello_whose_optimizer_settings_are_not_numbers_is_refused_and_the_server_serves_on(tmp_path):
+    """lr="x" (or betas of one number, maximize="yes") in a hello is refused with a reason naming it, before the
+    shard fixes anything; the same hello with numbers is then served."""
+    from faultkit import Procs, Raw
+
+    from commlab.manifest import describe_optimizer, model_manifest
+
+    model = torch.nn.Linear(3, 2)
+    optim = describe_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)
+    hello = {"rank": 0, "world": 1, "mode": "async", "shard": [0, 1], "update": "server",
+             "manifest": [[n, list(s), d] for n, s, d in model_manifest(model)],
+             "pieces": [["weight", "float32", 6], ["bias", "float32", 2]]}
+    procs = Procs(tmp_path)
+    try:
+        server = procs.server("--mode", "async")
+        raw = Raw(server.endpoint, "rank0")
+        for key, bad, said in [("lr", "x", "lr must be a number, got 'x'"), ("betas", [0.9], "betas must be 2 numbers"),
+                               ("maximize", "yes", "maximize must be true or false"), ("eps", float("nan"), "eps must be a finite")]:
+            groups = [{**g, "hyper": {**g["hyper"], key: bad}} for g in optim["groups"]]
+            reply = raw.request("hello", **hello, optim={**optim, "groups": groups})
+            assert reply.op == "error" and f"param group 0's {said}" in reply.meta["reason"], reply.meta
+        assert server.stats()["refused"] == 4
+        assert raw.request("hello", **hello, optim=optim).op == "ok"
+        raw.close()
+    finally:
+        procs.close()

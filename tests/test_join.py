@@ -173,11 +173,11 @@ def test_join_needs_setup_is_not_nested_and_enable_false_does_nothing():
             pass
     ex.setup(model, opt)
     with ex.join(enable=False):
-        assert ex._joining is None
+        assert not ex._join.joining
     with ex.join():
         with pytest.raises(ConfigError, match=r"join\(\) inside join\(\)"):
             with ex.join():
                 pass
         model(torch.ones(3, 2)).sum().backward()
         opt.step()
-    assert ex.stats.exchanges == 1 and ex.stats.steps == 1 and ex._joining is None
+    assert ex.stats.exchanges == 1 and ex.stats.steps == 1 and not ex._join.joining

@@ -136,3 +136,29 @@ def test_an_optimizer_the_servers_cannot_build_is_refused_with_a_way_out(servers
     with pytest.raises(ConfigError, match=r"test_ps_update.*Mine is not one of its classes: use update=worker"):
         ex.setup(model, Mine(model.parameters(), lr=0.1))
     ex.close()
+
+
+def test_every_mode_and_placement_pair_has_one_object_on_each_side():
+    """The protocol's table (commlab.psproto) is what both sides build from: each mode's default placement,
+    the placements it refuses, and for every allowed pair one client object (commlab.regimes.ps_steps) and
+    one shard object (servers.modes), whose declared abilities agree with the protocol's."""
+    from commlab import psproto
+    from commlab.regimes import ps_steps
+    from servers import modes
+
+    assert [c.placement("").name for c in psproto.CONSISTENCIES.values()] == ["worker", "server", "server"]
+    for name in ("async", "ssp"):
+        with pytest.raises(ValueError, match=f"mode={name} updates on the servers only"):
+            psproto.consistency(name).placement("worker")
+    with pytest.raises(ValueError, match="unknown mode 'bsp'"):
+        psproto.consistency("bsp")
+    pairs = [(c, p) for c in psproto.CONSISTENCIES.values() for p in c.placements]
+    assert len(pairs) == 4
+    for mode, placement in pairs:
+        client = ps_steps.for_servers(None, mode, placement)  # type: ignore[arg-type]
+        shard = modes.PLACEMENTS[placement.name]()
+        assert client.spec is placement is shard.spec
+        assert client.updates_remotely == client.keeps_state == placement.shards_step
+        assert client.clips == (placement.shards_step and mode.gathers)  # clip_norm=: one commit over the average
+        assert shard.step_pull == ("report" if placement.shards_step else "sum")
+        assert modes.MODES[mode.name].spec is mode

@@ -230,7 +230,7 @@ def test_shm_link_delivers_what_was_sent_before_the_sender_closed():
 def test_options_are_validated():
     from commlab.registry import connect
     from commlab.rendezvous import RankInfo
-    with pytest.raises(ConfigError, match="chunk_mb must be > 0"):
+    with pytest.raises(ConfigError, match="chunk_mb must be >= 0"):
         connect("ring://?chunk_mb=-1", RankInfo.single())
     with pytest.raises(ConfigError, match=r"'transport': 'udp' is not one of"):
         connect("ring://?transport=udp", RankInfo.single())

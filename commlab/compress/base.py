@@ -65,6 +65,7 @@ class Compressor(abc.ABC):
     rounds: int = 1
     sync_only: bool = False
     decodes_alone: bool = False
+    keeps_residuals: bool = False  # what a rank did not get across waits for its next step (:class:`ErrorFeedback`)
 
     def __init__(self) -> None:
         self.world_size = 1
@@ -106,6 +107,16 @@ class Compressor(abc.ABC):
         """Steps each bucket first travels uncompressed (PowerSGD's ``start_iter``; 0 for the others)."""
         return 0
 
+    def take_residual(self, key: int) -> torch.Tensor | None:
+        """Where :attr:`keeps_residuals`: remove and return ``key``'s residual (flat, what its bucket has not got
+        across yet), None if it has none; for a caller that regroups buckets (DDP rebuilds its own). Not while
+        ``key`` is in flight (between :meth:`start` and :meth:`finish`)."""
+        return None
+
+    def put_residual(self, key: int, residual: torch.Tensor) -> None:
+        """Where :attr:`keeps_residuals`: ``key``'s next :meth:`start` adds ``residual`` (flat, the bucket's size)."""
+        raise ConfigError(f"{self.describe()} keeps no residual (compress= without error feedback)")
+
     def state_dict(self) -> dict:
         return {}
 
@@ -144,6 +155,8 @@ class ErrorFeedback(Compressor):
     (torch's PowerSGD hook keeps input minus aggregated approximation, in its unscaled units).
     """
 
+    keeps_residuals = True
+
     def __init__(self, inner: Compressor):
         super().__init__()
         self.inner = inner
@@ -174,6 +187,12 @@ class ErrorFeedback(Compressor):
 
     def share(self, key):
         return self.inner.share(key)
+
+    def take_residual(self, key):
+        return self.residuals.pop(key, None)
+
+    def put_residual(self, key, residual):
+        self.residuals[key] = residual
 
     def subtract_share(self, key, residual):
         self.inner.subtract_share(key, residual)

@@ -1,8 +1,10 @@
 """Between a bucket and a transport: one bucket's compressed exchange, round by round.
 
 A regime supplies a :class:`Mover` (sum a tensor over ranks, gather one tensor from every rank, and say
-which dtypes its sums add without rounding below float32) and calls :func:`start_compressed` from its
-``_start_bucket``. How each round travels follows from the compressor's declaration and the mover's
+which dtypes its sums add without rounding below float32), keeps one :class:`CompressState` (the
+compressor and the step's exchanges, passed explicitly, as torch's PowerSGD hook state is) and calls
+:func:`start_compressed` with it from its ``_start_bucket``; a DDP comm hook calls
+:meth:`CompressState.start` with DDP's buckets. How each round travels follows from the compressor's declaration and the mover's
 abilities, never from the compressor's name:
 
 * summable, and every payload dtype one the mover sums exactly (float32, float64) or per hop (a ring's
@@ -192,15 +194,30 @@ class CompressedExchange(Handle):
         return None
 
 
-def start_compressed(comp: Compressor, bucket, mover: Mover, what: str, carry_presence: bool) -> Handle:
+class CompressState:
+    """One exchanger's (or DDP hook's) compression state, handed to every bucket's start: the compressor (which
+    keeps its own state per bucket key: PowerSGD's warm-start Q, error feedback's residuals) and this step's
+    exchanges in bucket order, so that waiting for one bucket brings every later one to its last round in the
+    same order on every rank (see the module's text). Not thread-safe: one training thread starts buckets."""
+
+    def __init__(self, comp: Compressor):
+        self.comp = comp
+        self.train: list[CompressedExchange] = []  # this step's exchanges, in the order they started
+
+    def start(self, key: int, x: torch.Tensor, shapes, flags: torch.Tensor | None, mover: Mover, what: str,
+              first: bool) -> CompressedExchange:
+        """Begin one bucket's exchange of ``x`` (decoded back into it by ``wait``) under compressor key ``key``;
+        ``first``: the step's first bucket, which starts the step's train. Does not block."""
+        if first:
+            self.train = []
+        handle = CompressedExchange(self.comp, key, x, shapes, flags, mover, what, self.train)
+        self.train.append(handle)
+        return handle
+
+
+def start_compressed(state: CompressState, bucket, mover: Mover, what: str, carry_presence: bool) -> Handle:
     """Begin ``bucket``'s compressed exchange (its gradients and presence flags are filled in). Buckets start in
     index order every step (bucket 0 first), as the shared mechanics start them."""
-    train = getattr(mover, "_compress_train", None)  # this step's exchanges, kept on the mover (the exchanger)
-    if bucket.index == 0 or train is None:
-        train = []
-        setattr(mover, "_compress_train", train)
     shapes = tuple(p.shape for p in bucket.params)
-    handle = CompressedExchange(comp, bucket.index, bucket.grads, shapes, bucket.flags if carry_presence else None,
-                                mover, what, train)
-    train.append(handle)
-    return handle
+    return state.start(bucket.index, bucket.grads, shapes, bucket.flags if carry_presence else None, mover, what,
+                       first=bucket.index == 0)

@@ -168,6 +168,7 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
     enc: list[list[list[float]]] = [[[] for _ in range(nr)] for _ in range(nb)]
     dec: list[list[float]] = [[] for _ in range(nb)]
     moves: list = []
+    state = seam.CompressState(cast(Compressor, timed))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -177,7 +178,7 @@ def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: 
                 bk.grads.copy_(src)
                 bk.flags.fill_(1)
                 t0 = cpu_clock()
-                handles.append(seam.start_compressed(cast(Compressor, timed), bk, mover, f"bucket {bk.index}", True))
+                handles.append(seam.start_compressed(state, bk, mover, f"bucket {bk.index}", True))
                 enc[bk.index][0].append(cpu_clock() - t0)
             timed.advance_s.clear()
             for b, h in enumerate(handles):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import math
 import os
 import re
 import time
@@ -45,22 +44,27 @@ import zmq
 
 from commlab import compress, psproto, psshm, rendezvous, shm, transport, wire
 from commlab.compress import CompressOptions
-from commlab.config import ExchangerURL, option, parse_options
+from commlab.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.exchanger import BucketedExchanger, PlansServers
+from commlab.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.manifest import _plain, describe_optimizer, model_manifest
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
+from commlab.regimes.ps_steps import StepPlacement, for_servers, hypers
 from commlab.rendezvous import RankInfo, group_key
 from commlab.staging import HostStaging
+
+
+MAX_SHARDS = 64  # servers commlab train starts on one host (ps://?shards=K): each is a process with its own heap
 
 
 @dataclass(frozen=True)
 class PSOptions(CompressOptions):
     mode: str = option("", "consistency mode this worker expects; the server's rules (empty: accept it)",
                        choices=("",) + psproto.MODES)
-    staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)")
-    shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)")
+    staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)", ge=-1)
+    shards: int = option(0, "commlab train starts this many servers on loopback (0: the URL lists them)", ge=0,
+                         le=MAX_SHARDS, why="each is a server process on this host; list more servers in the URL")
     transport: str = option("auto", "auto: payloads through shared memory with each server on this host and in this "
                                     "network namespace, zmq frames with the others (servers commlab train starts "
                                     "listen on loopback tcp); tcp or ipc: payloads in zmq frames (servers commlab "
@@ -69,9 +73,11 @@ class PSOptions(CompressOptions):
                             choices=("tcp", "ipc", "shm", "auto"))
     endpoints: str = option("", "comma-separated zmq endpoints, instead of HOST:PORT in the URL (e.g. ipc://...)")
     piece_mb: float = option(16.0, "parameters are cut into pieces of at most this many MiB, each reduced, "
-                                   "updated and returned on its own (pipelining); every worker must agree")
+                                   "updated and returned on its own (pipelining); every worker must agree",
+                             gt=0, le=MAX_MB)
     retries: int = option(1, "a push not acknowledged within timeout is sent again this many times, "
-                             "on a fresh connection (the server applies each (worker, step) once)")
+                             "on a fresh connection (the server applies each (worker, step) once)", ge=0, le=100,
+                        why="each waits up to timeout")
     keys: str = option("", "folder made by 'commlab keys' (CURVE: server.key and KEY_NAME.key_secret)")
     key_name: str = option("worker", "with keys=: which client key pair in that folder is this worker's")
     curve_secret: str = option("", "this worker's CURVE secret key file")
@@ -80,7 +86,7 @@ class PSOptions(CompressOptions):
                              "server (the servers run the optimizer; the only choice for async and ssp)",
                          choices=("", "worker", "server"))
     clip_norm: float = option(0.0, "update=server, sync: the servers clip the averaged gradient to this global "
-                                   "L2 norm, as clip_grad_norm_ would (0: off)")
+                                   "L2 norm, as clip_grad_norm_ would (0: off)", ge=0)
     space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
@@ -88,25 +94,30 @@ class PSOptions(CompressOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.update == "worker" and self.mode in ("async", "ssp"):
-            raise ConfigError(f"ps:// mode={self.mode} updates on the servers only: drop update=worker "
-                              f"(or use mode=sync)")
-        if self.clip_norm < 0:
-            raise ConfigError(f"clip_norm must be >= 0, got {self.clip_norm}")
-        if self.clip_norm and (self.update == "worker" or self.mode in ("async", "ssp")
-                               or (not self.update and self.mode in ("", "sync"))):
+        asked = self.placement  # refuses update=worker under a mode that updates on the servers only
+        gathers = self.consistency.gathers if self.consistency is not None else True  # (or the servers refuse it)
+        if self.clip_norm and not (self.update and asked is not None and asked.shards_step and gathers):
             raise ConfigError("clip_norm= needs update=server and mode=sync (with update=worker, clip in your "
                               "loop: torch.nn.utils.clip_grad_norm_ sees the averaged gradient)")
-        if self.shards < 0 or self.retries < 0:
-            raise ConfigError("shards and retries must be >= 0")
-        if self.piece_mb <= 0:
-            raise ConfigError(f"piece_mb must be > 0, got {self.piece_mb}")
-        if self.staleness < -1:
-            raise ConfigError(f"staleness must be >= 0, got {self.staleness}")
         if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
-        if self.mode in ("async", "ssp"):  # powersgd: refused before anything starts
+        if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
+
+    @property
+    def consistency(self) -> psproto.Consistency | None:
+        """The mode this worker asks for (None: whichever the servers run)."""
+        return psproto.consistency(self.mode) if self.mode else None
+
+    @property
+    def placement(self) -> psproto.Placement | None:
+        """The placement this worker asks for (update=, else its mode's default; None: the servers')."""
+        if self.consistency is None:
+            return psproto.PLACEMENTS[self.update] if self.update else None
+        try:
+            return self.consistency.placement(self.update)
+        except ValueError as exc:
+            raise ConfigError(f"ps:// {exc}: drop update={self.update} (or use mode=sync)") from None
 
     @property
     def endpoint_list(self) -> list[str]:
@@ -408,7 +419,93 @@ class _Shard:
         self._drop_link()
 
 
-class PSExchanger(BucketedExchanger, PlansServers):
+class _ServerJoin(Join):
+    """join() on a parameter server: the shards count the workers that joined (no vote among the workers), so a
+    rank still training does nothing extra per exchange; a joined one tells the shards and waits
+    (:meth:`PSExchanger._wait_out_join`)."""
+
+    def __init__(self, ex: "PSExchanger", options: JoinOptions):
+        super().__init__(options)
+        self.ex, self.opts = ex, options
+
+    def wait_out(self) -> None:
+        self.ex._wait_out_join(self.opts)
+
+
+class FramePushes:
+    """The uncompressed step of one :class:`PSExchanger`: each bucket's pieces as raw frames, grouped up to one
+    frame's size per message, pushed to the shards that hold them. It has the methods of
+    :class:`~commlab.regimes.ps_compress.CompressedPushes`, which takes its place under ``compress=``
+    (chosen once at setup, from the exchanger's :class:`~commlab.compress.seam.CompressState`): the step
+    path does not know which one moves the bucket."""
+
+    joins = True  # ex.join(): the shards count a joined worker's pushes as zeros
+    raw = True  # push_pull_async() pushes a tensor as it is
+
+    def __init__(self, ex: "PSExchanger"):
+        self.ex = ex
+
+    def hello(self, shard: int) -> dict:
+        """What each shard's hello says of the pushes (nothing: raw frames)."""
+        return {}
+
+    def connected(self) -> None:
+        """After hello: the servers' mode and placement are known."""
+
+    def start_bucket(self, bucket, step: int, extra: dict) -> Handle:
+        """In the backward hook: push the bucket's pieces to their shards (``extra``: what every push of the
+        step carries besides). Does not block."""
+        ex = self.ex
+        # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
+        src, _ = ex._staging.to_host_async(bucket.index)
+        handles = []
+        for k, items in ex._plan[bucket.index].items():
+            shard = ex.shards[k]
+            messages: list[tuple] = []  # (parts, absent keys, keys): pieces grouped up to one frame's size per message
+            size = wire.MAX_FRAME
+            for pc, slot in items:
+                if size + pc.nbytes > wire.MAX_FRAME:
+                    messages.append(([], [], []))
+                    size = 0
+                parts, absent, keys = messages[-1]
+                keys.append(pc.key)
+                size += pc.nbytes
+                if not bucket.present[slot]:
+                    absent.append(pc.key)
+                    continue
+                at = bucket.offsets[slot] + pc.start
+                parts += wire.split(pc.key, src[at:at + pc.count])
+                ex.stats.bytes_sent += pc.nbytes
+            what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
+            handles.append(FutureHandle(shard.submit(self._post, shard, step, messages, extra, bucket.index),
+                                        what))
+        if not handles:
+            return DoneHandle(what=f"bucket {bucket.index}")
+        return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
+
+    def _post(self, shard: _Shard, step: int, messages: list, extra: dict, bucket: int) -> None:
+        """On the shard's thread: send the pushes, each followed by what the placement asks for at once
+        (update=worker: those keys' averages, which the server sends as soon as every worker's gradient for
+        them is in, while backward is still busy with earlier layers). The parts are read from ``bucket``'s
+        host mirror (the bucket itself unless it is staged), ready once its copy from the GPU is."""
+        ex, steps = self.ex, self.ex.steps
+        assert steps is not None  # setup
+        ex._staging.wait(bucket, ex.options.timeout)
+        for parts, absent, keys in messages:
+            shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
+            shard.post("push", step, parts, {"base": shard.version, "absent": absent, **extra},
+                       f"push of {shown} at step {step}")
+            steps.after_push(shard, step, keys, shown)
+
+    def finish(self, step: int, replies: bool) -> int:
+        """At the end of backward: collect the replies the placement asked for during backward (``replies``);
+        the bytes received."""
+        if not replies:
+            return 0
+        return sum(self.ex._on_all(lambda s: s.collect(), f"replies of step {step}"))
+
+
+class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     scheme = "ps"
     Options = PSOptions
     carry_presence = False  # absent gradients travel as names in the push header
@@ -438,7 +535,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
             endpoints = [f"ipc://{folder}/shard{i}" for i in range(k)]
         else:
             endpoints = ["tcp://127.0.0.1:0"] * k
-        mode = opts.mode or "sync"
+        mode = (opts.consistency or psproto.SYNC).name
         argvs = []
         for i, ep in enumerate(endpoints):
             argv = ["--bind", ep, "--mode", mode, "--shard", f"{i}/{k}"]
@@ -461,20 +558,15 @@ class PSExchanger(BucketedExchanger, PlansServers):
         self._pieces: list[list[psproto.Piece]] = []
         self.space = ""  # this exchanger's key space on the servers (setup names it)
         self._store = None  # connect(group=): the job's store, held from setup to close
-        self.mode = ""  # the servers' (from hello)
-        self.update = ""  # where the optimizer runs: "worker" or "server" (from hello)
-        self.updates_remotely = False
+        self.consistency: psproto.Consistency | None = None  # the servers' mode (from hello)
+        self.steps: StepPlacement | None = None  # the servers' placement, as this client takes part in it (hello)
         # piece key -> (bucket, the parameter's slot there, the piece's first element in the parameter, count)
         self._grad_slots: dict[str, tuple[int, int, int, int]] = {}
         self._absent: set[str] = set()  # update=worker: keys no worker had a gradient for, this step
         self._buffer_targets: dict[str, torch.Tensor] = {}
         self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
-        self._skipped = False  # update=server, sync: this step's summed gradient was not finite
-        self._norm = 0.0  # update=server, sync: global L2 norm of this step's averaged (pushed) gradient
-        self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
-        self._warned_loop = False  # said once that the servers cannot do what the loop does to p.grad
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
-        self._cps: CompressedPushes | None = None  # compress=: the compressed step
+        self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -486,8 +578,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if self.options.shards and self.options.shards != len(endpoints):
             raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
         desc = describe_optimizer(optimizer, model)
-        wants_server = self.options.update == "server" or self.options.mode in ("async", "ssp")
-        if wants_server and getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer):
+        asked = self.options.placement
+        if asked is not None and asked.shards_step and getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer):
             raise ConfigError(f"ps:// update=server builds the optimizer on the servers from torch.optim, and "
                               f"{desc['class']} is not one of its classes: use update=worker (mode=sync), where "
                               f"your optimizer steps on the workers")
@@ -552,8 +644,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
             for pc in pieces:
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
-        if self.compressor is not None:
-            self._cps = CompressedPushes(self, self._plan)
+        # compress=: through the compressor (the seam's state), else raw frames; the step path asks either alike
+        pushes = self._pushes = (CompressedPushes(self, self._plan, self.compress_state)
+                                 if self.compress_state is not None else FramePushes(self))
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
         buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
         replies = self._on_all(lambda s: s.hello({
@@ -563,23 +656,16 @@ class PSExchanger(BucketedExchanger, PlansServers):
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
             "shard": [s.index, k], "optim": desc,
-            **({"compress": self._cps.hello(s.index)} if self._cps is not None else {})}), "hello")
-        self.mode, self.update = replies[0]["mode"], replies[0]["update"]
-        self._base = self._resume_step(replies)
-        if self.options.clip_norm and self.mode != "sync":
-            raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {self.mode}")
-        self.updates_remotely = self.update == "server"
-        if self._cps is not None:
-            self._cps.connected()
-        for s in self.shards:
-            s.adopt_shm = self.update == "server"
+            **pushes.hello(s.index)}), "hello")
+        self._take_placement(replies[0])
+        self._base = self.steps.resume_step([r["next_step"] for r in replies])
+        pushes.connected()
         fresh = not all(r["initialized"] for r in replies)
         if fresh and self.rank == 0:  # a fresh start takes rank 0's parameters and buffers, as DDP does
             self._on_all(lambda s: None if replies[s.index]["initialized"] else
                          s.request("init", -1, self._parts(s.index, None) + (self._buffer_parts() if s.index == 0 else []),
                                    what="init"), "init")
-        if self.update == "server" and optimizer.state:
-            self._carry_state(optimizer, fresh)  # before the start pull: no push can reach a shard before it
+        self.steps.adopt(optimizer, fresh)  # before the start pull: no push can reach a shard before it
         # the start pull: each shard answers it once rank 0 initialised it and every rank asked, so no
         # worker pushes (async, ssp) before every worker holds the same start
         self._on_all(lambda s: s.start(self._base - 1), "start pull (rank 0's parameters, once every rank is in setup)")
@@ -587,29 +673,52 @@ class PSExchanger(BucketedExchanger, PlansServers):
             first = self.shards[0]
             first.submit(self._pull_buffers, first, -1).result()
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
-        if self.update == "server":
-            self._take_over_state(optimizer)
         if not fresh or self.rank_info.attempt:
             self.restored_state = self._restore_state()
 
-    def _resume_step(self, replies: list[dict]) -> int:
-        """The wire step to go on from, from every shard's hello. update=server: the step the shards have
-        applied, which is where the loop resumes (:attr:`start_step`; 0 on a fresh start). A step applied on
-        some shards only (a rank killed between its commits; a push of async that reached one shard) is
-        pushed again: those shards acknowledge it as a duplicate, the others apply it, so each applies it
-        once. update=worker: the shards hold no trained state (the user's checkpoint does): the numbering
-        goes on from the furthest shard and :attr:`start_step` stays 0."""
-        steps = [r["next_step"] for r in replies]
-        if self.update != "server":
-            return max(steps)
-        self.start_step = min(steps)
-        return self.start_step
+    def _take_placement(self, reply: dict) -> None:
+        """Hello named the servers' mode and placement: the object this client asks at every step."""
+        try:
+            mode = psproto.consistency(reply["mode"])
+            placement = mode.placement(reply["update"])
+        except (KeyError, ValueError) as exc:
+            raise ProtocolError(f"{self.shards[0].name} answered hello with no mode and placement this client "
+                                f"knows ({exc})", peer=self.shards[0].peer) from None
+        self.consistency, self.steps = mode, for_servers(self, mode, placement)
+        if self.options.clip_norm and not self.steps.clips:
+            raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {mode.name}")
+        for s in self.shards:  # the shards step: a pull's place in the segment holds parameters, adopted there
+            s.adopt_shm = placement.shards_step
+
+    @property
+    def updates_remotely(self) -> bool:  # type: ignore[override]  # the placement's: the shards step
+        return self.steps is not None and self.steps.updates_remotely
+
+    @property
+    def mode(self) -> str:
+        """The servers' mode's name ("" before setup): for reports and manifests."""
+        return self.consistency.name if self.consistency is not None else ""
+
+    @property
+    def update(self) -> str:
+        """The servers' placement's name ("" before setup): for reports and manifests."""
+        return self.steps.spec.name if self.steps is not None else ""
+
+    def check_averages(self) -> None:
+        """Before setup the URL's mode= and update= (either may be left to the servers), after it the servers'."""
+        placement = self.steps.spec if self.steps is not None else self.options.placement
+        mode = self.consistency if self.consistency is not None else self.options.consistency
+        if placement is not None and placement.shards_step:
+            raise ConfigError("option 'update': the servers update (update=server), not the caller's optimizer: "
+                              "use update=worker")
+        if mode is not None and not mode.gathers:
+            raise ConfigError(f"option 'mode': ranks step together only under mode=sync, not mode={mode.name}")
 
     # ----- a restarted job's state (ex.commit_state, ex.restored_state) ---------------------------
     @property
     def keeps_state(self) -> bool:
         """update=server: the servers hold the parameters, the optimizer's state and the applied steps."""
-        return self.update == "server"
+        return self.steps is not None and self.steps.keeps_state
 
     def commit_state(self, state: dict) -> None:
         """Keep ``state`` (this rank's small state: a scheduler's, a GradScaler's, a data position) on the
@@ -707,154 +816,16 @@ class PSExchanger(BucketedExchanger, PlansServers):
         return self._base + self._step
 
     def _start_bucket(self, bucket) -> Handle:
-        step = self._wire_step()
-        hyper = _hypers(self.optimizer) if self.optimizer and self.update == "server" and self.mode != "sync" else None
-        if self._cps is not None:
-            return self._cps.start_bucket(bucket, step, hyper)
-        # the bucket itself, or its host mirror, whose copy from the GPU starts now (each shard's thread waits for it)
-        src, _ = self._staging.to_host_async(bucket.index)
-        handles = []
-        for k, items in self._plan[bucket.index].items():
-            shard = self.shards[k]
-            messages: list[tuple] = []  # (parts, absent keys, keys): pieces grouped up to one frame's size per message
-            size = wire.MAX_FRAME
-            for pc, slot in items:
-                if size + pc.nbytes > wire.MAX_FRAME:
-                    messages.append(([], [], []))
-                    size = 0
-                parts, absent, keys = messages[-1]
-                keys.append(pc.key)
-                size += pc.nbytes
-                if not bucket.present[slot]:
-                    absent.append(pc.key)
-                    continue
-                at = bucket.offsets[slot] + pc.start
-                parts += wire.split(pc.key, src[at:at + pc.count])
-                self.stats.bytes_sent += pc.nbytes
-            what = f"push of bucket {bucket.index} at step {step} to {shard.name}"
-            handles.append(FutureHandle(shard.submit(self._post_bucket, shard, step, messages, hyper, bucket.index),
-                                        what))
-        if not handles:
-            return DoneHandle(what=f"bucket {bucket.index}")
-        return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
-
-    def _post_bucket(self, shard: _Shard, step: int, messages: list, hyper, bucket: int) -> None:
-        """On the shard's thread: send the pushes; with update=worker also ask at once for those keys'
-        averages, which the server sends as soon as every worker's gradient for them is in, while
-        backward is still busy with earlier layers. The parts are read from ``bucket``'s host mirror (the
-        bucket itself unless it is staged), ready once its copy from the GPU is."""
-        self._staging.wait(bucket, self.options.timeout)
-        for parts, absent, keys in messages:
-            shown = ", ".join(keys[:3]) + ("..." if len(keys) > 3 else "")
-            meta = {"base": shard.version, "absent": absent}
-            if hyper is not None:
-                meta["hyper"] = hyper  # async, ssp: a scheduler's change travels with the next push
-            shard.post("push", step, parts, meta, f"push of {shown} at step {step}")
-            if self.update == "worker":
-                shard.post("pull", step, meta={"after_step": step, "keys": keys, "what": "sum"},
-                           what=f"average of {shown} at step {step}", take=self._take_sum)
-
-    def _take_sum(self, h: wire.Header, data) -> int:
-        """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
-        st = self._staging
-        for spec, frame in zip(h.frames, data):
-            bi, _, start = self._locate(spec.key, spec.offset, spec.count, "the average of ")
-            # in the bucket's layout: p.grad's view, or (CUDA) its host mirror
-            st.host(bi)[start:start + spec.count].copy_(wire.frame_tensor(spec, frame))
-            if st.is_staged(bi):
-                st.to_device(bi, start=start, stop=start + spec.count)
-        absent = h.meta.get("absent", [])
-        if absent:
-            self._absent.update(absent)
-        return h.data_bytes
+        assert self.steps is not None and self._pushes is not None  # setup
+        return self._pushes.start_bucket(bucket, self._wire_step(), self.steps.push_meta())
 
     def _finish(self) -> None:
         step = self._wire_step()
-        if self._cps is not None and self.update != "worker":
-            self.stats.bytes_received += self._cps.finish(step)
-        if self.update == "worker":
-            self._absent = set()
-            received = self._cps.finish(step) if self._cps is not None else \
-                sum(self._on_all(lambda s: s.collect(), f"averages of step {step}"))
-            self.stats.bytes_received += received
-            dropped = {pc.param for pieces in self._pieces for pc in pieces if pc.key in self._absent}
-            for b in self.buckets:
-                for i, (name, p) in enumerate(zip(b.names, b.params)):
-                    p.grad = None if name in dropped else b.view(i)
-        elif self.mode == "sync":
-            self._drop_absent_grads()  # p.grad: this worker's own gradient
-            self._report(step)
-        elif not self._warned_loop:  # only to say once if the loop changes p.grad, which async never sees
-            self._note_probe()
-
-    def _report(self, step: int) -> None:
-        """update=server, sync: every shard's squared norm of its part of the average and whether it is
-        finite, once every worker's gradient is in. Not finite: every worker skips the step on every shard
-        (the same decision everywhere, since every worker reads the same reports) and writes inf into its
-        own gradient, so that a GradScaler finds it and lowers its scale on every rank."""
-        reports: list[dict] = [{} for _ in self.shards]
-
-        def ask(s: _Shard):
-            def take(h, _data):
-                reports[s.index] = h.meta.get("report") or {}
-                return 0
-            s.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
-                   take=take)
-            return s.collect()
-
-        self._on_all(ask, f"report of step {step}")
-        if any(r.get("step") != step for r in reports):
-            raise ModelMismatch(f"the shards reported steps {[r.get('step') for r in reports]}, expected {step}")
-        sumsq = math.fsum(float(r["sumsq"]) for r in reports)  # shard order: the same sum on every worker
-        self._skipped = not (all(r["finite"] for r in reports) and math.isfinite(sumsq))
-        self._norm = math.sqrt(sumsq) if not self._skipped else math.inf
-        self._probe = None
-        if self._skipped:
-            self._on_all(lambda s: s.request("commit", step, meta={"skip": True}, what=f"skip of step {step}"),
-                         f"skip of step {step}")
-            for b in self.buckets:
-                for p in b.params:
-                    if p.grad is not None:
-                        p.grad.view(-1)[0] = math.inf
-                        return
-            return
-        self._note_probe()
-
-    def _note_probe(self) -> None:
-        """Note one element of this worker's gradient (the largest) to measure, when ``optimizer.step()``
-        runs, what the loop did to ``p.grad`` in between (:meth:`_loop_factor`)."""
-        best, self._probe = 0.0, None
-        for b in self.buckets:
-            if b.numel:
-                i = int(b.grads.abs().argmax())
-                v = float(b.grads[i])
-                if abs(v) > best:
-                    best, self._probe = abs(v), (b.grads, i, v)
-
-    def _loop_factor(self) -> float:
-        """What the loop multiplied ``p.grad`` by between backward and ``optimizer.step()``: GradScaler's
-        ``unscale_`` (a power of two), a ``clip_grad_norm_`` (anything else), or 1. Says once when the
-        servers cannot do what the loop meant: a clip in the loop under update=server clips this worker's
-        own gradient (local clipping), and under async or ssp no change of ``p.grad`` reaches the servers."""
-        if self._probe is None:
-            return 1.0
-        grads, i, pushed = self._probe
-        factor = float(grads[i]) / pushed
-        if factor == 1.0 or self._warned_loop:
-            return factor
-        if self.mode != "sync":
-            self._warned_loop = True
-            warnings.warn(f"ps:// mode={self.mode}: the loop changed the gradients between backward and "
-                          f"optimizer.step() (scaled them by {factor:.4g}); the servers apply the gradient pushed "
-                          f"during backward, so the change is lost (clipping there needs mode=sync and "
-                          f"ps://?clip_norm=X)", stacklevel=5)
-        elif math.frexp(abs(factor))[0] != 0.5:  # not a power of two: not GradScaler's unscale_ alone
-            self._warned_loop = True
-            warnings.warn(f"ps:// update=server: the loop scaled the gradients between backward and "
-                          f"optimizer.step() by {factor:.4g}, as clip_grad_norm_ does; it sees this worker's own "
-                          f"gradient, so the servers apply local clipping, not DDP's clipping of the average: "
-                          f"drop it from the loop and use ps://?clip_norm=X", stacklevel=5)
-        return factor
+        assert self.steps is not None  # setup
+        assert self._pushes is not None  # setup
+        self._absent = set()
+        self.stats.bytes_received += self._pushes.finish(step, self.steps.replies_in_backward)
+        self.steps.finish(step)
 
     def _sync_buffers(self, mode: str) -> None:
         """Buffers travel as non-trainable keys on shard 0: ``broadcast``, rank 0 pushes its own; ``average``,
@@ -866,7 +837,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         first = self.shards[0]
 
         def run(s: _Shard):
-            if self._joining is not None:  # every worker still training: the servers take the highest one's
+            if self._join.joining:  # every worker still training: the servers take the highest one's
                 s.post("buffers", step, self._buffer_parts(), {"how": mode, "joining": True},
                        what=f"buffers of step {step}")
             elif mode == "average" or self.rank == 0:
@@ -894,19 +865,23 @@ class PSExchanger(BucketedExchanger, PlansServers):
              throw_on_early_termination: bool = False):
         """As :meth:`Exchanger.join`; with ``compress=`` refused when entered (before the loop it would wrap):
         the shards have no way yet to count a joined worker's compressed rounds."""
-        if enable and self._cps is not None:
+        if enable and self._pushes is not None and not self._pushes.joins:
             raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
                               "drop compress= or give every rank the same number of steps")
         return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
-    def _wait_out_join(self, options) -> None:
+    def _join_hook(self, options: JoinOptions) -> Join:
+        return _ServerJoin(self, options)
+
+    def _wait_out_join(self, options: JoinOptions) -> None:
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
         it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
-        own = self.update == "worker"
-        replies = self._on_all(lambda s: s.request("join", step, self._parts(s.index, None) if own else [], meta,
+        assert self.steps is not None  # setup
+        join_parts = self.steps.join_parts
+        replies = self._on_all(lambda s: s.request("join", step, join_parts(s.index), meta,
                                                    what=f"join before step {step}")[0].meta, "join")
         if options.throw_on_early_termination and any(r.get("training") for r in replies):
             raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
@@ -938,28 +913,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
                 timeout=self.options.timeout * 2 + 10)
 
     def _remote_update(self, timeout: float) -> None:
-        step = self._wire_step() - 1  # the exchange backward just finished
-        if self.mode != "sync":
-            if not self._warned_loop:
-                self._loop_factor()
-            received = self._on_all(lambda s: s.pull(step), f"pull after step {step}")
-            self.stats.bytes_received += sum(received)
-            return
-        if self._skipped:
-            return  # every shard dropped this step (its summed gradient was not finite)
-        factor = self._loop_factor()  # GradScaler's unscale_ (and a clip in the loop) scaled p.grad in place
-        if self.options.clip_norm:
-            total = self._norm * abs(factor)
-            factor *= min(1.0, self.options.clip_norm / (total + 1e-6))  # clip_grad_norm_'s coefficient
-        assert self.optimizer is not None  # setup() took it
-        meta = {"factor": factor, "hyper": _hypers(self.optimizer)}
-
-        def commit(s: _Shard):
-            s.post("commit", step, meta=meta, what=f"commit of step {step}")
-            return s.pull(step)
-
-        received = self._on_all(commit, f"commit and pull of step {step}")
-        self.stats.bytes_received += sum(received)
+        assert self.steps is not None  # setup
+        self.steps.remote_update(timeout)
 
     # ----- the optimizer's state lives on the servers (update=server) ---------------------------
     def _take_over_state(self, optimizer: torch.optim.Optimizer) -> None:
@@ -1078,9 +1033,8 @@ class PSExchanger(BucketedExchanger, PlansServers):
         before = self._step
         super().load_state_dict(state)
         self._base += before - self._step
-        if self.update == "server" and self.rank == 0:
-            self._on_all(lambda s: s.request("load", -1, self._parts(s.index, None), what="parameters"),
-                         "parameters")
+        if self.steps is not None:
+            self.steps.loaded()
 
     # ----- for benchmarks --------------------------------------------------------------------
     def push_pull_async(self, tensor: torch.Tensor) -> Handle:
@@ -1093,9 +1047,9 @@ class PSExchanger(BucketedExchanger, PlansServers):
         """
         if self.model is None:
             raise ConfigError("call setup(model, optim) before push_pull_async()")
-        if self._cps is not None:
+        if self._pushes is None or not self._pushes.raw:
             raise ConfigError("push_pull_async() pushes the tensor uncompressed: drop compress=")
-        if self.update != "server":
+        if self.steps is None or not self.steps.updates_remotely:
             raise ConfigError("push_pull_async() pulls the parameter the servers updated: it needs update=server "
                               f"(this client runs update={self.update})")
         params = [p for b in self.buckets for p in b.params]
@@ -1107,7 +1061,7 @@ class PSExchanger(BucketedExchanger, PlansServers):
         if flat.is_cuda:  # a benchmark's tensor: one copy down; the pull comes back through the staging
             flat = flat.cpu()
         handles = []
-        commit = {"factor": 1.0, "hyper": _hypers(self.optimizer)} if self.mode == "sync" and self.optimizer else None
+        commit = self.steps.bench_commit()
         for s in self.shards:
             parts = self._parts(s.index, flat)
             self.stats.bytes_sent += sum(spec.nbytes for spec, _ in parts)
@@ -1178,12 +1132,6 @@ def _next_space(info: RankInfo, endpoints: list[str]) -> str:
     key = (info.global_rank(), group, tuple(endpoints))
     n = _SPACES_OPENED[key] = _SPACES_OPENED.get(key, 0) + 1
     return ".".join(filter(None, [group, "" if n == 1 else f"model{n}"]))
-
-
-def _hypers(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each param group's hyperparameters as plain data (what a scheduler changes travels so)."""
-    return [{k: v for k, (ok, v) in ((k, _plain(v)) for k, v in g.items() if k != "params") if ok}
-            for g in optimizer.param_groups]
 
 
 def _pieced(value: torch.Tensor, piece: psproto.Piece) -> bool:

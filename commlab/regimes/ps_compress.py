@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from commlab import compress, wire
-from commlab.compress.seam import nbytes
+from commlab.compress.seam import CompressState, nbytes
 from commlab.errors import ConfigError
 from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 
@@ -65,10 +65,15 @@ def piece_shape(shape: torch.Size, start: int, count: int) -> tuple[int, ...]:
 
 
 class CompressedPushes:
-    """The compressed step of one :class:`~commlab.regimes.ps.PSExchanger` (built by its ``_connect``)."""
+    """The compressed step of one :class:`~commlab.regimes.ps.PSExchanger` (built by its ``_connect`` from the
+    exchanger's :class:`~commlab.compress.seam.CompressState`), in place of its raw-frame pushes
+    (:class:`~commlab.regimes.ps.FramePushes`, the same methods)."""
 
-    def __init__(self, ex, plan: list[dict[int, list]]):
-        self.ex, self.comp = ex, ex.compressor
+    joins = False  # the shards have no way yet to count a joined worker's compressed rounds
+    raw = False
+
+    def __init__(self, ex, plan: list[dict[int, list]], state: CompressState):
+        self.ex, self.comp = ex, state.comp
         k = len(ex.shards)
         self.units: list[list[Unit]] = []  # per bucket
         for b, by_shard in zip(ex.buckets, plan):
@@ -82,23 +87,25 @@ class CompressedPushes:
         self._got: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, round) -> the shard's sum
 
     def hello(self, shard: int) -> dict:
+        """What ``shard``'s hello says of the pushes: the compressor and this shard's units."""
         o = self.ex.options
-        return {"spec": o.compress, "ef": bool(o.ef),
-                "units": [[u.key, u.keys, [list(s) for s in u.shapes]] for units in self.units for u in units
-                          if u.shard == shard]}
+        return {"compress": {"spec": o.compress, "ef": bool(o.ef),
+                             "units": [[u.key, u.keys, [list(s) for s in u.shapes]] for units in self.units
+                                       for u in units if u.shard == shard]}}
 
     def connected(self) -> None:
         """After hello: the servers' mode and placement are known."""
         ex = self.ex
-        compress.check_fits(self.comp, "ps", ex.mode == "sync")
-        self.in_place = ex.update == "worker"
-        self.scale = 1.0 / ex.world_size if ex.mode == "sync" else 1.0
-        self.pulls = ex.mode == "sync" and (self.in_place or not self.comp.decodes_alone)
+        gathers = ex.consistency.gathers  # a step is summed over every worker (sync), else each push applied alone
+        compress.check_fits(self.comp, "ps", gathers)
+        self.in_place = not ex.steps.spec.shards_step  # the workers step on the average: it lands in the bucket
+        self.scale = 1.0 / ex.world_size if gathers else 1.0
+        self.pulls = gathers and (self.in_place or not self.comp.decodes_alone)
         if self.in_place:
             ex.grad_scale = self.scale  # the bucket is x: the shards' sum of it is the average
 
     # ----- the step ------------------------------------------------------------------------------
-    def start_bucket(self, bucket, step: int, hyper) -> Handle:
+    def start_bucket(self, bucket, step: int, extra: dict) -> Handle:
         """In the backward hook: compress each of the bucket's units and send round 0 to its shard."""
         ex = self.ex
         handles = []
@@ -114,9 +121,7 @@ class CompressedPushes:
             self._flight[u.key] = {"x": x, "payloads": [payload]}
             ex.stats.bytes_uncompressed += bucket.grads.element_size() * sum(
                 c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
-            meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key)}
-            if hyper is not None:
-                meta["hyper"] = hyper  # async, ssp: a scheduler's change travels with the next push
+            meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key), **extra}  # extra: the placement's
             handles.append(self._send(u, step, 0, payload, meta))
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
@@ -170,9 +175,10 @@ class CompressedPushes:
     def _collect(self, step: int) -> int:
         return sum(self.ex._on_all(lambda s: s.collect(), f"compressed exchange of step {step}"))
 
-    def finish(self, step: int) -> int:
+    def finish(self, step: int, replies: bool) -> int:
         """At the end of backward (every bucket's round 0 is sent): the later rounds, then each unit's
-        aggregate (update=worker: into the bucket). Returns the bytes received."""
+        aggregate (update=worker: into the bucket). Returns the bytes received. (``replies``: whether the
+        placement asked for replies during backward; the rounds' own pulls are the compressor's to decide.)"""
         ex, comp = self.ex, self.comp
         units = [u for per_bucket in self.units for u in per_bucket]
         received = 0

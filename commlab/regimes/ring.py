@@ -128,7 +128,8 @@ class RingOptions(LocalStepsOptions):
     chunk_mb: float = option(0.0, "pipeline chunk size in MiB: a chunk is forwarded as soon as it is added; 0: the "
                                   f"transport's own ({SHM_CHUNK_MB:g} through shared memory, where a chunk read "
                                   f"back soon is still in cache, also for auto with the whole ring on one host; "
-                                  f"{CHUNK_MB:g} otherwise)")
+                                  f"{CHUNK_MB:g} otherwise)", ge=0, le=1024,
+                             why="a shared-memory link holds several chunks")
     host: str = option("127.0.0.1", "address each rank binds for tcp links; auto: the address this host reaches "
                                     "the rendezvous store from. Anything but loopback needs keys= or insecure=1")
     keys: str = option("", "folder made by 'commlab keys' (CURVE on every zmq link: each rank binds with "
@@ -140,18 +141,13 @@ class RingOptions(LocalStepsOptions):
                                 "right a thread each, 1 makes one thread take turns", choices=(1, 2))
     sndbuf_kb: int = option(512, "kernel send buffer towards a right neighbour on this host (loopback tcp, ipc) in "
                                  "KiB, 0: the system's autotuning (always used towards other hosts): a small one "
-                                 "keeps in flight only what the neighbour copies out while it is still in cache")
+                                 "keeps in flight only what the neighbour copies out while it is still in cache",
+                              ge=0, le=2**21 - 1, why="the kernel takes the size as an int of bytes")
     swap_kb: int = option(4096, "at N = 2, tensors of up to this many KiB take one step instead of two: each rank "
-                              "sends all of it and adds what it receives (0: always the two-step ring)")
+                              "sends all of it and adds what it receives (0: always the two-step ring)", ge=0)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.chunk_mb < 0:
-            raise ConfigError(f"chunk_mb must be > 0 (or 0: the transport's own), got {self.chunk_mb}")
-        if self.sndbuf_kb < 0:
-            raise ConfigError(f"sndbuf_kb must be >= 0 (0: the system's default), got {self.sndbuf_kb}")
-        if self.swap_kb < 0:
-            raise ConfigError(f"swap_kb must be >= 0 (0: always the two-step ring), got {self.swap_kb}")
         if self.host != "auto":
             self.check_bind(self.host)
 

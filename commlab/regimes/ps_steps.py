@@ -1,0 +1,326 @@
+"""The ``ps://`` client's side of an update placement under the servers' consistency mode.
+
+Hello tells the worker the servers' mode and placement (:class:`commlab.psproto.Consistency`,
+:class:`commlab.psproto.Placement`); :func:`for_servers` then builds one object that the exchanger asks
+on every step, instead of comparing names:
+
+==================  =======================================  ==========================================
+object              a push, then                              ``optimizer.step()``
+==================  =======================================  ==========================================
+:class:`Averages`   the keys' averages asked back at once     the user's own optimizer, on the averages
+(update=worker)     (``pull what=sum``), into ``p.grad``
+:class:`Commit`     the shards' report (sum of squares,        commit (factor: unscale x clip; the groups'
+(server, sync)      finite?) read at the end of backward       hyperparameters) or skip; pull parameters
+:class:`Apply`      nothing (the push carries the groups'     pull the newest parameters the mode allows
+(server, async,     hyperparameters: applied alone)
+ssp)
+==================  =======================================  ==========================================
+
+A new placement (the coming local steps with an outer optimizer on the shards: push the pseudo-gradient,
+pull the anchor) is one more such class and one more entry in :data:`PLACEMENTS`; the exchanger's step
+path does not change. The shard's side of the same choices is :mod:`servers.modes`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from commlab import psproto, wire
+from commlab.errors import ConfigError, ModelMismatch
+from commlab.manifest import _plain
+
+if TYPE_CHECKING:
+    from commlab.regimes.ps import PSExchanger, _Shard
+
+
+class StepPlacement:
+    """What one placement does on the worker at each point of a step (the defaults: nothing).
+
+    Every method runs on the training thread unless it says otherwise; ``ex`` is the exchanger that
+    built it (its shards, buckets, stats)."""
+
+    spec: psproto.Placement
+    clips = False  # URL clip_norm= can be honoured (the shards commit one step over the average)
+
+    def __init__(self, ex: "PSExchanger", mode: psproto.Consistency):
+        self.ex, self.mode = ex, mode
+
+    @property
+    def updates_remotely(self) -> bool:
+        """``optimizer.step()`` is taken over (the shards step); else the user's optimizer steps here."""
+        return self.spec.shards_step
+
+    @property
+    def keeps_state(self) -> bool:
+        """A restarted job resumes from the servers (parameters, optimizer state, applied steps)."""
+        return self.spec.shards_step
+
+    def resume_step(self, steps: list[int]) -> int:
+        """The wire step to go on from, given every shard's hello (``next_step``). The shards hold the
+        trained state: the step they have applied, which is where the loop resumes (:attr:`start_step`; 0 on
+        a fresh start). A step applied on some shards only (a rank killed between its commits; a push of
+        async that reached one shard) is pushed again: those shards acknowledge it as a duplicate, the others
+        apply it, so each applies it once. They hold none (update=worker, the user's checkpoint does): the
+        numbering goes on from the furthest shard and :attr:`start_step` stays 0."""
+        if not self.keeps_state:
+            return max(steps)
+        self.ex.start_step = min(steps)
+        return self.ex.start_step
+
+    def adopt(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
+        """Setup, before the start pull: what becomes of the user's optimizer."""
+
+    def push_meta(self) -> dict:
+        """What every push of this step carries besides its gradients."""
+        return {}
+
+    def after_push(self, shard: "_Shard", step: int, keys: list[str], shown: str) -> None:
+        """On ``shard``'s thread, right after one push of ``keys``: what to ask for at once."""
+
+    @property
+    def replies_in_backward(self) -> bool:
+        """Whether :meth:`after_push` asked for replies the end of backward must collect."""
+        return False
+
+    def finish(self, step: int) -> None:
+        """The end of backward, every push of step ``step`` sent (and, where the placement asked for them
+        during backward, every reply in): make ``p.grad`` what the loop should see."""
+
+    def remote_update(self, timeout: float) -> None:
+        """What ``optimizer.step()`` becomes where the shards step."""
+        raise ConfigError(f"ps:// update={self.spec.name}: the user's optimizer steps on the workers")
+
+    def join_parts(self, shard: int) -> list:
+        """Frames a joining worker sends ``shard`` along with its join."""
+        return []
+
+    def bench_commit(self) -> dict | None:
+        """What :meth:`~commlab.regimes.ps.PSExchanger.push_pull_async` commits between its push and its pull
+        (None: nothing)."""
+        return None
+
+    def loaded(self) -> None:
+        """``ex.load_state_dict`` ran: where the shards hold the model, rank 0's parameters go to them."""
+        ex = self.ex
+        if self.keeps_state and ex.rank == 0:
+            ex._on_all(lambda s: s.request("load", -1, ex._parts(s.index, None), what="parameters"), "parameters")
+
+
+class Averages(StepPlacement):
+    """update=worker: the shards average; each bucket's averages come back into ``p.grad`` during backward."""
+
+    spec = psproto.WORKER
+
+    def after_push(self, shard, step, keys, shown):
+        shard.post("pull", step, meta={"after_step": step, "keys": keys, "what": "sum"},
+                   what=f"average of {shown} at step {step}", take=self._take_sum)
+
+    @property
+    def replies_in_backward(self) -> bool:
+        return True
+
+    def _take_sum(self, h: wire.Header, data) -> int:
+        """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
+        ex = self.ex
+        st = ex._staging
+        for spec, frame in zip(h.frames, data):
+            bi, _, start = ex._locate(spec.key, spec.offset, spec.count, "the average of ")
+            # in the bucket's layout: p.grad's view, or (CUDA) its host mirror
+            st.host(bi)[start:start + spec.count].copy_(wire.frame_tensor(spec, frame))
+            if st.is_staged(bi):
+                st.to_device(bi, start=start, stop=start + spec.count)
+        absent = h.meta.get("absent", [])
+        if absent:
+            ex._absent.update(absent)
+        return h.data_bytes
+
+    def finish(self, step):
+        ex = self.ex
+        dropped = {pc.param for pieces in ex._pieces for pc in pieces if pc.key in ex._absent}
+        for b in ex.buckets:
+            for i, (name, p) in enumerate(zip(b.names, b.params)):
+                p.grad = None if name in dropped else b.view(i)
+
+    def join_parts(self, shard):
+        return self.ex._parts(shard, None)  # kept as everyone's final parameters when this rank joins last
+
+
+class ShardsStep(StepPlacement):
+    """update=server: the shards run the user's optimizer class over their pieces; ``p.grad`` after
+    backward stays this worker's own gradient, and ``optimizer.step()`` becomes a pull of the parameters."""
+
+    spec = psproto.SERVER
+
+    def __init__(self, ex, mode):
+        super().__init__(ex, mode)
+        self._probe: tuple[torch.Tensor, int, float] | None = None  # (bucket grads, index, value pushed)
+        self._warned = False  # said once that the servers cannot do what the loop does to p.grad
+
+    def adopt(self, optimizer, fresh):
+        ex = self.ex
+        if optimizer.state:
+            ex._carry_state(optimizer, fresh)  # before the start pull: no push can reach a shard before it
+        ex._take_over_state(optimizer)
+
+    def _note_probe(self) -> None:
+        """Note one element of this worker's gradient (the largest) to measure, when ``optimizer.step()``
+        runs, what the loop did to ``p.grad`` in between (:meth:`_loop_factor`)."""
+        best, self._probe = 0.0, None
+        for b in self.ex.buckets:
+            if b.numel:
+                i = int(b.grads.abs().argmax())
+                v = float(b.grads[i])
+                if abs(v) > best:
+                    best, self._probe = abs(v), (b.grads, i, v)
+
+    def _loop_factor(self) -> float:
+        """What the loop multiplied ``p.grad`` by between backward and ``optimizer.step()``: GradScaler's
+        ``unscale_`` (a power of two), a ``clip_grad_norm_`` (anything else), or 1. Says once (:meth:`_lost`)
+        when the servers cannot do what the loop meant."""
+        if self._probe is None:
+            return 1.0
+        grads, i, pushed = self._probe
+        factor = float(grads[i]) / pushed
+        if factor != 1.0 and not self._warned:
+            why = self._lost(factor)
+            if why:
+                self._warned = True
+                warnings.warn(why, stacklevel=6)
+        return factor
+
+    def _lost(self, factor: float) -> str:
+        """What is lost when the loop scaled ``p.grad`` by ``factor`` ("" : nothing)."""
+        raise NotImplementedError
+
+
+class Commit(ShardsStep):
+    """update=server under a gathering mode (sync): at the end of backward every shard reports its part
+    of the average's squared norm and whether it is finite; ``optimizer.step()`` commits (one factor: the
+    loop's unscale times clip_norm's coefficient; the groups' hyperparameters), and the N-th commit steps
+    the shards' optimizer once."""
+
+    clips = True
+
+    def __init__(self, ex, mode):
+        super().__init__(ex, mode)
+        self._skipped = False  # this step's summed gradient was not finite
+        self._norm = 0.0  # global L2 norm of this step's averaged (pushed) gradient
+
+    def finish(self, step):
+        self.ex._drop_absent_grads()  # p.grad: this worker's own gradient
+        self._report(step)
+
+    def _report(self, step: int) -> None:
+        """Every shard's squared norm of its part of the average and whether it is finite, once every
+        worker's gradient is in. Not finite: every worker skips the step on every shard (the same decision
+        everywhere, since every worker reads the same reports) and writes inf into its own gradient, so that a
+        GradScaler finds it and lowers its scale on every rank."""
+        ex = self.ex
+        reports: list[dict] = [{} for _ in ex.shards]
+
+        def ask(s: "_Shard"):
+            def take(h, _data):
+                reports[s.index] = h.meta.get("report") or {}
+                return 0
+            s.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
+                   take=take)
+            return s.collect()
+
+        ex._on_all(ask, f"report of step {step}")
+        if any(r.get("step") != step for r in reports):
+            raise ModelMismatch(f"the shards reported steps {[r.get('step') for r in reports]}, expected {step}")
+        sumsq = math.fsum(float(r["sumsq"]) for r in reports)  # shard order: the same sum on every worker
+        self._skipped = not (all(r["finite"] for r in reports) and math.isfinite(sumsq))
+        self._norm = math.sqrt(sumsq) if not self._skipped else math.inf
+        self._probe = None
+        if self._skipped:
+            ex._on_all(lambda s: s.request("commit", step, meta={"skip": True}, what=f"skip of step {step}"),
+                       f"skip of step {step}")
+            for b in ex.buckets:
+                for p in b.params:
+                    if p.grad is not None:
+                        p.grad.view(-1)[0] = math.inf
+                        return
+            return
+        self._note_probe()
+
+    def _lost(self, factor):
+        if math.frexp(abs(factor))[0] == 0.5:  # a power of two: GradScaler's unscale_, which the factor carries
+            return ""
+        return (f"ps:// update=server: the loop scaled the gradients between backward and optimizer.step() by "
+                f"{factor:.4g}, as clip_grad_norm_ does; it sees this worker's own gradient, so the servers apply "
+                f"local clipping, not DDP's clipping of the average: drop it from the loop and use ps://?clip_norm=X")
+
+    def commit_meta(self, factor: float = 1.0) -> dict:
+        return {"factor": factor, "hyper": hypers(self.ex.optimizer)}
+
+    def bench_commit(self):
+        return self.commit_meta()
+
+    def remote_update(self, timeout):
+        ex = self.ex
+        step = ex._wire_step() - 1  # the exchange backward just finished
+        if self._skipped:
+            return  # every shard dropped this step (its summed gradient was not finite)
+        factor = self._loop_factor()  # GradScaler's unscale_ (and a clip in the loop) scaled p.grad in place
+        if ex.options.clip_norm:
+            total = self._norm * abs(factor)
+            factor *= min(1.0, ex.options.clip_norm / (total + 1e-6))  # clip_grad_norm_'s coefficient
+        meta = self.commit_meta(factor)
+
+        def commit(s: "_Shard"):
+            s.post("commit", step, meta=meta, what=f"commit of step {step}")
+            return s.pull(step)
+
+        ex.stats.bytes_received += sum(ex._on_all(commit, f"commit and pull of step {step}"))
+
+
+class Apply(ShardsStep):
+    """update=server under a mode that applies each push alone (async, ssp): a push carries the groups'
+    hyperparameters (a scheduler's change travels with the next push); ``optimizer.step()`` pulls the
+    newest parameters the mode allows."""
+
+    def push_meta(self):
+        return {"hyper": hypers(self.ex.optimizer)}
+
+    def finish(self, step):
+        if not self._warned:  # only to say once if the loop changes p.grad, which the servers never see
+            self._note_probe()
+
+    def _lost(self, factor):
+        return (f"ps:// mode={self.mode.name}: the loop changed the gradients between backward and "
+                f"optimizer.step() (scaled them by {factor:.4g}); the servers apply the gradient pushed during "
+                f"backward, so the change is lost (clipping there needs mode=sync and ps://?clip_norm=X)")
+
+    def remote_update(self, timeout):
+        ex = self.ex
+        step = ex._wire_step() - 1
+        if not self._warned:
+            self._loop_factor()
+        ex.stats.bytes_received += sum(ex._on_all(lambda s: s.pull(step), f"pull after step {step}"))
+
+
+# (placement name, whether the mode gathers a step) -> the client's object
+PLACEMENTS: dict[tuple[str, bool], type[StepPlacement]] = {
+    ("worker", True): Averages, ("server", True): Commit, ("server", False): Apply}
+
+
+def for_servers(ex: "PSExchanger", mode: psproto.Consistency, placement: psproto.Placement) -> StepPlacement:
+    """The client's object for what hello said the servers run."""
+    cls = PLACEMENTS.get((placement.name, mode.gathers))
+    if cls is None:
+        raise ConfigError(f"ps:// the servers run mode={mode.name} with update={placement.name}, which this "
+                          f"client cannot take part in")
+    return cls(ex, mode)
+
+
+def hypers(optimizer: torch.optim.Optimizer | None) -> list[dict]:
+    """Each param group's hyperparameters as plain data (what a scheduler changes travels so)."""
+    if optimizer is None:
+        raise ConfigError("call setup(model, optimizer) before exchanging")
+    return [{k: v for k, (ok, v) in ((k, _plain(v)) for k, v in g.items() if k != "params") if ok}
+            for g in optimizer.param_groups]
