@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from commlab.exchanger import BucketedExchanger
 
 DEFAULT_OUTER = "sgd:lr=0.7,momentum=0.9,nesterov=1"  # DiLoCo's outer step
+MAX_STEPS = 10**9  # any step count a run can reach
 EF_KEY = 1 << 20  # compressor keys of the pseudo-gradients: apart from the (warm-up) gradient buckets'
 
 
@@ -104,15 +105,18 @@ class LocalStepsOptions(CompressOptions):
     """Options of a regime that can talk rarely (allreduce://, ring://, ps://)."""
 
     sync_every: int = option(0, "local steps (DiLoCo): the ranks talk every H optimizer steps, the change averaged "
-                                "and applied by an outer optimizer; 0: every step (ordinary data parallelism)")
+                                "and applied by an outer optimizer; 0: every step (ordinary data parallelism)",
+                             ge=0, le=MAX_STEPS)
     outer: str = option(DEFAULT_OUTER, "with sync_every: the outer optimizer, NAME[:KEY=VALUE,...] of torch.optim "
                                        "(sgd:lr=1 is plain averaging)")
-    warmup: int = option(0, "with sync_every: ordinary synchronous steps before the local steps begin")
+    warmup: int = option(0, "with sync_every: ordinary synchronous steps before the local steps begin", ge=0,
+                         le=MAX_STEPS)
     fragments: int = option(1, "with sync_every: split the parameters into P fragments of whole tensors, each "
-                               "synced at its own step within the H (streaming DiLoCo)")
+                               "synced at its own step within the H (streaming DiLoCo)", ge=1, le=MAX_STEPS)
     overlap: int = option(0, "with sync_every: a fragment's exchange runs during the next T inner steps "
-                             "(T < H/fragments)")
-    alpha: float = option(0.0, "with overlap: merged = alpha x local + (1 - alpha) x global (0: the global value)")
+                             "(T < H/fragments)", ge=0, le=MAX_STEPS)
+    alpha: float = option(0.0, "with overlap: merged = alpha x local + (1 - alpha) x global (0: the global value)",
+                          ge=0, le=1)
 
     def __post_init__(self):
         super().__post_init__()
