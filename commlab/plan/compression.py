@@ -68,7 +68,7 @@ from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, Compr
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.registry import regime_class
 
-BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign", "int8", "int4", "fp4", "fp8")
 MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes per second
 WIDE = ("float32", "float64")
 
