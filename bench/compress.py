@@ -65,9 +65,10 @@ class Entry:
     """One job of a cell: a commlab URL, or a DDP peer (``peer``, with the URL ``local://``)."""
 
     label: str
-    url: str
+    url: str  # "job": the job's own URL (a ps:// job, whose servers the launcher starts)
     peer: str | None = None
     compressor: str | None = None  # None: uncompressed
+    settings: tuple[tuple[str, object], ...] = ()  # more fields of the worker's entry ("slow_rank", a peer's "H")
 
     @property
     def kind(self) -> str:
@@ -98,13 +99,15 @@ def over_link(url: str) -> str:
 
 
 def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: Path, links,
-                    timeout: float) -> dict[str, list[Outcome]]:
+                    timeout: float, job_url: str = "local://", tag: str = "") -> dict[str, list[Outcome]]:
     """One job for the whole cell (model, link): every entry that can run, ``a.rounds`` times, taking turns
-    (:mod:`bench.compress_worker`). Returns each entry's outcome per round; never raises for a failure."""
+    (:mod:`bench.compress_worker`), under ``job_url`` (``local://``; a ``ps://`` URL for entries whose url is
+    ``"job"``), its files named after the cell and ``tag``. Returns each entry's outcome per round; never
+    raises for a failure."""
     outcomes: dict[str, list[Outcome]] = {e.label: [] for e in es}  # in the entries' order
     runnable = []
     for e in es:
-        url = e.url if links is None or e.peer else over_link(e.url)
+        url = job_url if e.url == "job" else e.url if links is None or e.peer else over_link(e.url)
         regime = Regime(e.label, url, a.workers, (), e.kind)
         why = None if e.peer else unavailable(url)
         if why:
@@ -113,14 +116,15 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
             runnable.append((e, regime))
     if not runnable:
         return outcomes
-    tag = f"{model}-{slug(link)}"
+    tag = f"{model}-{slug(link)}{tag}"
     base = out / "raw" / f"{tag}.jsonl"
     base.parent.mkdir(parents=True, exist_ok=True)
-    spec = [{"peer": e.peer} if e.peer else {"url": r.url} for e, r in runnable]
+    spec = [{**({"peer": e.peer} if e.peer else {"url": "job" if e.url == "job" else r.url}), **dict(e.settings)}
+            for e, r in runnable]
     args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
             "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
             "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
-    job = launcher.worker_job("local://", a.workers, args, module="bench.compress_worker", name=f"compress {tag}")
+    job = launcher.worker_job(job_url, a.workers, args, module="bench.compress_worker", name=f"{CASE} {tag}")
     res = jobs.run(job, out / "logs" / f"{tag}.log", timeout, links)
     log = str(res.log.relative_to(out))
     for i, (e, regime) in enumerate(runnable):
