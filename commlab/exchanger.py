@@ -70,6 +70,7 @@ from commlab.manifest import describe_optimizer
 from commlab.optim import OptimizerSpec
 from commlab import compress, rendezvous
 from commlab.compress import seam as compress_seam
+from commlab.regimes import localsteps
 from commlab.rendezvous import RankInfo
 
 
@@ -417,6 +418,7 @@ class BucketedExchanger(Exchanger):
         self._joining: JoinOptions | None = None  # inside join()
         self._vote: Handle | None = None  # join: this exchange's tally of the ranks still training
         self._join_active: list[int] = []  # join: the ranks still training at this exchange
+        self.talk = localsteps.schedule(options)  # when to talk: every step, or every H (commlab.regimes.localsteps)
         self._begin_step_totals()
         self._reset_step_state()
 
@@ -461,6 +463,10 @@ class BucketedExchanger(Exchanger):
         """Every rank takes rank ``src``'s parameters (trainable or not) and buffers. Collective."""
         raise NotImplementedError
 
+    def _make_outer(self, options) -> localsteps.Outer:
+        """Where the anchor and the outer optimizer of local steps (``sync_every=``) live for this regime."""
+        raise ConfigError(f"{self.scheme}:// cannot take local steps (sync_every=)")
+
     # ----- the contract ------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
         if self.model is not None:
@@ -501,6 +507,7 @@ class BucketedExchanger(Exchanger):
             self._sync_buffers("broadcast")  # every rank starts from rank 0's buffers, as under DDP
         self._reset_step_state()  # what setup moved is not the first step's
         self._begin_step_totals()
+        self.talk.bind(self)
         if self.updates_remotely:
             self._take_over_step(optimizer)
         else:
@@ -542,6 +549,9 @@ class BucketedExchanger(Exchanger):
         if not enable:
             yield
             return
+        if not self.talk.every_step:
+            raise ConfigError("join() with sync_every= (local steps) is not supported: give every rank the same "
+                              "number of optimizer steps")
         if self._joining is not None:
             raise ConfigError("join() inside join() on the same exchanger")
         options = JoinOptions(bool(divide_by_initial_world_size), bool(throw_on_early_termination))
@@ -618,6 +628,8 @@ class BucketedExchanger(Exchanger):
 
     def state_dict(self) -> dict:
         extra = {"compress": self.compressor.state_dict()} if self.compressor is not None else {}
+        if not self.talk.every_step:  # local steps: the position within H, the anchor, the outer optimizer
+            extra["talk"] = self.talk.state_dict()
         return dict(super().state_dict(), step=self._step, **extra)
 
     def load_state_dict(self, state: dict) -> None:
@@ -627,11 +639,17 @@ class BucketedExchanger(Exchanger):
         if state.get("scheme", self.scheme) != self.scheme:
             pass  # resuming under another regime is allowed: the counters carry over
         self._step = int(state.get("step", self.stats.exchanges))
+        if not self.talk.every_step:
+            if "talk" not in state:
+                raise ConfigError("sync_every= (local steps): the state has no local-steps part (the anchor); it "
+                                  "was saved without sync_every")
+            self.talk.load_state_dict(state["talk"])
 
     def _heap_facts(self) -> dict:
         return {"heap": self.options.heap, "heap_kept_by_glibc": self._heap_kept, "buffers": self.options.buffers}
 
     def close(self) -> None:
+        self.talk.close()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -665,7 +683,7 @@ class BucketedExchanger(Exchanger):
                 self._begin_step_totals()  # zero_grad ran: a new step (the last one's step was skipped)
             self._reset_step_state()
         self._got.add(id(param))
-        if not (self._sync and self._fwd_sync):
+        if not (self._sync and self._fwd_sync and self.talk.exchanges_gradients()):
             return
         task = _graph_task_id()
         if task not in self._queued:
@@ -692,7 +710,7 @@ class BucketedExchanger(Exchanger):
 
     def _finalize(self, timeout: float) -> None:
         """Finish this exchange: start what is left, wait for all, final grads, equal buffers."""
-        if self._phase != "collecting":
+        if self._phase != "collecting" or not self.talk.exchanges_gradients():
             return
         if not self._sync:
             raise ConfigError("step() inside no_sync(): leave the block for the last micro-step")
@@ -723,6 +741,12 @@ class BucketedExchanger(Exchanger):
 
     def _after_step(self) -> None:
         self.stats.steps += 1
+        waited = self.talk.after_step()
+        if waited is not None:  # a local step (and the fragment syncs due at it) reports itself
+            self.stats.wait_s += waited
+            self.last_report = StepReport(self.stats.steps - 1, waited, self.stats.bytes_sent - self._step_sent0,
+                                          self.stats.bytes_received - self._step_recv0,
+                                          self.stats.bytes_uncompressed - self._step_raw0, 0)
         self._reset_step_state()
         self._begin_step_totals()
 
@@ -936,6 +960,9 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         if self.world_size > 1:
             rendezvous.heartbeat(self.store, self.rank, self._step)  # in the next exchange, with the others
         super()._wait_out_join(options)
+
+    def _make_outer(self, options) -> localsteps.Outer:
+        return localsteps.ReplicatedOuter(self, options.outer)
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         if bucket.index == 0:  # the stall report reads how far each rank got

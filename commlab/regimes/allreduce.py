@@ -33,14 +33,14 @@ import torch.distributed as dist
 
 from commlab import compress, rendezvous
 from commlab.config import option
-from commlab.compress import CompressOptions
+from commlab.regimes.localsteps import LocalStepsOptions
 from commlab.errors import BackendUnavailable, CommError, ConfigError
 from commlab.exchanger import CollectiveExchanger
 from commlab.handles import Handle, WorkHandle
 
 
 @dataclass(frozen=True)
-class AllReduceOptions(CompressOptions):
+class AllReduceOptions(LocalStepsOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
 
 

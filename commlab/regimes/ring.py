@@ -104,7 +104,7 @@ import torch
 import zmq
 
 from commlab import compress, rendezvous, scratch, shm, wire
-from commlab.compress import CompressOptions
+from commlab.regimes.localsteps import LocalStepsOptions
 from commlab.config import option
 from commlab.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.exchanger import CollectiveExchanger
@@ -121,7 +121,7 @@ SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.
 
 
 @dataclass(frozen=True)
-class RingOptions(CompressOptions):
+class RingOptions(LocalStepsOptions):
     transport: str = option("auto", "how neighbours talk: auto (shm to a neighbour on this host and in this "
                                     "network namespace, tcp to others), tcp, ipc (zmq), shm (shared memory, one "
                                     "host), torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))

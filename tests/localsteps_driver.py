@@ -1,0 +1,81 @@
+"""A rank of tests/test_localsteps.py, and the pieces its single-process reference shares with it (the model,
+the data, the inner optimizer): ``LS_CFG`` (JSON) says the URL, steps, model and optimizer; ``LS_OUT`` is
+where the rank saves its parameters, buffers, inner optimizer state, exchanger state and per-step bytes.
+
+``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
+(rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
+counts them (``redone``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import torch
+from torch import nn
+
+DIM, CLASSES, BATCH = 6, 3, 8
+
+
+def make_model(bn: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(DIM, 12)]
+    if bn:
+        layers.append(nn.BatchNorm1d(12))
+    layers += [nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def make_inner(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1)
+    return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, DIM, generator=g)
+    return x, (x[:, 0] > x[:, 1]).long() + (x[:, 2] > 0.5).long()
+
+
+def main() -> None:
+    import commlab
+
+    cfg = json.loads(os.environ["LS_CFG"])
+    out = os.environ["LS_OUT"]
+    model = make_model(cfg.get("bn", False))
+    opt = make_inner(model, cfg.get("inner", "adamw"))
+    ex = commlab.connect(cfg["url"])
+    ex.setup(model, opt)
+    rank, start, redone = ex.rank, 0, 0
+    ckpt = f"{out}.ckpt{rank}"
+    if cfg.get("resume"):
+        saved = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        ex.load_state_dict(saved["ex"])
+        start = saved["step"]
+        redone = cfg["kill_at"] + 1 - start  # the steps the killed run took past its last checkpoint
+    sent = []
+    for step in range(start, cfg["steps"]):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
+        if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ex": ex.state_dict(),
+                        "step": step + 1}, ckpt)
+        if cfg.get("kill_at") == step and not cfg.get("resume") and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "buffers": {n: b.clone() for n, b in model.named_buffers()},
+                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone}, f"{out}.{rank}")
+    ex.close()
+    print(json.dumps({"rank": rank, "redone": redone}))
+
+
+if __name__ == "__main__":
+    main()

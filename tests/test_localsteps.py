@@ -1,0 +1,198 @@
+"""Local steps with an outer optimizer (sync_every=H, DiLoCo): every regime against a single-process reference.
+
+The reference is written here, apart from commlab: K model copies, each with its own inner optimizer; at each
+sync the mean of the copies' changes from the anchor is the outer gradient of ``torch.optim.SGD(nesterov=True)``
+over the anchor (per tensor), and every copy takes the new anchor. Fragments follow the rule of
+docs/localsteps.md (restated below); BatchNorm buffers are averaged at the end of each H.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from localsteps_driver import batch, make_inner, make_model  # noqa: E402
+
+from commlab.config import ExchangerURL, parse_options  # noqa: E402
+from commlab.errors import ConfigError  # noqa: E402
+from commlab.regimes.allreduce import AllReduceOptions  # noqa: E402
+from commlab.regimes.localsteps import fragments, offsets, parse_outer  # noqa: E402
+
+DRIVER = Path(__file__).resolve().parent / "localsteps_driver.py"
+PROGRAM = f"import runpy; runpy.run_path({str(DRIVER)!r}, run_name='__main__')"
+N = 2
+
+
+def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
+              combined: bool = False, T: int = 0, alpha: float = 0.0) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
+    ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
+    alpha x local + (1 - alpha) x anchor; ``combined``: one model on all N batches (synchronous SGD)."""
+    if combined:
+        model = make_model(bn)
+        opt = make_inner(model, inner)
+        for step in range(steps):
+            xs, ys = zip(*(batch(r, step) for r in range(N)))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+            opt.step()
+        return [(model, opt)]
+    models = [make_model(bn) for _ in range(N)]
+    opts = [make_inner(m, inner) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    outer_opt = torch.optim.SGD(anchor, **(outer or {}))
+    # the fragment rule: each tensor to the fragment with the fewest bytes, ties to the one after the last used
+    load, frag, last = [0] * parts, [], parts - 1
+    for a in anchor:
+        p = min([(last + 1 + k) % parts for k in range(parts)], key=lambda q: load[q])
+        frag.append(p)
+        load[p] += a.numel() * 4
+        last = p
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(models, opts)):
+            x, y = batch(r, step)
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        t = step + 1
+        due = {p for p in range(parts) if t % H == (H * (p + 1) // parts) % H}
+        land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
+        with torch.no_grad():
+            if due:
+                for i, a in enumerate(anchor):
+                    a.grad = None
+                    if frag[i] in due:
+                        a.grad = sum(a - list(m.parameters())[i] for m in models) / N
+                outer_opt.step()
+            for i, a in enumerate(anchor):
+                if frag[i] in land:
+                    for m in models:
+                        q = list(m.parameters())[i]
+                        q.copy_(alpha * q + (1 - alpha) * a)
+            if t % H == 0:
+                for bufs in zip(*(m.buffers() for m in models)):
+                    if bufs[0].is_floating_point():
+                        mean = sum(bufs) / N
+                        for b in bufs:
+                            b.copy_(mean)
+    return list(zip(models, opts))
+
+
+def run(run_ranks, tmp_path, url, steps, check=True, **cfg):
+    out = str(tmp_path / "ls")
+    env = {"LS_CFG": json.dumps(dict(cfg, url=url, steps=steps)), "LS_OUT": out}
+    res = run_ranks(PROGRAM, N, timeout=90, check=check, env=env)
+    if not check:
+        return res
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(N)]
+
+
+def max_diff(got: dict, model: nn.Module) -> float:
+    ref = dict(model.named_parameters()) | dict(model.named_buffers())
+    return max(float((got[n].double() - ref[n].detach().double()).abs().max()) for n in got)
+
+
+def check_ranks(saved: list[dict], ref: list[tuple[nn.Module, torch.optim.Optimizer]], tol: float) -> None:
+    """Every rank's parameters, buffers and inner optimizer state (rank r's batches are copy r's; each rank
+    keeps its own AdamW moments across syncs) equal its reference copy's."""
+    for r, s in enumerate(saved):
+        m, opt = ref[r % len(ref)]
+        assert max_diff(s["params"], m) < tol, f"rank {r}: parameters differ by {max_diff(s['params'], m)}"
+        if s["buffers"]:
+            assert max_diff(s["buffers"], m) < tol, f"rank {r}: buffers differ by {max_diff(s['buffers'], m)}"
+        want = opt.state_dict()["state"]
+        assert s["opt"]["state"].keys() == want.keys()
+        for k, st in want.items():
+            for name, value in st.items():
+                diff = float((s["opt"]["state"][k][name].double() - value.double()).abs().max())
+                assert diff < tol, f"rank {r}: inner optimizer's {name} of parameter {k} differs by {diff}"
+
+
+REGIMES = ["allreduce://?timeout=30&bucket_mb=0.0005", "ring://?timeout=30&transport=tcp&bucket_mb=0.0005"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("url", REGIMES)
+def test_h1_plain_averaging_is_synchronous_sgd(run_ranks, tmp_path, url):
+    saved = run(run_ranks, tmp_path, url + "&sync_every=1&outer=sgd:lr=1", 5, inner="sgd")
+    check_ranks(saved, reference(5, 1, dict(lr=1.0), inner="sgd", combined=True), 1e-6)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("url", REGIMES)
+def test_h4_nesterov_matches_reference(run_ranks, tmp_path, url):
+    saved = run(run_ranks, tmp_path, url + "&sync_every=4", 10)
+    ref = reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True))
+    check_ranks(saved, ref, 1e-5)
+    # the last sync was at step 8; two local steps since: the ranks differ, as their copies do
+    assert max_diff(saved[0]["params"], ref[1][0]) > 1e-4
+    # bytes per sync: one all-reduce of the float32 pseudo-gradient, 2(N-1)/N x 4 x numel; nothing else
+    numel = sum(p.numel() for p in ref[0][0].parameters())
+    assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
+
+
+@pytest.mark.multiproc
+def test_fragments_and_batchnorm(run_ranks, tmp_path):
+    url = REGIMES[0] + "&sync_every=4&fragments=2"
+    saved = run(run_ranks, tmp_path, url, 9, bn=True)
+    check_ranks(saved, reference(9, 4, dict(lr=0.7, momentum=0.9, nesterov=True), bn=True, parts=2), 1e-5)
+    # each sync moves one fragment; the buffers (float64 on the wire, num_batches_tracked too) at the end of H
+    model = make_model(True)
+    sizes = [p.numel() for p in model.parameters()]
+    parts = fragments([s * 4 for s in sizes], 2)
+    per = [sum(sizes[i] for i in idx) * 4 for idx in parts]
+    buffers = sum(b.numel() for b in model.buffers()) * 8
+    assert offsets(4, 2) == [2, 0]
+    assert saved[0]["sent"] == [0, per[0], 0, per[1] + buffers, 0, per[0], 0, per[1] + buffers, 0]
+    assert max(s for s in saved[0]["sent"] if s) - buffers <= max(per)
+
+
+@pytest.mark.multiproc
+def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
+    """fragments=2, overlap=1: fragment p's exchange starts at its step and lands one inner step later, mixed
+    with the local parameters by alpha (the ring: its all-reduce runs on the ring's own thread)."""
+    url = REGIMES[1] + "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1"
+    saved = run(run_ranks, tmp_path, url, 10)
+    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
+
+
+@pytest.mark.multiproc
+def test_restart_in_the_middle_of_h(run_ranks, tmp_path):
+    """Rank 0 is killed at inner step 5 (a sync at 3, the next at 7): both resume from the state committed
+    at step 3 (anchor, outer momentum, position, inner AdamW state), redo steps 4 and 5, and end where an
+    uninterrupted run ends."""
+    url = "allreduce://?timeout=15&bucket_mb=0.0005&sync_every=4&warmup=0"
+    dead = run(run_ranks, tmp_path, url, 10, check=False, kill_at=5)
+    assert dead[0].code != 0
+    saved = run(run_ranks, tmp_path, url, 10, kill_at=5, resume=True)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
+    assert [s["redone"] for s in saved] == [2, 2]  # steps 4 and 5 (0-based), once
+
+
+def test_options_refused_in_one_line():
+    def parse(q):
+        return parse_options(AllReduceOptions, ExchangerURL.parse("allreduce://?" + q))
+
+    assert parse("sync_every=8&outer=adamw:lr=0.1,betas=0.9/0.95").sync_every == 8
+    for q, name in [("sync_every=-1", "sync_every"), ("outer=sgd:lr=1", "outer"),
+                    ("sync_every=4&outer=nope", "outer"), ("sync_every=4&outer=sgd:lr=1,bogus=2", "outer"),
+                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("sync_every=4&outer=sgd:lr", "outer"),
+                    ("sync_every=4&warmup=-2", "warmup"), ("sync_every=4&fragments=5", "fragments"),
+                    ("sync_every=4&fragments=2&overlap=2", "overlap"), ("sync_every=4&overlap=1&alpha=2", "alpha")]:
+        with pytest.raises(ConfigError, match=name):
+            parse(q)
+    cls, kwargs = parse_outer("sgd:lr=0.7,momentum=0.9,nesterov=1")
+    assert cls is torch.optim.SGD and kwargs == {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def test_fragment_rule():
+    assert fragments([4] * 6, 3) == [[0, 3], [1, 4], [2, 5]]  # equal layers: strided
+    assert fragments([100, 1, 1, 1, 50, 50], 2) == [[0], [1, 2, 3, 4, 5]]  # balanced by bytes
+    assert offsets(48, 4) == [12, 24, 36, 0] and offsets(5, 2) == [2, 0]
