@@ -51,13 +51,12 @@ takes hours; ``--budget-s`` (default 4 h) stops starting cells after it and repo
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from bench import compress as K
@@ -66,7 +65,7 @@ from bench import verdict
 from bench.curves import smoothed, time_to_target
 from bench.lowcomm_peers import ring_bytes
 from bench.regimes import with_query
-from bench.script_compare import Outcome, Regime, plot, table
+from bench.script_compare import Outcome, plot, table
 from bench.text import names, slug
 
 CASE = "lowcomm"
@@ -228,8 +227,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(a) -> list[tuple[str, str]]:
-    from commlab.plan.rates import parse_rate
-
+    """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
     if a.workers < 2:
         raise ValueError("--workers must be >= 2")
     if a.rounds < 1 or (a.steps is not None and a.steps < 2):
@@ -237,16 +235,7 @@ def check(a) -> list[tuple[str, str]]:
     names(a.entries, ENTRY_NAMES, "--entries")
     if not 0 < a.target_at <= 1:
         raise ValueError("--target-at must be in (0, 1]")
-    models = names(a.models, K.MODELS, "--models")
-    cells = [(m, link) for m in models for link in names(a.link)] if a.link else \
-        [c for c in DEFAULT_CELLS if c[0] in models]
-    for _, link in cells:
-        if link != "loopback":
-            try:
-                parse_rate(link)
-            except ValueError as exc:
-                raise ValueError(f"--link: {exc}") from None
-    return cells
+    return K.cells_of(a, DEFAULT_CELLS)
 
 
 class Run:
@@ -412,38 +401,12 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
             md += [f"![loss against step, time and bytes]({c['png']})", ""]
     for name in util_plot(cells, out) if cells else []:
         md += [f"![utilization against link rate]({name})", ""]
-    if failures:
-        md += ["## Failed, skipped or unavailable", ""]
-        md += [f"- {f['regime']}: {f['status']}: {f['error']}" for f in failures] + [""]
-    path = out / "lowcomm.md"
-    path.write_text("\n".join(md))
-    doc = {"case": CASE, "config": config, "seconds": seconds, "failures": failures,
-           "cells": [dict(c, verdicts=[dict(label=label, **v.as_dict()) for label, v in c["verdicts"]]) for c in cells]}
-    (out / "lowcomm.json").write_text(json.dumps(doc, indent=1, default=str))
-    return path
+    return K.save(out, CASE, md, cells, failures, config, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    a = parser().parse_args(argv)
-    t0 = time.monotonic()
-    try:
-        cells = check(a)
-    except ValueError as exc:
-        print(f"commlab bench lowcomm: {exc}", file=sys.stderr)
-        return 2
-    out = Path(a.out or Path("runs") / time.strftime("lowcomm-%Y%m%dT%H%M%SZ", time.gmtime()))
-    out.mkdir(parents=True, exist_ok=True)
-    progress = lambda what: print(what, file=sys.stderr, flush=True)
-    try:
-        done, failures = run(a, cells, out, progress)
-    except KeyboardInterrupt:
-        print("commlab bench lowcomm: interrupted; every job was stopped", file=sys.stderr)
-        return 130
-    path = write(out, done, failures, dict(vars(a), argv=argv), time.monotonic() - t0)
-    print(path.read_text())
-    print(f"commlab bench lowcomm: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    return 0
+    return K.main_of(CASE, argv, parser, check, run,
+                     lambda out, done, failures, config, seconds, a: write(out, done, failures, config, seconds))
 
 
 if __name__ == "__main__":
