@@ -9,7 +9,11 @@ difference between two entries is how the gradients travel, and a process start 
 entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or
 a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
-and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own. An entry that raises leaves an ``.error`` file and the next runs.
+and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own, or
+one of ``commlab bench lowcomm``'s local-steps peers (``alone``, ``postlocal``, ``torchft``:
+:mod:`bench.lowcomm_peers`). An entry ``{"url": "job"}`` connects to the job's own URL (a ``ps://`` job: the
+launcher started its servers); ``"slow_rank": R`` makes rank R sleep its own step time after each step. An
+entry that raises leaves an ``.error`` file and the next runs.
 
 Models (:class:`Task`): ``mlp-25m`` (the ``commlab train`` model and data, SGD) and ``charlm``
 (examples/charlm.py's model, AdamW in its parameter groups, warm-up and cosine, bf16 autocast, clipping);
