@@ -103,7 +103,8 @@ class TorchFT(Peer):
             from torchft._torchft import LighthouseServer
 
             self.lighthouse = LighthouseServer(bind=f"{host}:0", min_replicas=world)
-            address = [self.lighthouse.address()]
+            # its address() names the machine's hostname, which other namespaces cannot reach: the bound address
+            address = [f"http://{host}:{self.lighthouse.address().rsplit(':', 1)[1]}"]
         dist.broadcast_object_list(address, src=0)  # a bench-internal string between its own ranks
         self.store = dist.TCPStore(host, 0, 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60))
