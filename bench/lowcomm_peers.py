@@ -25,6 +25,8 @@ Each is a :class:`Peer` made from an entry's fields (``H``, ``P``, ``T``, ``alph
 from __future__ import annotations
 
 import os
+import socket
+import types
 from datetime import timedelta
 
 import torch
@@ -77,6 +79,17 @@ class PostLocal(Peer):
         return (raw if step % self.period == 0 else 0), raw
 
 
+def advertise(host: str) -> None:
+    """Make torchft's process groups host their rendezvous store on ``host`` and name it so: they take
+    ``socket.gethostname()``, which resolves outside this rank's network namespace, so the other rank waited
+    300 s and torchft dropped the sync. Only torchft's module sees the change (its own ``socket`` name)."""
+    from torchft import process_group
+
+    shim = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")})
+    shim.gethostname = lambda: host
+    process_group.socket = shim  # type: ignore[attr-defined]
+
+
 def strided(params: list[nn.Parameter], parts: int) -> list[nn.Module]:
     """``parts`` modules holding the parameters taken strided (parameter i in fragment i mod parts)."""
     out = []
@@ -97,6 +110,7 @@ class TorchFT(Peer):
         self.H, self.P = int(entry["H"]), int(entry.get("P", 1))
         rank = dist.get_rank()
         host = os.environ.get("BENCH_ADDR", "127.0.0.1")  # the address this rank's namespace is reached on
+        advertise(host)
         self.lighthouse = None
         address = [None]
         if rank == 0:
