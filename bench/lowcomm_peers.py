@@ -80,14 +80,17 @@ class PostLocal(Peer):
 
 
 def advertise(host: str) -> None:
-    """Make torchft's process groups host their rendezvous store on ``host`` and name it so: they take
-    ``socket.gethostname()``, which resolves outside this rank's network namespace, so the other rank waited
-    300 s and torchft dropped the sync. Only torchft's module sees the change (its own ``socket`` name)."""
+    """Make torchft's process groups (their rendezvous store) and its checkpoint server (the recovery of a
+    joining replica) name ``host``: they take ``socket.gethostname()``, which resolves outside this rank's
+    network namespace, so the other rank waited 300 s and torchft dropped the sync. Only those torchft
+    modules see the change (their own ``socket`` name)."""
     from torchft import process_group
+    from torchft.checkpointing import http_transport
 
     shim = types.SimpleNamespace(**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")})
     shim.gethostname = lambda: host
     process_group.socket = shim  # type: ignore[attr-defined]
+    http_transport.socket = shim  # type: ignore[attr-defined]
 
 
 def strided(params: list[nn.Parameter], parts: int) -> list[nn.Module]:
