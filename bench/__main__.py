@@ -50,7 +50,8 @@ DEFAULT_BUDGET_S = 900.0
 
 # the cases with flags of their own: CASE -> the module whose main(argv) runs it
 CASES = {"train-step": "bench.train_step", "ps-rounds": "bench.ps_rounds", "gpu-sweep": "bench.gpu_sweep",
-         "script": "bench.script_compare", "workloads": "bench.workloads", "compress": "bench.compress"}
+         "script": "bench.script_compare", "workloads": "bench.workloads", "compress": "bench.compress",
+         "lowcomm": "bench.lowcomm"}
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:

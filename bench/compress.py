@@ -72,9 +72,10 @@ class Entry:
     """One job of a cell: a commlab URL, or a DDP peer (``peer``, with the URL ``local://``)."""
 
     label: str
-    url: str
+    url: str  # "job": the job's own URL (a ps:// job, whose servers the launcher starts)
     peer: str | None = None
     compressor: str | None = None  # None: uncompressed
+    settings: tuple[tuple[str, object], ...] = ()  # more fields of the worker's entry ("slow_rank", a peer's "H")
 
     @property
     def kind(self) -> str:
@@ -105,13 +106,15 @@ def over_link(url: str) -> str:
 
 
 def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: Path, links,
-                    timeout: float) -> dict[str, list[Outcome]]:
+                    timeout: float, job_url: str = "local://", tag: str = "") -> dict[str, list[Outcome]]:
     """One job for the whole cell (model, link): every entry that can run, ``a.rounds`` times, taking turns
-    (:mod:`bench.compress_worker`). Returns each entry's outcome per round; never raises for a failure."""
+    (:mod:`bench.compress_worker`), under ``job_url`` (``local://``; a ``ps://`` URL for entries whose url is
+    ``"job"``), its files named after the cell and ``tag``. Returns each entry's outcome per round; never
+    raises for a failure."""
     outcomes: dict[str, list[Outcome]] = {e.label: [] for e in es}  # in the entries' order
     runnable = []
     for e in es:
-        url = e.url if links is None or e.peer else over_link(e.url)
+        url = job_url if e.url == "job" else e.url if links is None or e.peer else over_link(e.url)
         regime = Regime(e.label, url, a.workers, (), e.kind)
         why = None if e.peer else unavailable(url)
         if why:
@@ -120,14 +123,15 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
             runnable.append((e, regime))
     if not runnable:
         return outcomes
-    tag = f"{model}-{slug(link)}"
+    tag = f"{model}-{slug(link)}{tag}"
     base = out / "raw" / f"{tag}.jsonl"
     base.parent.mkdir(parents=True, exist_ok=True)
-    spec = [{"peer": e.peer} if e.peer else {"url": r.url} for e, r in runnable]
+    spec = [{**({"peer": e.peer} if e.peer else {"url": "job" if e.url == "job" else r.url}), **dict(e.settings)}
+            for e, r in runnable]
     args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
             "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
             "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
-    job = launcher.worker_job("local://", a.workers, args, module="bench.compress_worker", name=f"compress {tag}")
+    job = launcher.worker_job(job_url, a.workers, args, module="bench.compress_worker", name=f"{CASE} {tag}")
     res = jobs.run(job, out / "logs" / f"{tag}.log", timeout, links)
     log = str(res.log.relative_to(out))
     for i, (e, regime) in enumerate(runnable):
@@ -327,11 +331,21 @@ def read_predictions(path: str | None) -> dict | None:
     return {tuple(key.rsplit("@", 1)): value for key, value in doc.items()}
 
 
-def cells_of(a) -> list[tuple[str, str]]:
+def cells_of(a, defaults=DEFAULT_CELLS) -> list[tuple[str, str]]:
+    """The (model, link) cells ``--models`` and ``--link`` name (else ``defaults``' of those models); ValueError
+    naming the option for an unknown model or a rate that does not parse."""
+    from commlab.plan.rates import parse_rate
+
     models = names(a.models, MODELS, "--models")
-    if a.link:
-        return [(m, link) for m in models for link in names(a.link)]
-    return [c for c in DEFAULT_CELLS if c[0] in models]
+    cells = [(m, link) for m in models for link in names(a.link)] if a.link else \
+        [c for c in defaults if c[0] in models]
+    for _, link in cells:
+        if link != "loopback":
+            try:
+                parse_rate(link)
+            except ValueError as exc:
+                raise ValueError(f"--link: {exc}") from None
+    return cells
 
 
 def parser() -> argparse.ArgumentParser:
@@ -363,7 +377,6 @@ def parser() -> argparse.ArgumentParser:
 def check(a) -> list[tuple[str, str]]:
     """The cells to run; ValueError (one line, naming the option) for anything wrong, before anything starts."""
     from commlab.compress import build
-    from commlab.plan.rates import parse_rate
 
     if a.workers < 2:
         raise ValueError("--workers must be >= 2")
@@ -380,14 +393,7 @@ def check(a) -> list[tuple[str, str]]:
         read_predictions(a.predictions)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--predictions: {exc}") from None
-    cells = cells_of(a)
-    for _, link in cells:
-        if link != "loopback":
-            try:
-                parse_rate(link)
-            except ValueError as exc:
-                raise ValueError(f"--link: {exc}") from None
-    return cells
+    return cells_of(a)
 
 
 def run(a, cells: list[tuple[str, str]], out: Path, progress=print) -> tuple[list[dict], list[dict]]:
@@ -454,38 +460,53 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
           "medians) on each side, since every entry is one launch.",
           "- The machine may be shared with other jobs: quote ratios from one run, medians of several runs.", ""]
     md += section(cells, predictions)
+    return save(out, CASE, md, cells, failures, config, seconds)
+
+
+def save(out: Path, case: str, md: list[str], cells: list[dict], failures: list[dict], config: dict,
+         seconds: float) -> Path:
+    """``<case>.md`` (``md``, then what failed) and ``<case>.json`` (the cells, their verdicts as dicts) in
+    ``out``; returns the markdown's path."""
     if failures:
-        md += ["## Failed, skipped or unavailable", ""]
-        md += [f"- {f['regime']}: {f['status']}: {f['error']}" for f in failures] + [""]
-    path = out / "compress.md"
+        md = md + ["## Failed, skipped or unavailable", ""] + \
+            [f"- {f['regime']}: {f['status']}: {f['error']}" for f in failures] + [""]
+    path = out / f"{case}.md"
     path.write_text("\n".join(md))
-    doc = {"case": CASE, "config": config, "seconds": seconds, "failures": failures,
+    doc = {"case": case, "config": config, "seconds": seconds, "failures": failures,
            "cells": [dict(c, verdicts=[dict(label=label, **v.as_dict()) for label, v in c["verdicts"]]) for c in cells]}
-    (out / "compress.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / f"{case}.json").write_text(json.dumps(doc, indent=1, default=str))
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_of(case: str, argv: list[str] | None, parser, check, run, write) -> int:
+    """A cell-by-cell case's ``main``: parse and ``check`` (a ValueError: one line, exit 2, before anything
+    starts), ``run`` the cells into ``--out`` (default ``runs/<case>-<UTC time>``), ``write(out, cells,
+    failures, config, seconds, a)`` the report and print it. Ctrl-C: 130, every job stopped."""
     argv = sys.argv[1:] if argv is None else argv
     a = parser().parse_args(argv)
     t0 = time.monotonic()
     try:
-        cells, out = check(a), Path(a.out or Path("runs") / time.strftime("compress-%Y%m%dT%H%M%SZ", time.gmtime()))
+        cells, out = check(a), Path(a.out or Path("runs") / time.strftime(f"{case}-%Y%m%dT%H%M%SZ", time.gmtime()))
     except ValueError as exc:  # one line naming the option, before anything starts
-        print(f"commlab bench compress: {exc}", file=sys.stderr)
+        print(f"commlab bench {case}: {exc}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     progress = lambda what: print(what, file=sys.stderr, flush=True)
     try:
         done, failures = run(a, cells, out, progress)
     except KeyboardInterrupt:
-        print("commlab bench compress: interrupted; every job was stopped", file=sys.stderr)
+        print(f"commlab bench {case}: interrupted; every job was stopped", file=sys.stderr)
         return 130
-    config = dict(vars(a), argv=argv)
-    path = write(out, done, failures, config, time.monotonic() - t0, read_predictions(a.predictions))
+    path = write(out, done, failures, dict(vars(a), argv=argv), time.monotonic() - t0, a)
     print(path.read_text())
-    print(f"commlab bench compress: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    print(f"commlab bench {case}: {path} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_of(CASE, argv, parser, check, run,
+                   lambda out, done, failures, config, seconds, a: write(out, done, failures, config, seconds,
+                                                                         read_predictions(a.predictions)))
 
 
 if __name__ == "__main__":  # python -m bench.compress: the same as commlab bench compress

@@ -9,7 +9,11 @@ difference between two entries is how the gradients travel, and a process start 
 entry. An entry is a commlab URL (``commlab.connect(url)``, ``ex.setup``, ``ex.step()``, ``ex.close()``) or
 a peer, DistributedDataParallel over the default gloo group: ``ddp`` (plain), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+powersgd`` (torch's ``powerSGD_hook`` with ``matrix_approximation_rank=--rank-r``
-and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own. An entry that raises leaves an ``.error`` file and the next runs.
+and ``start_powerSGD_iter=--start-iter``, in one bucket: see :func:`ddp_wrap`), each on a gloo group of its own, or
+one of ``commlab bench lowcomm``'s local-steps peers (``alone``, ``postlocal``, ``torchft``:
+:mod:`bench.lowcomm_peers`). An entry ``{"url": "job"}`` connects to the job's own URL (a ``ps://`` job: the
+launcher started its servers); ``"slow_rank": R`` makes rank R sleep its own step time after each step. An
+entry that raises leaves an ``.error`` file and the next runs.
 
 Models (:class:`Task`): ``mlp-25m`` (the ``commlab train`` model and data, SGD) and ``charlm``
 (examples/charlm.py's model, AdamW in its parameter groups, warm-up and cosine, bf16 autocast, clipping);
@@ -33,9 +37,11 @@ import torch.nn.functional as F
 
 import commlab
 from bench.ddp_worker import leave
+from bench.lowcomm_peers import PEERS as LOCAL_STEP_PEERS
 
 ROOT = Path(__file__).resolve().parent.parent
-PEERS = ("ddp", "ddp+fp16", "ddp+powersgd")
+DDP_PEERS = ("ddp", "ddp+fp16", "ddp+powersgd")
+PEERS = (*DDP_PEERS, *LOCAL_STEP_PEERS)  # the latter: bench/lowcomm_peers.py's (commlab bench lowcomm)
 ONE_BUCKET_MB = 4096  # DDP+PowerSGD's bucket cap: every model here in one bucket (see ddp_wrap)
 # charlm's shape (d_model, layers, heads, context) per name; the MLPs are workers/models.py's
 LMS = {"charlm": (96, 3, 4, 64), "charlm-tiny": (16, 1, 2, 16)}
@@ -151,7 +157,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.compress_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--exchanger", default="local://", help="the job's URL, as the launcher passes it: must be "
                                                             "local:// (each entry names its own)")
-    p.add_argument("--entries", required=True, help='JSON list of {"url": URL} or {"peer": PEER}, run in this order')
+    p.add_argument("--entries", required=True, help='JSON list of {"url": URL} or {"peer": PEER}, run in this order; '
+                                                    '{"url": "job"}: the job\'s own URL (--exchanger: a ps:// job\'s '
+                                                    'servers); "slow_rank": R: rank R sleeps its own step time after '
+                                                    'each step; a local-steps peer\'s settings: "H", "P", "T", "alpha"')
     p.add_argument("--rounds", type=int, default=1, help="run the entries this many times, taking turns")
     p.add_argument("--model", choices=MODELS, default="mlp-25m")
     p.add_argument("--rank-r", type=int, default=4, help="ddp+powersgd: matrix_approximation_rank")
@@ -169,16 +178,20 @@ def parser() -> argparse.ArgumentParser:
 def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
     """One entry's run from a fresh model: ``a.steps`` steps, one line per step to ``path``."""
     task = Task(a.model, a.seed, a.batch_size, a.lr, a.steps)
-    peer, ex = entry.get("peer"), None
-    if peer:  # a group of its own: nothing an earlier entry left on a group can meet this one's collectives
+    peer, ex, local = entry.get("peer"), None, None
+    if peer in LOCAL_STEP_PEERS:
+        local = LOCAL_STEP_PEERS[peer](task.model, task.opt, entry, world)
+        forward = local.forward
+    elif peer:  # a group of its own: nothing an earlier entry left on a group can meet this one's collectives
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
         forward = ddp_wrap(task, peer, a.rank_r, a.start_iter, group)
     else:
-        ex = commlab.connect(entry["url"])
+        ex = commlab.connect(a.exchanger if entry["url"] == "job" else entry["url"])
         forward = task.model
         ex.setup(task.model, task.opt)
+    slow = entry.get("slow_rank") == rank
     t_start = time.perf_counter()
     try:
         for step in range(a.steps):
@@ -188,7 +201,11 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
             loss = task.loss(forward, x, y)
             loss.backward()  # under DDP the hook's all-reduces end inside backward
             task.after_backward()
-            if ex is None:
+            if local is not None:
+                local.step()
+                sent, raw = local.after_step(step)
+                line = {"comm_s": None, "bytes_sent": sent, "bytes_uncompressed": raw}
+            elif ex is None:
                 task.opt.step()
                 sent, raw = ddp_bytes(task.model, peer, step, world, a.rank_r, a.start_iter)
                 line = {"comm_s": None, "bytes_sent": sent, "bytes_uncompressed": raw}
@@ -199,10 +216,15 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
             if task.sched is not None:
                 task.sched.step()
             now = time.perf_counter()
+            if slow:  # the slow worker: twice its own step time
+                time.sleep(now - t0)
+                now = time.perf_counter()
             if step == a.steps - 1 and rank == 0:
                 line["test_loss"] = task.test_loss()
             commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start, **line)
     finally:
+        if local is not None:
+            local.close()
         if ex is not None:
             ex.close()  # (an entry's DDP group lives to the end: destroying it under its DDP aborted a rank)
 
@@ -211,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     entries = json.loads(a.entries)
     bad = [e for e in entries if not (e.get("url") or e.get("peer") in PEERS)]
-    if a.exchanger != "local://" or bad:
-        print(f"bench.compress_worker: the job's URL must be local:// (got {a.exchanger}) and every entry a url or "
-              f"one of {PEERS} (got {bad})", file=sys.stderr)
+    if (a.exchanger != "local://" and not any(e.get("url") == "job" for e in entries)) or bad:
+        print(f"bench.compress_worker: the job's URL must be local:// (got {a.exchanger}) unless an entry is "
+              f"{{\"url\": \"job\"}}, and every entry a url or one of {PEERS} (got {bad})", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     import torch.distributed as dist

@@ -764,3 +764,55 @@ def test_compress_case_refuses_bad_options_in_one_line_before_anything_starts(ca
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and said in err[0], err
+
+
+@pytest.mark.multiproc
+def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(tmp_path):
+    """`commlab bench lowcomm` at test size on loopback: `alone` (no exchange), the synchronous ring and torch's
+    post-local SGD at H = 48 in one job, and a local-steps ps:// entry (reported as it resolves: unavailable
+    without the localsteps options). Post-local SGD averages at step 0 only in 12 steps: 4n bytes (a ring's
+    count at N = 2), then none; utilization is steps x alone's median step / wall. No time is asserted."""
+    out = tmp_path / "lowcomm"
+    argv = [sys.executable, "-m", "commlab.cli", "bench", "lowcomm", "--tiny", "--models", "lm", "--link", "loopback",
+            "--steps", "12", "--entries", "sync,postlocal,async", "--out", str(out)]
+    forked = zygote_children()
+    done = run_group(argv, 240, "commlab bench lowcomm (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                     cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((out / "lowcomm.json").read_text())
+    (cell,) = doc["cells"]
+    rows = {r["regime"]: r for r in cell["rows"]}
+    post = "torch PostLocalSGD H=48"
+    from bench.lowcomm import ASYNC_LABEL
+    assert list(rows) == ["alone", "ring://", post, ASYNC_LABEL] and cell["overlap"] == 1 and cell["projected"] == []
+    n = cell["numel"]  # from alone's uncompressed ring bytes; the ring's own step adds its presence flags
+    assert rows["ring://"]["bytes_per_step"] > 4 * n > 0
+    assert [p["bytes_sent"] for p in rows[post]["curve"]] == [4 * n] + [0] * 11
+    assert all(p["bytes_sent"] == 0 for p in rows["alone"]["curve"])
+    for label in ("alone", "ring://", post):
+        r = rows[label]
+        assert r["status"] == "ok" and len(r["curve"]) == 12
+        assert r["utilization"] == pytest.approx(12 * cell["t_alone_s"] / r["curve"][-1]["time_s"])
+        assert r["loss_at_equal_wall"] is not None and r["peak_bytes_per_s"] >= 0
+    if rows[ASYNC_LABEL]["status"] != "ok":  # before the localsteps options: said, by name, in the report
+        assert "sync_every" in rows[ASYNC_LABEL]["error"]
+        assert any(f["regime"].startswith(ASYNC_LABEL) for f in doc["failures"])
+    md = (out / "lowcomm.md").read_text()
+    assert "## lm (charlm-tiny) at loopback" in md and "| utilization |" in md and "this case ran " in md
+    assert all(v["lo"] <= v["ratio"] <= v["hi"] for v in cell["verdicts"])
+    for png in ("lowcomm-lm-loopback.png", "lowcomm-util-lm.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    assert _children_mentioning(str(out)) == [] and zygote_children() <= forked
+
+
+def test_lowcomm_overlap_is_the_smallest_that_hides_a_fragment_and_its_bound():
+    from bench.lowcomm import exposed_bound, int8_bytes, overlap, util_bound
+    # 1,048,576 parameters, P = 4: a fragment of 262,144 int8 codes and 1,024 float32 scales (266,240 bytes);
+    # at 1 Mbit/s (125,000 B/s) that is 2.13 s: 43 steps of 50 ms, clamped to H/P - 1 = 11
+    assert int8_bytes(262144) == 266240
+    assert overlap(2**20, 125_000, 0.05) == 11 and overlap(2**20, 12_500_000, 0.05) == 1
+    assert overlap(2**20, 1_250_000, 0.05) == 5  # 0.213 s / 0.05 s -> 5
+    assert exposed_bound(2**20, 1_250_000, 0.05, 5) == 0.0
+    assert exposed_bound(2**20, 125_000, 0.05, 11) == pytest.approx(266240 / 125_000 - 0.55)
+    assert util_bound(2**20, 125_000, 0.05, 11) == pytest.approx(48 * 0.05 / (48 * 0.05 + 4 * (2.12992 - 0.55)))
+    assert util_bound(2**20, None, 0.05, 1) == 1.0

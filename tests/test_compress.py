@@ -16,7 +16,7 @@ from commlab.compress.seam import nbytes, pack, unpack
 from commlab.compress.simulate import exchange
 from commlab.registry import resolve
 
-SPECS = ["fp16", "bf16", "powersgd:2,start_iter=0", "topk:0.1", "randomk:0.25", "sign"]
+SPECS = ["fp16", "bf16", "powersgd:2,start_iter=0", "topk:0.1", "randomk:0.25", "sign", "int8", "int4", "fp4", "fp8"]
 # a bucket as the exchanger makes one: parameters' shapes in order, flattened back to back
 SHAPES = (torch.Size([64, 32]), torch.Size([32]), torch.Size([10, 32]), torch.Size([10]))
 N_EL = sum(math.prod(s) for s in SHAPES)  # 2410
@@ -208,6 +208,10 @@ def test_payload_bytes_equal_the_closed_forms():
     assert payload_bytes("topk:0.01") == [[8 * math.ceil(0.01 * n)]]  # k = 25 values and int32 indices
     assert payload_bytes("randomk:0.01") == [[4 * 25]]
     assert payload_bytes("sign") == [[math.ceil(n / 8) + 4]]
+    # the block quantizers: codes (n bytes, or two a byte) and one float32 scale per block (2410 = 9 x 256 + 106)
+    assert payload_bytes("int8") == payload_bytes("fp8") == [[n + 4 * 10]]
+    assert payload_bytes("int4") == payload_bytes("fp4") == [[1205 + 4 * 38]]  # ceil(2410 / 64) = 38
+    assert payload_bytes("int8,block=7") == [[n + 4 * 345]] and payload_bytes("fp4,block=2410") == [[1205 + 4]]
     # powersgd:4: one warm-up step (all of it), then P of the 64x32 matrix with the rest uncompressed, and Q
     assert payload_bytes("powersgd:4,start_iter=1", 2) == [[4 * n, 0], [4 * (362 + 64 * 4), 4 * 32 * 4]]
 
@@ -265,7 +269,10 @@ def test_state_dict_round_trip_resumes_identically(spec):
 def test_declarations():
     decl = {s.split(":")[0]: (c.summable, c.rounds, c.sync_only) for s in SPECS for c in [build(s)]}
     assert decl == {"fp16": (True, 1, False), "bf16": (True, 1, False), "powersgd": (True, 2, True),
-                    "topk": (False, 1, False), "randomk": (True, 1, False), "sign": (False, 1, False)}
+                    "topk": (False, 1, False), "randomk": (True, 1, False), "sign": (False, 1, False),
+                    "int8": (False, 1, False), "int4": (False, 1, False), "fp4": (False, 1, False),
+                    "fp8": (False, 1, False)}
+    assert all(build(s).decodes_alone for s in ("int8", "int4", "fp4", "fp8"))
     check_fits(build("powersgd:2"), "ps", synchronous=True)
     with pytest.raises(ConfigError, match="powersgd:2 needs every rank's payload at every step"):
         check_fits(build("powersgd:2"), "ps", synchronous=False)
@@ -277,7 +284,8 @@ def test_declarations():
     ("powersgd:2.5", "R='2.5' is not an integer"), ("topk:0", "F=0 is outside (0, 1]"),
     ("randomk:1.01", "F=1.01 is outside (0, 1]"), ("topk:abc", "F='abc' is not a number"),
     ("sign:2", "takes no ':' argument"), ("powersgd:2,start_iter=-1", "start_iter='-1': must be >= 0"),
-    ("fp16,x=1", "unknown setting(s) ['x']"),
+    ("fp16,x=1", "unknown setting(s) ['x']"), ("int8,block=0", "block='0': must be >= 1"),
+    ("fp8:2", "takes no ':' argument"), ("int4,block=x", "block='x' is not a valid int"),
 ])
 def test_bad_specs_fail_in_one_line_naming_the_option(spec, words):
     with pytest.raises(ConfigError) as info:
@@ -387,3 +395,71 @@ def test_two_compression_states_on_one_mover_keep_their_own_steps():
     for got, want in zip(out, ref):
         assert torch.equal(got, want)
     assert not torch.equal(out[0], grads[0].reshape(-1))  # compressed: rank 2 of a random matrix is not exact
+
+
+def blockwise(values, sizes):
+    """A vector of blocks of very different magnitudes (so one scale per block matters), with a zero block."""
+    g = torch.Generator().manual_seed(len(values))
+    parts = [torch.tensor(values, dtype=torch.float32), torch.zeros(sizes)]
+    parts += [torch.randn(sizes, generator=g) * 10.0 ** e for e in (-6, 0, 4)]
+    return torch.cat(parts)
+
+
+def quantize(spec, x):
+    """(decoded, per-element scale) of one rank's x through ``spec`` without error feedback."""
+    comp = build(spec, ef=False)
+    comp.bind(1)
+    codes, scale = comp.start(0, x, (x.shape,))
+    assert codes.dtype == torch.uint8 and scale.numel() == math.ceil(x.numel() / comp.block)
+    (out,) = exchange(ranks(spec, 1), 0, [x], (x.shape,))
+    return out, scale.repeat_interleave(comp.block)[:x.numel()]
+
+
+@settings(max_examples=15, deadline=None)
+@given(vectors(st.integers(1, 100), lo=0.0, hi=1e3), st.sampled_from(["int8", "int4", "int8,block=5", "int4,block=3"]))
+def test_integer_quantizers_round_to_the_nearest_step_of_the_block_scale(values, spec):
+    x = blockwise(values, 70)
+    out, s = quantize(spec, x)
+    top = 127 if spec.startswith("int8") else 7
+    assert torch.equal(out, torch.round(torch.where(s > 0, x / s.clamp_min(1e-38), 0)).clamp(-top, top) * s)
+    assert bool(((x - out).abs() <= s / 2 * (1 + 1e-6)).all())  # |x - q(x)| <= s/2, up to x/s's own rounding
+    assert bool((out[values.__len__():values.__len__() + 70] == 0).all())  # the zero block: scale 0, zeros
+
+
+@settings(max_examples=15, deadline=None)
+@given(vectors(st.integers(1, 100), lo=0.0, hi=1e3), st.sampled_from(["fp4", "fp4,block=5"]))
+def test_fp4_rounds_to_the_nearest_e2m1_value_of_the_block_scale(values, spec):
+    x = blockwise(values, 70)
+    out, s = quantize(spec, x)
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    v = torch.where(s > 0, x / s.clamp_min(1e-38), 0).clamp(-6, 6)
+    nearest = grid[(v.abs().unsqueeze(1) - grid).abs().argmin(1)]  # argmin: the first of a tie, the smaller one
+    assert torch.equal(out, torch.where(v < 0, -nearest, nearest) * s)
+    bound = torch.maximum(s / 4, x.abs() / 4)  # half the gap of the grid where |x| / s falls
+    assert bool(((x - out).abs() <= bound * (1 + 1e-6)).all())
+
+
+@settings(max_examples=15, deadline=None)
+@given(vectors(st.integers(1, 100), lo=0.0, hi=1e3))
+def test_fp8_is_e4m3_of_the_block_scaled_value_within_its_bound(values):
+    x = blockwise(values, 300)
+    out, s = quantize("fp8", x)
+    v = torch.where(s > 0, x / s.clamp_min(1e-38), 0).clamp(-448, 448)
+    assert torch.equal(out, v.to(torch.float8_e4m3fn).float() * s)
+    bound = torch.maximum(x.abs() * 2.0 ** -4, s * 2.0 ** -10)  # 3 mantissa bits; subnormals below 2^-6 s
+    assert bool(((x - out).abs() <= bound * (1 + 1e-6)).all())
+
+
+def test_quantizers_pack_two_nibbles_a_byte_and_decode_each_rank_alone():
+    from commlab.compress.quant import pack_nibbles, unpack_nibbles
+    nib = torch.tensor([1, 15, 7, 8, 0], dtype=torch.uint8)
+    assert pack_nibbles(nib).tolist() == [0xF1, 0x87, 0x00] and torch.equal(unpack_nibbles(pack_nibbles(nib), 5), nib)
+    # one block: scale 1 for fp4 (5, between 4 and 6, is a tie: down to 4), 6/7 for int4 (3 / (6/7) = 3.5: to 4)
+    x = torch.tensor([-6.0, 5.0, -0.2, 0.3, 3.0])
+    for spec, want in (("fp4", [-6.0, 4.0, 0.0, 0.5, 3.0]), ("int4", [-6.0, 36 / 7, 0.0, 0.0, 24 / 7])):
+        comps = ranks(spec, 2)
+        outs = exchange(comps, 0, [x, -x], (x.shape,))
+        assert all(o.abs().max() == 0 for o in outs)  # rank 1's codes are rank 0's negated: they cancel exactly
+        torch.testing.assert_close(quantize(spec, x)[0], torch.tensor(want))
+        with pytest.raises(ValueError, match=f"{spec}: payload of"):
+            comps[0].decode_add(0, comps[0].start(0, x, (x.shape,)), 7, {}, torch.zeros(7))

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.multiproc
 
 QUERIES = ["compress=none", "compress=fp16", "compress=bf16", "compress=powersgd:2,start_iter=2",
            "compress=powersgd:2,start_iter=2&ef=0", "compress=topk:0.1", "compress=topk:0.1&ef=0",
-           "compress=randomk:0.25", "compress=sign"]
+           "compress=randomk:0.25", "compress=sign", "compress=int8,block=64", "compress=fp4"]
+# the other block quantizers move as int8 and fp4 do (gathered bytes, decoded alone): under the full marker
+MORE_QUERIES = ["compress=none", "compress=int4", "compress=fp8", "compress=int8"]
 STEPS, RESUME_AT = 6, 3
 
 # what a rank program of these tests starts with (tests/test_compress_ps.py's too): a model, its optimizer and
@@ -157,6 +159,10 @@ def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int, sum
             total += gather(8 * k + 4 * flags)
         elif name == "sign":
             total += gather(math.ceil(numel / 8) + 4 + 4 * flags)
+        elif name in ("int8", "int4", "fp4", "fp8"):  # codes (one or two a byte), a float32 scale per block
+            block = int(spec.partition("block=")[2] or (256 if name in ("int8", "fp8") else 64))
+            codes = numel if name in ("int8", "fp8") else math.ceil(numel / 2)
+            total += gather(codes + 4 * math.ceil(numel / block) + 4 * flags)
         elif name == "randomk":
             total += allreduce(k + flags, 4)
         elif name == "powersgd":
@@ -176,16 +182,16 @@ def wire_bytes(query: str, shapes: list[list[list[int]]], step: int, n: int, sum
     return total
 
 
-def run_every_compressor(run_ranks, n: int, url: str, per_hop: bool) -> list[dict]:
-    """Each rank's results of PROGRAM over ``url``, every query of QUERIES in turn."""
-    return [r.json() for r in run_ranks(PROGRAM % (QUERIES, STEPS, RESUME_AT, url, per_hop), n, timeout=150)]
+def run_every_compressor(run_ranks, n: int, url: str, per_hop: bool, queries=QUERIES) -> list[dict]:
+    """Each rank's results of PROGRAM over ``url``, every query of ``queries`` (compress=none first) in turn."""
+    return [r.json() for r in run_ranks(PROGRAM % (queries, STEPS, RESUME_AT, url, per_hop), n, timeout=150)]
 
 
-def check(results: list[dict], n: int, sent, bitwise) -> None:
+def check(results: list[dict], n: int, sent, bitwise, queries=QUERIES) -> None:
     """Ranks identical after every step; each rank's exchanged gradient the simulation's (exactly where
     ``bitwise(query)``, else within 1e-5); bytes sent ``sent(query, shapes, step, rank)``; the uncompressed
     equivalent an all-reduce's 2(N-1)/N of the buckets (numel and flags, float32); resume replays exactly."""
-    for query in QUERIES:
+    for query in queries:
         mine = [res[query] for res in results]
         for step in range(STEPS):
             assert len({m["digests"][step] for m in mine}) == 1, f"{query}: ranks differ after step {step}"
@@ -201,18 +207,20 @@ def check(results: list[dict], n: int, sent, bitwise) -> None:
             assert m["raw"] == raw, f"{query}: uncompressed equivalent {m['raw']}, closed form {raw}"
     plain = results[0]["compress=none"]
     assert len(plain["shapes"]) == 2  # two buckets: rounds of several buckets interleave
-    for query in QUERIES[1:]:  # every compressor sent fewer bytes than the uncompressed exchange, and changed the run
+    for query in queries[1:]:  # every compressor sent fewer bytes than the uncompressed exchange, and changed the run
         mine = results[0][query]
         assert sum(mine["bytes"]) < sum(plain["bytes"]), query
         assert mine["digests"][-1] != plain["digests"][-1], query
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.full)])
-def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n):
-    results = run_every_compressor(run_ranks, n, "allreduce://?", per_hop=False)
+@pytest.mark.parametrize("n, queries", [(2, QUERIES), pytest.param(3, QUERIES, marks=pytest.mark.full),
+                                        pytest.param(2, MORE_QUERIES, marks=pytest.mark.full)])
+def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n, queries):
+    results = run_every_compressor(run_ranks, n, "allreduce://?", per_hop=False, queries=queries)
     # N=2: one addition, the same in gloo as in the simulation, bit for bit; N=3: gloo's ring adds in another
     # order than rank order, and PowerSGD's state carries the rounding difference on
-    check(results, n, lambda query, shapes, step, rank: wire_bytes(query, shapes, step, n), lambda query: n == 2)
+    check(results, n, lambda query, shapes, step, rank: wire_bytes(query, shapes, step, n), lambda query: n == 2,
+          queries)
 
 
 def assert_refused_in_one_line(url: str, says: str) -> None:

@@ -11,7 +11,7 @@ ex.state_dict() at step 3 replays steps 3..5 exactly.
 
 import pytest
 
-from test_compress_allreduce import QUERIES, check, run_every_compressor, wire_bytes
+from test_compress_allreduce import MORE_QUERIES, QUERIES, check, run_every_compressor, wire_bytes
 
 pytestmark = pytest.mark.multiproc
 
@@ -24,23 +24,25 @@ def ring_sent(numel: int, rank: int, n: int) -> int:
     return 2 * numel - size[(rank + 1) % n] - size[(rank + 2) % n]
 
 
-@pytest.mark.parametrize("n, transport, links", [
-    (2, "transport=auto", "shm"),  # the default: shared memory on one host; the two-rank swap
-    pytest.param(3, "transport=auto", "shm", marks=pytest.mark.full),
-    pytest.param(2, "transport=tcp&swap_kb=0&chunk_mb=0.0002", "tcp", marks=pytest.mark.full),  # two steps, chunks
-    pytest.param(3, "transport=ipc&chunk_mb=0.0002", "ipc", marks=pytest.mark.full),
-    pytest.param(2, "transport=torch&swap_kb=0&chunk_mb=0.0002", "torch", marks=pytest.mark.full),
+@pytest.mark.parametrize("n, transport, links, queries", [
+    (2, "transport=auto", "shm", QUERIES),  # the default: shared memory on one host; the two-rank swap
+    pytest.param(2, "transport=auto", "shm", MORE_QUERIES, marks=pytest.mark.full),
+    pytest.param(3, "transport=auto", "shm", QUERIES, marks=pytest.mark.full),
+    pytest.param(2, "transport=tcp&swap_kb=0&chunk_mb=0.0002", "tcp", QUERIES, marks=pytest.mark.full),  # two steps, chunks
+    pytest.param(3, "transport=ipc&chunk_mb=0.0002", "ipc", QUERIES, marks=pytest.mark.full),
+    pytest.param(2, "transport=torch&swap_kb=0&chunk_mb=0.0002", "torch", QUERIES, marks=pytest.mark.full),
 ])
-def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n, transport, links):
-    results = run_every_compressor(run_ranks, n, f"ring://?{transport}&", per_hop=True)
+def test_every_compressor_keeps_ranks_identical_and_matches_the_simulation(run_ranks, n, transport, links, queries):
+    results = run_every_compressor(run_ranks, n, f"ring://?{transport}&", per_hop=True, queries=queries)
     assert {res[QUERIES[0]]["links"]["to_right"] for res in results} == {links}
-    # N=2: one addition, the same on the ring as in the simulation, bit for bit; fp16/bf16 per hop, top-k and sign
-    # at any N (the simulation follows the ring's order); N=3 float32 sums: the ring adds segment s from rank s on
+    # N=2: one addition, the same on the ring as in the simulation, bit for bit; fp16/bf16 per hop, top-k, sign and
+    # the quantizers at any N (the simulation follows the ring's order); N=3 float32 sums: the ring adds segment s from rank s on
     # (not in rank order, and the flags ride in the same flat), and PowerSGD's state carries that on
     sent = lambda query, shapes, step, rank: wire_bytes(
         query, shapes, step, n, lambda elements, itemsize: itemsize * ring_sent(elements, rank, n), per_hop=True)
     check(results, n, sent,
-          lambda query: n == 2 or any(name in query for name in ("fp16", "bf16", "topk", "sign")))
+          lambda query: n == 2 or any(name in query for name in ("fp16", "bf16", "topk", "sign", "int", "fp4", "fp8")),
+          queries)
 
 
 def test_a_bad_spec_stops_commlab_train_in_one_line_before_anything_starts():

@@ -20,7 +20,8 @@ from commlab.plan.__main__ import main as plan_main
 from commlab.plan.costmodel import Bucket, Calibration, Compute, CompressorCost, Topology, Transport, parse_regime
 from commlab.plan.simulate import simulate
 
-SPECS = ("fp16", "bf16", "powersgd:2,start_iter=1", "powersgd:4", "topk:0.01", "topk:0.3", "randomk:0.05", "sign")
+SPECS = ("fp16", "bf16", "powersgd:2,start_iter=1", "powersgd:4", "topk:0.01", "topk:0.3", "randomk:0.05", "sign",
+         "int8", "int4,block=7", "fp4", "fp8")
 RING = parse_regime("ring://")
 
 
@@ -109,6 +110,9 @@ def test_closed_forms_by_hand():
     assert build("topk:0.01").payload_nbytes(shapes) == (8 * 51,)  # ceil(50.56)
     assert build("randomk:0.01").payload_nbytes(shapes) == (4 * 51,)
     assert build("sign").payload_nbytes(shapes) == (632 + 4,)
+    # codes (one a byte, or two) and a float32 scale per block: ceil(5056 / 256) = 20, ceil(5056 / 64) = 79
+    assert build("int8").payload_nbytes(shapes) == build("fp8").payload_nbytes(shapes) == (5056 + 4 * 20,)
+    assert build("int4").payload_nbytes(shapes) == build("fp4").payload_nbytes(shapes) == (2528 + 4 * 79,)
     # rank 4: 100 x 50 gains ((100 + 50) * 4 * 2 < 5000), the vector and 3 x 2 travel as they are
     assert build("powersgd:4").payload_nbytes(shapes) == (4 * (50 + 6 + 100 * 4), 4 * 50 * 4)
     assert build("powersgd:4").warmup_steps == 10 and build("powersgd:4,start_iter=0").warmup_steps == 0

@@ -1,6 +1,6 @@
 """Gradient compression: compressors found by name, error feedback around any of them, and the seam a
 regime moves their payloads through. See :mod:`commlab.compress.base` for the contract,
-:mod:`commlab.compress.codecs` and :mod:`commlab.compress.powersgd` for the compressors and their byte
+:mod:`commlab.compress.codecs`, :mod:`commlab.compress.quant` and :mod:`commlab.compress.powersgd` for the compressors and their byte
 counts, :mod:`commlab.compress.seam` for how a regime moves payloads.
 
 A regime that compresses takes :class:`CompressOptions` as the base of its options: ``compress=SPEC``
@@ -27,7 +27,8 @@ class CompressOptions(CommonOptions):
     """Options of a regime that compresses gradients (besides every bucketed regime's)."""
 
     compress: str = option("none", "gradient compression per bucket: none, fp16, bf16, powersgd:R, topk:F, "
-                                   "randomk:F or sign (settings after commas, e.g. powersgd:4,start_iter=10)")
+                                   "randomk:F, sign, int8, int4, fp4 or fp8 (settings after commas, e.g. "
+                                   "powersgd:4,start_iter=10 or int8,block=64)")
     ef: bool = option(True, "error feedback: what compression lost is added to the next step's gradient")
 
     def __post_init__(self):

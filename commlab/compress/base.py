@@ -41,7 +41,7 @@ Gradients enter their bucket scaled by ``1/N``, so the aggregate is the average.
 (residuals, PowerSGD's Q, step counters, seeds) is in :meth:`Compressor.state_dict`.
 
 Specs (``compress=`` in an exchanger URL): ``fp16``, ``bf16``, ``powersgd:R``, ``topk:F``,
-``randomk:F``, ``sign``, each optionally followed by ``,key=value`` settings (``powersgd:4,start_iter=10``);
+``randomk:F``, ``sign``, ``int8``, ``int4``, ``fp4``, ``fp8`` (:mod:`commlab.compress.quant`), each optionally followed by ``,key=value`` settings (``powersgd:4,start_iter=10``);
 error feedback (``ef=1``, the default) wraps whichever was named (:class:`ErrorFeedback`).
 """
 
@@ -311,4 +311,4 @@ def check_fits(comp: Compressor | None, scheme: str, synchronous: bool) -> None:
 
 
 def _load_builtins() -> None:
-    from commlab.compress import codecs, powersgd  # noqa: F401  (they register themselves)
+    from commlab.compress import codecs, powersgd, quant  # noqa: F401  (they register themselves)

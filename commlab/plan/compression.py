@@ -69,6 +69,8 @@ from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, Compr
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.registry import regime_class
 
+# what `commlab plan` weighs unless told (--compress): each costs a measurement on a first call, so the block
+# quantizers (int8, int4, fp4, fp8: local steps' pseudo-gradients) are weighed when named
 BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
 MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes per second
 WIDE = ("float32", "float64")
