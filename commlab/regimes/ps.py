@@ -199,7 +199,7 @@ class _Shard:
             except CommTimeout:  # the first part of every hello (and of a stats probe)
                 sock.close(linger=0)
                 raise CommTimeout(f"{self.name} did not answer hello within {self.timeout:g}s (its handshake, "
-                                  f"which proves the job's secret)", peer=self.peer, op="connect") from None
+                                  f"which proves the job's secret)", peer=self.peer, op="receive") from None
             except BaseException:
                 sock.close(linger=0)
                 raise
