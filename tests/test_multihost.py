@@ -87,7 +87,7 @@ store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the
     addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
 store.wait(["ring/addr/0"], timedelta(seconds=60))  # rank 0's ring address: the store gives it to anyone
 raw = store.get("ring/addr/0")  # signed with the job's secret, but readable: a JSON tail
-endpoint = raw.decode() if raw.startswith(b"tcp") else json.loads(raw[36:])["endpoint"]  # after the signature
+endpoint = json.loads(raw[raw.index(b'{"endpoint"'):])["endpoint"]  # after the signature, if any
 ctx = zmq.Context()
 plain = ctx.socket(zmq.PUSH)  # no keys at all
 keyed = ctx.socket(zmq.PUSH)  # a key pair of its own, not among the authorised clients

@@ -207,6 +207,10 @@ class _Shard:
         if self.secret is not None:
             try:
                 transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
+            except CommTimeout:  # the first part of every hello (and of a stats probe)
+                sock.close(linger=0)
+                raise CommTimeout(f"{self.name} did not answer hello within {self.timeout:g}s (its handshake, "
+                                  f"which proves the job's secret)", peer=self.peer, op="receive") from None
             except BaseException:
                 sock.close(linger=0)
                 raise
