@@ -35,7 +35,7 @@ bench: setup
 # The GPU suite in one command, with a python that already holds a CUDA build of torch (a GPU image's
 # python3; pyzmq and msgpack must be importable there: docs/gpu.md says how to carry them as wheels).
 gpu-test:
-	PYTHONPATH=$(CURDIR) $(PYTHON) -m commlab.doctor
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m commlab.tools.doctor
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -rs -p no:cacheprovider tests/gpu tests/test_doctor.py
 
 clean:

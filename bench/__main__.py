@@ -61,7 +61,7 @@ def _names(text: str | None, default: list[str], table: dict, what: str) -> list
 
 def servers_needed(bw_names: list[str], cv_names: list[str]) -> int:
     """Hosts beyond the workers a --link topology needs: the most servers one regime starts."""
-    from commlab.config import ExchangerURL
+    from commlab.base.config import ExchangerURL
     urls = [R.bandwidth_entry(n).url for n in bw_names] + [R.CONVERGENCE[n].url for n in cv_names]
     return max((int(dict(ExchangerURL.parse(u).query).get("shards", 1)) for u in urls if u.startswith("ps://")),
                default=0)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench import regimes as R
 from bench import jobs
-from commlab import launcher
+from commlab.launch import launcher
 from bench.records import failure, record
 from bench.text import human_bytes
 
@@ -289,7 +289,7 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
                 "--timeout", str(min(cfg.job_timeout, 60.0)), *(["--corrupt"] if cfg.corrupt else [])]
         env = None
         if any("nccl" in c["url"] for c in left):
-            from commlab.doctor import NCCL_DEBUG_ENV
+            from commlab.tools.doctor import NCCL_DEBUG_ENV
             env = dict(os.environ, **NCCL_DEBUG_ENV)  # NCCL's own word on GPUDirect RDMA lands in the log
         job = launcher.worker_job(launch, workers, args, module="bench.bw_worker", name=name, env=env)
         res = jobs.run(job, log, min(cfg.job_timeout, budget.left()), links)
@@ -332,7 +332,7 @@ def _run_job(cfg, cases, sizes, tag, run_dir, budget, links, records, failures, 
 def nccl_transport_facts(log: Path) -> dict:
     """What NCCL itself said about its transports (``commlab doctor``'s reading of its log): GPUDirect
     RDMA only when a channel line says GDRDMA."""
-    from commlab.doctor import parse_nccl_log
+    from commlab.tools.doctor import parse_nccl_log
 
     return parse_nccl_log(log.read_text(errors="replace"))
 
@@ -341,7 +341,7 @@ def header_cost(n: int = 20000) -> dict:
     """Microseconds to build and check one header: msgpack (encode + decode) vs the ring's fixed chunk header."""
     import torch
 
-    from commlab import wire
+    from commlab.transport import wire
     data = torch.zeros(1024)
     parts = wire.split("grad", data)
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ docs/bench.md ("What is measured") says what each measures and how it is checked
 (float32, ``count = S / 4``), iteration i runs every case once, starting from case i mod their number,
 in the same order on every rank (:func:`turns`), each exchange after a start line outside the timing
 (:func:`start_line`); the first ``warmup`` iterations are not kept. Each rank writes its rows as lines of
-its metrics file ``OUT`` (rank r > 0: ``OUT.rank<r>``; :func:`commlab.metrics.report`) as soon as they
+its metrics file ``OUT`` (rank r > 0: ``OUT.rank<r>``; :func:`commlab.core.metrics.report`) as soon as they
 are known: per (case, size) ``times_s``, ``cpu_s`` and ``wrong``; a case's ``setup_error``; the case that
 ``failed`` while running (``at``: when); the regimes' ``facts`` at the end. The parent
 (:func:`bench.bandwidth.combine_ranks`) takes the slowest rank's time of each iteration.
@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, metrics, rendezvous, scratch
-from commlab.config import ExchangerURL
-from commlab.exchanger import Collective, PlansServers
-from commlab.handles import DoneHandle
-from commlab.optim import OptimizerSpec
-from commlab.registry import regime_class
+from commlab.launch import launcher, scratch
+from commlab.core import metrics
+from commlab.transport import rendezvous
+from commlab.base.config import ExchangerURL
+from commlab.core.exchanger import Collective, PlansServers
+from commlab.base.handles import DoneHandle
+from commlab.core.optim import OptimizerSpec
+from commlab.core.registry import regime_class
 
 PATTERN = 13
 CEILINGS = ("tcp-oneway", "tcp-duplex", "zmq-tcp", "zmq-ipc", "memcpy")
@@ -328,9 +330,9 @@ class ZmqLink:
     def __init__(self, store, info, timeout: float, method: str):
         import zmq
 
-        from commlab.heap import keep_freed_memory
+        from commlab.core.heap import keep_freed_memory
         from commlab.regimes.ring import RingOptions
-        from commlab.transport import Transport
+        from commlab.transport.sockets import Transport
 
         self.rank, self.timeout, self.net, self.folder, self.push = info.rank, timeout, None, None, None
         if info.rank > 1:

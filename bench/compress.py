@@ -31,7 +31,7 @@ from bench import records as rec
 from bench import verdict
 from bench import jobs
 from bench.jobs import read_ranks
-from commlab import launcher
+from commlab.launch import launcher
 from bench.curves import smoothed, time_to_target
 from bench.script_compare import Outcome, Regime, plot, summarize_all, table
 from bench.regimes import unavailable, with_query

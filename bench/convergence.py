@@ -25,8 +25,8 @@ from bench.bandwidth import Budget
 from bench import jobs
 from bench.jobs import read_ranks
 from bench.records import failure
-from commlab import launcher
-from commlab.metrics import metrics_path
+from commlab.launch import launcher
+from commlab.core.metrics import metrics_path
 from commlab.plan.calibrate import cpu_share
 from bench.text import slug
 

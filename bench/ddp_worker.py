@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from commlab import metrics
+from commlab.core import metrics
 from workers.data import load_digits
 from workers.loop import add_training_args, config_from_args, evaluate
 from workers.models import build_model
@@ -35,7 +35,7 @@ def main() -> None:
     add_training_args(p)
     p.set_defaults(model="mlp-25m", steps=30, batch_size=64, lr=0.01)
     p.add_argument("--heap", choices=("system", "keep"), default="system",
-                   help="keep: the same glibc heap setting commlab's exchangers make (commlab.heap)")
+                   help="keep: the same glibc heap setting commlab's exchangers make (commlab.core.heap)")
     a = p.parse_args()
     cfg = config_from_args(a)
     torch.set_num_threads(cfg.threads)
@@ -43,7 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     model, side = build_model(cfg.model, cfg.seed)
     if a.heap == "keep":
-        from commlab.heap import keep_freed_gradients
+        from commlab.core.heap import keep_freed_gradients
         keep_freed_gradients(model.parameters())
     ddp = DistributedDataParallel(model)
     opt = cfg.optim.build(ddp.parameters())
@@ -77,7 +77,7 @@ def leave() -> NoReturn:
     then exit without the interpreter's teardown. About one DDP job in ten here died of std::terminate
     ("terminate called without an active exception", SIGABRT) at exit, whether rank 0 hosted the store or
     the launcher did, and deleting the DDP module first did not stop it. Call it once everything the rank
-    had to say is written (:func:`commlab.metrics.report` closes its file on every line)."""
+    had to say is written (:func:`commlab.core.metrics.report` closes its file on every line)."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stderr.flush()

@@ -5,7 +5,7 @@ a "model" of one flat parameter of S bytes through the Exchanger contract: backw
 gradient of ones, ``step()`` exchanges it. A sample is one step, timed from before backward until
 the result is back in the parameter (a CUDA synchronize included); the record's algbw is
 S / (median step time). The CUDA rows of ``ring://`` (zmq or shared memory) and ``ps://`` pay two
-extra copies through pinned host memory (:mod:`commlab.staging`: down on a copy stream from the backward
+extra copies through pinned host memory (:mod:`commlab.core.staging`: down on a copy stream from the backward
 hook on, up as each range arrives); the goal is that they keep >= 80% of the same regime's
 CPU-tensor bandwidth: "URL S CUDA / CPU algbw" carries its 95% bootstrap interval over the steps
 (:mod:`bench.verdict`, unpaired).
@@ -48,9 +48,10 @@ def rank_main(device_spec: str, numel: int, steps: int, warmup: int) -> int:
     import json
 
     import commlab
-    from commlab import metrics, rendezvous
-    from commlab.optim import OptimizerSpec
-    from commlab.staging import resolve_device
+    from commlab.core import metrics
+    from commlab.transport import rendezvous
+    from commlab.core.optim import OptimizerSpec
+    from commlab.core.staging import resolve_device
 
     torch.set_num_threads(1)
     info = rendezvous.from_env()
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.rank_of:
         return rank_main(a.device, a.numel, a.steps, a.warmup)
 
-    from commlab import doctor
+    from commlab.tools import doctor
 
     cuda = "cuda" in a.devices
     if cuda and not torch.cuda.is_available():

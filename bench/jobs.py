@@ -1,10 +1,10 @@
 """The one way a benchmark case runs a job: :func:`run`, the launcher in the bench's own process.
 
-A job is a :class:`commlab.launcher.Job` (what each rank runs, how many, under which exchanger URL)
-run by :func:`commlab.launcher.run_job` here, without a second Python process in between: its ranks
+A job is a :class:`commlab.launch.launcher.Job` (what each rank runs, how many, under which exchanger URL)
+run by :func:`commlab.launch.launcher.run_job` here, without a second Python process in between: its ranks
 and servers each lead a process group of their own, and when the job ends, fails, passes its
 deadline, or the benchmark is interrupted, the launcher stops every group
-(:func:`commlab.launcher.kill_groups`: SIGTERM, then SIGKILL): nothing a job started outlives it.
+(:func:`commlab.launch.launcher.kill_groups`: SIGTERM, then SIGKILL): nothing a job started outlives it.
 What ``commlab run`` would show on a terminal (rank 0's output, the servers', the launcher's own
 lines: ``Job.console``) goes to the job's log instead, and every process's output to its own log in
 the folder beside it (``LOG`` without ``.log``: ``rank<r>.log``, ``server<i>.log``). When a job
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.netns import Links
-from commlab import launcher
-from commlab.metrics import metrics_path
+from commlab.launch import launcher
+from commlab.core.metrics import metrics_path
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: `python -m bench.X`, `-m workers` resolve from it
 LOOPBACK_TCP = re.compile(r"^tcp://127\.0\.0\.1:(\d+)$")
@@ -104,7 +104,7 @@ def place_servers(url: str, server_argvs: list[list[str]], links: Links, first_h
 
     Server i's ``--bind tcp://127.0.0.1:P`` (P is 0 in a plan: the server reports what it bound)
     becomes ``tcp://<address of host first_host + i>:P`` in its argv and in the workers' URL
-    template, in server order (:func:`commlab.launcher.with_endpoints`), with ``--insecure`` (the
+    template, in server order (:func:`commlab.launch.launcher.with_endpoints`), with ``--insecure`` (the
     address exists only inside namespaces this benchmark created). A plan whose servers are not on
     loopback tcp cannot be placed.
     """
@@ -122,8 +122,8 @@ def place_servers(url: str, server_argvs: list[list[str]], links: Links, first_h
 
 
 def read_ranks(base: Path, workers: int, *, need_step: bool = True) -> list[list[dict]]:
-    """What each of a job's ranks wrote with :func:`commlab.metrics.report` (rank r > 0 writes
-    ``base.rank<r>``, :func:`commlab.metrics.metrics_path`): its JSON objects in order, a line cut short
+    """What each of a job's ranks wrote with :func:`commlab.core.metrics.report` (rank r > 0 writes
+    ``base.rank<r>``, :func:`commlab.core.metrics.metrics_path`): its JSON objects in order, a line cut short
     (a rank killed mid-write) skipped; with ``need_step``, only those with an integer ``step``. A rank
     that wrote nothing has ``[]``."""
     out = []

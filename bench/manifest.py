@@ -52,7 +52,7 @@ def environment() -> dict:
 def transport(links, link_note: str | None, regime_facts: dict) -> dict:
     """CUDA/NCCL facts, GPUDirect RDMA only on NCCL's own word, and what carried the traffic."""
     import torch
-    from commlab.doctor import nccl_version
+    from commlab.tools.doctor import nccl_version
 
     cuda = torch.cuda.is_available()
     nccl = nccl_version()

@@ -44,7 +44,7 @@ from bench.convergence import read_staleness
 from bench import jobs
 from bench.jobs import read_ranks
 from bench.netns import Links, link_unavailable_reason
-from commlab import launcher
+from commlab.launch import launcher
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression

@@ -5,7 +5,7 @@
 killed under ``commlab run --max-restarts 1``: time to resume, steps lost) each return a dict for
 ``probes.json``; :func:`lines` words them for the report. The heap and restart probes run launcher
 jobs (:func:`bench.jobs.run`); the peer-loss probe starts its ranks itself, each a process group of
-its own, killed with :func:`commlab.launcher.kill_groups` at its end (a launcher job would stop the
+its own, killed with :func:`commlab.launch.launcher.kill_groups` at its end (a launcher job would stop the
 survivors the moment the victim dies, before they report).
 
     python -m bench.probes            # all three, printed as JSON
@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 from bench import jobs
-from commlab import launcher, scratch
+from commlab.launch import launcher, scratch
 
 GRAD_BYTES = 64 * 2**20
 FAULTS = """
 import json, resource, sys, torch
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
-    from commlab.heap import keep_freed_memory
+    from commlab.core.heap import keep_freed_memory
     assert keep_freed_memory(128 * 2**20)
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -65,7 +65,7 @@ def _rank_peer_loss(a) -> int:
     import torch
 
     import commlab
-    from commlab.errors import CommError
+    from commlab.base.errors import CommError
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -96,7 +96,7 @@ def _rank_peer_loss(a) -> int:
 
 def peer_loss(world: int = 3, victim: int = 1, timeout: float = 20.0, deadline: float = 90.0) -> dict:
     """Kill rank ``victim`` of a ``world``-rank ring mid-collective; how long each survivor took to raise."""
-    from commlab import store as store_mod
+    from commlab.transport import store as store_mod
 
     out = {"world": world, "victim": victim, "timeout_s": timeout, "survivors": {}}
     with scratch.folder("probe") as tmp:
@@ -215,7 +215,7 @@ def lines(probes: dict) -> list[str]:
             out.append(f"- Heap: a backward whose weight gradient is a fresh {h['grad_bytes'] >> 20} MiB tensor "
                        f"({h['pages']} pages) page-faulted {med(h['system']):.0f} times (median from the third step) "
                        f"with glibc's default heap, {med(h['keep']):.0f} with the kept heap "
-                       f"(`commlab.heap.keep_freed_memory`); first step {h['system'][0]} / {h['keep'][0]}.")
+                       f"(`commlab.core.heap.keep_freed_memory`); first step {h['system'][0]} / {h['keep'][0]}.")
     r = probes.get("restart")
     for name, v in (r or {}).get("regimes", {}).items():
         if "error" in v:

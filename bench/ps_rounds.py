@@ -77,7 +77,8 @@ def ps_rank(numel: int, rounds: int, warmup: int) -> None:
     from torch import nn
 
     import commlab
-    from commlab import metrics, rendezvous
+    from commlab.core import metrics
+    from commlab.transport import rendezvous
 
     torch.set_num_threads(1)
     info = rendezvous.from_env()
@@ -113,7 +114,7 @@ def rpc_rank(kind: str, numel: int, rounds: int, warmup: int, lr: float = 1e-6) 
     import torch
     import torch.distributed.rpc as rpc
 
-    from commlab import metrics
+    from commlab.core import metrics
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

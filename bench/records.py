@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
 from bench import jobs, manifest, text
-from commlab import launcher, scratch
+from commlab.launch import launcher, scratch
 from bench.text import fmt_us, human_bytes
 from bench.verdict import Verdict, quantile
 
@@ -167,7 +167,7 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
     the rendezvous TCPStore on port 0 (``MASTER_PORT``, with ``TORCHELASTIC_USE_AGENT_STORE=True``, so
     torch's ``env://`` init of a process group or of torch.distributed.rpc connects as a client), and
     stops everything when a process fails or ``deadline_s`` passes. Ranks write with
-    :func:`commlab.metrics.report` (``$COMMLAB_METRICS``). Blocks until the job ends. Raises CaseFailed
+    :func:`commlab.core.metrics.report` (``$COMMLAB_METRICS``). Blocks until the job ends. Raises CaseFailed
     for a failed job (naming its log's telling line), KeyboardInterrupt when it was stopped by Ctrl-C or
     SIGTERM.
     """

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commlab.config import ExchangerURL
-from commlab.registry import resolve
-from commlab.transport import is_loopback
+from commlab.base.config import ExchangerURL
+from commlab.core.registry import resolve
+from commlab.transport.sockets import is_loopback
 
 
 @dataclass(frozen=True)

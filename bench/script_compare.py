@@ -32,9 +32,9 @@ from bench import curves
 from bench.curves import smooth_window, smoothed, time_to_target
 from bench import jobs
 from bench.jobs import read_ranks
-from commlab import launcher
+from commlab.launch import launcher
 from bench.regimes import unavailable
-from commlab.config import ExchangerURL
+from commlab.base.config import ExchangerURL
 
 
 def kind_of(url: str) -> str:

@@ -1,7 +1,7 @@
 """The one renderer of ``bench/``: sizes and numbers as people write them, markdown tables, file names.
 
 Every bench module writes its tables with :func:`table`, its sizes with :func:`human_bytes` (commlab's
-own, :func:`commlab.metrics.human_bytes`: binary units, a 4096-byte message is "4 KiB"), and names its
+own, :func:`commlab.core.metrics.human_bytes`: binary units, a 4096-byte message is "4 KiB"), and names its
 files with :func:`slug`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from commlab.metrics import human_bytes  # noqa: F401  (the one size renderer; bench writes sizes as commlab does)
+from commlab.core.metrics import human_bytes  # noqa: F401  (the one size renderer; bench writes sizes as commlab does)
 
 _SUFFIX = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
            "G": 2**30, "GB": 2**30, "GIB": 2**30}

@@ -8,7 +8,7 @@ per rank, as a job of the launcher (:func:`bench.records.run_ranks`). Entries ru
 rounds (DDP, regime A, regime B, DDP, ...) so drift of the machine hits them alike; each entry's
 samples are all its post-warm-up steps of all rounds (rank 0's step times). The peers, beside
 the regimes: ``ddp`` (DistributedDataParallel over gloo, :mod:`bench.ddp_worker`), ``ddp+heap``
-(DDP with the heap setting commlab's exchangers make, :mod:`commlab.heap`; in the run in
+(DDP with the heap setting commlab's exchangers make, :mod:`commlab.core.heap`; in the run in
 bench/results/train_step-mlp25m.json the setting alone took DDP's step from 250 to 206 ms), and
 ``local`` (one process, no exchange, for scale). The ratio to ``ddp+heap`` shows what the
 exchange itself gains over DDP's, the ratio to plain ``ddp`` what a user gains by switching.
@@ -31,7 +31,7 @@ from bench.text import human_bytes, names
 
 CASE = "train-step"
 PEERS = {"local": "one process, the same per-rank batch, no exchange", "ddp": "DistributedDataParallel (gloo)",
-         "ddp+heap": "DDP with commlab's heap setting (commlab.heap)"}
+         "ddp+heap": "DDP with commlab's heap setting (commlab.core.heap)"}
 
 
 def gradient_bytes(model: str, seed: int = 0) -> int:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     if a.workers < 2 or a.steps < 1 or a.warmup < 0 or a.rounds < 1:
         p.error("--workers must be >= 2, --steps and --rounds >= 1, --warmup >= 0")
-    from commlab.cli import check_url
+    from commlab.tools.cli import check_url
     problems = [x for x in map(check_url, a.regimes) if x]
     if problems:
         p.error("; ".join(problems))

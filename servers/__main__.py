@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from commlab import auth, psproto
-from commlab.errors import CommError, ConfigError
+from commlab.transport import auth, psproto
+from commlab.base.errors import CommError, ConfigError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.keys:
             if a.curve_secret or a.authorized:
                 raise ConfigError("--keys DIR replaces --curve-secret and --authorized: give one or the other")
-            from commlab.keys import server_keys
+            from commlab.transport.keys import server_keys
             _, clients = server_keys(a.keys)  # checks the folder; says how to create it
             a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
         secret = auth.load({auth.SECRET_FILE_ENV: a.secret_file} if a.secret_file else None)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # done: sockets closed, checkpoint written, stats logged (commlab.exiting says why and what it keeps)
-    from commlab.exiting import exit_now
+    # done: sockets closed, checkpoint written, stats logged (commlab.launch.exiting says why and what it keeps)
+    from commlab.launch.exiting import exit_now
 
     exit_now(main())

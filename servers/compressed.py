@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from commlab import wire
+from commlab.transport import wire
 from commlab.compress import Compressor, build
 from commlab.compress.seam import summed
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from servers.modes import Refused
 
 

@@ -26,7 +26,7 @@ A mode and a placement are independent: a mode decides when pushes become an upd
 answered, a placement what an update is. The coming local steps with an outer optimizer (the shards own the
 anchor and the outer optimizer; workers push the pseudo-gradient and pull the anchor) is one more placement
 (its optimizer built from the outer spec; its :meth:`Placement.apply` staleness-aware under async), served
-by the same modes. The protocol-level description both sides read is :mod:`commlab.psproto`.
+by the same modes. The protocol-level description both sides read is :mod:`commlab.transport.psproto`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 
-from commlab import psproto, wire
-from commlab.optim import torch_optimizer
+from commlab.transport import psproto, wire
+from commlab.core.optim import torch_optimizer
 
 
 class Refused(Exception):

@@ -6,11 +6,11 @@ which pieces (named flat tensors) and buffers it holds, where the update runs
 own copy of the optimizer, built from the worker's class name and param groups
 as data), and the consistency mode the worker expects; every later worker must
 say the same (manifest, pieces, optimizer, world size, shard index), or is
-refused by name. The protocol is described in :mod:`commlab.psproto`, the
+refused by name. The protocol is described in :mod:`commlab.transport.psproto`, the
 modes (one object each) in :mod:`servers.modes`.
 
 One thread runs everything: it receives on a ROUTER socket, validates each
-header with :func:`commlab.wire.decode` before touching bytes, adds gradient
+header with :func:`commlab.transport.wire.decode` before touching bytes, adds gradient
 frames straight from the received zmq frames into the reduction buffers, acks
 a push as soon as it is folded in, lets the mode decide what the push does,
 and answers the pulls that were waiting. A request it cannot serve (garbage,
@@ -52,11 +52,11 @@ import msgpack
 import torch
 import zmq
 
-from commlab import auth, psproto, psshm, shm, transport, wire
-from commlab.config import check_number
-from commlab.errors import ConfigError, ProtocolError
-from commlab.manifest import manifest_difference, optimizer_difference
-from commlab.optim import OptimizerSpec, check_hyper
+from commlab.transport import auth, psproto, psshm, shm, sockets as transport, wire
+from commlab.base.config import check_number
+from commlab.base.errors import ConfigError, ProtocolError
+from commlab.core.manifest import manifest_difference, optimizer_difference
+from commlab.core.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
 
@@ -378,7 +378,7 @@ class ParameterServer:
             self.initialized = False  # the shard holds sums only: rank 0 initialises it again from its checkpoint
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
-        """transport=shm: two segments for this connection's payloads (see :mod:`commlab.psshm`), or
+        """transport=shm: two segments for this connection's payloads (see :mod:`commlab.transport.psshm`), or
         ``{"refused": why}``. One link per sender (a reconnect's hello replaces it), at most
         ``2 * world + 2`` in all: each costs twice the shard's bytes of memory."""
         if not isinstance(where, str) or where != shm.host_identity():
@@ -473,7 +473,7 @@ class ParameterServer:
 
     def check_hyper(self, hyper) -> None:
         """Refuse group hyperparameters from the wire (a push's or commit's) that :meth:`set_hyper` could not
-        set: one dict per group, numbers where the optimizer's are (:func:`commlab.optim.check_hyper`)."""
+        set: one dict per group, numbers where the optimizer's are (:func:`commlab.core.optim.check_hyper`)."""
         if hyper is None or self.optimizer is None:
             return
         if not isinstance(hyper, list) or len(hyper) != len(self.optimizer.param_groups) \
@@ -1189,8 +1189,8 @@ class Admission:
     """Who the shard serves, and which connections are still there (one per shard, on its thread).
 
     With the job's secret (``cfg.secret``), a connection (a ROUTER identity) is served only once it
-    proved the secret in its first messages (:class:`commlab.auth.Responder`; the client side is
-    :func:`commlab.transport.handshake`). Until then its messages are dropped and counted (``refused``),
+    proved the secret in its first messages (:class:`commlab.transport.auth.Responder`; the client side is
+    :func:`commlab.transport.sockets.handshake`). Until then its messages are dropped and counted (``refused``),
     answered with one error that says why, never read as a request: a stranger's hello makes no key
     space and no shared memory. Handshakes under way are bounded (``PENDING``; the oldest goes first).
 

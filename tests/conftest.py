@@ -1,9 +1,9 @@
 """Fixtures shared by the test groups.
 
 ``run_ranks`` is the multi-process harness: it writes a rank program to a file,
-starts N real processes through the launcher's primitives (:func:`commlab.launcher.start_group`)
+starts N real processes through the launcher's primitives (:func:`commlab.launch.launcher.start_group`)
 with torchrun's environment and a rendezvous store this process hosts on a port
-the kernel picked (:func:`commlab.store.host`), waits with a deadline, kills every
+the kernel picked (:func:`commlab.transport.store.host`), waits with a deadline, kills every
 sibling when one fails, and hands back each rank's exit code and output so a
 failing child's traceback shows in the test.
 
@@ -31,11 +31,12 @@ from pathlib import Path
 import pytest
 
 import zygote
-from commlab import auth, launcher, store
+from commlab.transport import auth, store
+from commlab.launch import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 # The test session is one "job": every server, rank and raw client a test starts proves this secret, as a
-# launcher's processes prove theirs (commlab.auth). A test that wants a stranger or an unauthenticated run
+# launcher's processes prove theirs (commlab.transport.auth). A test that wants a stranger or an unauthenticated run
 # removes it from that process's environment.
 os.environ.setdefault(auth.SECRET_ENV, os.urandom(24).hex())
 
@@ -134,9 +135,9 @@ def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace
 
     On a timeout ``subprocess.run`` kills only ``argv``'s own process: a launcher's ranks, its
     parameter servers or a benchmark's jobs would run on with nobody waiting for them. Here
-    ``argv`` starts a new session (:func:`commlab.launcher.start_group`), so it and all it starts
+    ``argv`` starts a new session (:func:`commlab.launch.launcher.start_group`), so it and all it starts
     share one process group, and when the deadline passes, or anything is raised while waiting
-    (Ctrl-C, pytest-timeout), the whole group is killed (:func:`commlab.launcher.kill_groups`, with
+    (Ctrl-C, pytest-timeout), the whole group is killed (:func:`commlab.launch.launcher.kill_groups`, with
     ``grace`` for a command that cleans up on SIGTERM). The timeout is re-raised as :class:`GroupTimeout`, naming ``what`` (default: the command line).
     A command that finishes in time is left alone: whatever it left running is still there for a
     test to find. Blocks at most ``timeout`` + ``grace`` seconds, plus reaping.
@@ -161,7 +162,7 @@ def run_group(argv: list[str], timeout: float, what: str | None = None, *, grace
 
 def commlab_train(args: list[str], timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     """``commlab train ARGS`` as a user runs it, in a subprocess with a deadline (ranks and servers included)."""
-    return run_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", *args], timeout,
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "train", "--no-progress", *args], timeout,
                      "commlab train " + " ".join(args), env=child_env(**(env or {})), capture_output=True, text=True)
 
 

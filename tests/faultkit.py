@@ -17,7 +17,8 @@ from pathlib import Path
 
 import zmq
 
-from commlab import auth, launcher, psproto, transport, wire
+from commlab.transport import auth, psproto, sockets as transport, wire
+from commlab.launch import launcher
 from commlab.regimes.ps import server_stats
 
 import zygote
@@ -65,7 +66,7 @@ class Server:
 class Procs:
     """Starts servers, workers and stores through the launcher's primitives (each process leads a
     group of its own and dies with the test's process); :meth:`close` stops whatever still runs,
-    by process group (:func:`commlab.launcher.stop_all`), never by name."""
+    by process group (:func:`commlab.launch.launcher.stop_all`), never by name."""
 
     def __init__(self, tmp: Path):
         self.tmp, self.procs = tmp, []
@@ -87,7 +88,7 @@ class Procs:
         return Server(p.popen, endpoint, log)
 
     def store(self, addr: str, prefix: tuple[str, ...] = ()) -> int:
-        """A rendezvous store in a process of its own (:func:`commlab.launcher.start_store`) at
+        """A rendezvous store in a process of its own (:func:`commlab.launch.launcher.start_store`) at
         ``addr``, started with ``prefix`` (a namespace); its port. Ranks that use it need
         ``TORCHELASTIC_USE_AGENT_STORE=True`` (:data:`AGENT_ENV`)."""
         return launcher.start_store(addr, prefix, ENV, self.tmp / f"store{len(self.procs)}.log", START_TIMEOUT,
@@ -137,7 +138,7 @@ class Raw:
         if secret is not None:
             transport.handshake(self.sock, secret, sender, "server", 10.0)
         self.sender, self.id = sender, 1000
-        self.link = None  # a commlab.psshm.Link, once the caller mapped what a hello with shm_host offered
+        self.link = None  # a commlab.transport.psshm.Link, once the caller mapped what a hello with shm_host offered
 
     def send(self, frames) -> None:
         transport.send(self.sock, frames, timeout=10, who="server")
@@ -231,7 +232,7 @@ def kill_rank_under_launcher(url: str, model: str, rank: int, settle_s: float) -
     has run ``settle_s`` seconds. Returns the launcher's exit code, its stderr and the pids it left
     running (its ranks and servers share its process group). Blocks at most ~START_TIMEOUT + 60 s;
     nothing it started outlives the call."""
-    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
+    cli = launcher.start_group([sys.executable, "-m", "commlab.tools.cli", "train", "--no-progress", "--exchanger", url,
                                 "--workers", "3", "--model", model, "--steps", "100000"], LAUNCHER_ENV, cwd=REPO,
                                starter=zygote.start, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab.rendezvous import RankInfo
+from commlab.transport.rendezvous import RankInfo
 
 
 def wait_for(cond, what: str, timeout: float = 60.0) -> None:

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 import commlab
-from commlab.rendezvous import from_env, leave
+from commlab.transport.rendezvous import from_env, leave
 
 SIZES = (0, 1, 7, 300_001, 4 * 2**20 + 5)  # the last: 16 MiB of float32 and 5 elements, in 1 MiB chunks
 

@@ -239,7 +239,7 @@ def test_many_short_jobs_back_to_back_all_start(tmp_path):
     script.write_text(AGAIN.replace("range(3)", "range(2)"))
     env = child_env(COMMLAB_ZYGOTE="off")
     for i in range(20):
-        proc = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--exchanger",
+        proc = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "2", "--exchanger",
                           "allreduce://?backend=gloo", str(script)], timeout=120, env=env,
                           capture_output=True, text=True)
         assert proc.returncode == 0, f"job {i}: {proc.stderr[-3000:]}"

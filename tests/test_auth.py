@@ -1,4 +1,4 @@
-"""A job admits only its own processes, on loopback too (commlab.auth): strangers with the right ports but
+"""A job admits only its own processes, on loopback too (commlab.transport.auth): strangers with the right ports but
 not the job's secret are dropped and counted, never read as a rank's data, and cannot make a server hold
 memory or key spaces.
 
@@ -21,9 +21,9 @@ import zmq
 from torch import nn
 
 import commlab
-from commlab import auth, psproto, shm, transport, wire
-from commlab.errors import AuthError, ConfigError
-from commlab.rendezvous import RankInfo
+from commlab.transport import auth, psproto, shm, sockets as transport, wire
+from commlab.base.errors import AuthError, ConfigError
+from commlab.transport.rendezvous import RankInfo
 
 from faultkit import Procs, Raw
 
@@ -207,7 +207,7 @@ def _ring_with_stranger(transport_kind: str, monkeypatch, stranger) -> list:
     waits until ``stranger(store)`` has done its worst (so the stranger comes first, by construction). Then
     three all-reduces with closed-form sums. Returns each rank's (wrong elements, facts)."""
     import torch.distributed as dist
-    from commlab import store as store_mod
+    from commlab.transport import store as store_mod
     from commlab.regimes import ring
 
     host = store_mod.host("127.0.0.1", 60)

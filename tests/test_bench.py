@@ -395,7 +395,7 @@ def _children_mentioning(text: str) -> list[str]:
 @pytest.mark.multiproc
 def test_a_tiny_run_writes_every_section_and_leaves_no_process(tmp_path):
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "commlab.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
+    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "--out", str(out), "--sizes", "4K,64K",
             "--bw-regimes", "noop", "--conv-regimes", "local,ddp,gloo", "--ceilings", "memcpy",
             "--max-iters", "3", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--target-acc", "0.05",
             "--scale-regimes", "gloo", "--scale-workers", "2,3", "--scale-steps", "5", "--no-probes", "--budget-s", "150",
@@ -545,9 +545,9 @@ def test_convergence_and_script_rows_state_the_same_curve_figures_under_the_same
 
 
 def test_one_human_bytes_in_binary_units_for_bench_and_commlab():
-    import commlab.metrics
+    import commlab.core.metrics
     from bench import text
-    assert text.human_bytes is commlab.metrics.human_bytes
+    assert text.human_bytes is commlab.core.metrics.human_bytes
     assert [text.human_bytes(n) for n in (None, 0, 1000, 1024, 1536, 4 * 2**20, 1.5 * 2**30, -2048)] == \
         ["—", "0 B", "1000 B", "1 KiB", "1.5 KiB", "4 MiB", "1.5 GiB", "-2 KiB"]
 
@@ -642,7 +642,7 @@ def test_each_case_is_a_subcommand_of_commlab_bench(case, capsys):
 
 def _case(tmp_path, *argv, timeout=240):
     out = tmp_path / "case.json"
-    done = run_group([sys.executable, "-m", "commlab.cli", "bench", *argv, "--json", str(out)], timeout, argv[0],
+    done = run_group([sys.executable, "-m", "commlab.tools.cli", "bench", *argv, "--json", str(out)], timeout, argv[0],
                      env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -692,7 +692,7 @@ def test_ps_rounds_runs_ps_beside_rpc_and_words_the_goal_ratio(tmp_path):
 @pytest.mark.multiproc
 def test_gpu_sweep_dry_runs_on_cpu_tensors_in_the_same_records(tmp_path):
     out = tmp_path / "sweep"
-    done = run_group([sys.executable, "-m", "commlab.cli", "bench", "gpu-sweep", "--devices", "cpu", "--regimes",
+    done = run_group([sys.executable, "-m", "commlab.tools.cli", "bench", "gpu-sweep", "--devices", "cpu", "--regimes",
                       "ring://", "--sizes-mib", "0.01", "--steps", "2", "--warmup", "0", "--out", str(out)], 180,
                      "gpu-sweep", env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -712,7 +712,7 @@ def test_compress_case_runs_each_entry_beside_ddp_with_closed_form_bytes_and_wor
     from commlab.compress.powersgd import layout
     from workers.models import build_model
     out = tmp_path / "compress"
-    argv = [sys.executable, "-m", "commlab.cli", "bench", "compress", "--tiny", "--models", "mlp", "--link", "loopback",
+    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "compress", "--tiny", "--models", "mlp", "--link", "loopback",
             "--steps", "4", "--regime", "allreduce://", "--compressors", "powersgd:4", "--peers", "ddp+powersgd",
             "--out", str(out)]
     forked = zygote_children()
@@ -773,7 +773,7 @@ def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(t
     without the localsteps options). Post-local SGD averages at step 0 only in 12 steps: 4n bytes (a ring's
     count at N = 2), then none; utilization is steps x alone's median step / wall. No time is asserted."""
     out = tmp_path / "lowcomm"
-    argv = [sys.executable, "-m", "commlab.cli", "bench", "lowcomm", "--tiny", "--models", "lm", "--link", "loopback",
+    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "lowcomm", "--tiny", "--models", "lm", "--link", "loopback",
             "--steps", "12", "--entries", "sync,postlocal,async", "--out", str(out)]
     forked = zygote_children()
     done = run_group(argv, 240, "commlab bench lowcomm (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),

@@ -14,7 +14,7 @@ from commlab.compress import powersgd
 from commlab.compress.powersgd import layout
 from commlab.compress.seam import nbytes, pack, unpack
 from commlab.compress.simulate import exchange
-from commlab.registry import resolve
+from commlab.core.registry import resolve
 
 SPECS = ["fp16", "bf16", "powersgd:2,start_iter=0", "topk:0.1", "randomk:0.25", "sign", "int8", "int4", "fp4", "fp8"]
 # a bucket as the exchanger makes one: parameters' shapes in order, flattened back to back
@@ -295,7 +295,7 @@ def test_bad_specs_fail_in_one_line_naming_the_option(spec, words):
 
 
 def test_the_summary_gives_the_ratio_to_uncompressed():
-    from commlab.metrics import summary
+    from commlab.core.metrics import summary
     line = summary({"step": 9, "bytes_sent": 1500, "bytes_received": 1500, "bytes_uncompressed": 12000}, 2.0)
     assert line == "10 steps in 2.0 s, 1.5 KiB sent, 1.5 KiB received per step by rank 0 (0.125x of uncompressed)"
 
@@ -318,12 +318,12 @@ class RecordingMover:
         self.issued = []
 
     def allreduce_async(self, tensor, what=""):
-        from commlab.handles import DoneHandle
+        from commlab.base.handles import DoneHandle
         self.issued.append(("sum", what.split(", ")[-1]))
         return DoneHandle(what=what)
 
     def allgather_async(self, tensor, what=""):
-        from commlab.handles import DoneHandle
+        from commlab.base.handles import DoneHandle
         self.issued.append(("gather", what.split(", ")[-1]))
         return DoneHandle([tensor.clone()], what=what)
 

@@ -3,7 +3,7 @@
 ``commlab train --model mlp --steps 200`` (seed 1, batch 32 a rank, N=2) from the same code the train path
 runs (workers/: the model, the data and its sharding, the optimizer, the evaluation), with the exchange
 done in this one process: each rank's gradient is computed on its own batch, scaled by 1/N into the
-exchanger's buckets (commlab.exchanger.make_buckets, the default bucket size) and combined by
+exchanger's buckets (commlab.core.exchanger.make_buckets, the default bucket size) and combined by
 :func:`commlab.compress.simulate.exchange`, which tests/test_compress_allreduce.py holds bitwise equal to
 the real exchange at N=2. Uncompressed, the average of the ranks' gradients is one process on the combined
 batch (workers/data.py shards it so), which is how the reference runs. PowerSGD starts after a warm-up of
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from commlab.compress import CompressOptions, build
 from commlab.compress.simulate import exchange
-from commlab.exchanger import make_buckets
-from commlab.optim import OptimizerSpec
+from commlab.core.exchanger import make_buckets
+from commlab.core.optim import OptimizerSpec
 from workers.data import load_digits
 from workers.loop import evaluate
 from workers.models import build_model

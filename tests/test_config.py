@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import commlab
-from commlab.config import ExchangerURL, parse_options
-from commlab.errors import BackendUnavailable, ConfigError
+from commlab.base.config import ExchangerURL, parse_options
+from commlab.base.errors import BackendUnavailable, ConfigError
 from commlab.regimes.allreduce import AllReduceOptions
-from commlab.rendezvous import RankInfo, first_slurm_host, from_env
+from commlab.transport.rendezvous import RankInfo, first_slurm_host, from_env
 
 
 def test_url_parse_endpoints_and_query():
@@ -138,8 +138,8 @@ BAD_URLS = [  # (URL, the option its one-line refusal names, the value it says i
 
 @pytest.mark.parametrize("url, name, got", BAD_URLS)
 def test_every_bad_number_in_a_url_is_one_line_naming_the_option(url, name, got):
-    """The check the CLI makes before anything starts (commlab.cli.check_url: the registry's resolve)."""
-    from commlab.cli import check_url
+    """The check the CLI makes before anything starts (commlab.tools.cli.check_url: the registry's resolve)."""
+    from commlab.tools.cli import check_url
 
     problem = check_url(url)
     assert problem is not None and "\n" not in problem, problem
@@ -152,7 +152,7 @@ def test_every_number_of_every_regime_declares_its_range():
     import dataclasses
     import typing
 
-    from commlab.registry import REGIMES, regime_class
+    from commlab.core.registry import REGIMES, regime_class
 
     for scheme in REGIMES:
         options = regime_class(scheme).Options
@@ -197,7 +197,7 @@ def test_bad_numbers_on_the_command_line_exit_2_with_one_line_and_start_nothing(
         logs, tmp = tmp_path / f"logs{i}", tmp_path / f"tmp{i}"
         tmp.mkdir()
         argv = [str(script) if a == "SCRIPT" else a for a in argv]
-        cmd = [sys.executable, "-m", "commlab.cli", argv[0], "--log-dir", str(logs), *argv[1:]]
+        cmd = [sys.executable, "-m", "commlab.tools.cli", argv[0], "--log-dir", str(logs), *argv[1:]]
         r = run_group(cmd, 60, env=child_env(TMPDIR=str(tmp)), capture_output=True, text=True)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, (argv, r.returncode, r.stderr)
@@ -211,7 +211,7 @@ def test_a_hello_whose_optimizer_settings_are_not_numbers_is_refused_and_the_ser
     shard fixes anything; the same hello with numbers is then served."""
     from faultkit import Procs, Raw
 
-    from commlab.manifest import describe_optimizer, model_manifest
+    from commlab.core.manifest import describe_optimizer, model_manifest
 
     model = torch.nn.Linear(3, 2)
     optim = describe_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), model)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import commlab
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from conftest import collect, start_ranks
 from faultkit import Procs
 from test_user_loop import rel_diff
@@ -143,10 +143,10 @@ def test_ring_meets_in_the_store_of_a_default_group_made_before_it():
     MASTER_PORT: the ring must meet there, not host a second one (which could not bind the port)."""
     import torch.distributed as dist
     from commlab.regimes.ring import RingExchanger
-    from commlab.registry import resolve
+    from commlab.core.registry import resolve
     from torch.distributed import distributed_c10d
 
-    from commlab.rendezvous import RankInfo
+    from commlab.transport.rendezvous import RankInfo
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=2))
@@ -197,8 +197,8 @@ def test_a_compressor_without_error_feedback_declares_no_residual_to_carry():
 
 def test_exchange_step_is_refused_before_setup_and_where_the_servers_update():
     from commlab.regimes.ps import PSExchanger
-    from commlab.registry import resolve
-    from commlab.rendezvous import RankInfo
+    from commlab.core.registry import resolve
+    from commlab.transport.rendezvous import RankInfo
 
     _, options = resolve("ps://127.0.0.1:1?mode=sync")
     ex = PSExchanger(options, RankInfo.single())

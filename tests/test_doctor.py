@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from commlab import doctor
-from commlab.errors import BackendUnavailable, ConfigError
-from commlab.exchanger import make_buckets
-from commlab.staging import CPU_RESIDENT, HostStaging, resolve_device
+from commlab.tools import doctor
+from commlab.base.errors import BackendUnavailable, ConfigError
+from commlab.core.exchanger import make_buckets
+from commlab.core.staging import CPU_RESIDENT, HostStaging, resolve_device
 
 from conftest import run_group
 
@@ -34,7 +34,7 @@ def run(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 # ----- the doctor, end to end ---------------------------------------------------------------------
 def test_doctor_runs_and_reports_cuda_plainly():
-    out = run("-m", "commlab.doctor", "--no-probe")
+    out = run("-m", "commlab.tools.doctor", "--no-probe")
     assert out.returncode == 0, out.stderr
     if torch.cuda.is_available():
         assert "CUDA: yes" in out.stdout
@@ -45,7 +45,7 @@ def test_doctor_runs_and_reports_cuda_plainly():
 
 
 def test_doctor_json_through_the_cli_matches_this_process():
-    out = run("-m", "commlab.cli", "doctor", "--json", "--no-probe")
+    out = run("-m", "commlab.tools.cli", "doctor", "--json", "--no-probe")
     assert out.returncode == 0, out.stderr
     facts = json.loads(out.stdout)
     assert facts["cuda"]["cuda_available"] == torch.cuda.is_available()
@@ -242,7 +242,7 @@ def test_worker_refuses_cuda_without_it_by_name():
 def test_gpu_sweep_skips_plainly_without_cuda(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("checks the no-CUDA answer")
-    out = run("-m", "commlab.cli", "bench", "gpu-sweep", "--out", str(tmp_path))
+    out = run("-m", "commlab.tools.cli", "bench", "gpu-sweep", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "commlab bench gpu-sweep: skipped: no CUDA" in out.stdout
     assert list(tmp_path.iterdir()) == []

@@ -101,7 +101,7 @@ def test_a_round_id_is_agreed_past_a_dead_rounds_keys_and_above_its_id():
 
     import torch.distributed as dist
 
-    from commlab.rendezvous import RankInfo, agree_round
+    from commlab.transport.rendezvous import RankInfo, agree_round
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
     dead = 10 ** 13  # a dead round's id from a clock far ahead

@@ -32,7 +32,7 @@ CASES = [(example, url) for example in sorted(EXAMPLES) for url in REGIMES] + [
 
 
 def commlab_run(args: list[str], timeout: float = TIMEOUT, **env) -> subprocess.CompletedProcess:
-    return run_group([sys.executable, "-m", "commlab.cli", "run", *args], timeout, "commlab run " + " ".join(args),
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", *args], timeout, "commlab run " + " ".join(args),
                      cwd=ROOT, env=child_env(**env), capture_output=True, text=True)
 
 

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 import commlab
-from commlab.errors import ConfigError, ModelMismatch
-from commlab.exchanger import make_buckets
-from commlab.manifest import manifest_difference, model_manifest
-from commlab.rendezvous import RankInfo
+from commlab.base.errors import ConfigError, ModelMismatch
+from commlab.core.exchanger import make_buckets
+from commlab.core.manifest import manifest_difference, model_manifest
+from commlab.transport.rendezvous import RankInfo
 
 
 def model(seed=0):
@@ -179,7 +179,7 @@ def test_torch_errors_map_onto_the_hierarchy_by_one_rule():
     by type where torch gives one, by gloo's words where it does not; only the fallback differs."""
     import torch.distributed as dist
 
-    from commlab.errors import CommError, CommTimeout, PeerLost, from_torch
+    from commlab.base.errors import CommError, CommTimeout, PeerLost, from_torch
 
     assert from_torch(RuntimeError("[../gloo/pair.cc:534] Timed out waiting 5000ms for recv\nmore")) == (
         CommTimeout, "[../gloo/pair.cc:534] Timed out waiting 5000ms for recv")

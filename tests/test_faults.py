@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import keys, shm
-from commlab.errors import CommTimeout
-from commlab.rendezvous import RankInfo
+from commlab.transport import keys, shm
+from commlab.base.errors import CommTimeout
+from commlab.transport.rendezvous import RankInfo
 
 from faultkit import finish, kill9, kill_rank_under_launcher
 from test_security import RecordingProxy
@@ -47,9 +47,9 @@ def param_of(out: str) -> list[float]:
 # ----- authentication ----------------------------------------------------------------------------
 
 def test_server_refuses_a_public_address_without_keys_and_says_how(procs, tmp_path):
-    public = procs.popen([sys.executable, "-m", "commlab.cli", "server", "--bind", "tcp://0.0.0.0:0"],
+    public = procs.popen([sys.executable, "-m", "commlab.tools.cli", "server", "--bind", "tcp://0.0.0.0:0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    missing = procs.popen([sys.executable, "-m", "commlab.cli", "server", "--keys", str(tmp_path / "none")],
+    missing = procs.popen([sys.executable, "-m", "commlab.tools.cli", "server", "--keys", str(tmp_path / "none")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     (code, _, err), (code2, _, err2) = finish([public, missing], timeout=120)
     assert code == 2
@@ -172,7 +172,7 @@ STEPS = 150
 
 def _train(procs, url: str, out) -> subprocess.Popen:
     # a process group of its own (Procs.popen): finish() and Procs.close() stop its ranks too
-    return procs.popen([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger", url,
+    return procs.popen([sys.executable, "-m", "commlab.tools.cli", "train", "--no-progress", "--exchanger", url,
                         "--workers", "2", "--model", "tiny", "--steps", str(STEPS), "--batch-size", "16",
                         "--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--save-params", str(out)],
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

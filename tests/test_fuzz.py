@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import commlab
-from commlab import auth, psproto, psshm, shm, transport, wire
-from commlab.manifest import describe_optimizer, model_manifest
-from commlab.rendezvous import RankInfo
+from commlab.transport import auth, psproto, psshm, shm, sockets as transport, wire
+from commlab.core.manifest import describe_optimizer, model_manifest
+from commlab.transport.rendezvous import RankInfo
 
 from faultkit import Procs, Raw, setup_beside_raw
 

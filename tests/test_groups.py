@@ -14,15 +14,15 @@ from __future__ import annotations
 import pytest
 
 import commlab
-from commlab.errors import ConfigError
-from commlab.rendezvous import RankInfo
+from commlab.base.errors import ConfigError
+from commlab.transport.rendezvous import RankInfo
 
 GROUPS_JOB = """
 import json, os, sys, time
 import torch
 from torch import nn
 import commlab
-from commlab.errors import CommError, ConfigError
+from commlab.base.errors import CommError, ConfigError
 
 r = int(os.environ["RANK"])
 server = os.environ["PS_SERVER"]

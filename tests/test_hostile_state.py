@@ -21,8 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from commlab import wire
-from commlab.errors import ProtocolError
+from commlab.transport import wire
+from commlab.base.errors import ProtocolError
 from conftest import child_env, run_group
 
 DEPTH = wire.MAX_STATE_DEPTH
@@ -133,7 +133,7 @@ HOSTILE = {  # name: (blob, the error's `where`, what its message says)
     "tuples 10^5 deep": (blob(deep_tuples(10**5)), "state" + "[0]" * DEPTH, rf"nests containers {DEPTH + 1} deep: at most {DEPTH}"),
     "tuples 200 deep": (blob(deep_tuples(200)), "state" + "[0]" * DEPTH, rf"at most {DEPTH}"),
     "lists 65 deep": (blob(b"\x91" * (DEPTH + 1) + b"\xc0"), "state" + "[0]" * DEPTH, rf"at most {DEPTH}"),
-    "not ours": (b"PK\x03\x04" + b"\0" * 20, "magic", "not made by commlab.wire.pack_state"),
+    "not ours": (b"PK\x03\x04" + b"\0" * 20, "magic", "not made by commlab.transport.wire.pack_state"),
     "header length past the end": (wire.STATE_MAGIC + struct.pack("<I", 2**32 - 1) + b"\xc0", "header",
                                    r"of 4294967295 bytes runs past"),
     "array of 2^32-1 items declared": (blob(b"\xdd\xff\xff\xff\xff"), "state", r"not msgpack \(ValueError"),
@@ -168,7 +168,7 @@ HOSTILE = {  # name: (blob, the error's `where`, what its message says)
 READER = """
 import json, sys
 from pathlib import Path
-from commlab import wire
+from commlab.transport import wire
 for path in sorted(Path(sys.argv[1]).glob("*.bin")):
     print(json.dumps({"case": path.stem, "started": True}), flush=True)
     try:

@@ -162,8 +162,8 @@ def test_ps_throw_on_early_termination_raises_on_every_rank(tmp_path, servers):
 def test_join_needs_setup_is_not_nested_and_enable_false_does_nothing():
     import torch
     import commlab
-    from commlab.errors import ConfigError
-    from commlab.rendezvous import RankInfo
+    from commlab.base.errors import ConfigError
+    from commlab.transport.rendezvous import RankInfo
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

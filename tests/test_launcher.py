@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import commlab
-from commlab import launcher, scratch
+from commlab.launch import launcher, scratch
 
 from conftest import REAL_STARTS, child_env, run_group
 
@@ -69,7 +69,7 @@ time.sleep(600)
 
 
 def _cli(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "commlab.cli", *args]
+    return [sys.executable, "-m", "commlab.tools.cli", *args]
 
 
 def _wait_children(proc: subprocess.Popen, n: int, timeout: float = 60) -> list[int]:
@@ -146,8 +146,8 @@ def test_ctrl_c_stops_every_rank_and_says_so(tmp_path):
 @pytest.mark.usefixtures("real_starts")
 def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
     """SIGKILL leaves the launcher no chance to clean up: its ranks, each in a process group of its
-    own, must still go (the parent-death signal set by commlab/childexec.py), and the scratch folder
-    it leaves is removed by the next start's sweep (commlab.scratch)."""
+    own, must still go (the parent-death signal set by commlab/launch/childexec.py), and the scratch folder
+    it leaves is removed by the next start's sweep (commlab.launch.scratch)."""
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)
     tmp = tmp_path / "tmp"
@@ -231,7 +231,7 @@ def test_train_ends_with_a_summary_through_a_pipe(tmp_path):
 
 
 def test_reported_endpoints_replace_the_planned_ones_in_server_order():
-    from commlab.launcher import with_endpoints
+    from commlab.launch.launcher import with_endpoints
 
     url = "ps://?mode=sync&endpoints=tcp://127.0.0.1:0,tcp://127.0.0.1:0,tcp://127.0.0.1:0"
     got = with_endpoints(url, ["tcp://127.0.0.1:0"] * 3,
@@ -245,7 +245,7 @@ def test_reported_endpoints_replace_the_planned_ones_in_server_order():
 
 
 def test_a_plan_binds_port_0_and_start_servers_hands_the_workers_what_each_server_bound(tmp_path):
-    from commlab.launcher import bind_of, server_plan, start_servers, stop_all
+    from commlab.launch.launcher import bind_of, server_plan, start_servers, stop_all
 
     procs = []
     with server_plan("ps://?shards=2&mode=sync", 2) as (template, argvs):
@@ -266,7 +266,7 @@ def test_a_store_in_a_process_of_its_own_reports_its_port(tmp_path):
 
     import torch.distributed as dist
 
-    from commlab.launcher import start_store, stop_all
+    from commlab.launch.launcher import start_store, stop_all
 
     procs = []
     try:
@@ -281,7 +281,7 @@ def test_a_store_in_a_process_of_its_own_reports_its_port(tmp_path):
 
 
 def test_report_writes_one_json_line_per_call_to_the_rank_s_own_file(tmp_path, monkeypatch):
-    from commlab.metrics import last_record, metrics_path, summary
+    from commlab.core.metrics import last_record, metrics_path, summary
 
     base = tmp_path / "m.jsonl"
     monkeypatch.delenv("COMMLAB_METRICS", raising=False)
@@ -310,7 +310,7 @@ def test_how_a_process_starts_is_the_callers_and_the_environment_names_only_a_mo
     """start_group and a Job start through the starter they are given; without one, through the module
     $COMMLAB_STARTER names (how a harness reaches the launchers its commands run), else the ordinary way."""
     import zygote
-    from commlab.errors import ConfigError
+    from commlab.base.errors import ConfigError
 
     asked: list[list[str]] = []
 

@@ -20,10 +20,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from localsteps_driver import batch, make_inner, make_model  # noqa: E402
 
-from commlab.config import ExchangerURL, parse_options  # noqa: E402
-from commlab.errors import ConfigError  # noqa: E402
+from commlab.base.config import ExchangerURL, parse_options  # noqa: E402
+from commlab.base.errors import ConfigError  # noqa: E402
 from commlab.regimes.allreduce import AllReduceOptions  # noqa: E402
-from commlab.regimes.localsteps import fragments, offsets, parse_outer  # noqa: E402
+from commlab.core.localsteps import fragments, offsets, parse_outer  # noqa: E402
 
 DRIVER = Path(__file__).resolve().parent / "localsteps_driver.py"
 PROGRAM = f"import runpy; runpy.run_path({str(DRIVER)!r}, run_name='__main__')"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import netns
-from commlab import auth, keys
+from commlab.transport import auth, keys
 
 from faultkit import AGENT_ENV, Procs, finish
 
@@ -81,7 +81,7 @@ import json, sys, time
 from datetime import timedelta
 import torch, zmq, zmq.auth
 import torch.distributed as dist
-from commlab import wire
+from commlab.transport import wire
 addr, port, server_key = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.PrefixStore("1", dist.PrefixStore("commlab/", dist.TCPStore(  # the job's first exchanger's keys
     addr, port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False, use_libuv=True)))
@@ -229,7 +229,7 @@ def test_a_bench_job_places_ranks_store_and_servers_in_namespaces_and_trains(tmp
     the two shards ps:// plans on hosts 2 and 3, each bound to port 0 on its namespace's address
     and reporting what it bound. Sync PS with SGD equals local:// on the combined batch."""
     from bench import jobs
-    from commlab import launcher
+    from commlab.launch import launcher
     from conftest import child_env, run_group
 
     tag = f"cj{os.getpid() % 100000}"

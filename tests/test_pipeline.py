@@ -103,7 +103,7 @@ def commlab_run(url: str, metrics: Path, script: str, *extra: str):
     """``commlab run --workers 4 --exchanger URL SCRIPT`` with the small model, BATCH per replica."""
     args = ["--workers", "4", "--exchanger", url, "--metrics", str(metrics), script, *MODEL,
             "--batch-size", str(BATCH), *extra]
-    return run_group([sys.executable, "-m", "commlab.cli", "run", *args], TIMEOUT, cwd=ROOT, env=child_env(),
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", *args], TIMEOUT, cwd=ROOT, env=child_env(),
                      capture_output=True, text=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from commlab.plan import calibrate as C
 from commlab.plan.costmodel import (Bucket, Calibration, Compute, Straggler, Topology, Transport, parse_regime,
                                     ps_time, ring_bytes_per_rank, shards_to_beat_ring)
@@ -145,7 +145,7 @@ def test_ssp_bound_one_is_lockstep_and_a_slow_worker_holds_the_others():
     free = simulate(cal, topo(nic_bps=100e9), parse_regime("ps://?mode=async"), 4, straggler=s, steps=20)
     held = simulate(cal, topo(nic_bps=100e9), parse_regime("ps://?mode=ssp&staleness=1"), 4, straggler=s, steps=20)
     assert held.throughput < free.throughput
-    assert max(held.staleness) <= 3 * (2 * 1 + 1)  # (N-1)(2S+1), commlab.psproto.ssp_staleness_bound
+    assert max(held.staleness) <= 3 * (2 * 1 + 1)  # (N-1)(2S+1), commlab.transport.psproto.ssp_staleness_bound
 
 
 # ----- calibration ------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_commlab_plan_writes_a_table_plots_and_a_recommendation_up_to_4096_worke
                 opt=1e-10)
     cal.save(tmp_path / "cal.json")
     out = tmp_path / "plan"
-    argv = [sys.executable, "-m", "commlab.cli", "plan", "--calibration", str(tmp_path / "cal.json"), "--workers",
+    argv = [sys.executable, "-m", "commlab.tools.cli", "plan", "--calibration", str(tmp_path / "cal.json"), "--workers",
             "8,4096", "--link", "10gbit", "--batch-size", "32", "--out", str(out), "--max-shards", "16",
             "--straggler", "lognormal:0.05", "--compress", "none"]  # compression: tests/test_plan_compress.py
     res = run_group(argv, 180, capture_output=True, text=True, cwd=ROOT)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from commlab.compress import build, simulate as sim
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from commlab.plan import calibrate as C
 from commlab.plan import compression as K
 from commlab.plan.__main__ import main as plan_main

@@ -12,19 +12,20 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, psproto, wire
-from commlab.errors import ConfigError, RemoteError
-from commlab.manifest import model_manifest
+from commlab.launch import launcher
+from commlab.transport import psproto, wire
+from commlab.base.errors import ConfigError, RemoteError
+from commlab.core.manifest import model_manifest
 from commlab.regimes.ps import PSExchanger
-from commlab.rendezvous import RankInfo
-from commlab.config import ExchangerURL
+from commlab.transport.rendezvous import RankInfo
+from commlab.base.config import ExchangerURL
 from workers.models import build_model
 
 from conftest import GroupTimeout
 from faultkit import DRIVER, ENV, REPO, START_TIMEOUT, Procs, Raw, setup_beside_raw
 
 RUN_TIMEOUT = 150.0
-TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.psshm): same results
+TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.transport.psshm): same results
 
 
 @pytest.fixture
@@ -151,7 +152,7 @@ def sync_runs(tmp_path_factory, request):
     for opt, k in CASES:
         paths[opt, k] = tmp / f"{opt}-{k}.pt"
         url = f"ps://?shards={k}&mode=sync&bucket_mb=0.004{PIECES[k]}&transport={request.param}"
-        cmds.append([sys.executable, "-m", "commlab.cli", "train", "--exchanger", url,
+        cmds.append([sys.executable, "-m", "commlab.tools.cli", "train", "--exchanger", url,
                      "--workers", "2", "--model", "tiny", "--steps", "20", "--batch-size", "16", "--no-progress",
                      "--save-params", str(paths[opt, k]), *OPTIMIZERS[opt]])
     run_all(cmds)
@@ -396,7 +397,7 @@ def test_server_plans_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypat
     import glob
     import tempfile
 
-    from commlab.launcher import server_plan
+    from commlab.launch.launcher import server_plan
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # only this test's folders are counted
     pattern = str(tmp_path / "commlab-ps-*")

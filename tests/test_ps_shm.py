@@ -1,4 +1,4 @@
-"""ps:// with ``transport=shm|auto`` (commlab.psshm): what a link is made of, who owns its segments, and
+"""ps:// with ``transport=shm|auto`` (commlab.transport.psshm): what a link is made of, who owns its segments, and
 that nothing stays in /dev/shm, whoever is killed. The arithmetic under shm is checked by the tests of
 tests/test_ps.py, tests/test_ps_update.py and tests/test_fuzz.py, parametrized over tcp and shm."""
 
@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 import commlab
-from commlab import launcher, psproto, psshm, shm, wire
-from commlab.errors import ConfigError
-from commlab.manifest import describe_optimizer, model_manifest
-from commlab.rendezvous import RankInfo
+from commlab.launch import launcher
+from commlab.transport import psproto, psshm, shm, wire
+from commlab.base.errors import ConfigError
+from commlab.core.manifest import describe_optimizer, model_manifest
+from commlab.transport.rendezvous import RankInfo
 
 from faultkit import ENV, LAUNCHER_ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
 
@@ -145,7 +146,7 @@ def test_launcher_trains_over_shm_and_a_killed_rank_leaves_no_segment(tmp_path):
     """``commlab train --exchanger 'ps://?shards=2&transport=shm'``: servers on ipc sockets for the
     headers, payloads in segments; kill -9 of a rank: the launcher stops the rest and nothing of any
     of its processes stays in /dev/shm."""
-    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "train", "--no-progress", "--exchanger",
+    cli = launcher.start_group([sys.executable, "-m", "commlab.tools.cli", "train", "--no-progress", "--exchanger",
                                 "ps://?shards=2&mode=async&transport=shm&timeout=20", "--workers", "2",
                                 "--model", "tiny", "--steps", "100000"], LAUNCHER_ENV, cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

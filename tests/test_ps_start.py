@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import commlab
-from commlab.rendezvous import RankInfo
+from commlab.transport.rendezvous import RankInfo
 from faultkit import Procs
 
 pytestmark = pytest.mark.multiproc
@@ -191,7 +191,7 @@ def test_a_clip_in_the_loop_under_update_server_is_said_once_and_gradscaler_alon
 
 
 def test_a_rank_that_never_reaches_setup_is_named(servers):
-    from commlab.errors import CommTimeout
+    from commlab.base.errors import CommTimeout
 
     model = seeded_model(0)
     with connect(f"{servers(1)}?timeout=2&retries=0&transport=tcp", 0) as ex:

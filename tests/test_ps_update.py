@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import commlab
-from commlab.errors import ConfigError, RemoteError
-from commlab.metrics import metrics_path
-from commlab.rendezvous import RankInfo
+from commlab.base.errors import ConfigError, RemoteError
+from commlab.core.metrics import metrics_path
+from commlab.transport.rendezvous import RankInfo
 from faultkit import Procs
 from test_user_loop import (BN_RANKS, BN_STEPS, assert_close, assert_inf_step_skipped, assert_ranks_identical,  # noqa: F401
                             ddp_rank0, run_loop)  # noqa: F401 (a fixture)
@@ -29,7 +29,7 @@ import userloop
 pytestmark = pytest.mark.multiproc
 
 STEPS = 20
-TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.psshm)
+TRANSPORTS = ["tcp", "shm"]  # payloads in zmq frames, or through shared memory (commlab.transport.psshm)
 
 
 @pytest.fixture
@@ -139,10 +139,10 @@ def test_an_optimizer_the_servers_cannot_build_is_refused_with_a_way_out(servers
 
 
 def test_every_mode_and_placement_pair_has_one_object_on_each_side():
-    """The protocol's table (commlab.psproto) is what both sides build from: each mode's default placement,
+    """The protocol's table (commlab.transport.psproto) is what both sides build from: each mode's default placement,
     the placements it refuses, and for every allowed pair one client object (commlab.regimes.ps_steps) and
     one shard object (servers.modes), whose declared abilities agree with the protocol's."""
-    from commlab import psproto
+    from commlab.transport import psproto
     from commlab.regimes import ps_steps
     from servers import modes
 

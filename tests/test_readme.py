@@ -115,7 +115,7 @@ def test_readme_is_short_and_keeps_the_two_commands():
 
 def test_readme_names_only_commands_that_exist():
     """``commlab X`` and ``commlab bench CASE`` in the README are commands the CLI has (read from its source)."""
-    cli = (ROOT / "commlab" / "cli.py").read_text()
+    cli = (ROOT / "commlab" / "tools" / "cli.py").read_text()
     commands = {"train", "run"} | set(re.findall(r'^\s+"(\w+)": \("', cli, re.M))
     bench_main = (ROOT / "bench" / "__main__.py").read_text()
     cases = set(re.findall(r'"([\w-]+)": "bench\.\w+"', bench_main))

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import faultkit
-from commlab import launcher, shm
+from commlab.launch import launcher
+from commlab.transport import shm
 
 from conftest import REAL_STARTS, child_env, run_group
 
@@ -38,7 +39,7 @@ def _run(tmp_path: Path, url: str, model: str, *, workers: int = 2, restarts: in
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", str(workers), "--max-restarts",
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", str(workers), "--max-restarts",
                       str(restarts), "--deadline", "150", "--exchanger", url, "--log-dir", str(tmp_path / "logs"),
                       SCRIPT, str(out), str(STEPS), model], timeout, cwd=ROOT, env=child_env(TMPDIR=tmp_path / "tmp", **env),
                      capture_output=True, text=True)
@@ -150,7 +151,7 @@ def test_async_and_ssp_count_every_applied_push_once_across_a_restart(tmp_path, 
 
 
 def test_max_restarts_below_zero_is_one_line_naming_it(tmp_path):
-    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--max-restarts", "-1", SCRIPT], 60, cwd=ROOT,
+    r = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--max-restarts", "-1", SCRIPT], 60, cwd=ROOT,
                   env=child_env(), capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["commlab run: --max-restarts must be >= 0, got -1"], r.stderr
@@ -173,11 +174,11 @@ def test_charlm_under_ring_restarts_from_its_checkpoint_and_equals_the_uninterru
     that never stopped."""
     url = "ring://"
     whole = tmp_path / "whole.jsonl"
-    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--exchanger", url, "--metrics",
+    r = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "2", "--exchanger", url, "--metrics",
                    str(whole), *LM], 180, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = tmp_path / "m.jsonl"
-    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "1",
+    cli = launcher.start_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "2", "--max-restarts", "1",
                                 "--exchanger", url, "--metrics", str(metrics), *LM, "--checkpoint",
                                 str(tmp_path / "lm.pt"), "--checkpoint-every", "6"],
                                child_env(**REAL_STARTS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -206,7 +207,7 @@ def test_a_server_that_dies_is_named_and_not_restarted(tmp_path):
     is theirs: --resume), in one line naming it."""
     script = tmp_path / "wait.py"
     script.write_text("import time\ntime.sleep(600)\n")
-    cli = launcher.start_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "3",
+    cli = launcher.start_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "2", "--max-restarts", "3",
                                 "--exchanger", "ps://?shards=1", str(script)], child_env(**REAL_STARTS), cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -269,7 +270,7 @@ time.sleep(600)
 def test_every_attempt_gets_the_restart_count_and_a_fresh_store_and_the_deadline_spans_them(tmp_path):
     script, seen = tmp_path / "attempts.py", tmp_path / "seen.txt"
     script.write_text(ATTEMPTS)
-    r = run_group([sys.executable, "-m", "commlab.cli", "run", "--workers", "2", "--max-restarts", "2", "--deadline",
+    r = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "2", "--max-restarts", "2", "--deadline",
                    "4", "--exchanger", "noop://", str(script), str(seen)], 120, cwd=ROOT, env=child_env(),
                   capture_output=True, text=True)
     assert r.returncode == 124, r.stderr

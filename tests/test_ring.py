@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from commlab.errors import CommError, ConfigError, ProtocolError
-from commlab.store import host as host_store
+from commlab.base.errors import CommError, ConfigError, ProtocolError
+from commlab.transport.store import host as host_store
 from commlab.regimes.ring import SWAP_STEPS, bytes_moved, ring_schedule, ring_steps, segment_bounds
-from commlab import wire
+from commlab.transport import wire
 from zygote import ENV as ZYGOTE_ENV
 
 from conftest import run_group
@@ -132,8 +132,8 @@ def test_schedule_visits_every_segment_and_moves_2_n_minus_1_over_n():
 
 
 def test_two_ranks_swap_small_tensors_in_one_step_and_ring_the_rest():
-    from commlab.registry import connect
-    from commlab.rendezvous import RankInfo
+    from commlab.core.registry import connect
+    from commlab.transport.rendezvous import RankInfo
 
     def plan(url, rank, world, n, itemsize=4):
         return connect(url, RankInfo(rank, world, rank, "127.0.0.1", 1, "test")).plan(n, itemsize)
@@ -184,7 +184,7 @@ def test_shm_link_delivers_what_was_sent_before_the_sender_closed():
     first (the closed end left a TAKEN signal unread). And a sender that closes with linger waits until
     its chunks were taken, so it leaves nothing unread."""
     import threading
-    from commlab import shm
+    from commlab.transport import shm
     from commlab.regimes.ring import shm_slot_bytes
     from commlab.regimes.ring_links import SLOTS, Collective, ShmInbox, ShmOutbox
 
@@ -228,8 +228,8 @@ def test_shm_link_delivers_what_was_sent_before_the_sender_closed():
 
 
 def test_options_are_validated():
-    from commlab.registry import connect
-    from commlab.rendezvous import RankInfo
+    from commlab.core.registry import connect
+    from commlab.transport.rendezvous import RankInfo
     with pytest.raises(ConfigError, match="chunk_mb must be >= 0"):
         connect("ring://?chunk_mb=-1", RankInfo.single())
     with pytest.raises(ConfigError, match=r"'transport': 'udp' is not one of"):
@@ -257,7 +257,7 @@ def _data(seed: int, rank: int, n: int, dtype) -> torch.Tensor:
 def _sums(rank, world, queries, big_queries):
     import commlab
     torch.manual_seed(0)
-    from commlab.rendezvous import connect_store, from_env
+    from commlab.transport.rendezvous import connect_store, from_env
     store = connect_store(from_env(), 30)  # one store per process, shared by the three exchangers
     report = []
     cases = [(n, torch.float32) for n in (0, 1, 7, MIB // 4 + 3)]
@@ -399,7 +399,7 @@ def _wait_in_ring(folder, world: int, procs, timeout: float = 60.0) -> None:
 
 def _shm_entries(pids) -> list[str]:
     """Entries in /dev/shm owned (by name) by any of ``pids``."""
-    from commlab import shm
+    from commlab.transport import shm
     return [name for name in os.listdir(shm.SHM_DIR)
             if (m := shm.NAME.fullmatch(name)) is not None and int(m["pid"]) in pids]
 
@@ -452,7 +452,7 @@ def test_stalled_rank_is_named_by_every_survivor(tmp_path, transport):
 # ----- training equals the single-process large-batch reference ------------------------------------------
 def _train(tmp_path: Path, url: str, workers: int, batch: int, name: str) -> dict:
     out = tmp_path / f"{name}.pt"
-    cmd = [sys.executable, "-m", "commlab.cli", "train", "--exchanger", url, "--workers", str(workers),
+    cmd = [sys.executable, "-m", "commlab.tools.cli", "train", "--exchanger", url, "--workers", str(workers),
            "--batch-size", str(batch), "--model", "tiny", "--momentum", "0.9", "--steps", "20",
            "--save-params", str(out), "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -1,4 +1,4 @@
-"""commlab.scratch: folders named by their owner; the sweep removes those whose owner is gone, only those."""
+"""commlab.launch.scratch: folders named by their owner; the sweep removes those whose owner is gone, only those."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from commlab import launcher, scratch, shm
+from commlab.launch import launcher, scratch
+from commlab.transport import shm
 from conftest import child_env
 
 OWNER = """
 import sys, time
-from commlab import scratch
+from commlab.launch import scratch
 path = scratch.mkdtemp("ring", sys.argv[1])
 open(path + "/r0", "w").close()
 print(path, flush=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import zmq
 
-from commlab import keys, transport, wire
-from commlab.errors import CommTimeout, ConfigError
+from commlab.transport import keys, sockets as transport, wire
+from commlab.base.errors import CommTimeout, ConfigError
 
 SENTINEL = b"commlab-plaintext-sentinel-" * 8
 

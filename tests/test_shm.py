@@ -1,4 +1,4 @@
-"""commlab.shm: a segment's file goes away on normal exit, on SIGTERM, and (found by the next start's sweep)
+"""commlab.transport.shm: a segment's file goes away on normal exit, on SIGTERM, and (found by the next start's sweep)
 after SIGKILL; the sweep never touches a live owner's entries or names that are not commlab's."""
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from commlab import launcher, shm
-from commlab.errors import ProtocolError
+from commlab.launch import launcher
+from commlab.transport import shm
+from commlab.base.errors import ProtocolError
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not os.path.isdir(shm.SHM_DIR), reason=f"needs {shm.SHM_DIR}")
 
 OWNER = """
 import sys, time
-from commlab import shm
+from commlab.transport import shm
 seg = shm.Segment.create(sys.argv[1], "t-out", 1 << 20)
 seg.array()[:4] = [1, 2, 3, 4]
 print(seg.path, flush=True)

@@ -1,6 +1,6 @@
 """The GPU data path of ring:// and ps://, run on a machine without a GPU.
 
-A CUDA bucket goes through :class:`commlab.staging.HostStaging`: the copy to its host mirror starts in
+A CUDA bucket goes through :class:`commlab.core.staging.HostStaging`: the copy to its host mirror starts in
 the backward hook, the regime reads (pushes, the ring) and writes (averages, pulled parameters, the
 ring's sum) the mirror only, and each written range is copied back to the bucket or the parameter.
 ``COMMLAB_STAGE_CPU=1`` gives CPU buckets such a mirror, copied synchronously, so every index and
@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from commlab.exchanger import make_buckets
-from commlab.staging import CPU_MIRRORED, STAGE_CPU_ENV, HostStaging
+from commlab.core.exchanger import make_buckets
+from commlab.core.staging import CPU_MIRRORED, STAGE_CPU_ENV, HostStaging
 from test_ps_update import STEPS, ps_url, servers  # noqa: F401 (a fixture)
 from test_user_loop import assert_close, assert_inf_step_skipped, assert_ranks_identical, run_loop
 

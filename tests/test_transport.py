@@ -1,4 +1,4 @@
-"""commlab.transport: which I/O thread carries a socket's bytes is the caller's choice, and it holds."""
+"""commlab.transport.sockets: which I/O thread carries a socket's bytes is the caller's choice, and it holds."""
 
 import os
 import re
@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from commlab.errors import ConfigError
-from commlab.transport import Transport
+from commlab.base.errors import ConfigError
+from commlab.transport.sockets import Transport
 
 
 def _threads() -> dict[int, str]:
@@ -99,7 +99,7 @@ def test_send_buffer_is_fixed_only_within_this_host():
     """Towards another host the kernel's autotuning stays (a fixed buffer would cap a long fat link);
     zmq reports -1 for "the system's". The remote case never touches the network: the attach step is
     a stand-in, so no packet leaves this machine."""
-    from commlab.transport import _open
+    from commlab.transport.sockets import _open
 
     net = Transport(sndbuf=512 * 1024)
     try:

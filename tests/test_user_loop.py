@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import commlab
-from commlab.errors import ConfigError
-from commlab.rendezvous import RankInfo
+from commlab.base.errors import ConfigError
+from commlab.transport.rendezvous import RankInfo
 from conftest import child_env, collect, start_ranks
 
 import userloop

@@ -6,8 +6,8 @@ import msgpack
 import pytest
 import torch
 
-from commlab import wire
-from commlab.errors import ProtocolError
+from commlab.transport import wire
+from commlab.base.errors import ProtocolError
 
 
 def roundtrip(parts, **kw):
@@ -162,5 +162,5 @@ def test_a_committed_state_not_packed_by_commlab_is_refused():
 
     buf = io.BytesIO()
     torch.save({"a": 1}, buf)
-    with pytest.raises(ProtocolError, match="not made by commlab.wire.pack_state"):
+    with pytest.raises(ProtocolError, match="not made by commlab.transport.wire.pack_state"):
         wire.unpack_state(buf.getvalue())

@@ -107,7 +107,7 @@ def test_script_comparison_gives_a_row_per_regime_and_equal_sync_losses(tmp_path
     script = tmp_path / "tiny.py"
     script.write_text(textwrap.dedent(TINY))
     out = tmp_path / "cmp"
-    argv = [sys.executable, "-m", "commlab.cli", "bench", "script", "--regimes",
+    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "script", "--regimes",
             "allreduce://?backend=gloo,ring://,gone://", "--workers", "2", "--timeout", "120", "--out", str(out),
             "--", str(script)]
     done = run_group(argv, 300, "commlab bench script", env=child_env(), cwd=ROOT, capture_output=True, text=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import zygote
-from commlab import launcher
+from commlab.launch import launcher
 
 from conftest import child_env
 
@@ -92,7 +92,7 @@ def test_a_script_and_a_module_run_as_main_with_their_folder_first(zygote_env, t
     assert module.returncode == 0, err
     assert json.loads(out) == ["__main__", [str(tmp_path / "pkg" / "tool.py"), "m"], str(tmp_path)]
     # a module the zygote preloaded runs as __main__ as in a fresh interpreter: runpy has no warning for it
-    preloaded = _start(["-m", "commlab.cli", "--help"], zygote_env)
+    preloaded = _start(["-m", "commlab.tools.cli", "--help"], zygote_env)
     out, err = preloaded.communicate(timeout=120)
     assert preloaded.returncode == 0 and "usage: commlab" in out and err == "", err
 
@@ -135,7 +135,7 @@ def test_an_exited_child_stays_a_zombie_until_waited_for_as_a_child_of_ones_own(
 
 REQUESTER = """
 import subprocess, sys, time
-from commlab import launcher
+from commlab.launch import launcher
 p = launcher.start_group([sys.executable, "-c", "import time; time.sleep(600)"])
 print(p.pid, type(p).__module__, flush=True)
 time.sleep(600)
@@ -291,7 +291,7 @@ def test_the_ranks_of_a_launcher_a_test_starts_are_forked_from_the_zygote_too(zy
     their parent is the zygote, not that launcher."""
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    cli = _start(["-m", "commlab.cli", "run", "--workers", "2", str(script)], dict(zygote_env, OUT=str(tmp_path)))
+    cli = _start(["-m", "commlab.tools.cli", "run", "--workers", "2", str(script)], dict(zygote_env, OUT=str(tmp_path)))
     out, err = cli.communicate(timeout=170)
     assert cli.returncode == 0, err
     parents = [(tmp_path / r).read_text().split(" ", 1) for r in ("0", "1")]

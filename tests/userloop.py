@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from commlab.exiting import exit_now
-from commlab.metrics import metrics_path
+from commlab.launch.exiting import exit_now
+from commlab.core.metrics import metrics_path
 
 FEATURES, HIDDEN, OUT, BATCH, MICRO = 6, 8, 3, 4, 2
 CLIP = 0.05  # below every pre-clip norm of this loop: clipping always acts

@@ -1,7 +1,7 @@
 """A fork server for the test suite: torch imported once, every Python process forked from it.
 
 Test plumbing, not the library's (as torch keeps its harness under ``torch/testing/_internal``): the
-launcher takes how to start a process as a parameter (:data:`commlab.launcher.Starter`), and this
+launcher takes how to start a process as a parameter (:data:`commlab.launch.launcher.Starter`), and this
 module provides one.
 
 Each rank, server and launcher the tests start imports torch (about 2 s of CPU) and, to build an
@@ -12,12 +12,12 @@ an environment, a folder and three file descriptors (stdin, stdout, stderr, pass
 ``SCM_RIGHTS``), and is answered by a forked child that runs the program as a fresh interpreter
 would, with torch already in memory.
 
-Opt-in only: the tests' helpers pass :func:`start` to :func:`commlab.launcher.start_group` (and
+Opt-in only: the tests' helpers pass :func:`start` to :func:`commlab.launch.launcher.start_group` (and
 ``Job(starter=...)``); it asks the zygote named by ``$COMMLAB_ZYGOTE`` (the tests' conftest starts one
 and sets it) for command lines it can serve, and starts every other command, or any command without
 that variable (or with ``off``), the ordinary way. The processes the tests start inherit
 ``$COMMLAB_STARTER=tests.zygote``, so the launchers, ranks and servers they run start theirs here too
-(:func:`commlab.launcher.starter_from_env`). Users never get one.
+(:func:`commlab.launch.launcher.starter_from_env`). Users never get one.
 
 Only its owner: the socket is bound under a temporary name inside a folder of mode 0700 that the
 zygote makes (or finds owned by it, with no access for others), set to mode 0600 and renamed, so
@@ -28,7 +28,7 @@ A command line may start with ``ip netns exec NS`` (as root; the child joins the
 namespace, without the /sys and /etc mounts ``ip netns exec`` adds) and ``env NAME=VALUE...``.
 
 What a child gets, as from a real start: a session (and process group) of its own, so
-:func:`commlab.launcher.kill_groups` stops it with whatever it started; its own argv,
+:func:`commlab.launch.launcher.kill_groups` stops it with whatever it started; its own argv,
 environment, folder, ``sys.path`` (the script's folder or the current one, then ``$PYTHONPATH``,
 then the interpreter's own), standard streams built as the interpreter builds them
 (``PYTHONUNBUFFERED``/``PYTHONIOENCODING`` honoured); Python's default signal dispositions;
@@ -41,7 +41,7 @@ when imported.
 
 Death with the requester: a requester holds one connection per child until it has the child's
 exit status; if the connection closes first (the requester died), the zygote SIGKILLs the child's
-process group, as ``PR_SET_PDEATHSIG`` does for a real start (:mod:`commlab.childexec`). The
+process group, as ``PR_SET_PDEATHSIG`` does for a real start (:mod:`commlab.launch.childexec`). The
 children die with the zygote (``PR_SET_PDEATHSIG``), and the zygote with the process that started
 it. Fork happens before any thread pool (OpenMP) or zmq context exists: the zygote only imports.
 
@@ -68,7 +68,7 @@ import time
 ENV = "COMMLAB_ZYGOTE"  # the zygote's socket path; unset (or "off"): real starts
 MODULE = "tests.zygote"  # this module's name for $COMMLAB_STARTER (the repository root on sys.path)
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.utils.checkpoint", "numpy", "zmq", "msgpack",
-           "tqdm", "commlab", "commlab.cli", "commlab.launcher", "commlab.exchanger", "commlab.store",
+           "tqdm", "commlab", "commlab.tools.cli", "commlab.launch.launcher", "commlab.core.exchanger", "commlab.transport.store",
            "workers.loop", "servers.server", "bench", MODULE)
 MAX_MSG = 1 << 20
 CONNECT_S = 120.0  # how long a requester waits for a zygote that is still importing
@@ -83,14 +83,14 @@ def socket_path() -> str | None:
 
 
 class Starter:
-    """A :data:`commlab.launcher.Starter` that forks what it can from the zygote listening at ``path``
-    and starts anything else the ordinary way (:func:`commlab.launcher.plain_start`)."""
+    """A :data:`commlab.launch.launcher.Starter` that forks what it can from the zygote listening at ``path``
+    and starts anything else the ordinary way (:func:`commlab.launch.launcher.plain_start`)."""
 
     def __init__(self, path: str):
         self.path = path
 
     def __call__(self, argv, env, **popen_kw) -> subprocess.Popen:
-        from commlab import launcher
+        from commlab.launch import launcher
 
         if serves(argv):
             return Popen(list(argv), zygote=self.path, env=dict(env), start_new_session=True, **popen_kw)
@@ -100,7 +100,7 @@ class Starter:
 def start(argv, env, **popen_kw) -> subprocess.Popen:
     """The starter ``$COMMLAB_STARTER=tests.zygote`` names: the zygote at ``$COMMLAB_ZYGOTE`` (read now, so
     a test that turns it off turns it off), else the ordinary start."""
-    from commlab import launcher
+    from commlab.launch import launcher
 
     path = socket_path()
     return Starter(path)(argv, env, **popen_kw) if path else launcher.plain_start(argv, env, **popen_kw)
@@ -153,7 +153,7 @@ class Popen(subprocess.Popen):
 
     Used like any Popen (pipes, ``communicate``, ``poll``, ``wait``, signals to ``pid``); the
     child is not this process's own, so its exit status comes from the zygote over the connection
-    this object holds. Only what :func:`commlab.launcher.start_group` passes is supported: stdio
+    this object holds. Only what :func:`commlab.launch.launcher.start_group` passes is supported: stdio
     redirections, ``cwd``, ``env``, ``text``, and a new session (always).
     """
 

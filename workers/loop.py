@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import commlab
-from commlab import rendezvous
-from commlab.optim import OPTIMIZERS, OptimizerSpec
-from commlab.staging import resolve_device
+from commlab.transport import rendezvous
+from commlab.core.optim import OPTIMIZERS, OptimizerSpec
+from commlab.core.staging import resolve_device
 from workers.data import load_digits
 from workers.models import MODELS, build_model
 
@@ -89,9 +89,9 @@ def train(cfg: WorkerConfig, rank_info: rendezvous.RankInfo) -> dict:
     data = load_digits(side, cfg.seed)
     rank, world = rank_info.rank, rank_info.world_size
     ex = commlab.connect(cfg.exchanger, rank_info)
-    metrics = cfg.metrics or os.environ.get(commlab.metrics.ENV)
+    metrics = cfg.metrics or os.environ.get(commlab.core.metrics.ENV)
     if cfg.metrics:  # a file named on the command line holds this run only (the launcher clears its own)
-        commlab.metrics.metrics_path(cfg.metrics, rank).unlink(missing_ok=True)
+        commlab.core.metrics.metrics_path(cfg.metrics, rank).unlink(missing_ok=True)
     bar = None
     if cfg.progress and rank == 0:
         from tqdm import tqdm

@@ -15,8 +15,9 @@ from datetime import timedelta
 
 from commlab.compress.base import (REGISTRY, Compressor, ErrorFeedback, build, check_fits, known, parse_spec,
                                    register)
-from commlab.config import CommonOptions, option
-from commlab.errors import CommTimeout, ConfigError
+from commlab.compress import codecs, powersgd, quant  # noqa: F401  (the built-in compressors register themselves)
+from commlab.base.config import CommonOptions, option
+from commlab.base.errors import CommTimeout, ConfigError
 
 __all__ = ["Compressor", "ErrorFeedback", "REGISTRY", "build", "check_fits", "known", "parse_spec", "register",
            "CompressOptions", "from_options", "agree"]
@@ -48,7 +49,7 @@ def agree(store, info, options, timeout: float) -> None:
     """Every rank compresses as rank 0 does (``compress=`` and ``ef=``), before any payload of mismatched size
     reaches a collective: else a rank that differs, and rank 0 (which reads every rank's), raise
     :class:`ConfigError` naming both. ``store``: the exchanger's own namespace of the job's store
-    (:func:`commlab.rendezvous.exchanger_store`), so each exchanger agrees apart from any other. Collective."""
+    (:func:`commlab.transport.rendezvous.exchanger_store`), so each exchanger agrees apart from any other. Collective."""
     mine = f"compress={getattr(options, 'compress', 'none')}&ef={int(getattr(options, 'ef', True))}"
     key = "compress/"
     store.set(key + str(info.rank), mine)

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 
 Payload = list  # of tensors
 
@@ -249,7 +249,6 @@ def _fail(spec: str, why: str) -> ConfigError:
 
 def parse_spec(spec: str) -> tuple[str, str | None, dict[str, str]]:
     """``'powersgd:4,start_iter=10'`` -> ``('powersgd', '4', {'start_iter': '10'})``; unknown names raise."""
-    _load_builtins()
     head, *rest = spec.strip().split(",")
     name, _, arg = head.partition(":")
     name = name.strip().lower()
@@ -309,6 +308,3 @@ def check_fits(comp: Compressor | None, scheme: str, synchronous: bool) -> None:
         raise ConfigError(f"option 'compress': {comp.name} needs every rank's payload at every step; "
                           f"{scheme}:// in this mode lets ranks run apart")
 
-
-def _load_builtins() -> None:
-    from commlab.compress import codecs, powersgd, quant  # noqa: F401  (they register themselves)

@@ -21,7 +21,7 @@ from fractions import Fraction
 import torch
 
 from commlab.compress.base import Compressor, no_arg, no_more, register, take
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 
 
 def fraction(arg: str | None) -> Fraction:

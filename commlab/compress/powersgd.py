@@ -37,7 +37,7 @@ import torch
 
 from commlab.compress.base import Compressor, register, take, no_more
 from commlab.compress.codecs import mix
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

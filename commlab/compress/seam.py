@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import torch
 
 from commlab.compress.base import Compressor
-from commlab.handles import DoneHandle, GroupHandle, Handle
+from commlab.base.handles import DoneHandle, GroupHandle, Handle
 
 
 class Mover(Protocol):

@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from commlab.compress import build
 from commlab.plan.cache import Kept
 from commlab.plan.rates import parse_rate

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from commlab.errors import ConfigError
-from commlab.exchanger import make_buckets
-from commlab.heap import keep_freed_gradients, release_freed_memory
-from commlab.manifest import model_manifest
+from commlab.base.errors import ConfigError
+from commlab.core.exchanger import make_buckets
+from commlab.core.heap import keep_freed_gradients, release_freed_memory
+from commlab.core.manifest import model_manifest
 from commlab.plan.costmodel import Bucket, Calibration, Compute, Transport
 
 # bench regime name -> transport it calibrates (and shards, for push-pull)

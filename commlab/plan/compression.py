@@ -3,7 +3,7 @@ a link rate, and the rate below which it beats the uncompressed exchange.
 
 **What a compressor costs** (:func:`measure`, on this CPU, one thread and its CPU time as
 :func:`~commlab.plan.calibrate.measure_compute`, big freed blocks kept in the heap as a worker's exchanger
-keeps them, :mod:`commlab.heap`): the model's own buckets (commlab's bucketing, with their presence flags)
+keeps them, :mod:`commlab.core.heap`): the model's own buckets (commlab's bucketing, with their presence flags)
 go through the real seam (:func:`commlab.compress.seam.start_compressed`) and the real compressor, with
 error feedback, for N simulated ranks that are all this one (a mover whose sums and gathers are done when
 issued: the wire is the cost model's part). Per bucket and round: what the regime moves (sum or gather, by
@@ -57,17 +57,17 @@ from torch import nn
 
 from commlab.compress import seam
 from commlab.compress.base import Compressor, build
-from commlab.config import ExchangerURL
-from commlab.errors import ConfigError
-from commlab.exchanger import make_buckets
-from commlab.handles import DoneHandle
-from commlab.heap import keep_freed_gradients, release_freed_memory
+from commlab.base.config import ExchangerURL
+from commlab.base.errors import ConfigError
+from commlab.core.exchanger import make_buckets
+from commlab.base.handles import DoneHandle
+from commlab.core.heap import keep_freed_gradients, release_freed_memory
 from commlab.plan.calibrate import cpu_clock
 from commlab.plan.rates import parse_rate
 from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
                                     parse_regime)
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
-from commlab.registry import regime_class
+from commlab.core.registry import regime_class
 
 # what `commlab plan` weighs unless told (--compress): each costs a measurement on a first call, so the block
 # quantizers (int8, int4, fp4, fp8: local steps' pseudo-gradients) are weighed when named
@@ -135,7 +135,7 @@ class _Timed:
 
 
 def exchange_buckets(compute: Compute):
-    """The model's buckets as a regime holds them (:func:`commlab.exchanger.make_buckets`, presence flags
+    """The model's buckets as a regime holds them (:func:`commlab.core.exchanger.make_buckets`, presence flags
     included), from the calibration's parameter lists; gradients zero."""
     out = []
     for b, bucket in enumerate(compute.buckets):

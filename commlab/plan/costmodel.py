@@ -28,8 +28,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from commlab.config import ExchangerURL
-from commlab.errors import ConfigError
+from commlab.base.config import ExchangerURL
+from commlab.base.errors import ConfigError
 
 GBIT = 1e9 / 8  # bytes per second in one gigabit per second
 

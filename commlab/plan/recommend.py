@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from commlab.plan.costmodel import Calibration, Regime, Straggler, Topology, parse_regime, shards_to_beat_ring
 from commlab.plan.simulate import SimResult, simulate
 

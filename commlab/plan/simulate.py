@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from commlab.errors import ConfigError
+from commlab.base.errors import ConfigError
 from commlab.plan.costmodel import Calibration, Regime, Straggler, Topology
-from commlab.psproto import assign_shards
+from commlab.transport.psproto import assign_shards
 from commlab.regimes.ring import segment_bounds
 
 PIECE_BYTES = 16 * 2**20  # ps:// cuts parameters into pieces of at most piece_mb (16 MiB)

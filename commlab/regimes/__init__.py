@@ -1,1 +1,1 @@
-"""Worker-side regimes, one module each, found through :mod:`commlab.registry`."""
+"""Worker-side regimes, one module each, found through :mod:`commlab.core.registry`."""

@@ -18,7 +18,7 @@ for N < 4, more beyond (ring:// can cast per hop instead). Bytes counted are tho
 
 Under DDP (or any code that made the default process group first) the exchanger uses that group and
 its store, and never destroys it: only a group it created itself. Over a group of the job's ranks
-(``commlab.connect(url, group=...)``, :mod:`commlab.groups`) it all-reduces on a DeviceMesh
+(``commlab.connect(url, group=...)``, :mod:`commlab.core.groups`) it all-reduces on a DeviceMesh
 dimension's process group when given one, else on a process group of the group's members that it makes
 (the other ranks call nothing) and shuts down on close; it never makes or destroys the default group then.
 """
@@ -31,12 +31,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from commlab import compress, rendezvous
-from commlab.config import option
-from commlab.regimes.localsteps import LocalStepsOptions
-from commlab.errors import BackendUnavailable, CommError, ConfigError
-from commlab.exchanger import CollectiveExchanger
-from commlab.handles import Handle, WorkHandle
+from commlab import compress
+from commlab.transport import rendezvous
+from commlab.base.config import option
+from commlab.core.localsteps import LocalStepsOptions
+from commlab.base.errors import BackendUnavailable, CommError, ConfigError
+from commlab.core.exchanger import CollectiveExchanger
+from commlab.base.handles import Handle, WorkHandle
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,10 @@ class AllReduceExchanger(CollectiveExchanger):
 
     def _meet_group(self) -> None:
         """``connect(group=...)``: a DeviceMesh dimension's process group (borrowed), else one of the group's
-        members alone that this exchanger makes and owns (:func:`commlab.groups.new_process_group`: the other
+        members alone that this exchanger makes and owns (:func:`commlab.core.groups.new_process_group`: the other
         ranks of the job call nothing). The default group, if there is one (a pipeline's), is only read for
         its store; none is made here."""
-        from commlab.groups import new_process_group
+        from commlab.core.groups import new_process_group
         timeout = self.options.timeout
         self.store = rendezvous.exchanger_store(rendezvous.job_store(self.rank_info, timeout), self.rank_info, timeout)
         if self.torch_group is not None:

@@ -8,9 +8,9 @@ against.
 
 from __future__ import annotations
 
-from commlab.errors import ConfigError
-from commlab.exchanger import BucketedExchanger
-from commlab.handles import DoneHandle
+from commlab.base.errors import ConfigError
+from commlab.core.exchanger import BucketedExchanger
+from commlab.base.handles import DoneHandle
 
 
 class LocalExchanger(BucketedExchanger):

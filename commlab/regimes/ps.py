@@ -21,7 +21,7 @@ shard, so all shards are fed in parallel). Where the update runs:
 compressor, and the shard sums or decodes the payloads as the compressor declares
 (:mod:`commlab.regimes.ps_compress`, :mod:`servers.compressed`).
 
-See :mod:`commlab.psproto` for the protocol and :mod:`servers` for the server.
+See :mod:`commlab.transport.psproto` for the protocol and :mod:`servers` for the server.
 
 ``commlab train --exchanger 'ps://?shards=K&mode=...'`` starts K servers on
 loopback itself (:meth:`PSExchanger.plan_local`).
@@ -42,17 +42,18 @@ from typing import Callable
 import torch
 import zmq
 
-from commlab import auth, compress, psproto, psshm, rendezvous, shm, transport, wire
+from commlab import compress
+from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.compress import CompressOptions
-from commlab.config import MAX_MB, ExchangerURL, option, parse_options
-from commlab.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
-from commlab.manifest import describe_optimizer, model_manifest
-from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
+from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
+from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
+from commlab.core.manifest import describe_optimizer, model_manifest
+from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
 from commlab.regimes.ps_steps import StepPlacement, for_servers
-from commlab.rendezvous import RankInfo, group_key
-from commlab.staging import HostStaging
+from commlab.transport.rendezvous import RankInfo, group_key
+from commlab.core.staging import HostStaging
 
 
 MAX_SHARDS = 64  # servers commlab train starts on one host (ps://?shards=K): each is a process with its own heap
@@ -169,7 +170,7 @@ class _Shard:
         self.hello_meta: dict = {}
         self.targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}  # key -> (param, start, count)
         self.max_reply = 0
-        # transport=shm|auto (see commlab.psshm): payloads through two segments the server made for this connection
+        # transport=shm|auto (see commlab.transport.psshm): payloads through two segments the server made for this connection
         self.shm_want = ""  # "", "shm" or "auto"
         self.shm_pieces: list[tuple[str, str, int]] = []  # (key, dtype, numel) in hello order: the layout
         self.link: psshm.Payloads = psshm.FRAMES  # after hello: a psshm.Link where the shard gave one
@@ -202,7 +203,7 @@ class _Shard:
 
     def _open(self) -> zmq.Socket:
         """A fresh connection to the shard; with the job's secret, each side has proved it to the other
-        before this returns (:func:`commlab.transport.handshake`, bounded by ``timeout``)."""
+        before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
         sock = self.tp.connect(zmq.DEALER, self.endpoint)
         if self.secret is not None:
             try:
@@ -540,7 +541,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         listen on loopback port 0 (each reports the port it got; the launcher puts it in the
         workers' URL in place of the ``:0`` listed there, in server order), or with
         ``transport=ipc|shm`` on sockets in ``scratch()``, a folder the caller owns and removes (call
-        this through :func:`commlab.launcher.server_plan`). ``auto`` listens on loopback tcp, as a plan
+        this through :func:`commlab.launch.launcher.server_plan`). ``auto`` listens on loopback tcp, as a plan
         a benchmark moves into network namespaces must (the payloads take shared memory where they can).
         """
         opts = _options(url)
@@ -627,7 +628,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self.options.keys:
             if self.options.curve_secret or self.options.server_key:
                 raise ConfigError("ps:// takes keys=DIR or curve_secret=/server_key=, not both")
-            from commlab.keys import client_keys
+            from commlab.transport.keys import client_keys
             curve = client_keys(self.options.keys, self.options.key_name)
         elif self.options.curve_secret:
             curve = transport.CurveKeys.load(self.options.curve_secret, self.options.server_key or None)
@@ -749,7 +750,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         servers, replacing what this rank kept before; a restarted job reads it back as
         :attr:`restored_state`. Blocks until shard 0 holds it (its timeout); not collective (each rank
         keeps its own). ``state`` (dicts, lists, tuples, numbers, strings, bools, None and tensors) travels as
-        :func:`commlab.wire.pack_state` bytes, nothing pickled, which the servers never read; at most 1 MiB. Anything
+        :func:`commlab.transport.wire.pack_state` bytes, nothing pickled, which the servers never read; at most 1 MiB. Anything
         else in it raises ValueError naming where it sits."""
         if not self.shards:
             raise ConfigError("call setup(model, optimizer) before commit_state()")

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 
-from commlab import compress, wire
+from commlab import compress
+from commlab.transport import wire
 from commlab.compress.seam import CompressState, nbytes
-from commlab.errors import ConfigError
-from commlab.handles import DoneHandle, FutureHandle, GroupHandle, Handle
+from commlab.base.errors import ConfigError
+from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The ``ps://`` client's side of an update placement under the servers' consistency mode.
 
-Hello tells the worker the servers' mode and placement (:class:`commlab.psproto.Consistency`,
-:class:`commlab.psproto.Placement`); :func:`for_servers` then builds one object that the exchanger asks
+Hello tells the worker the servers' mode and placement (:class:`commlab.transport.psproto.Consistency`,
+:class:`commlab.transport.psproto.Placement`); :func:`for_servers` then builds one object that the exchanger asks
 on every step, instead of comparing names:
 
 ==================  =======================================  ==========================================
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from commlab import psproto, wire
-from commlab.errors import ConfigError, ModelMismatch
-from commlab.manifest import _plain
+from commlab.transport import psproto, wire
+from commlab.base.errors import ConfigError, ModelMismatch
+from commlab.core.manifest import _plain
 
 if TYPE_CHECKING:
     from commlab.regimes.ps import PSExchanger, _Shard

@@ -35,7 +35,7 @@ straight from zmq's frame (reduce-scatter) or written straight into the caller's
 tensor (all-gather); small reduce-scatter chunks land in one reused scratch
 buffer. Half types (float16, bfloat16) are summed in a float32 copy, sent as
 float32, and rounded once at the end. CUDA buckets are staged through pinned
-host mirrors for tcp/ipc/shm (:mod:`commlab.staging`: the copy to the host
+host mirrors for tcp/ipc/shm (:mod:`commlab.core.staging`: the copy to the host
 starts in the backward hook on a stream of its own; other CUDA tensors, such as
 the initial broadcast, are copied to host memory and back); only
 ``transport=torch`` with NCCL keeps them on the GPU (GPUDirect RDMA where the
@@ -67,8 +67,8 @@ group's store.
 
 Failure: every wait is bounded by ``timeout``. A neighbour that dies is noticed
 at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
-:class:`~commlab.errors.PeerLost` with ``peer`` = its rank; one that stalls
-gives :class:`~commlab.errors.CommTimeout` naming it. The first rank to see a
+:class:`~commlab.base.errors.PeerLost` with ``peer`` = its rank; one that stalls
+gives :class:`~commlab.base.errors.CommTimeout` naming it. The first rank to see a
 failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
 its links, so ranks further around the ring stop too and relay the same
 culprit (``peer``) and who saw it (``origin``).
@@ -103,17 +103,19 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import auth, compress, rendezvous, scratch, shm, wire
-from commlab.regimes.localsteps import LocalStepsOptions
-from commlab.config import option
-from commlab.errors import AuthError, BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
-from commlab.exchanger import CollectiveExchanger
-from commlab.handles import FutureHandle, Handle
-from commlab.heap import keep_freed_memory
-from commlab.staging import HostStaging
+from commlab import compress
+from commlab.transport import auth, rendezvous, shm, wire
+from commlab.launch import scratch
+from commlab.core.localsteps import LocalStepsOptions
+from commlab.base.config import option
+from commlab.base.errors import AuthError, BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
+from commlab.core.exchanger import CollectiveExchanger
+from commlab.base.handles import FutureHandle, Handle
+from commlab.core.heap import keep_freed_memory
+from commlab.core.staging import HostStaging
 from commlab.regimes.ring_links import (SLOTS, Collective, HopCastCollective, Inbox, Outbox, ShmInbox, ShmOutbox,
                                         Step, TorchInbox, TorchOutbox, ZmqInbox, ZmqOutbox)
-from commlab.transport import Link, Transport, is_loopback
+from commlab.transport.sockets import Link, Transport, is_loopback
 
 HALF = (torch.float16, torch.bfloat16)
 CHUNK_MB = 4.0  # zmq and torch links (docs/ring.md: 1 and 2 MiB were slower at 8-32 MiB over tcp/ipc)
@@ -334,7 +336,7 @@ class RingExchanger(CollectiveExchanger):
         size and dtype, in the same order. Does not block: the ring runs on this exchanger's
         communication thread, one collective after another in call order. Don't touch ``tensor`` until
         the handle is done. Needs :meth:`meet` (or setup) first. Thread-safe to call. ``staged``: ``tensor``
-        is that bucket's host mirror (:class:`~commlab.staging.HostStaging`), its copy from the GPU under way."""
+        is that bucket's host mirror (:class:`~commlab.core.staging.HostStaging`), its copy from the GPU under way."""
         flat = self._check(tensor, what)
         self._account(flat)
         return self._submit(lambda: self._reduce(flat, staged), what)
@@ -701,7 +703,7 @@ class RingMeeting:
         auth.put(self.store, self.secret, key, value)
 
     def answer(self, role: str, theirs: bytes, me: int, them: int) -> str:
-        """Rank ``me``'s proof of the job's secret over rank ``them``'s nonce (:meth:`commlab.auth.JobSecret.answer`)."""
+        """Rank ``me``'s proof of the job's secret over rank ``them``'s nonce (:meth:`commlab.transport.auth.JobSecret.answer`)."""
         return self.secret.answer(role, theirs, b"", self.name(me), self.name(them)).hex() if self.secret else ""
 
     @staticmethod
@@ -799,7 +801,7 @@ class LinkKind:
     the kind only what it declares below, never its name."""
 
     # Moves tensors where they are (torch p2p: NCCL on the GPU). Else the ring runs on host memory: CUDA
-    # buckets staged through pinned mirrors (commlab.staging), other CUDA tensors copied down and back.
+    # buckets staged through pinned mirrors (commlab.core.staging), other CUDA tensors copied down and back.
     on_device: ClassVar[bool] = False
     # Links the members of a group (connect(group=...)) as well as a whole job.
     in_groups: ClassVar[bool] = True
@@ -1036,7 +1038,7 @@ class ShmOffer:
                ) -> tuple[shm.Segment, socket.socket]:
         """Wait (at most ``timeout``) for the right neighbour to connect; it has mapped the segment then. With
         a meeting ``m`` that holds the job's secret, a connection that does not prove it as the right
-        neighbour (:func:`commlab.auth.respond`) is closed, counted (``m.refused``) and the wait goes on."""
+        neighbour (:func:`commlab.transport.auth.respond`) is closed, counted (``m.refused``) and the wait goes on."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -1100,7 +1102,7 @@ class ShmOffer:
 def _curve_keys(folder: str, key_name: str):
     """(server pair, authorised clients folder, client pair) from a 'commlab keys' folder: every rank
     is a server to its left neighbour and a client of its right one."""
-    from commlab import keys
+    from commlab.transport import keys
     server, clients = keys.server_keys(folder)
     return server, clients, keys.client_keys(folder, key_name)
 
@@ -1110,7 +1112,7 @@ def _default_group_exists() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-host_identity = shm.host_identity  # moved to commlab.shm (the ps:// client uses it too)
+host_identity = shm.host_identity  # moved to commlab.transport.shm (the ps:// client uses it too)
 
 
 def _quote(report: dict) -> str:

@@ -15,9 +15,9 @@ may join a rank to its left over TCP and to its right through shared memory):
   float32 partials), ``store(t, j)`` writes it there instead.
 
 ``begin(c)`` starts a collective on either half. Every wait is bounded by the link's timeout
-and raises a :mod:`commlab.errors` type with ``peer`` (the neighbour's rank) and ``op``
+and raises a :mod:`commlab.base.errors` type with ``peer`` (the neighbour's rank) and ``op``
 (``"receive"`` or ``"send"``). Framing and validation stay below this line: the fixed chunk
-header (:func:`commlab.wire.chunk_header`) is compared with the one the receiver expects,
+header (:func:`commlab.transport.wire.chunk_header`) is compared with the one the receiver expects,
 whatever carries it.
 
 An outbox's other calls (``pending``, ``pump``, ``fileno``, ``poll_drop``) are for the waits of
@@ -59,9 +59,10 @@ import numpy as np
 import torch
 import zmq
 
-from commlab import errors, wire
-from commlab.errors import CommError, CommTimeout, PeerLost, ProtocolError
-from commlab.transport import Link
+from commlab.base import errors
+from commlab.transport import wire
+from commlab.base.errors import CommError, CommTimeout, PeerLost, ProtocolError
+from commlab.transport.sockets import Link
 
 Step = tuple[int, int, bool]  # (segment sent, segment received, whether the received one is added)
 
@@ -201,7 +202,7 @@ class Inbox(Half):
 # ----- zmq: PUSH/PULL over tcp or ipc -------------------------------------------------------------------
 class ZmqOutbox(Outbox):
     """Chunks up to 64 KiB travel in the header's frame, above 1 MiB zero-copy (tracked: see
-    :meth:`release`), between them copied (:meth:`commlab.transport.Link.send`)."""
+    :meth:`release`), between them copied (:meth:`commlab.transport.sockets.Link.send`)."""
 
     def __init__(self, link: Link, me: int, peer: int, timeout: float):
         super().__init__(me, peer, link.who, timeout)

@@ -6,7 +6,7 @@ without a GPU (staging passes through there, and the NCCL cases skip).
 
 The zmq regimes' workers may share one GPU (rank r uses GPU r % count); NCCL
 needs one GPU per rank, so its cases run as many workers as there are GPUs.
-Regimes not merged yet (not in ``commlab.registry.REGIMES``) skip by name.
+Regimes not merged yet (not in ``commlab.core.registry.REGIMES``) skip by name.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from commlab import launcher
-from commlab.handles import FutureHandle
-from commlab.optim import OptimizerSpec
+from commlab.launch import launcher
+from commlab.base.handles import FutureHandle
+from commlab.core.optim import OptimizerSpec
 from commlab.regimes.local import LocalExchanger
-from commlab.registry import REGIMES, regime_class
-from commlab.rendezvous import RankInfo
-from commlab.staging import HostStaging
+from commlab.core.registry import REGIMES, regime_class
+from commlab.transport.rendezvous import RankInfo
+from commlab.core.staging import HostStaging
 from workers.data import load_digits
 from workers.models import build_model
 
@@ -199,7 +199,7 @@ def reference(workers: int) -> dict[str, torch.Tensor]:
 def needs(url: str, workers: int, nccl: bool) -> None:
     scheme = url.split("://")[0]
     if scheme not in REGIMES:
-        pytest.skip(f"{scheme}:// is not registered in commlab.registry.REGIMES yet")
+        pytest.skip(f"{scheme}:// is not registered in commlab.core.registry.REGIMES yet")
     query = url.split("?", 1)[1] if "?" in url else ""
     fields = {f.name for f in dataclasses.fields(regime_class(scheme).Options)}
     for key in (kv.split("=")[0] for kv in query.split("&") if kv):

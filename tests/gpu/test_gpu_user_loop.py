@@ -38,7 +38,7 @@ CASES = [
     ("allreduce-nccl", "allreduce://?backend=nccl&timeout=120", 2),
     ("ring-torch-nccl", "ring://?transport=torch&backend=nccl&timeout=120", 2),
 ]
-STAGED = ("ring", "ring-tcp", "ps-worker")  # CUDA buckets through commlab.staging's pinned mirrors
+STAGED = ("ring", "ring-tcp", "ps-worker")  # CUDA buckets through commlab.core.staging's pinned mirrors
 
 
 def run(tmp_path, n: int, **cfg) -> list[dict]:

@@ -1,0 +1,1 @@
+"""The command line: ``commlab`` (cli) and ``commlab doctor``."""
