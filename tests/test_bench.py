@@ -703,6 +703,15 @@ def test_gpu_sweep_dry_runs_on_cpu_tensors_in_the_same_records(tmp_path):
         ("gpu-sweep", "ring://", "cpu", 2, int(0.01 * 2**20) // 4 * 4)
     assert "| ring:// | regime | 2 |" in (out / "gpu-dryrun-cpu.md").read_text()
 
+def _run_tiny_case(case: str, args: list[str], out: Path, timeout: float) -> dict:
+    """``commlab bench CASE --tiny ARGS --out OUT`` to its end (rc 0); its JSON."""
+    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", case, "--tiny", *args, "--out", str(out)]
+    done = run_group(argv, timeout, f"commlab bench {case} (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                     cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / f"{case}.json").read_text())
+
+
 
 @pytest.mark.multiproc
 def test_compress_case_runs_each_entry_beside_ddp_with_closed_form_bytes_and_words_the_goal(tmp_path):
@@ -712,14 +721,9 @@ def test_compress_case_runs_each_entry_beside_ddp_with_closed_form_bytes_and_wor
     from commlab.compress.powersgd import layout
     from workers.models import build_model
     out = tmp_path / "compress"
-    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "compress", "--tiny", "--models", "mlp", "--link", "loopback",
-            "--steps", "4", "--regime", "allreduce://", "--compressors", "powersgd:4", "--peers", "ddp+powersgd",
-            "--out", str(out)]
     forked = zygote_children()
-    done = run_group(argv, 200, "commlab bench compress (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                     cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads((out / "compress.json").read_text())
+    doc = _run_tiny_case("compress", ["--models", "mlp", "--link", "loopback", "--steps", "4", "--regime", "allreduce://",
+                                      "--compressors", "powersgd:4", "--peers", "ddp+powersgd"], out, 200)
     (cell,) = doc["cells"]
     assert doc["failures"] == [] and (cell["model"], cell["link"], cell["skip"]) == ("mlp", "loopback", 3)
     rows = {r["regime"]: r for r in cell["rows"]}
@@ -773,13 +777,9 @@ def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(t
     without the localsteps options). Post-local SGD averages at step 0 only in 12 steps: 4n bytes (a ring's
     count at N = 2), then none; utilization is steps x alone's median step / wall. No time is asserted."""
     out = tmp_path / "lowcomm"
-    argv = [sys.executable, "-m", "commlab.tools.cli", "bench", "lowcomm", "--tiny", "--models", "lm", "--link", "loopback",
-            "--steps", "12", "--entries", "sync,postlocal,async", "--out", str(out)]
     forked = zygote_children()
-    done = run_group(argv, 240, "commlab bench lowcomm (tiny)", grace=5, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                     cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads((out / "lowcomm.json").read_text())
+    doc = _run_tiny_case("lowcomm", ["--models", "lm", "--link", "loopback", "--steps", "12",
+                                     "--entries", "sync,postlocal,async"], out, 240)
     (cell,) = doc["cells"]
     rows = {r["regime"]: r for r in cell["rows"]}
     post = "torch PostLocalSGD H=48"
