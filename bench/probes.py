@@ -203,6 +203,51 @@ def restart(steps: int = 40, kill_at: int = 25, every: int = 10, timeout: float 
     return out
 
 
+def handshake(tries: int = 200) -> dict:
+    """What the job's secret costs a ``ps://`` connection (issue 35: at most 5 ms): against one server on
+    loopback, taking turns, a fresh connection plus the mutual handshake (two round trips) beside a fresh
+    connection plus one refused request (one round trip, no proof); and the handshake's own work (both sides'
+    HMACs) in this process. Medians and 90th percentiles in ms."""
+    import zmq
+
+    from commlab.transport import auth, sockets, wire
+    env = dict(os.environ)
+    env.setdefault(auth.SECRET_ENV, os.urandom(24).hex())
+    secret = auth.load(env)
+    p = launcher.spawn("server", [sys.executable, "-m", "servers", "--bind", "tcp://127.0.0.1:0", "--log-every", "0"],
+                       env, None, report_endpoint=True)
+    tp = sockets.Transport()
+    proved: list[float] = []
+    refused: list[float] = []
+    try:
+        endpoint = launcher.await_endpoints([p], 60)[0]
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            sock = tp.connect(zmq.DEALER, endpoint)
+            sockets.handshake(sock, secret, "rank0", "server", 10)
+            proved.append(time.perf_counter() - t0)
+            sock.close(0)
+            t0 = time.perf_counter()
+            sock = tp.connect(zmq.DEALER, endpoint)
+            sockets.send(sock, wire.encode("stats", "rank0", -1, (), {"id": 1}), timeout=10)
+            sockets.recv(sock, 10, "server")
+            refused.append(time.perf_counter() - t0)
+            sock.close(0)
+    finally:
+        launcher.stop_all([p], grace=0)
+        tp.close()
+    work: list[float] = []
+    for _ in range(tries):  # both sides' messages, in one process: the cryptography alone
+        t0 = time.perf_counter()
+        a, b = auth.Initiator(secret, "rank0", "server"), auth.Responder(secret, "server")
+        a.done(b.check(a.prove(b.challenge(a.hello()))))
+        work.append(time.perf_counter() - t0)
+    q = lambda xs, f: sorted(xs)[int(f * (len(xs) - 1))] * 1e3
+    return {"tries": tries, **{f"{k}_ms": {"median": q(v, 0.5), "p90": q(v, 0.9)}
+                               for k, v in (("connect_and_handshake", proved), ("connect_and_one_request", refused),
+                                            ("handshake_work", work))}}
+
+
 def lines(probes: dict) -> list[str]:
     """The report's words for what the probes measured."""
     out = []
@@ -246,7 +291,7 @@ def lines(probes: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes")
     p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "heap", "peer-loss", "peer-loss-rank", "restart", "restart-rank"))
+                   choices=("all", "heap", "peer-loss", "peer-loss-rank", "restart", "restart-rank", "handshake"))
     p.add_argument("--ready")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--timeout", type=float, default=20.0)
@@ -266,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         got["peer_loss"] = peer_loss()
     if a.what in ("all", "restart"):
         got["restart"] = restart()
+    if a.what in ("all", "handshake"):
+        got["handshake"] = handshake()
     print(json.dumps(got, indent=1))
     print("\n".join(lines(got)), file=sys.stderr)
     return 0
