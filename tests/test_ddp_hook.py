@@ -205,6 +205,6 @@ def test_exchange_step_is_refused_before_setup_and_where_the_servers_update():
     with pytest.raises(ConfigError, match=r"call setup\(model, optimizer\) before exchange_step\(\)"):
         ex.exchange_step()
     ex.check_averages()  # mode=sync, update left to the servers: not refused before they say
-    ex.mode, ex.update = "sync", "server"  # what a hello from servers that update would set
+    ex._take_placement({"mode": "sync", "update": "server"})  # what a hello from servers that update sets
     with pytest.raises(ConfigError, match="option 'update'"):
         ex.check_averages()

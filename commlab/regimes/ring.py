@@ -807,6 +807,9 @@ class LinkKind:
     in_groups: ClassVar[bool] = True
     # A first tiny all-reduce after meeting proves every link before anyone relies on the ring.
     proves_ring: ClassVar[bool] = True
+    # Both ends of a link prove the job's secret (commlab.transport.auth) before a byte of data moves; torch p2p
+    # rides torch.distributed's own connections, on its trusted-network model (docs/faults.md).
+    proves_secret: ClassVar[bool] = True
 
     def __init__(self, m: RingMeeting, peer: int, who: str, io_thread: int):
         self.m, self.peer, self.who, self.io_thread = m, peer, who, io_thread
