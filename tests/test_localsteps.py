@@ -226,3 +226,30 @@ def test_fragment_rule():
     assert fragments([4] * 6, 3) == [[0, 3], [1, 4], [2, 5]]  # equal layers: strided
     assert fragments([100, 1, 1, 1, 50, 50], 2) == [[0], [1, 2, 3, 4, 5]]  # balanced by bytes
     assert offsets(48, 4) == [12, 24, 36, 0] and offsets(5, 2) == [2, 0]
+
+
+# ----- ps:// (the shards own the anchor and the outer optimizer) --------------------------------------------------
+
+def ps_url(server, mode: str = "sync") -> str:
+    return f"ps://{server.address}?timeout=30&transport=tcp&update=server&mode={mode}"
+
+
+@pytest.mark.multiproc
+def test_ps_h1_plain_averaging_is_synchronous_sgd(run_ranks, tmp_path, procs):
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=1&outer=sgd:lr=1", 5, inner="sgd")
+    check_ranks(saved, reference(5, 1, dict(lr=1.0), inner="sgd", combined=True), 1e-6)
+
+
+@pytest.mark.multiproc
+def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
+    """The shards step SGD(nesterov) over the anchor; each rank keeps its inner AdamW. Bytes per sync: the
+    float32 pseudo-gradient pushed once to the shards and the anchor pulled once, 4 x numel each way."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 10)
+    ref = reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True))
+    check_ranks(saved, ref, 1e-5)
+    assert max_diff(saved[0]["params"], ref[1][0]) > 1e-4
+    numel = sum(p.numel() for p in ref[0][0].parameters())
+    assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
+    assert server.stats()["updates"] == 2  # one outer step per sync, on the shard

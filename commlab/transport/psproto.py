@@ -103,7 +103,11 @@ class Placement:
 
 WORKER = Placement("worker", shards_step=False)
 SERVER = Placement("server", shards_step=True)
-PLACEMENTS = {p.name: p for p in (WORKER, SERVER)}
+# local steps (``sync_every=H``): the shards hold the anchor and the outer optimizer (its spec travels in the
+# hello's ``optim["outer"]`` as data), a push is a pseudo-gradient and a pull the new anchor; the workers'
+# own optimizers take the inner steps (docs/localsteps.md). The URL asks for it with ``sync_every=``.
+OUTER = Placement("outer", shards_step=True)
+PLACEMENTS = {p.name: p for p in (WORKER, SERVER, OUTER)}
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,8 @@ class Consistency:
         return chosen
 
 
-SYNC = Consistency("sync", gathers=True, placements=(WORKER, SERVER))
-ASYNC = Consistency("async", gathers=False, placements=(SERVER,))
+SYNC = Consistency("sync", gathers=True, placements=(WORKER, SERVER, OUTER))
+ASYNC = Consistency("async", gathers=False, placements=(SERVER, OUTER))
 SSP = Consistency("ssp", gathers=False, placements=(SERVER,))
 CONSISTENCIES = {c.name: c for c in (SYNC, ASYNC, SSP)}
 MODES = tuple(CONSISTENCIES)
