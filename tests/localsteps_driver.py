@@ -6,7 +6,8 @@ where the rank saves its parameters, buffers, inner optimizer state, exchanger s
 gradients (through the rendezvous store): rank 0 can get there only if its own start of the exchange did not
 wait for rank 1. ``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
 (rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
-counts them (``redone``).
+counts them (``redone``). ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
+it too (so no reply of the last sync is still on its way).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from datetime import timedelta
 
 import torch
@@ -78,6 +80,17 @@ def main() -> None:
                         "step": step + 1}, ckpt)
         if cfg.get("kill_at") == step and not cfg.get("resume") and rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("kill_server_at") == step:  # a PS shard dies between two syncs, once both ranks got there
+            flag = f"{out}.past_sync"  # ps:// has no store: a file says rank 1 got there
+            if rank == 1:
+                open(flag, "w").close()
+            else:
+                deadline = time.monotonic() + 30
+                while not os.path.exists(flag):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank 1 never reached step {step}")
+                    time.sleep(0.01)
+                os.kill(cfg["server_pid"], signal.SIGKILL)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()},
                 "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone}, f"{out}.{rank}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,32 @@ def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
     numel = sum(p.numel() for p in ref[0][0].parameters())
     assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
     assert server.stats()["updates"] == 2  # one outer step per sync, on the shard
+
+
+@pytest.mark.multiproc
+def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
+    """The shard checkpoints after every outer step; rank 0 kills it (SIGKILL) after step 5, between the syncs
+    at steps 3 and 7 (0-based); it comes back with --resume on the same port, and the workers' second sync
+    reaches it. The run ends where the uninterrupted reference ends: the anchor and the Nesterov momentum
+    (after the first sync: nonzero) came back from the checkpoint."""
+    from conftest import collect, start_ranks
+    from faultkit import kill9  # noqa: F401  (the same forced kill the fault tests use, here from rank 0)
+
+    ckpt = tmp_path / "ckpt"
+    server = procs.server("--mode", "sync", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    url = ps_url(server).replace("timeout=30", "timeout=8") + "&sync_every=4"
+    out = str(tmp_path / "ls")
+    cfg = dict(url=url, steps=10, kill_server_at=5, server_pid=server.proc.pid)
+    ranks = start_ranks(PROGRAM, N, tmp_path, {"LS_CFG": json.dumps(cfg), "LS_OUT": out})
+    deadline = time.monotonic() + 60
+    while server.proc.poll() is None and time.monotonic() < deadline:  # killed by rank 0, at its step 5
+        if any(p.poll() not in (None, 0) for p in ranks.procs):
+            collect(ranks, 1)  # a rank failed first: its error
+        time.sleep(0.05)
+    assert server.proc.poll() is not None, "rank 0 never killed the shard"
+    resumed = procs.server("--mode", "sync", "--resume", str(ckpt), "--checkpoint-every", "1",
+                           bind=f"tcp://127.0.0.1:{server.port}")
+    collect(ranks, 90)
+    saved = [torch.load(f"{out}.{r}", weights_only=False) for r in range(N)]
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
+    assert resumed.stats()["updates"] == 2

@@ -284,6 +284,11 @@ class _Shard:
                 self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
+        if h.op == "error" and h.meta.get("unproven"):
+            # zmq reconnected this socket by itself to a restarted shard, which serves only a connection that
+            # proved the job's secret: as a lost reply, so that collect() reconnects (a proving one) and resends
+            raise CommTimeout(f"{self.name} did not answer {req.what}: a restarted shard on an unproven connection",
+                              peer=self.peer, op="receive")
         if h.op == "error":
             raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}", peer=self.peer)
         return h, data

@@ -389,7 +389,7 @@ class ShardsOuter(localsteps.Outer):
             anchor.copy_(torch.cat([q.detach().reshape(-1).float() for q in params]))
             return anchor
 
-        return GroupHandle(handles, what, then=landed)
+        return _Retrying(handles, what, then=landed, retries=ex.options.retries)
 
     def state_dict(self):
         return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs}
@@ -398,6 +398,18 @@ class ShardsOuter(localsteps.Outer):
         if "anchors" in state:
             self._anchors = [a.clone().float() for a in state["anchors"]]
         self.syncs = int(state.get("syncs", 0))
+
+
+class _Retrying(GroupHandle):
+    """The shards' exchange of one sync: each shard's thread waits up to ``timeout`` for a reply and then
+    reconnects and resends up to ``retries`` times (a restarted shard), so the whole is given that long."""
+
+    def __init__(self, handles, what, then, retries: int):
+        super().__init__(handles, what, then)
+        self.retries = retries
+
+    def _wait(self, timeout):
+        return super()._wait(timeout * (self.retries + 2))
 
 
 # (placement name, whether the mode gathers a step) -> the client's object
