@@ -6,7 +6,7 @@ where the rank saves its parameters, buffers, inner optimizer state, exchanger s
 gradients (through the rendezvous store): rank 0 can get there only if its own start of the exchange did not
 wait for rank 1. ``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
 (rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
-counts them (``redone``). ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
+counts them (``redone``). ``slow``: rank 1 sleeps that many seconds before each optimizer step. ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
 it too (so no reply of the last sync is still on its way).
 """
 
@@ -73,6 +73,8 @@ def main() -> None:
             ex.store.set("test/ahead", "1")
         if ahead is not None and rank == 1 and step == ahead:
             ex.store.wait(["test/ahead"], timedelta(seconds=20))
+        if rank == 1 and cfg.get("slow"):  # the slow worker (async): as if its step took that much longer
+            time.sleep(cfg["slow"])
         opt.step()
         sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
         if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step

@@ -283,3 +283,33 @@ def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
     saved = [torch.load(f"{out}.{r}", weights_only=False) for r in range(N)]
     check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
     assert resumed.stats()["updates"] == 2
+
+
+@pytest.mark.multiproc
+def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs):
+    """mode=async: each worker pushes its pseudo-gradient when its own H steps are done and pulls the newest
+    anchor; rank 1 is slow. 2 workers x 6 steps / H=2: exactly 6 outer updates on the shard, each push once;
+    bytes per sync: the float32 pseudo-gradient once, 4 x numel."""
+    server = procs.server("--mode", "async")
+    saved = run(run_ranks, tmp_path, ps_url(server, "async") + "&sync_every=2&outer=sgd:lr=0.7", 6, slow=0.05)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 6 and stats["duplicates"] == 0
+    assert stats["last_step"] == {"0": 2, "1": 2}  # each rank's syncs 0, 1, 2, each applied once
+    numel = sum(p.numel() for p in make_model(False).parameters())
+    assert all(s["sent"] == [0, 4 * numel] * 3 for s in saved)
+
+
+def test_ps_options_refused_in_one_line():
+    from commlab.regimes.ps import PSOptions
+
+    def parse(q):
+        return parse_options(PSOptions, ExchangerURL.parse("ps://127.0.0.1:1?" + q))
+
+    assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
+    for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
+                    ("sync_every=4&warmup=2", "warmup"), ("sync_every=4&fragments=2", "fragments"),
+                    ("sync_every=4&overlap=1", "overlap"), ("sync_every=4&compress=fp16", "compress"),
+                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer")]:
+        with pytest.raises(ConfigError, match=name) as exc:
+            parse(q)
+        assert "\n" not in str(exc.value)
