@@ -23,10 +23,9 @@ what one update does (:meth:`Placement.apply`), what a sync step does once every
   push is applied when complete, with the hyperparameters it carries.
 
 A mode and a placement are independent: a mode decides when pushes become an update and when a pull may be
-answered, a placement what an update is. The coming local steps with an outer optimizer (the shards own the
-anchor and the outer optimizer; workers push the pseudo-gradient and pull the anchor) is one more placement
-(its optimizer built from the outer spec; its :meth:`Placement.apply` staleness-aware under async), served
-by the same modes. The protocol-level description both sides read is :mod:`commlab.transport.psproto`.
+answered, a placement what an update is. Local steps with an outer optimizer (:class:`OuterOptimizer`,
+``update=outer``: the shards own the anchor and the outer optimizer; workers push the pseudo-gradient and pull
+the anchor) is one more placement, served by the same modes. The protocol-level description both sides read is :mod:`commlab.transport.psproto`.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ object              a push, then                              ``optimizer.step()
 ssp)
 ==================  =======================================  ==========================================
 
-A new placement (the coming local steps with an outer optimizer on the shards: push the pseudo-gradient,
-pull the anchor) is one more such class and one more entry in :data:`PLACEMENTS`; the exchanger's step
-path does not change. The shard's side of the same choices is :mod:`servers.modes`.
+Local steps with the outer optimizer on the shards (``sync_every=H``: :class:`LocalOuter`, whose
+:class:`ShardsOuter` pushes the pseudo-gradient and pulls the anchor every H steps) is one more such class
+and one more entry in :data:`PLACEMENTS`; the exchanger's step path does not change. The shard's side of the same choices is :mod:`servers.modes`.
 """
 
 from __future__ import annotations

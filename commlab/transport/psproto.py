@@ -28,6 +28,10 @@ on the client as :class:`~commlab.base.errors.RemoteError`)::
         commit step=t {factor, hyper} | {skip}  ->  the N-th commit applies one update (skip: dropped)
       update=server:
         pull  {after_step: t}               <-  params, once the mode allows (see below)
+      update=outer (local steps, sync_every=H; docs/localsteps.md): no push in backward; every H-th step
+        push step=k {base} [the pseudo-gradient]  ->  sync: averaged, then report and commit as update=server
+                                            (the N-th commit steps the outer optimizer); async: applied alone
+        pull {after_step: k}                <-  params [the new anchor]
       compress= (servers.compressed): per unit (a bucket's pieces on this shard) and round r
         push step=t {unit, round, cmeta, absent} [payload frames U/i]  ->  sync: held until every worker's is
                                             in, then summed in rank order; async, ssp: decoded alone, applied
