@@ -52,6 +52,12 @@ def main() -> None:
     out = os.environ["LS_OUT"]
     model = make_model(cfg.get("bn", False))
     opt = make_inner(model, cfg.get("inner", "adamw"))
+    stepped: list[torch.Tensor] = []  # the parameters right after the inner step, before any sync
+
+    def note(*_):
+        stepped[:] = [torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])]
+
+    opt.register_step_post_hook(note)  # runs before the exchanger's, which setup registers after it
     ex = commlab.connect(cfg["url"])
     ex.setup(model, opt)
     rank, start, redone = ex.rank, 0, 0
@@ -63,7 +69,7 @@ def main() -> None:
         ex.load_state_dict(saved["ex"])
         start = saved["step"]
         redone = cfg["kill_at"] + 1 - start  # the steps the killed run took past its last checkpoint
-    sent = []
+    sent, pushed = [], []
     ahead = cfg.get("ahead")  # a fragment's step: rank 1 syncs it only once rank 0 is one step past it
     for step in range(start, cfg["steps"]):
         x, y = batch(rank, step)
@@ -75,8 +81,12 @@ def main() -> None:
             ex.store.wait(["test/ahead"], timedelta(seconds=20))
         if rank == 1 and cfg.get("slow"):  # the slow worker (async): as if its step took that much longer
             time.sleep(cfg["slow"])
+        outer = getattr(ex.talk, "outer", None)
+        anchor = outer.anchors()[0].clone() if outer is not None and outer.anchors() else None
         opt.step()
         sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
+        if sent[-1] and anchor is not None:  # a sync: the pseudo-gradient this rank sent
+            pushed.append(anchor - stepped[0])
         if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ex": ex.state_dict(),
                         "step": step + 1}, ckpt)
@@ -95,7 +105,8 @@ def main() -> None:
                 os.kill(cfg["server_pid"], signal.SIGKILL)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()},
-                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone}, f"{out}.{rank}")
+                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone,
+                "pushed": pushed}, f"{out}.{rank}")
     ex.close()
     print(json.dumps({"rank": rank, "redone": redone}))
 

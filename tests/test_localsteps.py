@@ -297,6 +297,12 @@ def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs)
     assert stats["last_step"] == {"0": 2, "1": 2}  # each rank's syncs 0, 1, 2, each applied once
     numel = sum(p.numel() for p in make_model(False).parameters())
     assert all(s["sent"] == [0, 4 * numel] * 3 for s in saved)
+    # the rule, x -= (lr / N) g per push, adds up whatever the order: the rank that pushed last pulled
+    # x0 - (lr / N) x the sum of all six pseudo-gradients
+    x0 = torch.cat([p.detach().reshape(-1) for p in make_model(False).parameters()])
+    want = x0 - 0.7 / N * sum(g for s in saved for g in s["pushed"])
+    got = [torch.cat([s["params"][n].reshape(-1) for n in s["params"]]) for s in saved]
+    assert min(float((g - want).abs().max()) for g in got) < 1e-5
 
 
 def test_ps_options_refused_in_one_line():
