@@ -136,8 +136,8 @@ class Consistency:
         if chosen is None:
             raise ValueError(f"update={update!r}: known placements are {sorted(PLACEMENTS)}")
         if chosen not in self.placements:
-            raise ValueError(f"mode={self.name} updates on the {' or '.join(p.name + 's' for p in self.placements)} "
-                             f"only")
+            named = [p.name + "s" for p in self.placements if p is not OUTER]  # what update= can name
+            raise ValueError(f"mode={self.name} updates on the {' or '.join(named)} only")
         return chosen
 
 
