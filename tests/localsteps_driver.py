@@ -82,7 +82,8 @@ def main() -> None:
         if rank == 1 and cfg.get("slow"):  # the slow worker (async): as if its step took that much longer
             time.sleep(cfg["slow"])
         outer = getattr(ex.talk, "outer", None)
-        anchor = outer.anchors()[0].clone() if outer is not None and outer.anchors() else None
+        whole = outer is not None and len(outer.anchors()) == 1  # one fragment: the anchor is the whole model
+        anchor = outer.anchors()[0].clone() if whole else None
         opt.step()
         sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
         if sent[-1] and anchor is not None:  # a sync: the pseudo-gradient this rank sent
