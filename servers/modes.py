@@ -23,10 +23,9 @@ what one update does (:meth:`Placement.apply`), what a sync step does once every
   push is applied when complete, with the hyperparameters it carries.
 
 A mode and a placement are independent: a mode decides when pushes become an update and when a pull may be
-answered, a placement what an update is. The coming local steps with an outer optimizer (the shards own the
-anchor and the outer optimizer; workers push the pseudo-gradient and pull the anchor) is one more placement
-(its optimizer built from the outer spec; its :meth:`Placement.apply` staleness-aware under async), served
-by the same modes. The protocol-level description both sides read is :mod:`commlab.transport.psproto`.
+answered, a placement what an update is. Local steps with an outer optimizer (:class:`OuterOptimizer`,
+``update=outer``: the shards own the anchor and the outer optimizer; workers push the pseudo-gradient and pull
+the anchor) is one more placement, served by the same modes. The protocol-level description both sides read is :mod:`commlab.transport.psproto`.
 """
 
 from __future__ import annotations
@@ -123,7 +122,47 @@ class ShardOptimizer(Placement):
         sync.await_commits()
 
 
-PLACEMENTS: dict[str, type[Placement]] = {"worker": Averages, "server": ShardOptimizer}
+class OuterOptimizer(ShardOptimizer):
+    """Local steps (``sync_every=H``, docs/localsteps.md): the pieces are the anchor, and the optimizer is the
+    outer one, built from ``optim["outer"]`` of the hello (``{"class": "torch.optim.sgd.SGD", "kwargs": {...}}``,
+    data, never pickled) as one group over this shard's pieces; a push is a worker's pseudo-gradient
+    (anchor - its local parameters). Its state goes into the shard checkpoint with the optimizer's.
+
+    Sync: the mode averages the N pushes, the commits apply one outer step (no hyperparameters travel: the
+    outer ones are fixed by the spec). Async: each push is applied alone as plain outer SGD on the pushed
+    pseudo-gradient scaled by 1/N, ``x -= lr * g / N`` (the spec's lr; its momentum is not used), so N pushes
+    of equal pseudo-gradients move the anchor as one synchronous plain-SGD outer step would."""
+
+    spec = psproto.OUTER
+
+    def check(self, optim):
+        outer = optim.get("outer")
+        if not (isinstance(outer, dict) and isinstance(outer.get("class"), str) and isinstance(outer.get("kwargs"), dict)):
+            raise Refused("update=outer: the hello carries no outer optimizer {class, kwargs}")
+        cls = optimizer_class(outer["class"])
+        try:
+            cls([torch.zeros(1)], **hyper_from_wire(outer["kwargs"]))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise Refused(f"outer optimizer {outer['class']}: {exc}") from None
+
+    def build_optimizer(self, srv):
+        if srv.optim_desc is None:
+            raise Refused("no optimizer yet: a worker must say hello first")
+        self.check(srv.optim_desc)
+        outer = srv.optim_desc["outer"]
+        return optimizer_class(outer["class"])(list(srv.params.values()), **hyper_from_wire(outer["kwargs"]))
+
+    def apply(self, srv, grads, hyper):
+        if srv.mode.spec.gathers:  # sync: the average of the N pushes, one outer step
+            srv.step_optimizer(grads)
+            return
+        lr = float(srv.optimizer.param_groups[0]["lr"]) / srv.world_size()
+        for key, g in grads.items():
+            srv._writable(key)
+            srv.params[key].data.add_(g.to(srv.params[key].dtype), alpha=-lr)
+
+
+PLACEMENTS: dict[str, type[Placement]] = {"worker": Averages, "server": ShardOptimizer, "outer": OuterOptimizer}
 
 
 @dataclass

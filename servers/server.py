@@ -1233,7 +1233,7 @@ class Admission:
         reason = (f"{self.cfg.name} serves only its job's processes: prove the job's secret first (give the "
                   f"worker ${auth.SECRET_FILE_ENV} or ${auth.SECRET_ENV}, as the server has)")
         self._send(ident, wire.encode("error", f"server{self.cfg.shard}", -1, (),
-                                      {"reason": reason, "id": _request_id(body)}))
+                                      {"reason": reason, "id": _request_id(body), "unproven": True}))
         return False
 
     def _handshake(self, ident: bytes, frame) -> None:

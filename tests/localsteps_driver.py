@@ -6,7 +6,8 @@ where the rank saves its parameters, buffers, inner optimizer state, exchanger s
 gradients (through the rendezvous store): rank 0 can get there only if its own start of the exchange did not
 wait for rank 1. ``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
 (rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
-counts them (``redone``).
+counts them (``redone``). ``slow``: rank 1 sleeps that many seconds before each optimizer step. ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
+it too (so no reply of the last sync is still on its way).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from datetime import timedelta
 
 import torch
@@ -50,6 +52,12 @@ def main() -> None:
     out = os.environ["LS_OUT"]
     model = make_model(cfg.get("bn", False))
     opt = make_inner(model, cfg.get("inner", "adamw"))
+    stepped: list[torch.Tensor] = []  # the parameters right after the inner step, before any sync
+
+    def note(*_):
+        stepped[:] = [torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])]
+
+    opt.register_step_post_hook(note)  # runs before the exchanger's, which setup registers after it
     ex = commlab.connect(cfg["url"])
     ex.setup(model, opt)
     rank, start, redone = ex.rank, 0, 0
@@ -61,7 +69,7 @@ def main() -> None:
         ex.load_state_dict(saved["ex"])
         start = saved["step"]
         redone = cfg["kill_at"] + 1 - start  # the steps the killed run took past its last checkpoint
-    sent = []
+    sent, pushed = [], []
     ahead = cfg.get("ahead")  # a fragment's step: rank 1 syncs it only once rank 0 is one step past it
     for step in range(start, cfg["steps"]):
         x, y = batch(rank, step)
@@ -71,16 +79,35 @@ def main() -> None:
             ex.store.set("test/ahead", "1")
         if ahead is not None and rank == 1 and step == ahead:
             ex.store.wait(["test/ahead"], timedelta(seconds=20))
+        if rank == 1 and cfg.get("slow"):  # the slow worker (async): as if its step took that much longer
+            time.sleep(cfg["slow"])
+        outer = getattr(ex.talk, "outer", None)
+        whole = outer is not None and len(outer.anchors()) == 1  # one fragment: the anchor is the whole model
+        anchor = outer.anchors()[0].clone() if whole else None
         opt.step()
         sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
+        if sent[-1] and anchor is not None:  # a sync: the pseudo-gradient this rank sent
+            pushed.append(anchor - stepped[0])
         if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ex": ex.state_dict(),
                         "step": step + 1}, ckpt)
         if cfg.get("kill_at") == step and not cfg.get("resume") and rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+        if cfg.get("kill_server_at") == step:  # a PS shard dies between two syncs, once both ranks got there
+            flag = f"{out}.past_sync"  # ps:// has no store: a file says rank 1 got there
+            if rank == 1:
+                open(flag, "w").close()
+            else:
+                deadline = time.monotonic() + 30
+                while not os.path.exists(flag):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank 1 never reached step {step}")
+                    time.sleep(0.01)
+                os.kill(cfg["server_pid"], signal.SIGKILL)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()},
-                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone}, f"{out}.{rank}")
+                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone,
+                "pushed": pushed}, f"{out}.{rank}")
     ex.close()
     print(json.dumps({"rank": rank, "redone": redone}))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -226,3 +227,95 @@ def test_fragment_rule():
     assert fragments([4] * 6, 3) == [[0, 3], [1, 4], [2, 5]]  # equal layers: strided
     assert fragments([100, 1, 1, 1, 50, 50], 2) == [[0], [1, 2, 3, 4, 5]]  # balanced by bytes
     assert offsets(48, 4) == [12, 24, 36, 0] and offsets(5, 2) == [2, 0]
+
+
+# ----- ps:// (the shards own the anchor and the outer optimizer) --------------------------------------------------
+
+def ps_url(server, mode: str = "sync") -> str:
+    return f"ps://{server.address}?timeout=30&transport=tcp&update=server&mode={mode}"
+
+
+@pytest.mark.multiproc
+def test_ps_h1_plain_averaging_is_synchronous_sgd(run_ranks, tmp_path, procs):
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=1&outer=sgd:lr=1", 5, inner="sgd")
+    check_ranks(saved, reference(5, 1, dict(lr=1.0), inner="sgd", combined=True), 1e-6)
+
+
+@pytest.mark.multiproc
+def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
+    """The shards step SGD(nesterov) over the anchor; each rank keeps its inner AdamW. Bytes per sync: the
+    float32 pseudo-gradient pushed once to the shards and the anchor pulled once, 4 x numel each way."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 10)
+    ref = reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True))
+    check_ranks(saved, ref, 1e-5)
+    assert max_diff(saved[0]["params"], ref[1][0]) > 1e-4
+    numel = sum(p.numel() for p in ref[0][0].parameters())
+    assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
+    assert server.stats()["updates"] == 2  # one outer step per sync, on the shard
+
+
+@pytest.mark.multiproc
+def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
+    """The shard checkpoints after every outer step; rank 0 kills it (SIGKILL) after step 5, between the syncs
+    at steps 3 and 7 (0-based); it comes back with --resume on the same port, and the workers' second sync
+    reaches it. The run ends where the uninterrupted reference ends: the anchor and the Nesterov momentum
+    (after the first sync: nonzero) came back from the checkpoint."""
+    from conftest import collect, start_ranks
+    from faultkit import kill9  # noqa: F401  (the same forced kill the fault tests use, here from rank 0)
+
+    ckpt = tmp_path / "ckpt"
+    server = procs.server("--mode", "sync", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1")
+    url = ps_url(server).replace("timeout=30", "timeout=8") + "&sync_every=4"
+    out = str(tmp_path / "ls")
+    cfg = dict(url=url, steps=10, kill_server_at=5, server_pid=server.proc.pid)
+    ranks = start_ranks(PROGRAM, N, tmp_path, {"LS_CFG": json.dumps(cfg), "LS_OUT": out})
+    deadline = time.monotonic() + 60
+    while server.proc.poll() is None and time.monotonic() < deadline:  # killed by rank 0, at its step 5
+        if any(p.poll() not in (None, 0) for p in ranks.procs):
+            collect(ranks, 1)  # a rank failed first: its error
+        time.sleep(0.05)
+    assert server.proc.poll() is not None, "rank 0 never killed the shard"
+    resumed = procs.server("--mode", "sync", "--resume", str(ckpt), "--checkpoint-every", "1",
+                           bind=f"tcp://127.0.0.1:{server.port}")
+    collect(ranks, 90)
+    saved = [torch.load(f"{out}.{r}", weights_only=False) for r in range(N)]
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
+    assert resumed.stats()["updates"] == 2
+
+
+@pytest.mark.multiproc
+def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs):
+    """mode=async: each worker pushes its pseudo-gradient when its own H steps are done and pulls the newest
+    anchor; rank 1 is slow. 2 workers x 6 steps / H=2: exactly 6 outer updates on the shard, each push once;
+    bytes per sync: the float32 pseudo-gradient once, 4 x numel."""
+    server = procs.server("--mode", "async")
+    saved = run(run_ranks, tmp_path, ps_url(server, "async") + "&sync_every=2&outer=sgd:lr=0.7", 6, slow=0.05)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 6 and stats["duplicates"] == 0
+    assert stats["last_step"] == {"0": 2, "1": 2}  # each rank's syncs 0, 1, 2, each applied once
+    numel = sum(p.numel() for p in make_model(False).parameters())
+    assert all(s["sent"] == [0, 4 * numel] * 3 for s in saved)
+    # the rule, x -= (lr / N) g per push, adds up whatever the order: the rank that pushed last pulled
+    # x0 - (lr / N) x the sum of all six pseudo-gradients
+    x0 = torch.cat([p.detach().reshape(-1) for p in make_model(False).parameters()])
+    want = x0 - 0.7 / N * sum(g for s in saved for g in s["pushed"])
+    got = [torch.cat([s["params"][n].reshape(-1) for n in s["params"]]) for s in saved]
+    assert min(float((g - want).abs().max()) for g in got) < 1e-5
+
+
+def test_ps_options_refused_in_one_line():
+    from commlab.regimes.ps import PSOptions
+
+    def parse(q):
+        return parse_options(PSOptions, ExchangerURL.parse("ps://127.0.0.1:1?" + q))
+
+    assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
+    for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
+                    ("sync_every=4&warmup=2", "warmup"), ("sync_every=4&fragments=2", "fragments"),
+                    ("sync_every=4&overlap=1", "overlap"), ("sync_every=4&compress=fp16", "compress"),
+                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer")]:
+        with pytest.raises(ConfigError, match=name) as exc:
+            parse(q)
+        assert "\n" not in str(exc.value)

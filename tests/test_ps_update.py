@@ -153,12 +153,14 @@ def test_every_mode_and_placement_pair_has_one_object_on_each_side():
     with pytest.raises(ValueError, match="unknown mode 'bsp'"):
         psproto.consistency("bsp")
     pairs = [(c, p) for c in psproto.CONSISTENCIES.values() for p in c.placements]
-    assert len(pairs) == 4
+    assert len(pairs) == 6  # sync: worker, server, outer; async: server, outer; ssp: server
     for mode, placement in pairs:
         client = ps_steps.for_servers(None, mode, placement)  # type: ignore[arg-type]
         shard = modes.PLACEMENTS[placement.name]()
         assert client.spec is placement is shard.spec
-        assert client.updates_remotely == client.keeps_state == placement.shards_step
-        assert client.clips == (placement.shards_step and mode.gathers)  # clip_norm=: one commit over the average
+        # local steps (outer): the shards step the outer optimizer, the workers' own optimizers the inner steps
+        local = placement is psproto.OUTER
+        assert client.updates_remotely == client.keeps_state == (placement.shards_step and not local)
+        assert client.clips == (placement.shards_step and mode.gathers and not local)  # clip_norm=: one commit over the average
         assert shard.step_pull == ("report" if placement.shards_step else "sum")
         assert modes.MODES[mode.name].spec is mode

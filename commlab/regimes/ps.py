@@ -47,6 +47,7 @@ from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as 
 from commlab.compress import CompressOptions
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
+from commlab.core.localsteps import LocalStepsOptions, Outer, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
@@ -60,7 +61,7 @@ MAX_SHARDS = 64  # servers commlab train starts on one host (ps://?shards=K): ea
 
 
 @dataclass(frozen=True)
-class PSOptions(CompressOptions):
+class PSOptions(LocalStepsOptions):
     mode: str = option("", "consistency mode this worker expects; the server's rules (empty: accept it)",
                        choices=("",) + psproto.MODES)
     staleness: int = option(-1, "ssp: the bound this worker expects (-1: accept the server's)", ge=-1)
@@ -104,6 +105,24 @@ class PSOptions(CompressOptions):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
+        if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
+            for name, off in (("warmup", 0), ("fragments", 1), ("overlap", 0), ("alpha", 0.0), ("compress", "none"),
+                              ("clip_norm", 0.0)):
+                if getattr(self, name) != off:
+                    raise ConfigError(f"ps:// sync_every= does not take {name}= (the shards own the anchor and sync "
+                                      f"the whole model at once; docs/localsteps.md)")
+
+    @property
+    def asked_update(self) -> str | None:
+        """The placement hello asks the servers for (None: theirs)."""
+        return psproto.OUTER.name if self.sync_every else (self.update or None)
+
+    def outer_desc(self) -> dict:
+        """Local steps: the outer optimizer as data for the shards (hello's ``optim["outer"]``); else nothing."""
+        if not self.sync_every:
+            return {}
+        cls, kwargs = parse_outer(self.outer)
+        return {"outer": {"class": f"{cls.__module__}.{cls.__qualname__}", "kwargs": kwargs}}
 
     @property
     def consistency(self) -> psproto.Consistency | None:
@@ -113,6 +132,13 @@ class PSOptions(CompressOptions):
     @property
     def placement(self) -> psproto.Placement | None:
         """The placement this worker asks for (update=, else its mode's default; None: the servers')."""
+        if self.sync_every:
+            if self.update == "worker":
+                raise ConfigError("ps:// sync_every= needs update=server (the shards own the anchor and the outer "
+                                  "optimizer); update=worker is not built")
+            if self.consistency is not None and psproto.OUTER not in self.consistency.placements:
+                raise ConfigError(f"ps:// sync_every= runs under mode=sync or mode=async, not mode={self.mode}")
+            return psproto.OUTER
         if self.consistency is None:
             return psproto.PLACEMENTS[self.update] if self.update else None
         try:
@@ -258,6 +284,11 @@ class _Shard:
                 self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
+        if h.op == "error" and h.meta.get("unproven"):
+            # zmq reconnected this socket by itself to a restarted shard, which serves only a connection that
+            # proved the job's secret: as a lost reply, so that collect() reconnects (a proving one) and resends
+            raise CommTimeout(f"{self.name} did not answer {req.what}: a restarted shard on an unproven connection",
+                              peer=self.peer, op="receive")
         if h.op == "error":
             raise RemoteError(f"{self.name} refused {req.what}: {h.meta.get('reason')}", peer=self.peer)
         return h, data
@@ -677,10 +708,10 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         replies = self._on_all(lambda s: s.hello({
             "rank": self.rank, "world": self.world_size, "mode": self.options.mode or None,
             "staleness": self.options.staleness if self.options.staleness >= 0 else None,
-            "update": self.options.update or None, "manifest": manifest_wire,
+            "update": self.options.asked_update, "manifest": manifest_wire,
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
-            "shard": [s.index, k], "optim": desc,
+            "shard": [s.index, k], "optim": {**desc, **self.options.outer_desc()},
             **pushes.hello(s.index)}), "hello")
         self._take_placement(replies[0])
         self._base = self.steps.resume_step([r["next_step"] for r in replies])
@@ -713,7 +744,11 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self.options.clip_norm and not self.steps.clips:
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {mode.name}")
         for s in self.shards:  # the shards step: a pull's place in the segment holds parameters, adopted there
-            s.adopt_shm = placement.shards_step
+            s.adopt_shm = self.steps.updates_remotely  # (not under local steps: the inner optimizer writes them)
+
+    def _make_outer(self, options) -> Outer:
+        assert self.steps is not None  # setup's hello chose the placement
+        return self.steps.outer()
 
     @property
     def updates_remotely(self) -> bool:  # type: ignore[override]  # the placement's: the shards step

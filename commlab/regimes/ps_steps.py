@@ -16,9 +16,9 @@ object              a push, then                              ``optimizer.step()
 ssp)
 ==================  =======================================  ==========================================
 
-A new placement (the coming local steps with an outer optimizer on the shards: push the pseudo-gradient,
-pull the anchor) is one more such class and one more entry in :data:`PLACEMENTS`; the exchanger's step
-path does not change. The shard's side of the same choices is :mod:`servers.modes`.
+Local steps with the outer optimizer on the shards (``sync_every=H``: :class:`LocalOuter`, whose
+:class:`ShardsOuter` pushes the pseudo-gradient and pulls the anchor every H steps) is one more such class
+and one more entry in :data:`PLACEMENTS`; the exchanger's step path does not change. The shard's side of the same choices is :mod:`servers.modes`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 
 from commlab.transport import psproto, wire
 from commlab.base.errors import ConfigError, ModelMismatch
+from commlab.base.handles import FutureHandle, GroupHandle
+from commlab.core import localsteps
 from commlab.core.manifest import _plain
 
 if TYPE_CHECKING:
@@ -93,6 +95,11 @@ class StepPlacement:
     def remote_update(self, timeout: float) -> None:
         """What ``optimizer.step()`` becomes where the shards step."""
         raise ConfigError(f"ps:// update={self.spec.name}: the user's optimizer steps on the workers")
+
+    def outer(self) -> localsteps.Outer:
+        """Local steps (``sync_every=``): where the anchor and the outer optimizer live."""
+        raise ConfigError(f"ps:// sync_every= needs the servers to run the outer optimizer (update=outer); they "
+                          f"run update={self.spec.name}")
 
     def join_parts(self, shard: int) -> list:
         """Frames a joining worker sends ``shard`` along with its join."""
@@ -304,9 +311,111 @@ class Apply(ShardsStep):
         ex.stats.bytes_received += sum(ex._on_all(lambda s: s.pull(step), f"pull after step {step}"))
 
 
+class LocalOuter(StepPlacement):
+    """Local steps (``sync_every=H``): the shards own the anchor and the outer optimizer. The user's optimizer
+    is the inner one and steps *here* (``optimizer.step()`` is not taken over, although the shards step: they
+    step the outer optimizer); backward pushes nothing. Every H-th real step the schedule
+    (:class:`commlab.core.localsteps.LocalSteps`) asks :class:`ShardsOuter` to push this worker's pseudo-gradient
+    and pull the new anchor."""
+
+    spec = psproto.OUTER
+
+    @property
+    def updates_remotely(self) -> bool:
+        return False  # the inner optimizer steps on the worker
+
+    @property
+    def keeps_state(self) -> bool:
+        return False  # the inner optimizer's state and the position within H are the user's checkpoint
+
+    def outer(self) -> localsteps.Outer:
+        return ShardsOuter(self.ex, self.mode)
+
+
+class ShardsOuter(localsteps.Outer):
+    """The anchor and the outer optimizer on the shards. Each sync k of this worker is wire step ``base + k``:
+    each shard gets this worker's pseudo-gradient of its pieces as a push; sync: once every worker's is in,
+    the shard's report, then this worker's commit (the N-th commit steps the outer optimizer once over the
+    mean), then a pull of the new anchor; async: the pull of the newest anchor right after the push (the shard
+    applies each push alone as it lands, :class:`servers.modes.OuterOptimizer`). The pull writes the parameters
+    themselves; the anchor kept here (this worker's copy, from which the next pseudo-gradient is taken) is read
+    back from them. Thread: :meth:`begin` on the training thread, the exchange on the shards' threads."""
+
+    def __init__(self, ex: "PSExchanger", mode: psproto.Consistency):
+        self.ex, self.mode = ex, mode
+        self._anchors: list[torch.Tensor] = []
+        self.syncs = 0  # pseudo-gradients this worker pushed
+
+    def start(self, anchors):
+        if len(anchors) != 1:
+            raise ConfigError("ps:// sync_every= syncs the whole model at once (fragments=1)")
+        self._anchors = anchors
+
+    def anchors(self):
+        return self._anchors
+
+    def begin(self, p, delta, shapes):
+        ex = self.ex
+        step = ex._base + self.syncs
+        self.syncs += 1
+        assert ex.model is not None
+        at, offset = {}, 0
+        for name, q in ex.model.named_parameters():
+            if q.requires_grad:
+                at[name] = offset
+                offset += q.numel()
+        commit = {"factor": 1.0, "hyper": None} if self.mode.gathers else None
+
+        def exchange(s: "_Shard") -> int:
+            parts, absent = [], []
+            for pc in ex._pieces[s.index]:
+                if pc.param not in at:
+                    absent.append(pc.key)
+                    continue
+                start = at[pc.param] + pc.start
+                values = delta[start:start + pc.count].to(wire.DTYPES[pc.dtype])
+                parts += wire.split(pc.key, values)
+                ex.stats.bytes_sent += pc.nbytes
+            return s.push_then_pull(step, parts, {"base": s.version, "absent": absent},
+                                    f"pseudo-gradient of step {step}", commit)
+
+        what = f"ps:// outer step {step} of {ex.rank_info.who()}"
+        handles = [FutureHandle(s.submit(exchange, s), f"{what} on {s.name}") for s in ex.shards]
+
+        def landed(received: list) -> torch.Tensor:
+            ex.stats.bytes_received += sum(received)
+            params = [q for q in ex.model.parameters() if q.requires_grad]  # type: ignore[union-attr]
+            anchor = self._anchors[p]
+            anchor.copy_(torch.cat([q.detach().reshape(-1).float() for q in params]))
+            return anchor
+
+        return _Retrying(handles, what, then=landed, retries=ex.options.retries)
+
+    def state_dict(self):
+        return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs}
+
+    def load_state_dict(self, state):
+        if "anchors" in state:
+            self._anchors = [a.clone().float() for a in state["anchors"]]
+        self.syncs = int(state.get("syncs", 0))
+
+
+class _Retrying(GroupHandle):
+    """The shards' exchange of one sync: each shard's thread waits up to ``timeout`` for a reply and then
+    reconnects and resends up to ``retries`` times (a restarted shard), so the whole is given that long."""
+
+    def __init__(self, handles, what, then, retries: int):
+        super().__init__(handles, what, then)
+        self.retries = retries
+
+    def _wait(self, timeout):
+        return super()._wait(timeout * (self.retries + 2))
+
+
 # (placement name, whether the mode gathers a step) -> the client's object
 PLACEMENTS: dict[tuple[str, bool], type[StepPlacement]] = {
-    ("worker", True): Averages, ("server", True): Commit, ("server", False): Apply}
+    ("worker", True): Averages, ("server", True): Commit, ("server", False): Apply,
+    ("outer", True): LocalOuter, ("outer", False): LocalOuter}
 
 
 def for_servers(ex: "PSExchanger", mode: psproto.Consistency, placement: psproto.Placement) -> StepPlacement:

@@ -28,6 +28,10 @@ on the client as :class:`~commlab.base.errors.RemoteError`)::
         commit step=t {factor, hyper} | {skip}  ->  the N-th commit applies one update (skip: dropped)
       update=server:
         pull  {after_step: t}               <-  params, once the mode allows (see below)
+      update=outer (local steps, sync_every=H; docs/localsteps.md): no push in backward; every H-th step
+        push step=k {base} [the pseudo-gradient]  ->  sync: averaged, then report and commit as update=server
+                                            (the N-th commit steps the outer optimizer); async: applied alone
+        pull {after_step: k}                <-  params [the new anchor]
       compress= (servers.compressed): per unit (a bucket's pieces on this shard) and round r
         push step=t {unit, round, cmeta, absent} [payload frames U/i]  ->  sync: held until every worker's is
                                             in, then summed in rank order; async, ssp: decoded alone, applied
@@ -103,7 +107,11 @@ class Placement:
 
 WORKER = Placement("worker", shards_step=False)
 SERVER = Placement("server", shards_step=True)
-PLACEMENTS = {p.name: p for p in (WORKER, SERVER)}
+# local steps (``sync_every=H``): the shards hold the anchor and the outer optimizer (its spec travels in the
+# hello's ``optim["outer"]`` as data), a push is a pseudo-gradient and a pull the new anchor; the workers'
+# own optimizers take the inner steps (docs/localsteps.md). The URL asks for it with ``sync_every=``.
+OUTER = Placement("outer", shards_step=True)
+PLACEMENTS = {p.name: p for p in (WORKER, SERVER, OUTER)}
 
 
 @dataclass(frozen=True)
@@ -128,13 +136,13 @@ class Consistency:
         if chosen is None:
             raise ValueError(f"update={update!r}: known placements are {sorted(PLACEMENTS)}")
         if chosen not in self.placements:
-            raise ValueError(f"mode={self.name} updates on the {' or '.join(p.name + 's' for p in self.placements)} "
-                             f"only")
+            named = [p.name + "s" for p in self.placements if p is not OUTER]  # what update= can name
+            raise ValueError(f"mode={self.name} updates on the {' or '.join(named)} only")
         return chosen
 
 
-SYNC = Consistency("sync", gathers=True, placements=(WORKER, SERVER))
-ASYNC = Consistency("async", gathers=False, placements=(SERVER,))
+SYNC = Consistency("sync", gathers=True, placements=(WORKER, SERVER, OUTER))
+ASYNC = Consistency("async", gathers=False, placements=(SERVER, OUTER))
 SSP = Consistency("ssp", gathers=False, placements=(SERVER,))
 CONSISTENCIES = {c.name: c for c in (SYNC, ASYNC, SSP)}
 MODES = tuple(CONSISTENCIES)
