@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from commlab.base.errors import ConfigError
 from commlab.compress import build
-from commlab.plan.cache import Kept, KeptSweep, sweep_key
+from commlab.plan.cache import Kept
 from commlab.plan.rates import parse_rate
 from commlab.plan import calibrate as C
 from commlab.plan import compression as K
@@ -144,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
               f"kept in {kept.path} (--recalibrate measures again)", file=sys.stderr)
     if a.save_calibration:
         cal.save(a.save_calibration)
+    t0 = time.perf_counter()
+    plan = R.sweep(cal, topo, regimes, workers, a.batch_size, straggler, a.max_shards, a.seed)
+    took = time.perf_counter() - t0
     out = Path(a.out or Path("runs") / time.strftime("plan-%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    plan, png, recalled = sweep_and_draw(cal, topo, regimes, workers, a, out, keep=kept is not None)
-    took = time.perf_counter() - t0
-    how = f"simulated in {took:.1f} s." if not recalled else f"the same query's simulation, kept ({recalled})."
-    text = ["# commlab plan", "", f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`; {how}",
-            ""] + R.report(plan, cal, png)
+    png = R.plots(plan, out / "plan.png")
+    text = ["# commlab plan", "", f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+            f"simulated in {took:.1f} s.", ""] + R.report(plan, cal, png)
     compression: dict = {}
     if specs:
         lines, compression = compression_section(cal, specs, creg, topo, workers, a.batch_size)
@@ -169,32 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(text[4:]))
     print(f"\ncommlab plan: wrote {out}/plan.md, plan.json" + (", plan.png" if png else ""), file=sys.stderr)
     return 0
-
-
-def sweep_and_draw(cal: Calibration, topo: Topology, regimes, workers: list[int], a, out: Path,
-                   keep: bool) -> tuple[R.Plan, Path | None, str | None]:
-    """The sweep and its picture (``out/plan.png``, None without matplotlib), and where they were kept from
-    (None: simulated now). With ``keep``, a query answered before (the same calibration, topology, regimes,
-    N, batch, stragglers, search bound, seed and planner source: :func:`commlab.plan.cache.sweep_key`) is
-    read back, bit for bit what simulating it again gives; a new one is simulated and kept."""
-    straggler = Straggler.parse(a.straggler)
-    kept = KeptSweep.of(sweep_key(cal, topo, regimes, workers, a.batch_size, straggler, a.max_shards, a.seed)) \
-        if keep else None
-    answers = kept.load() if kept is not None else None
-    if answers is not None:
-        results, crossovers = answers
-        plan = R.plan_of(cal, topo, regimes, workers, a.batch_size, straggler, results, crossovers)
-        png = out / "plan.png" if kept.png.exists() else None
-        if png is not None:
-            shutil.copyfile(kept.png, png)
-        else:
-            png = R.plots(plan, out / "plan.png")
-        return plan, png, str(kept.path)
-    plan = R.sweep(cal, topo, regimes, workers, a.batch_size, straggler, a.max_shards, a.seed)
-    png = R.plots(plan, out / "plan.png")
-    if kept is not None:
-        kept.save(plan.results, plan.crossovers, png)
-    return plan, png, None
 
 
 def compress_specs(given: list[str]) -> list[str]:

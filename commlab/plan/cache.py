@@ -24,9 +24,8 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -135,66 +134,3 @@ class Kept:
         tmp.write_text(json.dumps({"key": self.key, "calibration": json.loads(kept.to_json())}, indent=1))
         os.replace(tmp, self.path)
 
-
-
-# ----- the sweep's answers -----------------------------------------------------------------------
-# The simulator is pure: the same calibration, topology, regimes, worker counts, batch, stragglers, search
-# bound and seed give the same results. A repeated query's sweep (seconds at 4,096 workers: the async
-# regimes' event loop) and its picture are read back instead of computed again, under a key made of all
-# of those and of the planner's own source (an edited simulator never answers from an older one's file).
-PLANNER_SOURCES = ("costmodel.py", "simulate.py", "recommend.py")
-
-
-def sweep_key(cal: Calibration, topo, regimes, workers, batch: int, straggler, max_shards: int, seed: int) -> str:
-    """The digest a sweep's answers are kept under (the comment above); the regimes' order counts."""
-    here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for name in PLANNER_SOURCES:
-        h.update((here / name).read_bytes())
-    h.update(json.dumps({"calibration": json.loads(cal.to_json()), "topology": asdict(topo),
-                         "regimes": [r.url for r in regimes], "workers": list(workers), "batch": batch,
-                         "straggler": asdict(straggler), "max_shards": max_shards, "seed": seed},
-                        sort_keys=True, default=str).encode())
-    return h.hexdigest()[:24]
-
-
-@dataclass(frozen=True)
-class KeptSweep:
-    """One sweep's kept answers (``plan-sweeps/<key>.json``) and its picture (``<key>.png``)."""
-
-    path: Path
-
-    @classmethod
-    def of(cls, digest: str) -> "KeptSweep":
-        return cls(folder() / "plan-sweeps" / f"{digest}.json")
-
-    @property
-    def png(self) -> Path:
-        return self.path.with_suffix(".png")
-
-    def load(self) -> tuple[dict, dict] | None:
-        """(results, crossovers) as :func:`commlab.plan.recommend.sweep` made them, or None when nothing is
-        kept (or the file cannot be read: then the sweep is simply computed again)."""
-        from commlab.plan.simulate import SimResult
-        try:
-            doc = json.loads(self.path.read_text())
-            results: dict = {}
-            for label, n, value in doc["results"]:
-                if isinstance(value, dict) and value.get("staleness") is not None:
-                    value["staleness"] = {int(k): v for k, v in value["staleness"].items()}
-                results[(label, n)] = SimResult(**value) if isinstance(value, dict) else value
-            return results, {int(n): v for n, v in doc["crossovers"].items()}
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def save(self, results: dict, crossovers: dict, png: Path | None) -> None:
-        """Keep a sweep's answers (and its picture, when there is one), each file written whole."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        rows = [[label, n, v.as_dict() if not isinstance(v, str) else v] for (label, n), v in results.items()]
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"results": rows, "crossovers": {str(n): v for n, v in crossovers.items()}}))
-        os.replace(tmp, self.path)
-        if png is not None:
-            tmp = self.png.with_name(f".{self.png.name}.{os.getpid()}.tmp")
-            shutil.copyfile(png, tmp)
-            os.replace(tmp, self.png)

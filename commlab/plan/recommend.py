@@ -53,14 +53,8 @@ def sweep(cal: Calibration, topo: Topology, regimes: list[Regime], workers: list
         best = next((x for x in ring if x.regime == "ring"), None) or min(ring, key=lambda x: x.step_s)
         crossovers[n] = {"against": best.regime, "closed_form": shards_to_beat_ring(n),
                          "simulated": _fewest_shards(cal, topo, n, batch, straggler, best.step_s, max_shards, seed)}
-    return plan_of(cal, topo, regimes, workers, batch, straggler, results, crossovers)
-
-
-def plan_of(cal: Calibration, topo: Topology, regimes: list[Regime], workers: list[int], batch: int,
-            straggler: Straggler, results: dict, crossovers: dict) -> Plan:
-    """A :class:`Plan` of a sweep's results and crossovers (simulated now, or kept from an earlier call)."""
-    return Plan(workers, regimes, results, crossovers, {r.label: cal.transport(r.transport).source for r in regimes},
-                topo, straggler, batch)
+    sources = {r.label: cal.transport(r.transport).source for r in regimes}
+    return Plan(workers, regimes, results, crossovers, sources, topo, straggler, batch)
 
 
 def _fewest_shards(cal, topo, n, batch, straggler, target, max_shards, seed) -> int | None:
