@@ -64,14 +64,12 @@ from commlab.base.handles import DoneHandle
 from commlab.core.heap import keep_freed_gradients, release_freed_memory
 from commlab.plan.calibrate import cpu_clock
 from commlab.plan.rates import parse_rate
-from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
-                                    parse_regime)
+from commlab.plan.costmodel import (BUILTIN_COMPRESSORS, PLANNED_OPTIONS, Calibration, Compute, CompressorCost,
+                                    Regime, Topology, parse_regime)
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.core.registry import regime_class
 
-# what `commlab plan` weighs unless told (--compress): each costs a measurement on a first call, so the block
-# quantizers (int8, int4, fp4, fp8: local steps' pseudo-gradients) are weighed when named
-BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+BUILTIN = BUILTIN_COMPRESSORS  # what `commlab plan` weighs unless told (commlab.plan.costmodel)
 MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes per second
 WIDE = ("float32", "float64")
 
