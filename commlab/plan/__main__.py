@@ -11,7 +11,9 @@ bytes, staleness), the crossovers (how many PS shards beat the ring at each N) a
 writes ``plan.md``, ``plan.json`` and ``plan.png`` into ``--out``. What it measures here (the model's
 compute, the server costs, the compressors) is measured once per machine and kept in the user's cache
 folder (:mod:`commlab.plan.cache`); ``plan.json``'s ``calibration`` says what this call measured and
-where the rest was kept. See docs/plan.md.
+where the rest was kept. The same query again is answered from the cache too (its plan.md, plan.json and
+plan.png, kept under the calibration, the options and the planner's source: :class:`~commlab.plan.cache.KeptAnswer`),
+measuring, simulating and drawing nothing. See docs/plan.md.
 """
 
 from __future__ import annotations

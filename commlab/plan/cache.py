@@ -71,7 +71,8 @@ def key(model: str, batch: int, input_shape: tuple[int, ...] | None) -> dict:
             "query": {"model": model, "batch": batch, "input_shape": list(input_shape) if input_shape else None},
             "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "arch": platform.machine(),
                         "system": platform.system()},
-            "versions": {"commlab": commlab.__version__, "git": git_revision(), "torch": importlib.metadata.version("torch"),
+            "versions": {"commlab": commlab.__version__, "git": git_revision(),
+                         "torch": importlib.metadata.version("torch"),  # not torch.__version__: no torch import
                          "numpy": np.__version__, "python": platform.python_version()}}
 
 
@@ -144,7 +145,7 @@ class Kept:
 # under a key made of the calibration, the options and the planner's own source, so an edited simulator
 # never answers from an older one's file.
 PLANNER_SOURCES = ("plan/costmodel.py", "plan/simulate.py", "plan/recommend.py", "plan/compression.py",
-                   "plan/__main__.py", "transport/psproto.py", "regimes/ring.py")
+                   "plan/rates.py", "plan/__main__.py", "transport/psproto.py", "regimes/ring.py")
 
 
 @dataclass(frozen=True)
