@@ -90,3 +90,44 @@ def test_recalibrate_with_a_calibration_file_is_one_line_naming_the_option(tmp_p
     assert plan_main(["--calibration", str(tmp_path / "x.json"), "--recalibrate", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("commlab plan: --recalibrate: ") and len(err.splitlines()) == 1
+
+
+def answer(tmp_path: Path, name: str, *extra: str) -> tuple[dict, str]:
+    """One ``commlab plan`` call: its plan.json, and plan.md after the line naming the command."""
+    out = tmp_path / name
+    assert plan_main([*ARGS, "--workers", "8,64", "--regimes", "ring://", "ps://?shards=2&mode=async", *extra,
+                      "--out", str(out)]) == 0
+    return json.loads((out / "plan.json").read_text()), "\n".join((out / "plan.md").read_text().splitlines()[3:])
+
+
+ANSWER = ("workers", "regimes", "batch", "results", "crossovers", "compression", "seconds")
+
+
+def test_a_repeated_query_is_answered_from_the_cache_exactly_as_simulating_it_again(tmp_path, cache, capsys):
+    first, first_md = answer(tmp_path, "a", "--save-calibration", str(tmp_path / "cal.json"))
+    assert first["kept_answer"] is None and list(cache.glob("plan-answers/*/plan.json"))
+    capsys.readouterr()
+    second, second_md = answer(tmp_path, "b")  # nothing measured, nothing simulated
+    err = capsys.readouterr().err
+    assert second["kept_answer"] and Path(second["kept_answer"]).parent == cache / "plan-answers"
+    assert "commlab plan: measured nothing: " in err and "simulated nothing: " in err
+    assert second["calibration"]["measured_now"] == [] and (tmp_path / "b" / "plan.png").exists()
+    # the oracle: the same calibration simulated now (--calibration FILE never reads or keeps an answer)
+    fresh, fresh_md = answer(tmp_path, "c", "--calibration", str(tmp_path / "cal.json"))
+    assert fresh["kept_answer"] is None and fresh["results"] and fresh["compression"]["by_workers"]
+    assert {k: second[k] for k in ANSWER if k != "seconds"} == {k: fresh[k] for k in ANSWER if k != "seconds"}
+    assert {k: second[k] for k in ANSWER} == {k: first[k] for k in ANSWER} and second_md == first_md == fresh_md
+    # another option is another query; an edited planner another answer
+    assert answer(tmp_path, "d", "--seed", "1")[0]["kept_answer"] is None
+    assert answer(tmp_path, "e", "--seed", "1")[0]["kept_answer"]
+    assert answer(tmp_path, "f", "--recalibrate")[0]["kept_answer"] is None
+    assert KC.PLANNER_SOURCES and all((Path(KC.commlab.__file__).parent / p).exists() for p in KC.PLANNER_SOURCES)
+
+
+def test_a_kept_answer_that_cannot_be_read_is_answered_again(tmp_path, cache):
+    answer(tmp_path, "a")
+    for kept in cache.glob("plan-answers/*/plan.json"):
+        kept.write_text('{"cut')
+    again, _ = answer(tmp_path, "b")
+    assert again["kept_answer"] is None and again["results"]
+    assert answer(tmp_path, "c")[0]["kept_answer"]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import commlab
+import commlab.core.metrics  # used as commlab.core.metrics below: commlab imports its entry points on first use
 from commlab.transport import rendezvous
 from commlab.core.optim import OPTIMIZERS, OptimizerSpec
 from commlab.core.staging import resolve_device

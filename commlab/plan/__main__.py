@@ -11,7 +11,9 @@ bytes, staleness), the crossovers (how many PS shards beat the ring at each N) a
 writes ``plan.md``, ``plan.json`` and ``plan.png`` into ``--out``. What it measures here (the model's
 compute, the server costs, the compressors) is measured once per machine and kept in the user's cache
 folder (:mod:`commlab.plan.cache`); ``plan.json``'s ``calibration`` says what this call measured and
-where the rest was kept. See docs/plan.md.
+where the rest was kept. The same query again is answered from the cache too (its plan.md, plan.json and
+plan.png, kept under the calibration, the options and the planner's source: :class:`~commlab.plan.cache.KeptAnswer`),
+measuring, simulating and drawing nothing. See docs/plan.md.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 import time
@@ -26,13 +29,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from commlab.base.errors import ConfigError
-from commlab.compress import build
-from commlab.plan.cache import Kept
+from commlab.plan.cache import Kept, KeptAnswer
 from commlab.plan.rates import parse_rate
-from commlab.plan import calibrate as C
-from commlab.plan import compression as K
 from commlab.plan import recommend as R
-from commlab.plan.costmodel import Calibration, Straggler, Topology, parse_regime
+from commlab.plan.costmodel import BUILTIN_COMPRESSORS, Calibration, Straggler, Topology, parse_regime
+
+# What measures (commlab.plan.calibrate, commlab.plan.compression, the compressors) imports torch, seconds
+# of a call that measures nothing: each is imported where a call needs it, so a repeated query answered
+# from the cache (KeptAnswer) never imports torch.
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--straggler", default="none", help="none, lognormal:SIGMA, slow:SECONDS[:COUNT], factor:F[:COUNT]; "
                                                        "join with +")
     p.add_argument("--max-shards", type=int, default=256, help="largest K searched for the crossover")
-    p.add_argument("--compress", nargs="+", default=list(K.BUILTIN), metavar="SPEC",
+    p.add_argument("--compress", nargs="+", default=list(BUILTIN_COMPRESSORS), metavar="SPEC",
                    help="compressors to weigh against the uncompressed all-reduce (compress= values, with error "
                         "feedback; measured on the model here); 'none' for none")
     g = p.add_argument_group("calibration (one of)")
@@ -76,6 +80,7 @@ def parse_cpu_share(text: str, workers_per_host: int) -> float:
     """``--cpu-share``: a number in (0, 1], or 'measure' (:func:`commlab.plan.calibrate.cpu_share` of a host's
     workers, here and now)."""
     if text.strip().lower() == "measure":
+        from commlab.plan import calibrate as C
         return C.cpu_share(max(1, workers_per_host))
     try:
         share = float(text)
@@ -96,6 +101,7 @@ def load_calibration(a) -> tuple[Calibration, Kept | None, list[str]]:
             raise ConfigError("--recalibrate: measures this machine again, which --calibration FILE replaces; "
                               "give one of them")
         return Calibration.load(a.calibration), None, []
+    from commlab.plan import calibrate as C
     shape = tuple(int(x) for x in a.input_shape.split(",")) if a.input_shape else None
     run = a.bench_run
     if a.calibrate:
@@ -123,10 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         topo = Topology(a.workers_per_host, parse_rate(a.link), parse_rate(a.intra), a.compute_scale,
                         parse_cpu_share(a.cpu_share, a.workers_per_host))
         straggler = Straggler.parse(a.straggler)
+        kept_answer = answer_of(a)
+        answer = kept_answer.load() if kept_answer is not None else None
+        if kept_answer is not None and answer is not None:
+            return write_kept_answer(a, argv, kept_answer, *answer)
         specs = compress_specs(a.compress)
         creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))
         cal, kept, measured = load_calibration(a)
         if specs and creg is not None:
+            from commlab.plan import compression as K
             had = set(cal.compressors)
             cal = K.with_compressors(cal, specs, creg)
             new = [label for label in cal.compressors if label not in had]
@@ -149,30 +160,84 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out or Path("runs") / time.strftime("plan-%Y%m%dT%H%M%SZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
     png = R.plots(plan, out / "plan.png")
-    text = ["# commlab plan", "", f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`; "
-            f"simulated in {took:.1f} s.", ""] + R.report(plan, cal, png)
+    text = ["# commlab plan", "", f"{command(argv)}; simulated in {took:.1f} s.", ""] + R.report(plan, cal, png)
     compression: dict = {}
     if specs:
         lines, compression = compression_section(cal, specs, creg, topo, workers, a.batch_size)
         text += lines
-    (out / "plan.md").write_text("\n".join(text))
-    (out / "plan.json").write_text(json.dumps({
+    doc = {
         "workers": workers, "regimes": [r.url for r in regimes], "batch": a.batch_size,
         "results": [{"regime": k[0], "workers": k[1], **(v.as_dict() if not isinstance(v, str) else {"error": v})}
                     for k, v in plan.results.items()],
         "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took,
         "compression": {"regime": creg.url if creg else None, "by_workers": {str(n): v for n, v in compression.items()}},
         "calibration": {"kept": str(kept.path) if kept else None, "measured_now": measured,
-                        "measured_utc": cal.facts.get("measured_utc")}},
-        indent=1, default=str))
+                        "measured_utc": cal.facts.get("measured_utc")}, "kept_answer": None}
+    if answerable(a):  # kept under the calibration as it is now, with what this call measured
+        KeptAnswer.of(cal, answer_options(a)).save(text[4:], doc, png)
+    return write(out, text, doc, png)
+
+
+def command(argv: list[str] | None) -> str:
+    return f"`commlab plan {' '.join(argv if argv is not None else sys.argv[1:])}`"
+
+
+def write(out: Path, text: list[str], doc: dict, png: Path | None) -> int:
+    """plan.md (``text``) and plan.json (``doc``) into ``out`` (beside ``png``, drawn there); the plan on stdout."""
+    (out / "plan.md").write_text("\n".join(text))
+    (out / "plan.json").write_text(json.dumps(doc, indent=1, default=str))
     print("\n".join(text[4:]))
     print(f"\ncommlab plan: wrote {out}/plan.md, plan.json" + (", plan.png" if png else ""), file=sys.stderr)
     return 0
 
 
+def answer_options(a) -> dict:
+    """The options an answer depends on: all but where it is written and whether the figures were measured
+    again (the calibration they make is in the key)."""
+    return {k: v for k, v in sorted(vars(a).items()) if k not in ("out", "save_calibration", "recalibrate")}
+
+
+def answerable(a) -> bool:
+    """Whether this query's answer may be kept and read back: it rests on the kept calibration alone (no
+    --calibration, --bench-run, --calibrate, and no --cpu-share measured now)."""
+    return not (a.calibration or a.bench_run or a.calibrate or a.cpu_share.strip().lower() == "measure")
+
+
+def answer_of(a) -> KeptAnswer | None:
+    """Where this query's answer is kept, when it may be answered from the cache (:func:`answerable`, no
+    --recalibrate, a calibration kept under this call's key); else None."""
+    if a.recalibrate or not answerable(a):
+        return None
+    shape = tuple(int(x) for x in a.input_shape.split(",")) if a.input_shape else None
+    cal, _ = Kept.of(a.model, a.batch_size, shape).load()
+    if cal is None:
+        return None
+    return KeptAnswer.of(replace(cal, transports={}, facts={**cal.facts, "run_dir": None}), answer_options(a))
+
+
+def write_kept_answer(a, argv, kept: KeptAnswer, body: list[str], doc: dict, png: Path | None) -> int:
+    """Answer a repeated query from what :class:`KeptAnswer` kept of it: the same plan, table and picture as
+    simulating it again gives (tests/test_plan_cache.py), none of it computed now."""
+    out = Path(a.out or Path("runs") / time.strftime("plan-%Y%m%dT%H%M%SZ", time.gmtime()))
+    out.mkdir(parents=True, exist_ok=True)
+    if png is not None:
+        png = Path(shutil.copyfile(png, out / "plan.png"))
+    calibration = Kept.of(a.model, a.batch_size, tuple(int(x) for x in a.input_shape.split(","))
+                          if a.input_shape else None)
+    doc = {**doc, "calibration": {**doc["calibration"], "kept": str(calibration.path), "measured_now": []},
+           "kept_answer": str(kept.path)}
+    print(f"commlab plan: measured nothing: this machine's figures (measured {doc['calibration']['measured_utc']}) "
+          f"kept in {calibration.path}; simulated nothing: this query's answer on them kept in {kept.path} "
+          f"(--recalibrate measures again)", file=sys.stderr)
+    text = ["# commlab plan", "", f"{command(argv)}; the same query's answer, kept from an earlier call "
+            f"(simulated then in {doc['seconds']:.1f} s).", ""] + body
+    return write(out, text, doc, png)
+
+
 def compress_specs(given: list[str]) -> list[str]:
     """The ``--compress`` specs to weigh (none for ``none``); a bad one raises naming ``--compress``."""
     specs = [s.strip() for s in given if s.strip().lower() not in ("", "none")]
+    from commlab.compress import build
     for spec in specs:
         try:
             build(spec)
@@ -187,6 +252,7 @@ def compression_section(cal: Calibration, specs: list[str], regime, topo: Topolo
     if regime is None:
         return ["### Compression", "", "Not weighed: no all-reduce regime among --regimes (compression is modelled "
                 "for ring:// and allreduce://).", ""], {}
+    from commlab.plan import compression as K
     rows, data = K.table(cal, specs, regime, topo, workers, batch)
     head = [f"### Compression ({regime.url})", "",
             f"Each compressor measured on this model here (its bytes by closed form; encode and decode timed on its "

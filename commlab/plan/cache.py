@@ -20,16 +20,17 @@ whole (a temporary file renamed over it), so two plans running at once never lea
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import commlab
 from commlab.plan.costmodel import Calibration
@@ -70,7 +71,8 @@ def key(model: str, batch: int, input_shape: tuple[int, ...] | None) -> dict:
             "query": {"model": model, "batch": batch, "input_shape": list(input_shape) if input_shape else None},
             "machine": {"cpu": cpu_model(), "cores": len(os.sched_getaffinity(0)), "arch": platform.machine(),
                         "system": platform.system()},
-            "versions": {"commlab": commlab.__version__, "git": git_revision(), "torch": torch.__version__,
+            "versions": {"commlab": commlab.__version__, "git": git_revision(),
+                         "torch": importlib.metadata.version("torch"),  # not torch.__version__: no torch import
                          "numpy": np.__version__, "python": platform.python_version()}}
 
 
@@ -134,3 +136,59 @@ class Kept:
         tmp.write_text(json.dumps({"key": self.key, "calibration": json.loads(kept.to_json())}, indent=1))
         os.replace(tmp, self.path)
 
+
+
+# ----- a query's answer --------------------------------------------------------------------------
+# Everything after the calibration is pure: the same calibration and the same options give the same
+# plan.md, plan.json and plan.png. A repeated query (the kept calibration, assumed transports) is read back
+# instead of simulated and drawn again (seconds at 4,096 workers: the async regimes' event loop, matplotlib),
+# under a key made of the calibration, the options and the planner's own source, so an edited simulator
+# never answers from an older one's file.
+PLANNER_SOURCES = ("plan/costmodel.py", "plan/simulate.py", "plan/recommend.py", "plan/compression.py",
+                   "plan/rates.py", "plan/__main__.py", "transport/psproto.py", "regimes/ring.py")
+
+
+@dataclass(frozen=True)
+class KeptAnswer:
+    """One query's answer, kept: ``plan-answers/<key>/`` holds its plan.md body, plan.json and plan.png."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, cal: Calibration, options: dict) -> "KeptAnswer":
+        """The answer kept for ``options`` (the command's parsed options, less where it writes) on ``cal``."""
+        root = Path(commlab.__file__).resolve().parent
+        h = hashlib.sha256()
+        for name in PLANNER_SOURCES:
+            h.update((root / name).read_bytes())
+        h.update(json.dumps({"calibration": json.loads(cal.to_json()), "options": options}, sort_keys=True,
+                            default=str).encode())
+        return cls(folder() / "plan-answers" / h.hexdigest()[:24])
+
+    def load(self) -> tuple[list[str], dict, Path | None] | None:
+        """(plan.md's lines after its heading, plan.json's content, the picture or None), or None when nothing
+        is kept (or it cannot be read: then the query is simply answered again)."""
+        try:
+            lines = json.loads((self.path / "plan.md.json").read_text())
+            doc = json.loads((self.path / "plan.json").read_text())
+        except (OSError, ValueError):
+            return None
+        png = self.path / "plan.png"
+        return lines, doc, png if png.exists() else None
+
+    def save(self, lines: list[str], doc: dict, png: Path | None) -> None:
+        """Keep an answer; a folder is written whole (made aside, renamed into place), so a reader never
+        sees half of one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        (tmp / "plan.md.json").write_text(json.dumps(lines))
+        (tmp / "plan.json").write_text(json.dumps(doc, default=str))
+        if png is not None:
+            shutil.copyfile(png, tmp / "plan.png")
+        shutil.rmtree(self.path, ignore_errors=True)  # one that could not be read (a whole one is never rewritten)
+        try:
+            os.replace(tmp, self.path)
+        except OSError:  # another call kept the same answer in the meantime
+            shutil.rmtree(tmp, ignore_errors=True)

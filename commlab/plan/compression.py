@@ -64,14 +64,12 @@ from commlab.base.handles import DoneHandle
 from commlab.core.heap import keep_freed_gradients, release_freed_memory
 from commlab.plan.calibrate import cpu_clock
 from commlab.plan.rates import parse_rate
-from commlab.plan.costmodel import (PLANNED_OPTIONS, Calibration, Compute, CompressorCost, Regime, Topology,
-                                    parse_regime)
+from commlab.plan.costmodel import (BUILTIN_COMPRESSORS, PLANNED_OPTIONS, Calibration, Compute, CompressorCost,
+                                    Regime, Topology, parse_regime)
 from commlab.plan.simulate import allgather_time, allreduce_bucket_time
 from commlab.core.registry import regime_class
 
-# what `commlab plan` weighs unless told (--compress): each costs a measurement on a first call, so the block
-# quantizers (int8, int4, fp4, fp8: local steps' pseudo-gradients) are weighed when named
-BUILTIN = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+BUILTIN = BUILTIN_COMPRESSORS  # what `commlab plan` weighs unless told (commlab.plan.costmodel)
 MBIT, GBIT = 1e6 / 8, 1e9 / 8  # bytes per second
 WIDE = ("float32", "float64")
 
@@ -134,11 +132,13 @@ class _Timed:
         return payload
 
 
-def exchange_buckets(compute: Compute):
-    """The model's buckets as a regime holds them (:func:`commlab.core.exchanger.make_buckets`, presence flags
-    included), from the calibration's parameter lists; gradients zero."""
+def exchange_buckets(compute: Compute, which: range | None = None):
+    """The model's buckets (those ``which`` numbers, else all) as a regime holds them
+    (:func:`commlab.core.exchanger.make_buckets`, presence flags included), from the calibration's parameter
+    lists; gradients zero."""
     out = []
-    for b, bucket in enumerate(compute.buckets):
+    for b in which if which is not None else range(len(compute.buckets)):
+        bucket = compute.buckets[b]
         # the parameters give make_buckets their names, shapes and dtype, never their values: one element each,
         # expanded (no 100 MB of parameters beside the 25M model's buckets)
         named = [(name, nn.Parameter(torch.empty(1, dtype=getattr(torch, dtype)).expand(shape), requires_grad=False))
@@ -166,52 +166,62 @@ def regime_sums(regime: Regime) -> tuple[str, ...]:
 def measure(compute: Compute, spec: str, ef: bool = True, world: int = 2, sums: tuple[str, ...] = WIDE,
             reps: int = 3, threads: int = 1, seed: int = 0) -> CompressorCost:
     """Time ``spec`` (a ``compress=`` value) on ``compute``'s buckets; see the module's text. Blocks for the
-    compressor's warm-up steps plus ``reps`` steps, one thread. A bad spec raises :class:`ConfigError` naming
-    ``compress``."""
-    comp = build(spec, ef)
-    if comp is None:
+    compressor's warm-up steps plus ``reps`` steps per bucket, one thread. A bad spec raises
+    :class:`ConfigError` naming ``compress``.
+
+    Each bucket is measured on its own (a compressor of its own, warmed up on that bucket alone): a
+    compressor's state and temporaries are per bucket, and one bucket's at a time (with the heap's freed
+    memory handed back between them) keep the peak at the largest bucket's, not the model's (docs/plan.md)."""
+    if build(spec, ef) is None:
         raise ConfigError(f"option 'compress': {spec!r} is the uncompressed exchange, the baseline: nothing to measure")
+    per = []
+    for b in range(len(compute.buckets)):
+        per.append(_measure_bucket(compute, b, spec, ef, world, sums, reps, threads, seed))
+        gc.collect()  # the compressor's state and its exchanges hold one another
+        release_freed_memory()
+    med = lambda xs: statistics.median(xs) if xs else 0.0
+    return CompressorCost(spec, ef, world, tuple(sums), tuple(tuple(m for m, _ in mv) for _, _, mv in per),
+                          tuple(tuple(n for _, n in mv) for _, _, mv in per),
+                          tuple(tuple(med(x) for x in enc) for enc, _, _ in per), tuple(med(dec) for _, dec, _ in per))
+
+
+def _measure_bucket(compute: Compute, b: int, spec: str, ef: bool, world: int, sums: tuple[str, ...], reps: int,
+                    threads: int, seed: int) -> tuple[list[list[float]], list[float], tuple]:
+    """Bucket ``b`` alone through a fresh ``spec``: (encode seconds per round, decode seconds, per step past the
+    warm-up; how each round moves and its bytes)."""
+    comp = cast(Compressor, build(spec, ef))
     comp.bind(world)
     mover = _AllMe(world, sums)
-    buckets = exchange_buckets(compute)
-    timed = _Timed(comp, mover, {bk.index: bk.flags for bk in buckets})
-    keep_freed_gradients(p for bk in buckets for p in bk.params)  # as a worker's exchanger does (heap=keep)
-    g = torch.Generator().manual_seed(seed)
-    for bk in buckets:  # once: what the compressor leaves in them (error feedback's sum) is gradients as good
-        bk.grads.copy_(torch.randn(bk.numel, generator=g))
-    nb, nr = len(buckets), comp.rounds
-    enc: list[list[list[float]]] = [[[] for _ in range(nr)] for _ in range(nb)]
-    dec: list[list[float]] = [[] for _ in range(nb)]
+    (bk,) = exchange_buckets(compute, range(b, b + 1))
+    timed = _Timed(comp, mover, {bk.index: bk.flags})
+    keep_freed_gradients(bk.params)  # as a worker's exchanger does (heap=keep)
+    g = torch.Generator().manual_seed(seed + b)
+    bk.grads.copy_(torch.randn(bk.numel, generator=g))  # once: what the compressor leaves is gradients as good
+    nr = comp.rounds
+    enc: list[list[float]] = [[] for _ in range(nr)]
+    dec: list[float] = []
     state = seam.CompressState(cast(Compressor, timed))
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for step in range(comp.warmup_steps + reps):
             timed.advance_s.clear()
-            # each bucket's exchange ends before the next one starts (the costs are per bucket either way):
-            # one bucket's temporaries at a time, not the whole model's (peak memory: docs/plan.md)
-            for bk in buckets:
-                bk.flags.fill_(1)
-                t0, untimed = cpu_clock(), timed.untimed_s
-                h = seam.start_compressed(state, bk, mover, f"bucket {bk.index}", True)
-                t1, untimed1, before = cpu_clock(), timed.untimed_s, sum(timed.advance_s.values())
-                enc[bk.index][0].append(t1 - t0 - (untimed1 - untimed))
-                h.wait(600.0)
-                dec[bk.index].append(cpu_clock() - t1 - (sum(timed.advance_s.values()) - before)
-                                     - (timed.untimed_s - untimed1))
-                del h
-            for (b, r), s in timed.advance_s.items():
-                enc[b][r].append(s)
+            bk.flags.fill_(1)
+            t0, untimed = cpu_clock(), timed.untimed_s
+            h = seam.start_compressed(state, bk, mover, f"bucket {bk.index}", True)
+            t1, untimed1, before = cpu_clock(), timed.untimed_s, sum(timed.advance_s.values())
+            enc[0].append(t1 - t0 - (untimed1 - untimed))
+            h.wait(600.0)
+            dec.append(cpu_clock() - t1 - (sum(timed.advance_s.values()) - before) - (timed.untimed_s - untimed1))
+            del h
+            for (_, r), sec in timed.advance_s.items():
+                enc[r].append(sec)
             if step < comp.warmup_steps:
-                enc = [[[] for _ in range(nr)] for _ in range(nb)]
-                dec = [[] for _ in range(nb)]
-        moves = [tuple(timed.moves[bk.index, r] for r in range(nr)) for bk in buckets]
+                enc, dec = [[] for _ in range(nr)], []
+        moves = tuple(timed.moves[bk.index, r] for r in range(nr))
     finally:
         torch.set_num_threads(old_threads)
-    med = lambda xs: statistics.median(xs) if xs else 0.0
-    return CompressorCost(spec, ef, world, tuple(sums), tuple(tuple(m for m, _ in mv) for mv in moves),
-                          tuple(tuple(n for _, n in mv) for mv in moves),
-                          tuple(tuple(med(x) for x in per) for per in enc), tuple(med(x) for x in dec))
+    return enc, dec, moves
 
 
 def _how(comp: Compressor, payload: list[torch.Tensor], flags: torch.Tensor | None, mover) -> tuple[str, int]:

@@ -34,6 +34,11 @@ from commlab.base.errors import ConfigError
 GBIT = 1e9 / 8  # bytes per second in one gigabit per second
 
 
+# what `commlab plan` weighs unless told (--compress): each costs a measurement on a first call, so the block
+# quantizers (int8, int4, fp4, fp8: local steps' pseudo-gradients) are weighed when named. Here, not in
+# commlab.plan.compression (which imports torch to measure), so the command's defaults cost no torch import.
+BUILTIN_COMPRESSORS = ("fp16", "bf16", "powersgd:4", "topk:0.01", "randomk:0.01", "sign")
+
 @dataclass(frozen=True)
 class Transport:
     """Per-message latency ``alpha_s`` and per-byte cost ``beta_s`` (s/byte, CPU path) of one transport."""

@@ -42,7 +42,6 @@ import numpy as np
 from commlab.base.errors import ConfigError
 from commlab.plan.costmodel import Calibration, Regime, Straggler, Topology
 from commlab.transport.psproto import assign_shards
-from commlab.regimes.ring import segment_bounds
 
 PIECE_BYTES = 16 * 2**20  # ps:// cuts parameters into pieces of at most piece_mb (16 MiB)
 SWAP_BYTES = 4 * 2**20  # ring:// at N = 2: tensors up to swap_kb take one step
@@ -155,6 +154,8 @@ def ring_bytes_by_rank(nbytes: int, n: int, itemsize: int = 4) -> np.ndarray:
     (:func:`commlab.regimes.ring.segment_bounds`, :func:`~commlab.regimes.ring.ring_schedule`): in the
     N-1 reduce-scatter steps rank r sends every segment but (r+1) mod N, in the N-1 all-gather steps
     every segment but (r+2) mod N. Exactly ``2(N-1)/N x S`` when N divides the element count."""
+    from commlab.regimes.ring import segment_bounds  # here: the ring's module imports torch (seconds)
+
     if n <= 1:
         return np.zeros(max(n, 1))
     bounds = np.array(segment_bounds(nbytes // itemsize, n)) * itemsize

@@ -13,10 +13,11 @@ import os
 import subprocess
 import sys
 
-from commlab.launch import launcher
 from commlab.base.config import describe_options
 from commlab.base.errors import ConfigError
-from commlab.core.registry import ENV_URL, REGIMES, regime_class, resolve
+
+# The launcher and the regimes' registry (torch, seconds to import) are imported where they are used: the
+# other subcommands replace this process at once (os.execv), and their module imports what it needs itself.
 
 # subcommand -> (module run as ``python -m``, one line of help)
 SUBCOMMANDS = {
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
 
 
 def regimes_help() -> str:
+    from commlab.core.registry import REGIMES, regime_class
     lines = ["regimes (--exchanger URL):"]
     for scheme in sorted(REGIMES):
         try:
@@ -46,6 +48,7 @@ def check_url(url: str, option: str = "--exchanger") -> str | None:
 
     Checked before anything starts, so a typo costs no process and no traceback.
     """
+    from commlab.core.registry import resolve
     try:
         resolve(url)
     except ConfigError as exc:
@@ -71,6 +74,7 @@ def train_main(argv: list[str]) -> int:
     The library does not import ``workers/`` (dependencies point the other way): the
     worker's own flags are listed by ``python -m workers --help``, appended to our help.
     """
+    from commlab.launch import launcher
     p = argparse.ArgumentParser(prog="commlab train", add_help=False,
                                 description="Train on N local workers (torchrun's environment, loopback).")
     add_job_args(p, default_workers=2)
@@ -95,6 +99,8 @@ def train_main(argv: list[str]) -> int:
 
 def run_main(argv: list[str]) -> int:
     """``commlab run [--workers N] [--exchanger URL] script.py ARGS``: N ranks of the user's script."""
+    from commlab.core.registry import ENV_URL
+    from commlab.launch import launcher
     p = argparse.ArgumentParser(
         prog="commlab run", description="Run N ranks of a training script on this host, as torchrun would "
         "(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), with COMMLAB_EXCHANGER "
