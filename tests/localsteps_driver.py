@@ -26,7 +26,10 @@ DIM, CLASSES, BATCH = 6, 3, 8
 
 def make_model(bn: bool) -> nn.Module:
     torch.manual_seed(0)
-    layers: list[nn.Module] = [nn.Linear(DIM, 12)]
+    # no bias before BatchNorm (it cancels): its gradient is zero up to rounding, which AdamW would scale up
+    # to lr-sized steps, so 1-ulp differences in BatchNorm's reductions between processes (their summation
+    # order) would move the parameters by lr per step and no reference could match
+    layers: list[nn.Module] = [nn.Linear(DIM, 12, bias=not bn)]
     if bn:
         layers.append(nn.BatchNorm1d(12))
     layers += [nn.Tanh(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, CLASSES)]

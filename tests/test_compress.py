@@ -421,7 +421,7 @@ def test_integer_quantizers_round_to_the_nearest_step_of_the_block_scale(values,
     x = blockwise(values, 70)
     out, s = quantize(spec, x)
     top = 127 if spec.startswith("int8") else 7
-    assert torch.equal(out, torch.round(torch.where(s > 0, x / s.clamp_min(1e-38), 0)).clamp(-top, top) * s)
+    assert torch.equal(out, torch.round(torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0)).clamp(-top, top) * s)
     assert bool(((x - out).abs() <= s / 2 * (1 + 1e-6)).all())  # |x - q(x)| <= s/2, up to x/s's own rounding
     assert bool((out[values.__len__():values.__len__() + 70] == 0).all())  # the zero block: scale 0, zeros
 
@@ -432,7 +432,7 @@ def test_fp4_rounds_to_the_nearest_e2m1_value_of_the_block_scale(values, spec):
     x = blockwise(values, 70)
     out, s = quantize(spec, x)
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    v = torch.where(s > 0, x / s.clamp_min(1e-38), 0).clamp(-6, 6)
+    v = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0).clamp(-6, 6)
     nearest = grid[(v.abs().unsqueeze(1) - grid).abs().argmin(1)]  # argmin: the first of a tie, the smaller one
     assert torch.equal(out, torch.where(v < 0, -nearest, nearest) * s)
     bound = torch.maximum(s / 4, x.abs() / 4)  # half the gap of the grid where |x| / s falls
@@ -444,7 +444,7 @@ def test_fp4_rounds_to_the_nearest_e2m1_value_of_the_block_scale(values, spec):
 def test_fp8_is_e4m3_of_the_block_scaled_value_within_its_bound(values):
     x = blockwise(values, 300)
     out, s = quantize("fp8", x)
-    v = torch.where(s > 0, x / s.clamp_min(1e-38), 0).clamp(-448, 448)
+    v = torch.where(s > 0, x / torch.where(s > 0, s, 1.0), 0).clamp(-448, 448)
     assert torch.equal(out, v.to(torch.float8_e4m3fn).float() * s)
     bound = torch.maximum(x.abs() * 2.0 ** -4, s * 2.0 ** -10)  # 3 mantissa bits; subnormals below 2^-6 s
     assert bool(((x - out).abs() <= bound * (1 + 1e-6)).all())
