@@ -771,6 +771,7 @@ def test_compress_case_refuses_bad_options_in_one_line_before_anything_starts(ca
 
 
 @pytest.mark.multiproc
+@pytest.mark.full  # 11 s: the case runs outside the default bench; its overlap rule and bytes stay in the default run
 def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(tmp_path):
     """`commlab bench lowcomm` at test size on loopback: `alone` (no exchange), the synchronous ring and torch's
     post-local SGD at H = 48 in one job, and a local-steps ps:// entry (reported as it resolves: unavailable
