@@ -233,12 +233,30 @@ def _start_zygote() -> None:
     tests always start for real."""
     if os.environ.get(zygote.ENV):  # "off", or a zygote of the caller's
         return
+    _remove_dead_zygote_folders()
     folder = tempfile.mkdtemp(prefix="commlab-zygote-")  # mode 0700: the zygote's socket is reachable by us alone
     path = os.path.join(folder, "socket")
     _ZYGOTE.update(proc=launcher.start_group([sys.executable, "-m", zygote.MODULE, path], child_env(),
                                              starter=launcher.plain_start), folder=folder)
     os.environ[zygote.ENV] = path
     os.environ[launcher.STARTER_ENV] = zygote.MODULE
+
+
+def _remove_dead_zygote_folders() -> None:
+    """The folders of earlier runs that were killed before pytest_unconfigure (a timeout's SIGKILL): a folder
+    whose socket no zygote answers any more. A running suite's zygote accepts, so its folder stays."""
+    import socket as sockets
+    for folder in Path(tempfile.gettempdir()).glob("commlab-zygote-*"):
+        if not folder.is_dir() or folder.stat().st_uid != os.getuid():  # another user's run: not ours to judge
+            continue
+        probe = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(str(folder / "socket"))
+        except OSError:  # no socket, or nobody listening: the run that made it is gone
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            probe.close()
 
 
 def zygote_children() -> set[int]:
