@@ -47,7 +47,6 @@ import gc
 import inspect
 import math
 import statistics
-import time
 from dataclasses import replace
 from typing import cast
 from urllib.parse import urlencode

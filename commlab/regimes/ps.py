@@ -44,7 +44,6 @@ import zmq
 
 from commlab import compress
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
-from commlab.compress import CompressOptions
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.core.localsteps import LocalStepsOptions, Outer, parse_outer
