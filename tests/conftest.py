@@ -249,6 +249,8 @@ def _remove_dead_zygote_folders() -> None:
     for folder in Path(tempfile.gettempdir()).glob("commlab-zygote-*"):
         if not folder.is_dir() or folder.stat().st_uid != os.getuid():  # another user's run: not ours to judge
             continue
+        if time.time() - folder.stat().st_mtime < 600:  # a run starting beside this one: its zygote may still be
+            continue  # importing, not yet listening (removing its folder made that run's every start fail)
         probe = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
         try:
             probe.settimeout(1.0)
