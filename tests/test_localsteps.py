@@ -305,6 +305,60 @@ def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs)
     assert min(float((g - want).abs().max()) for g in got) < 1e-5
 
 
+def delayed_nesterov_reference(order: list[int], H: int, lr: float, beta: float) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """Async DiLoCo on one process: copy r takes its next H inner steps, pushes anchor_r - theta_r (anchor_r: the
+    anchor it last pulled) and pulls the servers' anchor x, in ``order``. The servers' rule, Delayed Nesterov,
+    written out: every push x -= (lr/N) g; the pushes summed in D; every N-th push m = beta m + D/N and
+    x -= lr beta m (Nesterov's look-ahead), D = 0."""
+    models = [make_model(False) for _ in range(N)]
+    opts = [make_inner(m, "adamw") for m in models]
+    x = [p.detach().clone() for p in models[0].parameters()]
+    anchors = [[a.clone() for a in x] for _ in range(N)]
+    taken = [0] * N
+    m = [torch.zeros_like(a) for a in x]
+    acc = [torch.zeros_like(a) for a in x]
+    for k, r in enumerate(order, 1):
+        model, opt = models[r], opts[r]
+        for _ in range(H):
+            xb, yb = batch(r, taken[r])
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            taken[r] += 1
+        with torch.no_grad():
+            for i, q in enumerate(model.parameters()):
+                g = anchors[r][i] - q
+                x[i] -= lr / N * g
+                acc[i] += g
+                if k % N == 0:
+                    m[i] = beta * m[i] + acc[i] / N
+                    x[i] -= lr * beta * m[i]
+                    acc[i].zero_()
+            for i, q in enumerate(model.parameters()):
+                q.copy_(x[i])
+            anchors[r] = [a.clone() for a in x]
+    return list(zip(models, opts))
+
+
+@pytest.mark.multiproc
+def test_ps_async_delayed_nesterov_matches_reference(run_ranks, tmp_path, procs):
+    """mode=async with the Nesterov outer spec: the syncs reach the shard in a forced uneven order (rank 0
+    twice, as a worker twice as fast would), so the momentum's windows of N=2 arrivals mix ranks and staleness:
+    {r0, r0}, {r1, r0}, {r1, r1}. Exactly 6 updates, each push once; every rank's parameters and inner AdamW state
+    equal the single-process reference of the rule to 1e-5."""
+    order, H = [0, 0, 1, 0, 1, 1], 2
+    server = procs.server("--mode", "async")
+    url = ps_url(server, "async") + f"&sync_every={H}&outer=sgd:lr=0.7,momentum=0.9,nesterov=1"
+    saved = run(run_ranks, tmp_path, url, 0, order=order, every=H)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 6 and stats["duplicates"] == 0
+    assert stats["last_step"] == {"0": 2, "1": 2}
+    check_ranks(saved, delayed_nesterov_reference(order, H, 0.7, 0.9), 1e-5)
+    # rank 1 pushed last: it holds the anchor, which no plain-SGD rule (momentum dropped) would give
+    plain = delayed_nesterov_reference(order, H, 0.7, 0.0)
+    assert max_diff(saved[1]["params"], plain[1][0]) > 1e-4
+
+
 def test_ps_options_refused_in_one_line():
     from commlab.regimes.ps import PSOptions
 
@@ -315,7 +369,9 @@ def test_ps_options_refused_in_one_line():
     for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
                     ("sync_every=4&warmup=2", "warmup"), ("sync_every=4&fragments=2", "fragments"),
                     ("sync_every=4&overlap=1", "overlap"), ("sync_every=4&compress=fp16", "compress"),
-                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer")]:
+                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
+                    ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
+                    ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening")]:
         with pytest.raises(ConfigError, match=name) as exc:
             parse(q)
         assert "\n" not in str(exc.value)

@@ -101,6 +101,22 @@ def parse_outer(spec: str) -> tuple[type, dict[str, Any]]:
     return cls, kwargs
 
 
+ASYNC_KEYS = ("lr", "momentum", "nesterov")  # what the asynchronous outer rule (Delayed Nesterov) reads of SGD's
+
+
+def async_outer_refusal(cls: type, kwargs: dict[str, Any]) -> str:
+    """Why the asynchronous outer rule (Delayed Nesterov, docs/localsteps.md) cannot run the outer optimizer
+    ``cls(**kwargs)``; "" when it can: SGD with lr, momentum and nesterov, its other keywords at their defaults."""
+    if cls is not torch.optim.SGD:
+        return (f"outer: mode=async applies each pseudo-gradient as it lands with Delayed Nesterov, which takes "
+                f"outer=sgd:lr=..,momentum=..,nesterov=..; not {cls.__name__}")
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    other = sorted(k for k, v in kwargs.items() if k not in ASYNC_KEYS and v != defaults.get(k))
+    if other:
+        return f"outer: mode=async (Delayed Nesterov) reads only {', '.join(ASYNC_KEYS)} of SGD; drop {other[0]}="
+    return ""
+
+
 @dataclass(frozen=True)
 class LocalStepsOptions(CompressOptions):
     """Options of a regime that can talk rarely (allreduce://, ring://, ps://)."""

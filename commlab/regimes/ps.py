@@ -46,7 +46,7 @@ from commlab import compress
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.core.localsteps import LocalStepsOptions, Outer, parse_outer
+from commlab.core.localsteps import LocalStepsOptions, Outer, async_outer_refusal, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
@@ -110,6 +110,10 @@ class PSOptions(LocalStepsOptions):
                 if getattr(self, name) != off:
                     raise ConfigError(f"ps:// sync_every= does not take {name}= (the shards own the anchor and sync "
                                       f"the whole model at once; docs/localsteps.md)")
+            if self.consistency is not None and not self.consistency.gathers:
+                why = async_outer_refusal(*parse_outer(self.outer))
+                if why:
+                    raise ConfigError(why)
 
     @property
     def asked_update(self) -> str | None:
