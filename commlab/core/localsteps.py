@@ -182,6 +182,9 @@ def offsets(every: int, parts: int) -> list[int]:
 class Outer(abc.ABC):
     """Where the anchor and the outer optimizer live; one per exchanger in local-steps mode."""
 
+    def divide(self, parts: list[list[torch.Tensor]]) -> None:
+        """Setup: the parameters of each fragment, in the order of its flat anchor."""
+
     @abc.abstractmethod
     def start(self, anchors: list[torch.Tensor]) -> None:
         """The anchor is taken (end of warm-up): one flat float32 tensor per fragment, equal on every rank."""
@@ -317,6 +320,7 @@ class LocalSteps(Talk):
         params = [local(p) for p in ex.model.parameters() if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in params]
         self.parts = [[params[i] for i in idx] for idx in fragments(sizes, self.options.fragments)]
+        self.outer.divide(self.parts)
         if self.steps == self.W:
             self._take_anchor()
 

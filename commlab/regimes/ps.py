@@ -105,11 +105,9 @@ class PSOptions(LocalStepsOptions):
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
-            for name, off in (("warmup", 0), ("fragments", 1), ("overlap", 0), ("alpha", 0.0), ("compress", "none"),
-                              ("clip_norm", 0.0)):
+            for name, off in (("warmup", 0), ("compress", "none"), ("clip_norm", 0.0)):
                 if getattr(self, name) != off:
-                    raise ConfigError(f"ps:// sync_every= does not take {name}= (the shards own the anchor and sync "
-                                      f"the whole model at once; docs/localsteps.md)")
+                    raise ConfigError(f"ps:// sync_every= does not take {name}= (docs/localsteps.md)")
             if self.consistency is not None and not self.consistency.gathers:
                 why = async_outer_refusal(*parse_outer(self.outer))
                 if why:
@@ -446,17 +444,23 @@ class _Shard:
                   what=f"start pull (rank 0's initial parameters; every rank must reach setup)")
         return self.collect()
 
-    def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None) -> int:
+    def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None,
+                       keys: list[str] | None = None, take: Callable | None = None) -> int:
         """Push and pull back to back (the pull goes out before the push is acknowledged). With
         ``commit`` (update=server, sync), the step is committed in between, as ``optimizer.step()`` does:
-        the shard's report is read once every worker's push is in, then the commit goes out."""
+        the shard's report is read once every worker's push is in, then the commit goes out. ``keys``: pull
+        only those; ``take``: what to do with the pulled values (default: into the parameters)."""
         self.post("push", step, parts, meta, what)
         if commit is not None:
             self.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
                       take=lambda h, _data: 0)
             self.collect()
             self.post("commit", step, meta=commit, what=f"commit of step {step}")
-        return self.pull(step)
+        if keys is None and take is None:
+            return self.pull(step)
+        self.post("pull", step, meta={"after_step": step, **({"keys": keys} if keys else {})},
+                  what=f"pull after step {step} ({what})", take=take)
+        return self.collect()
 
     def close(self, bye: bool) -> None:
         if self.sock is not None:
