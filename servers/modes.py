@@ -69,6 +69,11 @@ class Placement:
     consistency: psproto.Consistency | None = None  # the mode it serves under (Mode.placement sets it)
     step_pull = ""  # what a sync worker pulls of a gathered step, beside the parameters: "sum" or "report"
 
+    @property
+    def step_pulls(self) -> tuple[str, ...]:
+        """Every pull of a gathered step a worker of this placement may make."""
+        return (self.step_pull,)
+
     def check(self, optim: dict) -> None:
         """Hello: refuse, before anything is fixed, what this placement cannot serve."""
 
@@ -142,6 +147,11 @@ class OuterOptimizer(ShardOptimizer):
             raise Refused("update=outer: the hello carries no outer optimizer {class, kwargs}")
         cls = optimizer_class(outer["class"])
         kwargs = hyper_from_wire(outer["kwargs"])
+        warmup = outer.get("warmup", 0)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise Refused(f"update=outer: warmup must be a whole number of steps >= 0, got {warmup!r}")
+        if warmup and self.consistency is not None and not self.consistency.gathers:
+            raise Refused("update=outer: warmup= needs mode=sync (its steps are synchronous)")
         try:
             cls([torch.zeros(1)], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -149,6 +159,18 @@ class OuterOptimizer(ShardOptimizer):
         why = async_outer_refusal(cls, kwargs) if self.consistency is not None and not self.consistency.gathers else ""
         if why:
             raise Refused(why)
+
+    @property
+    def step_pulls(self):
+        return ("report", "sum")  # the outer steps' report; the warm-up steps' averages
+
+    def gathered(self, sync):
+        """Sync: a warm-up step (``warmup=W``: wire steps below W, ordinary synchronous steps) is an average
+        the workers pull into ``p.grad`` (as update=worker); a sync awaits the commits of its outer step."""
+        if sync.step < int(sync.srv.optim_desc["outer"].get("warmup", 0)):
+            sync.publish()
+        else:
+            sync.await_commits()
 
     def build_optimizer(self, srv):
         if srv.optim_desc is None:
@@ -633,7 +655,7 @@ class Sync(Mode):
 
     def step_pulls(self):
         """The placement's pull of a gathered step, and compress='s sums of a (unit, round)."""
-        return frozenset({self.srv.placement.step_pull, *(("csum",) if self.srv.units is not None else ())})
+        return frozenset({*self.srv.placement.step_pulls, *(("csum",) if self.srv.units is not None else ())})
 
     def answer(self, what, h):
         srv, current = self.srv, self.step == h.meta["after_step"]

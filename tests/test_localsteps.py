@@ -274,6 +274,19 @@ def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs):
 
 
 @pytest.mark.multiproc
+def test_ps_warmup_matches_reference(run_ranks, tmp_path, procs):
+    """warmup=2 on ps://: two synchronous steps (the shard averages the gradients, the inner AdamW steps on the
+    average), then rank 0's parameters become the shard's anchor and the local steps begin; the collectives'
+    reference to 1e-5. Bytes: each warm-up step pushes the float32 gradient, each sync the pseudo-gradient."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4&warmup=2", 10)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), W=2), 1e-5)
+    n = 4 * sum(p.numel() for p in make_model(False).parameters())
+    assert saved[0]["sent"] == [n, n, 0, 0, 0, n, 0, 0, 0, n]
+    assert server.stats()["updates"] == 4  # two averages, two outer steps
+
+
+@pytest.mark.multiproc
 def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
     """The shard checkpoints after every outer step; rank 0 kills it (SIGKILL) after step 5, between the syncs
     at steps 3 and 7 (0-based); it comes back with --resume on the same port, and the workers' second sync
@@ -384,7 +397,7 @@ def test_ps_options_refused_in_one_line():
 
     assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
     for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
-                    ("sync_every=4&warmup=2", "warmup"), ("sync_every=4&compress=fp16", "compress"),
+                    ("sync_every=4&warmup=2&mode=async", "warmup"), ("sync_every=4&compress=fp16", "compress"),
                     ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
                     ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
                     ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening")]:

@@ -105,9 +105,11 @@ class PSOptions(LocalStepsOptions):
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
-            for name, off in (("warmup", 0), ("compress", "none"), ("clip_norm", 0.0)):
+            for name, off in (("compress", "none"), ("clip_norm", 0.0)):
                 if getattr(self, name) != off:
                     raise ConfigError(f"ps:// sync_every= does not take {name}= (docs/localsteps.md)")
+            if self.warmup and self.consistency is not None and not self.consistency.gathers:
+                raise ConfigError("ps:// sync_every= with warmup= needs mode=sync (the warm-up steps are synchronous)")
             if self.consistency is not None and not self.consistency.gathers:
                 why = async_outer_refusal(*parse_outer(self.outer))
                 if why:
@@ -123,7 +125,7 @@ class PSOptions(LocalStepsOptions):
         if not self.sync_every:
             return {}
         cls, kwargs = parse_outer(self.outer)
-        return {"outer": {"class": f"{cls.__module__}.{cls.__qualname__}", "kwargs": kwargs}}
+        return {"outer": {"class": f"{cls.__module__}.{cls.__qualname__}", "kwargs": kwargs, "warmup": self.warmup}}
 
     @property
     def consistency(self) -> psproto.Consistency | None:

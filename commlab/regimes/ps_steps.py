@@ -311,10 +311,13 @@ class Apply(ShardsStep):
         ex.stats.bytes_received += sum(ex._on_all(lambda s: s.pull(step), f"pull after step {step}"))
 
 
-class LocalOuter(StepPlacement):
+class LocalOuter(Averages):
     """Local steps (``sync_every=H``): the shards own the anchor and the outer optimizer. The user's optimizer
     is the inner one and steps *here* (``optimizer.step()`` is not taken over, although the shards step: they
-    step the outer optimizer); backward pushes nothing. Every H-th real step the schedule
+    step the outer optimizer); backward pushes nothing, except in the warm-up's synchronous steps
+    (``warmup=W``, mode=sync), which are :class:`Averages`' (the shards average, the averages come back into
+    ``p.grad``, the inner optimizer steps on them); at its end rank 0's parameters become the shards' anchor
+    (:meth:`ShardsOuter.start`). Every H-th real step the schedule
     (:class:`commlab.core.localsteps.LocalSteps`) asks :class:`ShardsOuter` to push this worker's pseudo-gradient
     and pull the new anchor."""
 
@@ -359,6 +362,10 @@ class ShardsOuter(localsteps.Outer):
 
     def start(self, anchors):
         self._anchors = anchors
+        ex = self.ex
+        if ex.options.warmup and ex.rank == 0:  # the end of the warm-up: the parameters (equal on every rank)
+            ex._on_all(lambda s: s.request("load", -1, ex._parts(s.index, None), what="the anchor after warm-up"),
+                       "the anchor after warm-up")
 
     def anchors(self):
         return self._anchors
