@@ -32,11 +32,14 @@ N = 2
 
 
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
-              combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
+              lengths: list[int] | None = None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
     alpha x local + (1 - alpha) x anchor; the first W steps synchronous (every copy steps on the mean gradient),
-    the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD)."""
+    the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD). ``lengths``: copy r
+    stops after lengths[r] steps (uneven inputs, join()): a sync averages the changes of the copies still going,
+    and at the end every copy takes the model of the highest copy among those that went longest."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -57,8 +60,11 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         frag.append(p)
         load[p] += a.numel() * 4
         last = p
-    for step in range(steps):
-        for r, (m, o) in enumerate(zip(models, opts)):
+    joined, lengths = lengths is not None, lengths or [steps] * N
+    for step in range(max(lengths)):
+        live = [r for r in range(N) if step < lengths[r]]
+        for r in live:
+            m, o = models[r], opts[r]
             x, y = batch(r, step)
             o.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
@@ -67,8 +73,8 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                 mean = sum(grads) / N
                 for g in grads:
                     g.copy_(mean)
-        for o in opts:
-            o.step()
+        for r in live:
+            opts[r].step()
         if step + 1 == W:
             with torch.no_grad():
                 for a, q in zip(anchor, models[0].parameters()):
@@ -83,19 +89,26 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                 for i, a in enumerate(anchor):
                     a.grad = None
                     if frag[i] in due:
-                        a.grad = sum(a - list(m.parameters())[i] for m in models) / N
+                        a.grad = sum(a - list(models[r].parameters())[i] for r in live) / len(live)
                 outer_opt.step()
             for i, a in enumerate(anchor):
                 if frag[i] in land:
-                    for m in models:
+                    for m in [models[r] for r in live]:
                         q = list(m.parameters())[i]
                         q.copy_(alpha * q + (1 - alpha) * a)
             if t % H == 0:
-                for bufs in zip(*(m.buffers() for m in models)):
+                for bufs in zip(*(models[r].buffers() for r in live)):
                     if bufs[0].is_floating_point():
-                        mean = sum(bufs) / N
+                        mean = sum(bufs) / len(live)
                         for b in bufs:
                             b.copy_(mean)
+    if not joined:
+        return list(zip(models, opts))
+    src = max(r for r in range(N) if lengths[r] == max(lengths))
+    with torch.no_grad():
+        for m in models:
+            for q, want in zip([*m.parameters(), *m.buffers()], [*models[src].parameters(), *models[src].buffers()]):
+                q.copy_(want)
     return list(zip(models, opts))
 
 
@@ -194,6 +207,20 @@ def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("url", [REGIMES[0], pytest.param(REGIMES[1], marks=pytest.mark.full)])
+def test_join_uneven_inputs_averages_over_the_ranks_still_training(run_ranks, tmp_path, url):
+    """join() under local steps: rank 1 runs out after 5 steps (between the syncs at steps 4 and 8); the sync at
+    8 is rank 0's change alone (the mean over the ranks still training), rank 1 answering it with zeros, and at
+    the end both take rank 0's model. Every rank equals the reference to 1e-5 (rank 1's inner AdamW state is its
+    own, of 5 steps), and both hold the same anchor bits and step count."""
+    saved = run(run_ranks, tmp_path, url + "&sync_every=4", 0, lengths=[10, 5])
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), lengths=[10, 5]), 1e-5)
+    a, b = (s["ex"]["talk"] for s in saved)
+    assert a["steps"] == b["steps"] == 10
+    assert all(torch.equal(x, y) for x, y in zip(a["outer"]["anchors"], b["outer"]["anchors"]))
+
+
+@pytest.mark.multiproc
 def test_restart_in_the_middle_of_h(run_ranks, tmp_path):
     """Two synchronous warm-up steps, then syncs at steps 5 and 9 (0-based). Rank 0 is killed after step 7:
     both resume from the state committed at step 5 (anchor, outer momentum, position within H, inner AdamW
@@ -257,6 +284,7 @@ def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
 
 
 @pytest.mark.multiproc
+@pytest.mark.full
 def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs):
     """Streaming on two shards: fragments=2 (each sync pushes one fragment's pieces to the shards holding any,
     the shard's other keys absent, and pulls that fragment's anchor back), overlap=1 and alpha=0.25: the same
@@ -274,6 +302,16 @@ def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs):
 
 
 @pytest.mark.multiproc
+def test_ps_batchnorm_buffers_averaged_at_every_sync(run_ranks, tmp_path, procs):
+    """BatchNorm on ps://: the buffers are averaged through shard 0 at the end of every H (steps 3 and 7), each
+    a buffer round of its own, as on the collectives; the reference to 1e-5."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 9, bn=True)
+    check_ranks(saved, reference(9, 4, dict(lr=0.7, momentum=0.9, nesterov=True), bn=True), 1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.full
 def test_ps_warmup_matches_reference(run_ranks, tmp_path, procs):
     """warmup=2 on ps://: two synchronous steps (the shard averages the gradients, the inner AdamW steps on the
     average), then rank 0's parameters become the shard's anchor and the local steps begin; the collectives'

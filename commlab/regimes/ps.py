@@ -902,7 +902,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self._buffers_fresh:  # setup: every rank pulled the servers' buffers with the parameters
             self._buffers_fresh = False
             return
-        step = self._wire_step()
+        # local steps (sync_every=): the wire step of shard 0's latest sync, one more every H (ShardsOuter)
+        step = self._wire_step() + getattr(getattr(self.talk, "outer", None), "buffer_offset", 0)
         first = self.shards[0]
 
         def run(s: _Shard):

@@ -370,7 +370,7 @@ class ShardsOuter(localsteps.Outer):
     def anchors(self):
         return self._anchors
 
-    def begin(self, p, delta, shapes):
+    def begin(self, p, delta, shapes, share=1.0):
         ex = self.ex
         at, offset = {}, 0  # parameter name -> its first element in the fragment's flat anchor
         for name in self._names[p]:
@@ -413,6 +413,13 @@ class ShardsOuter(localsteps.Outer):
             return anchor
 
         return _Retrying(handles, what, then=landed, retries=ex.options.retries)
+
+    @property
+    def buffer_offset(self) -> int:
+        """The buffers' round (on shard 0) at the end of an H: the wire step of shard 0's latest sync, over the
+        exchanger's. Every fragment syncs once per H and shard 0 holds a piece of one at least, so it moves on
+        every H; that sync ran on shard 0's thread before the buffers do, so the shard has it."""
+        return max(0, self.sent.get(0, 0) - 1)
 
     def state_dict(self):
         return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs, "sent": dict(self.sent)}
