@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from commlab.transport import psproto, wire
+from commlab.core.localsteps import async_outer_refusal
 from commlab.core.optim import torch_optimizer
 
 
@@ -65,7 +66,13 @@ class Placement:
     """Where a key space's update runs (see the module's docstring); one instance per key space."""
 
     spec: psproto.Placement
+    consistency: psproto.Consistency | None = None  # the mode it serves under (Mode.placement sets it)
     step_pull = ""  # what a sync worker pulls of a gathered step, beside the parameters: "sum" or "report"
+
+    @property
+    def step_pulls(self) -> tuple[str, ...]:
+        """Every pull of a gathered step a worker of this placement may make."""
+        return (self.step_pull,)
 
     def check(self, optim: dict) -> None:
         """Hello: refuse, before anything is fixed, what this placement cannot serve."""
@@ -129,9 +136,8 @@ class OuterOptimizer(ShardOptimizer):
     (anchor - its local parameters). Its state goes into the shard checkpoint with the optimizer's.
 
     Sync: the mode averages the N pushes, the commits apply one outer step (no hyperparameters travel: the
-    outer ones are fixed by the spec). Async: each push is applied alone as plain outer SGD on the pushed
-    pseudo-gradient scaled by 1/N, ``x -= lr * g / N`` (the spec's lr; its momentum is not used), so N pushes
-    of equal pseudo-gradients move the anchor as one synchronous plain-SGD outer step would."""
+    outer ones are fixed by the spec). Async: Delayed Nesterov (Liu et al. 2024), each push applied alone as it
+    lands (:meth:`apply`); the spec must be SGD (lr, momentum, nesterov)."""
 
     spec = psproto.OUTER
 
@@ -140,10 +146,31 @@ class OuterOptimizer(ShardOptimizer):
         if not (isinstance(outer, dict) and isinstance(outer.get("class"), str) and isinstance(outer.get("kwargs"), dict)):
             raise Refused("update=outer: the hello carries no outer optimizer {class, kwargs}")
         cls = optimizer_class(outer["class"])
+        kwargs = hyper_from_wire(outer["kwargs"])
+        warmup = outer.get("warmup", 0)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise Refused(f"update=outer: warmup must be a whole number of steps >= 0, got {warmup!r}")
+        if warmup and self.consistency is not None and not self.consistency.gathers:
+            raise Refused("update=outer: warmup= needs mode=sync (its steps are synchronous)")
         try:
-            cls([torch.zeros(1)], **hyper_from_wire(outer["kwargs"]))
+            cls([torch.zeros(1)], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise Refused(f"outer optimizer {outer['class']}: {exc}") from None
+        why = async_outer_refusal(cls, kwargs) if self.consistency is not None and not self.consistency.gathers else ""
+        if why:
+            raise Refused(why)
+
+    @property
+    def step_pulls(self):
+        return ("report", "sum")  # the outer steps' report; the warm-up steps' averages
+
+    def gathered(self, sync):
+        """Sync: a warm-up step (``warmup=W``: wire steps below W, ordinary synchronous steps) is an average
+        the workers pull into ``p.grad`` (as update=worker); a sync awaits the commits of its outer step."""
+        if sync.step < int(sync.srv.optim_desc["outer"].get("warmup", 0)):
+            sync.publish()
+        else:
+            sync.await_commits()
 
     def build_optimizer(self, srv):
         if srv.optim_desc is None:
@@ -156,10 +183,49 @@ class OuterOptimizer(ShardOptimizer):
         if srv.mode.spec.gathers:  # sync: the average of the N pushes, one outer step
             srv.step_optimizer(grads)
             return
-        lr = float(srv.optimizer.param_groups[0]["lr"]) / srv.world_size()
+        self.delayed_nesterov(srv, grads)
+
+    @staticmethod
+    def delayed_nesterov(srv, grads: dict[str, torch.Tensor]) -> None:
+        """Async: one pseudo-gradient ``g`` (of one worker, the keys it holds here) applied as it lands, with
+        Delayed Nesterov: N = the workers, lr, beta (momentum) and nesterov from the outer SGD spec. Per key::
+
+            x -= (lr / N) g                       every arrival: plain SGD
+            D += g; k += 1                        the window's sum, the key's arrivals
+            every N-th arrival (k = 0 mod N):     the momentum, once per N arrivals
+                m' = beta m + D / N                (the first time: D / N, as torch's first buffer)
+                x -= lr beta m'   (nesterov)  or  x -= lr beta m   (heavy ball)
+                D = 0
+
+        Over a window of N pushes from the same anchor this is exactly one synchronous ``SGD(lr, momentum,
+        nesterov)`` step on their mean (its ``lr x mean`` spread over the arrivals); with momentum 0, plain
+        SGD x 1/N per push. m, D and k live in the outer optimizer's state (``momentum_buffer``,
+        ``delayed_sum``, ``arrivals``), so the shard checkpoint keeps them."""
+        group = srv.optimizer.param_groups[0]
+        lr, beta, nesterov = float(group["lr"]), float(group.get("momentum", 0.0)), bool(group.get("nesterov"))
+        n = srv.world_size()
         for key, g in grads.items():
             srv._writable(key)
-            srv.params[key].data.add_(g.to(srv.params[key].dtype), alpha=-lr)
+            p = srv.params[key]
+            g = g.to(p.dtype)
+            p.data.add_(g, alpha=-lr / n)
+            if not beta:
+                continue
+            st = srv.optimizer.state[p]
+            if "delayed_sum" not in st:
+                st["delayed_sum"], st["arrivals"] = torch.zeros_like(p.data), 0
+            st["delayed_sum"].add_(g)
+            st["arrivals"] += 1
+            if st["arrivals"] % n:
+                continue
+            old = st.get("momentum_buffer")
+            new = st["delayed_sum"] / n if old is None else old * beta + st["delayed_sum"] / n
+            st["momentum_buffer"] = new
+            if nesterov:
+                p.data.add_(new, alpha=-lr * beta)
+            elif old is not None:
+                p.data.add_(old, alpha=-lr * beta)
+            st["delayed_sum"].zero_()
 
 
 PLACEMENTS: dict[str, type[Placement]] = {"worker": Averages, "server": ShardOptimizer, "outer": OuterOptimizer}
@@ -199,9 +265,11 @@ class Mode:
     def placement(self, update, sender: str) -> Placement:
         """The placement a hello's ``update`` names (none: the mode's default), refused where not allowed."""
         try:
-            return PLACEMENTS[self.spec.placement(update or "").name]()
+            placement = PLACEMENTS[self.spec.placement(update or "").name]()
         except ValueError as exc:
             raise Refused(f"{self.srv.cfg.name}: worker {sender} asked for update={update!r}, but {exc}") from None
+        placement.consistency = self.spec
+        return placement
 
     @property
     def gathering(self) -> int | None:
@@ -587,7 +655,7 @@ class Sync(Mode):
 
     def step_pulls(self):
         """The placement's pull of a gathered step, and compress='s sums of a (unit, round)."""
-        return frozenset({self.srv.placement.step_pull, *(("csum",) if self.srv.units is not None else ())})
+        return frozenset({*self.srv.placement.step_pulls, *(("csum",) if self.srv.units is not None else ())})
 
     def answer(self, what, h):
         srv, current = self.srv, self.step == h.meta["after_step"]

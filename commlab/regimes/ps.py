@@ -46,7 +46,7 @@ from commlab import compress
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.core.localsteps import LocalStepsOptions, Outer, parse_outer
+from commlab.core.localsteps import LocalStepsOptions, Outer, async_outer_refusal, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
@@ -105,11 +105,15 @@ class PSOptions(LocalStepsOptions):
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
-            for name, off in (("warmup", 0), ("fragments", 1), ("overlap", 0), ("alpha", 0.0), ("compress", "none"),
-                              ("clip_norm", 0.0)):
+            for name, off in (("compress", "none"), ("clip_norm", 0.0)):
                 if getattr(self, name) != off:
-                    raise ConfigError(f"ps:// sync_every= does not take {name}= (the shards own the anchor and sync "
-                                      f"the whole model at once; docs/localsteps.md)")
+                    raise ConfigError(f"ps:// sync_every= does not take {name}= (docs/localsteps.md)")
+            if self.warmup and self.consistency is not None and not self.consistency.gathers:
+                raise ConfigError("ps:// sync_every= with warmup= needs mode=sync (the warm-up steps are synchronous)")
+            if self.consistency is not None and not self.consistency.gathers:
+                why = async_outer_refusal(*parse_outer(self.outer))
+                if why:
+                    raise ConfigError(why)
 
     @property
     def asked_update(self) -> str | None:
@@ -121,7 +125,7 @@ class PSOptions(LocalStepsOptions):
         if not self.sync_every:
             return {}
         cls, kwargs = parse_outer(self.outer)
-        return {"outer": {"class": f"{cls.__module__}.{cls.__qualname__}", "kwargs": kwargs}}
+        return {"outer": {"class": f"{cls.__module__}.{cls.__qualname__}", "kwargs": kwargs, "warmup": self.warmup}}
 
     @property
     def consistency(self) -> psproto.Consistency | None:
@@ -442,17 +446,23 @@ class _Shard:
                   what=f"start pull (rank 0's initial parameters; every rank must reach setup)")
         return self.collect()
 
-    def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None) -> int:
+    def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None,
+                       keys: list[str] | None = None, take: Callable | None = None) -> int:
         """Push and pull back to back (the pull goes out before the push is acknowledged). With
         ``commit`` (update=server, sync), the step is committed in between, as ``optimizer.step()`` does:
-        the shard's report is read once every worker's push is in, then the commit goes out."""
+        the shard's report is read once every worker's push is in, then the commit goes out. ``keys``: pull
+        only those; ``take``: what to do with the pulled values (default: into the parameters)."""
         self.post("push", step, parts, meta, what)
         if commit is not None:
             self.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
                       take=lambda h, _data: 0)
             self.collect()
             self.post("commit", step, meta=commit, what=f"commit of step {step}")
-        return self.pull(step)
+        if keys is None and take is None:
+            return self.pull(step)
+        self.post("pull", step, meta={"after_step": step, **({"keys": keys} if keys else {})},
+                  what=f"pull after step {step} ({what})", take=take)
+        return self.collect()
 
     def close(self, bye: bool) -> None:
         if self.sock is not None:
@@ -892,7 +902,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self._buffers_fresh:  # setup: every rank pulled the servers' buffers with the parameters
             self._buffers_fresh = False
             return
-        step = self._wire_step()
+        # local steps (sync_every=): the wire step of shard 0's latest sync, one more every H (ShardsOuter)
+        step = self._wire_step() + getattr(getattr(self.talk, "outer", None), "buffer_offset", 0)
         first = self.shards[0]
 
         def run(s: _Shard):
