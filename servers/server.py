@@ -408,6 +408,7 @@ class ParameterServer:
         completes over the ranks left, and the waiting pulls it held are answered; below the quorum every
         waiting pull gets the line that names the ranks lost."""
         step = self.mode.gathering if self.mode.gathering is not None else self.mode.expected_step(rank)
+        ended = self.members.ended
         dropped = self.mode.lose(rank) if self.initialized else 0
         self.members.lose(rank, step, why, self.world_size())
         if dropped < 0 and not self.members.ended:
@@ -419,7 +420,8 @@ class ParameterServer:
               f"{self.members.epoch}, {self.world_size() - len(self.members.lost)} of {self.world_size()} ranks left"
               + (f", its partial step dropped" if dropped > 0 else ""), file=sys.stderr, flush=True)
         if self.members.ended:
-            print(f"commlab server {self.cfg.name}: {self.members.ended}", file=sys.stderr, flush=True)
+            if not ended:
+                print(f"commlab server {self.cfg.name}: {self.members.ended}", file=sys.stderr, flush=True)
             for ident, w in self.waiting:
                 self.stats.refused += 1
                 self._reply(ident, "error", w.meta.get("id"), {"reason": self.members.ended})

@@ -194,3 +194,18 @@ def test_a_frozen_worker_leaves_after_heartbeat_s_and_is_refused_when_it_thaws(p
         st = s.stats()
         assert st["updates"] == steps and st["members"]["lost"]["1"]["why"] == "its connection closed", st
     print(f"rank 1 frozen at step {K}; left the job {lost_at - deadline + 60:.2f} s into the wait (heartbeat_s=1)")
+
+
+def test_keep_going_options_are_refused_at_parse_time_in_one_line():
+    from commlab.tools.cli import check_url
+
+    for query, said in [("min_workers=-1", "min_workers must be >= 0"), ("heartbeat_s=0.05", "option 'heartbeat_s': at least 0.1"),
+                        ("heartbeat_s=7000", "heartbeat_s must be >= 0 and <= 6553"),
+                        ("min_workers=x", "option 'min_workers': 'x' is not a valid int")]:
+        problem = check_url(f"ps://?shards=1&{query}")
+        assert problem is not None and said in problem and "\n" not in problem, (query, problem)
+    r = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--spares", "-1", SCRIPT], 60, cwd=ROOT,
+                  env=child_env(), capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["commlab run: --spares must be >= 0 and <= 256 (idle ranks this host "
+                                             "starts), got -1"], r.stderr
