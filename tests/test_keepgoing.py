@@ -196,7 +196,8 @@ def test_a_frozen_worker_leaves_after_heartbeat_s_and_is_refused_when_it_thaws(p
     print(f"rank 1 frozen at step {K}; left the job {lost_at - deadline + 60:.2f} s into the wait (heartbeat_s=1)")
 
 
-def test_keep_going_options_are_refused_at_parse_time_in_one_line():
+def test_keep_going_options_are_refused_at_parse_time_in_one_line(capsys):
+    from commlab.launch import launcher
     from commlab.tools.cli import check_url
 
     for query, said in [("min_workers=-1", "min_workers must be >= 0"), ("heartbeat_s=0.05", "option 'heartbeat_s': at least 0.1"),
@@ -204,8 +205,6 @@ def test_keep_going_options_are_refused_at_parse_time_in_one_line():
                         ("min_workers=x", "option 'min_workers': 'x' is not a valid int")]:
         problem = check_url(f"ps://?shards=1&{query}")
         assert problem is not None and said in problem and "\n" not in problem, (query, problem)
-    r = run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--spares", "-1", SCRIPT], 60, cwd=ROOT,
-                  env=child_env(), capture_output=True, text=True)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["commlab run: --spares must be >= 0 and <= 256 (idle ranks this host "
-                                             "starts), got -1"], r.stderr
+    assert launcher.run_job(launcher.Job((SCRIPT,), spares=-1)) == 2  # before anything starts
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "commlab run: --spares must be >= 0 and <= 256 (idle ranks this host starts), got -1"]
