@@ -67,17 +67,19 @@ def _check(results, want: list[torch.Tensor], pids: list[int]) -> list[dict]:
     return recs
 
 
-@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes", [
-    ("server", "partial", set(), [1, 0]),  # shard 0 had half of rank 1's step: taken out again
-    ("worker", "between", {0}, [0, 0]),  # shard 0 had all of it: kept there
-    pytest.param("server", "before", set(), [0, 0], marks=pytest.mark.full),
-    pytest.param("server", "between", {0}, [0, 0], marks=pytest.mark.full),
-    pytest.param("worker", "before", set(), [0, 0], marks=pytest.mark.full),
+@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes,transport", [
+    ("server", "partial", set(), [1, 0], "tcp"),  # shard 0 had half of rank 1's step: taken out again
+    ("worker", "between", {0}, [0, 0], "tcp"),  # shard 0 had all of it: kept there
+    pytest.param("server", "partial", set(), [1, 0], "shm", marks=pytest.mark.full),  # (read from its link)
+    pytest.param("server", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "between", {0}, [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("worker", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
 ])
-def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes):
+def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes, transport):
+    shm_before = set(os.listdir("/dev/shm"))
     servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
     url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update={update}&min_workers=2"
-           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
+           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport={transport}")
     workers = _workers(procs, url, kill_at)
     results = finish([workers[0], workers[2]], timeout=120)
     workers[1].wait(30)
@@ -90,6 +92,9 @@ def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept
         left_at = K + 1 if shard in kept_on and update == "worker" else K
         assert stats["members"]["lost"]["1"]["step"] == left_at, stats["members"]
         assert stats["members"]["lost"]["1"]["why"] == "its connection closed"
+    for s in servers:
+        s.stop()
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("commlab")]
 
 
 @pytest.mark.parametrize("mode,kill_at", [("async", "partial"), pytest.param("ssp", "before", marks=pytest.mark.full)])
