@@ -440,7 +440,8 @@ class ParameterServer:
         """A replacement for a lost rank enters at step ``h.step`` (the largest its shards offered at hello), or
         hears the soonest step this shard can take it at now (the survivors went on meanwhile)."""
         rank = self._rank_of(h)
-        if rank not in self.members.pending:
+        moving = rank not in self.members.pending
+        if moving and not self.mode.entry_open(rank):
             raise Refused(f"enter from {h.sender}: rank {rank} is no replacement waiting to enter {self.cfg.name}")
         if not self.placement.spec.shards_step:
             raise Refused(f"enter from {h.sender}: under update={self.update} the shards hold no trained parameters "
@@ -451,10 +452,14 @@ class ParameterServer:
             self._reply(ident, "ok", h.meta.get("id"), {"entered": False, "enter": soonest})
             return
         self.mode.enter(rank, h.step)
-        self.members.entered(rank)
+        if not moving:
+            self.members.entered(rank)
         print(f"commlab server {self.cfg.name}: rank {rank} entered at step {h.step} (a replacement); membership "
               f"epoch {self.members.epoch}", file=sys.stderr, flush=True)
         self._reply(ident, "ok", h.meta.get("id"), {"entered": True, "epoch": self.members.epoch})
+        if moving:  # a step that owed its push may be complete without it now
+            self.mode.settle()
+            self._serve_waiting()
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.transport.psshm`), or
