@@ -38,7 +38,8 @@ class Loss:
 class Membership:
     def __init__(self, name: str):
         self.name = name  # the shard's, for messages
-        self.min_workers = 0  # 0: off (a dead rank is waited for); fixed by the first hello that says it
+        self.min_workers = 0  # 0: off (a dead rank is waited for); fixed by the first hello
+        self.fixed = False
         self.epoch = 0
         self.lost: dict[int, Loss] = {}
         self.conn: dict[int, bytes] = {}  # rank -> the connection its current process said hello on
@@ -63,15 +64,14 @@ class Membership:
         self.epoch += 1
 
     def fix(self, min_workers, sender: str, world: int) -> None:
-        """Hello: the first that names min_workers fixes it; a different one later is refused."""
-        if min_workers is None:
-            return
+        """Hello: the first fixes min_workers (none said: 0, off); a different one later is refused."""
+        min_workers = 0 if min_workers is None else min_workers
         if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 0 <= min_workers <= world:
             raise Refused(f"hello from {sender}: min_workers must be an integer in [0, {world}], got {min_workers!r}")
-        if self.min_workers and min_workers != self.min_workers:
+        if self.fixed and min_workers != self.min_workers:
             raise Refused(f"worker {sender} says min_workers={min_workers}, the job on {self.name} runs with "
-                          f"min_workers={self.min_workers}")
-        self.min_workers = min_workers
+                          f"min_workers={self.min_workers}: every rank must keep going alike")
+        self.min_workers, self.fixed = min_workers, True
 
     def hello(self, rank: int, ident: bytes, meta: dict) -> bool:
         """Admit a hello on connection ``ident``; True when it is a replacement for a lost rank (it enters
