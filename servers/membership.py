@@ -150,6 +150,20 @@ class Membership:
                           + "; ".join(f"rank {r}: {self.lost[r].why} at step {self.lost[r].step}" for r in ranks)
                           + f"), {left} of {world} left, min_workers={self.min_workers}")
 
+    def state(self) -> dict:
+        """For the shard's checkpoint: a shard restarted with --resume keeps who left (connections are not kept:
+        every live rank says hello again)."""
+        return {"min_workers": self.min_workers, "fixed": self.fixed, "epoch": self.epoch, "replaced": self.replaced,
+                "ended": self.ended, "lost": {r: [x.epoch, x.step, x.why] for r, x in self.lost.items()},
+                "pending": sorted(self.pending)}
+
+    def load(self, state: dict) -> None:
+        self.min_workers, self.fixed = int(state.get("min_workers", 0)), bool(state.get("fixed", False))
+        self.epoch, self.replaced, self.ended = int(state.get("epoch", 0)), int(state.get("replaced", 0)), \
+            str(state.get("ended", ""))
+        self.lost = {int(r): Loss(int(r), int(e), int(t), str(w)) for r, (e, t, w) in state.get("lost", {}).items()}
+        self.pending = {int(r) for r in state.get("pending", [])}
+
     def out(self) -> set[int]:
         """Ranks that push nothing now: lost, or replacements not entered yet."""
         return set(self.lost) | self.pending

@@ -1007,7 +1007,8 @@ class ParameterServer:
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
                  "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
-                 "terminated": self.terminated, "blobs": dict(self.blobs)}
+                 "terminated": self.terminated, "blobs": dict(self.blobs),
+                 "members": self.members.state(), "enters": dict(self.mode.enters)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -1048,6 +1049,8 @@ class ParameterServer:
         self.detached |= set(self.joined)
         self.terminated = state.get("terminated")
         self.blobs = {int(r): (int(t), b) for r, (t, b) in state.get("blobs", {}).items()}
+        self.members.load(state.get("members", {}))
+        self.mode.enters = {int(r): int(t) for r, t in state.get("enters", {}).items()}
 
 
 SPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
