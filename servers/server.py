@@ -33,6 +33,10 @@ such send; before the optimizer writes a tensor that a send still reads, the
 tensor gets fresh storage (``p.data = p.data.clone()``) and the old buffer is
 freed when the send lets go of it. Sums (update=worker) go out from buffers
 that are never written again (each step gets fresh ones).
+
+Keep-going (``min_workers=``): each key space keeps a membership (:mod:`servers.membership`); a closed
+connection of a member makes its rank leave (:meth:`ParameterServer.lose`), every request but hello is
+checked against it first (:meth:`ParameterServer.admit`), and a replacement enters with ``enter``.
 """
 
 from __future__ import annotations
@@ -429,6 +433,7 @@ class ParameterServer:
             return
         self.mode.settle()
         self._serve_waiting()
+        self._open_gate()
 
     def _op_live(self, ident, h, _data):
         """heartbeat_s=: this connection is the rank's heartbeat, silent but for zmq's PINGs; its closing (the
@@ -769,7 +774,8 @@ class ParameterServer:
 
     def _open_gate(self) -> None:
         """Open the start gate once the shard is initialised and every rank sent its start pull."""
-        if not self.started and self.initialized and self.world and len(self.starters) >= self.world:
+        if not self.started and self.initialized and self.world and \
+                self.starters | self.members.out() >= set(range(self.world)):  # (keep-going: the lost are not waited for)
             self.started = True
             self._serve_waiting()
 
