@@ -127,39 +127,42 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "restart_script.py")
 
 
-def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4):
+def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4, victim: int = 1):
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "tmp").mkdir()
     return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "3", *flags, "--deadline", "150",
                       "--exchanger", "ps://?shards=2&mode=sync&update=server&min_workers=2&timeout=30",
                       "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), str(steps), "mlp"], 180, cwd=ROOT,
-                     env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, STEP_SLEEP=0.25), capture_output=True, text=True)
+                     env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, REPLACE_KILL_RANK=victim,
+                                   STEP_SLEEP=0.25), capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("flags", [("--replace",), pytest.param(("--spares", "1"), marks=pytest.mark.full)])
-def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the_others_train_on(tmp_path, flags):
+@pytest.mark.parametrize("flags,victim", [(("--replace",), 1), pytest.param(("--spares", "1"), 1, marks=pytest.mark.full),
+                                          pytest.param(("--replace",), 0, marks=pytest.mark.full)])
+def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the_others_train_on(tmp_path, flags,
+                                                                                             victim):
     """Rank 1 dies at the top of step 4; the launcher starts a process in its place (or hands the rank to a
     spare) and touches nothing else; it enters at a step boundary E holding, bit for bit, the parameters and
     momentum a survivor held after step E - 1; every rank ends with the same parameters; the summary says
     when it entered."""
     shm_before = set(os.listdir("/dev/shm"))
-    r = _run_replace(tmp_path, *flags)
+    r = _run_replace(tmp_path, *flags, victim=victim)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "rank 1 died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
+    assert f"rank {victim} died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
     assert "restarting" not in r.stderr
     summary = r.stdout.strip().splitlines()[-1]
-    assert "1 replaced (rank 1 (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary
+    assert f"1 replaced (rank {victim} (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary
     out = tmp_path / "out"
-    rep = json.loads((out / "rank1.replacement.json").read_text())
+    rep = json.loads((out / f"rank{victim}.replacement.json").read_text())
     entered = rep["healed"]["step"]
     assert entered > 4 and rep["healed"]["seconds"] > 0, rep["healed"]
-    survivors = [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in (0, 2)]
+    survivors = [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in range(3) if r != victim]
     for rec in survivors:
         assert rec["start_step"] == 0 and rec["ran"] == 20, rec  # one process ran every step
         held = rec["after"][str(entered - 1)]
         assert held["params"] == rep["params"] and held["momentum"] == rep["momentum"], rec["rank"]
-    end = json.loads((out / "rank1.replacement.end.json").read_text())
+    end = json.loads((out / f"rank{victim}.replacement.end.json").read_text())
     assert all(rec["params"] == end["params"] for rec in survivors)
     assert not _leftovers(tmp_path, shm_before)
 
