@@ -563,7 +563,8 @@ def _run(job: Job) -> int:
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
                     + metrics.summary(record, time.monotonic() - started)
                     + (f"; {_restarts(failures)}" if job.max_restarts else "")
-                    + (f"; {len(healed)} replaced ({'; '.join(healed)})" if job.replace or job.spares else ""),
+                    + (f"; {len(healed)} replaced" + (f" ({'; '.join(healed)})" if healed else "")
+                       if job.replace or job.spares else ""),
                     stdout=True)
     return 0
 
@@ -685,6 +686,16 @@ class Replacer:
                      f"train on")
         return p
 
+    def idle(self, p: Proc) -> bool:
+        """``p`` is a spare no rank was handed to yet."""
+        return any(p is q for q, _ in self.spares)
+
+    def drop_spare(self, p: Proc) -> None:
+        """An idle spare exited (killed, too): it leaves the pool; the job goes on."""
+        self.spares = [(q, a) for q, a in self.spares if q is not p]
+        p.drain()
+        self.job.say(f"{p.name} exited while idle ({_how(p.popen.returncode)}); {len(self.spares)} spare(s) left")
+
     def waiting(self, p: Proc) -> bool:
         """``p`` replaces a dead rank and has not entered the job yet (its log does not say so)."""
         return any(p is q for _, _, q in self.done) and p.popen.poll() is None and not ENTERED.search(p.tail(200))
@@ -715,6 +726,10 @@ def _watch_loop(job: Job, procs: list[Proc], ranks: list[Proc], started: float, 
     while True:
         for p in list(procs):
             code = p.popen.poll()
+            if replacer is not None and code is not None and replacer.idle(p):
+                replacer.drop_spare(p)
+                procs.remove(p)
+                continue
             if replacer is not None and p in ranks and code is not None and code < 0:
                 p.drain()
                 new = replacer.replace(p)
