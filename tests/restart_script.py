@@ -129,7 +129,7 @@ def main() -> None:
     after = {}
     record = {"rank": rank, "attempt": attempt, "start_step": ex.start_step, "pid": os.getpid(), "after": after,
               "restored": None if restored is None else {"step": restored["step"]},
-              "restored_step": getattr(ex, "restored_step", None)}
+              "restored_step": ex.restored_step}
     ran = 0
     for step in range(ex.start_step, steps):
         victim = int(os.environ.get("REPLACE_KILL_RANK", "1"))

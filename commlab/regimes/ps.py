@@ -654,7 +654,6 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
         self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
         self.healed: dict | None = None  # a replacement: {step: where it entered, seconds: since the death}
-        self.restored_step: int | None = None  # the step ex.restored_state belongs to (None: nothing restored)
         self._replay_to = 0  # wire steps below this one are replayed (see replaying)
 
     # ----- setup ---------------------------------------------------------------------------
