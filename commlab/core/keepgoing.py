@@ -29,6 +29,7 @@ import torch
 
 from commlab.base.errors import CommError, ModelMismatch
 from commlab.core.quorum import Quorum
+from commlab.transport import rendezvous
 
 
 class KeepGoing:
@@ -39,6 +40,7 @@ class KeepGoing:
     _snaps: dict
     _admit: dict
     _joined: dict | None = None  # a replacement: the ranks admitted with it, until healed
+    _donor = -1  # the rank the last heal came from
 
     # ----- meeting -------------------------------------------------------------------------
     def _start_quorum(self, store, job_store):
@@ -167,13 +169,19 @@ class KeepGoing:
             if not pending or len(pending) == len(q.members):
                 break
             try:
-                self._transfer(min(r for r in q.members if r not in pending), pending)
+                self._donor = min(r for r in q.members if r not in pending)
+                self._transfer(self._donor, pending)
                 break
             except CommError as exc:
                 peer = getattr(exc, "peer", None)
                 self._regroup(lambda: q.reform(tuple([peer]) if isinstance(peer, int) else ()))
         if q.me not in joiners:
             q.admitted(joiners)
+        elif q.me in q.members:  # the launcher reads this line (commlab run --replace: how long healing took)
+            since = rendezvous.replacement_since()
+            print(f"commlab {self.scheme}:// rank {q.me}: a replacement, entered at step {self.start_step}"
+                  + (f", {time.time() - since:.2f} s after its predecessor's death was noticed" if since else "")
+                  + f" (healed from rank {self._donor}, membership {list(q.members)})", flush=True)
         self._joined = None
 
     def _heal_tensors(self) -> list[torch.Tensor]:

@@ -61,29 +61,43 @@ class QuorumLost(CommError):
 class KeepGoingOptions(LocalStepsOptions):
     """A collective regime's options, with keep-going (``min_workers``)."""
 
-    min_workers: int = option(0, "keep going when ranks die while at least M are left: a failure inside a step "
-                                 "discards that step everywhere, the ranks left re-form and redo it averaged over "
-                                 "themselves, a replacement (commlab run --replace) is healed from a live rank; "
-                                 "fewer than M ends the job naming the ranks lost. 0: a dead rank stops every "
-                                 "rank (PeerLost)", ge=0)
-    heartbeat_s: float = option(0.0, f"with min_workers: a rank silent this long is taken for dead (hung, "
-                                     f"stopped); 0: {DEFAULT_HEARTBEAT_S:g} s. A killed rank's closed links are "
-                                     f"seen at once", ge=0, le=3600.0, why="an hour: longer is no heartbeat")
+    min_workers: int = option(0, "keep going when ranks die while at least M are left (docs/faults.md): a failure "
+                                 "inside a step discards that step everywhere, the ranks left re-form and redo it "
+                                 "averaged over themselves, a replacement (commlab run --replace) is healed from a "
+                                 "live rank; fewer than M ends the job naming the ranks lost. 0: off (a dead rank "
+                                 "stops every rank: PeerLost), 1 under commlab run --replace and --spares",
+                              ge=0, le=1 << 20)
+    heartbeat_s: float = option(0.0, f"keep going: a rank silent this long is taken for dead (hung, stopped); 0: "
+                                     f"{DEFAULT_HEARTBEAT_S:g} s. A killed rank's closed links are seen at once",
+                                ge=0, le=3600.0, why="an hour: longer is no heartbeat")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.heartbeat_s and not self.min_workers:
-            raise ConfigError("heartbeat_s needs min_workers=M (keep going when a rank dies)")
-        if self.min_workers and self.sync_every:
-            raise ConfigError("min_workers (keep going) with sync_every= (local steps) is not supported yet")
-        if self.min_workers and self.compress != "none":
-            raise ConfigError("min_workers (keep going) with compress= is not supported yet")
-        if self.min_workers and self.heartbeat >= self.timeout:
-            raise ConfigError(f"heartbeat_s ({self.heartbeat:g}) must be below timeout ({self.timeout:g})")
+        if self.min_workers:
+            self.check_keep_going()
+
+    def check_keep_going(self) -> None:
+        """ConfigError, one line naming the option, for what keeping going cannot do (at parse time when
+        ``min_workers`` is given; at setup when a launcher that replaces ranks turns keeping going on)."""
+        if self.sync_every:
+            raise ConfigError("option 'min_workers' (keep going) with sync_every= (local steps) is not supported")
+        if self.compress != "none":
+            raise ConfigError("option 'min_workers' (keep going) with compress= is not supported")
+        if self.heartbeat >= self.timeout:
+            raise ConfigError(f"option 'heartbeat_s': {self.heartbeat:g} s must be below timeout "
+                              f"({self.timeout:g} s)")
 
     @property
-    def keep_going(self) -> bool:
-        return self.min_workers > 0
+    def keep_going(self) -> int:
+        """The quorum to keep going with: ``min_workers``, or 1 under a launcher that replaces dead ranks
+        (``commlab run --replace``, ``--spares``); 0: off. ConfigError where the options cannot keep going."""
+        keep = self.min_workers or (1 if rendezvous.keep_going() else 0)
+        if keep:
+            self.check_keep_going()
+        elif self.heartbeat_s:
+            raise ConfigError("option 'heartbeat_s': a silent rank is left out only when the others keep going: give "
+                              "min_workers= too (or run under commlab run --replace)")
+        return keep
 
     @property
     def heartbeat(self) -> float:
@@ -142,13 +156,14 @@ class Quorum:
 
         if info.members:
             raise ConfigError(f"{scheme}://?min_workers= keeps whole jobs going, not groups (connect(group=...))")
-        if options.min_workers > info.world_size:
-            raise ConfigError(f"min_workers={options.min_workers} is above the job's {info.world_size} ranks")
+        keep = options.keep_going
+        if keep > info.world_size:
+            raise ConfigError(f"option 'min_workers': {keep} is more than the job's {info.world_size} ranks")
         self.store = dist.PrefixStore("ft/", store)
         self.hb_store = None  # the job-wide heartbeats, read on the caller's connection
         self.info, self.scheme = info, scheme
         self.me, self.size = info.global_rank(), info.world_size
-        self.min_workers, self.hb_s, self.timeout = options.min_workers, options.heartbeat, options.timeout
+        self.min_workers, self.hb_s, self.timeout = keep, options.heartbeat, options.timeout
         self.epoch, self.members = 0, tuple(range(info.world_size))
         self.lost: set[int] = set()  # every rank lost so far (and not readmitted)
         self.nonce = ""  # a replacement's join request

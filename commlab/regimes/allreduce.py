@@ -44,10 +44,10 @@ from commlab.base.handles import Handle, WorkHandle
 class AllReduceOptions(KeepGoingOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.min_workers and self.backend != "gloo":
-            raise ConfigError("min_workers (keep going) needs backend=gloo")
+    def check_keep_going(self) -> None:
+        super().check_keep_going()
+        if self.backend != "gloo":
+            raise ConfigError("option 'min_workers' (keep going) needs backend=gloo")
 
 
 def nccl_version() -> str | None:

@@ -152,9 +152,12 @@ class RingOptions(KeepGoingOptions):
         super().__post_init__()
         if self.host != "auto":
             self.check_bind(self.host)
-        if self.min_workers and self.transport == "torch":
-            raise ConfigError("min_workers (keep going) needs the ring's own links: transport=auto|tcp|ipc|shm, not "
-                              "torch (its process group cannot re-form)")
+
+    def check_keep_going(self) -> None:
+        super().check_keep_going()
+        if self.transport == "torch":
+            raise ConfigError("option 'min_workers' (keep going) needs the ring's own links: transport=auto|tcp|ipc|"
+                              "shm, not torch (its process group cannot re-form)")
 
     @property
     def chunk(self) -> float:

@@ -1,6 +1,6 @@
 """Keep going when a rank dies (issue 38, item 3): ``ring://`` and ``allreduce://`` with ``min_workers=M``.
 
-The ranks run tests/keepgoing_script.py, started as torchrun's agent starts them (each its own process, the
+The ranks run tests/ring_keepgoing_script.py, started as torchrun's agent starts them (each its own process, the
 rendezvous store in a process of its own, which outlives any rank); a replacement is started the same way for
 the dead rank. Faults are forced at exact points by the script's hooks (a SIGKILL inside a step's exchange, or
 between its exchange and its vote; a SIGSTOP), never by timing. Every result is compared with one process
@@ -25,9 +25,9 @@ from test_restart import _leftovers
 
 pytestmark = pytest.mark.multiproc
 
-SCRIPT = str(Path(__file__).resolve().parent / "keepgoing_script.py")
+SCRIPT = str(Path(__file__).resolve().parent / "ring_keepgoing_script.py")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import keepgoing_script as ks  # noqa: E402  (the script's model, data and optimizer, for the reference)
+import ring_keepgoing_script as ks  # noqa: E402  (the script's model, data and optimizer, for the reference)
 
 
 def _rank(procs, tmp_path: Path, url: str, port: int, rank: int, world: int, steps: int, **env) -> subprocess.Popen:

@@ -1,6 +1,6 @@
-"""One rank of a keep-going job (``ring://?min_workers=M``, ``allreduce://?min_workers=M``) in tests/test_keepgoing.py.
+"""One rank of a keep-going job (``ring://?min_workers=M``, ``allreduce://?min_workers=M``) in tests/test_ring_keepgoing.py.
 
-``keepgoing_script.py OUT STEPS``; rank and job from torchrun's environment, the exchanger from $COMMLAB_EXCHANGER.
+``ring_keepgoing_script.py OUT STEPS``; rank and job from torchrun's environment, the exchanger from $COMMLAB_EXCHANGER.
 Each rank trains STEPS steps of a small MLP with Adam on data that depends only on (step, rank), from
 ``ex.start_step`` (a replacement enters later), and writes ``OUT/rank<r>.<pid>.pt``: the members of every step
 it took part in, its parameters, buffers and optimizer state after each step, and its pid.
