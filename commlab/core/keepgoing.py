@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,14 +32,20 @@ from commlab.base.errors import CommError, ModelMismatch
 from commlab.core.quorum import Quorum
 from commlab.transport import rendezvous
 
+if TYPE_CHECKING:  # the mixin's host (exchanger.py imports this module)
+    from commlab.core.exchanger import BucketedExchanger as _Host
+else:
+    _Host = object
 
-class KeepGoing:
+
+class KeepGoing(_Host):
     """See the module's docstring. Mixed in before :class:`commlab.core.exchanger.BucketedExchanger`."""
 
-    quorum: Quorum | None = None
-    _job_info = None  # the whole job's RankInfo (rank_info follows the membership)
+    quorum: Any = None  # a Quorum while keeping going
+    _job_info: Any = None  # the whole job's RankInfo (rank_info follows the membership)
     _snaps: dict
     _admit: dict
+    _handles: list
     _joined: dict | None = None  # a replacement: the ranks admitted with it, until healed
     _donor = -1  # the rank the last heal came from
 
@@ -132,7 +139,7 @@ class KeepGoing:
 
     def _regroup(self, agree) -> None:
         """``agree()`` (the quorum's next epoch), then the links of it; a failure while meeting re-forms again."""
-        blamed = ()
+        blamed: tuple[int, ...] = ()
         while True:
             if agree is not None:
                 agree()
@@ -194,6 +201,7 @@ class KeepGoing:
         counters) in the store, then every member all-reduces one byte buffer to which only the donor
         contributes; the joiners unpack it. Collective over the membership."""
         q, opt = self.quorum, self.optimizer
+        assert opt is not None  # setup gave one
         key = f"e{q.epoch}/heal"
         me = q.me
         if me == donor:
@@ -223,7 +231,7 @@ class KeepGoing:
             sizes = [_nbytes(shape, dtype) for shape, dtype in manifest["tensors"]]
             sizes += [_nbytes(e["shape"], e["dtype"]) for _, st in manifest["state"] for e in st.values() if "shape" in e]
             payload = torch.zeros(-(-sum(sizes) // 4), dtype=torch.int32)
-        self.allreduce_async(payload, f"heal of rank(s) {sorted(pending)} from rank {donor}").wait(self.options.timeout)
+        cast(Any, self).allreduce_async(payload, f"heal of rank(s) {sorted(pending)} from rank {donor}").wait(self.options.timeout)
         if me in pending:
             self._unpack(manifest, payload)
 
@@ -241,6 +249,7 @@ class KeepGoing:
             for t in self._heal_tensors():
                 t.copy_(take(list(t.shape), str(t.dtype).removeprefix("torch.")).to(t.device))
             opt = self.optimizer
+            assert opt is not None  # setup gave one
             sd = opt.state_dict()
             state = {}
             for i, entry in manifest["state"]:

@@ -36,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from commlab.base.config import option
 from commlab.base.errors import CommError, CommTimeout, ConfigError
@@ -125,7 +126,7 @@ class Heartbeat(threading.Thread):
         self.info, self.timeout, self.period = info.job, timeout, period
         self.stopped = threading.Event()
         self.prefix = rendezvous.store_prefix(rendezvous.job_attempt(self.info, timeout))
-        self.store = None
+        self.store: Any = None
 
     def run(self) -> None:
         import torch.distributed as dist
@@ -160,7 +161,7 @@ class Quorum:
         if keep > info.world_size:
             raise ConfigError(f"option 'min_workers': {keep} is more than the job's {info.world_size} ranks")
         self.store = dist.PrefixStore("ft/", store)
-        self.hb_store = None  # the job-wide heartbeats, read on the caller's connection
+        self.hb_store: Any = None  # the job-wide heartbeats, read on the caller's connection
         self.info, self.scheme = info, scheme
         self.me, self.size = info.global_rank(), info.world_size
         self.min_workers, self.hb_s, self.timeout = keep, options.heartbeat, options.timeout
