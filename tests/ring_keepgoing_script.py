@@ -82,6 +82,7 @@ def main() -> int:
               "entered": snapshot(model, opt) if ex.start_step else None}
     kill, join = fault("KG_KILL"), fault("KG_AWAIT_JOIN")
     step_now = [ex.start_step]
+    step_s = float(os.environ.get("KG_STEP_S", "0"))
     if kill and kill[0] == rank and kill[2] in ("exchange", "stop"):
         sig = signal.SIGKILL if kill[2] == "exchange" else signal.SIGSTOP
 
@@ -110,6 +111,7 @@ def main() -> int:
             while not ex.quorum.store.check([f"join/{join[0]}"]):
                 assert time.monotonic() < deadline, "the replacement never asked to join"
                 time.sleep(0.02)
+        time.sleep(step_s)  # KG_STEP_S: a step's compute, for runs under a launcher (a replacement has time to start)
         opt.zero_grad()
         x, y = batch(step, rank)
         nn.functional.mse_loss(model(x), y).backward()

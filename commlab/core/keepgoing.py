@@ -48,6 +48,7 @@ class KeepGoing(_Host):
     _handles: list
     _joined: dict | None = None  # a replacement: the ranks admitted with it, until healed
     _donor = -1  # the rank the last heal came from
+    healed: dict | None = None  # a replacement, once healed: {step, seconds} (rendezvous.announce_entry)
 
     # ----- meeting -------------------------------------------------------------------------
     def _start_quorum(self, store, job_store):
@@ -185,10 +186,8 @@ class KeepGoing(_Host):
         if q.me not in joiners:
             q.admitted(joiners)
         elif q.me in q.members:  # the launcher reads this line (commlab run --replace: how long healing took)
-            since = rendezvous.replacement_since()
-            print(f"commlab {self.scheme}:// rank {q.me}: a replacement, entered at step {self.start_step}"
-                  + (f", {time.time() - since:.2f} s after its predecessor's death was noticed" if since else "")
-                  + f" (healed from rank {self._donor}, membership {list(q.members)})", flush=True)
+            self.healed = rendezvous.announce_entry(f"commlab {self.scheme}:// rank {q.me} (healed from rank "
+                                                    f"{self._donor})", self.start_step)
         self._joined = None
 
     def _heal_tensors(self) -> list[torch.Tensor]:
