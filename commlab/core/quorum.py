@@ -82,8 +82,6 @@ class KeepGoingOptions(LocalStepsOptions):
         ``min_workers`` is given; at setup when a launcher that replaces ranks turns keeping going on)."""
         if self.sync_every:
             raise ConfigError("option 'min_workers' (keep going) with sync_every= (local steps) is not supported")
-        if self.compress != "none":
-            raise ConfigError("option 'min_workers' (keep going) with compress= is not supported")
         if self.heartbeat >= self.timeout:
             raise ConfigError(f"option 'heartbeat_s': {self.heartbeat:g} s must be below timeout "
                               f"({self.timeout:g} s)")
