@@ -54,11 +54,13 @@ def build():
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def snapshot(model, opt) -> dict:
+def snapshot(model, opt, ex=None) -> dict:
+    comp = getattr(ex, "compressor", None)
     return {"params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.detach().clone() for b in model.buffers()],
             "optim": {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
-                      for i, st in opt.state_dict()["state"].items()}}
+                      for i, st in opt.state_dict()["state"].items()},
+            **({"compress": comp.state_dict()} if comp is not None else {})}
 
 
 def fault(name: str):
@@ -79,7 +81,7 @@ def main() -> int:
     ex = commlab.connect()
     ex.setup(model, opt)
     record = {"pid": os.getpid(), "start_step": ex.start_step, "members": {}, "states": {},
-              "entered": snapshot(model, opt) if ex.start_step else None}
+              "entered": snapshot(model, opt, ex) if ex.start_step else None}
     kill, join = fault("KG_KILL"), fault("KG_AWAIT_JOIN")
     step_now = [ex.start_step]
     step_s = float(os.environ.get("KG_STEP_S", "0"))
@@ -117,7 +119,7 @@ def main() -> int:
         nn.functional.mse_loss(model(x), y).backward()
         record["members"][step] = list(ex.quorum.members)  # the step's, decided at the end of backward
         opt.step()
-        record["states"][step] = snapshot(model, opt)
+        record["states"][step] = snapshot(model, opt, ex)
     ex.close()
     torch.save(record, out / f"rank{rank}.{os.getpid()}.pt")
     return 0

@@ -143,6 +143,37 @@ def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_he
     assert _leftovers(tmp_path, before_shm) == []
 
 
+@pytest.mark.full
+def test_with_error_feedback_a_replacement_takes_the_shared_compressor_state_and_no_residual(tmp_path):
+    """compress=int8 with error feedback: rank 1 dies inside step 4, its replacement enters at step 8. The survivors
+    agree bit for bit at every step (each step's sums are every rank's); the replacement enters with rank 0's
+    parameters and Adam state and the compressor's shared state, and no residual of its own (a residual is what a
+    rank's own gradients have not got across: rank 0's would count its error twice)."""
+    url = "ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60&compress=int8"
+    world, steps, kill, admit = 3, 12, 4, 7
+    procs, port, ranks = _start(tmp_path, url, world, steps, KG_KILL=f"1:{kill}:exchange", KG_AWAIT_JOIN=f"1:{admit}")
+    try:
+        pids = [p.pid for p in ranks]
+        assert ranks[1].wait(120) == -signal.SIGKILL
+        replacement = _rank(procs, tmp_path, url, port, 1, world, steps, KG_ASK_AT=admit)
+        done = faultkit.finish([ranks[0], ranks[2], replacement], 180)
+        assert [rc for rc, _, _ in done] == [0, 0, 0], "\n".join(err[-2500:] for _, _, err in done)
+    finally:
+        procs.close()
+    recs = _records(tmp_path)
+    r0 = next(rec for pid, rec in recs.items() if rec["rank"] == 0 and pid in pids)
+    members = {s: ([0, 2] if kill <= s <= admit else [0, 1, 2]) for s in range(steps)}
+    for rec in recs.values():
+        assert all(m == members[s] for s, m in rec["members"].items()), rec["members"]
+        for s, state in rec["states"].items():
+            _same(state, r0["states"][s], True, f"rank {rec['rank']} against rank 0 after step {s}")
+    new = next(rec for pid, rec in recs.items() if pid not in pids)
+    _same(new["entered"], r0["states"][admit], True, "the replacement as it entered")
+    entered, theirs = new["entered"]["compress"], r0["states"][admit]["compress"]
+    assert entered["residuals"] == {} and theirs["residuals"], (entered, theirs)
+    assert entered["inner"] == theirs["inner"]
+
+
 def test_a_quorum_below_min_workers_ends_the_job_naming_the_ranks_lost(tmp_path):
     url = "ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60"
     before_shm = set(os.listdir("/dev/shm"))
