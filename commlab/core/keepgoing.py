@@ -224,7 +224,8 @@ class KeepGoing(_Host):
             q.store.set(key, json.dumps(manifest))
             payload = _pack(tensors)
         else:
-            manifest = q._poll(lambda: q._read(key), f"no state from rank {donor} to heal rank(s) {sorted(pending)}")
+            q.wait_key(q.store, key, donor, f"state from rank {donor} to heal rank(s) {sorted(pending)}")
+            manifest = q._read(key)
             if me in pending and manifest["tensors"] != mine:
                 raise ModelMismatch(f"rank {me} joins a job whose model differs: rank {donor} sends "
                                     f"{manifest['tensors']}, this rank has {mine}")

@@ -219,6 +219,16 @@ class Quorum:
             time.sleep(sleep)
             sleep = min(self.POLL_S[1], sleep * 2)
 
+    def wait_key(self, store, key: str, rank: int, what: str) -> None:
+        """Until ``key`` is in ``store`` (which ``rank`` writes), at most ``timeout``; CommTimeout naming ``rank`` at
+        once when its heartbeat stops (it died while the others wait for it: re-forming, healing)."""
+        def silent():
+            if self.silent(rank):
+                raise CommTimeout(f"{self.scheme}:// rank {self.me}: no {what}: rank {rank} has sent no heartbeat for "
+                                  f"{self.hb_s:g}s", peer=rank, op="connect")
+
+        self._poll(lambda: True if store.check([key]) else None, f"no {what}", silent)
+
     def _propose(self, key: str, value: dict) -> dict:
         """Write ``value`` under ``key`` unless someone already did; the value that stands."""
         mine = json.dumps(value)

@@ -305,10 +305,13 @@ class RingExchanger(CollectiveExchanger):
     def _wait_key(self, key: str, what: str) -> bytes:
         """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
         the rank that never published it, AuthError naming the key if a stranger wrote it."""
+        peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
+        if self.quorum is not None:  # keeping going: a rank that died while the ring re-forms is not waited for
+            self.quorum.wait_key(self.store, key, peer, f"rank {peer}'s {what}")
+            return auth.get(self.store, self._secret, key)
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
-            peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
             raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return auth.get(self.store, self._secret, key)
