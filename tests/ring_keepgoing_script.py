@@ -12,6 +12,7 @@ Faults, by environment (``RANK:STEP``, one rank at one step):
 - ``KG_KILL=R:S:vote``: after its exchange of step S completed, before its vote (the survivors hold sums that
   include its gradient: they must discard them);
 - ``KG_KILL=R:S:stop``: SIGSTOP instead of SIGKILL, inside the exchange (the test continues it later);
+- ``KG_KILL=R:S:heal``: rank R (not the donor) SIGKILLs itself as the heal of a replacement admitted at S begins;
 - ``KG_AWAIT_JOIN=R:S``: the other ranks wait, before step S, until a replacement of rank R asked to join (so
   that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank 0
   has begun step S (``OUT/at.rank0``), so no earlier commit admits it.
@@ -94,6 +95,15 @@ def main() -> int:
                 os.kill(os.getpid(), sig)
 
         model.body[0].weight.register_post_accumulate_grad_hook(inside)  # after commlab's: its bucket is started
+    if kill and kill[0] == rank and kill[2] == "heal":  # a member that dies while a replacement is healed
+        transfer = ex._transfer
+
+        def heal(donor, pending):
+            if step_now[0] == kill[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return transfer(donor, pending)
+
+        ex._transfer = heal
     if kill and kill[0] == rank and kill[2] == "vote":
         decide = ex.quorum.decide
 

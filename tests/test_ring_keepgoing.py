@@ -144,6 +144,44 @@ def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_he
 
 
 @pytest.mark.full
+def test_a_member_killed_while_a_replacement_is_healed_is_left_out_and_the_heal_is_redone(tmp_path):
+    """Rank 1 dies inside step 4; its replacement is admitted at step 7; rank 2 dies as the heal begins. Ranks 0
+    and the replacement re-form, the heal is redone from rank 0, and they train on over {0, 1}: the reference
+    holds with ranks {0, 2} for steps 4-7 and {0, 1} from step 8."""
+    url = "ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60"
+    world, steps, kill, admit = 3, 12, 4, 7
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    procs = faultkit.Procs(tmp_path)
+    port = procs.store("127.0.0.1")
+    env = {"KG_AWAIT_JOIN": f"1:{admit}"}
+    ranks = [_rank(procs, tmp_path, url, port, 0, world, steps, **env),
+             _rank(procs, tmp_path, url, port, 1, world, steps, KG_KILL=f"1:{kill}:exchange", **env),
+             _rank(procs, tmp_path, url, port, 2, world, steps, KG_KILL=f"2:{admit}:heal", **env)]
+    try:
+        pids = [p.pid for p in ranks]
+        assert ranks[1].wait(120) == -signal.SIGKILL
+        replacement = _rank(procs, tmp_path, url, port, 1, world, steps, KG_ASK_AT=admit)
+        done = faultkit.finish([ranks[0], replacement], 180)
+        assert [rc for rc, _, _ in done] == [0, 0], "\n".join(err[-2500:] for _, _, err in done)
+        assert ranks[2].wait(10) == -signal.SIGKILL
+    finally:
+        procs.close()
+    recs = _records(tmp_path)
+    members = {s: ([0, 1, 2] if s < kill else [0, 2] if s <= admit else [0, 1]) for s in range(steps)}
+    ref = _reference(steps, members)
+    assert sorted((r["rank"], r["pid"] in pids) for r in recs.values()) == [(0, True), (1, False)]
+    for rec in recs.values():
+        for s, m in rec["members"].items():
+            assert m == members[s], f"rank {rec['rank']} step {s}: members {m}"
+        for s, state in rec["states"].items():
+            _same(state, ref[s], False, f"rank {rec['rank']} after step {s}")
+    r0 = next(rec for rec in recs.values() if rec["rank"] == 0)
+    new = next(rec for rec in recs.values() if rec["rank"] == 1)
+    _same(new["entered"], r0["states"][admit], True, "the replacement as it entered")
+
+
+@pytest.mark.full
 def test_with_error_feedback_a_replacement_takes_the_shared_compressor_state_and_no_residual(tmp_path):
     """compress=int8 with error feedback: rank 1 dies inside step 4, its replacement enters at step 8. The survivors
     agree bit for bit at every step (each step's sums are every rank's); the replacement enters with rank 0's
