@@ -91,7 +91,7 @@ def main() -> int:
 
         def inside(p):
             if step_now[0] == kill[1]:
-                (out / f"fault.rank{rank}").write_text(str(kill[1]))
+                (out / f"fault.rank{rank}").write_text(repr(time.time()))
                 os.kill(os.getpid(), sig)
 
         model.body[0].weight.register_post_accumulate_grad_hook(inside)  # after commlab's: its bucket is started
@@ -130,6 +130,7 @@ def main() -> int:
         record["members"][step] = list(ex.quorum.members)  # the step's, decided at the end of backward
         opt.step()
         record["states"][step] = snapshot(model, opt, ex)
+        record.setdefault("done_at", {})[step] = time.time()  # wall clock: for figures, never asserted
     ex.close()
     torch.save(record, out / f"rank{rank}.{os.getpid()}.pt")
     return 0

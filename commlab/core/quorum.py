@@ -25,11 +25,14 @@ run every step as a transaction over the job's rendezvous store, under ``ft/`` o
   next ``commit`` admits it (``e<E+1>/admit``), every member re-forms with it after that step's update, and
   a healthy member (the lowest rank of the old epoch) sends it the state (the regime's heal).
 - **Heartbeats.** A thread of each rank bumps ``hb/<rank>`` (job-wide, under commlab's prefix) every
-  ``heartbeat_s / 4`` over a store connection of its own; a SIGSTOPped or hung process stops bumping it.
+  ``heartbeat_s / 4`` over a store connection of its own; a SIGSTOPped or hung process stops bumping it. The
+  beat names the host (boot id and network namespace) and pid: a rank on the same host whose process is gone
+  (or a zombie) is dead at once, without waiting for its silence.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -41,12 +44,18 @@ from typing import Any
 from commlab.base.config import option
 from commlab.base.errors import CommError, CommTimeout, ConfigError
 from commlab.core.localsteps import LocalStepsOptions
-from commlab.transport import rendezvous
+from commlab.transport import rendezvous, shm
 from commlab.transport.rendezvous import RankInfo
 
 DEFAULT_HEARTBEAT_S = 2.0
 HB = "ft-hb"  # the heartbeats' prefix under commlab's, job-wide
 _MADE = [0]  # whole-job keep-going exchangers this process made (their namespace: a replacement's counts as its own)
+
+
+@functools.lru_cache(maxsize=1)
+def _here() -> str:
+    """This host and network namespace (:func:`commlab.transport.shm.host_identity`), without spaces."""
+    return shm.host_identity().replace(" ", "_")
 
 
 class StaleMember(CommError):
@@ -129,7 +138,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         import torch.distributed as dist
 
-        tag, n = f"{os.getpid()}.", 0
+        tag, n = f"{_here()} {os.getpid()} ", 0  # where and who: a rank on this host tells a dead pid at once
         try:
             client = dist.TCPStore(self.info.master_addr, self.info.master_port, None, False,
                                    timedelta(seconds=self.timeout), wait_for_workers=False, use_libuv=True)
@@ -194,6 +203,24 @@ class Quorum:
             return False
         return now - seen[1] >= (self.hb_s if within is None else within)
 
+    def gone(self, rank: int) -> bool:
+        """Whether ``rank``'s process is certainly dead: its heartbeat names a process on this host (and network
+        namespace) that no longer runs, or is a zombie (killed, not reaped yet). A kill -9 is seen at once; a
+        rank on another host only by :meth:`silent`."""
+        try:
+            beat = self.hb_store.get(str(rank)).decode() if self.hb_store.check([str(rank)]) else ""
+        except Exception:
+            return False
+        where, _, rest = beat.partition(" ")
+        if where != _here() or not rest:
+            return False
+        pid = int(rest.split()[0])
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
     def close(self) -> None:
         if self._beat is not None:
             self._beat.stop()
@@ -223,7 +250,7 @@ class Quorum:
         """Until ``key`` is in ``store`` (which ``rank`` writes), at most ``timeout``; CommTimeout naming ``rank`` at
         once when its heartbeat stops (it died while the others wait for it: re-forming, healing)."""
         def silent():
-            if self.silent(rank):
+            if self.gone(rank) or self.silent(rank):
                 raise CommTimeout(f"{self.scheme}:// rank {self.me}: no {what}: rank {rank} has sent no heartbeat for "
                                   f"{self.hb_s:g}s", peer=rank, op="connect")
 
@@ -251,7 +278,7 @@ class Quorum:
 
         def idle():
             quiet = [r for r in self.members if r != self.me and not self.store.check([f"{pre}ok/{r}"])
-                     and self.silent(r)]
+                     and (self.gone(r) or self.silent(r))]
             if quiet:
                 self._propose(pre + "d", {"commit": False, "lost": quiet,
                                           "reason": f"no heartbeat from rank(s) {quiet} within {self.hb_s:g}s"})
@@ -299,7 +326,7 @@ class Quorum:
             waiting = [r for r in self.members if r != self.me and r not in dead
                        and not self.store.check([f"{pre}here/{r}"])]
             for r in waiting:
-                if self.silent(r, self.hb_s / 4 if r in blamed else None):
+                if self.gone(r) or self.silent(r, self.hb_s / 4 if r in blamed else None):
                     dead.add(r)
             if all(r in dead for r in waiting):
                 here = [r for r in self.members if r == self.me or self.store.check([f"{pre}here/{r}"])]
