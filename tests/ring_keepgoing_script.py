@@ -14,8 +14,8 @@ Faults, by environment (``RANK:STEP``, one rank at one step):
 - ``KG_KILL=R:S:stop``: SIGSTOP instead of SIGKILL, inside the exchange (the test continues it later);
 - ``KG_KILL=R:S:heal``: rank R (not the donor) SIGKILLs itself as the heal of a replacement admitted at S begins;
 - ``KG_AWAIT_JOIN=R:S``: the other ranks wait, before step S, until a replacement of rank R asked to join (so
-  that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank 0
-  has begun step S (``OUT/at.rank0``), so no earlier commit admits it.
+  that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank
+  ``KG_WATCH`` (0) has begun step S (``OUT/at.rank<r>``), so no earlier commit admits it.
 """
 
 from __future__ import annotations
@@ -74,10 +74,10 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     model, opt = build()
-    ask_at = int(os.environ.get("KG_ASK_AT", "-1"))
+    ask_at, watched = int(os.environ.get("KG_ASK_AT", "-1")), out / f"at.rank{os.environ.get('KG_WATCH', '0')}"
     deadline = time.monotonic() + 120
-    while ask_at >= 0 and not ((out / "at.rank0").exists() and int((out / "at.rank0").read_text()) >= ask_at):
-        assert time.monotonic() < deadline, f"rank 0 never reached step {ask_at}"
+    while ask_at >= 0 and not (watched.exists() and int(watched.read_text()) >= ask_at):
+        assert time.monotonic() < deadline, f"{watched.name} never reached step {ask_at}"
         time.sleep(0.02)
     ex = commlab.connect()
     ex.setup(model, opt)
@@ -115,9 +115,8 @@ def main() -> int:
         ex.quorum.decide = vote
     for step in range(ex.start_step, steps):
         step_now[0] = step
-        if rank == 0:
-            (out / "at.tmp").write_text(str(step))
-            os.replace(out / "at.tmp", out / "at.rank0")
+        (out / f"at.tmp{rank}").write_text(str(step))
+        os.replace(out / f"at.tmp{rank}", out / f"at.rank{rank}")
         if join and rank != join[0] and step == join[1]:
             deadline = time.monotonic() + 120
             while not ex.quorum.store.check([f"join/{join[0]}"]):

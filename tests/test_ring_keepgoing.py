@@ -101,45 +101,49 @@ def _wait_file(path: Path, procs_: list[subprocess.Popen], timeout: float = 120.
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("url,where", [
-    ("ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60", "exchange"),
-    pytest.param("ring://?transport=shm&min_workers=2&bucket_mb=0.00001&timeout=60", "vote", marks=pytest.mark.full),
-    pytest.param("allreduce://?min_workers=2&bucket_mb=0.00001&timeout=60", "exchange", marks=pytest.mark.full),
+@pytest.mark.parametrize("url,where,victim", [
+    ("ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60", "exchange", 1),
+    pytest.param("ring://?transport=shm&min_workers=2&bucket_mb=0.00001&timeout=60", "vote", 1, marks=pytest.mark.full),
+    pytest.param("ring://?transport=auto&min_workers=2&bucket_mb=0.00001&timeout=60", "exchange", 0,
+                 marks=pytest.mark.full),
+    pytest.param("allreduce://?min_workers=2&bucket_mb=0.00001&timeout=60", "exchange", 1, marks=pytest.mark.full),
 ])
-def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_healed(tmp_path, url, where):
-    """3 ranks; rank 1 SIGKILLs itself inside step 4 (``where``); the survivors (pids unchanged) discard the step,
-    re-form and redo it over ranks {0, 2}; a replacement of rank 1 asks to join, step 7's commit admits it, it
-    takes rank 0's state and trains from step 8. Every rank's parameters, buffers and Adam state equal the
+def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_healed(tmp_path, url, where, victim):
+    """3 ranks; rank 1 (or 0) SIGKILLs itself inside step 4 (``where``); the survivors (pids unchanged) discard the
+    step, re-form and redo it over the other two; a replacement asks to join, step 7's commit admits it, it takes
+    the lowest survivor's state and trains from step 8. Every rank's parameters, buffers and Adam state equal the
     one-process reference whose step s averages the gradients of step s's members; the replacement's state when
     it enters equals the survivors' after step 7, bit for bit; nothing is left behind."""
     world, steps, kill, admit = 3, 12, 4, 7
+    others = [r for r in range(world) if r != victim]
     before_shm = set(os.listdir("/dev/shm"))
-    procs, port, ranks = _start(tmp_path, url, world, steps, KG_KILL=f"1:{kill}:{where}", KG_AWAIT_JOIN=f"1:{admit}")
+    procs, port, ranks = _start(tmp_path, url, world, steps, KG_KILL=f"{victim}:{kill}:{where}",
+                                KG_AWAIT_JOIN=f"{victim}:{admit}")
     try:
         pids = [p.pid for p in ranks]
-        assert ranks[1].wait(120) == -signal.SIGKILL, ranks[1].communicate()
-        replacement = _rank(procs, tmp_path, url, port, 1, world, steps, KG_ASK_AT=admit)
-        done = faultkit.finish([ranks[0], ranks[2], replacement], 180)
+        assert ranks[victim].wait(120) == -signal.SIGKILL, ranks[victim].communicate()
+        replacement = _rank(procs, tmp_path, url, port, victim, world, steps, KG_ASK_AT=admit, KG_WATCH=others[0])
+        done = faultkit.finish([ranks[r] for r in others] + [replacement], 180)
         assert [rc for rc, _, _ in done] == [0, 0, 0], "\n".join(f"[{w}] {err[-2500:]}" for w, (_, _, err) in
-                                                                 zip(("rank 0", "rank 2", "replacement"), done))
+                                                                 zip((*others, "replacement"), done))
     finally:
         procs.close()
     recs = _records(tmp_path)
     survivors = {pid: rec for pid, rec in recs.items() if pid in pids}
-    assert sorted(r["rank"] for r in survivors.values()) == [0, 2]  # the survivors never restarted: their own pids
+    assert sorted(r["rank"] for r in survivors.values()) == others  # the survivors never restarted: their own pids
     new = [rec for pid, rec in recs.items() if pid not in pids]
-    assert len(new) == 1 and new[0]["rank"] == 1 and new[0]["start_step"] == admit + 1
-    members = {s: ([0, 2] if kill <= s <= admit else [0, 1, 2]) for s in range(steps)}
+    assert len(new) == 1 and new[0]["rank"] == victim and new[0]["start_step"] == admit + 1
+    members = {s: (others if kill <= s <= admit else [0, 1, 2]) for s in range(steps)}
     for rec in recs.values():
         for s, m in rec["members"].items():
             assert m == members[s], f"rank {rec['rank']} (pid {rec['pid']}) step {s}: members {m}"
     ref = _reference(steps, members)
-    r0 = next(rec for rec in survivors.values() if rec["rank"] == 0)
+    first = next(rec for rec in survivors.values() if rec["rank"] == others[0])
     for rec in recs.values():
         for s, state in rec["states"].items():
             _same(state, ref[s], False, f"rank {rec['rank']} (pid {rec['pid']}) after step {s}")
-            _same(state, r0["states"][s], True, f"rank {rec['rank']} against rank 0 after step {s}")
-    _same(new[0]["entered"], r0["states"][admit], True, "the replacement as it entered, against rank 0 after step 7")
+            _same(state, first["states"][s], True, f"rank {rec['rank']} against rank {others[0]} after step {s}")
+    _same(new[0]["entered"], first["states"][admit], True, "the replacement as it entered, after step 7")
     assert _leftovers(tmp_path, before_shm) == []
 
 
