@@ -109,6 +109,7 @@ class KeepGoing(_Host):
                 super()._exchange(timeout)
             except CommError as exc:
                 failure = exc
+                self.quorum.abort(self._step, exc)  # first: the others' waits end on it
                 self._drain(timeout)
             decision = self.quorum.decide(self._step, failure)
             if decision.commit:

@@ -176,6 +176,7 @@ class Quorum:
         self.lost: set[int] = set()  # every rank lost so far (and not readmitted)
         self.nonce = ""  # a replacement's join request
         self._seen: dict[int, tuple[str | None, float]] = {}  # rank -> (its heartbeat, when this rank saw it change)
+        self._pids: dict[int, int] = {}  # an admitted replacement's pid (from its join request)
         self._beat: Heartbeat | None = None
         self.raw = store
 
@@ -215,6 +216,8 @@ class Quorum:
         if where != _here() or not rest:
             return False
         pid = int(rest.split()[0])
+        if self._pids.get(rank, pid) != pid:  # an admitted replacement that has not beaten yet: its predecessor's beat
+            return False
         try:
             with open(f"/proc/{pid}/stat") as fh:
                 return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
@@ -269,8 +272,7 @@ class Quorum:
         reads (commit, or abort naming the ranks blamed). Blocks until it is made, at most ``timeout``."""
         pre = f"e{self.epoch}/s{step}/"
         if failure is not None:
-            self._propose(pre + "d", {"commit": False, "lost": self._blamed(failure),
-                                      "reason": f"rank {self.me}: {failure}"})
+            self.abort(step, failure)
         else:
             self.store.set(f"{pre}ok/{self.me}", "1")
             if int(self.store.add(pre + "n", 1)) == len(self.members):
@@ -286,6 +288,11 @@ class Quorum:
         d = self._poll(lambda: self._read(pre + "d"), f"no decision on step {step}", idle)
         return Decision(self.epoch, step, bool(d["commit"]), tuple(d.get("lost", ())), d.get("reason", ""),
                         {int(r): n for r, n in d.get("admit", {}).items()})
+
+    def abort(self, step: int, failure: BaseException) -> None:
+        """Discard ``step`` (this rank's exchange of it failed), unless it was decided already. Never waits."""
+        self._propose(f"e{self.epoch}/s{step}/d", {"commit": False, "lost": self._blamed(failure),
+                                                    "reason": f"rank {self.me}: {failure}"})
 
     def aborted(self, step: int) -> Decision | None:
         """The decision on ``step`` if it was made and is an abort (no waiting): a rank still inside the step's
@@ -359,6 +366,9 @@ class Quorum:
         same members; the lowest writes the admission (the joiners wait for it)."""
         nxt, writer = self.epoch + 1, min(self.members)
         members = tuple(sorted(set(self.members) | set(joiners)))
+        for r, nonce in joiners.items():  # its silence counts from now; a beat of another pid is its predecessor's
+            self._seen.pop(r, None)
+            self._pids[r] = int(nonce.split(".")[0])
         got = tuple(self._propose(f"e{nxt}/members", {"members": list(members),
                                                        "admit": {str(r): n for r, n in joiners.items()}})["members"])
         return self._enter(nxt, got, writer)

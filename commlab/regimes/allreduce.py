@@ -266,7 +266,7 @@ class QuorumWorkHandle(WorkHandle):
             if d is not None:
                 raise PeerLost(f"{self.what}: the step was discarded: {d.reason}",
                                peer=d.lost[0] if d.lost else None, op="relay")
-            quiet = [r for r in q.members if r != q.me and q.silent(r)]
+            quiet = [r for r in q.members if r != q.me and (q.gone(r) or q.silent(r))]
             if quiet:
                 raise CommTimeout(f"{self.what}: rank(s) {quiet} sent no heartbeat for {q.hb_s:g}s", peer=quiet[0],
                                   op="receive")
