@@ -11,6 +11,7 @@ gradient is absent exactly for the steps it missed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,23 @@ def _wait_file(path: Path, procs_: list[subprocess.Popen], timeout: float = 120.
         assert time.monotonic() < deadline, f"{path.name} never appeared"
         assert not any(p.poll() not in (None, 0) for p in procs_), "a rank failed before the fault"
         time.sleep(0.02)
+
+
+@pytest.mark.parametrize("url,said", [
+    ("ring://?min_workers=-1", "min_workers must be >= 0"),
+    ("ring://?min_workers=2&heartbeat_s=nan", "heartbeat_s must be a finite number"),
+    ("ring://?min_workers=2&sync_every=4", "option 'min_workers' (keep going) with sync_every="),
+    ("ring://?min_workers=2&transport=torch", "option 'min_workers' (keep going) needs the ring's own links"),
+    ("ring://?min_workers=2&heartbeat_s=30&timeout=10", "option 'heartbeat_s': 30 s must be below timeout"),
+    ("allreduce://?min_workers=2&backend=nccl", "option 'min_workers' (keep going) needs backend=gloo"),
+])
+def test_keep_going_options_are_checked_when_the_url_is_parsed(url, said):
+    from commlab.base.config import ExchangerURL
+    from commlab.base.errors import ConfigError
+    from commlab.core.registry import regime_class
+    parsed = ExchangerURL.parse(url)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        regime_class(parsed.scheme).options_from_url(parsed)
 
 
 @pytest.mark.parametrize("url,where,victim", [

@@ -154,6 +154,23 @@ class Heartbeat(threading.Thread):
         self.stopped.set()
 
 
+def _store_lost(method):
+    """A store call that fails (its host died: rank 0, where it hosts the store) raises CommError saying so."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CommError:
+            raise
+        except Exception as exc:  # torch's DistNetworkError, DistStoreError (RuntimeError)
+            raise CommError(f"{self.scheme}:// rank {self.me}: the job's rendezvous store is gone, and keeping going "
+                            f"needs it (a store hosted by rank 0 dies with it: run under commlab run or torchrun, "
+                            f"whose agent hosts it): {exc}", op="connect") from exc
+
+    return wrapped
+
+
 class Quorum:
     """One rank's view of the membership and its per-step decisions (see the module's docstring)."""
 
@@ -249,6 +266,7 @@ class Quorum:
             time.sleep(sleep)
             sleep = min(self.POLL_S[1], sleep * 2)
 
+    @_store_lost
     def wait_key(self, store, key: str, rank: int, what: str) -> None:
         """Until ``key`` is in ``store`` (which ``rank`` writes), at most ``timeout``; CommTimeout naming ``rank`` at
         once when its heartbeat stops (it died while the others wait for it: re-forming, healing)."""
@@ -267,6 +285,7 @@ class Quorum:
     def _read(self, key: str) -> dict | None:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
+    @_store_lost
     def decide(self, step: int, failure: BaseException | None) -> Decision:
         """This rank's exchange of ``step`` ended (``failure``: how it failed, else None): the decision every member
         reads (commit, or abort naming the ranks blamed). Blocks until it is made, at most ``timeout``."""
@@ -289,6 +308,7 @@ class Quorum:
         return Decision(self.epoch, step, bool(d["commit"]), tuple(d.get("lost", ())), d.get("reason", ""),
                         {int(r): n for r, n in d.get("admit", {}).items()})
 
+    @_store_lost
     def abort(self, step: int, failure: BaseException) -> None:
         """Discard ``step`` (this rank's exchange of it failed), unless it was decided already. Never waits."""
         self._propose(f"e{self.epoch}/s{step}/d", {"commit": False, "lost": self._blamed(failure),
@@ -318,6 +338,7 @@ class Quorum:
         return out
 
     # ----- re-forming -------------------------------------------------------------------
+    @_store_lost
     def reform(self, blamed: tuple[int, ...] = ()) -> tuple[int, ...]:
         """After an abort: the next epoch's members (this rank among them), agreed with every survivor. Raises
         :class:`StaleMember` when the others left this rank out, :class:`QuorumLost` below ``min_workers``."""
@@ -361,6 +382,7 @@ class Quorum:
             self.store.set("epoch", str(epoch))
         return members
 
+    @_store_lost
     def admit(self, joiners: dict[int, str]) -> tuple[int, ...]:
         """After a committed step that admits ``joiners``: the next epoch, with them. Every member computes the
         same members; the lowest writes the admission (the joiners wait for it)."""
@@ -394,6 +416,7 @@ class Quorum:
         if self.me == 0:
             self.store.set("epoch", "0")
 
+    @_store_lost
     def join(self) -> tuple[int, dict[int, str]]:
         """A replacement: ask to join and wait (bounded by ``timeout``) until a committed step admitted it; then
         (its epoch's number, the replacements admitted with it)."""
