@@ -130,6 +130,7 @@ def main() -> int:
         opt.step()
         record["states"][step] = snapshot(model, opt, ex)
         record.setdefault("done_at", {})[step] = time.time()  # wall clock: for figures, never asserted
+    record["facts"] = ex.facts()["keep_going"]
     ex.close()
     torch.save(record, out / f"rank{rank}.{os.getpid()}.pt")
     return 0

@@ -162,6 +162,8 @@ def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_he
             _same(state, ref[s], False, f"rank {rec['rank']} (pid {rec['pid']}) after step {s}")
             _same(state, first["states"][s], True, f"rank {rec['rank']} against rank {others[0]} after step {s}")
     _same(new[0]["entered"], first["states"][admit], True, "the replacement as it entered, after step 7")
+    assert new[0]["facts"]["healed"]["step"] == admit + 1 and first["facts"]["lost"] == [] \
+        and first["facts"]["members"] == [0, 1, 2], (new[0]["facts"], first["facts"])
     assert _leftovers(tmp_path, before_shm) == []
 
 

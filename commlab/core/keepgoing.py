@@ -81,6 +81,15 @@ class KeepGoing(_Host):
         if self.compressor is not None:
             self.compressor.bind(len(q.members))
 
+    def _keep_going_facts(self) -> dict:
+        """What a manifest records about keeping going (nothing when off)."""
+        q = self.quorum
+        if q is None:
+            return {}
+        return {"keep_going": {"min_workers": q.min_workers, "heartbeat_s": q.hb_s, "epoch": q.epoch,
+                               "members": list(q.members), "lost": sorted(q.lost),
+                               **({"healed": self.healed} if self.healed else {})}}
+
     def _reform_links(self) -> None:
         """Meet again as ``self.rank_info`` says (every member calls it; collective)."""
         raise NotImplementedError

@@ -71,7 +71,11 @@ at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
 gives :class:`~commlab.base.errors.CommTimeout` naming it. The first rank to see a
 failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
 its links, so ranks further around the ring stop too and relay the same
-culprit (``peer``) and who saw it (``origin``).
+culprit (``peer``) and who saw it (``origin``). With ``min_workers=M`` (or under
+``commlab run --replace``) the survivors keep going instead: the step is discarded on
+every rank, the ring re-forms over the survivors (:meth:`RingExchanger._reform_links`,
+under ``ring/e<epoch>/``) and the step is exchanged again; a replacement is healed over
+the new ring (:mod:`commlab.core.keepgoing`, :mod:`commlab.core.quorum`).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
@@ -472,6 +476,7 @@ class RingExchanger(CollectiveExchanger):
         if self.compressor is not None:
             facts["compress"] = self.compressor.describe()
         facts.update(self._kind.facts(self))
+        facts.update(self._keep_going_facts())
         return facts
 
     def close(self):
