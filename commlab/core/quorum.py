@@ -58,6 +58,15 @@ def _here() -> str:
     return shm.host_identity().replace(" ", "_")
 
 
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` of this host is gone or a zombie (killed, not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 class StaleMember(CommError):
     """This rank was left out of a membership epoch (stopped, partitioned or too slow while the others re-formed):
     refused, not merged back. A replacement started for it may join."""
@@ -193,7 +202,7 @@ class Quorum:
         self.lost: set[int] = set()  # every rank lost so far (and not readmitted)
         self.nonce = ""  # a replacement's join request
         self._seen: dict[int, tuple[str | None, float]] = {}  # rank -> (its heartbeat, when this rank saw it change)
-        self._pids: dict[int, int] = {}  # an admitted replacement's pid (from its join request)
+        self._pids: dict[int, tuple[int, str]] = {}  # an admitted replacement's pid and host (its join request)
         self._beat: Heartbeat | None = None
         self.raw = store
 
@@ -230,16 +239,11 @@ class Quorum:
         except Exception:
             return False
         where, _, rest = beat.partition(" ")
-        if where != _here() or not rest:
-            return False
-        pid = int(rest.split()[0])
-        if self._pids.get(rank, pid) != pid:  # an admitted replacement that has not beaten yet: its predecessor's beat
-            return False
-        try:
-            with open(f"/proc/{pid}/stat") as fh:
-                return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
-        except OSError:
-            return True
+        pid = int(rest.split()[0]) if rest else None
+        joined = self._pids.get(rank)
+        if joined is not None and (pid, where) != joined:  # an admitted replacement, not beating yet: the beat is
+            return joined[1] == _here() and _dead(joined[0])  # its predecessor's
+        return where == _here() and pid is not None and _dead(pid)
 
     def close(self) -> None:
         if self._beat is not None:
@@ -390,7 +394,8 @@ class Quorum:
         members = tuple(sorted(set(self.members) | set(joiners)))
         for r, nonce in joiners.items():  # its silence counts from now; a beat of another pid is its predecessor's
             self._seen.pop(r, None)
-            self._pids[r] = int(nonce.split(".")[0])
+            pid, _, where = nonce.partition(" ")
+            self._pids[r] = (int(pid.split(".")[0]), where)
         got = tuple(self._propose(f"e{nxt}/members", {"members": list(members),
                                                        "admit": {str(r): n for r, n in joiners.items()}})["members"])
         return self._enter(nxt, got, writer)
@@ -420,7 +425,7 @@ class Quorum:
     def join(self) -> tuple[int, dict[int, str]]:
         """A replacement: ask to join and wait (bounded by ``timeout``) until a committed step admitted it; then
         (its epoch's number, the replacements admitted with it)."""
-        self.nonce = f"{os.getpid()}.{time.time_ns()}"
+        self.nonce = f"{os.getpid()}.{time.time_ns()} {_here()}"  # who and where: the members watch for its death
         self.store.set(f"join/{self.me}", self.nonce)
         first = int(self.store.get("epoch"))
 

@@ -320,6 +320,13 @@ class RingExchanger(CollectiveExchanger):
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return auth.get(self.store, self._secret, key)
 
+    def _watch_peer(self, position: int, what: str) -> None:
+        """Keeping going: CommTimeout naming the rank at ``position`` if it is dead or silent (a wait for it ends)."""
+        q, peer = self.quorum, self.rank_info.global_rank(position)
+        if q is not None and (q.gone(peer) or q.silent(peer)):
+            raise CommTimeout(f"{what}: rank {peer} is dead or has sent no heartbeat for {q.hb_s:g}s", peer=peer,
+                              op="connect")
+
     def _link_kinds(self, ns: str) -> tuple[str, str]:
         """(link from the left, link to the right): the transport asked for, or for ``auto`` shm where
         the neighbour is on this host and in this network namespace (a namespace "host" keeps its own
@@ -1105,10 +1112,16 @@ class ShmOffer:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                self.listener.settimeout(max(0.001, deadline - time.monotonic()))
+                left = deadline - time.monotonic()
+                # keeping going, a neighbour that died while the ring re-forms is not waited for: look every 0.25 s
+                watch = m is not None and m.ring.quorum is not None
+                self.listener.settimeout(max(0.001, min(left, 0.25) if watch else left))
                 try:
                     conn, _ = self.listener.accept()
                 except socket.timeout:
+                    if watch and m is not None and left > 0.25:
+                        m.ring._watch_peer(peer, f"{who} did not connect to its shared-memory link")
+                        continue
                     raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s",
                                       peer=peer, op="connect") from None
                 if m is None or self.auth is None:
