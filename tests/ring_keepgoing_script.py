@@ -12,6 +12,7 @@ Faults, by environment (``RANK:STEP``, one rank at one step):
 - ``KG_KILL=R:S:vote``: after its exchange of step S completed, before its vote (the survivors hold sums that
   include its gradient: they must discard them);
 - ``KG_KILL=R:S:stop``: SIGSTOP instead of SIGKILL, inside the exchange (the test continues it later);
+- ``KG_KILL=R:S:reform``: rank R SIGKILLs itself as its ring re-forms in step S (after another rank's death);
 - ``KG_KILL=R:S:heal``: rank R (not the donor) SIGKILLs itself as the heal of a replacement admitted at S begins;
 - ``KG_AWAIT_JOIN=R:S``: the other ranks wait, before step S, until a replacement of rank R asked to join (so
   that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank
@@ -83,7 +84,7 @@ def main() -> int:
     ex.setup(model, opt)
     record = {"pid": os.getpid(), "start_step": ex.start_step, "members": {}, "states": {},
               "entered": snapshot(model, opt, ex) if ex.start_step else None}
-    kill, join = fault("KG_KILL"), fault("KG_AWAIT_JOIN")
+    kill, join = fault(f"KG_KILL{rank}") or fault("KG_KILL"), fault("KG_AWAIT_JOIN")
     step_now = [ex.start_step]
     step_s = float(os.environ.get("KG_STEP_S", "0"))
     if kill and kill[0] == rank and kill[2] in ("exchange", "stop"):
@@ -95,6 +96,15 @@ def main() -> int:
                 os.kill(os.getpid(), sig)
 
         model.body[0].weight.register_post_accumulate_grad_hook(inside)  # after commlab's: its bucket is started
+    if kill and kill[0] == rank and kill[2] == "reform":  # a member that dies as the ring re-forms
+        reform = ex._reform_links
+
+        def reforming():
+            if step_now[0] == kill[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return reform()
+
+        ex._reform_links = reforming
     if kill and kill[0] == rank and kill[2] == "heal":  # a member that dies while a replacement is healed
         transfer = ex._transfer
 

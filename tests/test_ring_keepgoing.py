@@ -206,6 +206,31 @@ def test_a_member_killed_while_a_replacement_is_healed_is_left_out_and_the_heal_
 
 
 @pytest.mark.full
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_killed_while_the_ring_re_forms_is_left_out_too(tmp_path, transport):
+    """4 ranks: rank 1 dies inside step 4, rank 2 as its ring re-forms for the redo; ranks 0 and 3 re-form again (a
+    shared-memory link's wait for the dead neighbour ends on its death, not the timeout) and redo step 4 over
+    {0, 3}: the reference holds."""
+    url = f"ring://?transport={transport}&min_workers=2&bucket_mb=0.00001&timeout=60"
+    world, steps, kill = 4, 8, 4
+    procs, _, ranks = _start(tmp_path, url, world, steps, KG_KILL1=f"1:{kill}:exchange", KG_KILL2=f"2:{kill}:reform")
+    try:
+        done = faultkit.finish([ranks[0], ranks[3]], 120)
+        assert [rc for rc, _, _ in done] == [0, 0], "\n".join(err[-2500:] for _, _, err in done)
+        assert ranks[1].wait(10) == ranks[2].wait(10) == -signal.SIGKILL
+    finally:
+        procs.close()
+    recs = _records(tmp_path)
+    members = {s: ([0, 1, 2, 3] if s < kill else [0, 3]) for s in range(steps)}
+    ref = _reference(steps, members)
+    assert sorted(r["rank"] for r in recs.values()) == [0, 3]
+    for rec in recs.values():
+        assert rec["members"] == members, rec["members"]
+        for s, state in rec["states"].items():
+            _same(state, ref[s], False, f"rank {rec['rank']} after step {s}")
+
+
+@pytest.mark.full
 def test_with_error_feedback_a_replacement_takes_the_shared_compressor_state_and_no_residual(tmp_path):
     """compress=int8 with error feedback: rank 1 dies inside step 4, its replacement enters at step 8. The survivors
     agree bit for bit at every step (each step's sums are every rank's); the replacement enters with rank 0's
