@@ -71,7 +71,11 @@ at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
 gives :class:`~commlab.base.errors.CommTimeout` naming it. The first rank to see a
 failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
 its links, so ranks further around the ring stop too and relay the same
-culprit (``peer``) and who saw it (``origin``).
+culprit (``peer``) and who saw it (``origin``). With ``min_workers=M`` (or under
+``commlab run --replace``) the survivors keep going instead: the step is discarded on
+every rank, the ring re-forms over the survivors (:meth:`RingExchanger._reform_links`,
+under ``ring/e<epoch>/``) and the step is exchanged again; a replacement is healed over
+the new ring (:mod:`commlab.core.keepgoing`, :mod:`commlab.core.quorum`).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
@@ -106,7 +110,7 @@ import zmq
 from commlab import compress
 from commlab.transport import auth, rendezvous, shm, wire
 from commlab.launch import scratch
-from commlab.core.localsteps import LocalStepsOptions
+from commlab.core.quorum import KeepGoingOptions
 from commlab.base.config import option
 from commlab.base.errors import AuthError, BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.core.exchanger import CollectiveExchanger
@@ -123,7 +127,7 @@ SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.
 
 
 @dataclass(frozen=True)
-class RingOptions(LocalStepsOptions):
+class RingOptions(KeepGoingOptions):
     transport: str = option("auto", "how neighbours talk: auto (shm to a neighbour on this host and in this "
                                     "network namespace, tcp to others), tcp, ipc (zmq), shm (shared memory, one "
                                     "host), torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
@@ -152,6 +156,12 @@ class RingOptions(LocalStepsOptions):
         super().__post_init__()
         if self.host != "auto":
             self.check_bind(self.host)
+
+    def check_keep_going(self) -> None:
+        super().check_keep_going()
+        if self.transport == "torch":
+            raise ConfigError("option 'min_workers' (keep going) needs the ring's own links: transport=auto|tcp|ipc|"
+                              "shm, not torch (its process group cannot re-form)")
 
     @property
     def chunk(self) -> float:
@@ -247,11 +257,13 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
             store = rendezvous.default_group_store(self.rank_info, opts.timeout)
-        self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
+        job = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
         # Several exchangers may live in one job (benchmarks, a resumed run): exchanger_store gives each its own
         # namespace, numbered by how many this rank met before (every rank meets them in the same order).
-        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)
-        ns = self._ns = "ring/"
+        # Keeping going (min_workers=), a replacement may wait here until the running job admits it.
+        self.store = self._start_quorum(job, job) or rendezvous.exchanger_store(job, self.rank_info, opts.timeout)
+        self._orient()
+        ns = self._ns = self._epoch_ns("ring/")
         self._secret = auth.load()
         if self.world_size > 1:
             if self._secret is None and self._kind.proves_secret:
@@ -265,17 +277,55 @@ class RingExchanger(CollectiveExchanger):
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
             if self._meeting is not None:
                 self._meeting.close_door()  # every link is met: no one else may connect from now on
+        self._started()
+
+    def _orient(self) -> None:
+        """Neighbours and schedules from ``rank_info`` (which follows the membership when keeping going)."""
+        self.left = (self.rank - 1) % self.world_size
+        self.right = (self.rank + 1) % self.world_size
+        self._ring_steps = ring_steps(self.rank, self.world_size)
+        self._gather_steps = gather_steps(self.rank, self.world_size)
+        self._plans.clear()
+        self._moved.clear()
+
+    def _reform_links(self) -> None:
+        """Keeping going: a new ring over the membership ``rank_info`` now names, under this epoch's namespace
+        (the old links closed; every member calls it)."""
+        with self._ring_lock:
+            self._close_links(linger_s=0)
+            if self._meeting is not None:
+                self._meeting.close()
+                self._meeting = None
+            self._broken, self._seq, self._kinds = None, 0, {}
+            self._orient()
+            ns = self._ns = self._epoch_ns("ring/")
+            if self.world_size > 1:
+                self._meet_links(ns)
+        if self.world_size > 1 and self._kind.proves_ring:
+            self.allreduce(torch.zeros(self.world_size), what="ring hello")
+            if self._meeting is not None:
+                self._meeting.close_door()
 
     def _wait_key(self, key: str, what: str) -> bytes:
         """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
         the rank that never published it, AuthError naming the key if a stranger wrote it."""
+        peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
+        if self.quorum is not None:  # keeping going: a rank that died while the ring re-forms is not waited for
+            self.quorum.wait_key(self.store, key, peer, f"rank {peer}'s {what}")
+            return auth.get(self.store, self._secret, key)
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
-            peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
             raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return auth.get(self.store, self._secret, key)
+
+    def _watch_peer(self, position: int, what: str) -> None:
+        """Keeping going: CommTimeout naming the rank at ``position`` if it is dead or silent (a wait for it ends)."""
+        q, peer = self.quorum, self.rank_info.global_rank(position)
+        if q is not None and (q.gone(peer) or q.silent(peer)):
+            raise CommTimeout(f"{what}: rank {peer} is dead or has sent no heartbeat for {q.hb_s:g}s", peer=peer,
+                              op="connect")
 
     def _link_kinds(self, ns: str) -> tuple[str, str]:
         """(link from the left, link to the right): the transport asked for, or for ``auto`` shm where
@@ -316,6 +366,11 @@ class RingExchanger(CollectiveExchanger):
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
         self.meet()
+        if self._joined is not None:  # a replacement: the state of a live rank, over the new ring
+            self._heal(self._joined)
+            if not self._kind.on_device:
+                self._staging = HostStaging.for_buckets(self.buckets)
+            return
         compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
         if not self._kind.on_device:  # CUDA buckets through pinned mirrors (CPU ones pass through)
@@ -428,10 +483,13 @@ class RingExchanger(CollectiveExchanger):
         if self.compressor is not None:
             facts["compress"] = self.compressor.describe()
         facts.update(self._kind.facts(self))
+        facts.update(self._keep_going_facts())
         return facts
 
     def close(self):
         super().close()
+        if self.quorum is not None:
+            self.quorum.close()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(self.options.timeout)  # its own waits are bounded by the same timeout
@@ -475,7 +533,16 @@ class RingExchanger(CollectiveExchanger):
         return None
 
     def _check_reports(self) -> None:
-        """Called while waiting: end the wait if another rank already reported the ring broken."""
+        """Called while waiting: end the wait if another rank already reported the ring broken (keeping going: or
+        this step was discarded, or the left neighbour's heartbeat stopped)."""
+        q = self.quorum
+        if q is not None:
+            d = q.aborted(self._step)
+            if d is not None:
+                raise PeerLost(f"the ring is broken: {d.reason}", peer=d.lost[0] if d.lost else None, op="relay")
+            if q.silent(self.rank_info.global_rank(self.left)):  # peer: a position, as the links' errors (_fail)
+                raise CommTimeout(f"{self.rank_info.who(self.left)} (left neighbour) has sent no heartbeat for "
+                                  f"{q.hb_s:g}s", peer=self.left, op="receive")
         report = self._fault_report()
         if report and report["origin"] != self.rank_info.global_rank():
             raise PeerLost(f"the ring is broken: {_quote(report)}", peer=report["peer"], origin=report["origin"],
@@ -1045,10 +1112,16 @@ class ShmOffer:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                self.listener.settimeout(max(0.001, deadline - time.monotonic()))
+                left = deadline - time.monotonic()
+                # keeping going, a neighbour that died while the ring re-forms is not waited for: look every 0.25 s
+                watch = m is not None and m.ring.quorum is not None
+                self.listener.settimeout(max(0.001, min(left, 0.25) if watch else left))
                 try:
                     conn, _ = self.listener.accept()
                 except socket.timeout:
+                    if watch and m is not None and left > 0.25:
+                        m.ring._watch_peer(peer, f"{who} did not connect to its shared-memory link")
+                        continue
                     raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s",
                                       peer=peer, op="connect") from None
                 if m is None or self.auth is None:
