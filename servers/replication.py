@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import struct
 import sys
+import time
 from collections import Counter, deque
 
 import zmq
@@ -71,6 +72,10 @@ def relayed(body: list, h: wire.Header, data: list) -> list:
     meta = {k: v for k, v in h.meta.items() if k not in SHM_KEYS}
     parts = [(spec, wire.frame_tensor(spec, frame).clone()) for spec, frame in zip(h.frames, data)]
     return wire.encode(h.op, h.sender, h.step, parts, meta)
+
+
+class _Refused(Exception):
+    """The server asked to be the primary refused the attach."""
 
 
 class _Held:
@@ -213,7 +218,11 @@ class Replication:
         got = {"mode": m.get("mode"), "shard": m.get("shard"), "staleness": m.get("staleness")}
         why = ""
         if self.role != "primary":
-            why = f"{self.cfg.name} is itself a backup (of {self.primary})"
+            self.pump(None)
+            if not self.link_alive:  # its primary is gone, and a new backup (the launcher's) needs a primary
+                self._promote()
+        if self.role != "primary":
+            why = f"{self.cfg.name} is itself the backup of {self.primary}, which is alive"
         elif got != want:
             why = f"the backup runs {got}, this primary {want}"
         elif self.backup is not None or self.attaching is not None:
@@ -322,6 +331,19 @@ class Replication:
         return sock
 
     def _attach(self) -> None:
+        """Attach to the primary; a server that is itself a backup whose primary lives (it may not have noticed
+        its primary's death yet) is asked again, for :data:`ATTACH_TIMEOUT` seconds."""
+        deadline = time.monotonic() + ATTACH_TIMEOUT
+        while True:
+            try:
+                return self._attach_once()
+            except _Refused as exc:
+                self.close()
+                if "is itself the backup" not in str(exc) or time.monotonic() > deadline:
+                    raise ConfigError(str(exc)) from None
+                time.sleep(0.5)
+
+    def _attach_once(self) -> None:
         """Connect to the primary, prove the job's secret, attach, take its state (blocks; raises CommError)."""
         name = f"the primary {self.primary}"
         self.link = self._connect()
@@ -337,7 +359,7 @@ class Replication:
             kind, seq, _ = parse_ctrl(msg[0].bytes)
         except ProtocolError:
             h = wire.decode(msg, ops=psproto.REPLIES)
-            raise ConfigError(f"{name} refused this backup: {h.meta.get('reason')}") from None
+            raise _Refused(f"{name} refused this backup: {h.meta.get('reason')}") from None
         if kind != SNAPSHOT:
             raise ProtocolError(f"{name} sent no state first")
         state = wire.unpack_state(b"".join(f.bytes for f in msg[1:]))

@@ -676,12 +676,18 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             endpoints = ["tcp://127.0.0.1:0"] * k
         mode = (opts.consistency or psproto.SYNC).name
         argvs = []
-        for i, ep in enumerate(endpoints):
+        if opts.replicas > 1:  # each shard's primary, then its backup, which attaches to it (launcher.SERVER_REF)
+            endpoints = [ep + (f".r{r}" if ep.startswith("ipc://") and r else "") for ep in endpoints
+                         for r in range(opts.replicas)]
+        for j, ep in enumerate(endpoints):
+            i, r = divmod(j, opts.replicas)
             argv = ["--bind", ep, "--mode", mode, "--shard", f"{i}/{k}"]
             if opts.staleness >= 0:
                 argv += ["--staleness", str(opts.staleness)]
             if opts.keys:  # the workers will speak CURVE with these keys: so must the servers
                 argv += ["--keys", opts.keys]
+            if r:
+                argv += ["--replica-of", f"{{server:{j - r}}}"]
             argvs.append(argv)
         query = [(key, v) for key, v in url.query if key not in ("shards", "transport", "endpoints", "mode")]
         # the transport always travels: a tcp or ipc plan left without one would get the default (auto)
