@@ -34,10 +34,13 @@ Consistency, what a partition does: see docs/ps.md ("Replicated shards").
 
 from __future__ import annotations
 
+import os
+import signal
 import struct
 import sys
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 
 import zmq
 
@@ -72,6 +75,47 @@ def relayed(body: list, h: wire.Header, data: list) -> list:
     meta = {k: v for k, v in h.meta.items() if k not in SHM_KEYS}
     parts = [(spec, wire.frame_tensor(spec, frame).clone()) for spec, frame in zip(h.frames, data)]
     return wire.encode(h.op, h.sender, h.step, parts, meta)
+
+
+FAULT_ENV = "COMMLAB_SERVER_FAULT"
+FAULT_POINTS = ("recv", "unsent", "unacked", "acked")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the tests and the chaos benchmark inject (``$COMMLAB_SERVER_FAULT=AT:OP:RANK:STEP[:SHARD]``): a
+    primary started as one (not a backup, nor one promoted) kills itself (SIGKILL) at the first request ``OP``
+    of step ``STEP`` from rank ``RANK`` (of shard ``SHARD``, any when not given), at point ``AT``:
+
+    * ``recv``: on its arrival, before anything is done with it;
+    * ``unsent``: after serving it, never streamed to the backup (as if lost on the way);
+    * ``unacked``: after serving it, streamed, before the backup's ack is read (the backup may hold it);
+    * ``acked``: once the backup acknowledged it and its replies went out."""
+
+    at: str
+    op: str
+    rank: int
+    step: int
+    shard: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        parts = text.split(":")
+        try:
+            if len(parts) not in (4, 5) or parts[0] not in FAULT_POINTS or parts[1] not in psproto.REQUESTS:
+                raise ValueError
+            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) == 5 else None)
+        except ValueError:
+            raise ConfigError(f"${FAULT_ENV}={text!r}: expected AT:OP:RANK:STEP[:SHARD], AT one of "
+                              f"{', '.join(FAULT_POINTS)}, OP a request (push, commit, ...)") from None
+
+    def matches(self, h: wire.Header, shard: int) -> bool:
+        return (h.op == self.op and h.sender == f"rank{self.rank}" and h.step == self.step
+                and self.shard in (None, shard))
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Refused(Exception):
@@ -157,6 +201,10 @@ class Replication:
         self._polled = False  # its link is in the serve loop's poller (self._poller)
         self._poller: zmq.Poller | None = None
         self.primary = self.cfg.replica_of or ""
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault = Fault.parse(fault) if fault and self.role == "primary" else None
+        self.dying: str | None = None  # the fault matched the request being served: what happens at its end
+        self.die_at: int | None = None  # acked: the seq whose ack kills this process
         if self.role == "backup":
             self._attach()
 
@@ -259,9 +307,18 @@ class Replication:
         self.counts["attached"] += 1
         self._say(f"backup {endpoint} attached ({len(raw)} bytes of state at seq {self.seq})")
 
+    def arrived(self, h: wire.Header) -> None:
+        """A request is about to be served: the injected fault (:class:`Fault`), if it is this one."""
+        if self.fault is None or self.muted or not self.fault.matches(h, self.cfg.shard):
+            return
+        self._say(f"injected fault: {self.fault} (${FAULT_ENV})")
+        if self.fault.at == "recv":
+            _die()
+        self.dying, self.fault = self.fault.at, None
+
     def forward(self, ident: bytes, body: list, h: wire.Header, data: list) -> None:
         """Stream a request to the backup before serving it; its replies are held until the backup acks."""
-        if self.backup is None or self.muted:
+        if self.backup is None or self.muted or self.dying == "unsent":
             return
         self.seq += 1
         try:
@@ -285,6 +342,11 @@ class Replication:
             self._lose(f"the stream to it failed ({exc})")
 
     def done(self) -> None:
+        if self.dying in ("unsent", "unacked"):
+            _die()
+        if self.dying == "acked":
+            self.die_at, self.dying = self.current if self.current is not None else self.seq, None
+            self._release()
         self.current = None
         if self.attaching is not None:
             self.try_attach()
@@ -308,6 +370,10 @@ class Replication:
             trackers = self.srv.send_now(frames, (), space, track)  # the marks stand for its trackers
             for i, mark in enumerate(marks):
                 mark.sent, mark.tracker = True, trackers[i] if i < len(trackers) else None
+        if self.die_at is not None and (self.acked >= self.die_at or self.backup is None) \
+                and not (self.held and self.held[0][0] <= self.die_at):
+            time.sleep(0.2)  # the replies leave the process (zmq's I/O thread) before it dies
+            _die()
 
     def gone(self, ident: bytes) -> None:
         """A connection closed: the backup's means the primary goes on alone."""

@@ -912,6 +912,12 @@ class ParameterServer:
         os.replace(tmp, path)
         return path
 
+    def digest(self) -> str:
+        """sha256 of :meth:`state_dict` (every tensor's bytes included): equal on two processes holding the
+        same state."""
+        import hashlib
+        return hashlib.sha256(wire.pack_state(self.state_dict())).hexdigest() if self.manifest is not None else ""
+
     def state_dict(self) -> dict:
         """What a checkpoint holds (and a new backup receives first, :mod:`servers.replication`)."""
         return {"format": 2, "space": self.space, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
@@ -1141,13 +1147,17 @@ class ShardServer:
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
+                stats = self.stats_dict(self._space_name(h))
+                if h.meta.get("digest") is True:  # tests: is a backup's state the primary's, bit for bit?
+                    stats["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
+                self._answer(ident, req_id, "ok", {"stats": stats})
                 return
             if h.op in psproto.REPLICATION or not self.repl.serves(ident, req_id):
                 if h.op in psproto.REPLICATION:
                     self.repl.control(ident, h, body)
                 return
             data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
+            self.repl.arrived(h)
             self.repl.forward(ident, body, h, data)  # to the backup, before anything it does is answered
             space = self._space(h)
             if h.op == "hello" and not self.repl.muted:
