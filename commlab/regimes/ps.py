@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from commlab import compress
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
@@ -240,9 +241,19 @@ class _Shard:
     def _open(self) -> zmq.Socket:
         """A fresh connection to the shard; with the job's secret, each side has proved it to the other
         before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
-        sock = self.tp.connect(zmq.DEALER, self.endpoint)
+        def watch(sock: zmq.Socket) -> None:  # a server that is gone (refused, closed): the shard's next one at once
+            self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                                   | zmq.EVENT_DISCONNECTED)
+
+        sock = self.tp.connect(zmq.DEALER, self.endpoint, before=watch if self.replicated else None)
         if self.replicated:
-            self.monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            try:
+                self._connected(sock)
+            except BaseException:
+                self.monitor.close(linger=0)
+                self.monitor = None
+                sock.close(linger=0)
+                raise
         if self.secret is not None:
             try:
                 transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
@@ -324,10 +335,17 @@ class _Shard:
         while True:
             if self.sock.poll(int(min(0.05, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
                 return transport.recv(self.sock, 0, self.name, self.peer)
-            if self.monitor.poll(0):
+            if self.monitor.poll(0) and recv_monitor_message(self.monitor)["event"] != zmq.EVENT_CONNECTED:
                 raise PeerLost(f"{self.name}: its connection closed (the server died?)", peer=self.peer, op="receive")
             if time.monotonic() >= deadline:
                 raise CommTimeout(f"no message from {self.name} within {left:g}s", peer=self.peer, op="receive")
+
+    def _connected(self, sock: zmq.Socket) -> None:
+        """Replicated: wait (at most ``timeout``) until the connection is made; PeerLost if it is refused."""
+        if not self.monitor.poll(int(self.timeout * 1000)):
+            raise CommTimeout(f"{self.name}: no connection within {self.timeout:g}s", peer=self.peer, op="connect")
+        if recv_monitor_message(self.monitor)["event"] != zmq.EVENT_CONNECTED:
+            raise PeerLost(f"{self.name}: connection refused (the server is gone?)", peer=self.peer, op="connect")
 
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -126,9 +126,11 @@ class Transport:
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
                 io_thread: int | None = None, curve: CurveKeys | None = None,
-                plain: tuple[str, str] | None = None) -> zmq.Socket:
+                plain: tuple[str, str] | None = None,
+                before: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
         """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
-        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects."""
+        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects. ``before``
+        is called with the socket before it connects (a monitor attached there sees the connection made)."""
         sock = self.pin(self.socket(kind), io_thread)
         if identity is not None:
             sock.identity = identity
@@ -140,6 +142,8 @@ class Transport:
             sock.curve_serverkey = curve.server_public
         elif plain is not None:
             sock.plain_username, sock.plain_password = (x.encode() for x in plain)
+        if before is not None:
+            before(sock)
         return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:
