@@ -318,9 +318,12 @@ class Replication:
 
     def forward(self, ident: bytes, body: list, h: wire.Header, data: list) -> None:
         """Stream a request to the backup before serving it; its replies are held until the backup acks."""
-        if self.backup is None or self.muted or self.dying == "unsent":
+        if self.backup is None or self.muted:
             return
         self.seq += 1
+        if self.dying == "unsent":  # lost on the way: its replies are held all the same, and this process dies
+            self.current = self.seq
+            return
         try:
             transport.send(self.srv.sock, [self.backup, ctrl(REQUEST, self.seq, ident), *relayed(body, h, data)],
                            timeout=5.0, who="the backup")
