@@ -184,3 +184,26 @@ def test_replica_options_are_checked_when_parsed(procs):
                         stderr=subprocess.PIPE, text=True)]
     for (code, _, err), what in zip(finish(runs, 120), ("replicas", "COMMLAB_SERVER_FAULT")):
         assert code == 2 and what in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("fault", ["unacked:commit:1:40:0", "recv:push:0:41:1"])
+def test_replicated_train_under_the_launcher_ends_as_if_never_interrupted(procs, tmp_path, fault):
+    """commlab train, 2 shards x 2 replicas, a tiny model under Adam: a primary dies at an exact point (the
+    launcher's servers share one environment: the fault names its shard, and backups ignore it); the workers
+    fail over, the launcher starts a new backup of the survivor, the run ends rc 0 with parameters equal bit for
+    bit to the same run whose servers never died."""
+    def train(url: str, out, env=None):
+        return procs.popen([sys.executable, "-m", "commlab.tools.cli", "train", "--no-progress", "--exchanger", url,
+                            "--workers", "2", "--model", "tiny", "--steps", "80", "--batch-size", "16",
+                            "--optimizer", "adam", "--lr", "0.01", "--seed", "3", "--save-params", str(out)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    url = f"ps://?shards=2&replicas=2&mode=sync&update=server&timeout={TIMEOUT}&bucket_mb=0.004"
+    runs = [train(url, tmp_path / "killed.pt", {"COMMLAB_SERVER_FAULT": fault}), train(url, tmp_path / "ref.pt")]
+    (code, _, err), (code2, _, err2) = finish(runs, timeout=400)
+    assert code == 0 and code2 == 0, (err[-3000:], err2[-3000:])
+    assert "injected fault" in err and "starting a new backup" in err and "took over" in err, err[-3000:]
+    got, ref = torch.load(tmp_path / "killed.pt"), torch.load(tmp_path / "ref.pt")
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
