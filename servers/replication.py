@@ -219,8 +219,8 @@ class Replication:
         return out
 
     def hello_fields(self) -> dict:
-        """What a worker's hello reply carries: the shard's servers, so that it can fail over to a backup that
-        attached after it was started."""
+        """What every reply to a worker carries while a backup is attached: the shard's servers, so that it can
+        fail over to a backup that attached after it was started (a new one, after a failover)."""
         if self.role == "primary" and self.backup is not None:
             return {"replicas": [self.srv.endpoint, self.backup_endpoint]}
         return {}

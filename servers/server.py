@@ -244,7 +244,8 @@ class ParameterServer:
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
         at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
-        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
+        meta = dict(meta or {}, id=req_id, **self.host.repl.hello_fields())  # (replicated: the shard's servers)
+        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, meta, at)]
         # data frames zmq may still read from the shard's tensors: tracked (a header alone carries no bytes of
         # them: its payload, if any, is in the worker's segment)
         track = bool(parts) and at is None
@@ -331,7 +332,7 @@ class ParameterServer:
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
         reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
                  "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
-                 "update": self.update, "attempt": self.attempt, **self.host.repl.hello_fields()}
+                 "update": self.update, "attempt": self.attempt}
         if "shm_host" in m:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)

@@ -69,11 +69,11 @@ class Scenario:
     """One job against replicated shards whose primary dies at one point; checked against its closed form."""
 
     def __init__(self, procs, mode: str, fault: str, shards: int = 1, fault_shard: int = 0, steps: int = 30,
-                 update: str = "server", workers: int = 2):
+                 update: str = "server", workers: int = 2, query: str = ""):
         self.mode, self.steps, self.workers, self.fault = mode, steps, workers, fault
         self.pairs, servers = replicated(procs, mode, shards, fault, fault_shard)
         self.victim = self.pairs[fault_shard][0]
-        url = f"ps://{servers}?mode={mode}&replicas=2&update={update}&timeout={TIMEOUT}"
+        url = f"ps://{servers}?mode={mode}&replicas=2&update={update}&timeout={TIMEOUT}{query}"
         extra = ["--final-version", str(workers * steps)] if mode == "async" else []
         self.ranks = [procs.worker(url, r, workers, steps, "--grad", str(GRAD), "--lr", str(LR), "--sleep", "0.01",
                                    *extra) for r in range(workers)]
@@ -96,11 +96,11 @@ class Scenario:
 
 
 def test_a_replicated_primary_killed_mid_step_loses_nothing_and_applies_nothing_twice(procs):
-    """Two jobs at once: sync (update=server, two shards) whose shard 1 primary dies on rank 1's push of
-    step 7 after serving it, before the backup's ack (shard 0 holds the push: between two shards' pushes);
-    async whose primary dies on the arrival of rank 0's push of step 9."""
+    """Two jobs at once: sync (update=server, two shards, payloads in shared memory) whose shard 1 primary dies
+    on rank 1's push of step 7 after serving it, before the backup's ack (shard 0 holds the push: between two
+    shards' pushes); async (payloads in tcp frames) whose primary dies on the arrival of rank 0's push of step 9."""
     jobs = [Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1),
-            Scenario(procs, "async", "recv:push:0:9")]
+            Scenario(procs, "async", "recv:push:0:9", query="&transport=tcp")]
     for job in jobs:
         job.check()
 

@@ -303,6 +303,8 @@ class _Shard:
                 raise ProtocolError(f"{self.name} sent a reply that breaks the protocol: {exc}", peer=self.peer,
                                     op="receive") from None
             rid = h.meta.get("id")
+            if "replicas" in h.meta:  # a replicated shard's servers: a backup attached later (after a failover)
+                self._learn(h.meta["replicas"])
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
                 self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
@@ -364,12 +366,17 @@ class _Shard:
                     raise
         self.boot = reply.get("boot", "")
         self._failover_until = None
-        for ep in reply.get("replicas", []):  # a backup attached later (commlab server --replica-of)
-            if isinstance(ep, str) and ep not in self.endpoints and "0.0.0.0" not in ep:
-                self.endpoints.append(ep)
         if self.shm_want:
             self._take_link(reply.get("shm_link"))
         return reply
+
+    def _learn(self, endpoints) -> None:
+        """Servers of this shard a reply named (a backup attached later, ``commlab server --replica-of``)."""
+        if isinstance(endpoints, list):
+            for ep in endpoints:
+                if isinstance(ep, str) and ep not in self.endpoints and "://0.0.0.0:" not in ep and len(ep) < 512 \
+                        and len(self.endpoints) < 16:
+                    self.endpoints.append(ep)
 
     def _fail_over(self, exc: BaseException) -> bool:
         """Replicated: leave this server for the shard's next one (not one whose connection was lost lately;
