@@ -226,7 +226,7 @@ class Replication:
         return {}
 
     def close(self) -> None:
-        if self._polled and self.link is not None:
+        if self._polled and self.link is not None and self._poller is not None:
             self._poller.unregister(self.link)
             self._polled = False
         for s in (self.link, self.monitor):

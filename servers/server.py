@@ -47,6 +47,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import msgpack
 import torch
@@ -1210,7 +1211,7 @@ class ShardServer:
         """A reply no space sends: an error before a space was found, or the stats."""
         self.emit([ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))])
 
-    def emit(self, frames: list, keys: list[str] = (), space: ParameterServer | None = None,
+    def emit(self, frames: list, keys: Sequence[str] = (), space: ParameterServer | None = None,
              track: bool = False) -> None:
         """Send a reply now, or, while a backup must first hold the request it answers, once it acked that
         request (:class:`servers.replication.Replication`); a backup replaying its primary's stream sends none.
@@ -1225,7 +1226,7 @@ class ShardServer:
                 _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
                 trackers = trackers[2:]  # after identity and header
                 for key, tr in zip(keys, trackers):
-                    if tr is not None:
+                    if tr is not None and space is not None:
                         space.trackers.setdefault(key, []).append(tr)
                 return trackers
             transport.send(self.sock, frames, timeout=5.0, who="a worker")

@@ -246,9 +246,9 @@ class _Shard:
                                                    | zmq.EVENT_DISCONNECTED)
 
         sock = self.tp.connect(zmq.DEALER, self.endpoint, before=watch if self.replicated else None)
-        if self.replicated:
+        if self.monitor is not None:
             try:
-                self._connected(sock)
+                self._connected(self.monitor)
             except BaseException:
                 self.monitor.close(linger=0)
                 self.monitor = None
@@ -331,22 +331,24 @@ class _Shard:
 
     def _recv(self, left: float) -> list:
         """One message within ``left`` seconds; replicated, PeerLost as soon as the connection closes."""
-        if self.monitor is None:
-            return transport.recv(self.sock, left, self.name, self.peer)
+        sock, monitor = self.sock, self.monitor
+        assert sock is not None
+        if monitor is None:
+            return transport.recv(sock, left, self.name, self.peer)
         deadline = time.monotonic() + left
         while True:
-            if self.sock.poll(int(min(0.05, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
-                return transport.recv(self.sock, 0, self.name, self.peer)
-            if self.monitor.poll(0) and recv_monitor_message(self.monitor)["event"] != zmq.EVENT_CONNECTED:
+            if sock.poll(int(min(0.05, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
+                return transport.recv(sock, 0, self.name, self.peer)
+            if monitor.poll(0) and recv_monitor_message(monitor)["event"] != zmq.EVENT_CONNECTED:
                 raise PeerLost(f"{self.name}: its connection closed (the server died?)", peer=self.peer, op="receive")
             if time.monotonic() >= deadline:
                 raise CommTimeout(f"no message from {self.name} within {left:g}s", peer=self.peer, op="receive")
 
-    def _connected(self, sock: zmq.Socket) -> None:
+    def _connected(self, monitor: zmq.Socket) -> None:
         """Replicated: wait (at most ``timeout``) until the connection is made; PeerLost if it is refused."""
-        if not self.monitor.poll(int(self.timeout * 1000)):
+        if not monitor.poll(int(self.timeout * 1000)):
             raise CommTimeout(f"{self.name}: no connection within {self.timeout:g}s", peer=self.peer, op="connect")
-        if recv_monitor_message(self.monitor)["event"] != zmq.EVENT_CONNECTED:
+        if recv_monitor_message(monitor)["event"] != zmq.EVENT_CONNECTED:
             raise PeerLost(f"{self.name}: connection refused (the server is gone?)", peer=self.peer, op="connect")
 
     def hello(self, meta: dict) -> dict:
