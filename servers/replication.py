@@ -51,7 +51,7 @@ CTRL = struct.Struct("<4sBQH")  # magic, kind, seq, length of the worker identit
 MAGIC = b"CLRP"
 SNAPSHOT, REQUEST, FREE = 1, 2, 3
 SHM_KEYS = ("shm", "shm_host", "shm_reply")  # what a request through shared memory carries; the backup has none
-HEARTBEAT_MS = (500, 2000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
+HEARTBEAT_MS = (1000, 10000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
 ATTACH_TIMEOUT = 120.0  # a new backup waits this long for the primary's state
 
 
