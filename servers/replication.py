@@ -69,11 +69,14 @@ def parse_ctrl(frame: bytes) -> tuple[int, int, bytes]:
 
 
 def relayed(body: list, h: wire.Header, data: list) -> list:
-    """The request as the backup receives it: verbatim, or (shared memory) with its payload in frames."""
+    """The request as the backup receives it: verbatim, or (shared memory) with its payload in frames, sent
+    zero-copy from the worker's segment: the worker writes that place again only after its ack, which waits for
+    the backup's, which comes after the backup received every byte (and a closed link's mapping stays until
+    zmq lets go of it, :meth:`commlab.transport.psshm.Region.close`)."""
     if not any(k in h.meta for k in SHM_KEYS):
         return list(body)
     meta = {k: v for k, v in h.meta.items() if k not in SHM_KEYS}
-    parts = [(spec, wire.frame_tensor(spec, frame).clone()) for spec, frame in zip(h.frames, data)]
+    parts = [(spec, wire.frame_tensor(spec, frame)) for spec, frame in zip(h.frames, data)]
     return wire.encode(h.op, h.sender, h.step, parts, meta)
 
 
