@@ -82,8 +82,8 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
                             loopback_only=True, module="bench.ddp_worker"),
     "ps-sync": ConvergenceEntry("ps://?shards=1&mode=sync", "sync"),
     "ps-sync-2": ConvergenceEntry("ps://?shards=2&mode=sync", "sync", "sharded PS"),
-    # replication's cost when nothing fails (docs/ps.md, "Replicated shards"): commlab bench train-step --regimes
-    # ps-server-2 ps-server-2-r2 --peers ''
+    # replication's cost when nothing fails (docs/ps.md, "Replicated shards"), beside the same unreplicated: for
+    # `commlab bench --conv-regimes`; the step time: `commlab bench train-step --peers '' --regimes URL URL`
     "ps-server-2": ConvergenceEntry("ps://?shards=2&mode=sync&update=server", "sync", "sharded PS, the optimizer on "
                                     "the shards"),
     "ps-server-2-r2": ConvergenceEntry("ps://?shards=2&mode=sync&update=server&replicas=2", "sync",

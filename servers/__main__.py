@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             _, clients = server_keys(a.keys)  # checks the folder; says how to create it
             a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
         replica_curve = None
+        if a.replica_of and a.resume:
+            raise ConfigError("--replica-of takes the primary's state: it does not take --resume")
         if a.replica_of:
             from commlab.transport.keys import client_keys
             if a.keys:

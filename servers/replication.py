@@ -221,7 +221,7 @@ class Replication:
             out.update(primary=self.primary, applied=self.applied, link=self.link_alive)
         return out
 
-    def hello_fields(self) -> dict:
+    def reply_fields(self) -> dict:
         """What every reply to a worker carries while a backup is attached: the shard's servers, so that it can
         fail over to a backup that attached after it was started (a new one, after a failover)."""
         if self.role == "primary" and self.backup is not None:

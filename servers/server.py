@@ -245,7 +245,7 @@ class ParameterServer:
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
         at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
-        meta = dict(meta or {}, id=req_id, **self.host.repl.hello_fields())  # (replicated: the shard's servers)
+        meta = dict(meta or {}, id=req_id, **self.host.repl.reply_fields())  # (replicated: the shard's servers)
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, meta, at)]
         # data frames zmq may still read from the shard's tensors: tracked (a header alone carries no bytes of
         # them: its payload, if any, is in the worker's segment)
