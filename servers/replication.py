@@ -14,7 +14,8 @@ must, and says ``attach``). From then on:
   its replies dropped), so it holds the same state bit for bit: every update is deterministic given its inputs
   and their order (one torch thread; a sync step's sum is folded in the order the primary received the
   pushes, which is the stream's). The backup receives the workers' gradients (every push), not parameters.
-  It acknowledges what it applied (``ack`` with the highest ``seq``).
+  It acknowledges what it received (``ack`` with the highest ``seq``) before applying it: it holds it, since a
+  backup applies everything it received before it serves anyone, and its update runs beside the primary's.
 * **Output commit.** Every reply the primary makes while serving request ``seq`` (its ack, and the pulls that
   request made answerable) is held until the backup acknowledged ``seq``. So whatever a worker has seen, the
   backup holds. A held reply that reads the shard's tensors zero-copy counts as a send in flight: the
@@ -200,6 +201,7 @@ class Replication:
         self.monitor: zmq.Socket | None = None
         self.link_alive = False
         self.applied = 0  # the last seq applied
+        self.received = 0  # the last seq received (and acknowledged)
         self.stale = False  # the stream had a gap: this backup stopped following its primary
         self._polled = False  # its link is in the serve loop's poller (self._poller)
         self._poller: zmq.Poller | None = None
@@ -439,12 +441,16 @@ class Replication:
             from servers.server import ParameterServer  # (the server module imports this one)
             space = self.srv.spaces[s["space"]] = ParameterServer(self.cfg, self.srv, s["space"])
             load_space(space, s)
-        self.applied = seq
+        self.applied = self.received = seq
         self.link_alive = True
         self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s))")
 
     def pump(self, poller: zmq.Poller | None) -> None:
-        """A backup: apply what the primary streamed so far, acknowledge it; notice the link's end."""
+        """A backup: take what the primary streamed so far, acknowledge it, then apply it; notice the link's end.
+
+        The ack goes as soon as the requests are here, before they are applied: the backup holds them (it applies
+        everything it received before it serves anyone, :meth:`_promote`), and the primary's replies need not
+        wait for the backup's update, which runs beside the primary's."""
         if self.link is None:
             return
         if poller is not None and not self._polled:
@@ -452,34 +458,42 @@ class Replication:
             self._polled, self._poller = True, poller
         if self.monitor is not None and self.monitor.poll(0):
             self.link_alive = False
-        got = False
         while self.link is not None and self.link.poll(0):
-            msg = self.link.recv_multipart(copy=False)
-            kind, seq, ident = parse_ctrl(msg[0].bytes)
-            if seq != self.applied + 1:
-                self._say(f"the stream from {self.primary} skipped from seq {self.applied} to {seq}: this backup "
-                          f"no longer holds the primary's state and stops following it")
-                self.counts["gaps"] += 1
-                self._drop_link(stale=True)
-                return
-            self.muted = True
-            try:
-                if kind == REQUEST:
-                    self.srv.handle([zmq.Frame(ident), *msg[1:]])
-                elif kind == FREE:
-                    space = self.srv.spaces.get(msg[1].bytes.decode())
-                    if space is not None:
-                        self.srv._free(space)
-            finally:
-                self.muted = False
-            self.applied = seq
-            got = True
-        if got and self.link is not None:
-            try:
-                transport.send(self.link, wire.encode("ack", f"replica{self.cfg.shard}", self.applied), timeout=5.0,
-                               who=f"the primary {self.primary}")
-            except CommError:
-                self.link_alive = False
+            batch, received = [], self.received
+            while self.link.poll(0) and len(batch) < 64:
+                msg = self.link.recv_multipart(copy=False)
+                kind, seq, ident = parse_ctrl(msg[0].bytes)
+                if seq != received + 1:
+                    self._say(f"the stream from {self.primary} skipped from seq {received} to {seq}: this backup "
+                              f"no longer holds the primary's state and stops following it")
+                    self.counts["gaps"] += 1
+                    self._drop_link(stale=True)
+                    break
+                batch.append((kind, seq, ident, msg))
+                received = seq
+            if batch and self.link is not None:
+                self.received = received
+                try:
+                    transport.send(self.link, wire.encode("ack", f"replica{self.cfg.shard}", received), timeout=5.0,
+                                   who=f"the primary {self.primary}")
+                except CommError:
+                    self.link_alive = False
+            for kind, seq, ident, msg in batch:
+                self._apply(kind, ident, msg)
+                self.applied = seq
+
+    def _apply(self, kind: int, ident: bytes, msg: list) -> None:
+        """One streamed request, served as the primary served it, its replies dropped."""
+        self.muted = True
+        try:
+            if kind == REQUEST:
+                self.srv.handle([zmq.Frame(ident), *msg[1:]])
+            elif kind == FREE:
+                space = self.srv.spaces.get(msg[1].bytes.decode())
+                if space is not None:
+                    self.srv._free(space)
+        finally:
+            self.muted = False
 
     def _drop_link(self, stale: bool = False) -> None:
         self.link_alive = False

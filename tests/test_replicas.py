@@ -207,3 +207,26 @@ def test_replicated_train_under_the_launcher_ends_as_if_never_interrupted(procs,
     got, ref = torch.load(tmp_path / "killed.pt"), torch.load(tmp_path / "ref.pt")
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+def test_the_replication_link_is_a_client_link_curve_and_the_job_secret(procs, tmp_path):
+    """With --keys the backup connects to its primary as a CURVE client (DIR/replica.key_secret, admitted by
+    DIR/clients like any worker's key), after proving the job's secret; without that key it exits 2 saying how
+    to make it."""
+    from commlab.transport import keys
+
+    d = keys.create(tmp_path / "keys", ["worker", "replica"])
+    primary = procs.server("--mode", "sync", "--keys", str(d))
+    backup = procs.server("--mode", "sync", "--keys", str(d), "--replica-of", primary.endpoint)
+    curve = keys.client_keys(d, "worker")
+    for server, role in ((primary, "primary"), (backup, "backup")):
+        raw = Raw(server.endpoint, curve=curve)
+        try:
+            assert raw.request("stats").meta["stats"]["replica"]["role"] == role
+        finally:
+            raw.close()
+    no_replica = keys.create(tmp_path / "bare", ["worker"])
+    lone = procs.popen([sys.executable, "-m", "servers", "--keys", str(no_replica), "--replica-of", primary.endpoint],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, _, err = finish([lone], 120)[0]
+    assert code == 2 and "replica.key_secret" in err and len(err.strip().splitlines()) == 1, err
