@@ -459,7 +459,8 @@ class Replication:
         if self.monitor is not None and self.monitor.poll(0):
             self.link_alive = False
         while self.link is not None and self.link.poll(0):
-            batch, received = [], self.received
+            batch: list[tuple[int, int, bytes, list]] = []
+            received = self.received
             while self.link.poll(0) and len(batch) < 64:
                 msg = self.link.recv_multipart(copy=False)
                 kind, seq, ident = parse_ctrl(msg[0].bytes)
