@@ -961,9 +961,10 @@ class ParameterServer:
         self.params = dict(state["params"])
         self.buffers = dict(state["buffers"])
         self.buf_round = int(state["buf_round"])
-        self._build_optimizer()
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if set(self.params) == set(self.pieces):  # (a new backup's state may come before rank 0's init)
+            self._build_optimizer()
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})

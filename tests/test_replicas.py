@@ -152,6 +152,24 @@ def test_a_backup_started_mid_run_catches_up_bit_for_bit(procs, tmp_path):
     assert backup.stats()["replica"]["role"] == "primary"
 
 
+def test_a_backup_attached_before_rank_0_initialised_the_shard_follows_its_init(procs, tmp_path):
+    """Rank 1 said hello (the key space exists, its model described) and waits at the start gate; rank 0 has not
+    initialised it. A backup attaches then (its state has no parameters yet), applies rank 0's init from the
+    stream, and ends bit for bit equal to the primary."""
+    primary = procs.server("--mode", "sync", "--checkpoint-dir", str(tmp_path / "p"))
+    url = f"ps://{primary.address}?mode=sync&update=server&timeout={TIMEOUT}"
+    args = ("--optimizer", "adam", "--lr", "0.01")
+    late = procs.worker(url, 1, 2, 20, *args)
+    wait_until(lambda: primary.stats()["workers"] == [1], 120, "rank 1 never said hello")
+    backup = procs.server("--mode", "sync", "--replica-of", primary.endpoint, "--checkpoint-dir", str(tmp_path / "b"))
+    for code, _, err in finish([procs.worker(url, 0, 2, 20, *args), late], timeout=180):
+        assert code == 0, err[-3000:]
+    got, ref = (torch.load(tmp_path / d / "shard-0-of-1.pt", weights_only=True) for d in ("b", "p"))
+    assert ref["version"] == 20
+    _same(got, ref)
+    assert backup.stats()["replica"]["role"] == "backup"
+
+
 def _same(a, b, where: str = "state") -> None:
     """Equal bit for bit: tensors by their bytes (dtype and shape too), containers item by item."""
     if isinstance(a, torch.Tensor):
