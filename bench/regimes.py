@@ -82,6 +82,12 @@ CONVERGENCE: dict[str, ConvergenceEntry] = {
                             loopback_only=True, module="bench.ddp_worker"),
     "ps-sync": ConvergenceEntry("ps://?shards=1&mode=sync", "sync"),
     "ps-sync-2": ConvergenceEntry("ps://?shards=2&mode=sync", "sync", "sharded PS"),
+    # replication's cost when nothing fails (docs/ps.md, "Replicated shards"), beside the same unreplicated: for
+    # `commlab bench --conv-regimes`; the step time: `commlab bench train-step --peers '' --regimes URL URL`
+    "ps-server-2": ConvergenceEntry("ps://?shards=2&mode=sync&update=server", "sync", "sharded PS, the optimizer on "
+                                    "the shards"),
+    "ps-server-2-r2": ConvergenceEntry("ps://?shards=2&mode=sync&update=server&replicas=2", "sync",
+                                       "the same, each shard on a primary and a backup"),
     "ps-async": ConvergenceEntry("ps://?shards=1&mode=async", "async", "the same per-update lr as sync"),
     "ps-async-lr/N": ConvergenceEntry("ps://?shards=1&mode=async", "async", "lr / N per update", lr_over_n=True),
     "ps-ssp-1": ConvergenceEntry("ps://?shards=1&mode=ssp&staleness=1", "async", "SSP, bound 1"),

@@ -31,6 +31,10 @@ def parser() -> argparse.ArgumentParser:
                                          "(default: $COMMLAB_JOB_SECRET_FILE or $COMMLAB_JOB_SECRET, which "
                                          "commlab run/train set for the servers they start; none: anyone, "
                                          "with a warning)")
+    p.add_argument("--replica-of", metavar="ENDPOINT",
+                   help="run as the backup of the shard server at ENDPOINT (same --mode, --shard, --staleness): "
+                        "take its state, then every request it serves; serve its workers once it is gone "
+                        "(ps://?replicas=2, docs/ps.md). With --keys, the link uses DIR/replica.key_secret")
     p.add_argument("--peer-timeout", type=float, default=60.0,
                    help="seconds after which a key space whose connections all closed without bye is freed "
                         "(zmq heartbeats close a dead host's connection within half of it)")
@@ -58,10 +62,20 @@ def main(argv: list[str] | None = None) -> int:
             from commlab.transport.keys import server_keys
             _, clients = server_keys(a.keys)  # checks the folder; says how to create it
             a.curve_secret, a.authorized = str(clients.parent / "server.key_secret"), str(clients)
+        replica_curve = None
+        if a.replica_of and a.resume:
+            raise ConfigError("--replica-of takes the primary's state: it does not take --resume")
+        if a.replica_of:
+            from commlab.transport.keys import client_keys
+            if a.keys:
+                replica_curve = client_keys(a.keys, "replica")
+            elif a.curve_secret:
+                raise ConfigError("--replica-of with CURVE needs --keys DIR (the backup connects to its primary "
+                                  "with the client key DIR/replica.key_secret)")
         secret = auth.load({auth.SECRET_FILE_ENV: a.secret_file} if a.secret_file else None)
         cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
                            a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized, secret,
-                           a.peer_timeout)
+                           a.peer_timeout, a.replica_of, replica_curve)
         server = ShardServer(cfg)
     except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
         print(f"commlab server: {exc}", file=sys.stderr)

@@ -51,6 +51,7 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import msgpack
 import torch
@@ -64,6 +65,7 @@ from commlab.core.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
 from servers.membership import Membership
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
+from servers.replication import Replication
 
 
 _MIN_FRAMES = 16  # data frames a message may carry before any hello fixed the shard's pieces
@@ -96,6 +98,8 @@ class ServerConfig:
     authorized: str | None = None
     secret: auth.JobSecret | None = None  # the job's: only processes that prove it are served (None: anyone)
     peer_timeout: float = 60.0  # a key space whose connections are all gone this long is freed
+    replica_of: str | None = None  # a backup: the primary's endpoint (servers.replication)
+    replica_curve: transport.CurveKeys | None = None  # with CURVE: the backup's client key pair for that link
 
     def __post_init__(self):
         if self.mode not in psproto.MODES:
@@ -249,17 +253,12 @@ class ParameterServer:
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
         at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
-        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
-        try:
-            if parts and at is None:  # data frames zmq may still read from the shard's tensors: tracked
-                _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
-                for (spec, _), tr in zip(parts, trackers[2:]):  # after identity and header
-                    if tr is not None and tracked:
-                        self.trackers.setdefault(spec.key, []).append(tr)
-            else:  # a header alone (its payload, if any, is in the worker's segment)
-                transport.send(self.sock, frames, timeout=5.0, who="a worker")
-        except Exception as exc:  # a worker that went away must not take the server with it
-            print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
+        meta = dict(meta or {}, id=req_id, **self.host.repl.reply_fields())  # (replicated: the shard's servers)
+        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, meta, at)]
+        # data frames zmq may still read from the shard's tensors: tracked (a header alone carries no bytes of
+        # them: its payload, if any, is in the worker's segment)
+        track = bool(parts) and at is None
+        self.host.emit(frames, [spec.key for spec, _ in parts] if track and tracked else [], self, track)
         self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
 
     def _rank_of(self, h: wire.Header) -> int:
@@ -1003,7 +1002,20 @@ class ParameterServer:
         folder = Path(target)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self._checkpoint_name()
-        state = {"format": 2, "space": self.space, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        torch.save(self.state_dict(), tmp)
+        os.replace(tmp, path)
+        return path
+
+    def digest(self) -> str:
+        """sha256 of :meth:`state_dict` (every tensor's bytes included): equal on two processes holding the
+        same state."""
+        import hashlib
+        return hashlib.sha256(wire.pack_state(self.state_dict())).hexdigest() if self.manifest is not None else ""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint holds (and a new backup receives first, :mod:`servers.replication`)."""
+        return {"format": 2, "space": self.space, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
                  "version": self.version, "last_step": dict(self.last_step), "mode_state": self.mode.state(),
                  "world": self.world, "senders": dict(self.senders), "manifest": self.manifest,
                  "pieces": self.pieces, "piece_param": self.piece_param, "buffer_keys": self.buffer_keys,
@@ -1015,10 +1027,6 @@ class ParameterServer:
                  "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
                  "terminated": self.terminated, "blobs": dict(self.blobs),
                  "members": self.members.state(), "enters": dict(self.mode.enters)}
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        return path
 
     def _load(self, path: Path) -> None:
         if not path.exists():
@@ -1029,8 +1037,12 @@ class ParameterServer:
         if state["mode"] != self.cfg.mode or list(state["shard"]) != [self.cfg.shard, self.cfg.shards]:
             raise ValueError(f"{path} holds {state['mode']} shard {state['shard']}, "
                              f"this is {self.cfg.mode} {self.cfg.name}")
+        self.load_state(state, f"the checkpoint {path}")
+
+    def load_state(self, state: dict, where: str) -> None:
+        """Take :meth:`state_dict`'s state (``where``: what it came from, for errors)."""
         self.version, self.world = state["version"], state["world"]
-        self.placement = self.mode.placement(state["update"], f"the checkpoint {path}")
+        self.placement = self.mode.placement(state["update"], where)
         self.mode.load(state["mode_state"], {int(r): int(t) for r, t in state["last_step"].items()})
         self.manifest = [(n, tuple(s), d) for n, s, d in state["manifest"]]
         self.pieces = {k: (d, int(n)) for k, (d, n) in state["pieces"].items()}
@@ -1043,9 +1055,10 @@ class ParameterServer:
         self.params = dict(state["params"])
         self.buffers = dict(state["buffers"])
         self.buf_round = int(state["buf_round"])
-        self._build_optimizer()
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if set(self.params) == set(self.pieces):  # (a new backup's state may come before rank 0's init)
+            self._build_optimizer()
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.initialized = True
         self.stats.updates = state["updates"]
         self.stats.staleness.update({int(k): v for k, v in state["staleness"].items()})
@@ -1098,6 +1111,7 @@ class ShardServer:
         self._stop = False
         if cfg.resume:
             self._resume(Path(cfg.resume))
+        self.repl = Replication(self)  # a primary (alone until a backup attaches), or with replica_of a backup
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
         OptimizerSpec().build([torch.zeros(1)])
 
@@ -1123,9 +1137,12 @@ class ShardServer:
         next_log = time.monotonic() + self.cfg.log_every if self.cfg.log_every > 0 else float("inf")
         if self.cfg.secret is None:
             auth.warn_unauthenticated(f"commlab server {self.cfg.name}")
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
         while not self._stop:
             self._reap()
-            if self.sock.poll(100, zmq.POLLIN):
+            self.repl.pump(poller)  # a backup: what its primary streamed (poller: the link's socket too)
+            if self.sock in dict(poller.poll(100)):
                 limit = self.max_parts
                 frames, count = transport.recv_bounded(self.sock, limit)
                 # closed connections first: a descriptor the kernel reuses must not be taken for the old one's
@@ -1152,6 +1169,7 @@ class ShardServer:
         """Forget closed connections (their shared-memory links go now) and free the key spaces whose
         connections have all been gone for the peer timeout (:class:`Admission`)."""
         for ident in self.admission.gone():
+            self.repl.gone(ident)  # the backup's link: the primary goes on alone
             for sp in self.spaces.values():
                 sp.connection_closed(ident)  # keep-going: its rank leaves (its partial step read from its link)
                 sp._drop_link(ident)  # its segments are of no use to a connection that is gone
@@ -1172,6 +1190,7 @@ class ShardServer:
         for space in self.spaces.values():
             space._close_links()
         self.admission.close()
+        self.repl.close()
         self.sock.close(linger=0)
         self.transport.close()
 
@@ -1198,6 +1217,7 @@ class ShardServer:
         base["boot"] = self.boot
         base["shm_links"] = sum(len(sp.links) for sp in self.spaces.values())
         base["auth"] = self.admission.stats()
+        base["replica"] = self.repl.stats()
         base["spaces"] = {name: {"live": name in self.spaces, "updates": st["updates"], "version": st["version"],
                                  "workers": st["workers"], "update": st["update"]} for name, st in every.items()}
         return base
@@ -1221,21 +1241,31 @@ class ShardServer:
         space = None
         try:
             limit = self.max_bytes
-            h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
+            h = wire.decode(body, ops=psproto.REQUESTS | psproto.REPLICATION, max_bytes=max(limit, psproto.BLOB_MAX),
                             region=payloads.rx_size)
             req_id = h.meta.get("id")
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
+                stats = self.stats_dict(self._space_name(h))
+                if h.meta.get("digest") is True:  # tests: is a backup's state the primary's, bit for bit?
+                    stats["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
+                self._answer(ident, req_id, "ok", {"stats": stats})
                 return
+            if h.op in psproto.REPLICATION or not self.repl.serves(ident, req_id):
+                if h.op in psproto.REPLICATION:
+                    self.repl.control(ident, h, body)
+                return
+            data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
+            self.repl.arrived(h)
+            self.repl.forward(ident, body, h, data)  # to the backup, before anything it does is answered
             space = self._space(h)
             if h.op in ("hello", "live"):  # (live: a member's heartbeat connection, Membership.heartbeat)
-                self.admission.joined(ident, space.space, body[0])
+                if not self.repl.muted:  # (a backup replaying its primary's stream admits nobody)
+                    self.admission.joined(ident, space.space, body[0])
             else:
                 space.admit(ident, h)
             space.stats.bytes_in += h.data_bytes
-            data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)
             if h.op == "bye" and space.closed:
                 self._free(space)
@@ -1246,6 +1276,8 @@ class ShardServer:
             traceback.print_exc()
             (space.stats if space is not None else self.stats).refused += 1
             self._answer(ident, req_id, "error", {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
+        finally:
+            self.repl.done()  # the request's replies wait for the backup's ack from here on
 
     def _space_name(self, h: wire.Header) -> str:
         name = h.meta.get("space", "")
@@ -1274,14 +1306,34 @@ class ShardServer:
         space._close_links()
         self.retired[space.space] = space.stats_dict()
         del self.spaces[space.space]
+        self.repl.freed(space.space)
 
     def _answer(self, ident: bytes, req_id, op: str, meta: dict) -> None:
         """A reply no space sends: an error before a space was found, or the stats."""
-        frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))]
+        self.emit([ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))])
+
+    def emit(self, frames: list, keys: Sequence[str] = (), space: ParameterServer | None = None,
+             track: bool = False) -> None:
+        """Send a reply now, or, while a backup must first hold the request it answers, once it acked that
+        request (:class:`servers.replication.Replication`); a backup replaying its primary's stream sends none.
+        ``track``: its data frames may go zero-copy from ``space``'s tensors ``keys`` (copy on write)."""
+        if not self.repl.hold(frames, keys, space, track):
+            self.send_now(frames, keys, space, track)
+
+    def send_now(self, frames: list, keys=(), space: ParameterServer | None = None, track: bool = False) -> list:
+        """Send one reply; the trackers of its zero-copy data frames (registered under ``space``'s ``keys``)."""
         try:
+            if track:
+                _, trackers = transport.send_tracked(self.sock, frames, timeout=5.0, who="a worker")
+                trackers = trackers[2:]  # after identity and header
+                for key, tr in zip(keys, trackers):
+                    if tr is not None and space is not None:
+                        space.trackers.setdefault(key, []).append(tr)
+                return trackers
             transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
+        return []
 
 
 class Admission:

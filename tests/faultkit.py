@@ -77,12 +77,14 @@ class Procs:
         self.procs.append(launcher.Proc(f"process {len(self.procs)}", p))
         return p
 
-    def server(self, *args: str, bind: str = "tcp://127.0.0.1:0", prefix: tuple[str, ...] = ()) -> Server:
-        """``python -m servers`` (its output in a log), once it reported the endpoint it bound."""
+    def server(self, *args: str, bind: str = "tcp://127.0.0.1:0", prefix: tuple[str, ...] = (),
+               env: dict | None = None) -> Server:
+        """``python -m servers`` (its output in a log; ``env`` added to its environment), once it reported the
+        endpoint it bound."""
         log = self.tmp / f"server{len(self.procs)}.log"
         p = launcher.spawn(f"server {len(self.procs)}", [*prefix, sys.executable, "-m", "servers", "--bind", bind,
-                                                           "--log-every", "0", *args], ENV, log, report_endpoint=True,
-                           starter=zygote.start)
+                                                           "--log-every", "0", *args], {**ENV, **(env or {})}, log,
+                           report_endpoint=True, starter=zygote.start)
         self.procs.append(p)
         endpoint = launcher.await_endpoints([p], START_TIMEOUT)[0]
         return Server(p.popen, endpoint, log)

@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--grad", type=float, default=0.25)
     p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--optimizer", default="sgd", help="a commlab.OptimizerSpec name (adam: state to replicate)")
     p.add_argument("--size", type=int, default=5)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds of 'compute' per step (a slow worker)")
     p.add_argument("--barrier", action="store_true", help="start stepping once every worker is attached")
@@ -52,7 +53,7 @@ def main() -> int:
     model = nn.ParameterList([nn.Parameter(torch.zeros(a.size))])
     info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
     with commlab.connect(a.url, info) as ex:
-        ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
+        ex.setup(model, commlab.OptimizerSpec(a.optimizer, lr=a.lr))
         if a.barrier:
             wait_for(lambda: all(len(s["workers"]) >= a.workers for s in ex.server_stats()),
                      f"rank {a.rank}: not every worker attached")

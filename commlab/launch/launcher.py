@@ -375,22 +375,87 @@ def await_endpoints(procs: Sequence[Proc], timeout: float) -> list[str]:
 
 def start_servers(template: str, argvs: list[list[str]], env: Mapping[str, str], logs: Path | None,
                   timeout: float, procs: list[Proc], prefix: Callable[[int], Sequence[str]] | None = None,
-                  console: IO[str] | None = None, starter: Starter | None = None) -> str:
+                  console: IO[str] | None = None, starter: Starter | None = None,
+                  replica_sets: "ReplicaSets | None" = None) -> str:
     """Start the planned servers (appended to ``procs`` as they start, so the caller stops them);
     return the workers' URL with the endpoints they reported. ``prefix(i)`` goes before server i's
     command line (``ip netns exec NS``: a server in another network namespace binds there and
     reports what it bound all the same). Blocks until every server reported, at most ``timeout``
     seconds; raises JobFailed naming a server that exited or never reported. ``console``, ``starter``: see
-    :func:`spawn`."""
-    servers = []
-    for i, argv in enumerate(argvs):
-        cmd = [*(prefix(i) if prefix else ()), sys.executable, "-m", "servers", *argv]
-        p = spawn(f"server {i}", cmd, env, logs / f"server{i}.log" if logs else None, forward="stderr",
-                  report_endpoint=True, console=console, starter=starter)
-        procs.append(p)
-        servers.append(p)
-    endpoints = await_endpoints(servers, timeout)
-    return with_endpoints(template, [bind_of(a) for a in argvs], endpoints)
+    :func:`spawn`. An argv naming ``{server:I}`` (a backup's ``--replica-of``) starts once server I reported,
+    with its endpoint there; ``replica_sets`` then keeps every server (see :class:`ReplicaSets`)."""
+    servers: list[Proc] = [None] * len(argvs)  # type: ignore[list-item]
+    later = [i for i, argv in enumerate(argvs) if any(SERVER_REF.search(x) for x in argv)]
+    for wave in ([i for i in range(len(argvs)) if i not in later], later):  # backups once their primaries listen
+        for i in wave:
+            argv = [SERVER_REF.sub(lambda m: servers[int(m[1])].endpoint or "", x) for x in argvs[i]]
+            cmd = [*(prefix(i) if prefix else ()), sys.executable, "-m", "servers", *argv]
+            p = spawn(f"server {i}", cmd, env, logs / f"server{i}.log" if logs else None, forward="stderr",
+                      report_endpoint=True, console=console, starter=starter)
+            procs.append(p)
+            servers[i] = p
+            if replica_sets is not None:
+                replica_sets.add(p, argv, cmd[:len(cmd) - len(argv)])
+        await_endpoints([servers[i] for i in wave], timeout)
+    return with_endpoints(template, [bind_of(a) for a in argvs], [p.endpoint or "" for p in servers])
+
+
+SERVER_REF = re.compile(r"\{server:(\d+)\}")  # in a planned server's argv: server I's reported endpoint
+
+
+class ReplicaSets:
+    """The servers of a replicated plan (``ps://?replicas=2``; docs/ps.md): a shard lives while one of its
+    servers does. One that exits is replaced by a new backup of a live one (``--replica-of``), which takes
+    its state and follows it; a shard with no server left ends the job."""
+
+    def __init__(self, env: Mapping[str, str], logs: Path | None, procs: list[Proc], say: Callable[[str], None],
+                 console: IO[str] | None = None, starter: Starter | None = None):
+        self.env, self.logs, self.procs, self.say = env, logs, procs, say
+        self.console, self.starter = console, starter
+        self.shards: dict[str, list[tuple[Proc, list[str], list[str]]]] = {}  # --shard I/K -> (proc, argv, prefix)
+        self.made = 0
+        self.replaced: set[int] = set()
+
+    def add(self, proc: Proc, argv: list[str], prefix: list[str]) -> None:
+        shard = argv[argv.index("--shard") + 1] if "--shard" in argv else "0/1"
+        self.shards.setdefault(shard, []).append((proc, argv, prefix))
+
+    def watched(self) -> set[int]:
+        """ids of the Procs this supervises or replaced (the job's watch leaves them to :meth:`check`)."""
+        return self.replaced | {id(p) for members in self.shards.values() for p, _, _ in members}
+
+    def check(self) -> None:
+        """Replace each server that exited by a new backup of a live one; JobFailed for a shard left with none."""
+        for shard, members in self.shards.items():
+            live = [m for m in members if m[0].popen.poll() is None]
+            if len(live) == len(members):
+                continue
+            anchor = next((m for m in live if m[0].endpoint), None)
+            if anchor is None:
+                dead = members[0][0]
+                dead.drain()
+                raise JobFailed(f"every server of shard {shard} exited ({dead.name}: "
+                                f"{_how(dead.popen.returncode)})" + _tail_text(dead), 1)
+            for gone in [m for m in members if m not in live]:
+                members.remove(gone)
+                proc, argv, prefix = gone
+                self.replaced.add(id(proc))
+                self.made += 1
+                argv = list(argv)
+                bind = bind_of(argv)
+                argv[argv.index("--bind") + 1] = bind + f".r{self.made}" if bind.startswith("ipc://") else bind
+                if "--replica-of" in argv:
+                    argv[argv.index("--replica-of") + 1] = anchor[0].endpoint or ""
+                else:
+                    argv += ["--replica-of", anchor[0].endpoint or ""]
+                name = f"{proc.name.split(' (')[0]} (backup {self.made})"
+                self.say(f"{proc.name} of shard {shard} exited ({_how(proc.popen.returncode)}); {anchor[0].name} "
+                         f"serves it; starting a new backup of it")
+                new = spawn(name, [*prefix, *argv], self.env,
+                            self.logs / f"server-backup{self.made}.log" if self.logs else None, forward="stderr",
+                            report_endpoint=True, console=self.console, starter=self.starter)
+                self.procs.append(new)
+                members.append((new, argv, prefix))
 
 
 def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
@@ -538,14 +603,17 @@ def _run(job: Job) -> int:
             base[KEEP_GOING] = "1"  # the regimes keep going when a peer dies (ps://: min_workers=1 by default)
         healed: list[str] = []  # per replacement: which rank, how it died, how long healing took
         failures: list[str] = []  # per restart: which rank failed, how
+        replicas = None
+        if any(SERVER_REF.search(x) for argv in server_argvs for x in argv):  # ps://?replicas=2: kept alive
+            replicas = ReplicaSets(base, logs, procs, job.say, job.console, job.starter)
         try:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
-                                job.console, job.starter)
+                                job.console, job.starter, replicas)
             base[ENV_URL] = url
             for attempt in range(job.max_restarts + 1):
                 try:
                     _attempt(job, dict(base, **{RESTART_COUNT: str(attempt)}), url, logs, procs, started,
-                             restarts_left=job.max_restarts - attempt, healed=healed)
+                             restarts_left=job.max_restarts - attempt, healed=healed, replicas=replicas)
                     break
                 except RankFailed as exc:
                     failures.append(f"{exc.rank} ({exc.how})")
@@ -585,7 +653,7 @@ class RankFailed(JobFailed):
 
 
 def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], started: float,
-             restarts_left: int, healed: list[str] | None = None) -> None:
+             restarts_left: int, healed: list[str] | None = None, replicas: ReplicaSets | None = None) -> None:
     """One attempt: a fresh rendezvous store, every rank, watched. Returns once every rank exited 0;
     raises RankFailed (ranks and store stopped, servers left running) when a rank failed and
     ``restarts_left`` > 0, else JobFailed (see :func:`_watch`). With ``job.replace`` or spares, a rank
@@ -607,7 +675,8 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
             attempt.append(ranks[-1])
         replacer = Replacer(job, env, url, logs, attempt, healed if healed is not None else []) \
             if job.replace or job.spares else None
-        _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0, replacer=replacer)
+        _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0, replacer=replacer,
+               replicas=replicas)
     except RankFailed:
         stop_all(attempt)
         shm.sweep_stale()  # what the killed rank left in /dev/shm
@@ -710,21 +779,32 @@ class Replacer:
 
 
 def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool = False,
-           replacer: Replacer | None = None) -> None:
+           replacer: Replacer | None = None, replicas: ReplicaSets | None = None) -> None:
     """Return when every rank exited 0. At the first failure: a rank killed by a signal, with a ``replacer``,
     is replaced alone; a rank, with ``restartable``, raises RankFailed and stops nothing (the caller stops the
-    ranks); anything else stops every process and raises JobFailed; so does the deadline."""
+    ranks); anything else stops every process and raises JobFailed; so does the deadline. ``replicas``:
+    replicated servers, which it keeps (a shard's server that exits is replaced while another serves)."""
     try:
-        _watch_loop(job, procs, ranks, started, restartable, replacer)
+        _watch_loop(job, procs, ranks, started, restartable, replacer, replicas)
     finally:
         if replacer is not None:
             replacer.report()
 
 
 def _watch_loop(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool,
-                replacer: Replacer | None) -> None:
+                replacer: Replacer | None, replicas: ReplicaSets | None) -> None:
     while True:
+        kept = set()
+        if replicas is not None:
+            try:
+                replicas.check()
+            except JobFailed:
+                stop_all(replicas.procs)
+                raise
+            kept = replicas.watched()
         for p in list(procs):
+            if id(p) in kept:
+                continue
             code = p.popen.poll()
             if replacer is not None and code is not None and replacer.idle(p):
                 replacer.drop_spare(p)

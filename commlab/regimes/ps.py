@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -42,11 +43,12 @@ from typing import Callable
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from commlab import compress
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
-from commlab.base.errors import CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
+from commlab.base.errors import CommError, CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.core.localsteps import LocalStepsOptions, Outer, async_outer_refusal, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.core.manifest import describe_optimizer, model_manifest
@@ -96,6 +98,11 @@ class PSOptions(LocalStepsOptions):
     heartbeat_s: float = option(0.0, "keep going: a worker silent this long (frozen, partitioned; zmq heartbeats, "
                                      "answered by its I/O thread) leaves the job too (0: only a closed connection)",
                                 ge=0, le=6553, why="zmq's heartbeat TTL is at most 6553 s")
+    replicas: int = option(1, "servers per shard (primary-backup): 2 keeps each shard on two processes, an update "
+                              "acknowledged once both hold it; a worker fails over to the backup when its primary "
+                              "dies. commlab run/train start the backups; a URL that lists servers names each "
+                              "shard's replicas one after the other (docs/ps.md)", ge=1, le=2,
+                           why="one backup per shard (a backup of a backup is not built)")
     space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
@@ -192,6 +199,11 @@ class _Shard:
     def __init__(self, index: int, count: int, endpoint: str, tp: transport.Transport, sender: str,
                  timeout: float, retries: int, rank: int | None = None):
         self.index, self.count, self.endpoint = index, count, endpoint
+        self.endpoints = [endpoint]  # the shard's servers (replicas=2: primary, then backup); failover rotates
+        self._failed: dict[str, float] = {}  # endpoint -> when its connection was lost (failover skips it a while)
+        self._failover_until: float | None = None  # a failover in progress gives up at this time
+        self.failovers = 0
+        self.monitor: zmq.Socket | None = None  # replicated: tells at once that the connection closed
         self.name = f"shard {index}/{count} at {endpoint}"
         self.peer = f"shard {index}"  # what errors carry as their ``peer`` field (CommError)
         self.tp, self.sender, self.timeout, self.retries, self.rank = tp, sender, timeout, retries, rank
@@ -247,7 +259,20 @@ class _Shard:
     def _open(self) -> zmq.Socket:
         """A fresh connection to the shard; with the job's secret, each side has proved it to the other
         before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
-        sock = self.tp.connect(zmq.DEALER, self.endpoint, heartbeat_s=self.heartbeat_s)
+        def watch(sock: zmq.Socket) -> None:  # a server that is gone (refused, closed): the shard's next one at once
+            self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                                   | zmq.EVENT_DISCONNECTED)
+
+        sock = self.tp.connect(zmq.DEALER, self.endpoint, heartbeat_s=self.heartbeat_s,
+                               before=watch if self.replicated else None)
+        if self.monitor is not None:
+            try:
+                self._connected(self.monitor)
+            except BaseException:
+                self.monitor.close(linger=0)
+                self.monitor = None
+                sock.close(linger=0)
+                raise
         if self.secret is not None:
             try:
                 transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
@@ -286,7 +311,7 @@ class _Shard:
                     raise CommTimeout("")
                 if self.sock is None:
                     raise PeerLost(f"{self.name}: the connection is closed", peer=self.peer, op="receive")
-                msg = transport.recv(self.sock, left, self.name, self.peer)
+                msg = self._recv(left)
             except CommTimeout:
                 raise CommTimeout(f"{self.name} did not answer {req.what} within {self.timeout:g}s", peer=self.peer,
                                   op="receive") from None
@@ -297,10 +322,15 @@ class _Shard:
                 raise ProtocolError(f"{self.name} sent a reply that breaks the protocol: {exc}", peer=self.peer,
                                     op="receive") from None
             rid = h.meta.get("id")
+            if "replicas" in h.meta:  # a replicated shard's servers: a backup attached later (after a failover)
+                self._learn(h.meta["replicas"])
             if isinstance(rid, int) and any(r.rid == rid for r in self.outstanding):  # else: for a request given up on at a reconnect
                 self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
+        if h.op == "error" and h.meta.get("not_primary") and self.replicated:
+            raise NotPrimary(f"{self.name} is a backup whose primary is alive: {h.meta.get('reason')}",
+                             peer=self.peer, op="receive")
         if h.op == "error" and h.meta.get("unproven"):
             # zmq reconnected this socket by itself to a restarted shard, which serves only a connection that
             # proved the job's secret: as a lost reply, so that collect() reconnects (a proving one) and resends
@@ -314,17 +344,53 @@ class _Shard:
                 max_bytes: int = 0) -> tuple:
         return self.answer(self.post(op, step, parts, meta, what, max_bytes=max_bytes))
 
+    @property
+    def replicated(self) -> bool:
+        return len(self.endpoints) > 1
+
+    def _recv(self, left: float) -> list:
+        """One message within ``left`` seconds; replicated, PeerLost as soon as the connection closes."""
+        sock, monitor = self.sock, self.monitor
+        assert sock is not None
+        if monitor is None:
+            return transport.recv(sock, left, self.name, self.peer)
+        deadline = time.monotonic() + left
+        while True:
+            if sock.poll(int(min(0.05, max(0.0, deadline - time.monotonic())) * 1000), zmq.POLLIN):
+                return transport.recv(sock, 0, self.name, self.peer)
+            if monitor.poll(0) and recv_monitor_message(monitor)["event"] != zmq.EVENT_CONNECTED:
+                raise PeerLost(f"{self.name}: its connection closed (the server died?)", peer=self.peer, op="receive")
+            if time.monotonic() >= deadline:
+                raise CommTimeout(f"no message from {self.name} within {left:g}s", peer=self.peer, op="receive")
+
+    def _connected(self, monitor: zmq.Socket) -> None:
+        """Replicated: wait (at most ``timeout``) until the connection is made; PeerLost if it is refused."""
+        if not monitor.poll(int(self.timeout * 1000)):
+            raise CommTimeout(f"{self.name}: no connection within {self.timeout:g}s", peer=self.peer, op="connect")
+        if recv_monitor_message(monitor)["event"] != zmq.EVENT_CONNECTED:
+            raise PeerLost(f"{self.name}: connection refused (the server is gone?)", peer=self.peer, op="connect")
+
     def hello(self, meta: dict) -> dict:
         self.hello_meta = meta
-        self._drop_link()
-        if self.shm_want:
-            meta = dict(meta, shm_host=shm.host_identity())
         if meta.get("min_workers"):  # keep-going: a process's first hello is fresh; later ones say their epoch
             meta = dict(meta, fresh=self.hellos == 0, epoch=self.epoch)
-        reply = self.request("hello", -1, meta=meta, what="hello")[0].meta
+        while True:
+            self._drop_link()
+            req = None
+            try:
+                req = self.post("hello", -1, meta=dict(meta, shm_host=shm.host_identity()) if self.shm_want else meta,
+                                what="hello")
+                reply = self.answer(req)[0].meta
+                break
+            except (CommTimeout, PeerLost, NotPrimary) as exc:
+                if req in self.outstanding:
+                    self.outstanding.remove(req)
+                if not self._fail_over(exc):
+                    raise
         self.hellos += 1
         self.epoch = reply.get("epoch", 0)
         self.boot = reply.get("boot", "")
+        self._failover_until = None
         if self.heartbeat_s and meta.get("min_workers"):
             self._beat()
         if self.shm_want:
@@ -344,6 +410,45 @@ class _Shard:
         h = wire.decode(transport.recv(self.live, self.timeout, self.name, self.peer), ops=psproto.REPLIES, max_bytes=0)
         if h.op == "error":
             raise RemoteError(f"{self.name} refused the heartbeat connection: {h.meta.get('reason')}", peer=self.peer)
+
+    def _learn(self, endpoints) -> None:
+        """Servers of this shard a reply named (a backup attached later, ``commlab server --replica-of``)."""
+        if isinstance(endpoints, list):
+            for ep in endpoints:
+                if isinstance(ep, str) and ep not in self.endpoints and "://0.0.0.0:" not in ep and len(ep) < 512 \
+                        and len(self.endpoints) < 16:
+                    self.endpoints.append(ep)
+
+    def _fail_over(self, exc: BaseException) -> bool:
+        """Replicated: leave this server for the shard's next one (not one whose connection was lost lately;
+        a backup that says its primary lives is asked again shortly: it may not have noticed yet). False when
+        the shard has one server, or the failover has taken longer than ``timeout`` x (1 + retries)."""
+        if not self.replicated:
+            return False
+        now = time.monotonic()
+        if self._failover_until is None:
+            self._failover_until = now + self.timeout * (1 + self.retries)
+        if now > self._failover_until:
+            return False
+        if isinstance(exc, NotPrimary):
+            time.sleep(0.1)
+        else:
+            self._failed[self.endpoint] = now
+        at = self.endpoints.index(self.endpoint)
+        order = self.endpoints[at + 1:] + self.endpoints[:at + 1]
+        fresh = [e for e in order if now - self._failed.get(e, -math.inf) > self.timeout]
+        self.endpoint = (fresh or order)[0]
+        self.name = f"shard {self.index}/{self.count} at {self.endpoint}"
+        self.failovers += 1
+        self.inbox.clear()
+        self._close_sock()
+        return True
+
+    def _close_sock(self) -> None:
+        for s in (self.sock, self.monitor):
+            if s is not None:
+                s.close(linger=0)
+        self.sock = self.monitor = None
 
     def _take_link(self, offer) -> None:
         """Map the segments the server made for this connection (transport=shm), or say why not (auto)."""
@@ -390,7 +495,15 @@ class _Shard:
             req = self.outstanding[0]
             try:
                 h, data = self.answer(req)
-            except CommTimeout as exc:
+            except (CommTimeout, PeerLost, NotPrimary) as exc:
+                if self.replicated:  # the next server of the shard; what is unanswered goes there again
+                    if not self._fail_over(exc):
+                        raise CommTimeout(f"{exc} (every server of shard {self.index} failed: "
+                                          f"{', '.join(self.endpoints)})", peer=self.peer, op="receive") from None
+                    self._resend()
+                    continue
+                if not isinstance(exc, CommTimeout):
+                    raise
                 state = self.probe()
                 if state is not None and state.get("boot") == self.boot:
                     stalled = [self.members[r] if self.members else r for r in state.get("waiting_for", [])
@@ -418,6 +531,7 @@ class _Shard:
             elif req.op == "pull":
                 received += self._take(h, data)
         self.unsettled.clear()  # every pull of the step is in: its pushes are applied
+        self._failover_until = None
         return received
 
     def probe(self) -> dict | None:
@@ -436,12 +550,14 @@ class _Shard:
                 self.outstanding.remove(req)
 
     def _reconnect_and_resend(self) -> None:
+        self._close_sock()
+        self._resend()
+
+    def _resend(self) -> None:
+        """Hello again (on a fresh connection) and send this step's pushes and every unanswered request."""
         pending = {r.rid: r for r in [*self.unsettled, *self.outstanding]}
         self.outstanding = []
         self.inbox.clear()
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
         self.hello(self.hello_meta)
         for rid in sorted(pending):  # in the order first sent: pushes before the pulls that need them
             self._transmit(pending[rid])
@@ -506,12 +622,15 @@ class _Shard:
                     self.request("bye", -1, what="bye")
                 except Exception:  # best effort: the server may be gone already
                     pass
-            self.sock.close(linger=0)
-            self.sock = None
+            self._close_sock()
         if self.live is not None:
             self.live.close(linger=0)
             self.live = None
         self._drop_link()
+
+
+class NotPrimary(CommError):
+    """A backup shard answered: its primary is alive (replicas=2; the worker asks the next server)."""
 
 
 class _ServerJoin(Join):
@@ -632,12 +751,18 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             endpoints = ["tcp://127.0.0.1:0"] * k
         mode = (opts.consistency or psproto.SYNC).name
         argvs = []
-        for i, ep in enumerate(endpoints):
+        if opts.replicas > 1:  # each shard's primary, then its backup, which attaches to it (launcher.SERVER_REF)
+            endpoints = [ep + (f".r{r}" if ep.startswith("ipc://") and r else "") for ep in endpoints
+                         for r in range(opts.replicas)]
+        for j, ep in enumerate(endpoints):
+            i, r = divmod(j, opts.replicas)
             argv = ["--bind", ep, "--mode", mode, "--shard", f"{i}/{k}"]
             if opts.staleness >= 0:
                 argv += ["--staleness", str(opts.staleness)]
             if opts.keys:  # the workers will speak CURVE with these keys: so must the servers
                 argv += ["--keys", opts.keys]
+            if r:
+                argv += ["--replica-of", f"{{server:{j - r}}}"]
             argvs.append(argv)
         query = [(key, v) for key, v in url.query if key not in ("shards", "transport", "endpoints", "mode")]
         # the transport always travels: a tcp or ipc plan left without one would get the default (auto)
@@ -673,8 +798,15 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             raise ConfigError("ps:// names no servers: give ps://HOST:PORT[,HOST:PORT...] (servers started with "
                               "'commlab server'), or let the launcher start them with ps://?shards=K: "
                               "'commlab run' for your script, 'commlab train' for the built-in worker")
+        replicas = self.options.replicas
+        if len(endpoints) % replicas:
+            raise ConfigError(f"ps:// replicas={replicas} lists each shard's {replicas} servers one after the other, "
+                              f"but the URL names {len(endpoints)} servers")
+        groups = [endpoints[i:i + replicas] for i in range(0, len(endpoints), replicas)]
+        endpoints = [g[0] for g in groups]
         if self.options.shards and self.options.shards != len(endpoints):
-            raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers")
+            raise ConfigError(f"ps:// says shards={self.options.shards} but lists {len(endpoints)} servers"
+                              + (f" ({len(endpoints) * replicas} with replicas={replicas})" if replicas > 1 else ""))
         desc = describe_optimizer(optimizer, model)
         asked = self.options.placement
         foreign = getattr(torch.optim, type(optimizer).__name__, None) is not type(optimizer)
@@ -716,6 +848,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         k = len(endpoints)
         self.shards = [_Shard(i, k, ep, self.transport, sender, self.options.timeout, self.options.retries, self.rank)
                        for i, ep in enumerate(endpoints)]
+        for shard, group in zip(self.shards, groups):
+            shard.endpoints = list(group)
         self._secret = auth.load()
         if self._secret is None:
             auth.warn_unauthenticated(f"ps:// rank {self.rank_info.global_rank()}")

@@ -168,6 +168,8 @@ def consistency(name: str) -> Consistency:
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
                       "bye", "blob", "enter", "live"})
 REPLIES = frozenset({"ok", "params", "error"})
+# a backup shard's link to its primary (servers.replication): it attaches, then acknowledges the stream
+REPLICATION = frozenset({"attach", "ack"})
 BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
 
 

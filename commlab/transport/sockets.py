@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import zmq
@@ -126,12 +126,14 @@ class Transport:
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
                 io_thread: int | None = None, curve: CurveKeys | None = None,
-                plain: tuple[str, str] | None = None, heartbeat_s: float = 0.0) -> zmq.Socket:
+                plain: tuple[str, str] | None = None, heartbeat_s: float = 0.0,
+                before: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
         """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
         (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects.
         ``heartbeat_s`` > 0: zmq pings the peer four times per period and asks it (ZMTP's TTL) to close the
         connection when nothing came from this side for that long: a frozen or partitioned process (whose
-        I/O threads stop too) loses its connection within ``heartbeat_s``."""
+        I/O threads stop too) loses its connection within ``heartbeat_s``. ``before`` is called with the socket
+        before it connects (a monitor attached there sees the connection made)."""
         sock = self.pin(self.socket(kind), io_thread)
         if heartbeat_s > 0:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat_s * 250)))
@@ -147,6 +149,8 @@ class Transport:
             sock.curve_serverkey = curve.server_public
         elif plain is not None:
             sock.plain_username, sock.plain_password = (x.encode() for x in plain)
+        if before is not None:
+            before(sock)
         return _open(sock, sock.connect, "connect to", endpoint, self.sndbuf)
 
     def pin(self, sock: zmq.Socket, io_thread: int | None) -> zmq.Socket:

@@ -1,0 +1,519 @@
+"""Replicated shards (``ps://?replicas=2``, ``commlab server --replica-of ENDPOINT``): primary-backup.
+
+One shard lives on two processes: the *primary*, which the workers talk to, and a *backup* attached to it.
+The backup is a client of the primary (it connects, proves the job's secret or its CURVE key as any client
+must, and says ``attach``). From then on:
+
+* **State transfer, then the stream.** At the first moment none of the primary's key spaces has a step half
+  gathered (between two steps: nothing is lost by waiting for it), the primary sends its whole state
+  (:meth:`servers.server.ParameterServer.state_dict` of every key space and a few fields a checkpoint does not
+  keep, :func:`commlab.transport.wire.pack_state` bytes: a msgpack tree and raw tensor bytes, nothing pickled),
+  then every request it serves afterwards, in the order it serves them, numbered (``seq``): the request's own
+  header and raw frames (a push that came through shared memory is sent with its payload in frames).
+* **The backup applies the same requests in the same order** through the same code (:meth:`ShardServer.handle`,
+  its replies dropped), so it holds the same state bit for bit: every update is deterministic given its inputs
+  and their order (one torch thread; a sync step's sum is folded in the order the primary received the
+  pushes, which is the stream's). The backup receives the workers' gradients (every push), not parameters.
+  It acknowledges what it received (``ack`` with the highest ``seq``) before applying it: it holds it, since a
+  backup applies everything it received before it serves anyone, and its update runs beside the primary's.
+* **Output commit.** Every reply the primary makes while serving request ``seq`` (its ack, and the pulls that
+  request made answerable) is held until the backup acknowledged ``seq``. So whatever a worker has seen, the
+  backup holds. A held reply that reads the shard's tensors zero-copy counts as a send in flight: the
+  optimizer writes such a tensor only after giving it fresh storage (copy on write, as for a slow socket).
+* **Failover.** A worker whose primary's connection closes (or times out) connects to the next server of the
+  shard's list and says hello again, then sends every request not yet answered again (what ``retries`` already
+  did for a restarted shard). A backup serves a worker only once its link to the primary is gone (closed, or
+  silent past the heartbeat); it then becomes the primary (it first applies whatever of the stream it had
+  received). Requests it had applied come back as duplicates, which the shard recognises as it did for a
+  restarted shard ((worker, step) pushes, commits of an applied step, ...), so nothing is lost or applied
+  twice. While its primary lives it refuses workers with ``not_primary``.
+* **The primary without a backup** (its connection closed: killed) goes on alone and releases what it held;
+  a new backup can attach at any time (``commlab server --replica-of`` the live one).
+
+Consistency, what a partition does: see docs/ps.md ("Replicated shards").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+import zmq
+
+from commlab.base.errors import CommError, ConfigError, ProtocolError
+from commlab.transport import psproto, sockets as transport, wire
+
+CTRL = struct.Struct("<4sBQH")  # magic, kind, seq, length of the worker identity that follows
+MAGIC = b"CLRP"
+SNAPSHOT, REQUEST, FREE = 1, 2, 3
+SHM_KEYS = ("shm", "shm_host", "shm_reply")  # what a request through shared memory carries; the backup has none
+HEARTBEAT_MS = (1000, 10000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
+ATTACH_TIMEOUT = 120.0  # a new backup waits this long for the primary's state
+
+
+def ctrl(kind: int, seq: int, ident: bytes = b"") -> bytes:
+    return CTRL.pack(MAGIC, kind, seq, len(ident)) + ident
+
+
+def parse_ctrl(frame: bytes) -> tuple[int, int, bytes]:
+    if len(frame) < CTRL.size:
+        raise ProtocolError(f"replication frame of {len(frame)} bytes")
+    magic, kind, seq, n = CTRL.unpack_from(frame)
+    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE) or len(frame) != CTRL.size + n:
+        raise ProtocolError("not a replication frame")
+    return kind, seq, frame[CTRL.size:]
+
+
+def relayed(body: list, h: wire.Header, data: list) -> list:
+    """The request as the backup receives it: verbatim, or (shared memory) with its payload in frames, sent
+    zero-copy from the worker's segment: the worker writes that place again only after its ack, which waits for
+    the backup's, which comes after the backup received every byte (and a closed link's mapping stays until
+    zmq lets go of it, :meth:`commlab.transport.psshm.Region.close`)."""
+    if not any(k in h.meta for k in SHM_KEYS):
+        return list(body)
+    meta = {k: v for k, v in h.meta.items() if k not in SHM_KEYS}
+    parts = [(spec, wire.frame_tensor(spec, frame)) for spec, frame in zip(h.frames, data)]
+    return wire.encode(h.op, h.sender, h.step, parts, meta)
+
+
+FAULT_ENV = "COMMLAB_SERVER_FAULT"
+FAULT_POINTS = ("recv", "unsent", "unacked", "acked")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the tests and the chaos benchmark inject (``$COMMLAB_SERVER_FAULT=AT:OP:RANK:STEP[:SHARD]``): a
+    primary started as one (not a backup, nor one promoted) kills itself (SIGKILL) at the first request ``OP``
+    of step ``STEP`` from rank ``RANK`` (of shard ``SHARD``, any when not given), at point ``AT``:
+
+    * ``recv``: on its arrival, before anything is done with it;
+    * ``unsent``: after serving it, never streamed to the backup (as if lost on the way);
+    * ``unacked``: after serving it, streamed, before the backup's ack is read (the backup may hold it);
+    * ``acked``: once the backup acknowledged it and its replies went out."""
+
+    at: str
+    op: str
+    rank: int
+    step: int
+    shard: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        parts = text.split(":")
+        try:
+            if len(parts) not in (4, 5) or parts[0] not in FAULT_POINTS or parts[1] not in psproto.REQUESTS:
+                raise ValueError
+            return cls(parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4]) if len(parts) == 5 else None)
+        except ValueError:
+            raise ConfigError(f"${FAULT_ENV}={text!r}: expected AT:OP:RANK:STEP[:SHARD], AT one of "
+                              f"{', '.join(FAULT_POINTS)}, OP a request (push, commit, ...)") from None
+
+    def matches(self, h: wire.Header, shard: int) -> bool:
+        return (h.op == self.op and h.sender == f"rank{self.rank}" and h.step == self.step
+                and self.shard in (None, shard))
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Refused(Exception):
+    """The server asked to be the primary refused the attach."""
+
+
+class _Held:
+    """A held reply's stand-in among a key's send trackers: not done until the reply went and zmq let go."""
+
+    def __init__(self):
+        self.sent = False
+        self.tracker = None
+
+    @property
+    def done(self) -> bool:
+        return self.sent and (self.tracker is None or self.tracker.done)
+
+
+def quiescent(space) -> bool:
+    """No step half in: nothing a state transfer would have to carry beside the applied state."""
+    mode = space.mode
+    if mode.partial or space.buf_acc or getattr(mode, "complete", None) or getattr(mode, "contributed", None) \
+            or getattr(mode, "gathered", False):
+        return False
+    return True
+
+
+def space_state(space) -> dict:
+    """A key space's whole state for a new backup: its checkpoint's, and what a checkpoint leaves out."""
+    if space.units is not None:
+        raise ConfigError(f"{space.cfg.name}: a new backup cannot take over a key space with compress= "
+                          f"(its held payloads are not transferred); start the backup before the job")
+    state = space.state_dict() if space.manifest is not None else {}
+    state.update(space=space.space, has_model=space.manifest is not None, initialized=space.initialized,
+                 starters=sorted(space.starters), started=space.started, gone=sorted(space.gone),
+                 detached=sorted(space.detached), compress_fixed=space.compress_fixed,
+                 placement=space.update, world=space.world,
+                 updates=space.stats.updates, staleness=dict(space.stats.staleness))
+    if space.optimizer is None:
+        state["optimizer"] = None
+    return state
+
+
+def load_space(space, state: dict) -> None:
+    if state["has_model"]:
+        space.load_state(state, "the primary's state")
+    elif state["placement"] is not None:
+        space.placement = space.mode.placement(state["placement"], "the primary's state")
+    space.world = state["world"]
+    space.initialized = state["initialized"]
+    space.starters = set(state["starters"])
+    space.started = state["started"]
+    space.gone = set(state["gone"])
+    space.detached = set(state["detached"])
+    space.compress_fixed = state["compress_fixed"]
+    space.stats.updates = state["updates"]
+    space.stats.staleness = Counter({int(k): v for k, v in state["staleness"].items()})
+
+
+class Replication:
+    """A shard's replication, on its thread: its role (``primary`` or ``backup``), the link, held replies."""
+
+    def __init__(self, server):
+        self.srv = server
+        self.cfg = server.cfg
+        self.role = "backup" if self.cfg.replica_of else "primary"
+        self.muted = False  # replaying the primary's stream: no replies go out
+        self.counts: Counter[str] = Counter()
+        # primary
+        self.backup: bytes | None = None  # the attached backup's identity on the primary's socket
+        self.backup_endpoint = ""
+        self.attaching: tuple[bytes, str, object] | None = None  # (identity, endpoint, request id)
+        self.seq = 0  # requests streamed
+        self.acked = 0  # the highest the backup acknowledged
+        self.current: int | None = None  # the request being served was streamed as this seq
+        self.held: deque = deque()  # (seq, frames, keys, space, track, [_Held per key])
+        # backup
+        self.link: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None
+        self.link_alive = False
+        self.applied = 0  # the last seq applied
+        self.received = 0  # the last seq received (and acknowledged)
+        self.stale = False  # the stream had a gap: this backup stopped following its primary
+        self._polled = False  # its link is in the serve loop's poller (self._poller)
+        self._poller: zmq.Poller | None = None
+        self.primary = self.cfg.replica_of or ""
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault = Fault.parse(fault) if fault and self.role == "primary" else None
+        self.dying: str | None = None  # the fault matched the request being served: what happens at its end
+        self.die_at: int | None = None  # acked: the seq whose ack kills this process
+        if self.role == "backup":
+            self._attach()
+
+    # ----- both ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = {"role": self.role, **self.counts}
+        if self.role == "primary":
+            out.update(backup=self.backup_endpoint if self.backup is not None else None, seq=self.seq,
+                       acked=self.acked, held=len(self.held))
+        else:
+            out.update(primary=self.primary, applied=self.applied, link=self.link_alive)
+        return out
+
+    def reply_fields(self) -> dict:
+        """What every reply to a worker carries while a backup is attached: the shard's servers, so that it can
+        fail over to a backup that attached after it was started (a new one, after a failover)."""
+        if self.role == "primary" and self.backup is not None:
+            return {"replicas": [self.srv.endpoint, self.backup_endpoint]}
+        return {}
+
+    def close(self) -> None:
+        if self._polled and self.link is not None and self._poller is not None:
+            self._poller.unregister(self.link)
+            self._polled = False
+        for s in (self.link, self.monitor):
+            if s is not None:
+                s.close(linger=0)
+        self.link = self.monitor = None
+
+    def _say(self, line: str) -> None:
+        print(f"commlab server {self.cfg.name}: {line}", file=sys.stderr, flush=True)
+
+    # ----- primary ------------------------------------------------------------------------------
+    def serves(self, ident: bytes, req_id) -> bool:
+        """Whether this server serves a worker's request now: a primary does; a backup does once its
+        primary's link is gone (it takes over first), else it answers ``not_primary``."""
+        if self.role == "primary" or self.muted:
+            return True
+        self.pump(None)  # the stream received so far first, and whether the link still lives
+        if self.link_alive:
+            self.counts["refused_as_backup"] += 1
+            self.srv._answer(ident, req_id, "error", {
+                "reason": f"{self.cfg.name} at {self.srv.endpoint} is the backup of {self.primary}, which is "
+                          f"alive: ask the primary", "not_primary": True, "primary": self.primary})
+            return False
+        self._promote()
+        return True
+
+    def control(self, ident: bytes, h: wire.Header, body: list) -> None:
+        """``attach`` from a new backup, ``ack`` from the attached one."""
+        if h.op == "ack":
+            if ident == self.backup:
+                self.acked = max(self.acked, h.step)
+                self._release()
+            return
+        rid = h.meta.get("id")
+        m = h.meta
+        want = {"mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards], "staleness": self.cfg.staleness}
+        got = {"mode": m.get("mode"), "shard": m.get("shard"), "staleness": m.get("staleness")}
+        why = ""
+        if self.role != "primary":
+            self.pump(None)
+            if not self.link_alive:  # its primary is gone, and a new backup (the launcher's) needs a primary
+                self._promote()
+        if self.role != "primary":
+            why = f"{self.cfg.name} is itself the backup of {self.primary}, which is alive"
+        elif got != want:
+            why = f"the backup runs {got}, this primary {want}"
+        elif self.backup is not None or self.attaching is not None:
+            why = f"{self.cfg.name} has a backup already ({self.backup_endpoint or 'attaching'}); replicas=2 is one"
+        elif not isinstance(m.get("endpoint"), str):
+            why = "attach names no endpoint"
+        if why:
+            self.srv._answer(ident, rid, "error", {"reason": why})
+            return
+        self.attaching = (ident, m["endpoint"], rid)
+        self._say(f"backup {m['endpoint']} attaching; its state goes at the next step boundary")
+        self.try_attach()
+
+    def try_attach(self) -> None:
+        """Send the waiting backup the whole state, at a moment no key space has a step half gathered."""
+        if self.attaching is None or not all(quiescent(sp) for sp in self.srv.spaces.values()):
+            return
+        ident, endpoint, rid = self.attaching
+        self.attaching = None
+        try:
+            state = {"seq": self.seq, "spaces": [space_state(sp) for sp in self.srv.spaces.values()]}
+            raw = memoryview(wire.pack_state(state))
+        except (ConfigError, ValueError) as exc:
+            self.srv._answer(ident, rid, "error", {"reason": str(exc)})
+            return
+        step = wire.MAX_FRAME
+        chunks = [raw[i:i + step] for i in range(0, len(raw), step)]
+        try:
+            transport.send(self.srv.sock, [ident, ctrl(SNAPSHOT, self.seq), *chunks], timeout=30.0, who="the backup")
+        except CommError as exc:
+            self._say(f"state transfer to the backup {endpoint} failed: {exc}")
+            return
+        self.backup, self.backup_endpoint, self.acked = ident, endpoint, self.seq
+        self.counts["attached"] += 1
+        self._say(f"backup {endpoint} attached ({len(raw)} bytes of state at seq {self.seq})")
+
+    def arrived(self, h: wire.Header) -> None:
+        """A request is about to be served: the injected fault (:class:`Fault`), if it is this one."""
+        if self.fault is None or self.muted or not self.fault.matches(h, self.cfg.shard):
+            return
+        self._say(f"injected fault: {self.fault} (${FAULT_ENV})")
+        if self.fault.at == "recv":
+            _die()
+        self.dying, self.fault = self.fault.at, None
+
+    def forward(self, ident: bytes, body: list, h: wire.Header, data: list) -> None:
+        """Stream a request to the backup before serving it; its replies are held until the backup acks."""
+        if self.backup is None or self.muted:
+            return
+        self.seq += 1
+        if self.dying == "unsent":  # lost on the way: its replies are held all the same, and this process dies
+            self.current = self.seq
+            return
+        try:
+            transport.send(self.srv.sock, [self.backup, ctrl(REQUEST, self.seq, ident), *relayed(body, h, data)],
+                           timeout=5.0, who="the backup")
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+            return
+        self.current = self.seq
+
+    def freed(self, space: str) -> None:
+        """A key space was freed (its peers' connections gone for the peer timeout, or every bye): so on the
+        backup (a bye is in the stream already; freeing twice is harmless)."""
+        if self.backup is None or self.muted:
+            return
+        self.seq += 1
+        try:
+            transport.send(self.srv.sock, [self.backup, ctrl(FREE, self.seq), space.encode()], timeout=5.0,
+                           who="the backup")
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+
+    def done(self) -> None:
+        if self.dying in ("unsent", "unacked"):
+            _die()
+        if self.dying == "acked":
+            self.die_at, self.dying = self.current if self.current is not None else self.seq, None
+            self._release()
+        self.current = None
+        if self.attaching is not None:
+            self.try_attach()
+
+    def hold(self, frames: list, keys, space, track: bool) -> bool:
+        """Keep a reply made while serving a streamed request until the backup acked it (True), or say it may go
+        now (False). A backup replaying the stream sends nothing (True)."""
+        if self.muted:
+            return True
+        if self.current is None:  # not serving a streamed request (stats, a refusal before a request was read)
+            return False
+        marks = [_Held() for _ in keys]
+        for key, mark in zip(keys, marks):
+            space.trackers.setdefault(key, []).append(mark)
+        self.held.append((self.current, frames, space, track, marks))
+        return True
+
+    def _release(self, everything: bool = False) -> None:
+        while self.held and (everything or self.held[0][0] <= self.acked):
+            _, frames, space, track, marks = self.held.popleft()
+            trackers = self.srv.send_now(frames, (), space, track)  # the marks stand for its trackers
+            for i, mark in enumerate(marks):
+                mark.sent, mark.tracker = True, trackers[i] if i < len(trackers) else None
+        if self.die_at is not None and (self.acked >= self.die_at or self.backup is None) \
+                and not (self.held and self.held[0][0] <= self.die_at):
+            time.sleep(0.2)  # the replies leave the process (zmq's I/O thread) before it dies
+            _die()
+
+    def gone(self, ident: bytes) -> None:
+        """A connection closed: the backup's means the primary goes on alone."""
+        if ident == self.backup:
+            self._lose("its connection closed")
+        elif self.attaching is not None and self.attaching[0] == ident:
+            self.attaching = None
+
+    def _lose(self, why: str) -> None:
+        self._say(f"lost its backup {self.backup_endpoint}: {why}; serving alone (start a new one with "
+                  f"--replica-of {self.srv.endpoint})")
+        self.counts["backups_lost"] += 1
+        self.backup, self.backup_endpoint, self.current = None, "", None
+        self._release(everything=True)
+
+    # ----- backup -------------------------------------------------------------------------------
+    def _connect(self) -> zmq.Socket:
+        sock = self.srv.transport.connect(zmq.DEALER, self.primary, curve=self.cfg.replica_curve)
+        sock.heartbeat_ivl, sock.heartbeat_timeout = HEARTBEAT_MS
+        sock.rcvhwm = 0
+        return sock
+
+    def _attach(self) -> None:
+        """Attach to the primary; a server that is itself a backup whose primary lives (it may not have noticed
+        its primary's death yet) is asked again, for :data:`ATTACH_TIMEOUT` seconds."""
+        deadline = time.monotonic() + ATTACH_TIMEOUT
+        while True:
+            try:
+                return self._attach_once()
+            except _Refused as exc:
+                self.close()
+                if "is itself the backup" not in str(exc) or time.monotonic() > deadline:
+                    raise ConfigError(str(exc)) from None
+                time.sleep(0.5)
+
+    def _attach_once(self) -> None:
+        """Connect to the primary, prove the job's secret, attach, take its state (blocks; raises CommError)."""
+        name = f"the primary {self.primary}"
+        self.link = self._connect()
+        self.monitor = self.link.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        who = f"replica{self.cfg.shard}"
+        if self.cfg.secret is not None:
+            transport.handshake(self.link, self.cfg.secret, who, name, 30.0)
+        meta = {"mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards], "staleness": self.cfg.staleness,
+                "endpoint": self.srv.endpoint, "id": 1}
+        transport.send(self.link, wire.encode("attach", who, -1, (), meta), timeout=30.0, who=name)
+        msg = transport.recv(self.link, ATTACH_TIMEOUT, name)
+        try:
+            kind, seq, _ = parse_ctrl(msg[0].bytes)
+        except ProtocolError:
+            h = wire.decode(msg, ops=psproto.REPLIES)
+            raise _Refused(f"{name} refused this backup: {h.meta.get('reason')}") from None
+        if kind != SNAPSHOT:
+            raise ProtocolError(f"{name} sent no state first")
+        state = wire.unpack_state(b"".join(f.bytes for f in msg[1:]))
+        for s in state["spaces"]:
+            from servers.server import ParameterServer  # (the server module imports this one)
+            space = self.srv.spaces[s["space"]] = ParameterServer(self.cfg, self.srv, s["space"])
+            load_space(space, s)
+        self.applied = self.received = seq
+        self.link_alive = True
+        self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s))")
+
+    def pump(self, poller: zmq.Poller | None) -> None:
+        """A backup: take what the primary streamed so far, acknowledge it, then apply it; notice the link's end.
+
+        The ack goes as soon as the requests are here, before they are applied: the backup holds them (it applies
+        everything it received before it serves anyone, :meth:`_promote`), and the primary's replies need not
+        wait for the backup's update, which runs beside the primary's."""
+        if self.link is None:
+            return
+        if poller is not None and not self._polled:
+            poller.register(self.link, zmq.POLLIN)
+            self._polled, self._poller = True, poller
+        if self.monitor is not None and self.monitor.poll(0):
+            self.link_alive = False
+        while self.link is not None and self.link.poll(0):
+            batch: list[tuple[int, int, bytes, list]] = []
+            received = self.received
+            while self.link.poll(0) and len(batch) < 64:
+                msg = self.link.recv_multipart(copy=False)
+                kind, seq, ident = parse_ctrl(msg[0].bytes)
+                if seq != received + 1:
+                    self._say(f"the stream from {self.primary} skipped from seq {received} to {seq}: this backup "
+                              f"no longer holds the primary's state and stops following it")
+                    self.counts["gaps"] += 1
+                    self._drop_link(stale=True)
+                    break
+                batch.append((kind, seq, ident, msg))
+                received = seq
+            if batch and self.link is not None:
+                self.received = received
+                try:
+                    transport.send(self.link, wire.encode("ack", f"replica{self.cfg.shard}", received), timeout=5.0,
+                                   who=f"the primary {self.primary}")
+                except CommError:
+                    self.link_alive = False
+            for kind, seq, ident, msg in batch:
+                self._apply(kind, ident, msg)
+                self.applied = seq
+
+    def _apply(self, kind: int, ident: bytes, msg: list) -> None:
+        """One streamed request, served as the primary served it, its replies dropped."""
+        self.muted = True
+        try:
+            if kind == REQUEST:
+                self.srv.handle([zmq.Frame(ident), *msg[1:]])
+            elif kind == FREE:
+                space = self.srv.spaces.get(msg[1].bytes.decode())
+                if space is not None:
+                    self.srv._free(space)
+        finally:
+            self.muted = False
+
+    def _drop_link(self, stale: bool = False) -> None:
+        self.link_alive = False
+        if stale:
+            self.counts["stale"] += 1
+            self.stale = True
+        self.close()
+
+    def _promote(self) -> None:
+        """The primary is gone and a worker asks: this server is the primary now."""
+        self.pump(None)  # whatever of the stream arrived before the link closed
+        self._drop_link()
+        self.role = "primary"
+        self.counts["promoted"] += 1
+        for space in self.srv.spaces.values():
+            space.waiting = []  # the old primary's workers' pulls: they ask again, here
+        self._say(f"took over from {self.primary} (its link is gone) at seq {self.applied}")
+        if self.stale:
+            self._say("warning: this backup had stopped following its primary (a gap in the stream): workers "
+                      "will find steps missing and be refused by name")
+        self.primary = ""
+
