@@ -1000,6 +1000,7 @@ class ShardServer:
         self.retired: dict[str, dict] = {}  # freed spaces' last stats
         self.stats = Stats()  # what no space could be charged with (unreadable or oversized messages)
         self._stop = False
+        self.probe = None  # a servers.metrics.StatsProbe while a metrics endpoint is served (--metrics-port)
         if cfg.resume:
             self._resume(Path(cfg.resume))
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait
@@ -1042,6 +1043,8 @@ class ShardServer:
                                                                             f"{self.cfg.name} takes at most {limit}"})
                 else:
                     self.handle(frames)
+            if self.probe is not None:
+                self.probe.answer(self.metrics_snapshot)
             if time.monotonic() >= next_log:
                 self.log()
                 next_log = time.monotonic() + self.cfg.log_every
@@ -1088,14 +1091,26 @@ class ShardServer:
     COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
                 "resized", "bytes_in", "bytes_out", "copies_on_write")
 
+    def space_stats(self) -> dict[str, dict]:
+        """Every key space this process served, live (``live``: True) or freed, -> its stats."""
+        every = {name: dict(sp.stats_dict(), live=True) for name, sp in self.spaces.items()}
+        every.update({name: dict(st, live=False) for name, st in self.retired.items() if name not in every})
+        return every
+
+    def metrics_snapshot(self) -> dict:
+        """What a metrics scrape shows (:mod:`servers.metrics`): ``total`` (the ``stats`` reply), ``spaces``
+        (each space's stats) and ``unattributed`` (the counters no space could be charged with)."""
+        return {"total": self.stats_dict(), "spaces": self.space_stats(),
+                "unattributed": {key: getattr(self.stats, key) for key in self.COUNTERS}}
+
     def stats_dict(self, space: str | None = None) -> dict:
         """One space's stats (``space``; by default the job's first, else the newest) with the counters
         added up over every space this process served, and ``spaces``: each live and freed space's."""
-        every = {name: sp.stats_dict() for name, sp in self.spaces.items()}
-        every.update({name: st for name, st in self.retired.items() if name not in every})
+        every = self.space_stats()
         if space is None:
             space = "" if "" in every else next(reversed(every), "")
         base = dict(every.get(space) or ParameterServer(self.cfg, self, space).stats_dict())  # (none yet: empty)
+        base.pop("live", None)
         for key in self.COUNTERS:
             base[key] = getattr(self.stats, key) + sum(st[key] for st in every.values())
         base["boot"] = self.boot

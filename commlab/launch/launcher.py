@@ -58,7 +58,7 @@ from typing import IO, Callable, Iterator, Mapping, Sequence
 
 from commlab.transport import auth, shm
 from commlab.core import metrics
-from commlab.launch import scratch as scratch_dirs
+from commlab.launch import exporter, scratch as scratch_dirs
 from commlab.transport import store as store_mod
 from commlab.base.config import ExchangerURL, check_number
 from commlab.base.errors import ConfigError
@@ -71,6 +71,7 @@ STARTER_ENV = "COMMLAB_STARTER"  # a module whose start() starts this process's 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store is hosted for you"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
+METRICS_LINE = re.compile(r" metrics on (http://\S+)\s*$")  # a server's endpoint (--metrics-port), before the above
 TAIL_LINES = 20
 MAX_LOCAL_RANKS = 256  # ranks one launcher starts on this host: each is a Python process with torch in memory
 
@@ -141,6 +142,7 @@ class Proc:
     log: Path | None = None  # everything the process wrote (stdout and stderr)
     forwarded: bool = False  # its output also reached the launcher's terminal
     endpoint: str | None = None  # a server: what it reported binding
+    metrics_url: str | None = None  # a server started with --metrics-port: where it serves them
     reported: threading.Event = field(default_factory=threading.Event)
     pumps: list[threading.Thread] = field(default_factory=list)
     files: list = field(default_factory=list)  # closed once the pumps are done
@@ -313,10 +315,14 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
 
     def on_line(line: bytes) -> None:
         if not proc.reported.is_set():
-            m = ENDPOINT_LINE.search(line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            m = ENDPOINT_LINE.search(text)
             if m:
                 proc.endpoint = m.group(1)
                 proc.reported.set()
+            m = METRICS_LINE.search(text)
+            if m:
+                proc.metrics_url = m.group(1)
 
     if forward == "both":  # to the terminal as it came
         streams = [(popen.stdout, out)] + ([] if terminal else [(popen.stderr, err)])
@@ -450,6 +456,10 @@ class Job:
     # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
     console: IO[str] | None = None
     starter: Starter | None = None  # how every process of the job starts (start_group; default: plain_start)
+    # one Prometheus endpoint for the job (commlab.launch.exporter): the ranks' reports and the servers' stats
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    metrics_insecure: bool = False  # an address off loopback serves unauthenticated HTTP: only when told
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -480,6 +490,13 @@ def run_job(job: Job) -> int:
         check_number("--max-restarts", job.max_restarts, ge=0)
         if job.deadline_s is not None:
             check_number("--deadline", job.deadline_s, gt=0)
+        if job.metrics_port is not None:
+            check_number("--metrics-port", job.metrics_port, ge=0, le=65535)
+            exporter.check_bind(job.metrics_addr, job.metrics_insecure)
+            exporter.require()
+            if job.server_prefix is not None:
+                raise ConfigError("--metrics-port: the launcher reads its servers' metrics on loopback; it cannot "
+                                  "with servers in other network namespaces")
     except ConfigError as exc:
         job.say(str(exc))
         return 2
@@ -524,6 +541,13 @@ def _run(job: Job) -> int:
         base[metrics.ENV] = metrics_base
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
+        collector, ranks_now = None, []  # (ranks_now: the attempt's rank processes)
+        if job.metrics_port is not None:  # bound before anything starts: a taken port costs no process
+            collector = exporter.JobCollector(metrics_base, job.workers, up=lambda: _ranks_up(ranks_now))
+            endpoint = exporter.serve(collector, job.metrics_addr, job.metrics_port)
+            stack.callback(endpoint.close)
+            job.say(f"metrics on {endpoint.url}")
+            server_argvs = [[*argv, "--metrics-port", "0"] for argv in server_argvs]  # on loopback: read from here
         if auth.load(base) is None:  # the job's secret, for its ranks and servers only (none given: a fresh one)
             base[auth.SECRET_FILE_ENV] = auth.create_file(str(scratch))
         base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
@@ -533,10 +557,14 @@ def _run(job: Job) -> int:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
                                 job.console, job.starter)
             base[ENV_URL] = url
+            if collector is not None:
+                collector.server_urls = [p.metrics_url for p in procs if p.metrics_url]
             for attempt in range(job.max_restarts + 1):
+                if collector is not None:
+                    collector.restarts = attempt
                 try:
                     _attempt(job, dict(base, **{RESTART_COUNT: str(attempt)}), url, logs, procs, started,
-                             restarts_left=job.max_restarts - attempt)
+                             restarts_left=job.max_restarts - attempt, ranks_now=ranks_now)
                     break
                 except RankFailed as exc:
                     failures.append(f"{exc.rank} ({exc.how})")
@@ -557,6 +585,11 @@ def _run(job: Job) -> int:
     return 0
 
 
+def _ranks_up(ranks: list[Proc]) -> dict[int, bool]:
+    """rank -> whether its process (of the attempt under way) runs: the metrics endpoint's ``commlab_rank_up``."""
+    return {r: p.popen.poll() is None for r, p in enumerate(list(ranks))}
+
+
 def _restarts(failures: list[str]) -> str:
     """``'1 restart (failed: rank 1 (signal SIGKILL))'``: how many, and which rank failed before each."""
     if not failures:
@@ -573,10 +606,11 @@ class RankFailed(JobFailed):
 
 
 def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], started: float,
-             restarts_left: int) -> None:
+             restarts_left: int, ranks_now: list[Proc] | None = None) -> None:
     """One attempt: a fresh rendezvous store, every rank, watched. Returns once every rank exited 0;
     raises RankFailed (ranks and store stopped, servers left running) when a rank failed and
-    ``restarts_left`` > 0, else JobFailed (see :func:`_watch`)."""
+    ``restarts_left`` > 0, else JobFailed (see :func:`_watch`). ``ranks_now`` gets the attempt's ranks
+    as they start (the metrics endpoint reads it)."""
     attempt: list[Proc] = []  # this attempt's store process (if any) and ranks
     store = None
     try:
@@ -586,7 +620,8 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
         else:  # ranks in other namespaces: the store runs where rank 0 runs
             env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
                                                  job.start_timeout_s, attempt, job.console, job.starter))
-        ranks = []
+        ranks = ranks_now if ranks_now is not None else []
+        ranks.clear()
         for r in range(job.workers):
             argv = [sys.executable, *job.command, *job.args]
             if job.url_flag:
@@ -647,7 +682,8 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
-           name: str = "commlab train", max_restarts: int = 0) -> int:
-    """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
-    return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts))
+           name: str = "commlab train", max_restarts: int = 0, **fields) -> int:
+    """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``. ``fields``: the Job's others
+    (``metrics_port``, ...)."""
+    return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env, deadline_s=deadline_s,
+                              log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts, **fields))

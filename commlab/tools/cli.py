@@ -66,6 +66,17 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="as torchrun's: when a rank fails, stop the ranks and start every rank again (the servers "
                         "keep running; TORCHELASTIC_RESTART_COUNT says the attempt), up to this many times")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve live Prometheus metrics of the ranks (their commlab.report() lines) and the servers at "
+                        "http://ADDR:PORT/metrics (0: any free port, printed; needs commlab[metrics]; default: off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics endpoint binds")
+    p.add_argument("--metrics-insecure", action="store_true",
+                   help="allow the metrics endpoint (plain, unauthenticated HTTP) on an address off loopback")
+
+
+def metrics_fields(a: argparse.Namespace) -> dict:
+    """The Job fields of :func:`add_job_args`'s metrics flags."""
+    return {"metrics_port": a.metrics_port, "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
 
 
 def train_main(argv: list[str]) -> int:
@@ -94,7 +105,7 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics, max_restarts=a.max_restarts)
+                           metrics_path=a.metrics, max_restarts=a.max_restarts, **metrics_fields(a))
 
 
 def run_main(argv: list[str]) -> int:
@@ -128,7 +139,8 @@ def run_main(argv: list[str]) -> int:
         print(f"commlab run: {problem}", file=sys.stderr)
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
-                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts)
+                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts,
+                       **metrics_fields(a))
     return launcher.run_job(job)
 
 
