@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.metrics_port is not None:
         from servers.metrics import ShardCollector, StatsProbe
 
-        server.probe = StatsProbe()
+        probe = server.probe = StatsProbe()
         try:
-            endpoint = exporter.serve(ShardCollector(server.probe, server.COUNTERS), a.metrics_addr, a.metrics_port)
+            endpoint = exporter.serve(ShardCollector(probe, server.COUNTERS), a.metrics_addr, a.metrics_port)
         except ConfigError as exc:
             server.close()
             print(f"commlab server: {exc}", file=sys.stderr)

@@ -58,6 +58,7 @@ from commlab.base.errors import ConfigError, ProtocolError
 from commlab.core.manifest import manifest_difference, optimizer_difference
 from commlab.core.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
+from servers.metrics import StatsProbe
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
 
 
@@ -1000,7 +1001,7 @@ class ShardServer:
         self.retired: dict[str, dict] = {}  # freed spaces' last stats
         self.stats = Stats()  # what no space could be charged with (unreadable or oversized messages)
         self._stop = False
-        self.probe = None  # a servers.metrics.StatsProbe while a metrics endpoint is served (--metrics-port)
+        self.probe: StatsProbe | None = None  # while a metrics endpoint is served (--metrics-port)
         if cfg.resume:
             self._resume(Path(cfg.resume))
         # torch's first optimizer pays seconds of lazy imports: pay them now, not while workers wait

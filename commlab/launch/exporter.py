@@ -28,7 +28,7 @@ import os
 import threading
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from commlab.base.errors import ConfigError
 from commlab.core.metrics import metrics_path
@@ -64,7 +64,7 @@ class Endpoint:
     """A running metrics endpoint (:func:`serve`); :meth:`close` stops it."""
 
     url: str
-    httpd: object
+    httpd: Any  # wsgiref's WSGIServer, made by prometheus_client
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -84,7 +84,7 @@ def serve(collector, addr: str, port: int, option: str = "--metrics-port") -> En
         httpd, _ = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:
         raise ConfigError(f"{option} {port} on {addr}: {exc.strerror or exc}") from None
-    host, bound = httpd.server_address[:2]
+    host, bound = str(httpd.server_address[0]), int(httpd.server_address[1])
     host = f"[{host}]" if ":" in host else host
     return Endpoint(f"http://{host}:{bound}/metrics", httpd)
 
@@ -134,18 +134,14 @@ class _RankTail:
                 self._add(record)
 
     def _add(self, r: dict) -> None:
-        num = lambda k: r.get(k) if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) else None
+        nums = {k: float(v) for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.reports += 1
-        if num("step") is not None:
-            self.step = num("step")
-        if num("loss") is not None:
-            self.loss = num("loss")
-        if num("step_s") is not None:
-            self.step_s = num("step_s")
-            self.step_times[self.step_s] = self.step_times.get(self.step_s, 0) + 1
+        self.step, self.loss = nums.get("step", self.step), nums.get("loss", self.loss)
+        if "step_s" in nums:
+            self.step_s = t = nums["step_s"]
+            self.step_times[t] = self.step_times.get(t, 0) + 1
         for key in self.sums:
-            if num(key) is not None:
-                self.sums[key] += num(key)
+            self.sums[key] += nums.get(key, 0)
 
 
 class JobCollector:

@@ -541,7 +541,8 @@ def _run(job: Job) -> int:
         base[metrics.ENV] = metrics_base
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
-        collector, ranks_now = None, []  # (ranks_now: the attempt's rank processes)
+        collector: exporter.JobCollector | None = None
+        ranks_now: list[Proc] = []  # the attempt's rank processes (the metrics endpoint reads it)
         if job.metrics_port is not None:  # bound before anything starts: a taken port costs no process
             collector = exporter.JobCollector(metrics_base, job.workers, up=lambda: _ranks_up(ranks_now))
             endpoint = exporter.serve(collector, job.metrics_addr, job.metrics_port)
