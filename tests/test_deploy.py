@@ -106,6 +106,12 @@ def test_the_manifests_agree_with_each_other():
     assert set(made["commlab-client-keys"]) == {f"w{r}.key" for r in range(world)}
 
 
+def test_the_slurm_script_parses():
+    r = subprocess.run(["bash", "-n", str(ROOT / "deploy" / "slurm" / "commlab.sbatch")], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+
+
 # ----- the pods, run here ---------------------------------------------------------------------------------
 VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -222,10 +228,10 @@ def test_the_pods_run_across_namespace_hosts_and_their_metrics_are_scraped_off_l
                                            f"http://{pods[i][0]}.{domain}:{port}/metrics"], {})
                 (code, out, err), = finish([fetch], timeout=60)
                 assert code == 0, err[-3000:]
-                # sync: one update per step; every rank said hello
+                # sync: one update per step, over the job's every rank
                 assert f'commlab_server_updates_total{{shard="{i}",space="(first)"}} 4.0' in out, out[-3000:]
-                assert f'commlab_server_workers{{shard="{i}",space="(first)"}} {float(world)}' in out or \
-                    f'commlab_server_world{{shard="{i}",space="(first)"}} {float(world)}' in out, out[-3000:]
+                assert f'commlab_server_world{{shard="{i}",space="(first)"}} {float(world)}' in out, out[-3000:]
+                assert f'commlab_server_workers{{shard="{i}",space="(first)"}} {float(world)}' in out, out[-3000:]
         finally:
             procs.close()
             for folder in etc:
