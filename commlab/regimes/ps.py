@@ -1179,9 +1179,6 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._store = None
 
 
-_SPACES_OPENED: dict[tuple[int, str, tuple[str, ...]], int] = {}  # (rank, group, servers) -> exchangers set up here
-
-
 def _next_space(info: RankInfo, endpoints: list[str]) -> str:
     """The key space of this process's next exchanger on these servers: "" for the first, then model2,
     model3, ... Every rank sets its exchangers up in the same order (setup is collective), so the
@@ -1189,8 +1186,7 @@ def _next_space(info: RankInfo, endpoints: list[str]) -> str:
     Over a group (``connect(group=)``) the spaces are the group's: ``g0-2``, then ``g0-2.model2``, ...,
     so groups sharing the servers never share a key."""
     group = group_key(info.members) if info.members else ""
-    key = (info.global_rank(), group, tuple(endpoints))
-    n = _SPACES_OPENED[key] = _SPACES_OPENED.get(key, 0) + 1
+    n = rendezvous.PROCESS.opened((info.global_rank(), group, tuple(endpoints)))  # the process's count (ProcessJobs)
     return ".".join(filter(None, [group, "" if n == 1 else f"model{n}"]))
 
 

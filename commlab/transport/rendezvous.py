@@ -20,7 +20,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from commlab.base.errors import CommTimeout, ConfigError
 
@@ -174,9 +174,46 @@ def store_prefix(attempt: int) -> str:
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun: its agent hosts the store
 RUN_ID = "TORCHELASTIC_RUN_ID"  # set by torchrun (not by commlab run, whose restart count is exact)
 
-_STORES: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the job's store
 _ROUND_KEY = "commlab/round"  # agree_round's keys, beside every attempt's prefix
-_ROUNDS: dict[tuple[str, int], int] = {}  # (addr, port) -> the attempt agreed through that store (one per process)
+
+
+class ProcessJobs:
+    """What one process holds for the jobs it takes part in, and nothing else does: the one place where
+    commlab keeps state across exchangers (as torch.distributed keeps its ``_world``). A process can host
+    a job's store once (rank 0 binds its port), agrees on a job's round once (a second agreement would be a
+    new round to the servers), and names its exchangers' key spaces on the same servers in the order it sets
+    them up. Everything else an exchanger knows is its own. :meth:`forget` empties it (a process forked from
+    one that had joined a job must not reuse the parent's connections)."""
+
+    def __init__(self) -> None:
+        self.stores: dict[tuple[str, int], Any] = {}  # (addr, port) -> this process's client of (or host for) the store
+        self.rounds: dict[tuple[str, int], int] = {}  # (addr, port) -> the round agreed through that store
+        self.spaces: dict[tuple, int] = {}  # (rank, group, servers) -> exchangers set up on those servers
+
+    def store(self, where: tuple[str, int], make: Callable[[], Any]) -> Any:
+        """The process's connection to the store at ``where``, made by ``make()`` the first time."""
+        if where not in self.stores:
+            self.stores[where] = make()
+        return self.stores[where]
+
+    def round(self, where: tuple[str, int], agree: Callable[[], int]) -> int:
+        """The round agreed through the store at ``where`` (``agree()`` the first time: collective)."""
+        if where not in self.rounds:
+            self.rounds[where] = agree()
+        return self.rounds[where]
+
+    def opened(self, key: tuple) -> int:
+        """Counts one more exchanger set up under ``key``; returns how many have been (1 for the first)."""
+        n = self.spaces[key] = self.spaces.get(key, 0) + 1
+        return n
+
+    def forget(self) -> None:
+        self.stores.clear()
+        self.rounds.clear()
+        self.spaces.clear()
+
+
+PROCESS = ProcessJobs()
 
 
 def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None) -> int:
@@ -192,10 +229,8 @@ def job_attempt(info: RankInfo, timeout: float, env: Mapping[str, str] | None = 
     env = os.environ if env is None else env
     if RUN_ID not in env or not info.master_port:
         return info.attempt
-    where = (info.master_addr, info.master_port)
-    if where not in _ROUNDS:
-        _ROUNDS[where] = agree_round(_meeting_store(info, timeout, env), info.job, timeout)
-    return _ROUNDS[where]
+    return PROCESS.round((info.master_addr, info.master_port),
+                         lambda: agree_round(_meeting_store(info, timeout, env), info.job, timeout))
 
 
 def _meeting_store(info: RankInfo, timeout: float, env: Mapping[str, str]):
@@ -256,19 +291,18 @@ def _raw_store(info: RankInfo, timeout: float, env: Mapping[str, str]):
     import torch.distributed as dist
 
     info = info.job  # the job's rank 0 hosts it, whatever group this process is in
-    where = (info.master_addr, info.master_port)
-    store = _STORES.get(where)
-    if store is None:
+
+    def make():
         agent = env.get(AGENT_STORE) == "True"
         try:
-            store = dist.TCPStore(info.master_addr, info.master_port, info.world_size,
-                                  is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
-                                  wait_for_workers=False, use_libuv=True)
+            return dist.TCPStore(info.master_addr, info.master_port, info.world_size,
+                                 is_master=info.rank == 0 and not agent, timeout=timedelta(seconds=timeout),
+                                 wait_for_workers=False, use_libuv=True)
         except Exception as exc:  # torch raises DistNetworkError/RuntimeError with the socket detail
             raise CommTimeout(f"rank {info.rank} could not reach the rendezvous store at "
                               f"{info.master_addr}:{info.master_port} within {timeout:g}s: {exc}") from exc
-        _STORES[where] = store
-    return store
+
+    return PROCESS.store((info.master_addr, info.master_port), make)
 
 
 def connect_store(info: RankInfo, timeout: float, env: Mapping[str, str] | None = None):
