@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
+from commlab.base import trace
 from commlab.transport import auth, shm
 from commlab.core import metrics
 from commlab.launch import scratch as scratch_dirs
@@ -450,6 +451,8 @@ class Job:
     # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
     console: IO[str] | None = None
     starter: Starter | None = None  # how every process of the job starts (start_group; default: plain_start)
+    trace: str | None = None  # $COMMLAB_TRACE: every rank and server writes its timeline here, merged at the end
+    trace_torch: str | None = None  # $COMMLAB_TRACE_TORCH: the steps whose torch.profiler trace goes in too
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -480,8 +483,16 @@ def run_job(job: Job) -> int:
         check_number("--max-restarts", job.max_restarts, ge=0)
         if job.deadline_s is not None:
             check_number("--deadline", job.deadline_s, gt=0)
-    except ConfigError as exc:
-        job.say(str(exc))
+        if job.trace_torch is not None and not job.trace:
+            raise ConfigError("--trace-torch needs --trace DIR (where the timeline goes)")
+        if job.trace_torch is not None:
+            trace.torch_steps({trace.TORCH_ENV: job.trace_torch})
+        problem = trace.folder_problem(job.trace) if job.trace else None
+        if problem:
+            raise ConfigError(f"--trace: {problem}")
+    except ValueError as exc:  # ConfigError, and --trace-torch that is not STEP or FIRST-LAST
+        job.say(str(exc) if isinstance(exc, ConfigError) else f"--trace-torch {job.trace_torch!r}: give a step "
+                f"or FIRST-LAST ({exc})")
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)
@@ -522,6 +533,12 @@ def _run(job: Job) -> int:
         base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
                     PYTHONUNBUFFERED="1")
         base[metrics.ENV] = metrics_base
+        if job.trace:  # every rank and server writes DIR/<process>.json; merged into DIR/trace.json at the end
+            base[trace.ENV] = os.path.abspath(job.trace)
+            for old in Path(job.trace).glob("*.json"):  # this run's files only
+                old.unlink(missing_ok=True)
+            if job.trace_torch:
+                base[trace.TORCH_ENV] = job.trace_torch
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
         if auth.load(base) is None:  # the job's secret, for its ranks and servers only (none given: a fresh one)
@@ -549,6 +566,10 @@ def _run(job: Job) -> int:
         finally:
             stop_all(procs)
             shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
+            if job.trace:
+                merged = trace.merge(job.trace)
+                job.say(f"timeline in {merged} (open it in https://ui.perfetto.dev; 'commlab trace summarize "
+                        f"{merged}')" if merged else f"--trace {job.trace}: no process wrote a timeline")
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
@@ -647,7 +668,9 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
-           name: str = "commlab train", max_restarts: int = 0) -> int:
+           name: str = "commlab train", max_restarts: int = 0, trace: str | None = None,
+           trace_torch: str | None = None) -> int:
     """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
     return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts))
+                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts,
+                              trace=trace, trace_torch=trace_torch))

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "compare regimes: bandwidth, convergence; cases train-step, ps-rounds, gpu-sweep"),
     "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.transport.keys", "create CURVE key pairs for servers and workers"),
+    "trace": ("commlab.tools.tracesum", "a timeline's summary (summarize trace.json) or a merge of its files (merge DIR)"),
     "doctor": ("commlab.tools.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }
 
@@ -66,6 +67,10 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="as torchrun's: when a rank fails, stop the ranks and start every rank again (the servers "
                         "keep running; TORCHELASTIC_RESTART_COUNT says the attempt), up to this many times")
+    p.add_argument("--trace", metavar="DIR", help="every rank and server writes its timeline (Chrome trace events) "
+                                                  "here; merged into DIR/trace.json at the end (docs/trace.md)")
+    p.add_argument("--trace-torch", metavar="STEPS", help="with --trace: torch.profiler's operator trace of these "
+                                                          "steps (N or FIRST-LAST, 0-based) in the same timeline")
 
 
 def train_main(argv: list[str]) -> int:
@@ -94,7 +99,8 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics, max_restarts=a.max_restarts)
+                           metrics_path=a.metrics, max_restarts=a.max_restarts, trace=a.trace,
+                           trace_torch=a.trace_torch)
 
 
 def run_main(argv: list[str]) -> int:
@@ -128,7 +134,8 @@ def run_main(argv: list[str]) -> int:
         print(f"commlab run: {problem}", file=sys.stderr)
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
-                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts)
+                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts,
+                       trace=a.trace, trace_torch=a.trace_torch)
     return launcher.run_job(job)
 
 
