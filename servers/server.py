@@ -1143,7 +1143,7 @@ class ShardServer:
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                meta = {"stats": self.stats_dict(self._space_name(h))}
+                meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
                 if self._trace is not None:  # a worker measuring this shard's trace clock
                     meta["clock_ns"] = self._trace.now()
                 self._answer(ident, req_id, "ok", meta)

@@ -341,7 +341,8 @@ class TorchProfile:
     :meth:`at_step` with the number of steps finished, when a step ends (and with 0 at setup)."""
 
     def __init__(self, rec: Recorder, steps: range):
-        self.rec, self.steps, self.prof = rec, steps, None
+        self.rec, self.steps = rec, steps
+        self.prof: Any = None  # torch.profiler.profile while the steps run
 
     def at_step(self, done: int) -> None:
         if self.prof is None and done == self.steps.start:
