@@ -683,16 +683,18 @@ def run_schedule(c: Collective, inbox: Inbox, outbox: Outbox) -> None:
     outbox.finish()
 
 
-class TracedOutbox:
-    """An outbox that records each send on the timeline (``$COMMLAB_TRACE``; otherwise never made): the peer,
-    the chunk's bytes, the step; and the bytes this collective handed to the link as a counter."""
+class TracedOutbox(Outbox):
+    """An outbox that records each send of ``box`` on the timeline (``$COMMLAB_TRACE``; otherwise never made):
+    the peer, the chunk's bytes, the step, and the bytes this collective handed to the link as a counter."""
 
     def __init__(self, box: Outbox, rec, peer: int, c: Collective):
-        self.box, self.rec, self.peer, self.c, self.moved = box, rec, peer, c, 0
-        self.link = f"rank{box.me}->rank{peer}"
+        super().__init__(box.me, peer, box.who, box.timeout)
+        self.box, self.rec, self.moved = box, rec, 0
+        self.link = f"in flight rank{box.me}->rank{peer}"
+        self.c = c
 
-    def __getattr__(self, name):
-        return getattr(self.box, name)
+    def begin(self, c: Collective) -> None:
+        self.box.begin(c)
 
     def send(self, t: int, j: int) -> None:
         rec, c = self.rec, self.c
@@ -700,26 +702,30 @@ class TracedOutbox:
         self.box.send(t, j)
         lo, hi = c.sent(t, j)
         self.moved += (hi - lo) * c.itemsize
-        rec.span("send", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": (hi - lo) * c.itemsize,
-                                           "step": t, "chunk": j, "seq": c.seq})
-        rec.counter(f"in flight {self.link}", {"bytes": self.moved})
+        t1 = rec.span("send", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": (hi - lo) * c.itemsize,
+                                                "step": t, "chunk": j, "seq": c.seq})
+        rec.counter(self.link, {"bytes": self.moved}, t1)
+
+    def release(self, t: int, j: int) -> None:
+        self.box.release(t, j)
 
     def finish(self) -> None:
         t0 = self.rec.now()
         self.box.finish()
-        self.rec.span("send done", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": self.moved})
+        t1 = self.rec.span("send done", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": self.moved})
         self.moved = 0
-        self.rec.counter(f"in flight {self.link}", {"bytes": 0})
+        self.rec.counter(self.link, {"bytes": 0}, t1)
 
 
-class TracedInbox:
-    """An inbox that records each receive (and the add that follows it, when the step adds) on the timeline."""
+class TracedInbox(Inbox):
+    """An inbox that records each receive of ``box`` (and the add that follows it, where the step adds)."""
 
     def __init__(self, box: Inbox, rec, peer: int, c: Collective):
-        self.box, self.rec, self.peer, self.c = box, rec, peer, c
+        super().__init__(box.me, peer, box.who, box.timeout)
+        self.box, self.rec, self.c = box, rec, c
 
-    def __getattr__(self, name):
-        return getattr(self.box, name)
+    def begin(self, c: Collective) -> None:
+        self.box.begin(c)
 
     def _record(self, name: str, t0: int, t: int, j: int) -> None:
         lo, hi = self.c.received(t, j)
