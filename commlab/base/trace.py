@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 ENV = "COMMLAB_TRACE"  # the folder every process writes its file to
-SKEW_ENV = "COMMLAB_TRACE_SKEW_NS"  # test hook: added to this process's trace clock
+SKEW_ENV = "COMMLAB_TRACE_SKEW_NS"  # test hook: added to the trace clock ("NS", or "rank1=NS,shard0=NS")
 TORCH_ENV = "COMMLAB_TRACE_TORCH"  # steps whose torch.profiler operator trace goes in the file ("3" or "3-5")
 FORMAT = 1  # of the files' otherData.commlab block
 SHARD_PID = 1000  # process id of shard k in the merged trace (rank r is r)
@@ -222,8 +222,19 @@ def recorder(kind: str, index: int, environ=None) -> Recorder | None:
     key = (os.getpid(), f"{kind}{index}")
     rec = _recorders.get(key)
     if rec is None:
-        rec = _recorders[key] = Recorder(folder, kind, index, int(env.get(SKEW_ENV, "0") or 0))
+        rec = _recorders[key] = Recorder(folder, kind, index, skew_of(env.get(SKEW_ENV, ""), key[1]))
     return rec
+
+
+def skew_of(spec: str, process: str) -> int:
+    """The test hook's skew for ``process``: ``spec`` is ns for every process, or ``rank1=5000000,shard0=-300``."""
+    if "=" not in spec:
+        return int(spec or 0)
+    for part in spec.split(","):
+        name, _, ns = part.partition("=")
+        if name.strip() == process:
+            return int(ns)
+    return 0
 
 
 def torch_steps(environ=None) -> range | None:

@@ -19,10 +19,10 @@ and step, over the ranks:
 
 DDP (torch.profiler, gloo): steps are its ``ProfilerStep#N`` spans; communication is every span whose
 name starts with ``gloo:`` or ``c10d::`` (on any thread); the training thread (the one holding the
-steps) computes in every span directly below a step except where communication runs underneath
-it: the exposed communication is the part of the communication's union that no such computing span
-covers, i.e. ``|comm - (compute - comm-under-it)|``, computed as the communication's union minus its
-overlap with backward's autograd spans and the forward and optimizer spans.
+steps) computes in the spans directly below a step, except while a communication span of its own
+runs (launching a collective); the exposed communication is the part of the communication's union
+that no computing time covers (DDP's wait for its buckets is a gap on the training thread);
+backward is the ``autograd::engine::evaluate_function`` spans.
 """
 
 from __future__ import annotations
@@ -244,53 +244,59 @@ def _summarize_torch(events) -> dict:
     for pid in sorted({e["pid"] for e in steps}, key=str):
         mine = [e for e in spans if e["pid"] == pid]
         for st in sorted((e for e in steps if e["pid"] == pid), key=lambda e: e["ts"]):
-            lo, hi = st["ts"], st["ts"] + st["dur"]
             m = ddp_step(mine, st)
             rows.append({"step": int(st["name"].split("#")[1]), "ranks": 1, "process": pid,
                          "step_ms": st["dur"] / 1e3, "compute_ms": (st["dur"] - m["exposed_us"]) / 1e3,
                          "exposed_ms": m["exposed_us"] / 1e3, "comm_ms": m["comm_us"] / 1e3,
                          "overlap": m["hidden_us"] / m["comm_us"] if m["comm_us"] else None,
                          "straggler": None, "critical": m["critical"], "per_rank": {}})
-            del lo, hi
     return {"source": "torch.profiler", "regimes": ["ddp"], "ranks": sorted({str(r["process"]) for r in rows}),
             "shards": [], "steps": rows, "straggler": {}, "links": {}, "clocks": {}, "totals": _totals(rows)}
 
 
 def ddp_step(spans: list[dict], st: dict) -> dict:
-    """One ProfilerStep of a DDP trace: comm = union of gloo:/c10d:: spans in it (any thread); compute = the
-    training thread's spans directly below the step that hold no communication, plus the backward's
-    autograd spans (its own thread); exposed = comm less what compute covers; hidden = comm that ran
-    while an autograd backward span ran."""
+    """One ProfilerStep of a DDP trace (the module's docstring): comm = the union of gloo:/c10d:: spans in it
+    (any thread); compute = the training thread's spans directly below the step, less the communication
+    spans on that thread (launching a collective is communication); exposed = comm less compute; hidden =
+    comm that ran while an autograd backward span ran."""
     lo, hi = st["ts"], st["ts"] + st["dur"]
-    inside = [e for e in spans if lo <= e["ts"] < hi]
+    inside = [e for e in spans if lo <= e["ts"] < hi and e is not st]
     comm = clip(union((e["ts"], e["ts"] + e["dur"]) for e in inside if is_comm(e["name"])), lo, hi)
-    backward = union((e["ts"], e["ts"] + e["dur"]) for e in inside
-                     if e["name"].startswith("autograd::engine::evaluate_function"))
-    compute = union([*backward, *((e["ts"], e["ts"] + e["dur"]) for e in inside
-                                  if e["tid"] == st["tid"] and not is_comm(e["name"])
-                                  and _depth_one(e, st, inside) and not _holds_comm(e, inside))])
+    main = sorted((e for e in inside if e["tid"] == st["tid"]), key=lambda e: (e["ts"], -e["dur"]))
+    top, end = [], lo
+    for e in main:  # directly below the step: not inside the last top-level span
+        if e["ts"] >= end:
+            top.append(e)
+            end = e["ts"] + e["dur"]
+    launched = union((e["ts"], e["ts"] + e["dur"]) for e in main if is_comm(e["name"]))
+    compute = minus(union((e["ts"], e["ts"] + e["dur"]) for e in top if not is_comm(e["name"])), launched)
+    backward = union((e["ts"], e["ts"] + e["dur"]) for e in top if e["name"].startswith(BACKWARD))
     exposed = length(comm) - length(intersect(comm, compute))
-    crit = sorted(((length(clip([(e["ts"], e["ts"] + e["dur"])], backward[-1][1] if backward else lo, hi)), e)
-                   for e in inside if is_comm(e["name"])), key=lambda pe: -pe[0])[:3]
+    after = backward[-1][1] if backward else lo
+    crit = sorted(((length(clip([(e["ts"], e["ts"] + e["dur"])], after, hi)), e) for e in inside if is_comm(e["name"])),
+                  key=lambda pe: -pe[0])[:3]
     return {"comm_us": length(comm), "exposed_us": exposed, "hidden_us": length(intersect(comm, backward)),
             "critical": [{"rank": "ddp", "item": e["name"], "ms": past / 1e3} for past, e in crit if past > 0]}
 
 
-def _depth_one(e: dict, st: dict, inside: list[dict]) -> bool:
-    """``e`` is directly below the step on its thread (no other span of the thread encloses it but the step)."""
-    if e is st:
-        return False
-    for o in inside:
-        if o is not e and o is not st and o["tid"] == e["tid"] and o["ts"] <= e["ts"] \
-                and e["ts"] + e["dur"] <= o["ts"] + o["dur"] and (o["dur"] > e["dur"] or o["ts"] < e["ts"]):
-            return False
-    return True
+BACKWARD = "autograd::engine::evaluate_function"
 
 
-def _holds_comm(e: dict, inside: list[dict]) -> bool:
-    """A span during which communication ran underneath it on the same thread (a wait, a blocking collective)."""
-    a, b = e["ts"], e["ts"] + e["dur"]
-    return any(is_comm(o["name"]) and o["tid"] == e["tid"] and a <= o["ts"] < b for o in inside)
+def minus(x: list[Interval], y: list[Interval]) -> list[Interval]:
+    """``x`` less ``y`` (both unions)."""
+    out = []
+    for a, b in x:
+        for c, d in y:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+            if a >= b:
+                break
+        if a < b:
+            out.append((a, b))
+    return out
 
 
 # ----- the text --------------------------------------------------------------------------------------
