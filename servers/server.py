@@ -1203,7 +1203,7 @@ class ShardServer:
         t1 = rec.now()
         if h.meta.get("trace"):  # the worker traces: its send's arrow ends here, our reply's starts at the reply
             rid = h.meta.get("id")
-            rec.flow("f", trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 0), "request", (t0 + t1) // 2)
+            rec.flow("f", trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 0), "request", t0)
             self._tr_flows[(ident, rid)] = (trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 1), args)
         rec.span("receive", "server", t0, t1, args)
         return t1
@@ -1223,7 +1223,7 @@ class ShardServer:
         fid, args = self._tr_flows.pop((ident, req_id), (None, {}))
         t1 = rec.span("reply", "server", t0, args=dict(args, reply=op, bytes=nbytes))
         if fid is not None:
-            rec.flow("s", fid, "reply", (t0 + t1) // 2)
+            rec.flow("s", fid, "reply", t0)
 
     def _answer(self, ident: bytes, req_id, op: str, meta: dict) -> None:
         """A reply no space sends: an error before a space was found, or the stats."""

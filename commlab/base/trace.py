@@ -80,6 +80,9 @@ class Recorder:
         self.skew_ns = skew_ns
         # the monotonic clock, put on the wall clock once: spans never jump, and Kineto's stamps line up
         self._base = time.time_ns() - time.perf_counter_ns() + skew_ns
+        # what ts count from (whole seconds): microseconds since the epoch would lose the sub-microsecond digits
+        # in a float, as Kineto's would without its baseTimeNanoseconds
+        self.origin_ns = self.now() // 10**9 * 10**9
         self.events: list[tuple] = []
         self.threads: dict[int, str] = {}
         self.clocks: dict[str, tuple[int, int]] = {}  # peer -> (its clock - ours in ns, uncertainty in ns)
@@ -112,7 +115,9 @@ class Recorder:
 
     def flow(self, ph: str, fid: int, name: str, t: int) -> None:
         """One end of a flow (``ph``: ``s`` start, ``f`` end) at ``t``, which must lie inside a span of this
-        thread recorded around it (Chrome binds the arrow to that span)."""
+        thread recorded around it (Chrome binds the arrow to that span). A start goes where its span starts
+        (before the bytes left), an end where the bytes had surely arrived: a thread preempted inside a span
+        stretches it, and the arrow must still point forward in time."""
         self.events.append((ph, name, "flow", t, fid, self._tid(), None))
 
     def peer_clock(self, peer: str, ask: Callable[[], int | None], rounds: int = CLOCK_ROUNDS) -> None:
@@ -138,7 +143,8 @@ class Recorder:
         with open(path) as fh:
             data = json.load(fh)
         base_ns = int(data.get("baseTimeNanoseconds", 0))
-        shift_us = (base_ns + self.skew_ns) / 1000.0  # Kineto stamps the wall clock; ours is it plus the skew
+        # Kineto's ts count from its base on the wall clock; ours from our origin, on the wall clock plus the skew
+        shift_us = (base_ns + self.skew_ns - self.origin_ns) / 1000.0
         taken = 0
         for ev in data.get("traceEvents", []):
             if not isinstance(ev, dict) or ev.get("ph") not in ("X", "i", "C", "s", "f", "M"):
@@ -162,7 +168,8 @@ class Recorder:
 
     # ----- the file ---------------------------------------------------------------------------
     def chrome(self) -> dict:
-        """This process's events as a Chrome trace-event object (ts in microseconds on this clock)."""
+        """This process's events as a Chrome trace-event object (ts in microseconds on this clock, from
+        ``origin_ns``)."""
         pid = self.pid
         out: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                             "args": {"name": f"{self.kind} {self.index}"}},
@@ -170,7 +177,8 @@ class Recorder:
         for tid, tname in list(self.threads.items()):
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": tname}})
         for ph, name, cat, ts, x, tid, args in list(self.events):
-            ev: dict[str, Any] = {"ph": ph, "name": name, "cat": cat, "ts": ts / 1000.0, "pid": pid, "tid": tid}
+            ev: dict[str, Any] = {"ph": ph, "name": name, "cat": cat, "ts": (ts - self.origin_ns) / 1000.0, "pid": pid,
+                                  "tid": tid}
             if ph == "X":
                 ev["dur"] = x / 1000.0
             elif ph == "i":
@@ -185,7 +193,7 @@ class Recorder:
         out.extend(self.extra)
         return {"traceEvents": out, "displayTimeUnit": "ms",
                 "otherData": {"commlab": {"format": FORMAT, "process": self.name, "pid": pid, "kind": self.kind,
-                                          "index": self.index,
+                                          "index": self.index, "origin_ns": self.origin_ns,
                                           "clocks": {p: {"offset_ns": o, "uncertainty_ns": u}
                                                      for p, (o, u) in self.clocks.items()},
                                           **self.meta}}}
@@ -321,9 +329,10 @@ def merge(folder: str, out: str | None = None) -> Path | None:
     metas = {p: d["otherData"]["commlab"] for p, d in docs.items()}
     reference = "rank0" if "rank0" in docs else sorted(docs)[0]
     shifts = offsets(metas, reference)
+    origin = min(int(m.get("origin_ns", 0)) for m in metas.values())
     events: list[dict] = []
     for p, doc in docs.items():
-        shift_us = shifts[p][0] / 1000.0
+        shift_us = (shifts[p][0] + int(metas[p].get("origin_ns", 0)) - origin) / 1000.0
         for ev in doc.get("traceEvents", []):
             if "ts" in ev and ev.get("ph") != "M":
                 ev["ts"] = ev["ts"] + shift_us
@@ -334,7 +343,7 @@ def merge(folder: str, out: str | None = None) -> Path | None:
     kept = [ev for ev in events if ev.get("ph") not in ("s", "f") or ev["id"] in both]
     clock = {p: {"shift_ns": s, "uncertainty_ns": (u if u != float("inf") else None)} for p, (s, u) in shifts.items()}
     merged = {"traceEvents": kept, "displayTimeUnit": "ms",
-              "otherData": {"commlab": {"format": FORMAT, "merged": True, "reference_clock": reference,
+              "otherData": {"commlab": {"format": FORMAT, "merged": True, "reference_clock": reference, "origin_ns": origin,
                                         "clocks": clock, "processes": metas,
                                         "flows_dropped": len(events) - len(kept)}}}
     target = Path(out) if out else Path(folder) / "trace.json"

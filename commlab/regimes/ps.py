@@ -274,7 +274,8 @@ class _Shard:
         t1 = rec.span("send", "comm", t0, args={"peer": f"shard{self.index}", "op": req.op, "bytes": nbytes,
                                                  "step": req.step, "id": req.rid, "space": self.space})
         if req.op != "stats":  # (answered before any key space: no arrow)
-            rec.flow("s", trace.flow_id(self.sender, self.index, self.space, req.rid, 0), "request", (t0 + t1) // 2)
+            # an arrow starts where its span starts (before the bytes left) and ends where they had arrived
+            rec.flow("s", trace.flow_id(self.sender, self.index, self.space, req.rid, 0), "request", t0)
         self.in_flight += nbytes
         rec.counter(f"in flight {self.sender}->shard{self.index}", {"bytes": self.in_flight}, t1)
 
@@ -284,7 +285,7 @@ class _Shard:
         t1 = rec.span("recv", "comm", t0, args={"peer": f"shard{self.index}", "op": req.op, "reply": h.op,
                                                  "bytes": h.data_bytes, "step": req.step, "id": req.rid})
         if req.op != "stats":
-            rec.flow("f", trace.flow_id(self.sender, self.index, self.space, req.rid, 1), "reply", (t0 + t1) // 2)
+            rec.flow("f", trace.flow_id(self.sender, self.index, self.space, req.rid, 1), "reply", max(t0, t1 - 1))
         self.in_flight = max(0, self.in_flight - sum(spec.nbytes for spec, _ in req.parts))
         rec.counter(f"in flight {self.sender}->shard{self.index}", {"bytes": self.in_flight}, t1)
 
