@@ -240,3 +240,28 @@ def test_the_merge_puts_each_process_on_rank_0_s_clock_through_the_least_uncerta
     assert got["rank0"] == (0, 0)
     assert got["shard0"] == (300, 10)
     assert got["rank1"] == (500, 15)
+
+
+@pytest.mark.multiproc
+def test_trace_torch_puts_the_profiler_s_operators_inside_the_steps_it_chose_on_the_same_clock(tmp_path):
+    folder = tmp_path / "trace"
+    r = run_group([sys.executable, "-m", "commlab.tools.cli", "train", "--exchanger", "ring://", "--workers", "2",
+                   "--model", "tiny", "--steps", "5", "--batch-size", "16", "--trace", str(folder),
+                   "--trace-torch", "2-3", "--eval-every", "0"], 120, cwd=ROOT,
+                  env=child_env(**{trace.SKEW_ENV: "rank1=7000000"}), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((folder / "trace.json").read_text())
+    check_chrome(doc)
+    check_nesting(doc)
+    for rank in (0, 1):
+        spans = [ev for ev in doc["traceEvents"] if ev["ph"] == "X" and ev["pid"] == rank]
+        steps = {ev["args"]["step"]: ev for ev in spans if ev["name"] == "step"}
+        forwards = [ev for ev in spans if ev["name"] == "forward"]
+        ops = [ev for ev in spans if ev.get("cat") == "torch" and ev["name"] == "aten::linear"]
+        assert ops, f"rank {rank}: no operator of torch.profiler in the timeline"
+        lo, hi = steps[2]["ts"], steps[3]["ts"] + steps[3]["dur"]
+        slack = 50.0  # us: the profiler's stamps and ours are read at slightly different moments
+        for op in ops:  # every linear layer ran inside one of our forward spans of the chosen steps
+            assert lo - slack <= op["ts"] <= hi + slack, (rank, op["ts"], lo, hi)
+            assert any(f["ts"] - slack <= op["ts"] and op["ts"] + op["dur"] <= f["ts"] + f["dur"] + slack
+                       for f in forwards), (rank, op)

@@ -467,6 +467,8 @@ class BucketedExchanger(Exchanger):
         self.talk = localsteps.schedule(options)  # when to talk: every step, or every H (commlab.core.localsteps)
         # the timeline (commlab.base.trace): None unless $COMMLAB_TRACE is set; every seam checks this alone
         self._trace = trace.recorder("rank", rank.global_rank())
+        if self._trace is not None and self.compress_state is not None:
+            self.compress_state.trace = self._trace  # encode and decode spans (commlab.compress.seam)
         self._tr_step0 = self._tr_bwd0 = self._tr_opt0 = 0  # where the open step, backward, optimizer step began
         self._tr_tasks: set[int] = set()  # backwards whose end the timeline waits for
         self._tr_torch: trace.TorchProfile | None = None  # --trace-torch: torch.profiler over the chosen steps
