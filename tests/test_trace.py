@@ -265,3 +265,19 @@ def test_trace_torch_puts_the_profiler_s_operators_inside_the_steps_it_chose_on_
             assert lo - slack <= op["ts"] <= hi + slack, (rank, op["ts"], lo, hi)
             assert any(f["ts"] - slack <= op["ts"] and op["ts"] + op["dur"] <= f["ts"] + f["dur"] + slack
                        for f in forwards), (rank, op)
+
+
+def test_bench_train_step_words_what_tracing_costs_beside_the_same_regime_untraced():
+    from bench import records, train_step
+
+    def rec(name, times):
+        return records.record("train-step", name, kind="peer" if name == "ddp" else "regime", method="allreduce",
+                              workers=2, size_bytes=40, times_s=times)
+
+    steps = [rec("ddp", [0.2] * 4), rec("ring://", [0.1] * 4), rec("ring:// +trace", [0.102] * 4),
+             rec("ps://", [0.3] * 4), rec("ps:// +trace", [0.3] * 4)]
+    got = {label: v.ratio for label, v in train_step.verdicts(steps, ["ring://", "ps://"])}
+    assert got == pytest.approx({"ring:// +trace / ring:// step time": 1.02, "ps:// +trace / ps:// step time": 1.0,
+                                 "ring:// / ddp step time": 0.5, "ps:// / ddp step time": 1.5,
+                                 "ps:// / ring:// step time": 3.0})
+    assert train_step.url_of("ps://?shards=2 +trace") == "ps://?shards=2"
