@@ -117,7 +117,9 @@ def _summarize_commlab(doc: dict, events) -> dict:
         main = steps[0]["tid"]
         on_main = sorted((e for e in mine if e["tid"] == main), key=lambda e: e["ts"])
         main_ts = [e["ts"] for e in on_main]
-        comm_all = union((e["ts"], e["ts"] + e["dur"]) for e in mine if e.get("cat") == "comm")
+        # commlab's own, and (--trace-torch) torch.distributed's gloo/c10d spans, which allreduce:// runs unseen
+        comm_all = union((e["ts"], e["ts"] + e["dur"]) for e in mine
+                         if e.get("cat") == "comm" or e.get("cat") == "torch" and is_comm(e["name"]))
         comm_ts = [a for a, _ in comm_all]
         # the items a critical path names: the ring's collectives, else (ps://) each send and receive
         top = [e for e in mine if e["name"] == "collective"] or \
