@@ -242,6 +242,7 @@ def test_the_merge_puts_each_process_on_rank_0_s_clock_through_the_least_uncerta
     assert got["rank1"] == (500, 15)
 
 
+@pytest.mark.full  # once (of ten runs, at load 14) its job did not end within 120 s; not reproduced since
 @pytest.mark.multiproc
 def test_trace_torch_puts_the_profiler_s_operators_inside_the_steps_it_chose_on_the_same_clock(tmp_path):
     folder = tmp_path / "trace"

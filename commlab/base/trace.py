@@ -34,11 +34,14 @@ import atexit
 import hashlib
 import json
 import os
+import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
+
+from commlab.base.errors import CommTimeout
 
 ENV = "COMMLAB_TRACE"  # the folder every process writes its file to
 SKEW_ENV = "COMMLAB_TRACE_SKEW_NS"  # test hook: added to the trace clock ("NS", or "rank1=NS,shard0=NS")
@@ -211,7 +214,6 @@ class Recorder:
                 os.replace(tmp, path)
                 return path
             except (OSError, TypeError, ValueError) as exc:
-                import sys
                 print(f"commlab: trace of {self.name} not written: {exc}", file=sys.stderr, flush=True)
                 return None
 
@@ -257,16 +259,20 @@ def torch_steps(environ=None) -> range | None:
 # ----- clocks through the rendezvous store ------------------------------------------------------
 def sync_over_store(rec: Recorder, store, rank: int, world: int, timeout: float, ns: str = "trace/clock/") -> None:
     """Every rank but 0 measures rank 0's trace clock through the store: it writes a ping, rank 0 answers
-    with its clock, NTP-style (:meth:`Recorder.peer_clock`). Collective (every rank calls it, rank 0 answers
-    the others in turn); each wait is bounded by ``timeout``. A rank that does not trace answers nothing
-    and gets no measurement (its peers' merge then uses the next best chain)."""
+    with its clock, NTP-style (:meth:`Recorder.peer_clock`). Collective: every rank of the job calls it (every
+    rank traces or none), rank 0 answering the others in turn; each wait is bounded by ``timeout``, and a
+    rank that never pings (it does not trace) is named in the :class:`CommTimeout` rank 0 raises."""
     if world < 2:
         return
     wait = timedelta(seconds=timeout)
     if rank == 0:
         for r in range(1, world):
             for k in range(CLOCK_ROUNDS):
-                store.wait([f"{ns}{r}/{k}/ping"], wait)
+                try:
+                    store.wait([f"{ns}{r}/{k}/ping"], wait)
+                except Exception as exc:  # the store's own timeout (a RuntimeError of torch's)
+                    raise CommTimeout(f"rank {r} did not measure the trace clock within {timeout:g}s: every rank "
+                                      f"must trace (${ENV}) or none", peer=r, op="receive") from exc
                 store.set(f"{ns}{r}/{k}/pong", str(rec.now()))
         return
     best: tuple[int, int] | None = None
@@ -349,10 +355,6 @@ def merge(folder: str, out: str | None = None) -> Path | None:
     target = Path(out) if out else Path(folder) / "trace.json"
     target.write_text(json.dumps(merged))
     return target
-
-
-def spans_of(events: Iterable[dict]) -> Iterable[dict]:
-    return (ev for ev in events if ev.get("ph") == "X")
 
 
 class TorchProfile:

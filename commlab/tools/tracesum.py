@@ -33,7 +33,6 @@ import statistics
 import sys
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from pathlib import Path
 
 from commlab.base import trace as tracemod
 
