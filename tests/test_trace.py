@@ -282,3 +282,15 @@ def test_bench_train_step_words_what_tracing_costs_beside_the_same_regime_untrac
                                  "ring:// / ddp step time": 0.5, "ps:// / ddp step time": 1.5,
                                  "ps:// / ring:// step time": 3.0})
     assert train_step.url_of("ps://?shards=2 +trace") == "ps://?shards=2"
+
+
+def test_an_unwritable_commlab_trace_stops_the_exchanger_before_it_connects(tmp_path, monkeypatch):
+    import commlab
+    from commlab.base.errors import ConfigError
+    from commlab.transport.rendezvous import RankInfo
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(trace.ENV, str(blocker / "sub"))
+    with pytest.raises(ConfigError, match=f"COMMLAB_TRACE: cannot write traces to {blocker / 'sub'}"):
+        commlab.connect("ring://", RankInfo(0, 1, 0, "127.0.0.1", 0, "flags"))

@@ -41,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-from commlab.base.errors import CommTimeout
+from commlab.base.errors import CommTimeout, ConfigError
 
 ENV = "COMMLAB_TRACE"  # the folder every process writes its file to
 SKEW_ENV = "COMMLAB_TRACE_SKEW_NS"  # test hook: added to the trace clock ("NS", or "rank1=NS,shard0=NS")
@@ -232,6 +232,9 @@ def recorder(kind: str, index: int, environ=None) -> Recorder | None:
     key = (os.getpid(), f"{kind}{index}")
     rec = _recorders.get(key)
     if rec is None:
+        problem = folder_problem(folder)
+        if problem:  # before this process exchanges anything, not when its file is due
+            raise ConfigError(f"${ENV}: {problem}")
         rec = _recorders[key] = Recorder(folder, kind, index, skew_of(env.get(SKEW_ENV, ""), key[1]))
     return rec
 
@@ -366,12 +369,17 @@ class TorchProfile:
         self.rec, self.steps = rec, steps
         self.prof: Any = None  # torch.profiler.profile while the steps run
 
+    def close(self) -> None:
+        """The run ended before the last chosen step: what was recorded goes in all the same."""
+        if self.prof is not None:
+            self.at_step(self.steps.stop)
+
     def at_step(self, done: int) -> None:
         if self.prof is None and done == self.steps.start:
             from torch.profiler import ProfilerActivity, profile
             self.prof = profile(activities=[ProfilerActivity.CPU])
             self.prof.__enter__()
-        elif self.prof is not None and done == self.steps.stop:
+        elif self.prof is not None and done >= self.steps.stop:
             prof, self.prof = self.prof, None
             prof.__exit__(None, None, None)
             path = Path(self.rec.folder) / f".{self.rec.name}-torch.json"

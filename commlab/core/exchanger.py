@@ -710,6 +710,8 @@ class BucketedExchanger(Exchanger):
     def close(self) -> None:
         self.talk.close()
         if self._trace is not None:
+            if self._tr_torch is not None:
+                self._tr_torch.close()
             self._trace.write()
         for h in self._hooks:
             h.remove()
