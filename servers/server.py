@@ -47,11 +47,13 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import torch
 import zmq
 
+from commlab.base import trace
 from commlab.transport import auth, psproto, psshm, shm, sockets as transport, wire
 from commlab.base.config import check_number
 from commlab.base.errors import ConfigError, ProtocolError
@@ -241,6 +243,7 @@ class ParameterServer:
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
+        t0 = self.host._trace.now() if self.host._trace is not None else 0
         at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, dict(meta or {}, id=req_id), at)]
         try:
@@ -254,6 +257,8 @@ class ParameterServer:
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
         self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+        if self.host._trace is not None:
+            self.host._trace_reply(ident, req_id, op, sum(spec.nbytes for spec, _ in parts), t0)
 
     def _rank_of(self, h: wire.Header) -> int:
         rank = self.senders.get(h.sender)
@@ -609,6 +614,8 @@ class ParameterServer:
     def count_update(self, staleness: list[int]) -> None:
         self.version += 1
         self.stats.updates += 1
+        if self.host._trace is not None and staleness:
+            self.host._trace.counter(f"staleness {self.space or 'space0'}", {"max": max(staleness)})
         for s in staleness:
             self.stats.staleness[s] += 1
         self._since_checkpoint += 1
@@ -1001,6 +1008,9 @@ class ShardServer:
         self.retired: dict[str, dict] = {}  # freed spaces' last stats
         self.stats = Stats()  # what no space could be charged with (unreadable or oversized messages)
         self._stop = False
+        # the timeline (commlab.base.trace): None unless $COMMLAB_TRACE is set
+        self._trace = trace.recorder("shard", cfg.shard)
+        self._tr_flows: dict[tuple[bytes, Any], tuple[int, dict]] = {}  # (connection, request id) -> reply's flow
         self.probe: StatsProbe | None = None  # while a metrics endpoint is served (--metrics-port)
         if cfg.resume:
             self._resume(Path(cfg.resume))
@@ -1076,6 +1086,8 @@ class ShardServer:
         return max([0, *(sp.max_bytes for sp in self.spaces.values())])
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.write()
         for space in self.spaces.values():
             space._close_links()
         self.admission.close()
@@ -1138,6 +1150,7 @@ class ShardServer:
         req_id = None
         payloads = self._payloads(ident)
         space = None
+        t0 = self._trace.now() if self._trace is not None else 0
         try:
             limit = self.max_bytes
             h = wire.decode(body, ops=psproto.REQUESTS, max_bytes=max(limit, psproto.BLOB_MAX),
@@ -1146,14 +1159,20 @@ class ShardServer:
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
+                meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
+                if self._trace is not None:  # a worker measuring this shard's trace clock
+                    meta["clock_ns"] = self._trace.now()
+                self._answer(ident, req_id, "ok", meta)
                 return
             space = self._space(h)
             if h.op == "hello":
                 self.admission.joined(ident, space.space, body[0])
             space.stats.bytes_in += h.data_bytes
             data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
+            t1 = self._trace_received(ident, h, space, t0) if self._trace is not None else 0
             getattr(space, "_op_" + h.op)(ident, h, data)
+            if self._trace is not None:
+                self._trace_applied(h, space, t0, t1)
             if h.op == "bye" and space.closed:
                 self._free(space)
         except (ProtocolError, Refused) as exc:
@@ -1192,13 +1211,46 @@ class ShardServer:
         self.retired[space.space] = space.stats_dict()
         del self.spaces[space.space]
 
+    # ----- the timeline: a request's receive, apply and reply, and the flows from and to its worker -----
+    def _trace_received(self, ident: bytes, h: wire.Header, space: ParameterServer, t0: int) -> int:
+        rec = self._trace
+        assert rec is not None
+        args = {"rank": h.sender, "space": space.space, "step": h.step, "op": h.op, "bytes": h.data_bytes}
+        t1 = rec.now()
+        if h.meta.get("trace"):  # the worker traces: its send's arrow ends here, our reply's starts at the reply
+            rid = h.meta.get("id")
+            rec.flow("f", trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 0), "request", t0)
+            self._tr_flows[(ident, rid)] = (trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 1), args)
+        rec.span("receive", "server", t0, t1, args)
+        return t1
+
+    def _trace_applied(self, h: wire.Header, space: ParameterServer, t0: int, t1: int) -> None:
+        rec = self._trace
+        assert rec is not None
+        args = {"rank": h.sender, "space": space.space, "step": h.step, "op": h.op, "bytes": h.data_bytes}
+        t2 = rec.span("apply", "server", t1, args=args)
+        rec.span(h.op, "request", t0, t2, args)
+        rec.counter("queue depth", {"waiting pulls": sum(len(sp.waiting) for sp in self.spaces.values())}, t2)
+
+    def _trace_reply(self, ident: bytes, req_id, op: str, nbytes: int, t0: int) -> None:
+        """A reply went out since ``t0``: its span, and the arrow to the worker's receive if its request was traced."""
+        rec = self._trace
+        assert rec is not None
+        fid, args = self._tr_flows.pop((ident, req_id), (None, {}))
+        t1 = rec.span("reply", "server", t0, args=dict(args, reply=op, bytes=nbytes))
+        if fid is not None:
+            rec.flow("s", fid, "reply", t0)
+
     def _answer(self, ident: bytes, req_id, op: str, meta: dict) -> None:
         """A reply no space sends: an error before a space was found, or the stats."""
+        t0 = self._trace.now() if self._trace is not None else 0
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))]
         try:
             transport.send(self.sock, frames, timeout=5.0, who="a worker")
         except Exception as exc:  # a worker that went away must not take the server with it
             print(f"commlab server {self.cfg.name}: reply dropped: {exc}", file=sys.stderr, flush=True)
+        if self._trace is not None and op == "error":
+            self._trace_reply(ident, req_id, op, 0, t0)
 
 
 class Admission:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
+from commlab.base import trace
 from commlab.transport import auth, shm
 from commlab.core import metrics
 from commlab.launch import exporter, scratch as scratch_dirs
@@ -460,6 +461,8 @@ class Job:
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
     metrics_insecure: bool = False  # an address off loopback serves unauthenticated HTTP: only when told
+    trace: str | None = None  # $COMMLAB_TRACE: every rank and server writes its timeline here, merged at the end
+    trace_torch: str | None = None  # $COMMLAB_TRACE_TORCH: the steps whose torch.profiler trace goes in too
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -497,8 +500,16 @@ def run_job(job: Job) -> int:
             if job.server_prefix is not None:
                 raise ConfigError("--metrics-port: the launcher reads its servers' metrics on loopback; it cannot "
                                   "with servers in other network namespaces")
-    except ConfigError as exc:
-        job.say(str(exc))
+        if job.trace_torch is not None and not job.trace:
+            raise ConfigError("--trace-torch needs --trace DIR (where the timeline goes)")
+        if job.trace_torch is not None:
+            trace.torch_steps({trace.TORCH_ENV: job.trace_torch})
+        problem = trace.folder_problem(job.trace) if job.trace else None
+        if problem:
+            raise ConfigError(f"--trace: {problem}")
+    except ValueError as exc:  # ConfigError, and --trace-torch that is not STEP or FIRST-LAST
+        job.say(str(exc) if isinstance(exc, ConfigError) else f"--trace-torch {job.trace_torch!r}: give a step "
+                f"or FIRST-LAST ({exc})")
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)
@@ -539,6 +550,12 @@ def _run(job: Job) -> int:
         base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
                     PYTHONUNBUFFERED="1")
         base[metrics.ENV] = metrics_base
+        if job.trace:  # every rank and server writes DIR/<process>.json; merged into DIR/trace.json at the end
+            base[trace.ENV] = os.path.abspath(job.trace)
+            for old in Path(job.trace).glob("*.json"):  # this run's files only
+                old.unlink(missing_ok=True)
+            if job.trace_torch:
+                base[trace.TORCH_ENV] = job.trace_torch
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
         collector: exporter.JobCollector | None = None
@@ -578,6 +595,10 @@ def _run(job: Job) -> int:
         finally:
             stop_all(procs)
             shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
+            if job.trace:
+                merged = trace.merge(job.trace)
+                job.say(f"timeline in {merged} (open it in https://ui.perfetto.dev; 'commlab trace summarize "
+                        f"{merged}')" if merged else f"--trace {job.trace}: no process wrote a timeline")
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "compare regimes: bandwidth, convergence; cases train-step, ps-rounds, gpu-sweep"),
     "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.transport.keys", "create CURVE key pairs for servers and workers"),
+    "trace": ("commlab.tools.tracesum", "a timeline's summary (summarize trace.json) or a merge of its files (merge DIR)"),
     "doctor": ("commlab.tools.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }
 
@@ -72,11 +73,16 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics endpoint binds")
     p.add_argument("--metrics-insecure", action="store_true",
                    help="allow the metrics endpoint (plain, unauthenticated HTTP) on an address off loopback")
+    p.add_argument("--trace", metavar="DIR", help="every rank and server writes its timeline (Chrome trace events) "
+                                                  "here; merged into DIR/trace.json at the end (docs/trace.md)")
+    p.add_argument("--trace-torch", metavar="STEPS", help="with --trace: torch.profiler's operator trace of these "
+                                                          "steps (N or FIRST-LAST, 0-based) in the same timeline")
 
 
-def metrics_fields(a: argparse.Namespace) -> dict:
-    """The Job fields of :func:`add_job_args`'s metrics flags."""
-    return {"metrics_port": a.metrics_port, "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
+def job_fields(a: argparse.Namespace) -> dict:
+    """The Job fields of :func:`add_job_args`'s timeline and metrics flags."""
+    return {"trace": a.trace, "trace_torch": a.trace_torch, "metrics_port": a.metrics_port,
+            "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
 
 
 def train_main(argv: list[str]) -> int:
@@ -105,7 +111,7 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics, max_restarts=a.max_restarts, **metrics_fields(a))
+                           metrics_path=a.metrics, max_restarts=a.max_restarts, **job_fields(a))
 
 
 def run_main(argv: list[str]) -> int:
@@ -140,7 +146,7 @@ def run_main(argv: list[str]) -> int:
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
                        log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts,
-                       **metrics_fields(a))
+                       **job_fields(a))
     return launcher.run_job(job)
 
 
