@@ -21,6 +21,7 @@ flags of their own").
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -101,6 +102,32 @@ def verdicts(records: list[dict], regimes: list[str]) -> list[tuple[str, verdict
     return out
 
 
+def timeline_png(a) -> Path | None:
+    """``DIR/timeline.png``: one step of each regime's last traced round (the middle measured step), a panel per
+    regime on one time axis (:func:`bench.plots.plot_step_timelines`): whether its communication ran under
+    backward or after it, at a glance. A regime without a trace of that step is left out, and says why."""
+    from bench import plots
+
+    step = a.warmup + a.steps // 2
+    panels = []
+    for i, url in enumerate(a.regimes):
+        runs = sorted(Path(a.trace).glob(f"regime{i}-run*/trace.json"), key=lambda p: int(p.parent.name.rsplit("run", 1)[1]))
+        if not runs:
+            print(f"timeline: {url} left a trace of no round", file=sys.stderr)
+            continue
+        try:
+            trace = json.loads(runs[-1].read_text())
+            plots.step_timeline_bars(trace, step)
+        except (ValueError, KeyError, OSError) as exc:  # (JSONDecodeError is a ValueError)
+            print(f"timeline: {url}: {runs[-1]}: {exc}", file=sys.stderr)
+            continue
+        panels.append((url, trace, step))
+    out = plots.plot_step_timelines(panels, Path(a.trace) / "timeline.png")
+    if out is not None:
+        print(f"wrote {out} (step {step} of each regime's last traced round; docs/bench.md)", file=sys.stderr)
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commlab bench train-step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -144,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               file=sys.stderr, flush=True))
     rows = {e: [r for part in got[e] for r in part] for e in entries}
     records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
+    if a.trace:
+        timeline_png(a)
     return rec.conclude(CASE, f"{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch "
                         f"{a.batch_size}, 1 thread each, {a.rounds} rounds x {a.steps} steps "
                         f"(after {a.warmup} warm-up)",

@@ -47,3 +47,30 @@ def test_the_bars_are_the_steps_spans_clipped_to_it_on_their_rows(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no step 7"):
         plots.step_timeline_bars(trace(), 7)
+
+
+@pytest.mark.full
+@pytest.mark.multiproc
+def test_bench_train_step_with_trace_draws_each_regimes_step(tmp_path):
+    """``commlab bench train-step --trace DIR`` ends with DIR/timeline.png: a panel per regime, each rank (and
+    ps://'s shard) a row, read from that regime's last traced round."""
+    import json
+    import sys
+
+    from conftest import child_env, run_group
+
+    out = tmp_path / "traces"
+    r = run_group([sys.executable, "-m", "bench", "train-step", "--model", "tiny", "--workers", "2", "--steps", "2",
+                   "--warmup", "1", "--rounds", "1", "--peers", "none", "--regimes", "ring://",
+                   "ps://?shards=1&mode=sync", "--trace", str(out)], 400, env=child_env(), capture_output=True,
+                  text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"wrote {out / 'timeline.png'}" in r.stderr, r.stderr[-3000:]
+    assert (out / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    for i, shard_rows in ((0, []), (1, ["shard 0"])):
+        (last,) = sorted(out.glob(f"regime{i}-run*/trace.json"))
+        rows = dict(plots.step_timeline_bars(json.loads(last.read_text()), 2)[0])
+        assert list(rows) == ["rank 0", "rank 0 comm", "rank 1", "rank 1 comm", *shard_rows], list(rows)
+        for r_ in (0, 1):  # every rank computed, and communicated, in that step
+            assert {k for _, _, k in rows[f"rank {r_}"]} >= {"forward", "backward", "optimizer"}
+            assert rows[f"rank {r_} comm"], (i, r_)
