@@ -149,3 +149,44 @@ def test_an_off_loopback_metrics_address_needs_the_explicit_choice(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and "--metrics-addr 0.0.0.0" in err and "--metrics-insecure" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_job_collector_reads_each_ranks_new_lines_once_and_a_cut_line_when_it_is_whole(tmp_path):
+    """In process: the rank families from metrics files written piecemeal (a line cut short, then finished;
+    a file that appears later), the restarts and the ranks' liveness as the launcher sets them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from commlab.launch.exporter import JobCollector
+
+    base = tmp_path / "m.jsonl"
+    up = {0: True, 1: False}
+    collector = JobCollector(str(base), 2, up=lambda: up)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    read = lambda: {s.name + str(sorted(s.labels.items())): s.value
+                    for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+
+    lines = [{"step": 0, "step_s": 0.5, "bytes_sent": 100, "bytes_received": 40, "comm_s": 0.25, "loss": 2.0},
+             {"step": 1, "step_s": 0.25, "bytes_sent": 100, "bytes_received": 40, "comm_s": 0.125, "loss": 1.5}]
+    whole, cut = json.dumps(lines[0]) + "\n", json.dumps(lines[1]) + "\n"
+    base.write_text(whole + cut[:10])  # rank 0: one line and the start of the next; rank 1: no file yet
+    got = read()
+    r0 = str([("rank", "0")])
+    assert got["commlab_rank_reports_total" + r0] == 1 and got["commlab_rank_step" + r0] == 0
+    assert got["commlab_rank_sent_bytes_total" + r0] == 100 and got["commlab_rank_loss" + r0] == 2.0
+    assert got["commlab_rank_up" + r0] == 1 and got["commlab_rank_up" + str([("rank", "1")])] == 0
+    assert got["commlab_job_restarts_total[]"] == 0 and got["commlab_job_workers[]"] == 2
+    with base.open("a") as fh:
+        fh.write(cut[10:])
+    (tmp_path / "m.jsonl.rank1").write_text(whole)
+    collector.restarts = 1
+    got = read()
+    assert got["commlab_rank_reports_total" + r0] == 2 and got["commlab_rank_step" + r0] == 1
+    assert got["commlab_rank_sent_bytes_total" + r0] == 200 and got["commlab_rank_received_bytes_total" + r0] == 80
+    assert got["commlab_rank_exposed_comm_seconds_total" + r0] == 0.375
+    assert got["commlab_rank_step_seconds_count" + r0] == 2 and got["commlab_rank_step_seconds_sum" + r0] == 0.75
+    assert got["commlab_rank_step_seconds_bucket" + str([("le", "0.25"), ("rank", "0")])] == 1
+    assert got["commlab_rank_step_seconds_bucket" + str([("le", "0.5"), ("rank", "0")])] == 2
+    assert got["commlab_rank_last_step_seconds" + r0] == 0.25
+    assert got["commlab_rank_reports_total" + str([("rank", "1")])] == 1
+    assert got["commlab_job_restarts_total[]"] == 1
