@@ -93,6 +93,7 @@ def test_the_manifests_agree_with_each_other():
     port = ps["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]
     assert server["args"][server["args"].index("--metrics-port") + 1] == port
     assert {"name": "metrics", "containerPort": int(port)} in server["ports"]
+    assert server["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": int(port)}
     # every Secret a pod reads is one make_secrets.py makes, with the keys the pod reads
     made = {d["metadata"]["name"]: d["data"] for d in manifests()["make_secrets.py"]}
     for pod in (ps["spec"]["template"]["spec"], job["spec"]["template"]["spec"]):
