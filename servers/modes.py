@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from commlab.transport import psproto, wire
+from commlab.core.localsteps import async_outer_refusal
 from commlab.core.optim import torch_optimizer
 
 
@@ -65,7 +66,13 @@ class Placement:
     """Where a key space's update runs (see the module's docstring); one instance per key space."""
 
     spec: psproto.Placement
+    consistency: psproto.Consistency | None = None  # the mode it serves under (Mode.placement sets it)
     step_pull = ""  # what a sync worker pulls of a gathered step, beside the parameters: "sum" or "report"
+
+    @property
+    def step_pulls(self) -> tuple[str, ...]:
+        """Every pull of a gathered step a worker of this placement may make."""
+        return (self.step_pull,)
 
     def check(self, optim: dict) -> None:
         """Hello: refuse, before anything is fixed, what this placement cannot serve."""
@@ -129,9 +136,8 @@ class OuterOptimizer(ShardOptimizer):
     (anchor - its local parameters). Its state goes into the shard checkpoint with the optimizer's.
 
     Sync: the mode averages the N pushes, the commits apply one outer step (no hyperparameters travel: the
-    outer ones are fixed by the spec). Async: each push is applied alone as plain outer SGD on the pushed
-    pseudo-gradient scaled by 1/N, ``x -= lr * g / N`` (the spec's lr; its momentum is not used), so N pushes
-    of equal pseudo-gradients move the anchor as one synchronous plain-SGD outer step would."""
+    outer ones are fixed by the spec). Async: Delayed Nesterov (Liu et al. 2024), each push applied alone as it
+    lands (:meth:`apply`); the spec must be SGD (lr, momentum, nesterov)."""
 
     spec = psproto.OUTER
 
@@ -140,10 +146,31 @@ class OuterOptimizer(ShardOptimizer):
         if not (isinstance(outer, dict) and isinstance(outer.get("class"), str) and isinstance(outer.get("kwargs"), dict)):
             raise Refused("update=outer: the hello carries no outer optimizer {class, kwargs}")
         cls = optimizer_class(outer["class"])
+        kwargs = hyper_from_wire(outer["kwargs"])
+        warmup = outer.get("warmup", 0)
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise Refused(f"update=outer: warmup must be a whole number of steps >= 0, got {warmup!r}")
+        if warmup and self.consistency is not None and not self.consistency.gathers:
+            raise Refused("update=outer: warmup= needs mode=sync (its steps are synchronous)")
         try:
-            cls([torch.zeros(1)], **hyper_from_wire(outer["kwargs"]))
+            cls([torch.zeros(1)], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise Refused(f"outer optimizer {outer['class']}: {exc}") from None
+        why = async_outer_refusal(cls, kwargs) if self.consistency is not None and not self.consistency.gathers else ""
+        if why:
+            raise Refused(why)
+
+    @property
+    def step_pulls(self):
+        return ("report", "sum")  # the outer steps' report; the warm-up steps' averages
+
+    def gathered(self, sync):
+        """Sync: a warm-up step (``warmup=W``: wire steps below W, ordinary synchronous steps) is an average
+        the workers pull into ``p.grad`` (as update=worker); a sync awaits the commits of its outer step."""
+        if sync.step < int(sync.srv.optim_desc["outer"].get("warmup", 0)):
+            sync.publish()
+        else:
+            sync.await_commits()
 
     def build_optimizer(self, srv):
         if srv.optim_desc is None:
@@ -156,10 +183,49 @@ class OuterOptimizer(ShardOptimizer):
         if srv.mode.spec.gathers:  # sync: the average of the N pushes, one outer step
             srv.step_optimizer(grads)
             return
-        lr = float(srv.optimizer.param_groups[0]["lr"]) / srv.world_size()
+        self.delayed_nesterov(srv, grads)
+
+    @staticmethod
+    def delayed_nesterov(srv, grads: dict[str, torch.Tensor]) -> None:
+        """Async: one pseudo-gradient ``g`` (of one worker, the keys it holds here) applied as it lands, with
+        Delayed Nesterov: N = the workers, lr, beta (momentum) and nesterov from the outer SGD spec. Per key::
+
+            x -= (lr / N) g                       every arrival: plain SGD
+            D += g; k += 1                        the window's sum, the key's arrivals
+            every N-th arrival (k = 0 mod N):     the momentum, once per N arrivals
+                m' = beta m + D / N                (the first time: D / N, as torch's first buffer)
+                x -= lr beta m'   (nesterov)  or  x -= lr beta m   (heavy ball)
+                D = 0
+
+        Over a window of N pushes from the same anchor this is exactly one synchronous ``SGD(lr, momentum,
+        nesterov)`` step on their mean (its ``lr x mean`` spread over the arrivals); with momentum 0, plain
+        SGD x 1/N per push. m, D and k live in the outer optimizer's state (``momentum_buffer``,
+        ``delayed_sum``, ``arrivals``), so the shard checkpoint keeps them."""
+        group = srv.optimizer.param_groups[0]
+        lr, beta, nesterov = float(group["lr"]), float(group.get("momentum", 0.0)), bool(group.get("nesterov"))
+        n = srv.world_size()
         for key, g in grads.items():
             srv._writable(key)
-            srv.params[key].data.add_(g.to(srv.params[key].dtype), alpha=-lr)
+            p = srv.params[key]
+            g = g.to(p.dtype)
+            p.data.add_(g, alpha=-lr / n)
+            if not beta:
+                continue
+            st = srv.optimizer.state[p]
+            if "delayed_sum" not in st:
+                st["delayed_sum"], st["arrivals"] = torch.zeros_like(p.data), 0
+            st["delayed_sum"].add_(g)
+            st["arrivals"] += 1
+            if st["arrivals"] % n:
+                continue
+            old = st.get("momentum_buffer")
+            new = st["delayed_sum"] / n if old is None else old * beta + st["delayed_sum"] / n
+            st["momentum_buffer"] = new
+            if nesterov:
+                p.data.add_(new, alpha=-lr * beta)
+            elif old is not None:
+                p.data.add_(old, alpha=-lr * beta)
+            st["delayed_sum"].zero_()
 
 
 PLACEMENTS: dict[str, type[Placement]] = {"worker": Averages, "server": ShardOptimizer, "outer": OuterOptimizer}
@@ -185,6 +251,7 @@ class Mode:
         self.srv = srv
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.partial: dict[int, Partial] = {}  # rank -> what it has sent of the step in flight
+        self.enters: dict[int, int] = {}  # a replacement rank -> the first step it pushes (servers.membership)
 
     @property
     def name(self) -> str:
@@ -199,9 +266,11 @@ class Mode:
     def placement(self, update, sender: str) -> Placement:
         """The placement a hello's ``update`` names (none: the mode's default), refused where not allowed."""
         try:
-            return PLACEMENTS[self.spec.placement(update or "").name]()
+            placement = PLACEMENTS[self.spec.placement(update or "").name]()
         except ValueError as exc:
             raise Refused(f"{self.srv.cfg.name}: worker {sender} asked for update={update!r}, but {exc}") from None
+        placement.consistency = self.spec
+        return placement
 
     @property
     def gathering(self) -> int | None:
@@ -258,9 +327,34 @@ class Mode:
         """``rank`` left its loop (ex.join()) before step ``t``; the server records it after this returns."""
 
     def settle(self) -> None:
-        """A worker joined: whatever waited only for it may go on."""
+        """A worker joined or left: whatever waited only for it may go on."""
+
+    def lose(self, rank: int) -> int:
+        """``rank`` left the membership (:mod:`servers.membership`): take out what it sent of the step in flight
+        and has not been applied; return 1 when such a partial step was dropped, else 0. The server settles
+        afterwards."""
+        part = self.partial.pop(rank, None)
+        return int(part is not None and bool(part.seen or part.absent or part.rounds))
+
+    def entry_step(self, rank: int) -> int:
+        """The soonest step a replacement for ``rank`` may push (its first after the start pull)."""
+        return self.last_step.get(rank, -1) + 1
+
+    def enter(self, rank: int, t: int) -> None:
+        """A replacement for ``rank`` pushes from step ``t`` on (``t`` >= :meth:`entry_step`)."""
+        self.enters[rank] = t
+        self.last_step[rank] = t - 1
+
+    def entry_open(self, rank: int) -> bool:
+        """``rank`` entered and has pushed nothing since: its entry may move to a later step (another shard went
+        past the one it asked for first)."""
+        return rank in self.enters and rank not in self.partial and self.last_step.get(rank) == self.enters[rank] - 1
 
     def waiting_for(self) -> list[int]:
+        return []
+
+    def whole(self) -> list[int]:
+        """The ranks whose push of the step in flight is whole on this shard (sync; [] where a push is applied alone)."""
         return []
 
     def restart(self) -> int:
@@ -269,6 +363,7 @@ class Mode:
         rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
         dropped = len(self.partial)
         self.partial.clear()
+        self.enters.clear()
         return dropped
 
     def state(self) -> dict:
@@ -297,6 +392,16 @@ class Async(Mode):
     def restart(self):
         self.grads.clear()
         return super().restart()
+
+    def lose(self, rank):
+        self.grads.pop(rank, None)  # a step that came in pieces, never applied
+        return super().lose(rank)
+
+    def entry_step(self, rank):
+        """A replacement goes on from its rank's clock, or from the slowest live one when that is further (so
+        that SSP's bound does not hold the others back for the steps it missed)."""
+        clocks = [self.last_step.get(r, -1) + 1 for r in self.srv.on_the_clock()]
+        return max(self.last_step.get(rank, -1) + 1, min(clocks, default=0))
 
     def fold(self, rank, t, part, frames, absent, meta):
         tensors = {key: [(spec.offset, wire.frame_tensor(spec, frame)) for spec, frame in parts]
@@ -394,6 +499,9 @@ class Sync(Mode):
         self.report: dict | None = None  # update=server: this step's (or, once done, the last step's)
         self.last_sums: dict[str, torch.Tensor] = {}  # update=worker: the last completed step's averages
         self.last_absent: list[str] = []
+        # keep-going (servers.membership): rank -> what it folded of the step in flight, (key, offset, values)
+        # views of the received frames, held until its step is in, so that a rank lost before can be taken out
+        self.held: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
 
     def start_step(self):
         return self.step
@@ -409,11 +517,34 @@ class Sync(Mode):
         return self.step
 
     def latest_pull(self, rank):
-        return self.step
+        return max(self.step, self.enters.get(rank, 0) - 1)  # a replacement's start pull: before its entry
+
+    def _owing(self) -> set[int]:
+        """The ranks whose pushes this step waits for: not joined, not lost, entered (a joined one counts as zeros)."""
+        return set(self.srv.pushers(self.step))
 
     def _needed(self) -> int:
-        """Workers whose pieces make up a step: those that have not joined (a joined one counts as zeros)."""
-        return self.srv.world - len(self.srv.joined)
+        """Contributions each key of this step takes: the owing ranks', and those of ranks lost with their step
+        in (kept: it was whole on this shard)."""
+        return len(self._owing() | self.complete)
+
+    def _divisor(self) -> int:
+        """What the step's mean divides by: the ranks whose step counts, and the joined ones when they asked to
+        be counted as zeros (DDP's ``divide_by_initial_world_size``)."""
+        srv = self.srv
+        joined = len(srv.joined) if srv.joined and all(d for _, d in srv.joined.values()) else 0
+        return len(self._owing() | self.complete) + joined
+
+    def entry_step(self, rank):
+        return self.step + 1  # the step in flight is the survivors'; the replacement enters at the next boundary
+
+    def enter(self, rank, t):
+        self.enters[rank] = t
+        self.last_step[rank] = self.step - 1
+
+    def entry_open(self, rank):
+        return (rank in self.enters and self.step <= self.enters[rank] and rank not in self.complete
+                and rank not in self.partial)
 
     def fold(self, rank, t, part, frames, absent, meta):
         srv = self.srv
@@ -427,6 +558,8 @@ class Sync(Mode):
                 for spec, frame in frames[key]:  # straight from the received frame into the mean
                     src, dst = wire.frame_tensor(spec, frame), buf[spec.offset:spec.offset + spec.count]
                     torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
+                    if srv.members.on:
+                        self.held.setdefault(rank, []).append((key, spec.offset, src))
                 self.present[key] += 1
             self.contributed[key] += 1
             self._sum_if_in(key, needed)
@@ -434,6 +567,7 @@ class Sync(Mode):
         part.absent |= set(absent)
         if len(part.seen) + len(part.absent) == len(srv.pieces):
             del self.partial[rank]
+            self.held.pop(rank, None)
             self.complete.add(rank)
         self._complete_if_in(needed)
 
@@ -470,21 +604,54 @@ class Sync(Mode):
         for key in list(self.contributed):
             self._sum_if_in(key, needed)
         self._complete_if_in(needed)
+        if self.gathered and self.commits:  # the commit that was missing was a lost rank's
+            self._apply_if_committed()
 
     def _sum_if_in(self, key: str, needed: int) -> None:
         """Every worker still training has sent ``key`` (or said it is absent): its average is ready. Divided
-        by N; by the workers still training instead when the joined ones asked for that (DDP's option)."""
+        by N; by the workers still training instead when the joined ones asked for that (DDP's option), and
+        never by ranks lost before their step was in (keep-going)."""
         if self.contributed[key] < needed or key in self.summed:
             return
         self.summed.add(key)
-        srv = self.srv
-        if needed < srv.world and key in self.sums and not all(divide for _, divide in srv.joined.values()):
-            self.sums[key].mul_(srv.world / needed)
+        divisor = self._divisor()
+        if divisor != self.srv.world and key in self.sums and divisor:
+            self.sums[key].mul_(self.srv.world / divisor)
 
     def _complete_if_in(self, needed: int) -> None:
         """Every worker still training completed the step: the placement says what that means."""
-        if needed and len(self.complete) == needed and not self.gathered:
+        owing = self._owing()
+        if needed and owing and owing <= self.complete and not self.gathered:
             self.srv.placement.gathered(self)
+
+    def lose(self, rank):
+        """A rank whose step is whole on this shard stays in it (its average may be out already). Otherwise
+        what it folded in is subtracted again (its held frames), its keys counted out, and the keys whose
+        mean was fixed re-divided once the others are in; under update=worker a key whose average was out
+        already (some survivor may hold it) keeps its part."""
+        part = self.partial.pop(rank, None)
+        held = self.held.pop(rank, [])
+        if rank in self.complete or part is None:
+            return 0
+        srv, scale = self.srv, 1.0 / self.srv.world_size()
+        published = not srv.placement.spec.shards_step  # update=worker: a summed key went out
+        if part.rounds:  # compress=: the units hold no per-rank part to take out
+            return -1
+        divisor = self._divisor()  # the lost rank still counted (the membership drops it after this returns)
+        for key in part.seen | part.absent:
+            if key in self.summed:
+                if published:
+                    continue
+                self.summed.discard(key)
+                if key in self.sums and divisor != srv.world and divisor:
+                    self.sums[key].mul_(divisor / srv.world)  # back to sum / N
+            self.contributed[key] -= 1
+            if key in part.seen:
+                self.present[key] -= 1
+        for key, offset, src in held:
+            if key in part.seen and (key not in self.summed or not published):
+                self.sums[key][offset:offset + src.numel()].sub_(src, alpha=scale)
+        return 1
 
     def publish(self) -> None:
         """The step's averages are final (update=worker): kept for the pulls still to come; the step is done."""
@@ -522,8 +689,14 @@ class Sync(Mode):
             raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
         srv.check_hyper(hyper)  # now, not when the last commit applies the step
         self.commits[rank] = (float(factor), hyper)
-        if len(self.commits) < self._needed():
-            return {}
+        self._apply_if_committed()
+        return {}
+
+    def _apply_if_committed(self) -> None:
+        """Every owing rank committed: one update with the mean of their factors."""
+        srv = self.srv
+        if not self.gathered or not self._owing() <= set(self.commits):
+            return
         factors = [f for f, _ in self.commits.values()]
         factor = factors[0] if len(set(factors)) == 1 else math.fsum(factors) / len(factors)
         grads = {k: buf for k, buf in self.sums.items() if self.present[k]}
@@ -532,7 +705,6 @@ class Sync(Mode):
                 buf.mul_(factor)
         srv.placement.apply(srv, grads, self.commits[min(self.commits)][1])
         self._done(counted=True)
-        return {}
 
     def restart(self):
         """The step in flight, pushed by some ranks only, is dropped whole: every rank of the new attempt
@@ -542,6 +714,7 @@ class Sync(Mode):
         to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
         from the same pushes as there; so are the pushes of a rank the new attempt added (its world, already
         set, may be another). Applied steps are kept, whatever their pulls' fate."""
+        self.enters.clear()
         if self.gathered:
             self.commits.clear()
             self.complete = set(range(self.srv.world))
@@ -570,6 +743,7 @@ class Sync(Mode):
         self.summed.clear()
         self.complete.clear()
         self.commits.clear()
+        self.held.clear()
         self.gathered = False
         if self.srv.units is not None:
             self.srv.units.drop_step()  # compress=: the step's held payloads and sums
@@ -587,7 +761,7 @@ class Sync(Mode):
 
     def step_pulls(self):
         """The placement's pull of a gathered step, and compress='s sums of a (unit, round)."""
-        return frozenset({self.srv.placement.step_pull, *(("csum",) if self.srv.units is not None else ())})
+        return frozenset({*self.srv.placement.step_pulls, *(("csum",) if self.srv.units is not None else ())})
 
     def answer(self, what, h):
         srv, current = self.srv, self.step == h.meta["after_step"]
@@ -605,11 +779,14 @@ class Sync(Mode):
         parts, meta = units.sums(unit.key, h.meta["round"], current)
         return "params", {"version": srv.version, "absent": absent, **meta}, parts, False
 
+    def whole(self):
+        return sorted(self.complete)
+
     def waiting_for(self):
-        srv = self.srv
+        owing = sorted(self._owing())
         if self.gathered:
-            return [r for r in range(srv.world) if r not in self.commits and r not in srv.joined]
-        return [r for r in range(srv.world) if r not in self.complete and r not in srv.joined]
+            return [r for r in owing if r not in self.commits]
+        return [r for r in owing if r not in self.complete]
 
     def state(self):
         return {"sync_step": self.step, "last_sums": {k: v.clone() for k, v in self.last_sums.items()},

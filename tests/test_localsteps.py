@@ -32,11 +32,14 @@ N = 2
 
 
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
-              combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
+              lengths: list[int] | None = None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
     alpha x local + (1 - alpha) x anchor; the first W steps synchronous (every copy steps on the mean gradient),
-    the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD)."""
+    the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD). ``lengths``: copy r
+    stops after lengths[r] steps (uneven inputs, join()): a sync averages the changes of the copies still going,
+    and at the end every copy takes the model of the highest copy among those that went longest."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -57,8 +60,11 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         frag.append(p)
         load[p] += a.numel() * 4
         last = p
-    for step in range(steps):
-        for r, (m, o) in enumerate(zip(models, opts)):
+    joined, lengths = lengths is not None, lengths or [steps] * N
+    for step in range(max(lengths)):
+        live = [r for r in range(N) if step < lengths[r]]
+        for r in live:
+            m, o = models[r], opts[r]
             x, y = batch(r, step)
             o.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
@@ -67,8 +73,8 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                 mean = sum(grads) / N
                 for g in grads:
                     g.copy_(mean)
-        for o in opts:
-            o.step()
+        for r in live:
+            opts[r].step()
         if step + 1 == W:
             with torch.no_grad():
                 for a, q in zip(anchor, models[0].parameters()):
@@ -83,19 +89,26 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                 for i, a in enumerate(anchor):
                     a.grad = None
                     if frag[i] in due:
-                        a.grad = sum(a - list(m.parameters())[i] for m in models) / N
+                        a.grad = sum(a - list(models[r].parameters())[i] for r in live) / len(live)
                 outer_opt.step()
             for i, a in enumerate(anchor):
                 if frag[i] in land:
-                    for m in models:
+                    for m in [models[r] for r in live]:
                         q = list(m.parameters())[i]
                         q.copy_(alpha * q + (1 - alpha) * a)
             if t % H == 0:
-                for bufs in zip(*(m.buffers() for m in models)):
+                for bufs in zip(*(models[r].buffers() for r in live)):
                     if bufs[0].is_floating_point():
-                        mean = sum(bufs) / N
+                        mean = sum(bufs) / len(live)
                         for b in bufs:
                             b.copy_(mean)
+    if not joined:
+        return list(zip(models, opts))
+    src = max(r for r in range(N) if lengths[r] == max(lengths))
+    with torch.no_grad():
+        for m in models:
+            for q, want in zip([*m.parameters(), *m.buffers()], [*models[src].parameters(), *models[src].buffers()]):
+                q.copy_(want)
     return list(zip(models, opts))
 
 
@@ -194,6 +207,20 @@ def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("url", [REGIMES[0], pytest.param(REGIMES[1], marks=pytest.mark.full)])
+def test_join_uneven_inputs_averages_over_the_ranks_still_training(run_ranks, tmp_path, url):
+    """join() under local steps: rank 1 runs out after 5 steps (between the syncs at steps 4 and 8); the sync at
+    8 is rank 0's change alone (the mean over the ranks still training), rank 1 answering it with zeros, and at
+    the end both take rank 0's model. Every rank equals the reference to 1e-5 (rank 1's inner AdamW state is its
+    own, of 5 steps), and both hold the same anchor bits and step count."""
+    saved = run(run_ranks, tmp_path, url + "&sync_every=4", 0, lengths=[10, 5])
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), lengths=[10, 5]), 1e-5)
+    a, b = (s["ex"]["talk"] for s in saved)
+    assert a["steps"] == b["steps"] == 10
+    assert all(torch.equal(x, y) for x, y in zip(a["outer"]["anchors"], b["outer"]["anchors"]))
+
+
+@pytest.mark.multiproc
 def test_restart_in_the_middle_of_h(run_ranks, tmp_path):
     """Two synchronous warm-up steps, then syncs at steps 5 and 9 (0-based). Rank 0 is killed after step 7:
     both resume from the state committed at step 5 (anchor, outer momentum, position within H, inner AdamW
@@ -257,6 +284,47 @@ def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
 
 
 @pytest.mark.multiproc
+@pytest.mark.full
+def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs):
+    """Streaming on two shards: fragments=2 (each sync pushes one fragment's pieces to the shards holding any,
+    the shard's other keys absent, and pulls that fragment's anchor back), overlap=1 and alpha=0.25: the same
+    reference as the collectives' overlap test, to 1e-5. Rank 1 joins the exchange of step 5 only after rank 0
+    has computed step 6 (forced): rank 0's training thread did not wait on the shards. Bytes: each sync pushes
+    exactly its fragment's float32 pseudo-gradient."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://{servers[0].address},{servers[1].address}?timeout=30&transport=tcp&update=server&mode=sync"
+           "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1")
+    saved = run(run_ranks, tmp_path, url, 10, ahead=5)
+    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
+    sizes = [p.numel() for p in make_model(False).parameters()]
+    per = [sum(sizes[i] for i in idx) * 4 for idx in fragments([s * 4 for s in sizes], 2)]
+    assert saved[0]["sent"] == [0, per[0], 0, per[1], 0, per[0], 0, per[1], 0, per[0]]
+
+
+@pytest.mark.multiproc
+def test_ps_batchnorm_buffers_averaged_at_every_sync(run_ranks, tmp_path, procs):
+    """BatchNorm on ps://: the buffers are averaged through shard 0 at the end of every H (steps 3 and 7), each
+    a buffer round of its own, as on the collectives; the reference to 1e-5."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 9, bn=True)
+    check_ranks(saved, reference(9, 4, dict(lr=0.7, momentum=0.9, nesterov=True), bn=True), 1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.full
+def test_ps_warmup_matches_reference(run_ranks, tmp_path, procs):
+    """warmup=2 on ps://: two synchronous steps (the shard averages the gradients, the inner AdamW steps on the
+    average), then rank 0's parameters become the shard's anchor and the local steps begin; the collectives'
+    reference to 1e-5. Bytes: each warm-up step pushes the float32 gradient, each sync the pseudo-gradient."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4&warmup=2", 10)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), W=2), 1e-5)
+    n = 4 * sum(p.numel() for p in make_model(False).parameters())
+    assert saved[0]["sent"] == [n, n, 0, 0, 0, n, 0, 0, 0, n]
+    assert server.stats()["updates"] == 4  # two averages, two outer steps
+
+
+@pytest.mark.multiproc
 def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
     """The shard checkpoints after every outer step; rank 0 kills it (SIGKILL) after step 5, between the syncs
     at steps 3 and 7 (0-based); it comes back with --resume on the same port, and the workers' second sync
@@ -305,6 +373,60 @@ def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs)
     assert min(float((g - want).abs().max()) for g in got) < 1e-5
 
 
+def delayed_nesterov_reference(order: list[int], H: int, lr: float, beta: float) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    """Async DiLoCo on one process: copy r takes its next H inner steps, pushes anchor_r - theta_r (anchor_r: the
+    anchor it last pulled) and pulls the servers' anchor x, in ``order``. The servers' rule, Delayed Nesterov,
+    written out: every push x -= (lr/N) g; the pushes summed in D; every N-th push m = beta m + D/N and
+    x -= lr beta m (Nesterov's look-ahead), D = 0."""
+    models = [make_model(False) for _ in range(N)]
+    opts = [make_inner(m, "adamw") for m in models]
+    x = [p.detach().clone() for p in models[0].parameters()]
+    anchors = [[a.clone() for a in x] for _ in range(N)]
+    taken = [0] * N
+    m = [torch.zeros_like(a) for a in x]
+    acc = [torch.zeros_like(a) for a in x]
+    for k, r in enumerate(order, 1):
+        model, opt = models[r], opts[r]
+        for _ in range(H):
+            xb, yb = batch(r, taken[r])
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(xb), yb).backward()
+            opt.step()
+            taken[r] += 1
+        with torch.no_grad():
+            for i, q in enumerate(model.parameters()):
+                g = anchors[r][i] - q
+                x[i] -= lr / N * g
+                acc[i] += g
+                if k % N == 0:
+                    m[i] = beta * m[i] + acc[i] / N
+                    x[i] -= lr * beta * m[i]
+                    acc[i].zero_()
+            for i, q in enumerate(model.parameters()):
+                q.copy_(x[i])
+            anchors[r] = [a.clone() for a in x]
+    return list(zip(models, opts))
+
+
+@pytest.mark.multiproc
+def test_ps_async_delayed_nesterov_matches_reference(run_ranks, tmp_path, procs):
+    """mode=async with the Nesterov outer spec: the syncs reach the shard in a forced uneven order (rank 0
+    twice, as a worker twice as fast would), so the momentum's windows of N=2 arrivals mix ranks and staleness:
+    {r0, r0}, {r1, r0}, {r1, r1}. Exactly 6 updates, each push once; every rank's parameters and inner AdamW state
+    equal the single-process reference of the rule to 1e-5."""
+    order, H = [0, 0, 1, 0, 1, 1], 2
+    server = procs.server("--mode", "async")
+    url = ps_url(server, "async") + f"&sync_every={H}&outer=sgd:lr=0.7,momentum=0.9,nesterov=1"
+    saved = run(run_ranks, tmp_path, url, 0, order=order, every=H)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 6 and stats["duplicates"] == 0
+    assert stats["last_step"] == {"0": 2, "1": 2}
+    check_ranks(saved, delayed_nesterov_reference(order, H, 0.7, 0.9), 1e-5)
+    # rank 1 pushed last: it holds the anchor, which no plain-SGD rule (momentum dropped) would give
+    plain = delayed_nesterov_reference(order, H, 0.7, 0.0)
+    assert max_diff(saved[1]["params"], plain[1][0]) > 1e-4
+
+
 def test_ps_options_refused_in_one_line():
     from commlab.regimes.ps import PSOptions
 
@@ -313,9 +435,10 @@ def test_ps_options_refused_in_one_line():
 
     assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
     for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
-                    ("sync_every=4&warmup=2", "warmup"), ("sync_every=4&fragments=2", "fragments"),
-                    ("sync_every=4&overlap=1", "overlap"), ("sync_every=4&compress=fp16", "compress"),
-                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer")]:
+                    ("sync_every=4&warmup=2&mode=async", "warmup"), ("sync_every=4&compress=fp16", "compress"),
+                    ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
+                    ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
+                    ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening")]:
         with pytest.raises(ConfigError, match=name) as exc:
             parse(q)
         assert "\n" not in str(exc.value)

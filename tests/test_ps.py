@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -376,13 +377,24 @@ def test_push_pull_async_is_one_step_of_a_bare_vector(start_server, transport):
         ex.close()
 
 
-def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path):
+@pytest.fixture
+def short_tmp():
+    """A folder with a short path: an ipc socket's path must fit sockaddr_un's 107 characters, which pytest's
+    tmp_path under pytest-xdist (``.../popen-gw0/test_name0/``) plus the servers' folder does not."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="cl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_launcher_over_ipc_trains_and_leaves_no_socket_folder(tmp_path, short_tmp):
     import glob
 
     from conftest import commlab_train
 
-    tmp = tmp_path / "tmp"  # the launcher's TMPDIR: only this run's folders are in it
-    tmp.mkdir()
+    tmp = short_tmp  # the launcher's TMPDIR: only this run's folders are in it
     proc = commlab_train(["--exchanger", "ps://?shards=2&transport=ipc&mode=sync", "--workers", "2", "--model", "tiny",
                           "--steps", "3", "--metrics", str(tmp_path / "m.jsonl")], env={"TMPDIR": tmp})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -418,13 +430,14 @@ def test_server_plans_remove_their_ipc_folder_also_on_errors(tmp_path, monkeypat
 
 
 @pytest.mark.multiproc
-def test_bench_servers_over_ipc_leave_no_socket_folder(tmp_path, monkeypatch):
+def test_bench_servers_over_ipc_leave_no_socket_folder(short_tmp, monkeypatch):
     """A caller of plan_local other than the launcher: the GPU sweep's run_case, on CPU tensors."""
     import glob
     import tempfile
 
     from bench import gpu_sweep
 
+    tmp_path = short_tmp
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # run_case plans in this process
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # and its ranks inherit the environment
     out = gpu_sweep.run_case("ps://?shards=2&transport=ipc", "cpu", numel=1000, workers=1, steps=2, warmup=1,

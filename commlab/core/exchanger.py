@@ -138,6 +138,12 @@ class Join:
         """The rank whose buffers every rank takes: 0, or inside join() the highest rank still training (DDP's)."""
         return 0
 
+    def sync_point(self, steps: int) -> float:
+        """A rank still training, at a sync of local steps (``sync_every=``; ``steps``: its real optimizer steps so
+        far), before its first collective there: the factor that makes the sum of the pseudo-gradients (each
+        scaled by 1/N) their mean over the ranks still training. Collective inside ``join()``."""
+        return 1.0
+
     def wait_out(self) -> None:
         """This rank's loop is over: take part in the others' exchanges until every rank's is, then take the last
         joiner's model (DDP's join: the highest rank among those that left their loop last). Collective."""
@@ -214,6 +220,7 @@ class Exchanger:
         # the regime keeps them (ps:// update=server); 0 and None otherwise, where the user's checkpoint is the state
         self.start_step = 0
         self.restored_state: dict | None = None
+        self.restored_step: int | None = None  # the step restored_state belongs to (the loop's next when committed)
         # which attempt of the job this is, the same on every rank of it and larger than any earlier one's
         # (rendezvous.job_attempt: the restart count under commlab run, a round id agreed under torchrun);
         # set by setup in the regimes that need it (ps://: the servers refuse an older attempt), else 0
@@ -494,6 +501,7 @@ class BucketedExchanger(Exchanger):
         raise NotImplementedError
 
     updates_remotely: ClassVar[bool] = False
+    joins_local_steps: ClassVar[bool] = False  # join() works under sync_every= (the regime's _join_hook says how)
 
     def _remote_update(self, timeout: float) -> None:
         """For a regime that updates on servers: what ``optimizer.step()`` becomes."""
@@ -653,9 +661,9 @@ class BucketedExchanger(Exchanger):
         if not enable:
             yield
             return
-        if not self.talk.every_step:
-            raise ConfigError("join() with sync_every= (local steps) is not supported: give every rank the same "
-                              "number of optimizer steps")
+        if not self.talk.every_step and not self.joins_local_steps:
+            raise ConfigError(f"{self.scheme}:// join() with sync_every= (local steps) is not supported: give every "
+                              f"rank the same number of optimizer steps")
         if self._join.joining:
             raise ConfigError("join() inside join() on the same exchanger")
         self._join = self._join_hook(JoinOptions(bool(divide_by_initial_world_size), bool(throw_on_early_termination)))
@@ -1032,8 +1040,10 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         self._equalise([b for _, b in self.module_buffers], mode, f"buffers ({mode}) after step {self._step}",
                        self._join.buffer_source())
 
+    joins_local_steps = True
+
     def _join_hook(self, options: JoinOptions) -> Join:
-        return VoteJoin(self, options)
+        return VoteJoin(self, options) if self.talk.every_step else LocalVoteJoin(self, options)
 
     def begin_exchange(self, step: int) -> None:
         """For a caller that drives this regime's collectives itself (:func:`commlab.ddp_hook`): its exchange
@@ -1120,6 +1130,7 @@ class VoteJoin(Join):
         ex = self.ex
         if ex.world_size == 1:
             return
+        self._leaving()
         rendezvous.heartbeat(ex.store, ex.rank, ex._step)  # in the next exchange, with the others
         last = True
         while True:
@@ -1131,8 +1142,19 @@ class VoteJoin(Join):
             last = False
             self.active = active
             self._shadow_exchange()
-        candidates, _ = self._tally(self._vote(self._ballot(last, False)))
+        candidates, _ = self._tally(self._vote(self._final_ballot(last)))
         ex._take_model_from(max(candidates))
+        self._taken_from(max(candidates))
+
+    def _leaving(self) -> None:
+        """A rank whose loop ended, before its first vote (local steps: what is in flight lands)."""
+
+    def _final_ballot(self, last: bool) -> torch.Tensor:
+        """The ballot that finds the last joiners: ``last``, whether this rank was still training at the end."""
+        return self._ballot(last, False)
+
+    def _taken_from(self, src: int) -> None:
+        """After every rank took rank ``src``'s model (local steps: its step count too). Collective."""
 
     def _shadow_exchange(self) -> None:
         """A joined rank's part in one exchange of the ranks still training (:attr:`active`): zeros for every
@@ -1173,3 +1195,64 @@ class VoteJoin(Join):
         """(ranks that voted, whether any asked to terminate) from a finished :meth:`_vote`."""
         counts = handle.wait(self.ex.options.timeout).tolist()
         return [r for r, c in enumerate(counts[:-1]) if c > 0.5], counts[-1] > 0.5
+
+
+class LocalVoteJoin(VoteJoin):
+    """join() under local steps (``sync_every=H``, docs/localsteps.md) on the collectives: the vote is taken at
+    each sync point of the schedule instead of at each backward (the warm-up's gradient exchanges vote as
+    :class:`VoteJoin`), and its ballot carries the voters' step count. A rank still training waits for the vote
+    (one small all-reduce) before its first fragment's exchange, and the fragment's pseudo-gradients are averaged
+    over the ranks still training (:meth:`sync_point`'s factor). A joined rank answers every vote; at a sync of the
+    others it takes the step count from the ballot and runs the same exchanges on zeros (error feedback's residual
+    included, as the collectives' join does) and the same outer steps, so its anchor and outer state stay the same
+    bits as theirs, and the buffers' average (over the ranks still training). When no rank trains any more,
+    every rank takes the last joiner's model and step count. A rank that runs out during ``warmup=`` is refused."""
+
+    def _ballot(self, active: bool, terminate: bool, steps: int = 0) -> torch.Tensor:
+        ex = self.ex
+        flat = torch.zeros(ex.world_size + 2, dtype=torch.float64, device=ex.buckets[0].buffer.device)
+        flat[ex.rank] = float(active)
+        flat[-2] = float(terminate)
+        flat[-1] = float(steps) if active else 0.0  # summed over the voters: exact in float64
+        return flat
+
+    def _ballots(self, handle: Handle) -> tuple[list[int], bool, int]:
+        """(ranks that voted, whether any asked to terminate, the voters' step count)."""
+        counts = handle.wait(self.ex.options.timeout).tolist()
+        active = [r for r, c in enumerate(counts[:-2]) if c > 0.5]
+        return active, counts[-2] > 0.5, round(counts[-1] / len(active)) if active else 0
+
+    def _tally(self, handle: Handle) -> tuple[list[int], bool]:
+        active, terminate, self.voted_steps = self._ballots(handle)
+        return active, terminate
+
+
+    def sync_point(self, steps: int) -> float:
+        active, terminate, _ = self._ballots(self._vote(self._ballot(True, False, steps)))
+        if terminate:
+            raise RuntimeError("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
+        self.active = active
+        return self.ex.world_size / len(active)
+
+    @property
+    def talk(self) -> localsteps.LocalSteps:
+        talk = self.ex.talk
+        assert isinstance(talk, localsteps.LocalSteps)
+        return talk
+
+    def _leaving(self) -> None:
+        talk = self.talk
+        talk.land()  # every fragment exchange in flight lands and is merged now
+        if talk.steps < talk.W:
+            raise ConfigError(f"join() with sync_every=: {self.ex.rank_info.who()} ran out of inputs during warmup="
+                              f"{talk.W} (after {talk.steps} steps): give every rank at least the warm-up's steps")
+
+    def _shadow_exchange(self) -> None:
+        """The others' sync at their step count (the vote's): the same exchanges on zeros and the same outer steps."""
+        self.talk.shadow(self.voted_steps, self.ex.world_size / len(self.active))
+
+    def _final_ballot(self, last: bool) -> torch.Tensor:
+        return self._ballot(last, False, self.talk.steps)
+
+    def _taken_from(self, src: int) -> None:
+        self.talk.take_steps_from(src)

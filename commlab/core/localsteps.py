@@ -101,6 +101,22 @@ def parse_outer(spec: str) -> tuple[type, dict[str, Any]]:
     return cls, kwargs
 
 
+ASYNC_KEYS = ("lr", "momentum", "nesterov")  # what the asynchronous outer rule (Delayed Nesterov) reads of SGD's
+
+
+def async_outer_refusal(cls: type, kwargs: dict[str, Any]) -> str:
+    """Why the asynchronous outer rule (Delayed Nesterov, docs/localsteps.md) cannot run the outer optimizer
+    ``cls(**kwargs)``; "" when it can: SGD with lr, momentum and nesterov, its other keywords at their defaults."""
+    if cls is not torch.optim.SGD:
+        return (f"outer: mode=async applies each pseudo-gradient as it lands with Delayed Nesterov, which takes "
+                f"outer=sgd:lr=..,momentum=..,nesterov=..; not {cls.__name__}")
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()}
+    other = sorted(k for k, v in kwargs.items() if k not in ASYNC_KEYS and v != defaults.get(k))
+    if other:
+        return f"outer: mode=async (Delayed Nesterov) reads only {', '.join(ASYNC_KEYS)} of SGD; drop {other[0]}="
+    return ""
+
+
 @dataclass(frozen=True)
 class LocalStepsOptions(CompressOptions):
     """Options of a regime that can talk rarely (allreduce://, ring://, ps://)."""
@@ -166,15 +182,19 @@ def offsets(every: int, parts: int) -> list[int]:
 class Outer(abc.ABC):
     """Where the anchor and the outer optimizer live; one per exchanger in local-steps mode."""
 
+    def divide(self, parts: list[list[torch.Tensor]]) -> None:
+        """Setup: the parameters of each fragment, in the order of its flat anchor."""
+
     @abc.abstractmethod
     def start(self, anchors: list[torch.Tensor]) -> None:
         """The anchor is taken (end of warm-up): one flat float32 tensor per fragment, equal on every rank."""
 
     @abc.abstractmethod
-    def begin(self, p: int, delta: torch.Tensor, shapes: tuple[torch.Size, ...]) -> Handle:
+    def begin(self, p: int, delta: torch.Tensor, shapes: tuple[torch.Size, ...], share: float = 1.0) -> Handle:
         """Begin fragment ``p``'s outer step from this rank's pseudo-gradient ``delta`` (anchor - local;
         the callee may use it as scratch). Collective over the ranks. Does not block; the handle's result is
-        the new anchor of the fragment (float32), valid until the fragment's next :meth:`begin`."""
+        the new anchor of the fragment (float32), valid until the fragment's next :meth:`begin`. ``share``
+        (inside ``join()``): the factor from the mean over every rank to the mean over those still training."""
 
     @abc.abstractmethod
     def anchors(self) -> list[torch.Tensor]:
@@ -205,7 +225,7 @@ class ReplicatedOuter(Outer):
     def anchors(self):
         return self._anchors
 
-    def begin(self, p, delta, shapes):
+    def begin(self, p, delta, shapes, share=1.0):
         ex, opt, anchor = self.ex, self.optimizer, self._anchors[p]
         assert opt is not None  # start() ran
         what = f"{ex.scheme}:// pseudo-gradient of fragment {p} on {ex.rank_info.who()}"
@@ -217,6 +237,8 @@ class ReplicatedOuter(Outer):
             moved = CompressedExchange(comp, EF_KEY + p, delta, shapes, None, ex, what)  # type: ignore[arg-type]
 
         def step(results: list) -> torch.Tensor:
+            if share != 1.0:  # join(): the mean over the ranks still training
+                delta.mul_(share)
             anchor.grad = delta  # the mean pseudo-gradient (a compressed exchange decodes into it)
             for other in self._anchors:
                 if other is not anchor:
@@ -301,6 +323,7 @@ class LocalSteps(Talk):
         params = [local(p) for p in ex.model.parameters() if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in params]
         self.parts = [[params[i] for i in idx] for idx in fragments(sizes, self.options.fragments)]
+        self.outer.divide(self.parts)
         if self.steps == self.W:
             self._take_anchor()
 
@@ -327,19 +350,60 @@ class LocalSteps(Talk):
         waited = 0.0
         for f in [f for f in self.inflight if f.merge_at == t]:
             waited += self._merge(f)
+        due = [p for p, o in enumerate(self.due) if t % self.H == o]
+        if not due:
+            return waited
+        started = time.perf_counter()
+        share = ex._join.sync_point(self.steps)  # inside join(): the ranks still training (a vote)
+        waited += time.perf_counter() - started
+        for p in due:
+            delta = self.outer.anchors()[p] - self._flat(p)
+            shapes = tuple(q.shape for q in self.parts[p])
+            f = _InFlight(p, t + self.T, self.outer.begin(p, delta, shapes, share))
+            self.inflight.append(f)
+            if self.T == 0:
+                waited += self._merge(f)
+        if t % self.H == 0:
+            waited += self._buffers()
+        return waited
+
+    def _buffers(self) -> float:
+        """The end of each H: the module buffers averaged over the ranks (inside join(): those still training)."""
+        ex = self.ex
+        assert ex is not None
+        if ex.options.buffers == "none" or not ex.module_buffers:
+            return 0.0
+        started = time.perf_counter()
+        ex._sync_buffers("average")
+        return time.perf_counter() - started
+
+    def land(self) -> None:
+        """Every fragment exchange in flight lands and is merged now (a rank whose loop ended, in join())."""
+        for f in list(self.inflight):
+            self._merge(f)
+
+    def shadow(self, steps: int, share: float) -> None:
+        """A joined rank's part in the others' sync at their step ``steps``: the due fragments' exchanges on zeros
+        and the same outer steps (its anchor and outer state stay theirs; its parameters are not touched), then
+        the buffers' average at the end of an H. Collective."""
+        assert self.ex is not None and self.outer is not None
+        self.steps = steps
+        t = steps - self.W
         for p, o in enumerate(self.due):
             if t % self.H == o:
-                delta = self.outer.anchors()[p] - self._flat(p)
-                shapes = tuple(q.shape for q in self.parts[p])
-                f = _InFlight(p, t + self.T, self.outer.begin(p, delta, shapes))
-                self.inflight.append(f)
-                if self.T == 0:
-                    waited += self._merge(f)
-        if t % self.H == 0 and ex.options.buffers != "none" and ex.module_buffers:
-            started = time.perf_counter()
-            ex._sync_buffers("average")
-            waited += time.perf_counter() - started
-        return waited
+                zeros = torch.zeros_like(self.outer.anchors()[p])
+                self.outer.begin(p, zeros, tuple(q.shape for q in self.parts[p]), share).wait(self.ex.options.timeout)
+        if t % self.H == 0:
+            self._buffers()
+
+    def take_steps_from(self, src: int) -> None:
+        """The end of join(): every rank takes rank ``src``'s step count (with its model). Collective."""
+        ex = self.ex
+        assert ex is not None
+        flat = torch.tensor([float(self.steps), float(self.syncs)], dtype=torch.float64,
+                            device=ex.buckets[0].buffer.device)
+        ex._broadcast_from(src, flat, f"local steps' count of {ex.rank_info.who(src)}")  # type: ignore[attr-defined]
+        self.steps, self.syncs = int(flat[0]), int(flat[1])
 
     def _merge(self, f: _InFlight) -> float:
         """Wait for fragment ``f.p``'s outer step and mix its new anchor into the parameters."""

@@ -63,6 +63,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compress", nargs="+", default=list(BUILTIN_COMPRESSORS), metavar="SPEC",
                    help="compressors to weigh against the uncompressed all-reduce (compress= values, with error "
                         "feedback; measured on the model here); 'none' for none")
+    p.add_argument("--local-steps", nargs="+", default=[], metavar="OPTIONS",
+                   help="local steps to weigh (docs/localsteps.md), each as the URL's options: "
+                        "'sync_every=48', 'sync_every=48&fragments=4&overlap=2', 'sync_every=48&compress=int8': "
+                        "their step, utilization and the link rate below which they beat the synchronous step and "
+                        "each --compress compressor")
     g = p.add_argument_group("calibration (one of)")
     g.add_argument("--calibration", help="a calibration JSON saved before (--save-calibration)")
     g.add_argument("--bench-run", help="a 'commlab bench' run folder: transports fitted to its bandwidth.json")
@@ -134,12 +139,14 @@ def main(argv: list[str] | None = None) -> int:
         if kept_answer is not None and answer is not None:
             return write_kept_answer(a, argv, kept_answer, *answer)
         specs = compress_specs(a.compress)
+        local = local_settings(a.local_steps)
         creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))
         cal, kept, measured = load_calibration(a)
-        if specs and creg is not None:
+        weigh = list(dict.fromkeys(specs + [spec for *_, spec in local if spec]))
+        if weigh and creg is not None:
             from commlab.plan import compression as K
             had = set(cal.compressors)
-            cal = K.with_compressors(cal, specs, creg)
+            cal = K.with_compressors(cal, weigh, creg)
             new = [label for label in cal.compressors if label not in had]
             measured += [f"compressors {', '.join(new)}"] if new else []
     except (ConfigError, ValueError) as exc:
@@ -165,12 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     if specs:
         lines, compression = compression_section(cal, specs, creg, topo, workers, a.batch_size)
         text += lines
+    local_data: dict = {}
+    if local and creg is not None:
+        from commlab.plan import localsteps as L
+        settings = [L.LocalSteps(h, p_, t, cal.compressors[spec] if spec else None) for h, p_, t, spec in local]
+        lines, local_data = L.section(cal, settings, creg, topo, workers, specs, a.batch_size)
+        text += lines
     doc = {
         "workers": workers, "regimes": [r.url for r in regimes], "batch": a.batch_size,
         "results": [{"regime": k[0], "workers": k[1], **(v.as_dict() if not isinstance(v, str) else {"error": v})}
                     for k, v in plan.results.items()],
         "crossovers": {str(k): v for k, v in plan.crossovers.items()}, "seconds": took,
         "compression": {"regime": creg.url if creg else None, "by_workers": {str(n): v for n, v in compression.items()}},
+        "local_steps": {str(n): v for n, v in local_data.items()},
         "calibration": {"kept": str(kept.path) if kept else None, "measured_now": measured,
                         "measured_utc": cal.facts.get("measured_utc")}, "kept_answer": None}
     if answerable(a):  # kept under the calibration as it is now, with what this call measured
@@ -232,6 +246,26 @@ def write_kept_answer(a, argv, kept: KeptAnswer, body: list[str], doc: dict, png
     text = ["# commlab plan", "", f"{command(argv)}; the same query's answer, kept from an earlier call "
             f"(simulated then in {doc['seconds']:.1f} s).", ""] + body
     return write(out, text, doc, png)
+
+
+def local_settings(given: list[str]) -> list[tuple[int, int, int, str]]:
+    """``--local-steps``: each as the URL's options (sync_every, fragments, overlap, compress), checked by the
+    exchangers' own option rules; (H, P, T, compress spec or "")."""
+    from urllib.parse import parse_qsl
+    from commlab.base.config import ExchangerURL, parse_options
+    from commlab.regimes.allreduce import AllReduceOptions
+    out = []
+    for text in given:
+        keys = {k for k, _ in parse_qsl(text)}
+        if not keys <= {"sync_every", "fragments", "overlap", "compress"} or "sync_every" not in keys:
+            raise ConfigError(f"--local-steps {text!r}: give sync_every=H and optionally fragments=, overlap=, "
+                              f"compress=")
+        try:
+            o = parse_options(AllReduceOptions, ExchangerURL.parse("allreduce://?" + text))
+        except ConfigError as exc:
+            raise ConfigError(f"--local-steps {text!r}: {exc}") from None
+        out.append((o.sync_every, o.fragments, o.overlap, "" if o.compress in ("", "none") else o.compress))
+    return out
 
 
 def compress_specs(given: list[str]) -> list[str]:

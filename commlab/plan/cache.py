@@ -145,7 +145,7 @@ class Kept:
 # under a key made of the calibration, the options and the planner's own source, so an edited simulator
 # never answers from an older one's file.
 PLANNER_SOURCES = ("plan/costmodel.py", "plan/simulate.py", "plan/recommend.py", "plan/compression.py",
-                   "plan/rates.py", "plan/__main__.py", "transport/psproto.py", "regimes/ring.py")
+                   "plan/rates.py", "plan/__main__.py", "plan/localsteps.py", "transport/psproto.py", "regimes/ring.py")
 
 
 @dataclass(frozen=True)

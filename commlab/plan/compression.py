@@ -344,6 +344,13 @@ def crossover(cal: Calibration, cost: CompressorCost, regime: Regime, topo: Topo
         at = replace(topo, nic_bps=rate)
         return step(cal, cost, regime, at, n, batch) < step(cal, None, regime, at, n, batch)
 
+    return highest_rate(pays, lo, hi)
+
+
+def highest_rate(pays, lo: float = 1e3, hi: float = 1e13) -> float:
+    """The link rate (bytes/s) below which ``pays(rate)`` holds: ``inf`` if it does at every rate up to ``hi``, 0
+    if at none down to ``lo``; found on a log grid and refined by bisection. Where the sign changes more than once
+    on the grid, the highest rate at which it still pays."""
     grid = [lo * (hi / lo) ** (i / 120) for i in range(121)]
     paying = [r for r in grid if pays(r)]
     if not paying:

@@ -311,10 +311,13 @@ class Apply(ShardsStep):
         ex.stats.bytes_received += sum(ex._on_all(lambda s: s.pull(step), f"pull after step {step}"))
 
 
-class LocalOuter(StepPlacement):
+class LocalOuter(Averages):
     """Local steps (``sync_every=H``): the shards own the anchor and the outer optimizer. The user's optimizer
     is the inner one and steps *here* (``optimizer.step()`` is not taken over, although the shards step: they
-    step the outer optimizer); backward pushes nothing. Every H-th real step the schedule
+    step the outer optimizer); backward pushes nothing, except in the warm-up's synchronous steps
+    (``warmup=W``, mode=sync), which are :class:`Averages`' (the shards average, the averages come back into
+    ``p.grad``, the inner optimizer steps on them); at its end rank 0's parameters become the shards' anchor
+    (:meth:`ShardsOuter.start`). Every H-th real step the schedule
     (:class:`commlab.core.localsteps.LocalSteps`) asks :class:`ShardsOuter` to push this worker's pseudo-gradient
     and pull the new anchor."""
 
@@ -333,71 +336,101 @@ class LocalOuter(StepPlacement):
 
 
 class ShardsOuter(localsteps.Outer):
-    """The anchor and the outer optimizer on the shards. Each sync k of this worker is wire step ``base + k``:
-    each shard gets this worker's pseudo-gradient of its pieces as a push; sync: once every worker's is in,
-    the shard's report, then this worker's commit (the N-th commit steps the outer optimizer once over the
-    mean), then a pull of the new anchor; async: the pull of the newest anchor right after the push (the shard
-    applies each push alone as it lands, :class:`servers.modes.OuterOptimizer`). The pull writes the parameters
-    themselves; the anchor kept here (this worker's copy, from which the next pseudo-gradient is taken) is read
-    back from them. Thread: :meth:`begin` on the training thread, the exchange on the shards' threads."""
+    """The anchor and the outer optimizer on the shards. A sync of fragment p (``fragments=P``; one fragment: the
+    whole model) goes to each shard that holds a piece of it, as that shard's next wire step (each shard counts
+    its own: every rank syncs the same fragments in the same order, so they agree): the pseudo-gradient of the
+    fragment's pieces as a push (the shard's other keys named absent, so its outer optimizer steps only these);
+    sync: once every worker's is in, the shard's report, then this worker's commit (the N-th commit steps the
+    outer optimizer once over the mean), then a pull of the fragment's new anchor; async: the pull right after
+    the push (the shard applies each push alone as it lands, :class:`servers.modes.OuterOptimizer`). The pull
+    lands in this worker's copy of the fragment's anchor, never in the parameters: the schedule
+    (:class:`commlab.core.localsteps.LocalSteps`) mixes it in at its step (``overlap=T``: T inner steps later,
+    by ``alpha``), so the exchange runs on the shards' threads while the training thread computes. Thread:
+    :meth:`begin` on the training thread, the exchange on the shards' threads."""
 
     def __init__(self, ex: "PSExchanger", mode: psproto.Consistency):
         self.ex, self.mode = ex, mode
         self._anchors: list[torch.Tensor] = []
-        self.syncs = 0  # pseudo-gradients this worker pushed
+        self._names: list[list[str]] = []  # each fragment's parameter names, in the order of its flat anchor
+        self.syncs = 0  # fragment syncs this worker started
+        self.sent: dict[int, int] = {}  # shard -> wire steps this worker sent it (after the warm-up's)
+
+    def divide(self, parts):
+        assert self.ex.model is not None
+        names = {id(q): n for n, q in self.ex.model.named_parameters()}
+        self._names = [[names[id(q)] for q in part] for part in parts]
 
     def start(self, anchors):
-        if len(anchors) != 1:
-            raise ConfigError("ps:// sync_every= syncs the whole model at once (fragments=1)")
         self._anchors = anchors
+        ex = self.ex
+        if ex.options.warmup and ex.rank == 0:  # the end of the warm-up: the parameters (equal on every rank)
+            ex._on_all(lambda s: s.request("load", -1, ex._parts(s.index, None), what="the anchor after warm-up"),
+                       "the anchor after warm-up")
 
     def anchors(self):
         return self._anchors
 
-    def begin(self, p, delta, shapes):
+    def begin(self, p, delta, shapes, share=1.0):
         ex = self.ex
-        step = ex._base + self.syncs
-        self.syncs += 1
-        assert ex.model is not None
-        at, offset = {}, 0
-        for name, q in ex.model.named_parameters():
-            if q.requires_grad:
-                at[name] = offset
-                offset += q.numel()
+        at, offset = {}, 0  # parameter name -> its first element in the fragment's flat anchor
+        for name in self._names[p]:
+            at[name] = offset
+            offset += ex.model.get_parameter(name).numel()  # type: ignore[union-attr]
+        anchor = self._anchors[p]
         commit = {"factor": 1.0, "hyper": None} if self.mode.gathers else None
-
-        def exchange(s: "_Shard") -> int:
-            parts, absent = [], []
-            for pc in ex._pieces[s.index]:
-                if pc.param not in at:
-                    absent.append(pc.key)
-                    continue
+        self.syncs += 1
+        handles = []
+        for s in ex.shards:
+            mine = [pc for pc in ex._pieces[s.index] if pc.param in at]
+            if not mine:
+                continue  # this shard holds nothing of the fragment: it sees no step of it
+            step = ex._wire_step() + self.sent.get(s.index, 0)
+            self.sent[s.index] = self.sent.get(s.index, 0) + 1
+            parts = []
+            for pc in mine:
                 start = at[pc.param] + pc.start
-                values = delta[start:start + pc.count].to(wire.DTYPES[pc.dtype])
-                parts += wire.split(pc.key, values)
+                parts += wire.split(pc.key, delta[start:start + pc.count].to(wire.DTYPES[pc.dtype]))
                 ex.stats.bytes_sent += pc.nbytes
-            return s.push_then_pull(step, parts, {"base": s.version, "absent": absent},
-                                    f"pseudo-gradient of step {step}", commit)
+            absent = [pc.key for pc in ex._pieces[s.index] if pc.param not in at]
+            where = {pc.key: at[pc.param] + pc.start for pc in mine}
 
-        what = f"ps:// outer step {step} of {ex.rank_info.who()}"
-        handles = [FutureHandle(s.submit(exchange, s), f"{what} on {s.name}") for s in ex.shards]
+            def take(h: wire.Header, data, where=where) -> int:
+                for spec, frame in zip(h.frames, data):  # the fragment's new anchor, into this worker's copy
+                    first = where[spec.key] + spec.offset
+                    anchor[first:first + spec.count].copy_(wire.frame_tensor(spec, frame))
+                return h.data_bytes
+
+            def exchange(s: "_Shard", step=step, parts=parts, absent=absent, keys=[pc.key for pc in mine],
+                         take=take) -> int:
+                return s.push_then_pull(step, parts, {"base": s.version, "absent": absent},
+                                        f"pseudo-gradient of fragment {p} at step {step}", commit, keys, take)
+
+            handles.append(FutureHandle(s.submit(exchange, s), f"ps:// outer step of fragment {p} on {s.name}"))
+        what = f"ps:// outer step {self.syncs - 1} (fragment {p}) of {ex.rank_info.who()}"
 
         def landed(received: list) -> torch.Tensor:
             ex.stats.bytes_received += sum(received)
-            params = [q for q in ex.model.parameters() if q.requires_grad]  # type: ignore[union-attr]
-            anchor = self._anchors[p]
-            anchor.copy_(torch.cat([q.detach().reshape(-1).float() for q in params]))
             return anchor
 
         return _Retrying(handles, what, then=landed, retries=ex.options.retries)
 
+    @property
+    def buffer_offset(self) -> int:
+        """The buffers' round (on shard 0) at the end of an H: the wire step of shard 0's latest sync, over the
+        exchanger's. Every fragment syncs once per H and shard 0 holds a piece of one at least, so it moves on
+        every H; that sync ran on shard 0's thread before the buffers do, so the shard has it."""
+        return max(0, self.sent.get(0, 0) - 1)
+
     def state_dict(self):
-        return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs}
+        return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs, "sent": dict(self.sent)}
 
     def load_state_dict(self, state):
         if "anchors" in state:
             self._anchors = [a.clone().float() for a in state["anchors"]]
         self.syncs = int(state.get("syncs", 0))
+        self.sent = {int(k): int(v) for k, v in state.get("sent", {}).items()}
+        if "sent" not in state:  # saved before fragments: every sync went to every shard
+            self.sent = {s.index: self.syncs for s in self.ex.shards}
 
 
 class _Retrying(GroupHandle):

@@ -77,12 +77,18 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
                                                   "here; merged into DIR/trace.json at the end (docs/trace.md)")
     p.add_argument("--trace-torch", metavar="STEPS", help="with --trace: torch.profiler's operator trace of these "
                                                           "steps (N or FIRST-LAST, 0-based) in the same timeline")
+    p.add_argument("--replace", action="store_true",
+                   help="keep going: a rank killed by a signal gets a new process of its own while the others train "
+                        "on (ps://: it enters at the next step boundary with the servers' state; docs/faults.md)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="keep going, as --replace, with this many idle ranks started up front (torch loaded) that "
+                        "take over dead ranks first")
 
 
 def job_fields(a: argparse.Namespace) -> dict:
-    """The Job fields of :func:`add_job_args`'s timeline and metrics flags."""
-    return {"trace": a.trace, "trace_torch": a.trace_torch, "metrics_port": a.metrics_port,
-            "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
+    """The Job fields of :func:`add_job_args`'s keep-going, timeline and metrics flags."""
+    return {"replace": a.replace, "spares": a.spares, "trace": a.trace, "trace_torch": a.trace_torch,
+            "metrics_port": a.metrics_port, "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
 
 
 def train_main(argv: list[str]) -> int:

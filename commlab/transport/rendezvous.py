@@ -25,6 +25,44 @@ from typing import Any, Callable, Mapping
 from commlab.base.errors import CommTimeout, ConfigError
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun sets it in every worker: the job's restarts so far
+# Keep-going (docs/faults.md): a launcher that replaces a dead rank alone (commlab run --replace, --spares) sets
+# KEEP_GOING in every rank, so that the regimes keep going when a peer dies (ps://: min_workers defaults to 1);
+# a rank started in a dead one's place gets REPLACEMENT = when the launcher noticed the death (time.time()).
+KEEP_GOING = "COMMLAB_KEEP_GOING"
+REPLACEMENT = "COMMLAB_REPLACEMENT"
+
+
+def keep_going(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this rank's launcher replaces dead ranks alone (the survivors must keep going)."""
+    return (os.environ if env is None else env).get(KEEP_GOING, "") == "1"
+
+
+ENTERED = re.compile(r"entered at step (\d+)(?:, ([\d.]+) s after)?")  # announce_entry's line, as launchers read it
+
+
+def announce_entry(who: str, step: int, env: Mapping[str, str] | None = None) -> dict:
+    """A replacement entered its job at ``step`` (every regime that heals one calls this once): one line on
+    stdout, ``WHO: a replacement, entered at step E, X s after its predecessor's death was noticed``, which
+    the launcher reads back for its report (:data:`ENTERED`); returns ``{step, seconds}`` for the regime's
+    facts (``seconds`` only where ``$COMMLAB_REPLACEMENT`` says when the death was noticed)."""
+    healed: dict = {"step": step}
+    since = replacement_since(env)
+    if since is not None:
+        healed["seconds"] = round(time.time() - since, 3)
+    print(f"{who}: a replacement, entered at step {step}" + (
+        f", {healed['seconds']:.2f} s after its predecessor's death was noticed" if "seconds" in healed else ""),
+          flush=True)
+    return healed
+
+
+def replacement_since(env: Mapping[str, str] | None = None) -> float | None:
+    """When this process's predecessor's death was noticed (wall clock), if this process replaces a dead
+    rank; None for an ordinary start."""
+    value = (os.environ if env is None else env).get(REPLACEMENT, "")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        raise ConfigError(f"${REPLACEMENT} must be a time in seconds, got {value!r}") from None
 
 
 @dataclass(frozen=True)
