@@ -200,3 +200,113 @@ def step_split(summaries: list[dict], path: Path) -> Path | None:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     return save(fig, path)
+
+
+# ----- one step's timeline (a merged trace, docs/trace.md) ---------------------------------------------------
+# kind -> (colour, legend): what the training thread computed, where it sat blocked, and the communication
+TIMELINE_KINDS = {"forward": ("#9ecae1", "forward"), "backward": ("#3182bd", "backward"),
+                  "optimizer": ("#756bb1", "optimizer"), "codec": ("#bdbdbd", "encode / decode"),
+                  "blocked": ("#de2d26", "blocked (exposed communication)"),
+                  "comm": ("#fd8d3c", "communication (sends, receives, collectives)"),
+                  "server": ("#31a354", "shard: receive, apply, reply")}
+SHARD_PID = 1000  # docs/trace.md: rank r is pid r, shard k is pid 1000 + k
+
+
+def _span_kind(e: dict) -> str | None:
+    """Which bar a span of a merged trace draws (None: none)."""
+    cat, name = e.get("cat"), e.get("name", "")
+    if cat == "compute":
+        return name if name in ("forward", "backward", "optimizer") else None
+    if cat == "bucket" and name in ("encode", "decode"):
+        return "codec"
+    if cat in ("blocked", "comm", "server"):
+        return cat
+    if cat == "torch" and (name.startswith("gloo:") or name.startswith("c10d::")):  # --trace-torch's collectives
+        return "comm"
+    return None
+
+
+def step_timeline_bars(trace: dict | str | Path, step: int) -> tuple[list[tuple[str, list[tuple[float, float, str]]]], float]:
+    """The bars of ``step``'s timeline in a merged trace (a ``trace.json`` path or its object): rows
+    ``(label, [(start_ms, length_ms, kind), ...])`` and the window's length in ms.
+
+    The window runs from the first rank's start of that step to the last rank's end of it (the training
+    thread's ``step`` spans with ``args.step == step``), times in ms from its start. A rank's spans are clipped
+    to its own step (its neighbours' steps stay out), a shard's to the window. Rows: per rank its training thread (forward, backward,
+    optimizer, encode/decode, blocked) and its communication on any thread; per shard its handling of
+    requests. Raises ValueError when no rank has that step."""
+    import json
+
+    if not isinstance(trace, dict):
+        trace = json.loads(Path(trace).read_text())
+    events = trace["traceEvents"]
+    steps = {(e["pid"], e["tid"]): e for e in events
+             if e.get("ph") == "X" and e.get("cat") == "step" and (e.get("args") or {}).get("step") == step}
+    if not steps:
+        raise ValueError(f"the trace has no step {step} on any rank")
+    t0 = min(e["ts"] for e in steps.values())
+    t1 = max(e["ts"] + e["dur"] for e in steps.values())
+    training = {pid: tid for pid, tid in steps}
+    own = {pid: (e["ts"], e["ts"] + e["dur"]) for (pid, _), e in steps.items()}
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    rows: dict[tuple, list] = {}
+    for pid in sorted(training):
+        rows[(pid, 0)], rows[(pid, 1)] = [], []
+    for e in events:
+        kind = _span_kind(e) if e.get("ph") == "X" else None
+        pid = e.get("pid")
+        if kind is None or not (pid in training or (pid >= SHARD_PID and kind == "server")):
+            continue
+        lo, hi = own.get(pid, (t0, t1))
+        start, end = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+        if end <= start:
+            continue
+        row = (pid, 0) if pid >= SHARD_PID else (pid, 1) if kind == "comm" else (pid, 0)
+        if row == (pid, 0) and pid < SHARD_PID and e["tid"] != training[pid]:
+            continue  # another thread's compute-like span (none today): only the training thread's row
+        rows.setdefault(row, []).append(((start - t0) / 1e3, (end - start) / 1e3, kind))
+    out = []
+    for (pid, sub), bars in sorted(rows.items()):
+        name = names.get(pid, f"rank {pid}" if pid < SHARD_PID else f"shard {pid - SHARD_PID}")
+        out.append((f"{name} comm" if sub else name, sorted(bars)))
+    return out, (t1 - t0) / 1e3
+
+
+def plot_step_timelines(panels: list[tuple[str, dict | str | Path, int]], path: Path) -> Path | None:
+    """One panel per ``(title, merged trace, step)``, stacked, on one time axis: each rank's training
+    thread and communication and each shard as rows of coloured bars (:func:`step_timeline_bars`), so
+    whether communication ran under backward or after it is seen at a glance. None without panels."""
+    if not panels:
+        return None
+    drawn = [(title, *step_timeline_bars(trace, step), step) for title, trace, step in panels]
+    heights = [max(1, len(rows)) * 0.42 + 0.9 for _, rows, _, _ in drawn]
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(11, sum(heights) + 0.9), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (title, rows, length, step) in zip(axes[:, 0], drawn):
+        for y, (_, bars) in enumerate(rows):
+            for kind in TIMELINE_KINDS:
+                xs = [(s, d) for s, d, k in bars if k == kind]
+                if xs:
+                    ax.broken_barh(xs, (y - 0.36, 0.72), color=TIMELINE_KINDS[kind][0], linewidth=0)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([label for label, _ in rows], fontsize=8)
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_title(f"{title}: step {step}, {length:.1f} ms from the first rank's start to the last rank's end",
+                     fontsize=9, loc="left")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("milliseconds from the step's start (one clock: docs/trace.md)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in TIMELINE_KINDS.values()]
+    fig.legend(handles, [label for _, label in TIMELINE_KINDS.values()], loc="lower center", ncol=4, fontsize=8,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.07 if len(drawn) > 1 else 0.12, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_step_timeline(trace: dict | str | Path, step: int, path: Path, title: str = "") -> Path:
+    """``step``'s timeline of one merged trace as a PNG at ``path`` (:func:`plot_step_timelines`, one panel)."""
+    out = plot_step_timelines([(title or Path(str(trace)).parent.name if not isinstance(trace, dict) else title,
+                                trace, step)], path)
+    assert out is not None
+    return out

@@ -160,7 +160,7 @@ class CaseFailed(RuntimeError):
 
 
 def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, workers: int, deadline_s: float,
-              exchanger: str = "local://", url_flag: str | None = None) -> list[list[dict]]:
+              exchanger: str = "local://", url_flag: str | None = None, trace: str | None = None) -> list[list[dict]]:
     """Run ``python COMMAND ARGS`` as ``workers`` ranks (:func:`bench.jobs.run`); each rank's metrics lines.
 
     The launcher starts the servers ``exchanger``'s regime plans (they bind port 0 and report), hosts
@@ -174,7 +174,7 @@ def run_ranks(name: str, command: Sequence[str], args: Sequence[str] = (), *, wo
     with scratch.folder("case") as tmp:
         base = Path(tmp) / "metrics.jsonl"
         job = launcher.Job(tuple(command), tuple(args), workers, exchanger, url_flag=url_flag, metrics=str(base),
-                           name=name)
+                           name=name, trace=trace)
         res = jobs.run(job, Path(tmp) / "job.log", deadline_s)
         if not res.ok:
             raise CaseFailed(f"{name}: {res.error()}")

@@ -21,13 +21,16 @@ flags of their own").
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+from pathlib import Path
 
 from bench import records as rec
 from bench import verdict
 from bench import regimes as R
 from bench.text import human_bytes, names
+from commlab.base.trace import folder_problem as trace_folder_problem
 
 CASE = "train-step"
 PEERS = {"local": "one process, the same per-rank batch, no exchange", "ddp": "DistributedDataParallel (gloo)",
@@ -41,9 +44,12 @@ def gradient_bytes(model: str, seed: int = 0) -> int:
     return 4 * sum(p.numel() for p in build_model(model, seed)[0].parameters())
 
 
+TRACED = " +trace"  # an entry run with the timeline on (--trace): the same regime, each rank recording
+
+
 def url_of(entry: str) -> str:
     """The exchanger URL an entry's ranks get ("" for DDP, which is no commlab regime)."""
-    return "" if entry.startswith("ddp") else R.url_of(entry)
+    return "" if entry.startswith("ddp") else R.url_of(entry.removesuffix(TRACED))
 
 
 def run_entry(entry: str, a) -> list[dict]:
@@ -55,9 +61,13 @@ def run_entry(entry: str, a) -> list[dict]:
         ranks = rec.run_ranks(f"train-step {entry}", ("-m", "bench.ddp_worker"), [*common, *heap],
                               workers=a.workers, deadline_s=a.timeout)
     else:
+        traced = None
+        if entry.endswith(TRACED):  # this round's timeline, in a folder of its own
+            a.trace_runs = getattr(a, "trace_runs", 0) + 1
+            traced = str(Path(a.trace) / f"regime{a.regimes.index(entry.removesuffix(TRACED))}-run{a.trace_runs}")
         ranks = rec.run_ranks(f"train-step {entry}", ("-m", "workers"), [*common, "--no-progress"],
                               workers=1 if entry == "local" else a.workers, deadline_s=a.timeout,
-                              exchanger=url_of(entry), url_flag="--exchanger")
+                              exchanger=url_of(entry), url_flag="--exchanger", trace=traced)
     return [r for r in ranks[0] if "step_s" in r]
 
 
@@ -79,13 +89,42 @@ def verdicts(records: list[dict], regimes: list[str]) -> list[tuple[str, verdict
     bases = [p for p in ("ddp", "ddp+heap") if p in by]
     if regimes[0] in by:
         bases.append(regimes[0])
-    out = []
+    out = [(f"{r['regime']} / {r['regime'].removesuffix(TRACED)} step time",
+            verdict.compare(r["regime"].removesuffix(TRACED), by[r["regime"].removesuffix(TRACED)]["samples_us"],
+                            r["regime"], r["samples_us"], paired=False))
+           for r in records if r["regime"].endswith(TRACED) and r["regime"].removesuffix(TRACED) in by]
     for base in bases:
-        others = [r for r in records if r["regime"] != base] if base in PEERS else \
+        others = [r for r in records if r["regime"] != base and not r["regime"].endswith(TRACED)] if base in PEERS else \
             [by[x] for x in regimes[1:] if x in by]
         out += [(f"{r['regime']} / {base} step time",
                  verdict.compare(base, by[base]["samples_us"], r["regime"], r["samples_us"], paired=False))
                 for r in others]
+    return out
+
+
+def timeline_png(a) -> Path | None:
+    """``DIR/timeline.png``: one step of each regime's last traced round (the middle measured step), a panel per
+    regime on one time axis (:func:`bench.plots.plot_step_timelines`): whether its communication ran under
+    backward or after it, at a glance. A regime without a trace of that step is left out, and says why."""
+    from bench import plots
+
+    step = a.warmup + a.steps // 2
+    panels = []
+    for i, url in enumerate(a.regimes):
+        runs = sorted(Path(a.trace).glob(f"regime{i}-run*/trace.json"), key=lambda p: int(p.parent.name.rsplit("run", 1)[1]))
+        if not runs:
+            print(f"timeline: {url} left a trace of no round", file=sys.stderr)
+            continue
+        try:
+            trace = json.loads(runs[-1].read_text())
+            plots.step_timeline_bars(trace, step)
+        except (ValueError, KeyError, OSError) as exc:  # (JSONDecodeError is a ValueError)
+            print(f"timeline: {url}: {runs[-1]}: {exc}", file=sys.stderr)
+            continue
+        panels.append((url, trace, step))
+    out = plots.plot_step_timelines(panels, Path(a.trace) / "timeline.png")
+    if out is not None:
+        print(f"wrote {out} (step {step} of each regime's last traced round; docs/bench.md)", file=sys.stderr)
     return out
 
 
@@ -102,6 +141,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--regimes", nargs="+", default=["allreduce://?backend=gloo"], help="exchanger URLs")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated, of: " + ", ".join(PEERS))
     p.add_argument("--json", help="write the records, verdicts and failures here")
+    p.add_argument("--trace", metavar="DIR", help="also run each regime with its timeline on (docs/trace.md; kept in "
+                                                  "DIR/<regime>-<round>), taking turns with it off: what tracing costs")
     return p
 
 
@@ -119,12 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         p.error("; ".join(problems))
     entries = [*peers, *a.regimes]
+    if a.trace:  # each regime beside itself traced, one after the other in every round
+        problem = trace_folder_problem(a.trace)
+        if problem:
+            p.error(f"--trace: {problem}")
+        entries = [*peers, *(e for url in a.regimes for e in (url, f"{url}{TRACED}"))]
     size = gradient_bytes(a.model)
     got, failures = rec.take_turns(CASE, entries, a.rounds, lambda e: run_entry(e, a)[a.warmup:],
                                    lambda rnd, e, rows: print(f"[round {rnd + 1}/{a.rounds}] {e}: {len(rows)} steps",
                                                               file=sys.stderr, flush=True))
     rows = {e: [r for part in got[e] for r in part] for e in entries}
     records = [to_record(e, rows[e], a, size) for e in entries if rows[e] and e not in failures]
+    if a.trace:
+        timeline_png(a)
     return rec.conclude(CASE, f"{a.model} ({human_bytes(size)} of gradients), {a.workers} ranks x batch "
                         f"{a.batch_size}, 1 thread each, {a.rounds} rounds x {a.steps} steps "
                         f"(after {a.warmup} warm-up)",

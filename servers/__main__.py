@@ -7,6 +7,7 @@ import sys
 
 from commlab.transport import auth, psproto
 from commlab.base.errors import CommError, ConfigError
+from commlab.launch import exporter
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-timeout", type=float, default=60.0,
                    help="seconds after which a key space whose connections all closed without bye is freed "
                         "(zmq heartbeats close a dead host's connection within half of it)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://ADDR:PORT/metrics (0: any free "
+                                                    "port, printed on stdout; needs commlab[metrics]; default: off)")
+    p.add_argument("--metrics-addr", default=exporter.DEFAULT_ADDR, help="the address the metrics endpoint binds")
+    p.add_argument("--metrics-insecure", action="store_true",
+                   help="allow the metrics endpoint (plain, unauthenticated HTTP) on an address off loopback")
     return p
 
 
@@ -56,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commlab server: --shard {a.shard!r} is not I/K", file=sys.stderr)
         return 2
     try:
+        if a.metrics_port is not None:  # before anything binds
+            if not 0 <= a.metrics_port < 65536:
+                raise ConfigError(f"--metrics-port {a.metrics_port}: a port is in [0, 65536)")
+            exporter.check_bind(a.metrics_addr, a.metrics_insecure)
+            exporter.require()
         if a.keys:
             if a.curve_secret or a.authorized:
                 raise ConfigError("--keys DIR replaces --curve-secret and --authorized: give one or the other")
@@ -80,6 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
         print(f"commlab server: {exc}", file=sys.stderr)
         return 2
+    if a.metrics_port is not None:
+        from servers.metrics import ShardCollector, StatsProbe
+
+        probe = server.probe = StatsProbe()
+        try:
+            endpoint = exporter.serve(ShardCollector(probe, server.COUNTERS), a.metrics_addr, a.metrics_port)
+        except ConfigError as exc:
+            server.close()
+            print(f"commlab server: {exc}", file=sys.stderr)
+            return 2
+        # before the "listening on" line: a launcher that waits for that one has this one too
+        print(f"commlab server {cfg.name} metrics on {endpoint.url}", flush=True)
     try:
         server.serve()
     finally:

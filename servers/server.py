@@ -51,18 +51,20 @@ import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import msgpack
 import torch
 import zmq
 
+from commlab.base import trace
 from commlab.transport import auth, psproto, psshm, shm, sockets as transport, wire
 from commlab.base.config import check_number
 from commlab.base.errors import ConfigError, ProtocolError
 from commlab.core.manifest import manifest_difference, optimizer_difference
 from commlab.core.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
+from servers.metrics import StatsProbe
 from servers.membership import Membership
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
 from servers.replication import Replication
@@ -252,6 +254,7 @@ class ParameterServer:
 
     def _reply(self, ident: bytes, op: str, req_id, meta: dict | None = None, parts=(), step: int = -1,
                tracked: bool = True, payloads: psshm.Payloads = psshm.FRAMES) -> None:
+        t0 = self.host._trace.now() if self.host._trace is not None else 0
         at = payloads.place(list(parts))  # through a link: copied into the worker's outbound segment
         meta = dict(meta or {}, id=req_id, **self.host.repl.reply_fields())  # (replicated: the shard's servers)
         frames = [ident, *wire.encode(op, f"server{self.cfg.shard}", step, parts, meta, at)]
@@ -260,6 +263,8 @@ class ParameterServer:
         track = bool(parts) and at is None
         self.host.emit(frames, [spec.key for spec, _ in parts] if track and tracked else [], self, track)
         self.stats.bytes_out += sum(spec.nbytes for spec, _ in parts)
+        if self.host._trace is not None:
+            self.host._trace_reply(ident, req_id, op, sum(spec.nbytes for spec, _ in parts), t0)
 
     def _rank_of(self, h: wire.Header) -> int:
         rank = self.senders.get(h.sender)
@@ -696,6 +701,8 @@ class ParameterServer:
     def count_update(self, staleness: list[int]) -> None:
         self.version += 1
         self.stats.updates += 1
+        if self.host._trace is not None and staleness:
+            self.host._trace.counter(f"staleness {self.space or 'space0'}", {"max": max(staleness)})
         for s in staleness:
             self.stats.staleness[s] += 1
         self._since_checkpoint += 1
@@ -1109,6 +1116,10 @@ class ShardServer:
         self.retired: dict[str, dict] = {}  # freed spaces' last stats
         self.stats = Stats()  # what no space could be charged with (unreadable or oversized messages)
         self._stop = False
+        # the timeline (commlab.base.trace): None unless $COMMLAB_TRACE is set
+        self._trace = trace.recorder("shard", cfg.shard)
+        self._tr_flows: dict[tuple[bytes, Any], tuple[int, dict]] = {}  # (connection, request id) -> reply's flow
+        self.probe: StatsProbe | None = None  # while a metrics endpoint is served (--metrics-port)
         if cfg.resume:
             self._resume(Path(cfg.resume))
         self.repl = Replication(self)  # a primary (alone until a backup attaches), or with replica_of a backup
@@ -1155,6 +1166,8 @@ class ShardServer:
                                                                             f"{self.cfg.name} takes at most {limit}"})
                 else:
                     self.handle(frames)
+            if self.probe is not None:
+                self.probe.answer(self.metrics_snapshot)
             if time.monotonic() >= next_log:
                 self.log()
                 next_log = time.monotonic() + self.cfg.log_every
@@ -1187,6 +1200,8 @@ class ShardServer:
         return max([0, *(sp.max_bytes for sp in self.spaces.values())])
 
     def close(self) -> None:
+        if self._trace is not None:
+            self._trace.write()
         for space in self.spaces.values():
             space._close_links()
         self.admission.close()
@@ -1204,14 +1219,26 @@ class ShardServer:
     COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
                 "resized", "lost_pushes", "bytes_in", "bytes_out", "copies_on_write")
 
+    def space_stats(self) -> dict[str, dict]:
+        """Every key space this process served, live (``live``: True) or freed, -> its stats."""
+        every = {name: dict(sp.stats_dict(), live=True) for name, sp in self.spaces.items()}
+        every.update({name: dict(st, live=False) for name, st in self.retired.items() if name not in every})
+        return every
+
+    def metrics_snapshot(self) -> dict:
+        """What a metrics scrape shows (:mod:`servers.metrics`): ``total`` (the ``stats`` reply), ``spaces``
+        (each space's stats) and ``unattributed`` (the counters no space could be charged with)."""
+        return {"total": self.stats_dict(), "spaces": self.space_stats(),
+                "unattributed": {key: getattr(self.stats, key) for key in self.COUNTERS}}
+
     def stats_dict(self, space: str | None = None) -> dict:
         """One space's stats (``space``; by default the job's first, else the newest) with the counters
         added up over every space this process served, and ``spaces``: each live and freed space's."""
-        every = {name: sp.stats_dict() for name, sp in self.spaces.items()}
-        every.update({name: st for name, st in self.retired.items() if name not in every})
+        every = self.space_stats()
         if space is None:
             space = "" if "" in every else next(reversed(every), "")
         base = dict(every.get(space) or ParameterServer(self.cfg, self, space).stats_dict())  # (none yet: empty)
+        base.pop("live", None)
         for key in self.COUNTERS:
             base[key] = getattr(self.stats, key) + sum(st[key] for st in every.values())
         base["boot"] = self.boot
@@ -1239,6 +1266,7 @@ class ShardServer:
         req_id = None
         payloads = self._payloads(ident)
         space = None
+        t0 = self._trace.now() if self._trace is not None else 0
         try:
             limit = self.max_bytes
             h = wire.decode(body, ops=psproto.REQUESTS | psproto.REPLICATION, max_bytes=max(limit, psproto.BLOB_MAX),
@@ -1247,10 +1275,12 @@ class ShardServer:
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                stats = self.stats_dict(self._space_name(h))
+                meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
                 if h.meta.get("digest") is True:  # tests: is a backup's state the primary's, bit for bit?
-                    stats["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
-                self._answer(ident, req_id, "ok", {"stats": stats})
+                    meta["stats"]["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
+                if self._trace is not None:  # a worker measuring this shard's trace clock
+                    meta["clock_ns"] = self._trace.now()
+                self._answer(ident, req_id, "ok", meta)
                 return
             if h.op in psproto.REPLICATION or not self.repl.serves(ident, req_id):
                 if h.op in psproto.REPLICATION:
@@ -1266,7 +1296,10 @@ class ShardServer:
             else:
                 space.admit(ident, h)
             space.stats.bytes_in += h.data_bytes
+            t1 = self._trace_received(ident, h, space, t0) if self._trace is not None else 0
             getattr(space, "_op_" + h.op)(ident, h, data)
+            if self._trace is not None:
+                self._trace_applied(h, space, t0, t1)
             if h.op == "bye" and space.closed:
                 self._free(space)
         except (ProtocolError, Refused) as exc:
@@ -1308,9 +1341,42 @@ class ShardServer:
         del self.spaces[space.space]
         self.repl.freed(space.space)
 
+    # ----- the timeline: a request's receive, apply and reply, and the flows from and to its worker -----
+    def _trace_received(self, ident: bytes, h: wire.Header, space: ParameterServer, t0: int) -> int:
+        rec = self._trace
+        assert rec is not None
+        args = {"rank": h.sender, "space": space.space, "step": h.step, "op": h.op, "bytes": h.data_bytes}
+        t1 = rec.now()
+        if h.meta.get("trace"):  # the worker traces: its send's arrow ends here, our reply's starts at the reply
+            rid = h.meta.get("id")
+            rec.flow("f", trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 0), "request", t0)
+            self._tr_flows[(ident, rid)] = (trace.flow_id(h.sender, self.cfg.shard, space.space, rid, 1), args)
+        rec.span("receive", "server", t0, t1, args)
+        return t1
+
+    def _trace_applied(self, h: wire.Header, space: ParameterServer, t0: int, t1: int) -> None:
+        rec = self._trace
+        assert rec is not None
+        args = {"rank": h.sender, "space": space.space, "step": h.step, "op": h.op, "bytes": h.data_bytes}
+        t2 = rec.span("apply", "server", t1, args=args)
+        rec.span(h.op, "request", t0, t2, args)
+        rec.counter("queue depth", {"waiting pulls": sum(len(sp.waiting) for sp in self.spaces.values())}, t2)
+
+    def _trace_reply(self, ident: bytes, req_id, op: str, nbytes: int, t0: int) -> None:
+        """A reply went out since ``t0``: its span, and the arrow to the worker's receive if its request was traced."""
+        rec = self._trace
+        assert rec is not None
+        fid, args = self._tr_flows.pop((ident, req_id), (None, {}))
+        t1 = rec.span("reply", "server", t0, args=dict(args, reply=op, bytes=nbytes))
+        if fid is not None:
+            rec.flow("s", fid, "reply", t0)
+
     def _answer(self, ident: bytes, req_id, op: str, meta: dict) -> None:
         """A reply no space sends: an error before a space was found, or the stats."""
+        t0 = self._trace.now() if self._trace is not None else 0
         self.emit([ident, *wire.encode(op, f"server{self.cfg.shard}", -1, (), dict(meta, id=req_id))])
+        if self._trace is not None and op == "error":
+            self._trace_reply(ident, req_id, op, 0, t0)
 
     def emit(self, frames: list, keys: Sequence[str] = (), space: ParameterServer | None = None,
              track: bool = False) -> None:

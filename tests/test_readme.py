@@ -23,7 +23,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 MAX_README_LINES = 260
 
 # top-level entries a cited path may start with (runs/ is output, never committed)
-TOP = ("commlab", "servers", "workers", "examples", "bench", "tests", "docs", ".ci")
+TOP = ("commlab", "servers", "workers", "examples", "bench", "tests", "docs", "deploy", ".ci")
 TOP_FILES = ("Makefile", "pyproject.toml", "README.md")
 
 _PATH = re.compile(r"(?<![\w./:~-])((?:%s)/[\w./{},*<>-]*|(?:%s)\b)"

@@ -116,14 +116,18 @@ class CompressedExchange(Handle):
     into ``out``. The presence flags (``flags``, or None) are summed exactly alongside round 0."""
 
     def __init__(self, comp: Compressor, key: int, x: torch.Tensor, shapes, flags: torch.Tensor | None,
-                 mover: Mover, what: str, train: list | None = None):
+                 mover: Mover, what: str, train: list | None = None, trace=None):
         self.comp, self.key, self.out, self.flags, self.mover, self.what = comp, key, x, flags, mover, what
+        self.trace = trace  # the timeline's recorder ($COMMLAB_TRACE), else None
         self.train = train if train is not None else [self]  # this step's exchanges, in bucket order
         self.round = 0
         self._handle: Handle
         self._flat: torch.Tensor | None  # gathered: this rank's packed payload; None: nothing moved
         self._sums: list[tuple[list[int], torch.Tensor]] = []  # summed: (indices into the round's tensors, flat)
+        t0 = trace.now() if trace is not None else 0
         payload = comp.start(key, x, shapes)
+        if trace is not None:
+            trace.span("encode", "bucket", t0, args={"bucket": key, "compressor": comp.name})
         extra = [flags] if flags is not None and flags.numel() else []
         self._send(payload, extra)
 
@@ -190,7 +194,11 @@ class CompressedExchange(Handle):
         later = self.train[next(i for i, h in enumerate(self.train) if h is self):]
         for h in later:  # this bucket and every later one, in bucket order: the same issue order on every rank
             h._to_last_round(deadline)
-        self.comp.finish(self.key, self._take(deadline), self.out)
+        combined = self._take(deadline)
+        t0 = self.trace.now() if self.trace is not None else 0
+        self.comp.finish(self.key, combined, self.out)
+        if self.trace is not None:
+            self.trace.span("decode", "bucket", t0, args={"bucket": self.key, "compressor": self.comp.name})
         return None
 
 
@@ -203,6 +211,7 @@ class CompressState:
     def __init__(self, comp: Compressor):
         self.comp = comp
         self.train: list[CompressedExchange] = []  # this step's exchanges, in the order they started
+        self.trace: Any = None  # the timeline's recorder, when the exchanger traces (encode and decode spans)
 
     def start(self, key: int, x: torch.Tensor, shapes, flags: torch.Tensor | None, mover: Mover, what: str,
               first: bool) -> CompressedExchange:
@@ -210,7 +219,7 @@ class CompressState:
         ``first``: the step's first bucket, which starts the step's train. Does not block."""
         if first:
             self.train = []
-        handle = CompressedExchange(self.comp, key, x, shapes, flags, mover, what, self.train)
+        handle = CompressedExchange(self.comp, key, x, shapes, flags, mover, what, self.train, self.trace)
         self.train.append(handle)
         return handle
 

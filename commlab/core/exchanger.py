@@ -71,6 +71,7 @@ from commlab.base.handles import CallHandle, GroupHandle, Handle
 from commlab.core.manifest import describe_optimizer
 from commlab.core.optim import OptimizerSpec
 from commlab import compress
+from commlab.base import trace
 from commlab.transport import rendezvous
 from commlab.compress import seam as compress_seam
 from commlab.core import localsteps
@@ -475,6 +476,13 @@ class BucketedExchanger(Exchanger):
         self._flag_holders: list[nn.Module] = []  # where that flag is read: the model, and its compile wrapper
         self._join = Join()  # inside join(): the regime's (_join_hook), for that join() alone
         self.talk = localsteps.schedule(options)  # when to talk: every step, or every H (commlab.core.localsteps)
+        # the timeline (commlab.base.trace): None unless $COMMLAB_TRACE is set; every seam checks this alone
+        self._trace = trace.recorder("rank", rank.global_rank())
+        if self._trace is not None and self.compress_state is not None:
+            self.compress_state.trace = self._trace  # encode and decode spans (commlab.compress.seam)
+        self._tr_step0 = self._tr_bwd0 = self._tr_opt0 = 0  # where the open step, backward, optimizer step began
+        self._tr_tasks: set[int] = set()  # backwards whose end the timeline waits for
+        self._tr_torch: trace.TorchProfile | None = None  # --trace-torch: torch.profiler over the chosen steps
         self._begin_step_totals()
         self._reset_step_state()
 
@@ -515,6 +523,10 @@ class BucketedExchanger(Exchanger):
     def _make_outer(self, options) -> localsteps.Outer:
         """Where the anchor and the outer optimizer of local steps (``sync_every=``) live for this regime."""
         raise ConfigError(f"{self.scheme}:// cannot take local steps (sync_every=)")
+
+    def _trace_clocks(self, rec: trace.Recorder) -> None:
+        """Tracing: measure the clocks of the processes this regime meets (:meth:`trace.Recorder.peer_clock`).
+        Collective where the regime's peers answer (the collectives: through the store). Default: none."""
 
     # ----- the contract ------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerSpec) -> None:
@@ -562,6 +574,61 @@ class BucketedExchanger(Exchanger):
         else:
             self._hooks.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._before_step()))
             self._hooks.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_step()))
+        if self._trace is not None:
+            self._trace_setup(wrapper if wrapper is not None else model)
+
+    # ----- the timeline (commlab.base.trace): recorded only with $COMMLAB_TRACE -------------------
+    def _trace_setup(self, model: nn.Module) -> None:
+        """Forward and backward hooks that only record, the clocks of the peers, this regime in the metadata."""
+        rec = self._trace
+        assert rec is not None
+        self._trace_clocks(rec)
+        rec.meta.setdefault("regimes", []).append({"scheme": self.scheme, "world_size": self.world_size,
+                                                   "rank": self.rank, "buckets": len(self.buckets)})
+
+        def before_forward(module, args):
+            if torch.is_grad_enabled():
+                now = rec.now()
+                if not self._tr_step0:
+                    self._tr_step0 = now
+                self._tr_fwd0 = now
+
+        def after_forward(module, args, output):
+            if torch.is_grad_enabled() and getattr(self, "_tr_fwd0", 0):
+                rec.span("forward", "compute", self._tr_fwd0)
+                self._tr_fwd0 = 0
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    output.register_hook(self._trace_backward_begins)
+
+        self._hooks.append(model.register_forward_pre_hook(_eager(before_forward)))
+        self._hooks.append(model.register_forward_hook(_eager(after_forward)))
+        steps = trace.torch_steps()
+        if steps is not None and self._tr_torch is None:
+            self._tr_torch = trace.TorchProfile(rec, steps)
+            self._tr_torch.at_step(self.stats.steps)
+
+    def _trace_backward_begins(self, grad=None):
+        """The backward reached the model's output (or a first parameter): its span starts, and its end is
+        waited for with a callback queued ahead of the exchange's (so the blocked time follows it)."""
+        rec = self._trace
+        if rec is None:
+            return None
+        if not self._tr_bwd0:
+            self._tr_bwd0 = rec.now()
+            if not self._tr_step0:
+                self._tr_step0 = self._tr_bwd0
+        task = _graph_task_id()
+        if task not in self._tr_tasks:
+            self._tr_tasks.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._trace_backward_ends)
+        return None
+
+    def _trace_backward_ends(self) -> None:
+        rec = self._trace
+        self._tr_tasks.clear()
+        if rec is not None and self._tr_bwd0:
+            rec.span("backward", "compute", self._tr_bwd0, args={"exchange": self._step})
+            self._tr_bwd0 = 0
 
     def zero_grad(self) -> None:
         """Forget every gradient (``p.grad = None``, as torch's ``zero_grad`` does by default):
@@ -654,6 +721,10 @@ class BucketedExchanger(Exchanger):
 
     def close(self) -> None:
         self.talk.close()
+        if self._trace is not None:
+            if self._tr_torch is not None:
+                self._tr_torch.close()
+            self._trace.write()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -680,6 +751,8 @@ class BucketedExchanger(Exchanger):
         self._step_wait, self._step_exchanges = 0.0, 0
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if self._trace is not None:
+            self._trace_backward_begins()
         if self._phase == "exchanged":  # a backward after an exchange no step consumed: a new exchange
             bi, slot = self._where[id(param)]
             if param.grad is None or local(param.grad).data_ptr() != self.buckets[bi].view(slot).data_ptr():
@@ -700,6 +773,8 @@ class BucketedExchanger(Exchanger):
         self._move_in(bucket, slot)
         bucket.pending -= 1
         if bucket.pending == 0:
+            if self._trace is not None:
+                self._trace.instant("ready", "bucket", {"bucket": bi, "exchange": self._step})
             self._ready[bi] = True
             while self._next < len(self.buckets) and self._ready[self._next]:
                 self._launch_until(self._next + 1)
@@ -718,9 +793,12 @@ class BucketedExchanger(Exchanger):
         if not self._sync:
             raise ConfigError("step() inside no_sync(): leave the block for the last micro-step")
         self._launch_until(len(self.buckets))
+        t0 = self._trace.now() if self._trace is not None else 0
         started = time.perf_counter()
         self._exchange(timeout)
         waited = time.perf_counter() - started
+        if self._trace is not None:
+            self._trace.span("blocked", "blocked", t0, args={"exchange": self._step, "wait_s": waited})
         self.stats.wait_s += waited
         self.stats.exchanges += 1
         self._step_wait += waited
@@ -745,6 +823,8 @@ class BucketedExchanger(Exchanger):
         if not self._sync:
             raise ConfigError("optimizer.step() inside exchanger.no_sync(): leave the block for the last micro-step")
         self._finalize(self.options.timeout)
+        if self._trace is not None:
+            self._tr_opt0 = self._trace.now()
 
     def exchange_step(self, timeout: float | None = None) -> StepReport:
         """See :meth:`AveragesSteps.exchange_step` (a regime that updates on its servers refuses: its update is
@@ -760,8 +840,20 @@ class BucketedExchanger(Exchanger):
         return report
 
     def _after_step(self) -> None:
+        rec = self._trace
+        if rec is not None and self._tr_opt0:
+            rec.span("optimizer", "compute", self._tr_opt0, args={"step": self.stats.steps})
+            self._tr_opt0 = 0
         self.stats.steps += 1
+        t0 = rec.now() if rec is not None else 0
         waited = self.talk.after_step()
+        if rec is not None:
+            if waited is not None:
+                rec.span("local-step sync", "blocked", t0, args={"step": self.stats.steps - 1, "wait_s": waited})
+            rec.span("step", "step", self._tr_step0 or t0, args={"step": self.stats.steps - 1})
+            self._tr_step0 = 0
+            if self._tr_torch is not None:
+                self._tr_torch.at_step(self.stats.steps)
         if waited is not None:  # a local step (and the fragment syncs due at it) reports itself
             self.stats.wait_s += waited
             self.last_report = StepReport(self.stats.steps - 1, waited, self.stats.bytes_sent - self._step_sent0,
@@ -782,9 +874,13 @@ class BucketedExchanger(Exchanger):
                 raise ConfigError(f"{self.scheme}:// updates on its servers, which cannot call a closure; "
                                   f"use an update placement that runs the optimizer on the workers")
             self._before_step()
+            t0 = self._trace.now() if self._trace is not None else 0
             started = time.perf_counter()
             self._remote_update(self.options.timeout)
             waited = time.perf_counter() - started
+            if self._trace is not None:
+                self._trace.span("remote update", "blocked", t0, args={"step": self.stats.steps, "wait_s": waited})
+                self._tr_opt0 = 0
             self.stats.wait_s += waited
             if self.last_report is not None:
                 r = self.last_report
@@ -803,8 +899,12 @@ class BucketedExchanger(Exchanger):
             self._join.exchange_begins()
         while self._next < stop:
             bucket = self.buckets[self._next]
+            t0 = self._trace.now() if self._trace is not None else 0
             self._prepare(bucket)
             self._handles.append(self._start_bucket(bucket))
+            if self._trace is not None:
+                self._trace.span("start bucket", "bucket", t0, args={"bucket": bucket.index, "bytes": bucket.nbytes,
+                                                                      "exchange": self._step})
             self._next += 1
 
     def _move_in(self, bucket: Bucket, i: int) -> None:
@@ -967,6 +1067,9 @@ class CollectiveExchanger(KeepGoing, BucketedExchanger, Collective):
 
     def _make_outer(self, options) -> localsteps.Outer:
         return localsteps.ReplicatedOuter(self, options.outer)
+
+    def _trace_clocks(self, rec: trace.Recorder) -> None:
+        trace.sync_over_store(rec, self.store, self.rank, self.world_size, self.options.timeout)
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
         self._keep_gradient(bucket)

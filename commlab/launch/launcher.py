@@ -57,9 +57,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Iterator, Mapping, Sequence
 
+from commlab.base import trace
 from commlab.transport import auth, shm
 from commlab.core import metrics
-from commlab.launch import scratch as scratch_dirs
+from commlab.launch import exporter, scratch as scratch_dirs
 from commlab.transport import store as store_mod
 from commlab.base.config import ExchangerURL, check_number
 from commlab.base.errors import ConfigError
@@ -72,6 +73,7 @@ STARTER_ENV = "COMMLAB_STARTER"  # a module whose start() starts this process's 
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torchrun's word for "the store is hosted for you"
 MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 ENDPOINT_LINE = re.compile(r"listening on (\S+)\s*$")
+METRICS_LINE = re.compile(r" metrics on (http://\S+)\s*$")  # a server's endpoint (--metrics-port), before the above
 TAIL_LINES = 20
 MAX_LOCAL_RANKS = 256  # ranks one launcher starts on this host: each is a Python process with torch in memory
 
@@ -142,6 +144,7 @@ class Proc:
     log: Path | None = None  # everything the process wrote (stdout and stderr)
     forwarded: bool = False  # its output also reached the launcher's terminal
     endpoint: str | None = None  # a server: what it reported binding
+    metrics_url: str | None = None  # a server started with --metrics-port: where it serves them
     reported: threading.Event = field(default_factory=threading.Event)
     pumps: list[threading.Thread] = field(default_factory=list)
     files: list = field(default_factory=list)  # closed once the pumps are done
@@ -314,10 +317,14 @@ def spawn(name: str, argv: list[str], env: Mapping[str, str], log: Path | None, 
 
     def on_line(line: bytes) -> None:
         if not proc.reported.is_set():
-            m = ENDPOINT_LINE.search(line.decode(errors="replace"))
+            text = line.decode(errors="replace")
+            m = ENDPOINT_LINE.search(text)
             if m:
                 proc.endpoint = m.group(1)
                 proc.reported.set()
+            m = METRICS_LINE.search(text)
+            if m:
+                proc.metrics_url = m.group(1)
 
     if forward == "both":  # to the terminal as it came
         streams = [(popen.stdout, out)] + ([] if terminal else [(popen.stderr, err)])
@@ -520,6 +527,12 @@ class Job:
     # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
     console: IO[str] | None = None
     starter: Starter | None = None  # how every process of the job starts (start_group; default: plain_start)
+    # one Prometheus endpoint for the job (commlab.launch.exporter): the ranks' reports and the servers' stats
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    metrics_insecure: bool = False  # an address off loopback serves unauthenticated HTTP: only when told
+    trace: str | None = None  # $COMMLAB_TRACE: every rank and server writes its timeline here, merged at the end
+    trace_torch: str | None = None  # $COMMLAB_TRACE_TORCH: the steps whose torch.profiler trace goes in too
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -551,8 +564,23 @@ def run_job(job: Job) -> int:
         check_number("--spares", job.spares, ge=0, le=MAX_LOCAL_RANKS, why="idle ranks this host starts")
         if job.deadline_s is not None:
             check_number("--deadline", job.deadline_s, gt=0)
-    except ConfigError as exc:
-        job.say(str(exc))
+        if job.metrics_port is not None:
+            check_number("--metrics-port", job.metrics_port, ge=0, le=65535)
+            exporter.check_bind(job.metrics_addr, job.metrics_insecure)
+            exporter.require()
+            if job.server_prefix is not None:
+                raise ConfigError("--metrics-port: the launcher reads its servers' metrics on loopback; it cannot "
+                                  "with servers in other network namespaces")
+        if job.trace_torch is not None and not job.trace:
+            raise ConfigError("--trace-torch needs --trace DIR (where the timeline goes)")
+        if job.trace_torch is not None:
+            trace.torch_steps({trace.TORCH_ENV: job.trace_torch})
+        problem = trace.folder_problem(job.trace) if job.trace else None
+        if problem:
+            raise ConfigError(f"--trace: {problem}")
+    except ValueError as exc:  # ConfigError, and --trace-torch that is not STEP or FIRST-LAST
+        job.say(str(exc) if isinstance(exc, ConfigError) else f"--trace-torch {job.trace_torch!r}: give a step "
+                f"or FIRST-LAST ({exc})")
         return 2
     # SIGTERM's default action ends the launcher at once; turned into an exception it unwinds like
     # Ctrl-C. (Signal handlers live in the main thread only.)
@@ -593,8 +621,22 @@ def _run(job: Job) -> int:
         base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
                     PYTHONUNBUFFERED="1")
         base[metrics.ENV] = metrics_base
+        if job.trace:  # every rank and server writes DIR/<process>.json; merged into DIR/trace.json at the end
+            base[trace.ENV] = os.path.abspath(job.trace)
+            for old in Path(job.trace).glob("*.json"):  # this run's files only
+                old.unlink(missing_ok=True)
+            if job.trace_torch:
+                base[trace.TORCH_ENV] = job.trace_torch
         if job.place_servers is not None:
             template, server_argvs = job.place_servers(template, server_argvs)
+        collector: exporter.JobCollector | None = None
+        ranks_now: list[Proc] = []  # the attempt's rank processes (the metrics endpoint reads it)
+        if job.metrics_port is not None:  # bound before anything starts: a taken port costs no process
+            collector = exporter.JobCollector(metrics_base, job.workers, up=lambda: _ranks_up(ranks_now))
+            endpoint = exporter.serve(collector, job.metrics_addr, job.metrics_port)
+            stack.callback(endpoint.close)
+            job.say(f"metrics on {endpoint.url}")
+            server_argvs = [[*argv, "--metrics-port", "0"] for argv in server_argvs]  # on loopback: read from here
         if auth.load(base) is None:  # the job's secret, for its ranks and servers only (none given: a fresh one)
             base[auth.SECRET_FILE_ENV] = auth.create_file(str(scratch))
         base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
@@ -610,10 +652,15 @@ def _run(job: Job) -> int:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
                                 job.console, job.starter, replicas)
             base[ENV_URL] = url
+            if collector is not None:
+                collector.server_urls = [p.metrics_url for p in procs if p.metrics_url]
             for attempt in range(job.max_restarts + 1):
+                if collector is not None:
+                    collector.restarts = attempt
                 try:
                     _attempt(job, dict(base, **{RESTART_COUNT: str(attempt)}), url, logs, procs, started,
-                             restarts_left=job.max_restarts - attempt, healed=healed, replicas=replicas)
+                             restarts_left=job.max_restarts - attempt, healed=healed, replicas=replicas,
+                             ranks_now=ranks_now)
                     break
                 except RankFailed as exc:
                     failures.append(f"{exc.rank} ({exc.how})")
@@ -626,6 +673,10 @@ def _run(job: Job) -> int:
         finally:
             stop_all(procs)
             shm.sweep_stale()  # shared-memory segments of a process of this run that was killed (kill -9)
+            if job.trace:
+                merged = trace.merge(job.trace)
+                job.say(f"timeline in {merged} (open it in https://ui.perfetto.dev; 'commlab trace summarize "
+                        f"{merged}')" if merged else f"--trace {job.trace}: no process wrote a timeline")
         if job.summary:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
@@ -635,6 +686,11 @@ def _run(job: Job) -> int:
                        if job.replace or job.spares else ""),
                     stdout=True)
     return 0
+
+
+def _ranks_up(ranks: list[Proc]) -> dict[int, bool]:
+    """rank -> whether its process (of the attempt under way) runs: the metrics endpoint's ``commlab_rank_up``."""
+    return {r: p.popen.poll() is None for r, p in enumerate(list(ranks))}
 
 
 def _restarts(failures: list[str]) -> str:
@@ -653,11 +709,13 @@ class RankFailed(JobFailed):
 
 
 def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], started: float,
-             restarts_left: int, healed: list[str] | None = None, replicas: ReplicaSets | None = None) -> None:
+             restarts_left: int, healed: list[str] | None = None, replicas: ReplicaSets | None = None,
+             ranks_now: list[Proc] | None = None) -> None:
     """One attempt: a fresh rendezvous store, every rank, watched. Returns once every rank exited 0;
     raises RankFailed (ranks and store stopped, servers left running) when a rank failed and
     ``restarts_left`` > 0, else JobFailed (see :func:`_watch`). With ``job.replace`` or spares, a rank
-    killed by a signal is replaced alone (:class:`Replacer`; ``healed`` gets a line per replacement)."""
+    killed by a signal is replaced alone (:class:`Replacer`; ``healed`` gets a line per replacement).
+    ``ranks_now`` gets the attempt's ranks as they start (the metrics endpoint reads it)."""
     attempt: list[Proc] = []  # this attempt's store process (if any) and ranks
     store = None
     try:
@@ -667,7 +725,8 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
         else:  # ranks in other namespaces: the store runs where rank 0 runs
             env["MASTER_PORT"] = str(start_store(job.master_addr, job.rank_prefix(0), env, logs / "store.log",
                                                  job.start_timeout_s, attempt, job.console, job.starter))
-        ranks = []
+        ranks = ranks_now if ranks_now is not None else []
+        ranks.clear()
         for r in range(job.workers):
             ranks.append(spawn(f"rank {r}", rank_argv(job, url, r), dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console,
@@ -858,8 +917,8 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
-           name: str = "commlab train", max_restarts: int = 0, replace: bool = False, spares: int = 0) -> int:
-    """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
-    return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts,
-                              replace=replace, spares=spares))
+           name: str = "commlab train", max_restarts: int = 0, **fields) -> int:
+    """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``. ``fields``: the Job's others
+    (``metrics_port``, ...)."""
+    return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env, deadline_s=deadline_s,
+                              log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts, **fields))

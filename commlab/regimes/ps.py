@@ -46,6 +46,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from commlab import compress
+from commlab.base import trace
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommError, CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
@@ -233,6 +234,8 @@ class _Shard:
         # CUDA parameters (HostStaging): key, offset, values -> True when the exchanger took the values
         self.put_staged: Callable[[str, int, torch.Tensor], bool] | None = None
         self.secret: auth.JobSecret | None = None  # the job's: each connection proves it first (None: no handshake)
+        self.trace: trace.Recorder | None = None  # the timeline's ($COMMLAB_TRACE), else None
+        self.in_flight = 0  # traced: bytes sent whose request is not answered yet
         self.heartbeat_s = 0.0  # keep-going: the shard closes this connection when it stays silent this long
         self.live: zmq.Socket | None = None  # heartbeat_s=: the connection that carries only zmq's PINGs
         self.hellos = 0  # said on this shard by this process: the first is ``fresh`` (a replacement's is)
@@ -288,7 +291,10 @@ class _Shard:
     def _transmit(self, req: _Request) -> None:
         if self.sock is None:
             self.sock = self._open()
+        t0 = self.trace.now() if self.trace is not None else 0
         meta, at = dict(req.meta, id=req.rid), None
+        if self.trace is not None:
+            meta["trace"] = 1  # the shard draws the arrows from this send and to its reply's receive
         if self.space:
             meta["space"] = self.space
         if self.attempt:
@@ -300,9 +306,35 @@ class _Shard:
                 meta.update(self.link.reply_meta())
         frames = wire.encode(req.op, self.sender, req.step, req.parts, meta, at)
         transport.send(self.sock, frames, timeout=self.timeout, who=self.name, peer=self.peer)
+        if self.trace is not None:
+            self._trace_sent(req, t0)
+
+    # ----- the timeline: each send and receive, the arrows to and from the shard, the bytes in flight -----
+    def _trace_sent(self, req: _Request, t0: int) -> None:
+        rec = self.trace
+        assert rec is not None
+        nbytes = sum(spec.nbytes for spec, _ in req.parts)
+        t1 = rec.span("send", "comm", t0, args={"peer": f"shard{self.index}", "op": req.op, "bytes": nbytes,
+                                                 "step": req.step, "id": req.rid, "space": self.space})
+        if req.op != "stats":  # (answered before any key space: no arrow)
+            # an arrow starts where its span starts (before the bytes left) and ends where they had arrived
+            rec.flow("s", trace.flow_id(self.sender, self.index, self.space, req.rid, 0), "request", t0)
+        self.in_flight += nbytes
+        rec.counter(f"in flight {self.sender}->shard{self.index}", {"bytes": self.in_flight}, t1)
+
+    def _trace_received(self, req: _Request, h: wire.Header, t0: int) -> None:
+        rec = self.trace
+        assert rec is not None
+        t1 = rec.span("recv", "comm", t0, args={"peer": f"shard{self.index}", "op": req.op, "reply": h.op,
+                                                 "bytes": h.data_bytes, "step": req.step, "id": req.rid})
+        if req.op != "stats":
+            rec.flow("f", trace.flow_id(self.sender, self.index, self.space, req.rid, 1), "reply", max(t0, t1 - 1))
+        self.in_flight = max(0, self.in_flight - sum(spec.nbytes for spec, _ in req.parts))
+        rec.counter(f"in flight {self.sender}->shard{self.index}", {"bytes": self.in_flight}, t1)
 
     def answer(self, req: _Request) -> tuple:
         """Wait (at most ``timeout``) for ``req``'s reply: ``(header, data frames)``; raise its error."""
+        t0 = self.trace.now() if self.trace is not None else 0
         deadline = time.monotonic() + self.timeout
         while req.rid not in self.inbox:
             left = deadline - time.monotonic()
@@ -328,6 +360,8 @@ class _Shard:
                 self.inbox[rid] = (h, self.link.take(h, msg[1:]))  # (decode refuses offsets without a link)
         h, data = self.inbox.pop(req.rid)
         self.outstanding.remove(req)
+        if self.trace is not None:
+            self._trace_received(req, h, t0)
         if h.op == "error" and h.meta.get("not_primary") and self.replicated:
             raise NotPrimary(f"{self.name} is a backup whose primary is alive: {h.meta.get('reason')}",
                              peer=self.peer, op="receive")
@@ -854,7 +888,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self._secret is None:
             auth.warn_unauthenticated(f"ps:// rank {self.rank_info.global_rank()}")
         for shard in self.shards:
-            shard.secret = self._secret
+            shard.secret, shard.trace = self._secret, self._trace
             shard.heartbeat_s = self.options.heartbeat_s
         keep = self._min_workers()
         # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
@@ -961,6 +995,15 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             raise ConfigError(f"ps:// clip_norm= needs mode=sync; the servers run {mode.name}")
         for s in self.shards:  # the shards step: a pull's place in the segment holds parameters, adopted there
             s.adopt_shm = self.steps.updates_remotely  # (not under local steps: the inner optimizer writes them)
+
+    def _trace_clocks(self, rec: trace.Recorder) -> None:
+        """Each shard's trace clock, by stats requests on its own thread (a shard that does not trace sends none)."""
+        def measure(shard: _Shard) -> None:
+            rec.peer_clock(f"shard{shard.index}",
+                           lambda: shard.request("stats", -1, what="trace clock")[0].meta.get("clock_ns"))
+
+        for f in [s.submit(measure, s) for s in self.shards]:
+            f.result(self.options.timeout * trace.CLOCK_ROUNDS)
 
     def _make_outer(self, options) -> Outer:
         assert self.steps is not None  # setup's hello chose the placement

@@ -117,7 +117,10 @@ class CompressedPushes:
                 x = torch.cat([bucket.grads[a:a + c] for a, c in u.ranges])
                 if self.scale != 1.0 and not self.in_place:
                     x.mul_(self.scale)
+            t0 = ex._trace.now() if ex._trace is not None else 0
             payload = self.comp.start(u.key, x, u.shapes)
+            if ex._trace is not None:
+                ex._trace.span("encode", "bucket", t0, args={"bucket": bucket.index, "compressor": self.comp.name})
             absent = [key for key, slot in zip(u.keys, u.slots) if not bucket.present[slot]]
             self._flight[u.key] = {"x": x, "payloads": [payload]}
             ex.stats.bytes_uncompressed += bucket.grads.element_size() * sum(
@@ -194,6 +197,7 @@ class CompressedPushes:
                 h.wait(ex.options.timeout)
         received += self._collect(step)
         last = comp.rounds - 1
+        t0 = ex._trace.now() if ex._trace is not None else 0
         for u in units:
             x, own = self._flight[u.key]["x"], self._flight[u.key]["payloads"][0]
             if self.pulls and comp.summable:
@@ -207,5 +211,7 @@ class CompressedPushes:
                 for a, c in u.ranges:
                     bucket.grads[a:a + c].copy_(x[at:at + c])
                     at += c
+        if ex._trace is not None:
+            ex._trace.span("decode", "bucket", t0, args={"units": len(units), "compressor": comp.name})
         self._flight.clear()
         return received

@@ -627,7 +627,13 @@ class RingExchanger(CollectiveExchanger):
                     b = self._broken
                     raise CommError(f"{what}: the ring broke earlier: {b}", **(b.fields() if isinstance(b, CommError)
                                                                                 else {}))
-                return body()
+                if self._trace is None:
+                    return body()
+                t0 = self._trace.now()
+                try:
+                    return body()
+                finally:
+                    self._trace.span("collective", "comm", t0, args={"what": what})
             except (CommError, ValueError) as caught:
                 exc: BaseException = caught
                 if self._broken is None:
@@ -693,7 +699,12 @@ class RingExchanger(CollectiveExchanger):
     def _schedule(self, c: Collective) -> None:
         if self._inbox is None or self._outbox is None:
             raise CommError("the ring's links are closed")
-        run_schedule(c, self._inbox, self._outbox)
+        if self._trace is None:
+            run_schedule(c, self._inbox, self._outbox)
+            return
+        who = self.rank_info.global_rank
+        run_schedule(c, TracedInbox(self._inbox, self._trace, who(self.left), c),
+                     TracedOutbox(self._outbox, self._trace, who(self.right), c))
 
     def plan(self, n: int, itemsize: int) -> tuple[list[int], int, tuple[Step, ...]]:
         """(segment bounds, chunks per segment, steps) for ``n`` elements (cached: buckets repeat every step).
@@ -737,6 +748,66 @@ def run_schedule(c: Collective, inbox: Inbox, outbox: Outbox) -> None:
             if t < last:
                 outbox.send(t + 1, j)
     outbox.finish()
+
+
+class TracedOutbox(Outbox):
+    """An outbox that records each send of ``box`` on the timeline (``$COMMLAB_TRACE``; otherwise never made):
+    the peer, the chunk's bytes, the step, and the bytes this collective handed to the link as a counter."""
+
+    def __init__(self, box: Outbox, rec, peer: int, c: Collective):
+        super().__init__(box.me, peer, box.who, box.timeout)
+        self.box, self.rec, self.moved = box, rec, 0
+        self.link = f"in flight rank{box.me}->rank{peer}"
+        self.c = c
+
+    def begin(self, c: Collective) -> None:
+        self.box.begin(c)
+
+    def send(self, t: int, j: int) -> None:
+        rec, c = self.rec, self.c
+        t0 = rec.now()
+        self.box.send(t, j)
+        lo, hi = c.sent(t, j)
+        self.moved += (hi - lo) * c.itemsize
+        t1 = rec.span("send", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": (hi - lo) * c.itemsize,
+                                                "step": t, "chunk": j, "seq": c.seq})
+        rec.counter(self.link, {"bytes": self.moved}, t1)
+
+    def release(self, t: int, j: int) -> None:
+        self.box.release(t, j)
+
+    def finish(self) -> None:
+        t0 = self.rec.now()
+        self.box.finish()
+        t1 = self.rec.span("send done", "comm", t0, args={"peer": f"rank{self.peer}", "bytes": self.moved})
+        self.moved = 0
+        self.rec.counter(self.link, {"bytes": 0}, t1)
+
+
+class TracedInbox(Inbox):
+    """An inbox that records each receive of ``box`` (and the add that follows it, where the step adds)."""
+
+    def __init__(self, box: Inbox, rec, peer: int, c: Collective):
+        super().__init__(box.me, peer, box.who, box.timeout)
+        self.box, self.rec, self.c = box, rec, c
+
+    def begin(self, c: Collective) -> None:
+        self.box.begin(c)
+
+    def _record(self, name: str, t0: int, t: int, j: int) -> None:
+        lo, hi = self.c.received(t, j)
+        self.rec.span(name, "comm", t0, args={"peer": f"rank{self.peer}", "bytes": (hi - lo) * self.c.itemsize,
+                                              "step": t, "chunk": j, "seq": self.c.seq})
+
+    def reduce(self, t: int, j: int, release=None) -> None:
+        t0 = self.rec.now()
+        self.box.reduce(t, j, release)
+        self._record("recv+reduce", t0, t, j)
+
+    def store(self, t: int, j: int) -> None:
+        t0 = self.rec.now()
+        self.box.store(t, j)
+        self._record("recv", t0, t, j)
 
 
 # ----- meeting the neighbours: one kind per transport ------------------------------------------------------

@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "bench": ("bench", "compare regimes: bandwidth, convergence; cases train-step, ps-rounds, gpu-sweep"),
     "plan": ("commlab.plan", "which regime wins at 8, 512 or 4,096 workers: calibrated cost model + simulator"),
     "keys": ("commlab.transport.keys", "create CURVE key pairs for servers and workers"),
+    "trace": ("commlab.tools.tracesum", "a timeline's summary (summarize trace.json) or a merge of its files (merge DIR)"),
     "doctor": ("commlab.tools.doctor", "CUDA, GPUs, NCCL, RDMA here, and which transport NCCL picks (--json)"),
 }
 
@@ -66,12 +67,28 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="as torchrun's: when a rank fails, stop the ranks and start every rank again (the servers "
                         "keep running; TORCHELASTIC_RESTART_COUNT says the attempt), up to this many times")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve live Prometheus metrics of the ranks (their commlab.report() lines) and the servers at "
+                        "http://ADDR:PORT/metrics (0: any free port, printed; needs commlab[metrics]; default: off)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics endpoint binds")
+    p.add_argument("--metrics-insecure", action="store_true",
+                   help="allow the metrics endpoint (plain, unauthenticated HTTP) on an address off loopback")
+    p.add_argument("--trace", metavar="DIR", help="every rank and server writes its timeline (Chrome trace events) "
+                                                  "here; merged into DIR/trace.json at the end (docs/trace.md)")
+    p.add_argument("--trace-torch", metavar="STEPS", help="with --trace: torch.profiler's operator trace of these "
+                                                          "steps (N or FIRST-LAST, 0-based) in the same timeline")
     p.add_argument("--replace", action="store_true",
                    help="keep going: a rank killed by a signal gets a new process of its own while the others train "
                         "on (ps://: it enters at the next step boundary with the servers' state; docs/faults.md)")
     p.add_argument("--spares", type=int, default=0,
                    help="keep going, as --replace, with this many idle ranks started up front (torch loaded) that "
                         "take over dead ranks first")
+
+
+def job_fields(a: argparse.Namespace) -> dict:
+    """The Job fields of :func:`add_job_args`'s keep-going, timeline and metrics flags."""
+    return {"replace": a.replace, "spares": a.spares, "trace": a.trace, "trace_torch": a.trace_torch,
+            "metrics_port": a.metrics_port, "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
 
 
 def train_main(argv: list[str]) -> int:
@@ -100,7 +117,7 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics, max_restarts=a.max_restarts, replace=a.replace, spares=a.spares)
+                           metrics_path=a.metrics, max_restarts=a.max_restarts, **job_fields(a))
 
 
 def run_main(argv: list[str]) -> int:
@@ -135,7 +152,7 @@ def run_main(argv: list[str]) -> int:
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
                        log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts,
-                       replace=a.replace, spares=a.spares)
+                       **job_fields(a))
     return launcher.run_job(job)
 
 
