@@ -846,10 +846,8 @@ class BucketedExchanger(Exchanger):
             self._tr_opt0 = 0
         self.stats.steps += 1
         t0 = rec.now() if rec is not None else 0
-        waited = self.talk.after_step()
+        waited = self.talk.after_step()  # local steps: their syncs' blocked spans are recorded there
         if rec is not None:
-            if waited is not None:
-                rec.span("local-step sync", "blocked", t0, args={"step": self.stats.steps - 1, "wait_s": waited})
             rec.span("step", "step", self._tr_step0 or t0, args={"step": self.stats.steps - 1})
             self._tr_step0 = 0
             if self._tr_torch is not None:

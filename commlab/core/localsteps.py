@@ -373,8 +373,11 @@ class LocalSteps(Talk):
         assert ex is not None
         if ex.options.buffers == "none" or not ex.module_buffers:
             return 0.0
+        t0 = ex._trace.now() if ex._trace is not None else 0
         started = time.perf_counter()
         ex._sync_buffers("average")
+        if ex._trace is not None:
+            ex._trace.span("buffers sync", "blocked", t0, args={"step": self.steps - 1})
         return time.perf_counter() - started
 
     def land(self) -> None:
@@ -408,9 +411,13 @@ class LocalSteps(Talk):
     def _merge(self, f: _InFlight) -> float:
         """Wait for fragment ``f.p``'s outer step and mix its new anchor into the parameters."""
         assert self.ex is not None
+        rec = self.ex._trace
+        t0 = rec.now() if rec is not None else 0
         started = time.perf_counter()
         anchor = f.handle.wait(self.ex.options.timeout)
         waited = time.perf_counter() - started
+        if rec is not None:  # the timeline's blocked time, as the step report counts it
+            rec.span("local-step sync", "blocked", t0, args={"fragment": f.p, "step": self.steps - 1, "wait_s": waited})
         self.inflight.remove(f)
         offset = 0
         with torch.no_grad():
