@@ -106,6 +106,17 @@ class Procs:
         launcher.stop_all(self.procs, grace=0)
 
 
+def wait_until(cond, timeout: float, what: str, every: float = 0.05):
+    """``cond()``'s first true value, polled every ``every`` s; AssertionError naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"{what} within {timeout}s")
+
+
 def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
     """Wait for processes under one deadline; ``(returncode, stdout, stderr)`` each; kill what hangs,
     with its process group where it leads one (a launcher's ranks)."""

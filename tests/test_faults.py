@@ -24,20 +24,11 @@ from commlab.transport import keys, shm
 from commlab.base.errors import CommTimeout
 from commlab.transport.rendezvous import RankInfo
 
-from faultkit import finish, kill9, kill_rank_under_launcher
+from faultkit import finish, kill9, kill_rank_under_launcher, wait_until
 from test_security import RecordingProxy
 
 pytestmark = pytest.mark.multiproc
 
-
-def wait_until(cond, timeout: float, what: str, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"{what} within {timeout}s")
 
 
 def param_of(out: str) -> list[float]:

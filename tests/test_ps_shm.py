@@ -22,7 +22,7 @@ from commlab.base.errors import ConfigError
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.transport.rendezvous import RankInfo
 
-from faultkit import ENV, LAUNCHER_ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process
+from faultkit import ENV, LAUNCHER_ENV, REPO, START_TIMEOUT, Raw, children_of, kill9, wait_for_rank_process, wait_until
 
 pytestmark = pytest.mark.multiproc
 
@@ -47,15 +47,6 @@ def raw_hello(server, rank: int = 0, world: int = 1, **extra):
     assert h.op == "ok", h.meta
     return raw, h.meta["shm_link"], [(p.key, p.dtype, p.count) for p in pieces]
 
-
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout}s")
 
 
 def test_layout_places_every_piece_aligned_and_apart():

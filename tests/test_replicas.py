@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -23,22 +22,13 @@ import torch
 from commlab.regimes.ps import server_stats
 from commlab.transport import shm
 
-from faultkit import Raw, finish, kill9
+from faultkit import Raw, finish, kill9, wait_until
 
 pytestmark = pytest.mark.multiproc
 
 TIMEOUT = 20  # the workers' timeout: a failover must not wait for it (the closed connection says so at once)
 LR, GRAD = 0.5, 0.25
 
-
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout}s")
 
 
 def replicated(procs, mode: str, shards: int = 1, fault: str = "", fault_shard: int = 0) -> tuple[list, str]:
