@@ -709,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("commlab bench chaos: interrupted; every job was stopped", file=sys.stderr)
         return 130
-    rdv = rendezvous_per_rank() if "restart-all" in results else None
+    keeps = any(results.get(n, {}).get("kills") for n in ("commlab", "torchft"))
+    rdv = rendezvous_per_rank() if results.get("restart-all", {}).get("kills") and keeps else None
     scale = at_scale(results, a, rdv) if rdv else None
     path = write(out, results, a, plan, caps_said, missing, scale, rdv, time.monotonic() - t0, argv)
     print(path.read_text())
