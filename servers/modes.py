@@ -185,6 +185,7 @@ class Mode:
         self.srv = srv
         self.last_step: dict[int, int] = {}  # rank -> last step applied (-1: none)
         self.partial: dict[int, Partial] = {}  # rank -> what it has sent of the step in flight
+        self.enters: dict[int, int] = {}  # a replacement rank -> the first step it pushes (servers.membership)
 
     @property
     def name(self) -> str:
@@ -258,9 +259,29 @@ class Mode:
         """``rank`` left its loop (ex.join()) before step ``t``; the server records it after this returns."""
 
     def settle(self) -> None:
-        """A worker joined: whatever waited only for it may go on."""
+        """A worker joined or left: whatever waited only for it may go on."""
+
+    def lose(self, rank: int) -> int:
+        """``rank`` left the membership (:mod:`servers.membership`): take out what it sent of the step in flight
+        and has not been applied; return 1 when such a partial step was dropped, else 0. The server settles
+        afterwards."""
+        part = self.partial.pop(rank, None)
+        return int(part is not None and bool(part.seen or part.absent or part.rounds))
+
+    def entry_step(self, rank: int) -> int:
+        """The soonest step a replacement for ``rank`` may push (its first after the start pull)."""
+        return self.last_step.get(rank, -1) + 1
+
+    def enter(self, rank: int, t: int) -> None:
+        """A replacement for ``rank`` pushes from step ``t`` on (``t`` >= :meth:`entry_step`)."""
+        self.enters[rank] = t
+        self.last_step[rank] = t - 1
 
     def waiting_for(self) -> list[int]:
+        return []
+
+    def whole(self) -> list[int]:
+        """The ranks whose push of the step in flight is whole on this shard (sync; [] where a push is applied alone)."""
         return []
 
     def restart(self) -> int:
@@ -269,6 +290,7 @@ class Mode:
         rank's partial step (not every piece in) was never applied, and the rank pushes that step again."""
         dropped = len(self.partial)
         self.partial.clear()
+        self.enters.clear()
         return dropped
 
     def state(self) -> dict:
@@ -297,6 +319,16 @@ class Async(Mode):
     def restart(self):
         self.grads.clear()
         return super().restart()
+
+    def lose(self, rank):
+        self.grads.pop(rank, None)  # a step that came in pieces, never applied
+        return super().lose(rank)
+
+    def entry_step(self, rank):
+        """A replacement goes on from its rank's clock, or from the slowest live one when that is further (so
+        that SSP's bound does not hold the others back for the steps it missed)."""
+        clocks = [self.last_step.get(r, -1) + 1 for r in self.srv.on_the_clock()]
+        return max(self.last_step.get(rank, -1) + 1, min(clocks, default=0))
 
     def fold(self, rank, t, part, frames, absent, meta):
         tensors = {key: [(spec.offset, wire.frame_tensor(spec, frame)) for spec, frame in parts]
@@ -394,6 +426,9 @@ class Sync(Mode):
         self.report: dict | None = None  # update=server: this step's (or, once done, the last step's)
         self.last_sums: dict[str, torch.Tensor] = {}  # update=worker: the last completed step's averages
         self.last_absent: list[str] = []
+        # keep-going (servers.membership): rank -> what it folded of the step in flight, (key, offset, values)
+        # views of the received frames, held until its step is in, so that a rank lost before can be taken out
+        self.held: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
 
     def start_step(self):
         return self.step
@@ -409,11 +444,30 @@ class Sync(Mode):
         return self.step
 
     def latest_pull(self, rank):
-        return self.step
+        return max(self.step, self.enters.get(rank, 0) - 1)  # a replacement's start pull: before its entry
+
+    def _owing(self) -> set[int]:
+        """The ranks whose pushes this step waits for: not joined, not lost, entered (a joined one counts as zeros)."""
+        return set(self.srv.pushers(self.step))
 
     def _needed(self) -> int:
-        """Workers whose pieces make up a step: those that have not joined (a joined one counts as zeros)."""
-        return self.srv.world - len(self.srv.joined)
+        """Contributions each key of this step takes: the owing ranks', and those of ranks lost with their step
+        in (kept: it was whole on this shard)."""
+        return len(self._owing() | self.complete)
+
+    def _divisor(self) -> int:
+        """What the step's mean divides by: the ranks whose step counts, and the joined ones when they asked to
+        be counted as zeros (DDP's ``divide_by_initial_world_size``)."""
+        srv = self.srv
+        joined = len(srv.joined) if srv.joined and all(d for _, d in srv.joined.values()) else 0
+        return len(self._owing() | self.complete) + joined
+
+    def entry_step(self, rank):
+        return self.step + 1  # the step in flight is the survivors'; the replacement enters at the next boundary
+
+    def enter(self, rank, t):
+        self.enters[rank] = t
+        self.last_step[rank] = self.step - 1
 
     def fold(self, rank, t, part, frames, absent, meta):
         srv = self.srv
@@ -427,6 +481,8 @@ class Sync(Mode):
                 for spec, frame in frames[key]:  # straight from the received frame into the mean
                     src, dst = wire.frame_tensor(spec, frame), buf[spec.offset:spec.offset + spec.count]
                     torch.mul(src, scale, out=dst) if first else dst.add_(src, alpha=scale)
+                    if srv.members.on:
+                        self.held.setdefault(rank, []).append((key, spec.offset, src))
                 self.present[key] += 1
             self.contributed[key] += 1
             self._sum_if_in(key, needed)
@@ -434,6 +490,7 @@ class Sync(Mode):
         part.absent |= set(absent)
         if len(part.seen) + len(part.absent) == len(srv.pieces):
             del self.partial[rank]
+            self.held.pop(rank, None)
             self.complete.add(rank)
         self._complete_if_in(needed)
 
@@ -470,21 +527,54 @@ class Sync(Mode):
         for key in list(self.contributed):
             self._sum_if_in(key, needed)
         self._complete_if_in(needed)
+        if self.gathered and self.commits:  # the commit that was missing was a lost rank's
+            self._apply_if_committed()
 
     def _sum_if_in(self, key: str, needed: int) -> None:
         """Every worker still training has sent ``key`` (or said it is absent): its average is ready. Divided
-        by N; by the workers still training instead when the joined ones asked for that (DDP's option)."""
+        by N; by the workers still training instead when the joined ones asked for that (DDP's option), and
+        never by ranks lost before their step was in (keep-going)."""
         if self.contributed[key] < needed or key in self.summed:
             return
         self.summed.add(key)
-        srv = self.srv
-        if needed < srv.world and key in self.sums and not all(divide for _, divide in srv.joined.values()):
-            self.sums[key].mul_(srv.world / needed)
+        divisor = self._divisor()
+        if divisor != self.srv.world and key in self.sums and divisor:
+            self.sums[key].mul_(self.srv.world / divisor)
 
     def _complete_if_in(self, needed: int) -> None:
         """Every worker still training completed the step: the placement says what that means."""
-        if needed and len(self.complete) == needed and not self.gathered:
+        owing = self._owing()
+        if needed and owing and owing <= self.complete and not self.gathered:
             self.srv.placement.gathered(self)
+
+    def lose(self, rank):
+        """A rank whose step is whole on this shard stays in it (its average may be out already). Otherwise
+        what it folded in is subtracted again (its held frames), its keys counted out, and the keys whose
+        mean was fixed re-divided once the others are in; under update=worker a key whose average was out
+        already (some survivor may hold it) keeps its part."""
+        part = self.partial.pop(rank, None)
+        held = self.held.pop(rank, [])
+        if rank in self.complete or part is None:
+            return 0
+        srv, scale = self.srv, 1.0 / self.srv.world_size()
+        published = not srv.placement.spec.shards_step  # update=worker: a summed key went out
+        if part.rounds:  # compress=: the units hold no per-rank part to take out
+            return -1
+        divisor = self._divisor()  # the lost rank still counted (the membership drops it after this returns)
+        for key in part.seen | part.absent:
+            if key in self.summed:
+                if published:
+                    continue
+                self.summed.discard(key)
+                if key in self.sums and divisor != srv.world and divisor:
+                    self.sums[key].mul_(divisor / srv.world)  # back to sum / N
+            self.contributed[key] -= 1
+            if key in part.seen:
+                self.present[key] -= 1
+        for key, offset, src in held:
+            if key in part.seen and (key not in self.summed or not published):
+                self.sums[key][offset:offset + src.numel()].sub_(src, alpha=scale)
+        return 1
 
     def publish(self) -> None:
         """The step's averages are final (update=worker): kept for the pulls still to come; the step is done."""
@@ -522,8 +612,14 @@ class Sync(Mode):
             raise Refused(f"commit from rank {rank}: factor must be a finite number, got {factor!r}")
         srv.check_hyper(hyper)  # now, not when the last commit applies the step
         self.commits[rank] = (float(factor), hyper)
-        if len(self.commits) < self._needed():
-            return {}
+        self._apply_if_committed()
+        return {}
+
+    def _apply_if_committed(self) -> None:
+        """Every owing rank committed: one update with the mean of their factors."""
+        srv = self.srv
+        if not self.gathered or not self._owing() <= set(self.commits):
+            return
         factors = [f for f, _ in self.commits.values()]
         factor = factors[0] if len(set(factors)) == 1 else math.fsum(factors) / len(factors)
         grads = {k: buf for k, buf in self.sums.items() if self.present[k]}
@@ -532,7 +628,6 @@ class Sync(Mode):
                 buf.mul_(factor)
         srv.placement.apply(srv, grads, self.commits[min(self.commits)][1])
         self._done(counted=True)
-        return {}
 
     def restart(self):
         """The step in flight, pushed by some ranks only, is dropped whole: every rank of the new attempt
@@ -542,6 +637,7 @@ class Sync(Mode):
         to two shards), so the new attempt's pushes of it are duplicates and its commits apply it here, once,
         from the same pushes as there; so are the pushes of a rank the new attempt added (its world, already
         set, may be another). Applied steps are kept, whatever their pulls' fate."""
+        self.enters.clear()
         if self.gathered:
             self.commits.clear()
             self.complete = set(range(self.srv.world))
@@ -570,6 +666,7 @@ class Sync(Mode):
         self.summed.clear()
         self.complete.clear()
         self.commits.clear()
+        self.held.clear()
         self.gathered = False
         if self.srv.units is not None:
             self.srv.units.drop_step()  # compress=: the step's held payloads and sums
@@ -605,11 +702,14 @@ class Sync(Mode):
         parts, meta = units.sums(unit.key, h.meta["round"], current)
         return "params", {"version": srv.version, "absent": absent, **meta}, parts, False
 
+    def whole(self):
+        return sorted(self.complete)
+
     def waiting_for(self):
-        srv = self.srv
+        owing = sorted(self._owing())
         if self.gathered:
-            return [r for r in range(srv.world) if r not in self.commits and r not in srv.joined]
-        return [r for r in range(srv.world) if r not in self.complete and r not in srv.joined]
+            return [r for r in owing if r not in self.commits]
+        return [r for r in owing if r not in self.complete]
 
     def state(self):
         return {"sync_step": self.step, "last_sums": {k: v.clone() for k, v in self.last_sums.items()},

@@ -58,6 +58,7 @@ from commlab.base.errors import ConfigError, ProtocolError
 from commlab.core.manifest import manifest_difference, optimizer_difference
 from commlab.core.optim import OptimizerSpec, check_hyper
 from servers.compressed import Units
+from servers.membership import Membership
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
 
 
@@ -121,6 +122,7 @@ class Stats:
     skipped: int = 0  # sync steps dropped because their summed gradient was not finite
     replaced: int = 0  # ranks' pushes of a step a dead attempt left unapplied, dropped when the job restarted
     resized: int = 0  # restarts whose attempt had another number of workers than the one before
+    lost_pushes: int = 0  # keep-going: partial steps of ranks that left the membership, taken out unapplied
     bytes_in: int = 0
     bytes_out: int = 0
     copies_on_write: int = 0
@@ -179,6 +181,7 @@ class ParameterServer:
         self.shm_run = host.shm_run
         self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
         self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
+        self.members = Membership(cfg.name)  # keep-going (min_workers=): who is in, the epoch, the quorum
 
     @property
     def last_step(self) -> dict[int, int]:
@@ -213,8 +216,9 @@ class ParameterServer:
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
                 "skipped": s.skipped, "replaced": s.replaced, "resized": s.resized, "world": self.world,
+                "lost_pushes": s.lost_pushes, "members": self.members.stats(),
                 "attempt": self.attempt, "boot": self.boot, "sync_step": self.mode.gathering,
-                "waiting_for": self._waiting_for(), "gate": self._gate(),
+                "waiting_for": self._waiting_for(), "gate": self._gate(), "whole": self.mode.whole(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
                 "copies_on_write": s.copies_on_write, "workers": sorted(self.senders.values()),
                 "shm_links": len(self.links),
@@ -328,13 +332,17 @@ class ParameterServer:
         if new_round:
             self._new_attempt(attempt, world)
         self._agree_compress(h.sender, m.get("compress"))
+        self.members.fix(m.get("min_workers"), h.sender, world)
+        entering = self.members.hello(rank, ident, m)  # refuses a stale process of a lost rank
         self.senders[h.sender] = rank
         self.detached.discard(rank)
         self.gone.discard(rank)
         self.last_step.setdefault(rank, self.mode.start_step() - 1)
         reply = {"initialized": self.initialized, "next_step": self.mode.expected_step(rank), "boot": self.boot,
                  "version": self.version, "mode": self.cfg.mode, "staleness": self.cfg.staleness,
-                 "update": self.update, "attempt": self.attempt}
+                 "update": self.update, "attempt": self.attempt, "epoch": self.members.epoch}
+        if entering:  # a replacement: the soonest step it may enter at (the enter request fixes it)
+            reply["enter"] = self.mode.entry_step(rank)
         if "shm_host" in m:
             reply["shm_link"] = self._open_link(ident, h.sender, m["shm_host"])
         self._reply(ident, "ok", m.get("id"), reply)
@@ -352,6 +360,7 @@ class ParameterServer:
         rendezvous renumbers the ranks 0..world-1): a sync step averages over the new N, SSP's bound counts
         the new ranks, and the departed ranks' clocks, connections and links go."""
         self.attempt = attempt
+        self.members.reset()
         if self.world is not None and world != self.world:
             self.stats.resized += 1
             for sender, rank in list(self.senders.items()):
@@ -376,6 +385,68 @@ class ParameterServer:
         self.buf_acc.clear()
         if self.placement is not None and not self.placement.spec.shards_step:
             self.initialized = False  # the shard holds sums only: rank 0 initialises it again from its checkpoint
+
+    # ----- membership (keep-going: servers.membership) ----------------------------------------
+    def pushers(self, t: int) -> list[int]:
+        """The ranks whose pushes step ``t`` takes: not joined by then, not lost, entered by then."""
+        out = self.members.out()
+        return [r for r in self.active_at(t) if r not in out and self.mode.enters.get(r, t) <= t]
+
+    def admit(self, ident: bytes, h: wire.Header) -> None:
+        """Before a request (not hello): refused when the job lost its quorum or it comes from a lost rank's
+        process (:meth:`servers.membership.Membership.check`)."""
+        self.members.check(self.senders.get(h.sender), ident, h.op, h.sender)
+
+    def connection_closed(self, ident: bytes) -> None:
+        """A connection closed: under keep-going, its rank (if it had not said bye) leaves the membership."""
+        rank = self.members.closed(ident)
+        if rank is not None and rank not in self.gone:
+            self.lose(rank, "its connection closed")
+
+    def lose(self, rank: int, why: str) -> None:
+        """``rank`` leaves: its partial step is taken out (counted in ``lost_pushes``), the step in flight
+        completes over the ranks left, and the waiting pulls it held are answered; below the quorum every
+        waiting pull gets the line that names the ranks lost."""
+        step = self.mode.gathering if self.mode.gathering is not None else self.mode.expected_step(rank)
+        dropped = self.mode.lose(rank) if self.initialized else 0
+        self.members.lose(rank, step, why, self.world_size())
+        if dropped < 0 and not self.members.ended:
+            self.members.ended = (f"rank {rank} left {self.cfg.name} ({why}) with a compressed step half-pushed, "
+                                  f"which cannot be taken out of the sums: the job stops (keep-going under "
+                                  f"compress= is not built)")
+        self.stats.lost_pushes += max(dropped, 0)
+        print(f"commlab server {self.cfg.name}: rank {rank} left the job at step {step} ({why}); membership epoch "
+              f"{self.members.epoch}, {self.world_size() - len(self.members.lost)} of {self.world_size()} ranks left"
+              + (f", its partial step dropped" if dropped > 0 else ""), file=sys.stderr, flush=True)
+        if self.members.ended:
+            print(f"commlab server {self.cfg.name}: {self.members.ended}", file=sys.stderr, flush=True)
+            for ident, w in self.waiting:
+                self.stats.refused += 1
+                self._reply(ident, "error", w.meta.get("id"), {"reason": self.members.ended})
+            self.waiting = []
+            return
+        self.mode.settle()
+        self._serve_waiting()
+
+    def _op_enter(self, ident, h, _data):
+        """A replacement for a lost rank enters at step ``h.step`` (the largest its shards offered at hello), or
+        hears the soonest step this shard can take it at now (the survivors went on meanwhile)."""
+        rank = self._rank_of(h)
+        if rank not in self.members.pending:
+            raise Refused(f"enter from {h.sender}: rank {rank} is no replacement waiting to enter {self.cfg.name}")
+        if not self.placement.spec.shards_step:
+            raise Refused(f"enter from {h.sender}: under update={self.update} the shards hold no trained parameters "
+                          f"to heal a replacement from (taking them from a live peer is not built): use "
+                          f"update=server, or commlab run --max-restarts")
+        soonest = self.mode.entry_step(rank)
+        if h.step < soonest:
+            self._reply(ident, "ok", h.meta.get("id"), {"entered": False, "enter": soonest})
+            return
+        self.mode.enter(rank, h.step)
+        self.members.entered(rank)
+        print(f"commlab server {self.cfg.name}: rank {rank} entered at step {h.step} (a replacement); membership "
+              f"epoch {self.members.epoch}", file=sys.stderr, flush=True)
+        self._reply(ident, "ok", h.meta.get("id"), {"entered": True, "epoch": self.members.epoch})
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.transport.psshm`), or
@@ -835,8 +906,11 @@ class ParameterServer:
         self._reply(ident, "ok", h.meta.get("id"))
 
     def on_the_clock(self) -> list[int]:
-        """async, ssp: the ranks whose clocks count (not said bye, not joined: a reconnect's hello keeps it off)."""
-        return [r for r in range(self.world_size()) if r not in self.detached and r not in self.joined]
+        """async, ssp: the ranks whose clocks count (not said bye, not joined: a reconnect's hello keeps it off;
+        not lost, not a replacement still entering)."""
+        out = self.members.out()
+        return [r for r in range(self.world_size()) if r not in self.detached and r not in self.joined
+                and r not in out]
 
     def active_at(self, t: int) -> list[int]:
         """The ranks that push step ``t``: those that had not joined (left their loop under ex.join()) by then."""
@@ -877,7 +951,7 @@ class ParameterServer:
     @property
     def closed(self) -> bool:
         """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
-        return self.world is not None and self.gone >= set(range(self.world))
+        return self.world is not None and self.gone | set(self.members.lost) >= set(range(self.world))
 
     def _op_blob(self, ident, h, data):
         """ex.commit_state / ex.restored_state: ``put`` keeps the rank's one frame of opaque bytes (never
@@ -1057,6 +1131,7 @@ class ShardServer:
         connections have all been gone for the peer timeout (:class:`Admission`)."""
         for ident in self.admission.gone():
             for sp in self.spaces.values():
+                sp.connection_closed(ident)  # keep-going: its rank leaves (its partial step read from its link)
                 sp._drop_link(ident)  # its segments are of no use to a connection that is gone
         for space in self.admission.orphans(self.spaces):
             print(f"commlab server {self.cfg.name}: every connection of key space {space.space or '(the first)'!r} "
@@ -1086,7 +1161,7 @@ class ShardServer:
         print(f"commlab server {self.cfg.name}: " + json.dumps(s, sort_keys=True), file=sys.stderr, flush=True)
 
     COUNTERS = ("updates", "pushes", "duplicates", "pulls", "refused", "dropped", "nonfinite", "skipped", "replaced",
-                "resized", "bytes_in", "bytes_out", "copies_on_write")
+                "resized", "lost_pushes", "bytes_in", "bytes_out", "copies_on_write")
 
     def stats_dict(self, space: str | None = None) -> dict:
         """One space's stats (``space``; by default the job's first, else the newest) with the counters
@@ -1135,6 +1210,8 @@ class ShardServer:
             space = self._space(h)
             if h.op == "hello":
                 self.admission.joined(ident, space.space, body[0])
+            else:
+                space.admit(ident, h)
             space.stats.bytes_in += h.data_bytes
             data = payloads.take(h, body[1:])  # (decode refuses offsets from a connection without a link)
             getattr(space, "_op_" + h.op)(ident, h, data)

@@ -14,6 +14,14 @@ with ``KILL_AFTER_PUSH_OF=R`` it first waits until every shard holds rank R's pu
 waits for its own (the step is in flight), so the race "one rank pushed, the other died" is forced.
 ``KILL_BETWEEN_COMMITS_OF=T`` (K = 2): rank 1 dies between its commits of step T to shard 0 and shard 1,
 once shard 0 applied the step (a hook on the client's send, here in the user's process).
+``KILL_BEFORE_COMMIT_STATE=T``: rank 1 dies after its step T was applied (and its scheduler stepped), before
+``ex.commit_state``, once rank 0 pushed step T + 1 (so rank 0 committed its state of T): its kept state belongs
+to step T, the servers' to T + 1 (the window of issue 38).
+
+Keep-going (``commlab run --replace``): ``REPLACE_KILL_STEP=K``: rank 1's first process dies at the top of step
+K; its replacement (``$COMMLAB_REPLACEMENT``) writes ``OUT/rank1.replacement.json`` with what it holds when it
+enters (parameters, momentum, ``ex.healed``); every rank records its parameters and momentum after each step
+from K on (``after``), the pid it ran as, and the end.
 """
 
 from __future__ import annotations
@@ -95,6 +103,11 @@ def die_between_commits(step: int) -> None:
     ps._Shard.post = patched
 
 
+def momentum_of(opt) -> dict:
+    return {str(i): st["momentum_buffer"].tolist() for i, st in opt.state_dict()["state"].items()
+            if st.get("momentum_buffer") is not None}
+
+
 def main() -> None:
     model, opt, sched = build(kind)
     ex = commlab.connect()
@@ -108,21 +121,36 @@ def main() -> None:
         sched.load_state_dict(restored["sched"])
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):
             group["lr"] = lr  # a scheduler's state does not set the groups' lr: the loop does, as after a load
-    record = {"rank": rank, "attempt": attempt, "start_step": ex.start_step,
-              "restored": None if restored is None else {"step": restored["step"]}}
+    replacement = "COMMLAB_REPLACEMENT" in os.environ
+    if replacement:
+        (out / f"rank{rank}.replacement.json").write_text(json.dumps({
+            "pid": os.getpid(), "healed": ex.healed, "start_step": ex.start_step, "restored_step": ex.restored_step,
+            "params": {k: v.tolist() for k, v in model.state_dict().items()}, "momentum": momentum_of(opt)}))
+    after = {}
+    record = {"rank": rank, "attempt": attempt, "start_step": ex.start_step, "pid": os.getpid(), "after": after,
+              "restored": None if restored is None else {"step": restored["step"]},
+              "restored_step": getattr(ex, "restored_step", None)}
     ran = 0
     for step in range(ex.start_step, steps):
+        if rank == 1 and not replacement and step == int(os.environ.get("REPLACE_KILL_STEP", "-1")):
+            os.kill(os.getpid(), signal.SIGKILL)
         if attempt == 0 and rank == int(os.environ.get("KILL_RANK", "-1")) and step == int(os.environ["KILL_STEP"]):
             if "KILL_AFTER_PUSH_OF" in os.environ:
                 wait_in_flight(ex, step, int(os.environ["KILL_AFTER_PUSH_OF"]))
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # keep-going: survivors still train when a replacement comes
         ex.zero_grad()
         loss_of(model, step, rank).backward()
         opt.step()
         ran += 1
         if sched is not None:
             sched.step()
+            if attempt == 0 and rank == 1 and step == int(os.environ.get("KILL_BEFORE_COMMIT_STATE", "-1")):
+                wait_in_flight(ex, step + 1, 0)
+                os.kill(os.getpid(), signal.SIGKILL)
             ex.commit_state({"sched": sched.state_dict(), "step": step + 1})
+        if step >= int(os.environ.get("REPLACE_KILL_STEP", "1000000")):
+            after[step] = {"params": {k: v.tolist() for k, v in model.state_dict().items()}, "momentum": momentum_of(opt)}
     if kind == "const":  # async, ssp: the others may still push; the result is every push applied
         deadline = time.monotonic() + 60
         while sum(s["updates"] for s in ex.server_stats()) < world * steps * len(ex.shards):
@@ -130,13 +158,12 @@ def main() -> None:
                 raise TimeoutError(f"the servers applied {ex.server_stats()} pushes")
             time.sleep(0.05)
         ex.pull_latest()
-    record.update(ran=ran, params={k: v.tolist() for k, v in model.state_dict().items()},
-                  momentum={str(i): st["momentum_buffer"].tolist() for i, st in opt.state_dict()["state"].items()
-                            if st.get("momentum_buffer") is not None},
+    record.update(ran=ran, params={k: v.tolist() for k, v in model.state_dict().items()}, momentum=momentum_of(opt),
                   lr=[g["lr"] for g in opt.param_groups],
                   servers=[{k: s[k] for k in ("updates", "replaced", "duplicates", "attempt")} for s in ex.server_stats()])
     ex.close()
-    (out / f"rank{rank}.attempt{attempt}.json").write_text(json.dumps(record))
+    name = f"rank{rank}.replacement.end.json" if replacement else f"rank{rank}.attempt{attempt}.json"
+    (out / name).write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

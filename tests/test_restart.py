@@ -297,3 +297,25 @@ def test_a_restart_that_cannot_reach_its_servers_fails_naming_the_shard(tmp_path
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("commlab run: rank ") and "failed first (exit code 1); stopped the others (after 1 " \
         "restart (failed: rank " in last, last
+
+
+def test_a_rank_killed_between_its_applied_step_and_commit_state_replays_that_step(tmp_path):
+    """Issue 38, item 7: rank 1 dies after the servers applied its step 9 and its scheduler stepped, before
+    ex.commit_state: its kept state belongs to step 9, the servers resume at 10. The restarted rank 1 resumes
+    at 9 (ex.restored_step) and replays step 9 (run by its loop, pushed nowhere), so its scheduler is where
+    the uninterrupted run's is: every rank ends with the reference's parameters, momentum and learning
+    rate (StepLR halves it at step 10: one step behind, rank 1 would end with twice the rate)."""
+    r = _run(tmp_path, "ps://?shards=1&mode=sync&update=server", "mlp", KILL_BEFORE_COMMIT_STATE=9)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, momentum, lr = _reference(restarted_from=10)
+    recs = _records(tmp_path, 1)
+    for rec in recs:
+        for key, value in want.items():
+            assert torch.allclose(torch.tensor(rec["params"][key]), value, atol=1e-5), (rec["rank"], key)
+        for i, m in enumerate(momentum):
+            assert torch.allclose(torch.tensor(rec["momentum"][str(i)]), m, atol=1e-5), (rec["rank"], i)
+        assert rec["lr"] == [pytest.approx(lr)], (rec["rank"], rec["lr"])
+        assert rec["servers"][0]["updates"] == STEPS, rec["servers"]
+    assert [(rec["start_step"], rec["restored_step"]) for rec in recs] == [(10, 10), (9, 9)], recs
+    log = (tmp_path / "logs" / "rank1.log").read_text()
+    assert "its committed state belongs to step 9, the servers are at step 10: the loop replays steps 9..9" in log

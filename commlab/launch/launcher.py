@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import re
 import shutil
@@ -64,7 +65,7 @@ from commlab.base.config import ExchangerURL, check_number
 from commlab.base.errors import ConfigError
 from commlab.core.exchanger import PlansServers
 from commlab.core.registry import ENV_URL, regime_class
-from commlab.transport.rendezvous import RESTART_COUNT
+from commlab.transport.rendezvous import KEEP_GOING, REPLACEMENT, RESTART_COUNT
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
 STARTER_ENV = "COMMLAB_STARTER"  # a module whose start() starts this process's children (a test harness's)
@@ -446,6 +447,10 @@ class Job:
     summary: bool = True
     poll_s: float = 0.05
     max_restarts: int = 0  # torchrun's --max-restarts: a failed rank restarts every rank, servers kept
+    # keep-going (docs/faults.md): a rank killed by a signal is started again alone while the others train on
+    # (replace), or handed to one of `spares` idle processes started up front (commlab/launch/spare.py)
+    replace: bool = False
+    spares: int = 0
     # a text file: rank 0's and the servers' output and the launcher's own lines go here instead of this
     # process's stdout and stderr (the benchmark runs jobs in its own process and keeps its terminal)
     console: IO[str] | None = None
@@ -478,6 +483,7 @@ def run_job(job: Job) -> int:
     try:  # before anything starts; the URL was checked by whoever built the job
         check_number("--workers", job.workers, ge=1, le=MAX_LOCAL_RANKS, why="ranks this host starts")
         check_number("--max-restarts", job.max_restarts, ge=0)
+        check_number("--spares", job.spares, ge=0, le=MAX_LOCAL_RANKS, why="idle ranks this host starts")
         if job.deadline_s is not None:
             check_number("--deadline", job.deadline_s, gt=0)
     except ConfigError as exc:
@@ -528,6 +534,9 @@ def _run(job: Job) -> int:
             base[auth.SECRET_FILE_ENV] = auth.create_file(str(scratch))
         base[AGENT_STORE] = "True"  # every rank is a client of a store already bound
         base[MAX_RESTARTS] = str(job.max_restarts)
+        if job.replace or job.spares:
+            base[KEEP_GOING] = "1"  # the regimes keep going when a peer dies (ps://: min_workers=1 by default)
+        healed: list[str] = []  # per replacement: which rank, how it died, how long healing took
         failures: list[str] = []  # per restart: which rank failed, how
         try:
             url = start_servers(template, server_argvs, base, logs, job.start_timeout_s, procs, job.server_prefix,
@@ -536,7 +545,7 @@ def _run(job: Job) -> int:
             for attempt in range(job.max_restarts + 1):
                 try:
                     _attempt(job, dict(base, **{RESTART_COUNT: str(attempt)}), url, logs, procs, started,
-                             restarts_left=job.max_restarts - attempt)
+                             restarts_left=job.max_restarts - attempt, healed=healed)
                     break
                 except RankFailed as exc:
                     failures.append(f"{exc.rank} ({exc.how})")
@@ -553,7 +562,9 @@ def _run(job: Job) -> int:
             record = metrics.last_record(metrics.metrics_path(metrics_base, 0))
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
                     + metrics.summary(record, time.monotonic() - started)
-                    + (f"; {_restarts(failures)}" if job.max_restarts else ""), stdout=True)
+                    + (f"; {_restarts(failures)}" if job.max_restarts else "")
+                    + (f"; {len(healed)} replaced ({'; '.join(healed)})" if job.replace or job.spares else ""),
+                    stdout=True)
     return 0
 
 
@@ -573,10 +584,11 @@ class RankFailed(JobFailed):
 
 
 def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], started: float,
-             restarts_left: int) -> None:
+             restarts_left: int, healed: list[str] | None = None) -> None:
     """One attempt: a fresh rendezvous store, every rank, watched. Returns once every rank exited 0;
     raises RankFailed (ranks and store stopped, servers left running) when a rank failed and
-    ``restarts_left`` > 0, else JobFailed (see :func:`_watch`)."""
+    ``restarts_left`` > 0, else JobFailed (see :func:`_watch`). With ``job.replace`` or spares, a rank
+    killed by a signal is replaced alone (:class:`Replacer`; ``healed`` gets a line per replacement)."""
     attempt: list[Proc] = []  # this attempt's store process (if any) and ranks
     store = None
     try:
@@ -588,18 +600,13 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
                                                  job.start_timeout_s, attempt, job.console, job.starter))
         ranks = []
         for r in range(job.workers):
-            argv = [sys.executable, *job.command, *job.args]
-            if job.url_flag:
-                argv += [job.url_flag, url]
-            if job.rank_args:
-                argv += list(job.rank_args(r))
-            if job.rank_prefix:
-                argv = [*job.rank_prefix(r), *argv]
-            ranks.append(spawn(f"rank {r}", argv, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            ranks.append(spawn(f"rank {r}", rank_argv(job, url, r), dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console,
                                starter=job.starter))
             attempt.append(ranks[-1])
-        _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0)
+        replacer = Replacer(job, env, url, logs, attempt, healed if healed is not None else []) \
+            if job.replace or job.spares else None
+        _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0, replacer=replacer)
     except RankFailed:
         stop_all(attempt)
         shm.sweep_stale()  # what the killed rank left in /dev/shm
@@ -609,13 +616,116 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
         del store  # the attempt's store closes with it: the next attempt's is fresh
 
 
-def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool = False) -> None:
-    """Return when every rank exited 0. At the first failure: a rank, with ``restartable``, raises
-    RankFailed and stops nothing (the caller stops the ranks); anything else stops every process and
-    raises JobFailed; so does the deadline."""
+def rank_argv(job: Job, url: str, r: int | None) -> list[str]:
+    """Rank ``r``'s command line, after ``job.rank_prefix``'s (ip netns exec NS); ``r`` None: what every rank
+    runs, without a rank's own arguments and prefix (a spare's, which learns its rank later)."""
+    argv = [sys.executable, *job.command, *job.args]
+    if job.url_flag:
+        argv += [job.url_flag, url]
+    if r is not None and job.rank_args:
+        argv += list(job.rank_args(r))
+    if r is not None and job.rank_prefix:
+        argv = [*job.rank_prefix(r), *argv]
+    return argv
+
+
+class Replacer:
+    """Keep-going's side of the launcher: a rank that died of a signal gets a new process of its own while the
+    others train on (:meth:`replace`); no other process is touched. With ``job.spares`` S, S idle processes
+    (``python -m commlab.launch.spare``: the interpreter, torch and commlab loaded, waiting for a rank) start
+    with the ranks and are handed the dead ranks first; a fresh start takes over once none is left.
+
+    The process gets the rank's environment plus ``$COMMLAB_REPLACEMENT`` (when the death was noticed,
+    :func:`commlab.transport.rendezvous.replacement_since`): the regime then enters it at the next step
+    boundary (ps://: :meth:`commlab.regimes.ps.PSExchanger._enter`), and it says when it did in its log
+    (``... entered at step E, X s after its predecessor's death was noticed``), which :meth:`report` reads.
+    A rank that exits with an error is no failure of its process: the job fails as without replacement."""
+
+    HEALED = re.compile(r"entered at step (\d+)(?:, ([\d.]+) s after)?")
+
+    def __init__(self, job: Job, env: dict, url: str, logs: Path, attempt: list[Proc], healed: list[str]):
+        self.job, self.env, self.url, self.logs, self.attempt, self.healed = job, env, url, logs, attempt, healed
+        self.count = 0
+        self.spares: list[tuple[Proc, Path]] = []
+        self.done: list[tuple[str, str, Proc]] = []  # (rank name, how it died, its replacement)
+        for i in range(job.spares):
+            assign = logs / f"spare{i}.assign"
+            assign.unlink(missing_ok=True)
+            argv = [sys.executable, "-m", "commlab.launch.spare", str(assign), *rank_argv(job, url, None)[1:]]
+            if job.rank_prefix:
+                argv = [*job.rank_prefix(0), *argv]
+            p = spawn(f"spare {i}", argv, {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")},
+                      logs / f"spare{i}.log", console=job.console, starter=job.starter)
+            attempt.append(p)
+            self.spares.append((p, assign))
+
+    def replace(self, dead: Proc) -> Proc:
+        """A process in ``dead``'s place, started or handed over now; the line the launcher says."""
+        r = int(dead.name.split()[-1])
+        since = time.time()
+        self.count += 1
+        env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), **{REPLACEMENT: f"{since:.6f}"})
+        extra = list(self.job.rank_args(r)) if self.job.rank_args else []
+        while self.spares:
+            p, assign = self.spares.pop(0)
+            if p.popen.poll() is not None:
+                continue
+            tmp = assign.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rank": r, "since": since, "args": extra}))
+            os.replace(tmp, assign)
+            p.name = dead.name
+            how = f"spare (pid {p.popen.pid})"
+            break
+        else:
+            p = spawn(dead.name, rank_argv(self.job, self.url, r), env,
+                      self.logs / f"rank{r}.replacement{self.count}.log", forward="both" if r == 0 else None,
+                      console=self.job.console, starter=self.job.starter)
+            self.attempt.append(p)
+            how = f"new process (pid {p.popen.pid})"
+        self.done.append((dead.name, _how(dead.popen.returncode), p))
+        self.job.say(f"{dead.name} died ({_how(dead.popen.returncode)}); replaced by a {how} while the others "
+                     f"train on")
+        return p
+
+    def waiting(self, p: Proc) -> bool:
+        """``p`` replaces a dead rank and has not entered the job yet (its log does not say so)."""
+        return any(p is q for _, _, q in self.done) and p.popen.poll() is None and not self.HEALED.search(p.tail(200))
+
+    def report(self) -> None:
+        """Each replacement's line for the summary: which rank, how it died, when it entered."""
+        for name, how, p in self.done:
+            m = self.HEALED.search(p.tail(200)) if p.log is not None else None
+            when = "; never entered" if m is None else f"; entered at step {m.group(1)}" + (
+                f", healed {float(m.group(2)):.2f} s after the death" if m.group(2) else "")
+            self.healed.append(f"{name} ({how}{when})")
+
+
+def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool = False,
+           replacer: Replacer | None = None) -> None:
+    """Return when every rank exited 0. At the first failure: a rank killed by a signal, with a ``replacer``,
+    is replaced alone; a rank, with ``restartable``, raises RankFailed and stops nothing (the caller stops the
+    ranks); anything else stops every process and raises JobFailed; so does the deadline."""
+    try:
+        _watch_loop(job, procs, ranks, started, restartable, replacer)
+    finally:
+        if replacer is not None:
+            replacer.report()
+
+
+def _watch_loop(job: Job, procs: list[Proc], ranks: list[Proc], started: float, restartable: bool,
+                replacer: Replacer | None) -> None:
     while True:
-        for p in procs:
+        for p in list(procs):
             code = p.popen.poll()
+            if replacer is not None and p in ranks and code is not None and code < 0:
+                p.drain()
+                new = replacer.replace(p)
+                ranks[ranks.index(p)] = new
+                if new in procs:  # a spare, watched already
+                    procs.remove(p)
+                else:
+                    procs[procs.index(p)] = new
+                continue
             if code not in (None, 0) or (code == 0 and p not in ranks):
                 if restartable and p in ranks:
                     p.drain()
@@ -625,6 +735,14 @@ def _watch(job: Job, procs: list[Proc], ranks: list[Proc], started: float, resta
                 raise JobFailed(f"{p.name} failed first ({_how(code)}); stopped the others" + _tail_text(p),
                                 code if code > 0 else 1)
         if all(p.popen.poll() == 0 for p in ranks):
+            return
+        late = [p for p in ranks if replacer is not None and replacer.waiting(p)] \
+            if all(p.popen.poll() == 0 for p in ranks if p.popen.poll() is not None or replacer is None
+                   or not replacer.waiting(p)) else []
+        if late:  # every other rank finished before the replacements could enter: nothing left to join
+            stop_all(late, grace=0)
+            job.say(f"{', '.join(p.name for p in late)}: the replacement was stopped before it entered (every "
+                    f"other rank had finished)")
             return
         if job.deadline_s is not None and time.monotonic() - started > job.deadline_s:
             running = [p.name for p in ranks if p.popen.poll() is None]
@@ -647,7 +765,8 @@ def worker_job(url: str, workers: int, worker_args: Sequence[str], *, module: st
 
 def launch(url: str, workers: int, worker_args: list[str], *, env: dict | None = None, module: str = "workers",
            deadline_s: float | None = None, log_dir: str | None = None, metrics_path: str | None = None,
-           name: str = "commlab train", max_restarts: int = 0) -> int:
+           name: str = "commlab train", max_restarts: int = 0, replace: bool = False, spares: int = 0) -> int:
     """Run :func:`worker_job` on this host (:func:`run_job`): ``commlab train``."""
     return run_job(worker_job(url, workers, worker_args, module=module, name=name, env=env,
-                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts))
+                              deadline_s=deadline_s, log_dir=log_dir, metrics=metrics_path, max_restarts=max_restarts,
+                              replace=replace, spares=spares))

@@ -33,6 +33,7 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import re
+import sys
 import time
 import types
 import warnings
@@ -88,6 +89,13 @@ class PSOptions(LocalStepsOptions):
                          choices=("", "worker", "server"))
     clip_norm: float = option(0.0, "update=server, sync: the servers clip the averaged gradient to this global "
                                    "L2 norm, as clip_grad_norm_ would (0: off)", ge=0)
+    min_workers: int = option(0, "keep going (docs/faults.md): a worker that dies leaves the job, the step in flight "
+                                 "completes over the others, and the job ends once fewer than this many are left "
+                                 "(0: off, a dead worker is waited for; commlab run --replace and --spares make "
+                                 "it 1)", ge=0, le=1 << 20)
+    heartbeat_s: float = option(0.0, "keep going: a worker silent this long (frozen, partitioned; zmq heartbeats, "
+                                     "answered by its I/O thread) leaves the job too (0: only a closed connection)",
+                                ge=0, le=6553, why="zmq's heartbeat TTL is at most 6553 s")
     space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
@@ -100,6 +108,8 @@ class PSOptions(LocalStepsOptions):
         if self.clip_norm and not (self.update and asked is not None and asked.shards_step and gathers):
             raise ConfigError("clip_norm= needs update=server and mode=sync (with update=worker, clip in your "
                               "loop: torch.nn.utils.clip_grad_norm_ sees the averaged gradient)")
+        if 0 < self.heartbeat_s < 0.1:
+            raise ConfigError(f"option 'heartbeat_s': at least 0.1 (zmq's TTL counts deciseconds), got {self.heartbeat_s}")
         if self.space and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.space):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
@@ -207,6 +217,9 @@ class _Shard:
         # CUDA parameters (HostStaging): key, offset, values -> True when the exchanger took the values
         self.put_staged: Callable[[str, int, torch.Tensor], bool] | None = None
         self.secret: auth.JobSecret | None = None  # the job's: each connection proves it first (None: no handshake)
+        self.heartbeat_s = 0.0  # keep-going: the shard closes this connection when it stays silent this long
+        self.hellos = 0  # said on this shard by this process: the first is ``fresh`` (a replacement's is)
+        self.epoch = 0  # the shard's membership epoch at the last hello (keep-going)
 
     def submit(self, fn, *args) -> cf.Future:
         return self.pool.submit(fn, *args)
@@ -229,7 +242,7 @@ class _Shard:
     def _open(self) -> zmq.Socket:
         """A fresh connection to the shard; with the job's secret, each side has proved it to the other
         before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
-        sock = self.tp.connect(zmq.DEALER, self.endpoint)
+        sock = self.tp.connect(zmq.DEALER, self.endpoint, heartbeat_s=self.heartbeat_s)
         if self.secret is not None:
             try:
                 transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
@@ -301,7 +314,11 @@ class _Shard:
         self._drop_link()
         if self.shm_want:
             meta = dict(meta, shm_host=shm.host_identity())
+        if meta.get("min_workers"):  # keep-going: a process's first hello is fresh; later ones say their epoch
+            meta = dict(meta, fresh=self.hellos == 0, epoch=self.epoch)
         reply = self.request("hello", -1, meta=meta, what="hello")[0].meta
+        self.hellos += 1
+        self.epoch = reply.get("epoch", 0)
         self.boot = reply.get("boot", "")
         if self.shm_want:
             self._take_link(reply.get("shm_link"))
@@ -616,6 +633,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
         self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
         self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
+        self.healed: dict | None = None  # a replacement: {step: where it entered, seconds: since the death}
+        self.restored_step: int | None = None  # the step ex.restored_state belongs to (None: nothing restored)
+        self._replay_to = 0  # wire steps below this one are replayed (see replaying)
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -672,6 +692,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             auth.warn_unauthenticated(f"ps:// rank {self.rank_info.global_rank()}")
         for shard in self.shards:
             shard.secret = self._secret
+            shard.heartbeat_s = self.options.heartbeat_s
+        keep = self._min_workers()
         # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
         # membership change); bounded as the start gate is: the ranks start when they do
         self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
@@ -711,9 +733,11 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             "pieces": [[pc.key, pc.dtype, pc.count, pc.param] for pc in self._pieces[s.index]],
             "buffers": buffers_wire if s.index == 0 else [],
             "shard": [s.index, k], "optim": {**desc, **self.options.outer_desc()},
-            **pushes.hello(s.index)}), "hello")
+            **({"min_workers": keep} if keep else {}), **pushes.hello(s.index)}), "hello")
         self._take_placement(replies[0])
         self._base = self.steps.resume_step([r["next_step"] for r in replies])
+        if any("enter" in r for r in replies):  # a replacement for a lost rank: in at the next step boundary
+            self._base = self.start_step = self._enter(max(r.get("enter", 0) for r in replies))
         pushes.connected()
         fresh = not all(r["initialized"] for r in replies)
         if fresh and self.rank == 0:  # a fresh start takes rank 0's parameters and buffers, as DDP does
@@ -730,6 +754,40 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
         if not fresh or self.rank_info.attempt:
             self.restored_state = self._restore_state()
+            self._replay_from_state()
+        if self.healed is not None:
+            since = rendezvous.replacement_since()
+            if since is not None:
+                self.healed["seconds"] = round(time.time() - since, 3)
+            print(f"commlab ps:// rank {self.rank_info.global_rank()}: a replacement, entered at step "
+                  f"{self.healed['step']}" + (f", {self.healed['seconds']:.2f} s after its predecessor's death was "
+                                              f"noticed" if "seconds" in self.healed else ""), flush=True)
+
+    def _min_workers(self) -> int:
+        """Keep-going's quorum (min_workers=; 1 under a launcher that replaces dead ranks, 0: off), checked
+        against the world."""
+        keep = self.options.min_workers or (1 if rendezvous.keep_going() else 0)
+        if keep > self.world_size:
+            raise ConfigError(f"option 'min_workers': {keep} is more than the job's {self.world_size} workers")
+        if self.options.heartbeat_s and not keep:
+            raise ConfigError("option 'heartbeat_s': a silent worker leaves the job only when the others keep "
+                              "going: give min_workers= too (or run under commlab run --replace)")
+        return keep
+
+    def _enter(self, step: int) -> int:
+        """A replacement: tell every shard the step it enters at, the largest any offered; a shard that went
+        past it meanwhile names a later one, and every shard is told that (bounded: each try is one request).
+        Returns the step; the start pull then waits for the parameters after the one before."""
+        for _ in range(100):
+            got = self._on_all(lambda s: s.request("enter", step, what=f"enter at step {step}")[0].meta,
+                               f"enter at step {step}")
+            later = [g["enter"] for g in got if not g.get("entered")]
+            if not later:
+                self.healed = {"step": step}
+                return step
+            step = max(later)
+        raise CommTimeout(f"rank {self.rank_info.global_rank()}: the shards kept moving past the step this "
+                          f"replacement asked to enter at (the last: {step})", op="connect")
 
     def _take_placement(self, reply: dict) -> None:
         """Hello named the servers' mode and placement: the object this client asks at every step."""
@@ -803,13 +861,35 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
                      f"commit_state at step {step}").result(timeout=self.options.timeout * 2 + 10)
 
     def _restore_state(self) -> dict | None:
-        """What this rank last kept with :meth:`commit_state` (on shard 0), or None."""
+        """What this rank last kept with :meth:`commit_state` (on shard 0), or None; :attr:`restored_step` the
+        step it belongs to (the step the loop was to run next when it was committed)."""
         first = self.shards[0]
         h, data = first.submit(first.request, "blob", -1, (), {}, "restored state", psproto.BLOB_MAX).result(
             timeout=self.options.timeout * 2 + 10)
         if h.op != "params":
             return None
+        self.restored_step = h.step
         return wire.unpack_state(wire.frame_tensor(h.frames[0], data[0]).numpy().tobytes())
+
+    def _replay_from_state(self) -> None:
+        """The committed state belongs to an earlier step than the servers' (the rank died after its step was
+        applied and before ``ex.commit_state``, or a replacement enters steps after its predecessor's last
+        commit): the loop resumes at the state's step, and the steps up to the servers' are *replayed*: run
+        by the loop (its scheduler, data position and random state move on as they did), pushed nowhere,
+        the parameters and optimizer state staying the servers'. So the state and the step agree again.
+        A state from a later step than the servers' cannot be rewound: refused, naming both."""
+        if self.restored_step is None or not self.keeps_state or self.restored_step == self._base:
+            return
+        who = f"ps:// rank {self.rank_info.global_rank()}"
+        if self.restored_step > self._base:
+            raise ModelMismatch(f"{who}: its committed state (ex.commit_state) belongs to step {self.restored_step}, "
+                                f"but the servers resume at step {self._base}: a state ahead of the parameters "
+                                f"cannot be used (servers restarted from an older checkpoint?)")
+        print(f"commlab {who}: its committed state belongs to step {self.restored_step}, the servers are at step "
+              f"{self._base}: the loop replays steps {self.restored_step}..{self._base - 1} (nothing pushed; "
+              f"ex.start_step = {self.restored_step})", file=sys.stderr, flush=True)
+        self._replay_to = self._base
+        self._base = self.start_step = self.restored_step
 
     def _check_group(self) -> None:
         """``connect(group=)``: the group's members name the same group (through the job's store, which stays
@@ -874,11 +954,21 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     def _wire_step(self) -> int:
         return self._base + self._step
 
+    @property
+    def replaying(self) -> bool:
+        """A step the servers applied already, run again by the loop to bring this rank's own state (its
+        committed state's step, :attr:`restored_step`) up to the servers': nothing is pushed or pulled."""
+        return self._wire_step() < self._replay_to
+
     def _start_bucket(self, bucket) -> Handle:
         assert self.steps is not None and self._pushes is not None  # setup
+        if self.replaying:
+            return DoneHandle(what=f"bucket {bucket.index} (a replayed step)")
         return self._pushes.start_bucket(bucket, self._wire_step(), self.steps.push_meta())
 
     def _finish(self) -> None:
+        if self.replaying:
+            return  # p.grad: this rank's own gradient, which the servers never see
         step = self._wire_step()
         assert self.steps is not None  # setup
         assert self._pushes is not None  # setup
@@ -891,6 +981,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         every rank does; then every rank pulls them (sync: once the step's are complete)."""
         if self._buffers_fresh:  # setup: every rank pulled the servers' buffers with the parameters
             self._buffers_fresh = False
+            return
+        if self.replaying:
             return
         step = self._wire_step()
         first = self.shards[0]
@@ -973,6 +1065,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
 
     def _remote_update(self, timeout: float) -> None:
         assert self.steps is not None  # setup
+        if self._wire_step() - 1 < self._replay_to:  # the step just exchanged was a replayed one
+            return  # the parameters are the servers' already (pulled at setup; this rank pushes nothing meanwhile)
         self.steps.remote_update(timeout)
 
     # ----- the optimizer's state lives on the servers (update=server) ---------------------------
@@ -1159,6 +1253,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
                                   "payloads": {s.endpoint: s.link.kind for s in self.shards},
                                   **({"why_not_shm": {s.endpoint: s.shm_note for s in self.shards if s.shm_note}}
                                      if any(s.shm_note for s in self.shards) else {})}
+        if self.healed is not None:
+            facts["replacement"] = dict(self.healed)
         return facts
 
     def close(self) -> None:

@@ -66,6 +66,12 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--max-restarts", type=int, default=0,
                    help="as torchrun's: when a rank fails, stop the ranks and start every rank again (the servers "
                         "keep running; TORCHELASTIC_RESTART_COUNT says the attempt), up to this many times")
+    p.add_argument("--replace", action="store_true",
+                   help="keep going: a rank killed by a signal gets a new process of its own while the others train "
+                        "on (ps://: it enters at the next step boundary with the servers' state; docs/faults.md)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="keep going, as --replace, with this many idle ranks started up front (torch loaded) that "
+                        "take over dead ranks first")
 
 
 def train_main(argv: list[str]) -> int:
@@ -94,7 +100,7 @@ def train_main(argv: list[str]) -> int:
         print(f"commlab train: {problem}", file=sys.stderr)
         return 2
     return launcher.launch(a.exchanger, a.workers, worker_args, deadline_s=a.deadline, log_dir=a.log_dir,
-                           metrics_path=a.metrics, max_restarts=a.max_restarts)
+                           metrics_path=a.metrics, max_restarts=a.max_restarts, replace=a.replace, spares=a.spares)
 
 
 def run_main(argv: list[str]) -> int:
@@ -128,7 +134,8 @@ def run_main(argv: list[str]) -> int:
         print(f"commlab run: {problem}", file=sys.stderr)
         return 2
     job = launcher.Job(command, tuple(args), a.workers, a.exchanger, env=None, deadline_s=a.deadline,
-                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts)
+                       log_dir=a.log_dir, metrics=a.metrics, name="commlab run", max_restarts=a.max_restarts,
+                       replace=a.replace, spares=a.spares)
     return launcher.run_job(job)
 
 

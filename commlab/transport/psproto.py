@@ -58,6 +58,13 @@ on the client as :class:`~commlab.base.errors.RemoteError`)::
       again by the new attempt), pulls, joins and byes go, the start gate closes again; pushes of an
       earlier attempt are refused. Applied steps stay: the hello's next_step says where to resume.
       Its world may differ (torchrun --nnodes MIN:MAX): the new attempt's ranks replace the old.
+      --- keep-going (hello {min_workers: M > 0, fresh, epoch}; servers.membership) ---
+      a rank whose connection closes leaves: its partial step is taken out, the step completes over the
+      others. A process of a lost rank is refused (stale epoch); a fresh hello for a lost rank (a
+      replacement) is answered with {enter: soonest step}, then
+      enter step=E                          <-  ok {entered: true, epoch} | {entered: false, enter: sooner}
+      and its start pull (after_step E-1) gets the parameters after step E-1. Fewer than M ranks left:
+      every request is refused with the line naming the ranks lost.
 
 Modes (the server's; a worker that names another one is refused):
 
@@ -156,7 +163,7 @@ def consistency(name: str) -> Consistency:
         raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
 
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
-                      "bye", "blob"})
+                      "bye", "blob", "enter"})
 REPLIES = frozenset({"ok", "params", "error"})
 BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
 

@@ -25,6 +25,26 @@ from typing import Any, Mapping
 from commlab.base.errors import CommTimeout, ConfigError
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun sets it in every worker: the job's restarts so far
+# Keep-going (docs/faults.md): a launcher that replaces a dead rank alone (commlab run --replace, --spares) sets
+# KEEP_GOING in every rank, so that the regimes keep going when a peer dies (ps://: min_workers defaults to 1);
+# a rank started in a dead one's place gets REPLACEMENT = when the launcher noticed the death (time.time()).
+KEEP_GOING = "COMMLAB_KEEP_GOING"
+REPLACEMENT = "COMMLAB_REPLACEMENT"
+
+
+def keep_going(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this rank's launcher replaces dead ranks alone (the survivors must keep going)."""
+    return (os.environ if env is None else env).get(KEEP_GOING, "") == "1"
+
+
+def replacement_since(env: Mapping[str, str] | None = None) -> float | None:
+    """When this process's predecessor's death was noticed (wall clock), if this process replaces a dead
+    rank; None for an ordinary start."""
+    value = (os.environ if env is None else env).get(REPLACEMENT, "")
+    try:
+        return float(value) if value else None
+    except ValueError:
+        raise ConfigError(f"${REPLACEMENT} must be a time in seconds, got {value!r}") from None
 
 
 @dataclass(frozen=True)

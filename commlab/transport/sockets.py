@@ -126,10 +126,17 @@ class Transport:
 
     def connect(self, kind: int, endpoint: str, identity: bytes | None = None,
                 io_thread: int | None = None, curve: CurveKeys | None = None,
-                plain: tuple[str, str] | None = None) -> zmq.Socket:
+                plain: tuple[str, str] | None = None, heartbeat_s: float = 0.0) -> zmq.Socket:
         """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
-        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects."""
+        (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects.
+        ``heartbeat_s`` > 0: zmq pings the peer four times per period and asks it (ZMTP's TTL) to close the
+        connection when nothing came from this side for that long: a frozen or partitioned process (whose
+        I/O threads stop too) loses its connection within ``heartbeat_s``."""
         sock = self.pin(self.socket(kind), io_thread)
+        if heartbeat_s > 0:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat_s * 250)))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(heartbeat_s * 1000)))  # (whole deciseconds)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_s * 1000)))
         if identity is not None:
             sock.identity = identity
         curve = curve or self.curve

@@ -1,0 +1,126 @@
+"""A worker for tests/test_keepgoing.py whose gradients are known constants, and that dies at an exact point.
+
+``python tests/keepgoing_driver.py URL --rank R --workers N --steps T [--kill-step K --kill-at WHERE]``
+
+The model is four flat parameters of 6, 5, 4 and 3 zeros (with two shards: 6 and 3 on shard 0, 5 and 4 on
+shard 1; with ``bucket_mb`` tiny each is a bucket of its own, so each shard gets two push messages per step);
+rank r's gradient is ``10 ** r`` everywhere, assigned by hand. SGD with ``--lr``: every applied step moves a
+parameter by ``-lr`` times the mean of the gradients that step counted, so the end tells exactly which
+ranks each step counted on each shard.
+
+``--kill-at`` (at step K, this rank SIGKILLs itself; the point is forced, not timed):
+``before``: before pushing anything of step K. ``between`` (two shards): once shard 0 holds its whole step K,
+before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
+(the second never leaves; shard 1 gets nothing). Prints one JSON line at the end: rank, pid, parameters, the
+servers' stats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from torch import nn
+
+import commlab
+from commlab.regimes import ps
+from commlab.regimes.ps import server_stats
+from commlab.transport.rendezvous import RankInfo
+
+SIZES = (6, 5, 4, 3)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(step: int, where: str, rank: int, async_mode: bool) -> None:
+    """Patch the client's send so that this rank dies at ``where`` of ``step``."""
+    post = ps._Shard.post
+    first: dict = {}
+
+    def whole_on(endpoint: str) -> bool:
+        st = server_stats(endpoint)
+        if async_mode:
+            return st["last_step"].get(str(rank), -1) >= step
+        return st["sync_step"] > step or st["sync_step"] == step and rank in st["whole"]  # (update=worker: done)
+
+    def patched(self, op, t, *args, **kw):
+        if op != "push" or t != step:
+            return post(self, op, t, *args, **kw)
+        if where == "between":
+            if self.index == 0:
+                return post(self, op, t, *args, **kw)
+            deadline = time.monotonic() + 60
+            while not whole_on(self.peers[0]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("shard 0 never held this rank's whole step")
+                time.sleep(0.01)
+            die()
+        if where == "partial":
+            if self.index != 0:
+                threading.Event().wait(60)  # shard 1 gets nothing of this step
+                raise TimeoutError("not killed")
+            if not first:
+                first["req"] = post(self, op, t, *args, **kw)
+                return first["req"]
+            self.answer(first["req"])  # shard 0 acknowledged (folded) the first message
+            die()
+        return post(self, op, t, *args, **kw)
+
+    ps._Shard.post = patched
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("url")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--kill-at", choices=("before", "between", "partial"), default="before")
+    p.add_argument("--final-updates", type=int, default=0,
+                   help="async: after the steps, wait until every shard applied this many updates, then pull")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in SIZES])
+    info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
+    pid = os.getpid()
+    with commlab.connect(a.url, info) as ex:
+        ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
+        for s in ex.shards:
+            s.peers = [x.endpoint for x in ex.shards]
+        if a.kill_step >= 0 and a.kill_at != "before":
+            arm(a.kill_step, a.kill_at, a.rank, ex.mode != "sync")
+        for step in range(ex.start_step, a.steps):
+            if step == a.kill_step and a.kill_at == "before":
+                die()
+            ex.zero_grad()
+            if a.sleep:
+                time.sleep(a.sleep)
+            for param in model:
+                param.grad = torch.full_like(param, 10.0 ** a.rank)
+            ex.step()
+        deadline = time.monotonic() + 60
+        while a.final_updates and min(s["updates"] for s in ex.server_stats()) < a.final_updates:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the shards applied {[s['updates'] for s in ex.server_stats()]} updates")
+            time.sleep(0.01)
+        if a.final_updates:
+            ex.pull_latest()
+        stats = ex.server_stats()
+        print(json.dumps({"rank": a.rank, "pid": pid, "params": [q.detach().tolist() for q in model],
+                          "servers": stats}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Keep-going on ps:// (issue 38; docs/faults.md "What survives what"): a worker that dies leaves the job, the
+step in flight completes over the others, and the survivors go on, never restarted.
+
+Three workers whose gradients are constants (rank r: ``10 ** r``), plain SGD, so the end says exactly which
+ranks each step counted on each shard (tests/keepgoing_driver.py). Rank 1 kills itself at step K at a
+forced point: before its push, between its pushes to two shards, or after shard 0 acknowledged its first
+push message. The reference: every step before K averages the three; step K, on each shard, counts rank 1
+only where its whole step had reached that shard; every later step averages ranks 0 and 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import child_env, run_group
+from faultkit import DRIVER, finish
+from test_restart import _leftovers
+
+pytestmark = pytest.mark.multiproc
+
+KG_DRIVER = DRIVER.replace("ps_driver.py", "keepgoing_driver.py")
+SIZES = (6, 5, 4, 3)
+ON_SHARD0 = (0, 3)  # the parameters (6 and 3 elements) assign_shards puts on shard 0 of two
+T, K, LR, TIMEOUT = 10, 4, 0.01, 30
+
+
+def _workers(procs, url: str, kill_at: str, *extra: str, victim_steps: int = T) -> list[subprocess.Popen]:
+    out = []
+    for r in range(3):
+        args = [sys.executable, KG_DRIVER, url, "--rank", str(r), "--workers", "3", "--steps", str(T), *extra]
+        if r == 1:
+            args += ["--kill-step", str(K), "--kill-at", kill_at]
+        out.append(procs.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return out
+
+
+def _sync_reference(kept_on: set[int]) -> list[torch.Tensor]:
+    """Each parameter after T sync steps: three ranks' mean before K, at K on the shards in ``kept_on``; the
+    survivors' after."""
+    every, survivors = (1 + 10 + 100) / 3, (1 + 100) / 2
+    out = []
+    for i, n in enumerate(SIZES):
+        shard = 0 if i in ON_SHARD0 else 1
+        total = K * every + (every if shard in kept_on else survivors) + (T - K - 1) * survivors
+        out.append(torch.full((n,), -LR * total, dtype=torch.float64))
+    return out
+
+
+def _check(results, want: list[torch.Tensor], pids: list[int]) -> list[dict]:
+    recs = []
+    for (code, out, err), r in zip(results, (0, 2)):
+        assert code == 0, err[-3000:]
+        rec = json.loads(out.strip().splitlines()[-1])
+        assert rec["rank"] == r and rec["pid"] == pids[r], rec  # the survivor's own process throughout
+        for got, ref in zip(rec["params"], want):
+            assert torch.allclose(torch.tensor(got, dtype=torch.float64), ref, rtol=1e-6, atol=1e-6), (r, got, ref)
+        recs.append(rec)
+    return recs
+
+
+@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes", [
+    ("server", "partial", set(), [1, 0]),  # shard 0 had half of rank 1's step: taken out again
+    ("worker", "between", {0}, [0, 0]),  # shard 0 had all of it: kept there
+    pytest.param("server", "before", set(), [0, 0], marks=pytest.mark.full),
+    pytest.param("server", "between", {0}, [0, 0], marks=pytest.mark.full),
+    pytest.param("worker", "before", set(), [0, 0], marks=pytest.mark.full),
+])
+def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes):
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update={update}&min_workers=2"
+           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
+    workers = _workers(procs, url, kill_at)
+    results = finish([workers[0], workers[2]], timeout=120)
+    workers[1].wait(30)
+    assert workers[1].returncode == -signal.SIGKILL, workers[1].communicate()[1][-3000:]
+    recs = _check(results, _sync_reference(kept_on), [w.pid for w in workers])
+    for shard, stats in enumerate(recs[-1]["servers"]):
+        assert stats["updates"] == T, stats  # every step applied once: none twice, none lost
+        assert stats["lost_pushes"] == lost_pushes[shard], stats
+        # (update=worker: shard 0 finished step K with rank 1's whole push before the rank died)
+        left_at = K + 1 if shard in kept_on and update == "worker" else K
+        assert stats["members"]["lost"]["1"]["step"] == left_at, stats["members"]
+        assert stats["members"]["lost"]["1"]["why"] == "its connection closed"
+
+
+@pytest.mark.parametrize("mode,kill_at", [("async", "partial"), pytest.param("ssp", "before", marks=pytest.mark.full)])
+def test_async_and_ssp_survivors_go_on_and_the_dead_ranks_partial_step_is_never_applied(procs, mode, kill_at):
+    """Each push applied alone (x -= lr g): the end is -lr (T (1 + 100) + K 10) on every element, with
+    2T + K updates per shard; ssp's survivors are not held back by the dead rank's clock."""
+    servers = [procs.server("--mode", mode, "--staleness", "1", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode={mode}&min_workers=2"
+           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
+    workers = _workers(procs, url, kill_at, "--final-updates", str(2 * T + K))
+    results = finish([workers[0], workers[2]], timeout=120)
+    want = [torch.full((n,), -LR * (T * 101 + K * 10), dtype=torch.float64) for n in SIZES]
+    recs = _check(results, want, [w.pid for w in workers])
+    for shard, stats in enumerate(recs[-1]["servers"]):
+        assert stats["updates"] == 2 * T + K, stats
+        assert stats["lost_pushes"] == (1 if kill_at == "partial" and shard == 0 else 0), stats
+        assert stats["last_step"]["1"] == K - 1, stats
+
+
+# ----- a replacement heals live (commlab run --replace, --spares) ------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "restart_script.py")
+
+
+def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "tmp").mkdir()
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "3", *flags, "--deadline", "150",
+                      "--exchanger", "ps://?shards=2&mode=sync&update=server&min_workers=2&timeout=30",
+                      "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), str(steps), "mlp"], 180, cwd=ROOT,
+                     env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, STEP_SLEEP=0.25), capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("flags", [("--replace",), pytest.param(("--spares", "1"), marks=pytest.mark.full)])
+def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the_others_train_on(tmp_path, flags):
+    """Rank 1 dies at the top of step 4; the launcher starts a process in its place (or hands the rank to a
+    spare) and touches nothing else; it enters at a step boundary E holding, bit for bit, the parameters and
+    momentum a survivor held after step E - 1; every rank ends with the same parameters; the summary says
+    when it entered."""
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _run_replace(tmp_path, *flags)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 1 died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
+    assert "restarting" not in r.stderr
+    summary = r.stdout.strip().splitlines()[-1]
+    assert "1 replaced (rank 1 (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary
+    out = tmp_path / "out"
+    rep = json.loads((out / "rank1.replacement.json").read_text())
+    entered = rep["healed"]["step"]
+    assert entered > 4 and rep["healed"]["seconds"] > 0, rep["healed"]
+    survivors = [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in (0, 2)]
+    for rec in survivors:
+        assert rec["start_step"] == 0 and rec["ran"] == 20, rec  # one process ran every step
+        held = rec["after"][str(entered - 1)]
+        assert held["params"] == rep["params"] and held["momentum"] == rep["momentum"], rec["rank"]
+    end = json.loads((out / "rank1.replacement.end.json").read_text())
+    assert all(rec["params"] == end["params"] for rec in survivors)
+    assert not _leftovers(tmp_path, shm_before)
