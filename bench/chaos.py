@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", action="store_true", help="also kill a random server shard on a schedule of its own")
     p.add_argument("--spares", type=int, default=0, help="commlab's entry: --spares S instead of --replace")
     p.add_argument("--entries", default=",".join(ENTRIES), help="comma-separated, of: " + ", ".join(ENTRIES))
-    p.add_argument("--model", default="mlp-25m", help="workers/models.py's name, or tiny")
+    p.add_argument("--model", default="mlp-25m", help="workers/models.py's name (tiny: the tests')")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--cap", type=float, default=0.45, help="CPU per worker (cgroup; 0: uncapped)")
@@ -127,6 +127,9 @@ def check(a) -> list[str]:
         raise ValueError(f"--spares must be >= 0, got {a.spares}")
     if not 0 <= a.cap <= 64:
         raise ValueError(f"--cap must be a CPU share in [0, 64], got {a.cap:g}")
+    from workers.models import MODELS
+    if a.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.batch_size < 1 or a.startup_timeout <= 0:
         raise ValueError("--batch-size must be >= 1 and --startup-timeout > 0")
     return names(a.entries, ENTRIES, "--entries")
