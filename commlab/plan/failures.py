@@ -28,12 +28,19 @@ ranks and the rendezvous cost per rank ``r`` (:class:`Components`); ``k`` and ``
 with ``n`` (the survivors' servers or ring notice one connection; the replacement joins at a step
 boundary without a job-wide rendezvous). :func:`simulate` checks both forms by Monte Carlo
 (tests/test_chaos.py). Pure Python: no torch.
+
+    python -m commlab.plan.failures --chaos runs/chaos-X/chaos.json     # the components a chaos run measured
+    python -m commlab.plan.failures --restart-s 12 --workers-measured 4 --rendezvous-per-rank-s 1e-4 \
+        --stall-s 0.3 --heal-s 6 --lost-s 0.5 --workers 1000,10000 --mtbf-hours 50,5000
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
+import sys
 from dataclasses import asdict, dataclass
 
 HOUR = 3600.0
@@ -137,3 +144,47 @@ def simulate(policy: str, n: int, rate: float, *, horizon_s: float, restart_s: f
         present = 1.0 - down / (n * horizon_s)
         return (1.0 - stalled / horizon_s) * present
     raise ValueError(f"policy must be 'restart-all' or 'keep-going', got {policy!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m commlab.plan.failures", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chaos", help="a `commlab bench chaos` run's chaos.json: its measured components")
+    p.add_argument("--restart-s", type=float)
+    p.add_argument("--workers-measured", type=int, default=4)
+    p.add_argument("--rendezvous-per-rank-s", type=float, default=0.0)
+    p.add_argument("--stall-s", type=float)
+    p.add_argument("--heal-s", type=float)
+    p.add_argument("--lost-s", type=float, default=0.0)
+    p.add_argument("--workers", default="1000,10000")
+    p.add_argument("--mtbf-hours", default="50,5000", help="per worker")
+    a = p.parse_args(argv)
+    try:
+        workers = tuple(int(x) for x in a.workers.split(","))
+        mtbf = tuple(float(x) for x in a.mtbf_hours.split(","))
+        if min(workers) < 1 or min(mtbf) <= 0:
+            raise ValueError
+    except ValueError:
+        print("commlab plan failures: --workers and --mtbf-hours must be comma-separated positive numbers",
+              file=sys.stderr)
+        return 2
+    if a.chaos:
+        scale = json.loads(open(a.chaos).read()).get("at_scale")
+        if not scale:
+            print(f"commlab plan failures: --chaos {a.chaos} has no at-scale components (it needs restart-all's and "
+                  "a keep-going entry's kills)", file=sys.stderr)
+            return 2
+        c = Components(**scale["components"])
+    else:
+        given = {k: getattr(a, k) for k in ("restart_s", "stall_s", "heal_s")}
+        missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None or v < 0]
+        if missing:
+            print(f"commlab plan failures: give {', '.join(missing)} (seconds >= 0) or --chaos FILE", file=sys.stderr)
+            return 2
+        c = Components(a.restart_s, a.workers_measured, a.rendezvous_per_rank_s, a.stall_s, a.heal_s, a.lost_s)
+    print("\n".join(lines(c, table(c, workers, mtbf))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
