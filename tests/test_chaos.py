@@ -157,3 +157,16 @@ def test_every_entry_of_a_tiny_chaos_run_reports_its_kills_and_applies_nothing_t
         assert len(e["kills"]) == (1 if name in chaos.REFERENCE else 0), name
         assert all(k["heal_s"] is not None for k in e["kills"]), name
     assert {v["a"] for v in doc["verdicts"]} >= {"restart-all", "torchft"}
+
+
+def test_the_at_scale_table_from_given_components_or_a_chaos_run(tmp_path, capsys):
+    assert F.main(["--restart-s", "12", "--stall-s", "0.3", "--heal-s", "6", "--lost-s", "0.5",
+                   "--rendezvous-per-rank-s", "1e-4", "--workers", "1000,10000", "--mtbf-hours", "50"]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1")]
+    c = F.Components(12.0, 4, 1e-4, 0.3, 6.0, 0.5)
+    want = F.table(c, (1000, 10000), (50.0,))
+    assert [r.split("|")[5].strip() for r in rows] == [f"{w['restart_all']:.1%}" for w in want]
+    assert F.main(["--stall-s", "1"]) == 2 and "--restart-s" in capsys.readouterr().err
+    (tmp_path / "chaos.json").write_text(json.dumps({"at_scale": {"components": F.as_dict(c)}}))
+    assert F.main(["--chaos", str(tmp_path / "chaos.json"), "--mtbf-hours", "50"]) == 0
+    assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1")] == rows
