@@ -66,6 +66,7 @@ from torch import nn
 from commlab.base.config import CommonOptions
 from commlab.base.errors import ConfigError, ModelMismatch
 from commlab.core.groups import local
+from commlab.core.keepgoing import KeepGoing
 from commlab.base.handles import CallHandle, GroupHandle, Handle
 from commlab.core.manifest import describe_optimizer
 from commlab.core.optim import OptimizerSpec
@@ -443,6 +444,9 @@ class BucketedExchanger(Exchanger):
     carry_presence: ClassVar[bool] = True
     # Gradients are multiplied by this on their way into a bucket (all-reduce regimes: 1/N).
     grad_scale: float = 1.0
+    # a replacement that joined a running job (min_workers=): setup took the state of a live rank, and
+    # runs none of the job's start-up collectives (the buffers' first broadcast)
+    entered_running: bool = False
     _heap_kept: bool | None = None
 
     def __init__(self, options, rank: RankInfo):
@@ -540,7 +544,7 @@ class BucketedExchanger(Exchanger):
         self._hooks.append((wrapper if wrapper is not None else model).register_forward_pre_hook(read))
         self._reset_step_state()
         self._connect(model, optimizer)
-        if self.options.buffers != "none" and self.module_buffers:
+        if self.options.buffers != "none" and self.module_buffers and not self.entered_running:
             self._sync_buffers("broadcast")  # every rank starts from rank 0's buffers, as under DDP
         self._reset_step_state()  # what setup moved is not the first step's
         self._begin_step_totals()
@@ -707,13 +711,7 @@ class BucketedExchanger(Exchanger):
             raise ConfigError("step() inside no_sync(): leave the block for the last micro-step")
         self._launch_until(len(self.buckets))
         started = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        for h in self._handles:
-            h.wait(max(1e-3, deadline - time.monotonic()))
-        self._join.exchange_ends()
-        self._finish()
-        if self.options.buffers != "none" and self.module_buffers:
-            self._sync_buffers(self.options.buffers)
+        self._exchange(timeout)
         waited = time.perf_counter() - started
         self.stats.wait_s += waited
         self.stats.exchanges += 1
@@ -724,6 +722,16 @@ class BucketedExchanger(Exchanger):
                                       self.stats.bytes_uncompressed - self._step_raw0, self._step_exchanges)
         self._step += 1
         self._phase = "exchanged"
+
+    def _exchange(self, timeout: float) -> None:
+        """The exchange's end, every bucket launched: wait for all, final grads, equal buffers."""
+        deadline = time.monotonic() + timeout
+        for h in self._handles:
+            h.wait(max(1e-3, deadline - time.monotonic()))
+        self._join.exchange_ends()
+        self._finish()
+        if self.options.buffers != "none" and self.module_buffers:
+            self._sync_buffers(self.options.buffers)
 
     def _before_step(self) -> None:
         if not self._sync:
@@ -754,6 +762,9 @@ class BucketedExchanger(Exchanger):
         self._reset_step_state()
         self._begin_step_totals()
 
+    def _exchange_begins(self) -> None:
+        """An exchange's first bucket is about to start (a regime that keeps going admits replacements here)."""
+
     def _take_over_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` becomes the regime's remote update (an instance attribute, so the class,
         ``isinstance`` checks, schedulers and GradScaler see the user's optimizer unchanged)."""
@@ -780,6 +791,7 @@ class BucketedExchanger(Exchanger):
 
     def _launch_until(self, stop: int) -> None:
         if self._next == 0 and stop > 0:
+            self._exchange_begins()
             self._join.exchange_begins()
         while self._next < stop:
             bucket = self.buckets[self._next]
@@ -858,13 +870,14 @@ class BucketedExchanger(Exchanger):
                         p.grad = None
 
 
-class CollectiveExchanger(BucketedExchanger, Collective):
+class CollectiveExchanger(KeepGoing, BucketedExchanger, Collective):
     """The all-reduce regimes: each bucket is summed over ranks as soon as it is ready;
     gradients enter their bucket scaled by 1/N, so the sums are the averages, and the user's
     own optimizer steps on them.
 
     A subclass supplies ``_connect`` (which must call :meth:`meet`, which sets ``self.store``, then
-    :meth:`_agree_and_equalise`), ``meet`` and ``allreduce_async``.
+    :meth:`_agree_and_equalise`), ``meet`` and ``allreduce_async``; to keep going when a rank dies
+    (``min_workers=``, :class:`~commlab.core.keepgoing.KeepGoing`), ``_reform_links`` too.
     """
 
     store: Any = None
@@ -946,6 +959,7 @@ class CollectiveExchanger(BucketedExchanger, Collective):
         return localsteps.ReplicatedOuter(self, options.outer)
 
     def _start_bucket(self, bucket: Bucket) -> Handle:
+        self._keep_gradient(bucket)
         if bucket.index == 0:  # the stall report reads how far each rank got
             rendezvous.heartbeat(self.store, self.rank, self._step)
         what = f"{self.scheme}:// all-reduce of bucket {bucket.index} ({bucket.names[0]}...) at step {self._step}"

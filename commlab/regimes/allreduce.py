@@ -34,15 +34,20 @@ import torch.distributed as dist
 from commlab import compress
 from commlab.transport import rendezvous
 from commlab.base.config import option
-from commlab.core.localsteps import LocalStepsOptions
-from commlab.base.errors import BackendUnavailable, CommError, ConfigError
+from commlab.core.quorum import KeepGoingOptions
+from commlab.base.errors import BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.core.exchanger import CollectiveExchanger
 from commlab.base.handles import Handle, WorkHandle
 
 
 @dataclass(frozen=True)
-class AllReduceOptions(LocalStepsOptions):
+class AllReduceOptions(KeepGoingOptions):
     backend: str = option("gloo", "torch.distributed backend", choices=("gloo", "nccl"))
+
+    def check_keep_going(self) -> None:
+        super().check_keep_going()
+        if self.backend != "gloo":
+            raise ConfigError("option 'min_workers' (keep going) needs backend=gloo")
 
 
 def nccl_version() -> str | None:
@@ -72,6 +77,9 @@ class AllReduceExchanger(CollectiveExchanger):
         if self.options.backend == "nccl" and not all(p.is_cuda for p in params):
             raise ConfigError("backend=nccl needs CUDA parameters; move the model with .to('cuda') before setup()")
         self.meet()
+        if self._joined is not None:  # a replacement: the state of a live rank, over the new group
+            self._heal(self._joined)
+            return
         compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)
 
@@ -86,6 +94,9 @@ class AllReduceExchanger(CollectiveExchanger):
                                      "use backend=gloo for CPU tensors")
         if backend == "nccl" and not dist.is_nccl_available():
             raise BackendUnavailable("allreduce://?backend=nccl: this torch build has no NCCL")
+        if self.options.keep_going:
+            self._meet_keep_going()
+            return
         if self.rank_info.members:
             self._meet_group()
             return
@@ -105,6 +116,38 @@ class AllReduceExchanger(CollectiveExchanger):
                             f"at start, or cannot reach the address {backend} listens on (GLOO_SOCKET_IFNAME / "
                             f"NCCL_SOCKET_IFNAME choose the interface); cause: {exc}") from exc
         self.group, self.owns_group = dist.group.WORLD, True
+
+    def _meet_keep_going(self) -> None:
+        """``min_workers=``: a gloo group of this exchanger's own (never the default one), made anew for each
+        membership epoch under a fresh store prefix (:meth:`_reform_links`); a replacement waits in
+        ``_start_quorum`` until the running job admits it."""
+        if dist.is_initialized() or self.torch_group is not None:
+            raise ConfigError("allreduce://?min_workers= makes process groups of its own, one per membership: use "
+                              "it without a default process group made before it (DDP's, init_process_group)")
+        job = rendezvous.connect_store(self.rank_info, self.options.timeout)
+        self.store = self._start_quorum(job, job)
+        self._old_groups: list = []
+        self._new_group()
+        self._started()
+
+    def _new_group(self) -> None:
+        from commlab.core.groups import new_process_group
+        store = dist.PrefixStore(self._epoch_ns("allreduce/"), self.store)
+        try:
+            self.group = new_process_group(store, self.rank_info, "gloo", self.options.timeout)
+        except RuntimeError as exc:
+            raise CommError(f"{self.rank_info.who()}: the gloo group of membership {list(self.quorum.members)} did "
+                            f"not form: {exc}") from exc
+        self.owns_group = True
+
+    def _reform_links(self) -> None:
+        """Keeping going: a new gloo group of the membership ``rank_info`` names, under this epoch's prefix. The
+        old one is kept until close (an operation still hung in it ends by its timeout; dropping it now could
+        block on that)."""
+        if self.group is not None:
+            self._old_groups.append(self.group)
+        self.group = None
+        self._new_group()  # collective: gloo connects every pair
 
     def _meet_group(self) -> None:
         """``connect(group=...)``: a DeviceMesh dimension's process group (borrowed), else one of the group's
@@ -147,6 +190,8 @@ class AllReduceExchanger(CollectiveExchanger):
         self.stats.bytes_sent += moved
         self.stats.bytes_received += moved
         work = dist.all_reduce(tensor, async_op=True, group=self.group)
+        if self.quorum is not None:
+            return QuorumWorkHandle(work, f"{what} on {self.rank_info.who()}", self)
         return WorkHandle(work, f"{what} on {self.rank_info.who()}", on_timeout=self._stalled)
 
     def allgather_async(self, tensor: torch.Tensor, what: str = "all-gather") -> Handle:
@@ -176,6 +221,14 @@ class AllReduceExchanger(CollectiveExchanger):
 
     def close(self):
         super().close()
+        if self.quorum is not None:
+            self.quorum.close()
+            if self.group is not None:
+                rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0),
+                                 f"leave/e{self.quorum.epoch}")
+                self.group.shutdown()
+            self.group, self._old_groups = None, []
+            return
         if self.group is not None and self.owns_group and self.rank_info.members:
             # the group's own process group (never registered with torch): every member checks out before
             # it goes, as below; the default group, a pipeline's, is not touched
@@ -185,3 +238,36 @@ class AllReduceExchanger(CollectiveExchanger):
             rendezvous.leave(self.store, self.rank_info, min(self.options.timeout, 30.0))
             dist.destroy_process_group()
         self.group = None
+
+
+class QuorumWorkHandle(WorkHandle):
+    """A gloo operation while keeping going: its wait also ends when the step was discarded elsewhere, or a member
+    went silent (a hung operation would otherwise hold the survivors until ``timeout``)."""
+
+    def __init__(self, work, what: str, ex: AllReduceExchanger):
+        super().__init__(work, what, on_timeout=ex._stalled)
+        self.ex = ex
+
+    def _wait(self, timeout: float):
+        import time
+
+        q, ex = self.ex.quorum, self.ex
+        deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + 0.05
+        while not self._work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise CommTimeout(f"{self.what} did not complete within {timeout:g}s")
+            time.sleep(0.001)
+            if now < next_look:
+                continue
+            next_look = now + 0.05
+            d = q.aborted(ex._step)
+            if d is not None:
+                raise PeerLost(f"{self.what}: the step was discarded: {d.reason}",
+                               peer=d.lost[0] if d.lost else None, op="relay")
+            quiet = [r for r in q.members if r != q.me and q.silent(r)]
+            if quiet:
+                raise CommTimeout(f"{self.what}: rank(s) {quiet} sent no heartbeat for {q.hb_s:g}s", peer=quiet[0],
+                                  op="receive")
+        return super()._wait(max(1e-3, deadline - time.monotonic()))

@@ -106,7 +106,7 @@ import zmq
 from commlab import compress
 from commlab.transport import auth, rendezvous, shm, wire
 from commlab.launch import scratch
-from commlab.core.localsteps import LocalStepsOptions
+from commlab.core.quorum import KeepGoingOptions
 from commlab.base.config import option
 from commlab.base.errors import AuthError, BackendUnavailable, CommError, CommTimeout, ConfigError, PeerLost
 from commlab.core.exchanger import CollectiveExchanger
@@ -123,7 +123,7 @@ SHM_CHUNK_MB = 2.0  # shared memory: 1 and 2 MiB beat 4 at 1-256 MiB (docs/ring.
 
 
 @dataclass(frozen=True)
-class RingOptions(LocalStepsOptions):
+class RingOptions(KeepGoingOptions):
     transport: str = option("auto", "how neighbours talk: auto (shm to a neighbour on this host and in this "
                                     "network namespace, tcp to others), tcp, ipc (zmq), shm (shared memory, one "
                                     "host), torch (isend/irecv)", choices=("tcp", "ipc", "shm", "auto", "torch"))
@@ -152,6 +152,12 @@ class RingOptions(LocalStepsOptions):
         super().__post_init__()
         if self.host != "auto":
             self.check_bind(self.host)
+
+    def check_keep_going(self) -> None:
+        super().check_keep_going()
+        if self.transport == "torch":
+            raise ConfigError("option 'min_workers' (keep going) needs the ring's own links: transport=auto|tcp|ipc|"
+                              "shm, not torch (its process group cannot re-form)")
 
     @property
     def chunk(self) -> float:
@@ -247,11 +253,13 @@ class RingExchanger(CollectiveExchanger):
         opts = self.options
         if store is None and _default_group_exists():  # DDP's, a user's: its store (rank 0 may host one already)
             store = rendezvous.default_group_store(self.rank_info, opts.timeout)
-        self.store = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
+        job = store if store is not None else rendezvous.connect_store(self.rank_info, opts.timeout)
         # Several exchangers may live in one job (benchmarks, a resumed run): exchanger_store gives each its own
         # namespace, numbered by how many this rank met before (every rank meets them in the same order).
-        self.store = rendezvous.exchanger_store(self.store, self.rank_info, opts.timeout)
-        ns = self._ns = "ring/"
+        # Keeping going (min_workers=), a replacement may wait here until the running job admits it.
+        self.store = self._start_quorum(job, job) or rendezvous.exchanger_store(job, self.rank_info, opts.timeout)
+        self._orient()
+        ns = self._ns = self._epoch_ns("ring/")
         self._secret = auth.load()
         if self.world_size > 1:
             if self._secret is None and self._kind.proves_secret:
@@ -265,6 +273,34 @@ class RingExchanger(CollectiveExchanger):
             self.allreduce(torch.zeros(self.world_size), what="ring hello")
             if self._meeting is not None:
                 self._meeting.close_door()  # every link is met: no one else may connect from now on
+        self._started()
+
+    def _orient(self) -> None:
+        """Neighbours and schedules from ``rank_info`` (which follows the membership when keeping going)."""
+        self.left = (self.rank - 1) % self.world_size
+        self.right = (self.rank + 1) % self.world_size
+        self._ring_steps = ring_steps(self.rank, self.world_size)
+        self._gather_steps = gather_steps(self.rank, self.world_size)
+        self._plans.clear()
+        self._moved.clear()
+
+    def _reform_links(self) -> None:
+        """Keeping going: a new ring over the membership ``rank_info`` now names, under this epoch's namespace
+        (the old links closed; every member calls it)."""
+        with self._ring_lock:
+            self._close_links(linger_s=0)
+            if self._meeting is not None:
+                self._meeting.close()
+                self._meeting = None
+            self._broken, self._seq, self._kinds = None, 0, {}
+            self._orient()
+            ns = self._ns = self._epoch_ns("ring/")
+            if self.world_size > 1:
+                self._meet_links(ns)
+        if self.world_size > 1 and self._kind.proves_ring:
+            self.allreduce(torch.zeros(self.world_size), what="ring hello")
+            if self._meeting is not None:
+                self._meeting.close_door()
 
     def _wait_key(self, key: str, what: str) -> bytes:
         """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
@@ -316,6 +352,11 @@ class RingExchanger(CollectiveExchanger):
     # ----- the contract pieces ---------------------------------------------------------------
     def _connect(self, model, optimizer):
         self.meet()
+        if self._joined is not None:  # a replacement: the state of a live rank, over the new ring
+            self._heal(self._joined)
+            if not self._kind.on_device:
+                self._staging = HostStaging.for_buckets(self.buckets)
+            return
         compress.agree(self.store, self.rank_info, self.options, self.options.timeout)
         self._agree_and_equalise(model, optimizer)  # rank 0's parameters, through the ring: the others add zeros
         if not self._kind.on_device:  # CUDA buckets through pinned mirrors (CPU ones pass through)
@@ -432,6 +473,8 @@ class RingExchanger(CollectiveExchanger):
 
     def close(self):
         super().close()
+        if self.quorum is not None:
+            self.quorum.close()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(self.options.timeout)  # its own waits are bounded by the same timeout
@@ -475,7 +518,16 @@ class RingExchanger(CollectiveExchanger):
         return None
 
     def _check_reports(self) -> None:
-        """Called while waiting: end the wait if another rank already reported the ring broken."""
+        """Called while waiting: end the wait if another rank already reported the ring broken (keeping going: or
+        this step was discarded, or the left neighbour's heartbeat stopped)."""
+        q = self.quorum
+        if q is not None:
+            d = q.aborted(self._step)
+            if d is not None:
+                raise PeerLost(f"the ring is broken: {d.reason}", peer=d.lost[0] if d.lost else None, op="relay")
+            if q.silent(self.rank_info.global_rank(self.left)):  # peer: a position, as the links' errors (_fail)
+                raise CommTimeout(f"{self.rank_info.who(self.left)} (left neighbour) has sent no heartbeat for "
+                                  f"{q.hb_s:g}s", peer=self.left, op="receive")
         report = self._fault_report()
         if report and report["origin"] != self.rank_info.global_rank():
             raise PeerLost(f"the ring is broken: {_quote(report)}", peer=report["peer"], origin=report["origin"],

@@ -1,0 +1,185 @@
+"""Keep going when a rank dies (issue 38, item 3): ``ring://`` and ``allreduce://`` with ``min_workers=M``.
+
+The ranks run tests/ring_keepgoing_script.py, started as torchrun's agent starts them (each its own process, the
+rendezvous store in a process of its own, which outlives any rank); a replacement is started the same way for
+the dead rank. Faults are forced at exact points by the script's hooks (a SIGKILL inside a step's exchange, or
+between its exchange and its vote; a SIGSTOP), never by timing. Every result is compared with one process
+that averages, step by step, the gradients of the ranks that took part in that step: the dead rank's
+gradient is absent exactly for the steps it missed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import faultkit
+from test_restart import _leftovers
+
+pytestmark = pytest.mark.multiproc
+
+SCRIPT = str(Path(__file__).resolve().parent / "ring_keepgoing_script.py")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ring_keepgoing_script as ks  # noqa: E402  (the script's model, data and optimizer, for the reference)
+
+
+def _rank(procs, tmp_path: Path, url: str, port: int, rank: int, world: int, steps: int, **env) -> subprocess.Popen:
+    env = {**faultkit.AGENT_ENV, "RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "COMMLAB_EXCHANGER": url, "OMP_NUM_THREADS": 1,
+           "TMPDIR": tmp_path / "tmp", **env}
+    return procs.popen([sys.executable, SCRIPT, str(tmp_path / "out"), str(steps)], {k: str(v) for k, v in env.items()},
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _start(tmp_path: Path, url: str, world: int, steps: int, **env):
+    (tmp_path / "out").mkdir(exist_ok=True)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    procs = faultkit.Procs(tmp_path)
+    port = procs.store("127.0.0.1")
+    ranks = [_rank(procs, tmp_path, url, port, r, world, steps, **env) for r in range(world)]
+    return procs, port, ranks
+
+
+def _records(tmp_path: Path) -> dict[int, dict]:
+    """pid -> what that rank wrote."""
+    out = {}
+    for f in (tmp_path / "out").glob("rank*.pt"):
+        rec = torch.load(f, weights_only=False)
+        rec["rank"] = int(f.name.split(".")[0].removeprefix("rank"))
+        out[rec["pid"]] = rec
+    return out
+
+
+def _reference(steps: int, members: dict[int, list[int]]) -> list[dict]:
+    """One process: at each step, the mean of the gradients of that step's members (each on its own batch), Adam."""
+    model, opt = ks.build()
+    states = []
+    for step in range(steps):
+        grads = []
+        for r in members[step]:
+            opt.zero_grad()
+            x, y = ks.batch(step, r)
+            torch.nn.functional.mse_loss(model.body(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(g[i] for g in grads) / len(grads)
+        opt.step()
+        model.calls += 1
+        states.append(ks.snapshot(model, opt))
+    return states
+
+
+def _same(a: dict, b: dict, exact: bool, what: str) -> None:
+    for part in ("params", "buffers"):
+        for i, (x, y) in enumerate(zip(a[part], b[part], strict=True)):
+            if exact:
+                assert torch.equal(x, y), f"{what}: {part}[{i}] differs"
+            else:
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {part}[{i}]: {m}")
+    assert a["optim"].keys() == b["optim"].keys(), what
+    for i in a["optim"]:
+        for k, v in a["optim"][i].items():
+            w = b["optim"][i][k]
+            if exact:
+                assert torch.equal(v, w), f"{what}: optimizer state {i}.{k} differs"
+            else:
+                torch.testing.assert_close(v, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {i}.{k}: {m}")
+
+
+def _wait_file(path: Path, procs_: list[subprocess.Popen], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        assert not any(p.poll() not in (None, 0) for p in procs_), "a rank failed before the fault"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("url,where", [
+    ("ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60", "exchange"),
+    pytest.param("ring://?transport=shm&min_workers=2&bucket_mb=0.00001&timeout=60", "vote", marks=pytest.mark.full),
+    pytest.param("allreduce://?min_workers=2&bucket_mb=0.00001&timeout=60", "exchange", marks=pytest.mark.full),
+])
+def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_healed(tmp_path, url, where):
+    """3 ranks; rank 1 SIGKILLs itself inside step 4 (``where``); the survivors (pids unchanged) discard the step,
+    re-form and redo it over ranks {0, 2}; a replacement of rank 1 asks to join, step 7's commit admits it, it
+    takes rank 0's state and trains from step 8. Every rank's parameters, buffers and Adam state equal the
+    one-process reference whose step s averages the gradients of step s's members; the replacement's state when
+    it enters equals the survivors' after step 7, bit for bit; nothing is left behind."""
+    world, steps, kill, admit = 3, 12, 4, 7
+    before_shm = set(os.listdir("/dev/shm"))
+    procs, port, ranks = _start(tmp_path, url, world, steps, KG_KILL=f"1:{kill}:{where}", KG_AWAIT_JOIN=f"1:{admit}")
+    try:
+        pids = [p.pid for p in ranks]
+        assert ranks[1].wait(120) == -signal.SIGKILL, ranks[1].communicate()
+        replacement = _rank(procs, tmp_path, url, port, 1, world, steps, KG_ASK_AT=admit)
+        done = faultkit.finish([ranks[0], ranks[2], replacement], 180)
+        assert [rc for rc, _, _ in done] == [0, 0, 0], "\n".join(f"[{w}] {err[-2500:]}" for w, (_, _, err) in
+                                                                 zip(("rank 0", "rank 2", "replacement"), done))
+    finally:
+        procs.close()
+    recs = _records(tmp_path)
+    survivors = {pid: rec for pid, rec in recs.items() if pid in pids}
+    assert sorted(r["rank"] for r in survivors.values()) == [0, 2]  # the survivors never restarted: their own pids
+    new = [rec for pid, rec in recs.items() if pid not in pids]
+    assert len(new) == 1 and new[0]["rank"] == 1 and new[0]["start_step"] == admit + 1
+    members = {s: ([0, 2] if kill <= s <= admit else [0, 1, 2]) for s in range(steps)}
+    for rec in recs.values():
+        for s, m in rec["members"].items():
+            assert m == members[s], f"rank {rec['rank']} (pid {rec['pid']}) step {s}: members {m}"
+    ref = _reference(steps, members)
+    r0 = next(rec for rec in survivors.values() if rec["rank"] == 0)
+    for rec in recs.values():
+        for s, state in rec["states"].items():
+            _same(state, ref[s], False, f"rank {rec['rank']} (pid {rec['pid']}) after step {s}")
+            _same(state, r0["states"][s], True, f"rank {rec['rank']} against rank 0 after step {s}")
+    _same(new[0]["entered"], r0["states"][admit], True, "the replacement as it entered, against rank 0 after step 7")
+    assert _leftovers(tmp_path, before_shm) == []
+
+
+def test_a_quorum_below_min_workers_ends_the_job_naming_the_ranks_lost(tmp_path):
+    url = "ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60"
+    before_shm = set(os.listdir("/dev/shm"))
+    procs, _, ranks = _start(tmp_path, url, 2, 8, KG_KILL="1:3:exchange")
+    try:
+        (rc0, _, err0), (rc1, _, _) = faultkit.finish(ranks, 120)
+    finally:
+        procs.close()
+    assert rc1 == -signal.SIGKILL
+    assert rc0 != 0
+    last = err0.strip().splitlines()[-1]
+    assert "QuorumLost" in last and "below min_workers=2: lost rank(s) [1]" in last, err0[-2000:]
+    assert _leftovers(tmp_path, before_shm) == []
+
+
+@pytest.mark.full
+def test_a_stopped_rank_that_comes_back_after_the_others_re_formed_is_refused(tmp_path):
+    """Rank 1 SIGSTOPs itself inside step 3; ranks 0 and 2 take it for dead after heartbeat_s, re-form and finish;
+    continued, rank 1 finds itself left out of the new membership epoch and stops, merging nothing."""
+    url = "ring://?transport=tcp&min_workers=2&heartbeat_s=1&bucket_mb=0.00001&timeout=60"
+    world, steps = 3, 8
+    procs, _, ranks = _start(tmp_path, url, world, steps, KG_KILL="1:3:stop")
+    try:
+        done = faultkit.finish([ranks[0], ranks[2]], 120)
+        for rc, out, err in done:
+            assert rc == 0, err[-3000:]
+        os.kill(ranks[1].pid, signal.SIGCONT)
+        (rc1, _, err1), = faultkit.finish([ranks[1]], 60)
+    finally:
+        procs.close()
+    assert rc1 != 0
+    assert "StaleMember" in err1 and "was left out of membership epoch 1" in err1, err1[-2000:]
+    recs = _records(tmp_path)
+    assert sorted(r["rank"] for r in recs.values()) == [0, 2]
+    members = {s: ([0, 1, 2] if s < 3 else [0, 2]) for s in range(steps)}
+    ref = _reference(steps, members)
+    for rec in recs.values():
+        assert rec["members"] == members
+        for s, state in rec["states"].items():
+            _same(state, ref[s], False, f"rank {rec['rank']} after step {s}")
