@@ -42,6 +42,7 @@ class Membership:
         self.epoch = 0
         self.lost: dict[int, Loss] = {}
         self.conn: dict[int, bytes] = {}  # rank -> the connection its current process said hello on
+        self.live: dict[int, bytes] = {}  # rank -> its heartbeat connection (heartbeat_s=: PINGs only)
         self.since: dict[int, int] = {}  # rank -> the epoch its current process entered at
         self.pending: set[int] = set()  # replacements that said hello and have not entered yet
         self.ended = ""  # why the job lost its quorum ("": it did not)
@@ -55,6 +56,7 @@ class Membership:
         """A new attempt of the job (every rank restarted): everyone is a member again."""
         self.lost.clear()
         self.conn.clear()
+        self.live.clear()
         self.since.clear()
         self.pending.clear()
         self.ended = ""
@@ -120,16 +122,25 @@ class Membership:
                 f"at step {loss.step} ({loss.why}); the job is at epoch {self.epoch}: a process that comes back is "
                 f"refused, not merged (a new process takes the rank over: commlab run --replace)")
 
+    def heartbeat(self, rank: int | None, ident: bytes, sender: str) -> None:
+        """``ident`` is the heartbeat connection of ``rank``'s current process."""
+        if not self.on or rank is None or rank in self.lost or rank not in self.conn:
+            raise Refused(f"live from {sender}: not a member's process on {self.name} (keep-going off, or the rank "
+                          f"left: membership epoch {self.epoch})")
+        self.live[rank] = ident
+
     def closed(self, ident: bytes) -> int | None:
-        """The rank whose current connection ``ident`` was (None: no rank's)."""
+        """The rank whose current connection (or heartbeat connection) ``ident`` was (None: no rank's)."""
         if not self.on:
             return None
-        return next((r for r, i in self.conn.items() if i == ident and r not in self.lost), None)
+        return next((r for table in (self.conn, self.live) for r, i in table.items()
+                     if i == ident and r not in self.lost), None)
 
     def lose(self, rank: int, step: int, why: str, world: int) -> None:
         """``rank`` left; ends the job when fewer than min_workers are left."""
         self.lost[rank] = Loss(rank, self.since.get(rank, self.epoch), step, why)
         self.conn.pop(rank, None)
+        self.live.pop(rank, None)
         self.pending.discard(rank)
         self.epoch += 1
         left = world - len(self.lost)

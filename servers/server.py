@@ -428,6 +428,12 @@ class ParameterServer:
         self.mode.settle()
         self._serve_waiting()
 
+    def _op_live(self, ident, h, _data):
+        """heartbeat_s=: this connection is the rank's heartbeat, silent but for zmq's PINGs; its closing (the
+        TTL ran out: the worker froze) counts as the rank's."""
+        self.members.heartbeat(self.senders.get(h.sender), ident, h.sender)
+        self._reply(ident, "ok", h.meta.get("id"))
+
     def _op_enter(self, ident, h, _data):
         """A replacement for a lost rank enters at step ``h.step`` (the largest its shards offered at hello), or
         hears the soonest step this shard can take it at now (the survivors went on meanwhile)."""
@@ -1208,7 +1214,7 @@ class ShardServer:
                 self._answer(ident, req_id, "ok", {"stats": self.stats_dict(self._space_name(h))})
                 return
             space = self._space(h)
-            if h.op == "hello":
+            if h.op in ("hello", "live"):  # (live: a member's heartbeat connection, Membership.heartbeat)
                 self.admission.joined(ident, space.space, body[0])
             else:
                 space.admit(ident, h)

@@ -11,7 +11,7 @@ ranks each step counted on each shard.
 ``--kill-at`` (at step K, this rank SIGKILLs itself; the point is forced, not timed):
 ``before``: before pushing anything of step K. ``between`` (two shards): once shard 0 holds its whole step K,
 before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
-(the second never leaves; shard 1 gets nothing). Prints one JSON line at the end: rank, pid, parameters, the
+(the second never leaves; shard 1 gets nothing). ``--stop-at K``: SIGSTOP at the top of step K. Prints one JSON line at the end: rank, pid, parameters, the
 servers' stats.
 """
 
@@ -87,6 +87,7 @@ def main() -> int:
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--kill-at", choices=("before", "between", "partial"), default="before")
+    p.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself at the top of this step (frozen)")
     p.add_argument("--final-updates", type=int, default=0,
                    help="async: after the steps, wait until every shard applied this many updates, then pull")
     a = p.parse_args()
@@ -103,6 +104,8 @@ def main() -> int:
         for step in range(ex.start_step, a.steps):
             if step == a.kill_step and a.kill_at == "before":
                 die()
+            if step == a.stop_at:
+                os.kill(os.getpid(), signal.SIGSTOP)  # until the test sends SIGCONT
             ex.zero_grad()
             if a.sleep:
                 time.sleep(a.sleep)

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,47 @@ def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the
     end = json.loads((out / "rank1.replacement.end.json").read_text())
     assert all(rec["params"] == end["params"] for rec in survivors)
     assert not _leftovers(tmp_path, shm_before)
+
+
+# ----- the quorum, and a process that comes back ----------------------------------------------------------
+
+def test_a_quorum_below_min_workers_ends_the_job_naming_the_ranks_lost(procs):
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update=server&min_workers=3"
+           f"&timeout={TIMEOUT}&transport=tcp")
+    workers = _workers(procs, url, "before")
+    for code, _, err in finish([workers[0], workers[2]], timeout=120):
+        assert code == 1, err[-3000:]
+        assert "the job lost its quorum on shard " in err and ": rank(s) [1] lost (rank 1: its connection closed at " \
+            f"step {K}), 2 of 3 left, min_workers=3" in err, err[-3000:]
+
+
+def test_a_frozen_worker_leaves_after_heartbeat_s_and_is_refused_when_it_thaws(procs, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at step 4: its connections fall silent, the shards close them once the
+    heartbeat TTL it asked for (1 s) runs out, and the others train on. Thawed (SIGCONT) while they still
+    train, its push of step 4 comes on a new connection of a process of an earlier membership epoch: refused
+    by name, not merged; the survivors finish with every step applied once."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update=server&min_workers=2"
+           f"&heartbeat_s=1&timeout={TIMEOUT}&transport=tcp")
+    steps = 60
+    args = lambda r: [sys.executable, KG_DRIVER, url, "--rank", str(r), "--workers", "3", "--steps", str(steps),
+                      "--sleep", "0.05"]
+    frozen = procs.popen([*args(1), "--stop-at", str(K)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    survivors = [procs.popen(args(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 2)]
+    deadline = time.monotonic() + 60
+    while not all("1" in s.stats()["members"]["lost"] for s in servers):
+        assert time.monotonic() < deadline, [s.stats()["members"] for s in servers]
+        time.sleep(0.02)
+    lost_at = time.monotonic()
+    assert all(s.stats()["updates"] < steps for s in servers)  # the others still train
+    os.kill(frozen.pid, signal.SIGCONT)
+    code, _, err = finish([frozen], timeout=60)[0]
+    assert code == 1, err[-3000:]
+    assert "the rank left the job on shard " in err and "refused, not merged" in err, err[-3000:]
+    for code, _, err in finish(survivors, timeout=120):
+        assert code == 0, err[-3000:]
+    for s in servers:
+        st = s.stats()
+        assert st["updates"] == steps and st["members"]["lost"]["1"]["why"] == "its connection closed", st
+    print(f"rank 1 frozen at step {K}; left the job {lost_at - deadline + 60:.2f} s into the wait (heartbeat_s=1)")

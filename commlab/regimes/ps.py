@@ -218,6 +218,7 @@ class _Shard:
         self.put_staged: Callable[[str, int, torch.Tensor], bool] | None = None
         self.secret: auth.JobSecret | None = None  # the job's: each connection proves it first (None: no handshake)
         self.heartbeat_s = 0.0  # keep-going: the shard closes this connection when it stays silent this long
+        self.live: zmq.Socket | None = None  # heartbeat_s=: the connection that carries only zmq's PINGs
         self.hellos = 0  # said on this shard by this process: the first is ``fresh`` (a replacement's is)
         self.epoch = 0  # the shard's membership epoch at the last hello (keep-going)
 
@@ -320,9 +321,25 @@ class _Shard:
         self.hellos += 1
         self.epoch = reply.get("epoch", 0)
         self.boot = reply.get("boot", "")
+        if self.heartbeat_s and meta.get("min_workers"):
+            self._beat()
         if self.shm_want:
             self._take_link(reply.get("shm_link"))
         return reply
+
+    def _beat(self) -> None:
+        """heartbeat_s=: a second connection that says ``live`` once and then carries only zmq's PINGs, whose
+        TTL the shard counts from the last one: this connection's data never resets it, so a frozen process
+        is noticed within ``heartbeat_s`` whatever it sent last."""
+        if self.live is not None:
+            self.live.close(linger=0)
+        self.live = self._open()
+        meta = {"id": -1, **({"space": self.space} if self.space else {}), **({"attempt": self.attempt} if self.attempt else {})}
+        transport.send(self.live, wire.encode("live", self.sender, -1, (), meta), timeout=self.timeout, who=self.name,
+                       peer=self.peer)
+        h = wire.decode(transport.recv(self.live, self.timeout, self.name, self.peer), ops=psproto.REPLIES, max_bytes=0)
+        if h.op == "error":
+            raise RemoteError(f"{self.name} refused the heartbeat connection: {h.meta.get('reason')}", peer=self.peer)
 
     def _take_link(self, offer) -> None:
         """Map the segments the server made for this connection (transport=shm), or say why not (auto)."""
@@ -481,6 +498,9 @@ class _Shard:
                     pass
             self.sock.close(linger=0)
             self.sock = None
+        if self.live is not None:
+            self.live.close(linger=0)
+            self.live = None
         self._drop_link()
 
 

@@ -63,6 +63,9 @@ on the client as :class:`~commlab.base.errors.RemoteError`)::
       others. A process of a lost rank is refused (stale epoch); a fresh hello for a lost rank (a
       replacement) is answered with {enter: soonest step}, then
       enter step=E                          <-  ok {entered: true, epoch} | {entered: false, enter: sooner}
+      live (heartbeat_s=; on a second connection that then carries only zmq's PINGs, whose TTL makes the
+            shard close it once the worker falls silent: zmq arms the TTL at a PING, so a connection whose
+            last traffic was data would never time out)  ->  its closing counts as the rank's
       and its start pull (after_step E-1) gets the parameters after step E-1. Fewer than M ranks left:
       every request is refused with the line naming the ranks lost.
 
@@ -163,7 +166,7 @@ def consistency(name: str) -> Consistency:
         raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
 
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
-                      "bye", "blob", "enter"})
+                      "bye", "blob", "enter", "live"})
 REPLIES = frozenset({"ok", "params", "error"})
 BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
 
