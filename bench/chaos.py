@@ -217,7 +217,12 @@ def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bin
     delivered (``{"t", "slot" or "shard", "pid"}``)."""
     end = t0 + duration
     steps = [r for r in recs if r.get("ev") == "step"]
-    applied = [r for r in steps if r.get("applied", True)]
+    # a process that resumed slot s at step c (a checkpoint) rolled back what earlier processes of the slot
+    # logged from step c on: those updates are lost (thrown away), not applied twice
+    resumed = [(r["t"], r["slot"], r["start"]) for r in recs if r.get("ev") == "ready" and "start" in r]
+    rolled = lambda r: any(t > r["t"] and slot == r["slot"] and start <= r["step"] for t, slot, start in resumed)
+    applied = [r for r in steps if r.get("applied", True) and not rolled(r)]
+    rolled_back = sorted({r["step"] for r in steps if r.get("applied", True) and rolled(r)})
     seen: dict[tuple[int, int], dict] = {}
     twice = []
     for r in applied:
@@ -241,7 +246,7 @@ def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bin
         if "slot" in k:
             healed = [r["t"] for r in after if r["slot"] == k["slot"] and r.get("samples", 0) > 0]
             row["heal_s"] = min(healed) - tk if healed else None
-        before = [r["step"] for r in seen.values() if r["t"] <= tk]
+        before = [r["step"] for r in steps if r.get("applied", True) and r["t"] <= tk]  # rolled back ones too
         if before and after:
             row["steps_lost"] = max(0, max(before) + 1 - min(r["step"] for r in after))
         per_kill.append(row)
@@ -255,7 +260,7 @@ def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bin
     step_times = sorted({r["step"]: r["t"] for r in inside}.values())
     return {"t0": t0, "duration_s": duration, "samples": samples, "goodput": samples / duration,
             "bins": counts, "bin_s": width, "kills": per_kill, "applied_twice": twice,
-            "discarded_steps": discarded, "steps": len(loss), "last_step": max(loss, default=None),
+            "discarded_steps": discarded, "rolled_back_steps": rolled_back, "steps": len(loss), "last_step": max(loss, default=None),
             "final_loss": statistics.fmean(loss[s] for s in last) if last else None,
             "loss_by_step": {str(s): v for s, v in loss.items()},
             "median_step_s": statistics.median(b - a for a, b in zip(step_times, step_times[1:]))
@@ -623,8 +628,9 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
         rows.append([name, r["url"], str(len(r["kills"])), f"{r['goodput']:.1f}",
                      fmt(r["goodput"] / ref["goodput"], ".3f") if ref.get("goodput") else "(reference)",
                      med_max([k.get("next_step_s") for k in r["kills"]]), med_max([k.get("heal_s") for k in r["kills"]]),
-                     str(sum(k.get("steps_lost", 0) for k in r["kills"])) + (f" (+{len(r['discarded_steps'])} discarded)"
-                                                                            if r["discarded_steps"] else ""),
+                     str(sum(k.get("steps_lost", 0) for k in r["kills"]))
+                     + (f" (+{len(r['discarded_steps'])} discarded)" if r["discarded_steps"] else "")
+                     + (f" ({len(r['rolled_back_steps'])} rolled back)" if r.get("rolled_back_steps") else ""),
                      f"{twice}" + (f" (servers: {sum(servers)})" if servers else ""),
                      f"{fmt(r['final_loss'], '.4f')} / {fmt(equal_steps, '.4f')} / {fmt(ref.get('final_loss'), '.4f')}",
                      r.get("ended_early", "") + (f"; {r['undelivered']} kills undelivered" if r.get("undelivered") else "")])

@@ -8,7 +8,9 @@ imported it joins its CPU cap (:mod:`bench.cpucap`, ``$BENCH_CPU_CAP``) and writ
 ``DIR/pids/slot<r>.<pid>`` so the bench can find the process that holds a slot now. Per process it
 appends JSON lines to ``DIR/steps/slot<r>.<pid>.jsonl``:
 
-- ``{"ev": "ready", "t": ...}`` once connected, set up and about to take its first step;
+- ``{"ev": "ready", "t": ..., "start": s}`` once connected, set up and about to take its first step, step
+  ``s`` (the servers' next step, a live peer's, or a checkpoint's: a restarted ``ring://`` job without
+  keep-going resumes from the checkpoint rank 0 writes every ``--checkpoint-every`` steps);
 - per step, after the exchange returned: ``{"ev": "step", "step": s, "t": wall clock, "samples": n,
   "loss": ..., "applied": bool}``. Under commlab the step's update is applied with this rank's
   gradient in it once ``ex.step()`` returned (sync ``ps://``: the pull answers after the update), so
@@ -43,6 +45,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slot", type=int, help="torchft: this replica's slot (commlab: $RANK)")
     p.add_argument("--replicas", type=int, default=2, help="torchft: how many replica groups the job has")
     p.add_argument("--timeout", type=float, default=30.0, help="torchft's quorum and operation timeouts")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="where the job keeps no state (ring://, allreduce://) and does not keep going: rank 0 "
+                        "writes model and optimizer every K steps, and a restarted job resumes there")
     return p
 
 
@@ -69,6 +74,7 @@ def commlab_loop(a, slot: int, log: Log) -> int:
     import torch.nn.functional as F
 
     import commlab
+    from commlab.transport.rendezvous import KEEP_GOING
     from workers.data import load_digits
 
     model, side = build(a.model, a.seed)
@@ -77,9 +83,16 @@ def commlab_loop(a, slot: int, log: Log) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=a.lr)
     ex.setup(model, opt)
     world = int(os.environ["WORLD_SIZE"])
-    log.write(ev="ready", t=time.time(), start=ex.start_step,
-              attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # restart-all without state on servers: a checkpoint, as a torchrun user keeps one (the probe's pattern)
+    ckpt = Path(a.log, "ckpt.pt") if not ex.keeps_state and not os.environ.get(KEEP_GOING) else None
     step = ex.start_step
+    if ckpt is not None and attempt > 0 and ckpt.exists():
+        state = torch.load(ckpt)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        step = state["step"]
+    log.write(ev="ready", t=time.time(), start=step, attempt=attempt)
     while True:
         x, y = data.batch(step, slot, world, a.batch_size)
         ex.zero_grad()
@@ -88,6 +101,9 @@ def commlab_loop(a, slot: int, log: Log) -> int:
         ex.step()
         log.write(ev="step", step=step, t=time.time(), samples=a.batch_size, loss=loss.item(), applied=True)
         step += 1
+        if ckpt is not None and slot == 0 and step % a.checkpoint_every == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, f"{ckpt}.tmp")
+            os.replace(f"{ckpt}.tmp", ckpt)
 
 
 def torchft_loop(a, slot: int, log: Log) -> int:

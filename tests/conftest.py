@@ -234,7 +234,8 @@ def _start_zygote() -> None:
     if os.environ.get(zygote.ENV):  # "off", or a zygote of the caller's
         return
     _remove_dead_zygote_folders()
-    folder = tempfile.mkdtemp(prefix="commlab-zygote-")  # mode 0700: the zygote's socket is reachable by us alone
+    # mode 0700: the zygote's socket is reachable by us alone; the name carries this run's pid (the sweep's key)
+    folder = tempfile.mkdtemp(prefix=f"commlab-zygote-{os.getpid()}-")
     path = os.path.join(folder, "socket")
     _ZYGOTE.update(proc=launcher.start_group([sys.executable, "-m", zygote.MODULE, path], child_env(),
                                              starter=launcher.plain_start), folder=folder)
@@ -244,12 +245,19 @@ def _start_zygote() -> None:
 
 def _remove_dead_zygote_folders() -> None:
     """The folders of earlier runs that were killed before pytest_unconfigure (a timeout's SIGKILL): a folder
-    whose socket no zygote answers any more. A running suite's zygote accepts, so its folder stays."""
+    whose run (the pid in its name) is gone. Other suites running now (other checkouts, pytest-xdist's
+    workers) keep theirs: their pids live. A folder without a pid in its name is judged by its socket: one
+    that no zygote answers (connected as the zygote listens, SOCK_SEQPACKET) is gone."""
     import socket as sockets
     for folder in Path(tempfile.gettempdir()).glob("commlab-zygote-*"):
         if not folder.is_dir() or folder.stat().st_uid != os.getuid():  # another user's run: not ours to judge
             continue
-        probe = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+        pid = folder.name.split("-")[2]
+        if pid.isdigit():
+            if not Path(f"/proc/{pid}").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+            continue
+        probe = sockets.socket(sockets.AF_UNIX, sockets.SOCK_SEQPACKET)
         try:
             probe.settimeout(1.0)
             probe.connect(str(folder / "socket"))

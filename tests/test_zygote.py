@@ -238,7 +238,7 @@ def test_only_the_zygotes_own_user_reaches_it_or_is_served(tmp_path):
     zygote closes its connection unread (SO_PEERCRED), counts it and says so; its own user is served."""
     import msgpack
 
-    base = Path(tempfile.mkdtemp(prefix="commlab-zygote-test-"))
+    base = Path(tempfile.mkdtemp(prefix="commlab-zgtest-"))
     try:
         base.chmod(0o711)  # the test's own folder may be entered: only the zygote's keeps a stranger out
         folder, path, ran = base / "private", base / "private" / "socket", base / "ran"
@@ -296,3 +296,25 @@ def test_the_ranks_of_a_launcher_a_test_starts_are_forked_from_the_zygote_too(zy
     assert cli.returncode == 0, err
     parents = [(tmp_path / r).read_text().split(" ", 1) for r in ("0", "1")]
     assert all(int(pid) != cli.pid and zygote.MODULE in cmd for pid, cmd in parents), (cli.pid, parents)
+
+
+def test_a_new_run_sweeps_only_the_fork_server_folders_of_runs_that_are_gone():
+    """Suites run side by side (other checkouts, pytest-xdist's workers): a run's start removes the folder of
+    a run whose pid is gone, and keeps a live run's, this run's own among them."""
+    import conftest
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that was a run's and is gone
+    gone = Path(tempfile.mkdtemp(prefix=f"commlab-zygote-{dead.pid}-"))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = Path(tempfile.mkdtemp(prefix=f"commlab-zygote-{other.pid}-"))  # another suite's, without a socket yet
+        conftest._remove_dead_zygote_folders()
+        assert not gone.exists() and live.is_dir()
+        ours = Path(os.environ[zygote.ENV]).parent
+        assert ours.is_dir() and Path(f"/proc/{ours.name.split('-')[2]}").exists()  # this run (or xdist's controller)
+    finally:
+        other.kill()
+        other.wait()
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(gone, ignore_errors=True)
