@@ -403,6 +403,9 @@ def run_entry(e: Entry, a, caps: Caps, plan: list[Kill], progress) -> dict:
                 if time.monotonic() - started > a.startup_timeout:
                     raise RuntimeError(f"not every slot took a step within --startup-timeout {a.startup_timeout:g}s")
                 dead = [p for p in e.procs if p.poll() is not None]
+                log = e.folder / "launcher.log"
+                if not dead and log.exists() and "restarting every rank" in log.read_text(errors="replace"):
+                    raise RuntimeError(f"a rank failed before every slot took a step: {last_line(e)}")
                 if dead:
                     raise RuntimeError(f"{'the job' if e.url != 'torchft' else 'a process'} ended (exit "
                                        f"{dead[0].returncode}) before every slot took a step: {last_line(e)}")

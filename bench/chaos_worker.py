@@ -33,6 +33,8 @@ from pathlib import Path
 
 from bench import cpucap
 
+KEEP_GOING = "COMMLAB_KEEP_GOING"  # what `commlab run --replace/--spares` sets (commlab.transport.rendezvous)
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.chaos_worker")
@@ -74,7 +76,6 @@ def commlab_loop(a, slot: int, log: Log) -> int:
     import torch.nn.functional as F
 
     import commlab
-    from commlab.transport.rendezvous import KEEP_GOING
     from workers.data import load_digits
 
     model, side = build(a.model, a.seed)
