@@ -614,7 +614,8 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}. The machine may be shared.",
           "- Goodput: samples that entered an applied update per second of the window, over the reference's "
           "(commlab entries: `free`; torchft: `torchft-free`). Per kill: seconds to the next step of any other "
-          "process, seconds to heal (the slot's first step from a new process); median (max).", ""]
+          "process, seconds to heal (the slot's first step from a new process; a killed server shard's heal, its new "
+          "backup, is in the launcher's log, not timed here); median (max).", ""]
     rows = []
     for name, r in results.items():
         if "goodput" not in r:
@@ -630,7 +631,7 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
         servers = r.get("servers_applied_twice") or []
         rows.append([name, r["url"], str(len(r["kills"])), f"{r['goodput']:.1f}",
                      fmt(r["goodput"] / ref["goodput"], ".3f") if ref.get("goodput") else "(reference)",
-                     med_max([k.get("next_step_s") for k in r["kills"]]), med_max([k.get("heal_s") for k in r["kills"]]),
+                     med_max([k.get("next_step_s") for k in r["kills"]]), med_max([k.get("heal_s") for k in r["kills"] if "slot" in k]),
                      str(sum(k.get("steps_lost", 0) for k in r["kills"]))
                      + (f" (+{len(r['discarded_steps'])} discarded)" if r["discarded_steps"] else "")
                      + (f" ({len(r['rolled_back_steps'])} rolled back)" if r.get("rolled_back_steps") else ""),
