@@ -105,8 +105,8 @@ def test_rate_ratios_are_ratios_of_sums_with_an_interval():
 
 # ----- the accounting, from a real run ------------------------------------------------------------
 def smoke(out: Path, entries: str, seed: int = 2) -> dict:
-    """A tiny run: 2 workers, a 3 s window, one kill (seed 2: at 1.1 s, slot 1), no cap (the tests' cores)."""
-    argv = [sys.executable, "-m", "bench", "chaos", "--mtbf", "2", "--duration", "3", "--workers", "2", "--model",
+    """A tiny run: 2 workers, a 2 s window, one kill (seed 2: at 1.1 s, slot 1), no cap (the tests' cores)."""
+    argv = [sys.executable, "-m", "bench", "chaos", "--mtbf", "2", "--duration", "2", "--workers", "2", "--model",
             "tiny", "--cap", "0", "--entries", entries, "--seed", str(seed), "--out", str(out)]
     done = run_group(argv, timeout=240, grace=15, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -132,7 +132,7 @@ def test_a_tiny_chaos_run_counts_from_the_logs_and_a_replayed_step_is_applied_tw
     recs = chaos.read_steps(folder)
     step = next(r for r in recs if r.get("ev") == "step" and r["slot"] == 0)
     (folder / "steps" / "slot0.999999.jsonl").write_text(json.dumps(dict(step, pid=999999, t=step["t"] + 0.5)) + "\n")
-    again = chaos.account(chaos.read_steps(folder), [], ra["t0"], 3.0)
+    again = chaos.account(chaos.read_steps(folder), [], ra["t0"], 2.0)
     assert again["applied_twice"] == [{"slot": 0, "step": step["step"], "pids": [step["pid"], 999999]}]
     assert again["samples"] == ra["samples"]  # the replay's samples are not counted twice
     assert not list(Path("/sys/fs/cgroup/cpu").glob("commlab-chaos-*")) if Path("/sys/fs/cgroup/cpu").exists() else True
