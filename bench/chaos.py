@@ -526,9 +526,12 @@ def at_scale(results: dict, a, rdv: dict) -> dict | None:
     from commlab.plan import failures as F
 
     med = lambda xs: statistics.median(xs) if xs else None
-    ra = results.get("restart-all") or {}
-    keep = next((results[n] for n in ("commlab", "torchft") if results.get(n, {}).get("kills")), None)
-    ref = results.get("free") or {}
+    ra_label = next((n for n in results if kind(n) == "restart-all" and results[n].get("kills")), None)
+    if ra_label is None:
+        return None
+    url = ra_label[len("restart-all"):]
+    ra, ref = results[ra_label], results.get("free" + url) or {}
+    keep = next((results[n] for n in ("commlab" + url, "torchft") if results.get(n, {}).get("kills")), None)
     if rdv.get("per_rank_s") is None:
         return None
     restart = med([k["next_step_s"] for k in ra.get("kills", []) if k.get("next_step_s") is not None])
@@ -547,27 +550,40 @@ def at_scale(results: dict, a, rdv: dict) -> dict | None:
 
 # ----- the report ---------------------------------------------------------------------------------
 
+def kind(label: str) -> str:
+    """An entry label's kind: ``commlab`` of ``commlab ring://...`` (one label per URL with several)."""
+    return label.split(" ", 1)[0]
+
+
+def reference_of(label: str) -> str | None:
+    """The failure-free entry an entry's goodput is measured against (its URL's ``free``, or ``torchft-free``)."""
+    k = kind(label)
+    ref = REFERENCE.get(k)
+    return None if ref is None else ref + ("" if k == "torchft" else label[len(k):])
+
+
 def verdicts(results: dict) -> list[tuple[str, verdict.Verdict]]:
     out = []
-    have = lambda n: n in results and results[n].get("bins")
+    have = lambda n: n in results and results[n].get("bins") and results[n].get("goodput") is not None
     seconds = lambda n: [results[n]["bin_s"]] * len(results[n]["bins"])
-    for n, ref in REFERENCE.items():
-        if have(n) and have(ref):
+    for n in results:
+        ref = reference_of(n)
+        if ref and have(n) and have(ref) and results[ref]["goodput"] > 0:
             out.append((f"goodput, {n} over {ref}", verdict.rate_ratio(
                 n, results[n]["bins"], seconds(n), ref, results[ref]["bins"], seconds(ref))))
-    for other in ("restart-all", "torchft"):
-        if have("commlab") and have(other):
-            ref_c, ref_o = REFERENCE["commlab"], REFERENCE[other]
-            if have(ref_c) and have(ref_o):  # each over its own reference, then against each other
-                out.append((f"goodput share, commlab over {other}", verdict.rate_ratio(
-                    "commlab", scaled(results, "commlab"), seconds("commlab"), other, scaled(results, other),
-                    seconds(other))))
+    for n in [n for n in results if kind(n) == "commlab"]:
+        for other in ("restart-all" + n[len("commlab"):], "torchft"):
+            refs = [reference_of(n), reference_of(other)]
+            if have(n) and have(other) and all(have(r) and results[r]["goodput"] > 0 for r in refs):
+                # each over its own reference, then against each other
+                out.append((f"goodput share, {n} over {other}", verdict.rate_ratio(
+                    n, scaled(results, n), seconds(n), other, scaled(results, other), seconds(other))))
     return out
 
 
 def scaled(results: dict, n: str) -> list[float]:
     """An entry's samples per bin over its reference's goodput: its bins in units of the reference."""
-    return [c / results[REFERENCE[n]]["goodput"] for c in results[n]["bins"]]
+    return [c / results[reference_of(n)]["goodput"] for c in results[n]["bins"]]
 
 
 def fmt(x, spec=".2f") -> str:
@@ -591,7 +607,7 @@ def plot(results: dict, kills: list[Kill], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for r in have:
-        ref = results.get(REFERENCE.get(r["entry"], r["entry"]), r)
+        ref = results.get(reference_of(r["entry"]) or r["entry"], r)
         rate = ref.get("goodput") or r["goodput"]
         xs = [(i + 0.5) * r["bin_s"] for i in range(len(r["bins"]))]
         ax.plot(xs, [c / r["bin_s"] / rate if rate else 0 for c in r["bins"]], marker=".", label=r["entry"])
@@ -621,7 +637,7 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
         if "goodput" not in r:
             rows.append([name, r.get("url", ""), "—", "—", "—", "—", "—", "—", "—", "—", r.get("error", "no steps")])
             continue
-        ref = results.get(REFERENCE.get(name, ""), {})
+        ref = results.get(reference_of(name) or "", {})
         equal_steps = None
         if ref.get("loss_by_step") and r.get("loss_by_step"):
             mine = list(r["loss_by_step"])[-LAST_STEPS:]
@@ -722,8 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("commlab bench chaos: interrupted; every job was stopped", file=sys.stderr)
         return 130
-    keeps = any(results.get(n, {}).get("kills") for n in ("commlab", "torchft"))
-    rdv = rendezvous_per_rank() if results.get("restart-all", {}).get("kills") and keeps else None
+    keeps = any(r.get("kills") for n, r in results.items() if kind(n) in ("commlab", "torchft"))
+    restarts = any(r.get("kills") for n, r in results.items() if kind(n) == "restart-all")
+    rdv = rendezvous_per_rank() if restarts and keeps else None
     scale = at_scale(results, a, rdv) if rdv else None
     path = write(out, results, a, plan, caps_said, missing, scale, rdv, time.monotonic() - t0, argv)
     print(path.read_text())
