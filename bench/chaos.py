@@ -50,7 +50,7 @@ rendezvous cost per rank measured here by :func:`rendezvous_per_rank`) both poli
 1,000 and 10,000 workers for a per-worker MTBF of 50 h and 5,000 h.
 
 Writes ``chaos.md``, ``chaos.json``, ``chaos.png`` (goodput over time per entry, kills marked) and every
-process's log under ``<entry>/``.
+process's log under ``<entry>/``; ``commlab bench chaos --reread DIR`` writes the report again from them.
 """
 
 from __future__ import annotations
@@ -212,14 +212,17 @@ def settled(recs: list[dict], kills: list[dict]) -> bool:
     return True
 
 
-def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bins: int = BINS) -> dict:
+def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bins: int = BINS, *,
+            rollbacks: bool = True) -> dict:
     """What the window [t0, t0 + duration) got done (module text), from the ranks' records and the kills
-    delivered (``{"t", "slot" or "shard", "pid"}``)."""
+    delivered (``{"t", "slot" or "shard", "pid"}``). ``rollbacks``: a process's ``start`` says where it
+    resumed its slot's state (False for torchft, whose new replica takes a live peer's step)."""
     end = t0 + duration
     steps = [r for r in recs if r.get("ev") == "step"]
     # a process that resumed slot s at step c (a checkpoint) rolled back what earlier processes of the slot
     # logged from step c on: those updates are lost (thrown away), not applied twice
-    resumed = [(r["t"], r["slot"], r["start"]) for r in recs if r.get("ev") == "ready" and "start" in r]
+    resumed = [(r["t"], r["slot"], r["start"]) for r in recs
+               if rollbacks and r.get("ev") == "ready" and r.get("start") is not None]
     rolled = lambda r: any(t > r["t"] and slot == r["slot"] and start <= r["step"] for t, slot, start in resumed)
     applied = [r for r in steps if r.get("applied", True) and not rolled(r)]
     rolled_back = sorted({r["step"] for r in steps if r.get("applied", True) and rolled(r)})
@@ -457,7 +460,7 @@ def run_entry(e: Entry, a, caps: Caps, plan: list[Kill], progress) -> dict:
     recs = read_steps(e.folder)
     t0 = training_start(recs, a.workers)
     if t0 is not None:
-        out.update(account(recs, delivered, t0, a.duration))
+        out.update(account(recs, delivered, t0, a.duration, rollbacks=e.url != "torchft"))
     out["servers"] = server_stats(e.folder / "job")
     out["servers_applied_twice"] = [s["updates"] + (s["skipped"] or 0) - s["sync_step"] for s in out["servers"]
                                     if s.get("mode") == "sync" and s.get("sync_step") is not None]
@@ -586,6 +589,14 @@ def scaled(results: dict, n: str) -> list[float]:
     return [c / results[reference_of(n)]["goodput"] for c in results[n]["bins"]]
 
 
+def steps_lost(r: dict) -> str:
+    """The table's steps lost: distinct step numbers rolled back (done again after a restart from a checkpoint),
+    or, where nothing rolls back, the kills' count (the probe's); torchft's uncommitted steps beside."""
+    rolled = r.get("rolled_back_steps") or []
+    said = f"{len(rolled)} rolled back" if rolled else str(sum(k.get("steps_lost", 0) for k in r["kills"]))
+    return said + (f" (+{len(r['discarded_steps'])} discarded)" if r["discarded_steps"] else "")
+
+
 def fmt(x, spec=".2f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -648,9 +659,7 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
         rows.append([name, r["url"], str(len(r["kills"])), f"{r['goodput']:.1f}",
                      fmt(r["goodput"] / ref["goodput"], ".3f") if ref.get("goodput") else "(reference)",
                      med_max([k.get("next_step_s") for k in r["kills"]]), med_max([k.get("heal_s") for k in r["kills"] if "slot" in k]),
-                     str(sum(k.get("steps_lost", 0) for k in r["kills"]))
-                     + (f" (+{len(r['discarded_steps'])} discarded)" if r["discarded_steps"] else "")
-                     + (f" ({len(r['rolled_back_steps'])} rolled back)" if r.get("rolled_back_steps") else ""),
+                     steps_lost(r),
                      f"{twice}" + (f" (servers: {sum(servers)})" if servers else ""),
                      f"{fmt(r['final_loss'], '.4f')} / {fmt(equal_steps, '.4f')} / {fmt(ref.get('final_loss'), '.4f')}",
                      r.get("ended_early", "") + (f"; {r['undelivered']} kills undelivered" if r.get("undelivered") else "")])
@@ -682,6 +691,28 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
     return out / "chaos.md"
 
 
+def folder_of(label: str) -> str:
+    return label.replace("/", "_").replace(" ", "_").replace("?", "_")
+
+
+def reread(folder: Path) -> Path:
+    """A run's report again from its logs (this checkout's accounting): ``commlab bench chaos --reread DIR``."""
+    doc = json.loads((folder / "chaos.json").read_text())
+    a = argparse.Namespace(**doc["config"])
+    results = {}
+    for label, e in doc["entries"].items():
+        recs = read_steps(folder / folder_of(label))
+        t0 = training_start(recs, a.workers)
+        kills = [{k: v for k, v in kill.items() if k in ("t", "planned", "slot", "shard", "pid")}
+                 for kill in e.get("kills", [])]
+        results[label] = dict(e, **account(recs, kills, t0, a.duration, rollbacks=e.get("url") != "torchft")) \
+            if t0 is not None else e
+    rdv = doc.get("rendezvous")
+    scale = at_scale(results, a, rdv) if rdv else None
+    return write(folder, results, a, [Kill(**k) for k in doc["schedule"]], doc["cpu_cap"], doc["missing"], scale,
+                 rdv, doc["seconds"], doc["argv"])
+
+
 def run(a, wanted: list[str], out: Path, progress=print) -> tuple[dict, dict, str, list[Kill]]:
     urls = a.exchanger or [DEFAULT_URL]
     from commlab.base.config import ExchangerURL
@@ -707,8 +738,7 @@ def run(a, wanted: list[str], out: Path, progress=print) -> tuple[dict, dict, st
             for url in (urls if not name.startswith("torchft") else ["torchft"]):
                 label = name if len(urls) == 1 or url == "torchft" else f"{name} {url}"
                 progress(f"commlab bench chaos: {label}: starting")
-                e = Entry(label, url, name in ("commlab", "restart-all", "torchft"), out / label.replace("/", "_")
-                          .replace(" ", "_").replace("?", "_"))
+                e = Entry(label, url, name in ("commlab", "restart-all", "torchft"), out / folder_of(label))
                 results[label] = run_entry(e, a, caps, plan, progress)
     finally:
         caps.close()
@@ -721,6 +751,9 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--reread"] and len(argv) == 2:  # a run's report again, from its logs
+        print(reread(Path(argv[1])).read_text())
+        return 0
     a = parser().parse_args(argv)
     try:
         wanted = check(a)

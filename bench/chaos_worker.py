@@ -136,7 +136,7 @@ def torchft_loop(a, slot: int, log: Log) -> int:
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=a.torchft, hostname="127.0.0.1",
                       port=0, timeout=t, quorum_timeout=t, connect_timeout=t)
     ddp = DistributedDataParallel(manager, model)
-    log.write(ev="ready", t=time.time(), start=manager.current_step(), attempt=0)
+    log.write(ev="ready", t=time.time(), attempt=0)  # its step is the quorum's, known once healed: no "start"
     while True:
         # torchft's OptimizerWrapper, spelled out to see what should_commit said: the quorum first
         # (synchronous: use_async_quorum=False), which heals a new replica from a peer
