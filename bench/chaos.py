@@ -249,9 +249,13 @@ def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bin
         if "slot" in k:
             healed = [r["t"] for r in after if r["slot"] == k["slot"] and r.get("samples", 0) > 0]
             row["heal_s"] = min(healed) - tk if healed else None
-        before = [r["step"] for r in steps if r.get("applied", True) and r["t"] <= tk]  # rolled back ones too
-        if before and after:
-            row["steps_lost"] = max(0, max(before) + 1 - min(r["step"] for r in after))
+        lost = []  # per slot: its newest step before the kill (rolled back ones too) + 1 - its first after
+        for slot in {r["slot"] for r in after}:
+            before = [r["step"] for r in steps if r["slot"] == slot and r.get("applied", True) and r["t"] <= tk]
+            if before:
+                lost.append(max(before) + 1 - min(r["step"] for r in after if r["slot"] == slot))
+        if lost:
+            row["steps_lost"] = max(0, max(lost))
         per_kill.append(row)
     # the loss per global step: the mean over the slots that logged it
     by_step: dict[int, list[float]] = {}
