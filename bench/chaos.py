@@ -61,6 +61,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -132,7 +133,10 @@ def check(a) -> list[str]:
         raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
     if a.batch_size < 1 or a.startup_timeout <= 0:
         raise ValueError("--batch-size must be >= 1 and --startup-timeout > 0")
-    return names(a.entries, ENTRIES, "--entries")
+    wanted = names(a.entries, ENTRIES, "--entries")
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"--entries names an entry twice: {a.entries}")
+    return wanted
 
 
 # ----- the schedule -------------------------------------------------------------------------------
@@ -395,6 +399,9 @@ def server_pids(root: int) -> list[int]:
 
 def run_entry(e: Entry, a, caps: Caps, plan: list[Kill], progress) -> dict:
     e.folder.mkdir(parents=True, exist_ok=True)
+    for mine in ("steps", "pids", "job"):  # an --out used before: its logs are not this run's
+        shutil.rmtree(e.folder / mine, ignore_errors=True)
+    (e.folder / "ckpt.pt").unlink(missing_ok=True)
     started = time.monotonic()
     delivered: list[dict] = []
     out: dict = {"entry": e.name, "url": e.url}

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--mtbf", "3", "--duration", "inf"], "--duration"),
     (["--mtbf", "3", "--duration", "5", "--workers", "1"], "--workers"),
     (["--mtbf", "3", "--duration", "5", "--entries", "free,nope"], "--entries"),
+    (["--mtbf", "3", "--duration", "5", "--entries", "free,commlab,free"], "--entries"),
 ])
 def test_bad_options_exit_2_with_one_line_naming_the_option(argv, option, tmp_path, capsys):
     assert chaos.main([*argv, "--out", str(tmp_path / "out")]) == 2
