@@ -38,7 +38,8 @@ class Loss:
 class Membership:
     def __init__(self, name: str):
         self.name = name  # the shard's, for messages
-        self.min_workers = 0  # 0: off (a dead rank is waited for); fixed by the first hello that says it
+        self.min_workers = 0  # 0: off (a dead rank is waited for); fixed by the first hello
+        self.fixed = False
         self.epoch = 0
         self.lost: dict[int, Loss] = {}
         self.conn: dict[int, bytes] = {}  # rank -> the connection its current process said hello on
@@ -63,15 +64,14 @@ class Membership:
         self.epoch += 1
 
     def fix(self, min_workers, sender: str, world: int) -> None:
-        """Hello: the first that names min_workers fixes it; a different one later is refused."""
-        if min_workers is None:
-            return
+        """Hello: the first fixes min_workers (none said: 0, off); a different one later is refused."""
+        min_workers = 0 if min_workers is None else min_workers
         if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 0 <= min_workers <= world:
             raise Refused(f"hello from {sender}: min_workers must be an integer in [0, {world}], got {min_workers!r}")
-        if self.min_workers and min_workers != self.min_workers:
+        if self.fixed and min_workers != self.min_workers:
             raise Refused(f"worker {sender} says min_workers={min_workers}, the job on {self.name} runs with "
-                          f"min_workers={self.min_workers}")
-        self.min_workers = min_workers
+                          f"min_workers={self.min_workers}: every rank must keep going alike")
+        self.min_workers, self.fixed = min_workers, True
 
     def hello(self, rank: int, ident: bytes, meta: dict) -> bool:
         """Admit a hello on connection ``ident``; True when it is a replacement for a lost rank (it enters
@@ -149,6 +149,20 @@ class Membership:
             self.ended = (f"the job lost its quorum on {self.name}: rank(s) {ranks} lost ("
                           + "; ".join(f"rank {r}: {self.lost[r].why} at step {self.lost[r].step}" for r in ranks)
                           + f"), {left} of {world} left, min_workers={self.min_workers}")
+
+    def state(self) -> dict:
+        """For the shard's checkpoint: a shard restarted with --resume keeps who left (connections are not kept:
+        every live rank says hello again)."""
+        return {"min_workers": self.min_workers, "fixed": self.fixed, "epoch": self.epoch, "replaced": self.replaced,
+                "ended": self.ended, "lost": {r: [x.epoch, x.step, x.why] for r, x in self.lost.items()},
+                "pending": sorted(self.pending)}
+
+    def load(self, state: dict) -> None:
+        self.min_workers, self.fixed = int(state.get("min_workers", 0)), bool(state.get("fixed", False))
+        self.epoch, self.replaced, self.ended = int(state.get("epoch", 0)), int(state.get("replaced", 0)), \
+            str(state.get("ended", ""))
+        self.lost = {int(r): Loss(int(r), int(e), int(t), str(w)) for r, (e, t, w) in state.get("lost", {}).items()}
+        self.pending = {int(r) for r in state.get("pending", [])}
 
     def out(self) -> set[int]:
         """Ranks that push nothing now: lost, or replacements not entered yet."""

@@ -277,6 +277,11 @@ class Mode:
         self.enters[rank] = t
         self.last_step[rank] = t - 1
 
+    def entry_open(self, rank: int) -> bool:
+        """``rank`` entered and has pushed nothing since: its entry may move to a later step (another shard went
+        past the one it asked for first)."""
+        return rank in self.enters and rank not in self.partial and self.last_step.get(rank) == self.enters[rank] - 1
+
     def waiting_for(self) -> list[int]:
         return []
 
@@ -468,6 +473,10 @@ class Sync(Mode):
     def enter(self, rank, t):
         self.enters[rank] = t
         self.last_step[rank] = self.step - 1
+
+    def entry_open(self, rank):
+        return (rank in self.enters and self.step <= self.enters[rank] and rank not in self.complete
+                and rank not in self.partial)
 
     def fold(self, rank, t, part, frames, absent, meta):
         srv = self.srv

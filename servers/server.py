@@ -33,6 +33,10 @@ such send; before the optimizer writes a tensor that a send still reads, the
 tensor gets fresh storage (``p.data = p.data.clone()``) and the old buffer is
 freed when the send lets go of it. Sums (update=worker) go out from buffers
 that are never written again (each step gets fresh ones).
+
+Keep-going (``min_workers=``): each key space keeps a membership (:mod:`servers.membership`); a closed
+connection of a member makes its rank leave (:meth:`ParameterServer.lose`), every request but hello is
+checked against it first (:meth:`ParameterServer.admit`), and a replacement enters with ``enter``.
 """
 
 from __future__ import annotations
@@ -408,6 +412,7 @@ class ParameterServer:
         completes over the ranks left, and the waiting pulls it held are answered; below the quorum every
         waiting pull gets the line that names the ranks lost."""
         step = self.mode.gathering if self.mode.gathering is not None else self.mode.expected_step(rank)
+        ended = self.members.ended
         dropped = self.mode.lose(rank) if self.initialized else 0
         self.members.lose(rank, step, why, self.world_size())
         if dropped < 0 and not self.members.ended:
@@ -419,7 +424,8 @@ class ParameterServer:
               f"{self.members.epoch}, {self.world_size() - len(self.members.lost)} of {self.world_size()} ranks left"
               + (f", its partial step dropped" if dropped > 0 else ""), file=sys.stderr, flush=True)
         if self.members.ended:
-            print(f"commlab server {self.cfg.name}: {self.members.ended}", file=sys.stderr, flush=True)
+            if not ended:
+                print(f"commlab server {self.cfg.name}: {self.members.ended}", file=sys.stderr, flush=True)
             for ident, w in self.waiting:
                 self.stats.refused += 1
                 self._reply(ident, "error", w.meta.get("id"), {"reason": self.members.ended})
@@ -427,6 +433,7 @@ class ParameterServer:
             return
         self.mode.settle()
         self._serve_waiting()
+        self._open_gate()
 
     def _op_live(self, ident, h, _data):
         """heartbeat_s=: this connection is the rank's heartbeat, silent but for zmq's PINGs; its closing (the
@@ -438,7 +445,8 @@ class ParameterServer:
         """A replacement for a lost rank enters at step ``h.step`` (the largest its shards offered at hello), or
         hears the soonest step this shard can take it at now (the survivors went on meanwhile)."""
         rank = self._rank_of(h)
-        if rank not in self.members.pending:
+        moving = rank not in self.members.pending
+        if moving and not self.mode.entry_open(rank):
             raise Refused(f"enter from {h.sender}: rank {rank} is no replacement waiting to enter {self.cfg.name}")
         if not self.placement.spec.shards_step:
             raise Refused(f"enter from {h.sender}: under update={self.update} the shards hold no trained parameters "
@@ -449,10 +457,14 @@ class ParameterServer:
             self._reply(ident, "ok", h.meta.get("id"), {"entered": False, "enter": soonest})
             return
         self.mode.enter(rank, h.step)
-        self.members.entered(rank)
+        if not moving:
+            self.members.entered(rank)
         print(f"commlab server {self.cfg.name}: rank {rank} entered at step {h.step} (a replacement); membership "
               f"epoch {self.members.epoch}", file=sys.stderr, flush=True)
         self._reply(ident, "ok", h.meta.get("id"), {"entered": True, "epoch": self.members.epoch})
+        if moving:  # a step that owed its push may be complete without it now
+            self.mode.settle()
+            self._serve_waiting()
 
     def _open_link(self, ident: bytes, sender: str, where) -> dict:
         """transport=shm: two segments for this connection's payloads (see :mod:`commlab.transport.psshm`), or
@@ -762,7 +774,8 @@ class ParameterServer:
 
     def _open_gate(self) -> None:
         """Open the start gate once the shard is initialised and every rank sent its start pull."""
-        if not self.started and self.initialized and self.world and len(self.starters) >= self.world:
+        if not self.started and self.initialized and self.world and \
+                self.starters | self.members.out() >= set(range(self.world)):  # (keep-going: the lost are not waited for)
             self.started = True
             self._serve_waiting()
 
@@ -1000,7 +1013,8 @@ class ParameterServer:
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
                  "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
-                 "terminated": self.terminated, "blobs": dict(self.blobs)}
+                 "terminated": self.terminated, "blobs": dict(self.blobs),
+                 "members": self.members.state(), "enters": dict(self.mode.enters)}
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         torch.save(state, tmp)
         os.replace(tmp, path)
@@ -1041,6 +1055,8 @@ class ParameterServer:
         self.detached |= set(self.joined)
         self.terminated = state.get("terminated")
         self.blobs = {int(r): (int(t), b) for r, (t, b) in state.get("blobs", {}).items()}
+        self.members.load(state.get("members", {}))
+        self.mode.enters = {int(r): int(t) for r, t in state.get("enters", {}).items()}
 
 
 SPACE = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -11,7 +11,7 @@ ranks each step counted on each shard.
 ``--kill-at`` (at step K, this rank SIGKILLs itself; the point is forced, not timed):
 ``before``: before pushing anything of step K. ``between`` (two shards): once shard 0 holds its whole step K,
 before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
-(the second never leaves; shard 1 gets nothing). ``--stop-at K``: SIGSTOP at the top of step K. Prints one JSON line at the end: rank, pid, parameters, the
+(the second never leaves; shard 1 gets nothing). ``setup``: in setup, after hello, before the start pull. ``--stop-at K``: SIGSTOP at the top of step K. Prints one JSON line at the end: rank, pid, parameters, the
 servers' stats.
 """
 
@@ -86,7 +86,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--kill-step", type=int, default=-1)
-    p.add_argument("--kill-at", choices=("before", "between", "partial"), default="before")
+    p.add_argument("--kill-at", choices=("before", "between", "partial", "setup"), default="before")
     p.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself at the top of this step (frozen)")
     p.add_argument("--final-updates", type=int, default=0,
                    help="async: after the steps, wait until every shard applied this many updates, then pull")
@@ -95,6 +95,8 @@ def main() -> int:
     model = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in SIZES])
     info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
     pid = os.getpid()
+    if a.kill_at == "setup" and a.kill_step >= 0:  # after hello, before the start pull: the others' start waits
+        ps._Shard.start = lambda self, after: die()
     with commlab.connect(a.url, info) as ex:
         ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
         for s in ex.shards:

@@ -18,8 +18,8 @@ once shard 0 applied the step (a hook on the client's send, here in the user's p
 ``ex.commit_state``, once rank 0 pushed step T + 1 (so rank 0 committed its state of T): its kept state belongs
 to step T, the servers' to T + 1 (the window of issue 38).
 
-Keep-going (``commlab run --replace``): ``REPLACE_KILL_STEP=K``: rank 1's first process dies at the top of step
-K; its replacement (``$COMMLAB_REPLACEMENT``) writes ``OUT/rank1.replacement.json`` with what it holds when it
+Keep-going (``commlab run --replace``): ``REPLACE_KILL_STEP=K``: rank 1's (``REPLACE_KILL_RANK``'s) first process
+dies at the top of step K; its replacement (``$COMMLAB_REPLACEMENT``) writes ``OUT/rank<r>.replacement.json`` with what it holds when it
 enters (parameters, momentum, ``ex.healed``); every rank records its parameters and momentum after each step
 from K on (``after``), the pid it ran as, and the end.
 """
@@ -129,10 +129,11 @@ def main() -> None:
     after = {}
     record = {"rank": rank, "attempt": attempt, "start_step": ex.start_step, "pid": os.getpid(), "after": after,
               "restored": None if restored is None else {"step": restored["step"]},
-              "restored_step": getattr(ex, "restored_step", None)}
+              "restored_step": ex.restored_step}
     ran = 0
     for step in range(ex.start_step, steps):
-        if rank == 1 and not replacement and step == int(os.environ.get("REPLACE_KILL_STEP", "-1")):
+        victim = int(os.environ.get("REPLACE_KILL_RANK", "1"))
+        if rank == victim and not replacement and step == int(os.environ.get("REPLACE_KILL_STEP", "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
         if attempt == 0 and rank == int(os.environ.get("KILL_RANK", "-1")) and step == int(os.environ["KILL_STEP"]):
             if "KILL_AFTER_PUSH_OF" in os.environ:

@@ -43,14 +43,14 @@ def _workers(procs, url: str, kill_at: str, *extra: str, victim_steps: int = T) 
     return out
 
 
-def _sync_reference(kept_on: set[int]) -> list[torch.Tensor]:
-    """Each parameter after T sync steps: three ranks' mean before K, at K on the shards in ``kept_on``; the
+def _sync_reference(kept_on: set[int], k: int = K) -> list[torch.Tensor]:
+    """Each parameter after T sync steps: three ranks' mean before k, at k on the shards in ``kept_on``; the
     survivors' after."""
     every, survivors = (1 + 10 + 100) / 3, (1 + 100) / 2
     out = []
     for i, n in enumerate(SIZES):
         shard = 0 if i in ON_SHARD0 else 1
-        total = K * every + (every if shard in kept_on else survivors) + (T - K - 1) * survivors
+        total = k * every + (every if shard in kept_on else survivors) + (T - k - 1) * survivors
         out.append(torch.full((n,), -LR * total, dtype=torch.float64))
     return out
 
@@ -67,29 +67,36 @@ def _check(results, want: list[torch.Tensor], pids: list[int]) -> list[dict]:
     return recs
 
 
-@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes", [
-    ("server", "partial", set(), [1, 0]),  # shard 0 had half of rank 1's step: taken out again
-    ("worker", "between", {0}, [0, 0]),  # shard 0 had all of it: kept there
-    pytest.param("server", "before", set(), [0, 0], marks=pytest.mark.full),
-    pytest.param("server", "between", {0}, [0, 0], marks=pytest.mark.full),
-    pytest.param("worker", "before", set(), [0, 0], marks=pytest.mark.full),
+@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes,transport", [
+    ("server", "partial", set(), [1, 0], "tcp"),  # shard 0 had half of rank 1's step: taken out again
+    ("worker", "between", {0}, [0, 0], "tcp"),  # shard 0 had all of it: kept there
+    pytest.param("server", "partial", set(), [1, 0], "shm", marks=pytest.mark.full),  # (read from its link)
+    pytest.param("server", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "between", {0}, [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("worker", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "setup", set(), [0, 0], "tcp", marks=pytest.mark.full),  # the start gate counts it out
 ])
-def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes):
+def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes, transport):
+    shm_before = set(os.listdir("/dev/shm"))
     servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
     url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update={update}&min_workers=2"
-           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
+           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport={transport}")
     workers = _workers(procs, url, kill_at)
     results = finish([workers[0], workers[2]], timeout=120)
     workers[1].wait(30)
     assert workers[1].returncode == -signal.SIGKILL, workers[1].communicate()[1][-3000:]
-    recs = _check(results, _sync_reference(kept_on), [w.pid for w in workers])
+    k = 0 if kill_at == "setup" else K
+    recs = _check(results, _sync_reference(kept_on, k), [w.pid for w in workers])
     for shard, stats in enumerate(recs[-1]["servers"]):
         assert stats["updates"] == T, stats  # every step applied once: none twice, none lost
         assert stats["lost_pushes"] == lost_pushes[shard], stats
         # (update=worker: shard 0 finished step K with rank 1's whole push before the rank died)
-        left_at = K + 1 if shard in kept_on and update == "worker" else K
+        left_at = k + 1 if shard in kept_on and update == "worker" else k
         assert stats["members"]["lost"]["1"]["step"] == left_at, stats["members"]
         assert stats["members"]["lost"]["1"]["why"] == "its connection closed"
+    for s in servers:
+        s.stop()
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("commlab")]
 
 
 @pytest.mark.parametrize("mode,kill_at", [("async", "partial"), pytest.param("ssp", "before", marks=pytest.mark.full)])
@@ -102,10 +109,15 @@ def test_async_and_ssp_survivors_go_on_and_the_dead_ranks_partial_step_is_never_
     workers = _workers(procs, url, kill_at, "--final-updates", str(2 * T + K))
     results = finish([workers[0], workers[2]], timeout=120)
     want = [torch.full((n,), -LR * (T * 101 + K * 10), dtype=torch.float64) for n in SIZES]
-    recs = _check(results, want, [w.pid for w in workers])
-    for shard, stats in enumerate(recs[-1]["servers"]):
+    _check(results, want, [w.pid for w in workers])
+    workers[1].wait(30)  # (async: the survivors may finish before rank 1 reached step K)
+    deadline = time.monotonic() + 30
+    while not all("1" in s.stats()["members"]["lost"] for s in servers):
+        assert time.monotonic() < deadline, [s.stats()["members"] for s in servers]
+        time.sleep(0.02)
+    for shard, stats in enumerate(s.stats() for s in servers):
         assert stats["updates"] == 2 * T + K, stats
-        assert stats["lost_pushes"] == (1 if kill_at == "partial" and shard == 0 else 0), stats
+        assert stats["lost_pushes"] == (1 if kill_at == "partial" and shard == 0 else 0), (stats["members"], stats["last_step"], stats["updates"], stats["pushes"])
         assert stats["last_step"]["1"] == K - 1, stats
 
 
@@ -115,39 +127,42 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "restart_script.py")
 
 
-def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4):
+def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4, victim: int = 1):
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "tmp").mkdir()
     return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "3", *flags, "--deadline", "150",
                       "--exchanger", "ps://?shards=2&mode=sync&update=server&min_workers=2&timeout=30",
                       "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), str(steps), "mlp"], 180, cwd=ROOT,
-                     env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, STEP_SLEEP=0.25), capture_output=True, text=True)
+                     env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, REPLACE_KILL_RANK=victim,
+                                   STEP_SLEEP=0.25), capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("flags", [("--replace",), pytest.param(("--spares", "1"), marks=pytest.mark.full)])
-def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the_others_train_on(tmp_path, flags):
+@pytest.mark.parametrize("flags,victim", [(("--replace",), 1), pytest.param(("--spares", "1"), 1, marks=pytest.mark.full),
+                                          pytest.param(("--replace",), 0, marks=pytest.mark.full)])
+def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the_others_train_on(tmp_path, flags,
+                                                                                             victim):
     """Rank 1 dies at the top of step 4; the launcher starts a process in its place (or hands the rank to a
     spare) and touches nothing else; it enters at a step boundary E holding, bit for bit, the parameters and
     momentum a survivor held after step E - 1; every rank ends with the same parameters; the summary says
     when it entered."""
     shm_before = set(os.listdir("/dev/shm"))
-    r = _run_replace(tmp_path, *flags)
+    r = _run_replace(tmp_path, *flags, victim=victim)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "rank 1 died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
+    assert f"rank {victim} died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
     assert "restarting" not in r.stderr
     summary = r.stdout.strip().splitlines()[-1]
-    assert "1 replaced (rank 1 (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary
+    assert f"1 replaced (rank {victim} (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary
     out = tmp_path / "out"
-    rep = json.loads((out / "rank1.replacement.json").read_text())
+    rep = json.loads((out / f"rank{victim}.replacement.json").read_text())
     entered = rep["healed"]["step"]
     assert entered > 4 and rep["healed"]["seconds"] > 0, rep["healed"]
-    survivors = [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in (0, 2)]
+    survivors = [json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in range(3) if r != victim]
     for rec in survivors:
         assert rec["start_step"] == 0 and rec["ran"] == 20, rec  # one process ran every step
         held = rec["after"][str(entered - 1)]
         assert held["params"] == rep["params"] and held["momentum"] == rep["momentum"], rec["rank"]
-    end = json.loads((out / "rank1.replacement.end.json").read_text())
+    end = json.loads((out / f"rank{victim}.replacement.end.json").read_text())
     assert all(rec["params"] == end["params"] for rec in survivors)
     assert not _leftovers(tmp_path, shm_before)
 
@@ -194,3 +209,17 @@ def test_a_frozen_worker_leaves_after_heartbeat_s_and_is_refused_when_it_thaws(p
         st = s.stats()
         assert st["updates"] == steps and st["members"]["lost"]["1"]["why"] == "its connection closed", st
     print(f"rank 1 frozen at step {K}; left the job {lost_at - deadline + 60:.2f} s into the wait (heartbeat_s=1)")
+
+
+def test_keep_going_options_are_refused_at_parse_time_in_one_line(capsys):
+    from commlab.launch import launcher
+    from commlab.tools.cli import check_url
+
+    for query, said in [("min_workers=-1", "min_workers must be >= 0"), ("heartbeat_s=0.05", "option 'heartbeat_s': at least 0.1"),
+                        ("heartbeat_s=7000", "heartbeat_s must be >= 0 and <= 6553"),
+                        ("min_workers=x", "option 'min_workers': 'x' is not a valid int")]:
+        problem = check_url(f"ps://?shards=1&{query}")
+        assert problem is not None and said in problem and "\n" not in problem, (query, problem)
+    assert launcher.run_job(launcher.Job((SCRIPT,), spares=-1)) == 2  # before anything starts
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "commlab run: --spares must be >= 0 and <= 256 (idle ranks this host starts), got -1"]

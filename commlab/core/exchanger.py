@@ -214,6 +214,7 @@ class Exchanger:
         # the regime keeps them (ps:// update=server); 0 and None otherwise, where the user's checkpoint is the state
         self.start_step = 0
         self.restored_state: dict | None = None
+        self.restored_step: int | None = None  # the step restored_state belongs to (the loop's next when committed)
         # which attempt of the job this is, the same on every rank of it and larger than any earlier one's
         # (rendezvous.job_attempt: the restart count under commlab run, a round id agreed under torchrun);
         # set by setup in the regimes that need it (ps://: the servers refuse an older attempt), else 0

@@ -65,7 +65,7 @@ from commlab.base.config import ExchangerURL, check_number
 from commlab.base.errors import ConfigError
 from commlab.core.exchanger import PlansServers
 from commlab.core.registry import ENV_URL, regime_class
-from commlab.transport.rendezvous import KEEP_GOING, REPLACEMENT, RESTART_COUNT
+from commlab.transport.rendezvous import ENTERED, KEEP_GOING, REPLACEMENT, RESTART_COUNT
 
 CHILDEXEC = str(Path(__file__).with_name("childexec.py"))
 STARTER_ENV = "COMMLAB_STARTER"  # a module whose start() starts this process's children (a test harness's)
@@ -563,7 +563,8 @@ def _run(job: Job) -> int:
             job.say(f"{job.workers} rank{'s' if job.workers > 1 else ''} of {job.describe()}, {job.exchanger}: "
                     + metrics.summary(record, time.monotonic() - started)
                     + (f"; {_restarts(failures)}" if job.max_restarts else "")
-                    + (f"; {len(healed)} replaced ({'; '.join(healed)})" if job.replace or job.spares else ""),
+                    + (f"; {len(healed)} replaced" + (f" ({'; '.join(healed)})" if healed else "")
+                       if job.replace or job.spares else ""),
                     stdout=True)
     return 0
 
@@ -637,11 +638,9 @@ class Replacer:
 
     The process gets the rank's environment plus ``$COMMLAB_REPLACEMENT`` (when the death was noticed,
     :func:`commlab.transport.rendezvous.replacement_since`): the regime then enters it at the next step
-    boundary (ps://: :meth:`commlab.regimes.ps.PSExchanger._enter`), and it says when it did in its log
-    (``... entered at step E, X s after its predecessor's death was noticed``), which :meth:`report` reads.
+    boundary (ps://: :meth:`commlab.regimes.ps.PSExchanger._enter`), and says when it did in its log
+    (:func:`commlab.transport.rendezvous.announce_entry`), which :meth:`report` reads.
     A rank that exits with an error is no failure of its process: the job fails as without replacement."""
-
-    HEALED = re.compile(r"entered at step (\d+)(?:, ([\d.]+) s after)?")
 
     def __init__(self, job: Job, env: dict, url: str, logs: Path, attempt: list[Proc], healed: list[str]):
         self.job, self.env, self.url, self.logs, self.attempt, self.healed = job, env, url, logs, attempt, healed
@@ -687,14 +686,24 @@ class Replacer:
                      f"train on")
         return p
 
+    def idle(self, p: Proc) -> bool:
+        """``p`` is a spare no rank was handed to yet."""
+        return any(p is q for q, _ in self.spares)
+
+    def drop_spare(self, p: Proc) -> None:
+        """An idle spare exited (killed, too): it leaves the pool; the job goes on."""
+        self.spares = [(q, a) for q, a in self.spares if q is not p]
+        p.drain()
+        self.job.say(f"{p.name} exited while idle ({_how(p.popen.returncode)}); {len(self.spares)} spare(s) left")
+
     def waiting(self, p: Proc) -> bool:
         """``p`` replaces a dead rank and has not entered the job yet (its log does not say so)."""
-        return any(p is q for _, _, q in self.done) and p.popen.poll() is None and not self.HEALED.search(p.tail(200))
+        return any(p is q for _, _, q in self.done) and p.popen.poll() is None and not ENTERED.search(p.tail(200))
 
     def report(self) -> None:
         """Each replacement's line for the summary: which rank, how it died, when it entered."""
         for name, how, p in self.done:
-            m = self.HEALED.search(p.tail(200)) if p.log is not None else None
+            m = ENTERED.search(p.tail(200)) if p.log is not None else None
             when = "; never entered" if m is None else f"; entered at step {m.group(1)}" + (
                 f", healed {float(m.group(2)):.2f} s after the death" if m.group(2) else "")
             self.healed.append(f"{name} ({how}{when})")
@@ -717,6 +726,10 @@ def _watch_loop(job: Job, procs: list[Proc], ranks: list[Proc], started: float, 
     while True:
         for p in list(procs):
             code = p.popen.poll()
+            if replacer is not None and code is not None and replacer.idle(p):
+                replacer.drop_spare(p)
+                procs.remove(p)
+                continue
             if replacer is not None and p in ranks and code is not None and code < 0:
                 p.drain()
                 new = replacer.replace(p)

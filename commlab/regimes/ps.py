@@ -654,7 +654,6 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
         self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
         self.healed: dict | None = None  # a replacement: {step: where it entered, seconds: since the death}
-        self.restored_step: int | None = None  # the step ex.restored_state belongs to (None: nothing restored)
         self._replay_to = 0  # wire steps below this one are replayed (see replaying)
 
     # ----- setup ---------------------------------------------------------------------------
@@ -776,12 +775,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             self.restored_state = self._restore_state()
             self._replay_from_state()
         if self.healed is not None:
-            since = rendezvous.replacement_since()
-            if since is not None:
-                self.healed["seconds"] = round(time.time() - since, 3)
-            print(f"commlab ps:// rank {self.rank_info.global_rank()}: a replacement, entered at step "
-                  f"{self.healed['step']}" + (f", {self.healed['seconds']:.2f} s after its predecessor's death was "
-                                              f"noticed" if "seconds" in self.healed else ""), flush=True)
+            self.healed = rendezvous.announce_entry(f"commlab ps:// rank {self.rank_info.global_rank()}",
+                                                    self.healed["step"])
 
     def _min_workers(self) -> int:
         """Keep-going's quorum (min_workers=; 1 under a launcher that replaces dead ranks, 0: off), checked

@@ -37,6 +37,24 @@ def keep_going(env: Mapping[str, str] | None = None) -> bool:
     return (os.environ if env is None else env).get(KEEP_GOING, "") == "1"
 
 
+ENTERED = re.compile(r"entered at step (\d+)(?:, ([\d.]+) s after)?")  # announce_entry's line, as launchers read it
+
+
+def announce_entry(who: str, step: int, env: Mapping[str, str] | None = None) -> dict:
+    """A replacement entered its job at ``step`` (every regime that heals one calls this once): one line on
+    stdout, ``WHO: a replacement, entered at step E, X s after its predecessor's death was noticed``, which
+    the launcher reads back for its report (:data:`ENTERED`); returns ``{step, seconds}`` for the regime's
+    facts (``seconds`` only where ``$COMMLAB_REPLACEMENT`` says when the death was noticed)."""
+    healed: dict = {"step": step}
+    since = replacement_since(env)
+    if since is not None:
+        healed["seconds"] = round(time.time() - since, 3)
+    print(f"{who}: a replacement, entered at step {step}" + (
+        f", {healed['seconds']:.2f} s after its predecessor's death was noticed" if "seconds" in healed else ""),
+          flush=True)
+    return healed
+
+
 def replacement_since(env: Mapping[str, str] | None = None) -> float | None:
     """When this process's predecessor's death was noticed (wall clock), if this process replaces a dead
     rank; None for an ordinary start."""
