@@ -12,9 +12,11 @@ Faults, by environment (``RANK:STEP``, one rank at one step):
 - ``KG_KILL=R:S:vote``: after its exchange of step S completed, before its vote (the survivors hold sums that
   include its gradient: they must discard them);
 - ``KG_KILL=R:S:stop``: SIGSTOP instead of SIGKILL, inside the exchange (the test continues it later);
+- ``KG_KILL=R:S:reform``: rank R SIGKILLs itself as its ring re-forms in step S (after another rank's death);
+- ``KG_KILL=R:S:heal``: rank R (not the donor) SIGKILLs itself as the heal of a replacement admitted at S begins;
 - ``KG_AWAIT_JOIN=R:S``: the other ranks wait, before step S, until a replacement of rank R asked to join (so
-  that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank 0
-  has begun step S (``OUT/at.rank0``), so no earlier commit admits it.
+  that step S's commit admits it: it enters at S + 1); the replacement (``KG_ASK_AT=S``) asks only once rank
+  ``KG_WATCH`` (0) has begun step S (``OUT/at.rank<r>``), so no earlier commit admits it.
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ def build():
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
-def snapshot(model, opt) -> dict:
+def snapshot(model, opt, ex=None) -> dict:
+    comp = getattr(ex, "compressor", None)
     return {"params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.detach().clone() for b in model.buffers()],
             "optim": {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
-                      for i, st in opt.state_dict()["state"].items()}}
+                      for i, st in opt.state_dict()["state"].items()},
+            **({"compress": comp.state_dict()} if comp is not None else {})}
 
 
 def fault(name: str):
@@ -71,26 +75,45 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     model, opt = build()
-    ask_at = int(os.environ.get("KG_ASK_AT", "-1"))
+    ask_at, watched = int(os.environ.get("KG_ASK_AT", "-1")), out / f"at.rank{os.environ.get('KG_WATCH', '0')}"
     deadline = time.monotonic() + 120
-    while ask_at >= 0 and not ((out / "at.rank0").exists() and int((out / "at.rank0").read_text()) >= ask_at):
-        assert time.monotonic() < deadline, f"rank 0 never reached step {ask_at}"
+    while ask_at >= 0 and not (watched.exists() and int(watched.read_text()) >= ask_at):
+        assert time.monotonic() < deadline, f"{watched.name} never reached step {ask_at}"
         time.sleep(0.02)
     ex = commlab.connect()
     ex.setup(model, opt)
     record = {"pid": os.getpid(), "start_step": ex.start_step, "members": {}, "states": {},
-              "entered": snapshot(model, opt) if ex.start_step else None}
-    kill, join = fault("KG_KILL"), fault("KG_AWAIT_JOIN")
+              "entered": snapshot(model, opt, ex) if ex.start_step else None}
+    kill, join = fault(f"KG_KILL{rank}") or fault("KG_KILL"), fault("KG_AWAIT_JOIN")
     step_now = [ex.start_step]
+    step_s = float(os.environ.get("KG_STEP_S", "0"))
     if kill and kill[0] == rank and kill[2] in ("exchange", "stop"):
         sig = signal.SIGKILL if kill[2] == "exchange" else signal.SIGSTOP
 
         def inside(p):
             if step_now[0] == kill[1]:
-                (out / f"fault.rank{rank}").write_text(str(kill[1]))
+                (out / f"fault.rank{rank}").write_text(repr(time.time()))
                 os.kill(os.getpid(), sig)
 
         model.body[0].weight.register_post_accumulate_grad_hook(inside)  # after commlab's: its bucket is started
+    if kill and kill[0] == rank and kill[2] == "reform":  # a member that dies as the ring re-forms
+        reform = ex._reform_links
+
+        def reforming():
+            if step_now[0] == kill[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return reform()
+
+        ex._reform_links = reforming
+    if kill and kill[0] == rank and kill[2] == "heal":  # a member that dies while a replacement is healed
+        transfer = ex._transfer
+
+        def heal(donor, pending):
+            if step_now[0] == kill[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return transfer(donor, pending)
+
+        ex._transfer = heal
     if kill and kill[0] == rank and kill[2] == "vote":
         decide = ex.quorum.decide
 
@@ -102,20 +125,22 @@ def main() -> int:
         ex.quorum.decide = vote
     for step in range(ex.start_step, steps):
         step_now[0] = step
-        if rank == 0:
-            (out / "at.tmp").write_text(str(step))
-            os.replace(out / "at.tmp", out / "at.rank0")
+        (out / f"at.tmp{rank}").write_text(str(step))
+        os.replace(out / f"at.tmp{rank}", out / f"at.rank{rank}")
         if join and rank != join[0] and step == join[1]:
             deadline = time.monotonic() + 120
             while not ex.quorum.store.check([f"join/{join[0]}"]):
                 assert time.monotonic() < deadline, "the replacement never asked to join"
                 time.sleep(0.02)
+        time.sleep(step_s)  # KG_STEP_S: a step's compute, for runs under a launcher (a replacement has time to start)
         opt.zero_grad()
         x, y = batch(step, rank)
         nn.functional.mse_loss(model(x), y).backward()
         record["members"][step] = list(ex.quorum.members)  # the step's, decided at the end of backward
         opt.step()
-        record["states"][step] = snapshot(model, opt)
+        record["states"][step] = snapshot(model, opt, ex)
+        record.setdefault("done_at", {})[step] = time.time()  # wall clock: for figures, never asserted
+    record["facts"] = ex.facts()["keep_going"]
     ex.close()
     torch.save(record, out / f"rank{rank}.{os.getpid()}.pt")
     return 0

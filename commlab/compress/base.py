@@ -123,6 +123,12 @@ class Compressor(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def shared_state_dict(self) -> dict:
+        """The part of :meth:`state_dict` that is the same on every rank (PowerSGD's warm-start Q, a seed, step
+        counts), which a rank joining a running job takes from a live one; a rank's own part (error feedback's
+        residuals: what its own gradients have not got across) is left out, as a new rank has none."""
+        return self.state_dict()
+
     def describe(self) -> str:
         return self.name
 
@@ -210,6 +216,9 @@ class ErrorFeedback(Compressor):
     def load_state_dict(self, state):
         self.residuals = {int(k): v.clone() for k, v in state.get("residuals", {}).items()}
         self.inner.load_state_dict(state.get("inner", {}))
+
+    def shared_state_dict(self):
+        return {"residuals": {}, "inner": self.inner.shared_state_dict()}
 
     def describe(self) -> str:
         return f"{self.inner.describe()} with error feedback"

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from commlab.base.errors import CommError, ModelMismatch
+from commlab.base.errors import CommError, ConfigError, ModelMismatch
 from commlab.core.quorum import Quorum
 from commlab.transport import rendezvous
 
@@ -48,6 +48,8 @@ class KeepGoing(_Host):
     _handles: list
     _joined: dict | None = None  # a replacement: the ranks admitted with it, until healed
     _donor = -1  # the rank the last heal came from
+    _comp_kept: dict = {}  # the compressor's state as the step began (error feedback's residuals, PowerSGD's Q)
+    healed: dict | None = None  # a replacement, once healed: {step, seconds} (rendezvous.announce_entry)
 
     # ----- meeting -------------------------------------------------------------------------
     def _start_quorum(self, store, job_store):
@@ -76,6 +78,17 @@ class KeepGoing(_Host):
         q = self.quorum
         self.rank_info = self._job_info.within(q.members)
         self.grad_scale = 1.0 / len(q.members)
+        if self.compressor is not None:
+            self.compressor.bind(len(q.members))
+
+    def _keep_going_facts(self) -> dict:
+        """What a manifest records about keeping going (nothing when off)."""
+        q = self.quorum
+        if q is None:
+            return {}
+        return {"keep_going": {"min_workers": q.min_workers, "heartbeat_s": q.hb_s, "epoch": q.epoch,
+                               "members": list(q.members), "lost": sorted(q.lost),
+                               **({"healed": self.healed} if self.healed else {})}}
 
     def _reform_links(self) -> None:
         """Meet again as ``self.rank_info`` says (every member calls it; collective)."""
@@ -105,6 +118,7 @@ class KeepGoing(_Host):
                 super()._exchange(timeout)
             except CommError as exc:
                 failure = exc
+                self.quorum.abort(self._step, exc)  # first: the others' waits end on it
                 self._drain(timeout)
             decision = self.quorum.decide(self._step, failure)
             if decision.commit:
@@ -127,6 +141,8 @@ class KeepGoing(_Host):
         before = len(self.quorum.members)
         self._regroup(lambda: self.quorum.reform(blamed))
         ratio = before / self.world_size
+        if self.compressor is not None:
+            self.compressor.load_state_dict(self._comp_kept)
         with torch.no_grad():
             for b in self.buckets:
                 snap = self._snaps.get(b.index)
@@ -159,6 +175,8 @@ class KeepGoing(_Host):
 
     def _exchange_begins(self) -> None:
         self._admit_waiting()  # a step no update followed (a GradScaler skipped it): admit before the next one
+        if self.quorum is not None and self.compressor is not None:  # a redone step starts from the same state
+            self._comp_kept = self.compressor.state_dict()
 
     def _admit_waiting(self) -> None:
         if self.quorum is None or not self._admit:
@@ -185,53 +203,46 @@ class KeepGoing(_Host):
         if q.me not in joiners:
             q.admitted(joiners)
         elif q.me in q.members:  # the launcher reads this line (commlab run --replace: how long healing took)
-            since = rendezvous.replacement_since()
-            print(f"commlab {self.scheme}:// rank {q.me}: a replacement, entered at step {self.start_step}"
-                  + (f", {time.time() - since:.2f} s after its predecessor's death was noticed" if since else "")
-                  + f" (healed from rank {self._donor}, membership {list(q.members)})", flush=True)
+            self.healed = rendezvous.announce_entry(f"commlab {self.scheme}:// rank {q.me} (healed from rank "
+                                                    f"{self._donor})", self.start_step)
         self._joined = None
 
     def _heal_tensors(self) -> list[torch.Tensor]:
-        """What a replacement takes besides the optimizer's state: every parameter (frozen ones too), the buffers."""
+        """What a replacement takes besides the state tree: every parameter (frozen ones too), the buffers."""
         assert self.model is not None
         return [p.data for p in self.model.parameters()] + [b for _, b in self.module_buffers]
 
+    def _heal_tree(self) -> dict:
+        """The rest of what a replacement takes: the optimizer's state and hyperparameters, the compressor's shared
+        state (not error feedback's residuals: those are each rank's own, and a new rank has none), the step
+        counters."""
+        assert self.optimizer is not None  # setup gave one
+        return {"optim": self.optimizer.state_dict(),
+                "compress": self.compressor.shared_state_dict() if self.compressor is not None else None,
+                "counters": {"step": self._step, "steps": self.stats.steps, "exchanges": self.stats.exchanges}}
+
     def _transfer(self, donor: int, pending: dict) -> None:
-        """One heal: ``donor`` publishes what it sends (the optimizer state's layout, hyperparameters and the step
-        counters) in the store, then every member all-reduces one byte buffer to which only the donor
-        contributes; the joiners unpack it. Collective over the membership."""
-        q, opt = self.quorum, self.optimizer
-        assert opt is not None  # setup gave one
+        """One heal: ``donor`` publishes the layout of what it sends (:func:`_flatten`: JSON, tensors by shape and
+        dtype) in the store, then every member all-reduces one byte buffer to which only the donor contributes;
+        the joiners unpack it. Collective over the membership."""
+        q, me = self.quorum, self.quorum.me
         key = f"e{q.epoch}/heal"
-        me = q.me
+        mine = [_spec(t) for t in self._heal_tensors()]
         if me == donor:
-            sd = opt.state_dict()
-            layout, tensors = [], []
-            for i, st in sd["state"].items():
-                entry = {}
-                for k, v in st.items():
-                    if torch.is_tensor(v):
-                        entry[k] = {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                        tensors.append(v)
-                    else:
-                        entry[k] = {"value": v}
-                layout.append([int(i), entry])
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
-            manifest = {"state": layout, "groups": groups, "step": self._step, "steps": self.stats.steps,
-                        "exchanges": self.stats.exchanges,
-                        "tensors": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self._heal_tensors()]}
+            tensors: list[torch.Tensor] = list(self._heal_tensors())
+            manifest = {"tensors": mine, "tree": _flatten(self._heal_tree(), tensors)}
             q.store.set(key, json.dumps(manifest))
-            payload = _pack(self._heal_tensors() + tensors)
+            payload = _pack(tensors)
         else:
-            manifest = q._poll(lambda: q._read(key), f"no state from rank {donor} to heal rank(s) {sorted(pending)}")
-            mine = [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in self._heal_tensors()]
+            q.wait_key(q.store, key, donor, f"state from rank {donor} to heal rank(s) {sorted(pending)}")
+            manifest = q._read(key)
             if me in pending and manifest["tensors"] != mine:
                 raise ModelMismatch(f"rank {me} joins a job whose model differs: rank {donor} sends "
                                     f"{manifest['tensors']}, this rank has {mine}")
-            sizes = [_nbytes(shape, dtype) for shape, dtype in manifest["tensors"]]
-            sizes += [_nbytes(e["shape"], e["dtype"]) for _, st in manifest["state"] for e in st.values() if "shape" in e]
-            payload = torch.zeros(-(-sum(sizes) // 4), dtype=torch.int32)
-        cast(Any, self).allreduce_async(payload, f"heal of rank(s) {sorted(pending)} from rank {donor}").wait(self.options.timeout)
+            specs = manifest["tensors"] + _specs(manifest["tree"])
+            payload = torch.zeros(-(-sum(_nbytes(*sp) for sp in specs) // 4), dtype=torch.int32)
+        cast(Any, self).allreduce_async(payload, f"heal of rank(s) {sorted(pending)} from rank {donor}").wait(
+            self.options.timeout)
         if me in pending:
             self._unpack(manifest, payload)
 
@@ -247,22 +258,59 @@ class KeepGoing(_Host):
 
         with torch.no_grad():
             for t in self._heal_tensors():
-                t.copy_(take(list(t.shape), str(t.dtype).removeprefix("torch.")).to(t.device))
-            opt = self.optimizer
-            assert opt is not None  # setup gave one
-            sd = opt.state_dict()
-            state = {}
-            for i, entry in manifest["state"]:
-                state[i] = {k: take(e["shape"], e["dtype"]) if "shape" in e else e["value"] for k, e in entry.items()}
-            groups = []
-            for mine, theirs in zip(sd["param_groups"], manifest["groups"]):
-                g = dict(mine)
-                for k, v in theirs.items():
-                    g[k] = tuple(v) if isinstance(mine.get(k), tuple) else v
-                groups.append(g)
-            opt.load_state_dict({"state": state, "param_groups": groups})
-        self._step, self.stats.steps, self.stats.exchanges = manifest["step"], manifest["steps"], manifest["exchanges"]
-        self.start_step = manifest["steps"]
+                t.copy_(take(*_spec(t)).to(t.device))
+            tree = _unflatten(manifest["tree"], take)
+            assert self.optimizer is not None  # setup gave one
+            self.optimizer.load_state_dict(tree["optim"])
+            if self.compressor is not None and tree["compress"] is not None:
+                self.compressor.load_state_dict(tree["compress"])
+        counters = tree["counters"]
+        self._step, self.stats.steps, self.stats.exchanges = counters["step"], counters["steps"], counters["exchanges"]
+        self.start_step = counters["steps"]
+
+
+def _spec(t: torch.Tensor) -> list:
+    return [list(t.shape), str(t.dtype).removeprefix("torch.")]
+
+
+def _flatten(obj, tensors: list[torch.Tensor]):
+    """``obj`` (dicts, lists, tuples, tensors, JSON scalars) as JSON, each tensor replaced by its shape and dtype
+    and appended to ``tensors`` (in the order :func:`_unflatten` takes them). ConfigError for anything else."""
+    if torch.is_tensor(obj):
+        tensors.append(obj)
+        return {"t": _spec(obj)}
+    if isinstance(obj, dict):
+        return {"d": [[k, isinstance(k, int), _flatten(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"l" if isinstance(obj, list) else "u": [_flatten(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    raise ConfigError(f"keep going: cannot send a {type(obj).__name__} to a replacement (optimizer or compressor "
+                      f"state holds {obj!r}; tensors, numbers, strings, lists and dicts only)")
+
+
+def _unflatten(node: dict, take):
+    (kind, value), = node.items()
+    if kind == "t":
+        return take(*value)
+    if kind == "d":
+        return {(int(k) if is_int else k): _unflatten(v, take) for k, is_int, v in value}
+    if kind in ("l", "u"):
+        items = [_unflatten(v, take) for v in value]
+        return items if kind == "l" else tuple(items)
+    return value
+
+
+def _specs(node: dict) -> list:
+    """The (shape, dtype) of every tensor in a :func:`_flatten` tree, in order."""
+    (kind, value), = node.items()
+    if kind == "t":
+        return [value]
+    if kind == "d":
+        return [sp for _, _, v in value for sp in _specs(v)]
+    if kind in ("l", "u"):
+        return [sp for v in value for sp in _specs(v)]
+    return []
 
 
 def _nbytes(shape, dtype: str) -> int:

@@ -25,11 +25,14 @@ run every step as a transaction over the job's rendezvous store, under ``ft/`` o
   next ``commit`` admits it (``e<E+1>/admit``), every member re-forms with it after that step's update, and
   a healthy member (the lowest rank of the old epoch) sends it the state (the regime's heal).
 - **Heartbeats.** A thread of each rank bumps ``hb/<rank>`` (job-wide, under commlab's prefix) every
-  ``heartbeat_s / 4`` over a store connection of its own; a SIGSTOPped or hung process stops bumping it.
+  ``heartbeat_s / 4`` over a store connection of its own; a SIGSTOPped or hung process stops bumping it. The
+  beat names the host (boot id and network namespace) and pid: a rank on the same host whose process is gone
+  (or a zombie) is dead at once, without waiting for its silence.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -41,12 +44,27 @@ from typing import Any
 from commlab.base.config import option
 from commlab.base.errors import CommError, CommTimeout, ConfigError
 from commlab.core.localsteps import LocalStepsOptions
-from commlab.transport import rendezvous
+from commlab.transport import rendezvous, shm
 from commlab.transport.rendezvous import RankInfo
 
 DEFAULT_HEARTBEAT_S = 2.0
 HB = "ft-hb"  # the heartbeats' prefix under commlab's, job-wide
 _MADE = [0]  # whole-job keep-going exchangers this process made (their namespace: a replacement's counts as its own)
+
+
+@functools.lru_cache(maxsize=1)
+def _here() -> str:
+    """This host and network namespace (:func:`commlab.transport.shm.host_identity`), without spaces."""
+    return shm.host_identity().replace(" ", "_")
+
+
+def _dead(pid: int) -> bool:
+    """Whether process ``pid`` of this host is gone or a zombie (killed, not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 class StaleMember(CommError):
@@ -82,8 +100,6 @@ class KeepGoingOptions(LocalStepsOptions):
         ``min_workers`` is given; at setup when a launcher that replaces ranks turns keeping going on)."""
         if self.sync_every:
             raise ConfigError("option 'min_workers' (keep going) with sync_every= (local steps) is not supported")
-        if self.compress != "none":
-            raise ConfigError("option 'min_workers' (keep going) with compress= is not supported")
         if self.heartbeat >= self.timeout:
             raise ConfigError(f"option 'heartbeat_s': {self.heartbeat:g} s must be below timeout "
                               f"({self.timeout:g} s)")
@@ -131,7 +147,7 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         import torch.distributed as dist
 
-        tag, n = f"{os.getpid()}.", 0
+        tag, n = f"{_here()} {os.getpid()} ", 0  # where and who: a rank on this host tells a dead pid at once
         try:
             client = dist.TCPStore(self.info.master_addr, self.info.master_port, None, False,
                                    timedelta(seconds=self.timeout), wait_for_workers=False, use_libuv=True)
@@ -145,6 +161,23 @@ class Heartbeat(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
+
+
+def _store_lost(method):
+    """A store call that fails (its host died: rank 0, where it hosts the store) raises CommError saying so."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CommError:
+            raise
+        except Exception as exc:  # torch's DistNetworkError, DistStoreError (RuntimeError)
+            raise CommError(f"{self.scheme}:// rank {self.me}: the job's rendezvous store is gone, and keeping going "
+                            f"needs it (a store hosted by rank 0 dies with it: run under commlab run or torchrun, "
+                            f"whose agent hosts it): {exc}", op="connect") from exc
+
+    return wrapped
 
 
 class Quorum:
@@ -169,6 +202,7 @@ class Quorum:
         self.lost: set[int] = set()  # every rank lost so far (and not readmitted)
         self.nonce = ""  # a replacement's join request
         self._seen: dict[int, tuple[str | None, float]] = {}  # rank -> (its heartbeat, when this rank saw it change)
+        self._pids: dict[int, tuple[int, str]] = {}  # an admitted replacement's pid and host (its join request)
         self._beat: Heartbeat | None = None
         self.raw = store
 
@@ -196,6 +230,21 @@ class Quorum:
             return False
         return now - seen[1] >= (self.hb_s if within is None else within)
 
+    def gone(self, rank: int) -> bool:
+        """Whether ``rank``'s process is certainly dead: its heartbeat names a process on this host (and network
+        namespace) that no longer runs, or is a zombie (killed, not reaped yet). A kill -9 is seen at once; a
+        rank on another host only by :meth:`silent`."""
+        try:
+            beat = self.hb_store.get(str(rank)).decode() if self.hb_store.check([str(rank)]) else ""
+        except Exception:
+            return False
+        where, _, rest = beat.partition(" ")
+        pid = int(rest.split()[0]) if rest else None
+        joined = self._pids.get(rank)
+        if joined is not None and (pid, where) != joined:  # an admitted replacement, not beating yet: the beat is
+            return joined[1] == _here() and _dead(joined[0])  # its predecessor's
+        return where == _here() and pid is not None and _dead(pid)
+
     def close(self) -> None:
         if self._beat is not None:
             self._beat.stop()
@@ -221,6 +270,17 @@ class Quorum:
             time.sleep(sleep)
             sleep = min(self.POLL_S[1], sleep * 2)
 
+    @_store_lost
+    def wait_key(self, store, key: str, rank: int, what: str) -> None:
+        """Until ``key`` is in ``store`` (which ``rank`` writes), at most ``timeout``; CommTimeout naming ``rank`` at
+        once when its heartbeat stops (it died while the others wait for it: re-forming, healing)."""
+        def silent():
+            if self.gone(rank) or self.silent(rank):
+                raise CommTimeout(f"{self.scheme}:// rank {self.me}: no {what}: rank {rank} has sent no heartbeat for "
+                                  f"{self.hb_s:g}s", peer=rank, op="connect")
+
+        self._poll(lambda: True if store.check([key]) else None, f"no {what}", silent)
+
     def _propose(self, key: str, value: dict) -> dict:
         """Write ``value`` under ``key`` unless someone already did; the value that stands."""
         mine = json.dumps(value)
@@ -229,13 +289,13 @@ class Quorum:
     def _read(self, key: str) -> dict | None:
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
+    @_store_lost
     def decide(self, step: int, failure: BaseException | None) -> Decision:
         """This rank's exchange of ``step`` ended (``failure``: how it failed, else None): the decision every member
         reads (commit, or abort naming the ranks blamed). Blocks until it is made, at most ``timeout``."""
         pre = f"e{self.epoch}/s{step}/"
         if failure is not None:
-            self._propose(pre + "d", {"commit": False, "lost": self._blamed(failure),
-                                      "reason": f"rank {self.me}: {failure}"})
+            self.abort(step, failure)
         else:
             self.store.set(f"{pre}ok/{self.me}", "1")
             if int(self.store.add(pre + "n", 1)) == len(self.members):
@@ -243,7 +303,7 @@ class Quorum:
 
         def idle():
             quiet = [r for r in self.members if r != self.me and not self.store.check([f"{pre}ok/{r}"])
-                     and self.silent(r)]
+                     and (self.gone(r) or self.silent(r))]
             if quiet:
                 self._propose(pre + "d", {"commit": False, "lost": quiet,
                                           "reason": f"no heartbeat from rank(s) {quiet} within {self.hb_s:g}s"})
@@ -251,6 +311,12 @@ class Quorum:
         d = self._poll(lambda: self._read(pre + "d"), f"no decision on step {step}", idle)
         return Decision(self.epoch, step, bool(d["commit"]), tuple(d.get("lost", ())), d.get("reason", ""),
                         {int(r): n for r, n in d.get("admit", {}).items()})
+
+    @_store_lost
+    def abort(self, step: int, failure: BaseException) -> None:
+        """Discard ``step`` (this rank's exchange of it failed), unless it was decided already. Never waits."""
+        self._propose(f"e{self.epoch}/s{step}/d", {"commit": False, "lost": self._blamed(failure),
+                                                    "reason": f"rank {self.me}: {failure}"})
 
     def aborted(self, step: int) -> Decision | None:
         """The decision on ``step`` if it was made and is an abort (no waiting): a rank still inside the step's
@@ -276,6 +342,7 @@ class Quorum:
         return out
 
     # ----- re-forming -------------------------------------------------------------------
+    @_store_lost
     def reform(self, blamed: tuple[int, ...] = ()) -> tuple[int, ...]:
         """After an abort: the next epoch's members (this rank among them), agreed with every survivor. Raises
         :class:`StaleMember` when the others left this rank out, :class:`QuorumLost` below ``min_workers``."""
@@ -291,7 +358,7 @@ class Quorum:
             waiting = [r for r in self.members if r != self.me and r not in dead
                        and not self.store.check([f"{pre}here/{r}"])]
             for r in waiting:
-                if self.silent(r, self.hb_s / 4 if r in blamed else None):
+                if self.gone(r) or self.silent(r, self.hb_s / 4 if r in blamed else None):
                     dead.add(r)
             if all(r in dead for r in waiting):
                 here = [r for r in self.members if r == self.me or self.store.check([f"{pre}here/{r}"])]
@@ -319,11 +386,16 @@ class Quorum:
             self.store.set("epoch", str(epoch))
         return members
 
+    @_store_lost
     def admit(self, joiners: dict[int, str]) -> tuple[int, ...]:
         """After a committed step that admits ``joiners``: the next epoch, with them. Every member computes the
         same members; the lowest writes the admission (the joiners wait for it)."""
         nxt, writer = self.epoch + 1, min(self.members)
         members = tuple(sorted(set(self.members) | set(joiners)))
+        for r, nonce in joiners.items():  # its silence counts from now; a beat of another pid is its predecessor's
+            self._seen.pop(r, None)
+            pid, _, where = nonce.partition(" ")
+            self._pids[r] = (int(pid.split(".")[0]), where)
         got = tuple(self._propose(f"e{nxt}/members", {"members": list(members),
                                                        "admit": {str(r): n for r, n in joiners.items()}})["members"])
         return self._enter(nxt, got, writer)
@@ -349,10 +421,11 @@ class Quorum:
         if self.me == 0:
             self.store.set("epoch", "0")
 
+    @_store_lost
     def join(self) -> tuple[int, dict[int, str]]:
         """A replacement: ask to join and wait (bounded by ``timeout``) until a committed step admitted it; then
         (its epoch's number, the replacements admitted with it)."""
-        self.nonce = f"{os.getpid()}.{time.time_ns()}"
+        self.nonce = f"{os.getpid()}.{time.time_ns()} {_here()}"  # who and where: the members watch for its death
         self.store.set(f"join/{self.me}", self.nonce)
         first = int(self.store.get("epoch"))
 

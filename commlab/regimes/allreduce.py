@@ -16,6 +16,11 @@ half precision, rounding every partial sum, which the issue's "sums in float32" 
 (N-1) x n x 2 bytes sent per rank against 2(N-1)/N x n x 4 for an uncompressed float32 all-reduce: less
 for N < 4, more beyond (ring:// can cast per hop instead). Bytes counted are those sent and received.
 
+``min_workers=M`` (or ``commlab run --replace``): the survivors keep going when a rank dies
+(:mod:`commlab.core.keepgoing`): the exchanger all-reduces on a gloo group of its own, made anew for each
+membership under a fresh store prefix (``allreduce/e<epoch>/``, as torchft's ``ProcessGroupGloo.configure``);
+a wait on a gloo operation also ends when the step was discarded elsewhere or a member stopped beating.
+
 Under DDP (or any code that made the default process group first) the exchanger uses that group and
 its store, and never destroys it: only a group it created itself. Over a group of the job's ranks
 (``commlab.connect(url, group=...)``, :mod:`commlab.core.groups`) it all-reduces on a DeviceMesh
@@ -209,7 +214,8 @@ class AllReduceExchanger(CollectiveExchanger):
         return dtype in (torch.float32, torch.float64)
 
     def facts(self) -> dict:
-        facts = {"scheme": self.scheme, "backend": self.options.backend, **self._heap_facts()}
+        facts = {"scheme": self.scheme, "backend": self.options.backend, **self._heap_facts(),
+                 **self._keep_going_facts()}
         if self.compressor is not None:
             facts["compress"] = self.compressor.describe()
         if self.options.backend == "nccl" and torch.cuda.is_available():
@@ -266,7 +272,7 @@ class QuorumWorkHandle(WorkHandle):
             if d is not None:
                 raise PeerLost(f"{self.what}: the step was discarded: {d.reason}",
                                peer=d.lost[0] if d.lost else None, op="relay")
-            quiet = [r for r in q.members if r != q.me and q.silent(r)]
+            quiet = [r for r in q.members if r != q.me and (q.gone(r) or q.silent(r))]
             if quiet:
                 raise CommTimeout(f"{self.what}: rank(s) {quiet} sent no heartbeat for {q.hb_s:g}s", peer=quiet[0],
                                   op="receive")

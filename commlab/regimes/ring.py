@@ -71,7 +71,11 @@ at once (zmq's monitor, or the kernel closing a shared-memory link's socket):
 gives :class:`~commlab.base.errors.CommTimeout` naming it. The first rank to see a
 failure writes it to the rendezvous store (JSON: origin, peer, text) and closes
 its links, so ranks further around the ring stop too and relay the same
-culprit (``peer``) and who saw it (``origin``).
+culprit (``peer``) and who saw it (``origin``). With ``min_workers=M`` (or under
+``commlab run --replace``) the survivors keep going instead: the step is discarded on
+every rank, the ring re-forms over the survivors (:meth:`RingExchanger._reform_links`,
+under ``ring/e<epoch>/``) and the step is exchanged again; a replacement is healed over
+the new ring (:mod:`commlab.core.keepgoing`, :mod:`commlab.core.quorum`).
 
 Initial parameters: rank 0's, sent through the ring itself (the other ranks
 contribute zeros to one all-reduce per bucket; x + 0 is exact).
@@ -305,13 +309,23 @@ class RingExchanger(CollectiveExchanger):
     def _wait_key(self, key: str, what: str) -> bytes:
         """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
         the rank that never published it, AuthError naming the key if a stranger wrote it."""
+        peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
+        if self.quorum is not None:  # keeping going: a rank that died while the ring re-forms is not waited for
+            self.quorum.wait_key(self.store, key, peer, f"rank {peer}'s {what}")
+            return auth.get(self.store, self._secret, key)
         try:
             self.store.wait([key], timedelta(seconds=self.options.timeout))
         except Exception as exc:
-            peer = self.rank_info.global_rank(int(key.rsplit("/", 1)[1]))
             raise CommTimeout(f"{self.rank_info.who()}: rank {peer} did not publish its {what} within "
                               f"{self.options.timeout:g}s", peer=peer, op="connect") from exc
         return auth.get(self.store, self._secret, key)
+
+    def _watch_peer(self, position: int, what: str) -> None:
+        """Keeping going: CommTimeout naming the rank at ``position`` if it is dead or silent (a wait for it ends)."""
+        q, peer = self.quorum, self.rank_info.global_rank(position)
+        if q is not None and (q.gone(peer) or q.silent(peer)):
+            raise CommTimeout(f"{what}: rank {peer} is dead or has sent no heartbeat for {q.hb_s:g}s", peer=peer,
+                              op="connect")
 
     def _link_kinds(self, ns: str) -> tuple[str, str]:
         """(link from the left, link to the right): the transport asked for, or for ``auto`` shm where
@@ -469,6 +483,7 @@ class RingExchanger(CollectiveExchanger):
         if self.compressor is not None:
             facts["compress"] = self.compressor.describe()
         facts.update(self._kind.facts(self))
+        facts.update(self._keep_going_facts())
         return facts
 
     def close(self):
@@ -1097,10 +1112,16 @@ class ShmOffer:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                self.listener.settimeout(max(0.001, deadline - time.monotonic()))
+                left = deadline - time.monotonic()
+                # keeping going, a neighbour that died while the ring re-forms is not waited for: look every 0.25 s
+                watch = m is not None and m.ring.quorum is not None
+                self.listener.settimeout(max(0.001, min(left, 0.25) if watch else left))
                 try:
                     conn, _ = self.listener.accept()
                 except socket.timeout:
+                    if watch and m is not None and left > 0.25:
+                        m.ring._watch_peer(peer, f"{who} did not connect to its shared-memory link")
+                        continue
                     raise CommTimeout(f"{who} did not connect to its shared-memory link within {timeout:g}s",
                                       peer=peer, op="connect") from None
                 if m is None or self.auth is None:
