@@ -4,7 +4,7 @@
 ``train-step`` (training-step time beside DDP), ``ps-rounds`` (ps:// beside torch.distributed.rpc),
 ``gpu-sweep`` (CUDA tensors beside CPU tensors), ``script`` (your script under each regime),
 ``workloads`` (the examples under each regime). The first three write :mod:`bench.records`'
-records, the bandwidth phase's shape, and give each ratio its 95% interval.
+records, the bandwidth phase's shape, and give each ratio its 95% interval. ``chaos`` (workers killed at random: goodput beside restart-all and torchft) runs only when named.
 
 With no subcommand, the default comparison: all four phases, sized to finish within six
 minutes on a 2-core machine. Every run writes ``runs/<UTC timestamp>/`` (or ``--out``)
@@ -51,7 +51,7 @@ DEFAULT_BUDGET_S = 900.0
 # the cases with flags of their own: CASE -> the module whose main(argv) runs it
 CASES = {"train-step": "bench.train_step", "ps-rounds": "bench.ps_rounds", "gpu-sweep": "bench.gpu_sweep",
          "script": "bench.script_compare", "workloads": "bench.workloads", "compress": "bench.compress",
-         "lowcomm": "bench.lowcomm"}
+         "lowcomm": "bench.lowcomm", "chaos": "bench.chaos"}
 
 
 def _names(text: str | None, default: list[str], table: dict, what: str) -> list[str]:

@@ -257,3 +257,29 @@ def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "
                     scale_a=scales.get(best, 1.0), scale_b=scales.get(other, 1.0), clusters=clusters,
                     launch_sigma=launch_sigma, steps_sigma_a=sig.get(best, 0.0), steps_sigma_b=sig.get(other, 0.0))
             for other in order[1:]]
+
+
+def rate_ratio(a_name: str, a_counts, a_seconds, b_name: str, b_counts, b_seconds, *, seed: int = SEED,
+               resamples: int = RESAMPLES, level: float = LEVEL) -> Verdict:
+    """``a``'s rate over ``b``'s, ``(sum a_counts / sum a_seconds) / (sum b_counts / sum b_seconds)`` (> 1: ``a``
+    got more done per second), from per-bin counts and bin lengths (``commlab bench chaos``: samples that
+    entered applied updates per bin of its window), with a percentile bootstrap interval resampling each
+    side's bins independently (a bin of nothing counts: the kills' stalls are what is measured). A rate is
+    a ratio of sums, not a median of per-bin rates, so this is not :func:`interval`."""
+    ac, as_ = np.asarray(a_counts, dtype=np.float64), np.asarray(a_seconds, dtype=np.float64)
+    bc, bs = np.asarray(b_counts, dtype=np.float64), np.asarray(b_seconds, dtype=np.float64)
+    if ac.size == 0 or bc.size == 0 or ac.size != as_.size or bc.size != bs.size:
+        raise ValueError(f"need as many bins as bin lengths on both sides, got {ac.size}/{as_.size} and "
+                         f"{bc.size}/{bs.size}")
+    if bc.sum() <= 0 or np.any(as_ <= 0) or np.any(bs <= 0):
+        raise ValueError(f"{b_name} got nothing done, or a bin has no length: no rate to compare against")
+    rng = np.random.default_rng(seed)
+    ia = rng.integers(0, ac.size, size=(resamples, ac.size))
+    ib = rng.integers(0, bc.size, size=(resamples, bc.size))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        boot = (ac[ia].sum(1) / as_[ia].sum(1)) / (bc[ib].sum(1) / bs[ib].sum(1))
+    boot = boot[np.isfinite(boot)]
+    tail = (1 - level) / 2
+    lo, hi = np.quantile(boot, [tail, 1 - tail]) if boot.size else (float("nan"), float("nan"))
+    ratio = float((ac.sum() / as_.sum()) / (bc.sum() / bs.sum()))
+    return Verdict(a_name, b_name, ratio, float(lo), float(hi), False, int(ac.size), int(bc.size), level)

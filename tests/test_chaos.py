@@ -1,0 +1,173 @@
+"""``commlab bench chaos``: its options, its schedule, its accounting (from a real run's logs), and the
+at-scale model's closed forms (commlab/plan/failures.py) against a Monte Carlo of the same rules.
+
+No time is asserted: the smoke run checks counts (kills delivered, steps applied twice, the servers'
+own count) and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import chaos, verdict
+from commlab.plan import failures as F
+
+from conftest import child_env, run_group
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----- options ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, option", [
+    (["--mtbf", "0", "--duration", "5"], "--mtbf"),
+    (["--mtbf", "-2", "--duration", "5"], "--mtbf"),
+    (["--mtbf", "nan", "--duration", "5"], "--mtbf"),
+    (["--mtbf", "3", "--duration", "0"], "--duration"),
+    (["--mtbf", "3", "--duration", "inf"], "--duration"),
+    (["--mtbf", "3", "--duration", "5", "--workers", "1"], "--workers"),
+    (["--mtbf", "3", "--duration", "5", "--entries", "free,nope"], "--entries"),
+    (["--mtbf", "3", "--duration", "5", "--entries", "free,commlab,free"], "--entries"),
+])
+def test_bad_options_exit_2_with_one_line_naming_the_option(argv, option, tmp_path, capsys):
+    assert chaos.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and option in err[0] and err[0].startswith("commlab bench chaos:")
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_the_chaos_case_is_reached_through_commlab_bench_and_not_in_the_default_run():
+    from bench import __main__ as bench_main
+    assert bench_main.CASES["chaos"] == "bench.chaos"
+    assert "chaos" not in bench_main.parser().parse_args([]).what
+
+
+# ----- the schedule -------------------------------------------------------------------------------
+def test_the_schedule_is_seeded_exponential_and_every_entry_gets_the_same():
+    a = chaos.schedule(20.0, 20_000.0, 4, seed=3, shards=2)
+    assert a == chaos.schedule(20.0, 20_000.0, 4, seed=3, shards=2)
+    assert a != chaos.schedule(20.0, 20_000.0, 4, seed=4, shards=2)
+    workers = [k for k in a if k.target == "worker"]
+    gaps = [y.at - x.at for x, y in zip([chaos.Kill(0.0, "worker", 0)] + workers, workers)]
+    mean = sum(gaps) / len(gaps)  # ~1,000 draws of Exp(mean 20): the mean within 4 standard errors
+    assert abs(mean - 20.0) < 4 * 20.0 / math.sqrt(len(gaps))
+    assert {k.index for k in workers} == {0, 1, 2, 3}
+    assert {k.index for k in a if k.target == "server"} == {0, 1}
+    assert all(0 < k.at < 20_000.0 for k in a) and [k.at for k in a] == sorted(k.at for k in a)
+
+
+# ----- the at-scale model -------------------------------------------------------------------------
+@pytest.mark.parametrize("n, rate, restart_s, lost_s", [(20, 1 / 400, 8.0, 0.5), (50, 1 / 2000, 30.0, 2.0)])
+def test_restart_all_goodput_is_its_closed_form(n, rate, restart_s, lost_s):
+    closed = F.goodput_restart_all(n, rate, restart_s, lost_s)
+    assert closed == pytest.approx(math.exp(-n * rate * (restart_s + lost_s)))
+    mc = F.simulate("restart-all", n, rate, horizon_s=2e6, restart_s=restart_s, lost_s=lost_s, seed=1)
+    assert mc == pytest.approx(closed, abs=0.01)
+
+
+@pytest.mark.parametrize("n, rate, stall_s, heal_s, lost_s", [(20, 1 / 400, 2.0, 15.0, 0.5),
+                                                               (50, 1 / 2000, 0.5, 60.0, 2.0)])
+def test_keep_going_goodput_is_its_closed_form(n, rate, stall_s, heal_s, lost_s):
+    closed = F.goodput_keep_going(n, rate, stall_s, heal_s, lost_s)
+    assert closed == pytest.approx(math.exp(-n * rate * stall_s) / (1 + rate * (heal_s + lost_s)))
+    mc = F.simulate("keep-going", n, rate, horizon_s=5e5, stall_s=stall_s, heal_s=heal_s, lost_s=lost_s, seed=2)
+    assert mc == pytest.approx(closed, abs=0.01)
+
+
+def test_at_scale_restart_all_falls_behind_and_nothing_fails_means_full_goodput():
+    c = F.Components(restart_s=20.0, measured_workers=4, rendezvous_per_rank_s=0.004, stall_s=0.5, heal_s=10.0,
+                     lost_s=0.3)
+    assert c.restart_at(4) == 20.0 and c.restart_at(10_004) == pytest.approx(60.0)
+    rows = F.table(c, workers=(1000, 10000), mtbf_hours=(50.0,))
+    assert [r["workers"] for r in rows] == [1000, 10000]
+    for r in rows:
+        assert r["keep_going"] > r["restart_all"]
+    assert rows[1]["restart_all"] < rows[0]["restart_all"]
+    assert F.goodput_restart_all(10_000, 0.0, 100.0, 1.0) == 1.0 == F.goodput_keep_going(10_000, 0.0, 1, 1, 1)
+    assert len(F.lines(c, rows)) == 2 + 2 + len(rows)
+
+
+# ----- verdicts on rates --------------------------------------------------------------------------
+def test_rate_ratios_are_ratios_of_sums_with_an_interval():
+    even = verdict.rate_ratio("a", [10] * 20, [1.0] * 20, "b", [10] * 20, [1.0] * 20)
+    assert even.ratio == 1.0 and even.lo <= 1.0 <= even.hi and even.winner is None
+    stalled = [10] * 18 + [0, 0]  # two bins of nothing (kills): 90% of the rate
+    v = verdict.rate_ratio("chaos", stalled, [1.0] * 20, "free", [10] * 20, [1.0] * 20)
+    assert v.ratio == pytest.approx(0.9) and v.lo < 0.9 < v.hi <= 1.0
+    with pytest.raises(ValueError):
+        verdict.rate_ratio("a", [1], [1.0], "b", [0], [1.0])
+
+
+# ----- the accounting, from a real run ------------------------------------------------------------
+def smoke(out: Path, entries: str, seed: int = 2) -> dict:
+    """A tiny run: 2 workers, a 2 s window, one kill (seed 2: at 1.1 s, slot 1), no cap (the tests' cores)."""
+    argv = [sys.executable, "-m", "bench", "chaos", "--mtbf", "2", "--duration", "2", "--workers", "2", "--model",
+            "tiny", "--cap", "0", "--entries", entries, "--seed", str(seed), "--out", str(out)]
+    done = run_group(argv, timeout=240, grace=15, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((out / "chaos.json").read_text())
+
+
+@pytest.mark.multiproc
+def test_a_tiny_chaos_run_counts_from_the_logs_and_a_replayed_step_is_applied_twice(tmp_path):
+    doc = smoke(tmp_path / "run", "restart-all")
+    assert [k["at"] for k in doc["schedule"]] == pytest.approx([1.1178], abs=1e-3)
+    ra = doc["entries"]["restart-all"]
+    assert len(ra["kills"]) == 1 and ra["kills"][0]["slot"] == 1
+    for e in (ra,):
+        assert e["applied_twice"] == [] and e["samples"] > 0 and e["servers_applied_twice"] == [0]
+        # the samples counted are the logged steps', each once: batch 32 per slot and step
+        assert e["samples"] == 32 * sum(1 for _ in logged_in_window(tmp_path / "run" / e["entry"], e))
+    assert "commlab" in doc["missing"] or "commlab" not in doc["entries"]
+    assert (tmp_path / "run" / "chaos.md").read_text().count("| restart-all |") == 1
+    assert ra["kills"][0]["heal_s"] is not None  # the job ran on past the window until the slot healed
+    # a step replayed by a new process of the same slot (as a restart that resumed a step early would)
+    folder = tmp_path / "copy"
+    shutil.copytree(tmp_path / "run" / "restart-all", folder)
+    recs = chaos.read_steps(folder)
+    step = next(r for r in recs if r.get("ev") == "step" and r["slot"] == 0)
+    (folder / "steps" / "slot0.999999.jsonl").write_text(json.dumps(dict(step, pid=999999, t=step["t"] + 0.5)) + "\n")
+    again = chaos.account(chaos.read_steps(folder), [], ra["t0"], 2.0)
+    assert again["applied_twice"] == [{"slot": 0, "step": step["step"], "pids": [step["pid"], 999999]}]
+    assert again["samples"] == ra["samples"]  # the replay's samples are not counted twice
+    assert not list(Path("/sys/fs/cgroup/cpu").glob("commlab-chaos-*")) if Path("/sys/fs/cgroup/cpu").exists() else True
+
+
+def logged_in_window(folder: Path, e: dict):
+    seen = set()
+    for r in chaos.read_steps(folder):
+        if r.get("ev") == "step" and e["t0"] <= r["t"] < e["t0"] + e["duration_s"] and (r["slot"], r["step"]) not in seen:
+            seen.add((r["slot"], r["step"]))
+            yield r
+
+
+@pytest.mark.full
+@pytest.mark.multiproc
+def test_every_entry_of_a_tiny_chaos_run_reports_its_kills_and_applies_nothing_twice(tmp_path):
+    pytest.importorskip("torchft", reason="the torchft peer needs torchft-nightly (.[peers])")
+    doc = smoke(tmp_path / "run", ",".join(chaos.ENTRIES))
+    for name, e in doc["entries"].items():
+        assert e.get("error") is None, (name, e.get("error"))
+        assert e["applied_twice"] == [] and e["samples"] > 0, name
+        assert len(e["kills"]) == (1 if name in chaos.REFERENCE else 0), name
+        assert all(k["heal_s"] is not None for k in e["kills"]), name
+    assert {v["a"] for v in doc["verdicts"]} >= {"restart-all", "torchft"}
+
+
+def test_the_at_scale_table_from_given_components_or_a_chaos_run(tmp_path, capsys):
+    assert F.main(["--restart-s", "12", "--stall-s", "0.3", "--heal-s", "6", "--lost-s", "0.5",
+                   "--rendezvous-per-rank-s", "1e-4", "--workers", "1000,10000", "--mtbf-hours", "50"]) == 0
+    rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1")]
+    c = F.Components(12.0, 4, 1e-4, 0.3, 6.0, 0.5)
+    want = F.table(c, (1000, 10000), (50.0,))
+    assert [r.split("|")[5].strip() for r in rows] == [f"{w['restart_all']:.1%}" for w in want]
+    assert F.main(["--stall-s", "1"]) == 2 and "--restart-s" in capsys.readouterr().err
+    (tmp_path / "chaos.json").write_text(json.dumps({"at_scale": {"components": F.as_dict(c)}}))
+    assert F.main(["--chaos", str(tmp_path / "chaos.json"), "--mtbf-hours", "50"]) == 0
+    assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1")] == rows
