@@ -888,9 +888,10 @@ def _watch_loop(job: Job, procs: list[Proc], ranks: list[Proc], started: float, 
                                 code if code > 0 else 1)
         if all(p.popen.poll() == 0 for p in ranks):
             return
-        late = [p for p in ranks if replacer is not None and replacer.waiting(p)] \
-            if all(p.popen.poll() == 0 for p in ranks if p.popen.poll() is not None or replacer is None
-                   or not replacer.waiting(p)) else []
+        others = [p for p in ranks if replacer is None or not replacer.waiting(p)]
+        # (every rank a replacement that has not entered, none finished: no one has ended the job; they enter from
+        # the servers or fail naming what they waited for, never a silent rc 0)
+        late = [p for p in ranks if p not in others] if others and all(p.popen.poll() == 0 for p in others) else []
         if late:  # every other rank finished before the replacements could enter: nothing left to join
             stop_all(late, grace=0)
             job.say(f"{', '.join(p.name for p in late)}: the replacement was stopped before it entered (every "
