@@ -354,6 +354,26 @@ def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
 
 
 @pytest.mark.multiproc
+@pytest.mark.full  # ~10 s: rank 1 waits out timeout=6 at the sync rank 0 never reaches
+def test_ps_worker_killed_between_syncs_resumes_where_an_uninterrupted_run_ends(run_ranks, tmp_path, procs):
+    """A ps:// WORKER (not a shard) restarted under local steps: syncs at steps 3 and 7 (0-based); rank 0 is
+    killed after step 5, between them (rank 1 then times out at the second sync, its push alone on the shard).
+    The job restarts against the same shard from the checkpoints of step 3 (ex.state_dict: the position within
+    H, the wire numbering): steps 4 and 5 are redone once, the second sync is the shard's second outer step
+    (numbered from the servers and the saved state once, not twice), and the run ends where an uninterrupted
+    one ends."""
+    server = procs.server("--mode", "sync")
+    url = ps_url(server).replace("timeout=30", "timeout=6") + "&sync_every=4"
+    dead = run(run_ranks, tmp_path, url, 10, check=False, kill_at=5)
+    assert dead[0].code != 0
+    saved = run(run_ranks, tmp_path, url, 10, kill_at=5, resume=True)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
+    assert [s["redone"] for s in saved] == [2, 2]  # steps 4 and 5, once
+    assert saved[0]["ex"]["talk"]["steps"] == 10
+    assert server.stats()["updates"] == 2  # one outer step per sync, none twice
+
+
+@pytest.mark.multiproc
 def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs):
     """mode=async: each worker pushes its pseudo-gradient when its own H steps are done and pulls the newest
     anchor; rank 1 is slow. 2 workers x 6 steps / H=2: exactly 6 outer updates on the shard, each push once;

@@ -354,6 +354,9 @@ class ShardsOuter(localsteps.Outer):
         self._names: list[list[str]] = []  # each fragment's parameter names, in the order of its flat anchor
         self.syncs = 0  # fragment syncs this worker started
         self.sent: dict[int, int] = {}  # shard -> wire steps this worker sent it (after the warm-up's)
+        # syncs the exchanger's numbering (its _base: the furthest shard's next step at hello) already counts: those
+        # of the state a restarted worker loaded, which the servers applied before it died (counted once, not twice)
+        self.counted = 0
 
     def divide(self, parts):
         assert self.ex.model is not None
@@ -384,7 +387,7 @@ class ShardsOuter(localsteps.Outer):
             mine = [pc for pc in ex._pieces[s.index] if pc.param in at]
             if not mine:
                 continue  # this shard holds nothing of the fragment: it sees no step of it
-            step = ex._wire_step() + self.sent.get(s.index, 0)
+            step = ex._wire_step() + self.sent.get(s.index, 0) - self.counted
             self.sent[s.index] = self.sent.get(s.index, 0) + 1
             parts = []
             for pc in mine:
@@ -419,7 +422,7 @@ class ShardsOuter(localsteps.Outer):
         """The buffers' round (on shard 0) at the end of an H: the wire step of shard 0's latest sync, over the
         exchanger's. Every fragment syncs once per H and shard 0 holds a piece of one at least, so it moves on
         every H; that sync ran on shard 0's thread before the buffers do, so the shard has it."""
-        return max(0, self.sent.get(0, 0) - 1)
+        return max(0, self.sent.get(0, 0) - self.counted - 1)
 
     def state_dict(self):
         return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs, "sent": dict(self.sent)}
@@ -431,6 +434,7 @@ class ShardsOuter(localsteps.Outer):
         self.sent = {int(k): int(v) for k, v in state.get("sent", {}).items()}
         if "sent" not in state:  # saved before fragments: every sync went to every shard
             self.sent = {s.index: self.syncs for s in self.ex.shards}
+        self.counted = max(self.sent.values(), default=0)
 
 
 class _Retrying(GroupHandle):
