@@ -354,23 +354,30 @@ def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
 
 
 @pytest.mark.multiproc
-@pytest.mark.full  # ~10 s: rank 1 waits out timeout=6 at the sync rank 0 never reaches
-def test_ps_worker_killed_between_syncs_resumes_where_an_uninterrupted_run_ends(run_ranks, tmp_path, procs):
-    """A ps:// WORKER (not a shard) restarted under local steps: syncs at steps 3 and 7 (0-based); rank 0 is
+@pytest.mark.full  # ~10 s each: rank 1 waits out timeout=6 at the sync rank 0 never reaches
+@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
+    "open, not diagnosed: with two shards and fragments=2 the resumed job's setup times out, shard 0's start "
+    "pull waiting at its step 1 for rank 0 (the sync rank 1 alone pushed before rank 0 was killed)")))])
+def test_ps_worker_killed_between_syncs_resumes_where_an_uninterrupted_run_ends(run_ranks, tmp_path, procs, k):
+    """A ps:// WORKER (not a shard) restarted under local steps. K=1: syncs at steps 3 and 7 (0-based); rank 0 is
     killed after step 5, between them (rank 1 then times out at the second sync, its push alone on the shard).
     The job restarts against the same shard from the checkpoints of step 3 (ex.state_dict: the position within
-    H, the wire numbering): steps 4 and 5 are redone once, the second sync is the shard's second outer step
+    H, the syncs sent): steps 4 and 5 are redone once, the second sync is the shard's second outer step
     (numbered from the servers and the saved state once, not twice), and the run ends where an uninterrupted
-    one ends."""
-    server = procs.server("--mode", "sync")
-    url = ps_url(server).replace("timeout=30", "timeout=6") + "&sync_every=4"
-    dead = run(run_ranks, tmp_path, url, 10, check=False, kill_at=5)
+    one ends. K=2 shards, fragments=2: fragment 0 syncs at steps 1, 5, 9, fragment 1 at 3, 7, each shard counting
+    its own; rank 0 is killed after step 6 and the job resumes from step 5's checkpoints."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/{k}") for i in range(k)]
+    url = (f"ps://{','.join(s.address for s in servers)}?timeout=6&transport=tcp&update=server&mode=sync"
+           f"&sync_every=4" + ("&fragments=2" if k > 1 else ""))
+    kill_at = 5 if k == 1 else 6
+    dead = run(run_ranks, tmp_path, url, 10, check=False, kill_at=kill_at)
     assert dead[0].code != 0
-    saved = run(run_ranks, tmp_path, url, 10, kill_at=5, resume=True)
-    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True)), 1e-5)
-    assert [s["redone"] for s in saved] == [2, 2]  # steps 4 and 5, once
+    saved = run(run_ranks, tmp_path, url, 10, kill_at=kill_at, resume=True)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), parts=k), 1e-5)
+    assert [s["redone"] for s in saved] == [2, 2] if k == 1 else [1, 1]
     assert saved[0]["ex"]["talk"]["steps"] == 10
-    assert server.stats()["updates"] == 2  # one outer step per sync, none twice
+    if k == 1:
+        assert servers[0].stats()["updates"] == 2  # one outer step per sync, none twice
 
 
 @pytest.mark.multiproc
