@@ -355,9 +355,7 @@ def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
 
 @pytest.mark.multiproc
 @pytest.mark.full  # ~10 s each: rank 1 waits out timeout=6 at the sync rank 0 never reaches
-@pytest.mark.parametrize("k", [1, pytest.param(2, marks=pytest.mark.xfail(strict=True, reason=(
-    "open, not diagnosed: with two shards and fragments=2 the resumed job's setup times out, shard 0's start "
-    "pull waiting at its step 1 for rank 0 (the sync rank 1 alone pushed before rank 0 was killed)")))])
+@pytest.mark.parametrize("k", [1, 2])
 def test_ps_worker_killed_between_syncs_resumes_where_an_uninterrupted_run_ends(run_ranks, tmp_path, procs, k):
     """A ps:// WORKER (not a shard) restarted under local steps. K=1: syncs at steps 3 and 7 (0-based); rank 0 is
     killed after step 5, between them (rank 1 then times out at the second sync, its push alone on the shard).

@@ -776,7 +776,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self.steps.adopt(optimizer, fresh)  # before the start pull: no push can reach a shard before it
         # the start pull: each shard answers it once rank 0 initialised it and every rank asked, so no
         # worker pushes (async, ssp) before every worker holds the same start
-        self._on_all(lambda s: s.start(self._base - 1), "start pull (rank 0's parameters, once every rank is in setup)")
+        steps = self.steps
+        self._on_all(lambda s: s.start(steps.start_after(self._base, replies[s.index]["next_step"])),
+                     "start pull (rank 0's parameters, once every rank is in setup)")
         if buffers:
             first = self.shards[0]
             first.submit(self._pull_buffers, first, -1).result()

@@ -73,6 +73,11 @@ class StepPlacement:
         self.ex.start_step = min(steps)
         return self.ex.start_step
 
+    def start_after(self, base: int, next_step: int) -> int:
+        """The step after which the start pull reads a shard whose hello said ``next_step``: the step before the
+        wire step the loop goes on from (``base``), on every shard alike."""
+        return base - 1
+
     def adopt(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
         """Setup, before the start pull: what becomes of the user's optimizer."""
 
@@ -330,6 +335,12 @@ class LocalOuter(Averages):
     @property
     def keeps_state(self) -> bool:
         return False  # the inner optimizer's state and the position within H are the user's checkpoint
+
+    def start_after(self, base: int, next_step: int) -> int:
+        """Each shard counts its own syncs (``fragments=``: not every sync reaches every shard), so after a restart
+        a shard may be behind the furthest one (``base``): the start pull reads each at the last step it applied,
+        never at one it has not (a sync that some rank pushed alone before the job died waits for the others)."""
+        return min(base, next_step) - 1
 
     def outer(self) -> localsteps.Outer:
         return ShardsOuter(self.ex, self.mode)
