@@ -764,7 +764,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             "shard": [s.index, k], "optim": {**desc, **self.options.outer_desc()},
             **({"min_workers": keep} if keep else {}), **pushes.hello(s.index)}), "hello")
         self._take_placement(replies[0])
-        self._base = self.steps.resume_step([r["next_step"] for r in replies])
+        self.hello_steps = [r["next_step"] for r in replies]  # each shard's next step at hello (a resume checks it)
+        self._base = self.steps.resume_step(self.hello_steps)
         if any("enter" in r for r in replies):  # a replacement for a lost rank: in at the next step boundary
             self._base = self.start_step = self._enter(max(r.get("enter", 0) for r in replies))
         pushes.connected()

@@ -446,6 +446,16 @@ class ShardsOuter(localsteps.Outer):
         if "sent" not in state:  # saved before fragments: every sync went to every shard
             self.sent = {s.index: self.syncs for s in self.ex.shards}
         self.counted = max(self.sent.values(), default=0)
+        # the shards hold the anchor and the outer optimizer, which cannot be rewound: a state whose syncs are not
+        # the ones each shard applied (servers ahead of it, or fresh ones) would redo or skip outer steps silently
+        ex = self.ex
+        for s, applied in zip(ex.shards, getattr(ex, "hello_steps", [])):
+            mine = ex._step + self.sent.get(s.index, 0)  # the warm-up's exchanges, then this state's syncs
+            if applied != mine:
+                raise ModelMismatch(f"ps:// {ex.rank_info.who()}: the loaded state (ex.load_state_dict) has "
+                                    f"{mine} wire steps on {s.name}, which applied {applied}: with sync_every= the "
+                                    f"shards hold the anchor and the outer optimizer, so resume from the checkpoint "
+                                    f"of their last sync (or restart the shards from theirs)")
 
 
 class _Retrying(GroupHandle):
