@@ -354,6 +354,39 @@ def test_ps_shard_killed_and_resumed_keeps_the_outer_momentum(tmp_path, procs):
 
 
 @pytest.mark.multiproc
+@pytest.mark.full  # ~10 s each: rank 1 waits out timeout=6 at the sync rank 0 never reaches
+@pytest.mark.parametrize("k", [1, 2])
+def test_ps_worker_killed_between_syncs_resumes_where_an_uninterrupted_run_ends(run_ranks, tmp_path, procs, k):
+    """A ps:// WORKER (not a shard) restarted under local steps. K=1: syncs at steps 3 and 7 (0-based); rank 0 is
+    killed after step 5, between them (rank 1 then times out at the second sync, its push alone on the shard).
+    The job restarts against the same shard from the checkpoints of step 3 (ex.state_dict: the position within
+    H, the syncs sent): steps 4 and 5 are redone once, the second sync is the shard's second outer step
+    (numbered from the servers and the saved state once, not twice), and the run ends where an uninterrupted
+    one ends; the step-3 checkpoints loaded once more, after the shards applied every sync, are refused on every
+    rank (their outer steps cannot be redone). K=2 shards, fragments=2: fragment 0 syncs at steps 1, 5, 9, fragment 1 at 3, 7, each shard counting
+    its own; rank 0 is killed after step 6 and the job resumes from step 5's checkpoints."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/{k}") for i in range(k)]
+    url = (f"ps://{','.join(s.address for s in servers)}?timeout=6&transport=tcp&update=server&mode=sync"
+           f"&sync_every=4" + ("&fragments=2" if k > 1 else ""))
+    kill_at = 5 if k == 1 else 6
+    dead = run(run_ranks, tmp_path, url, 10, check=False, kill_at=kill_at)
+    assert dead[0].code != 0
+    first = [(tmp_path / f"ls.ckpt{r}").read_bytes() for r in range(N)]
+    saved = run(run_ranks, tmp_path, url, 10, kill_at=kill_at, resume=True)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), parts=k), 1e-5)
+    assert [s["redone"] for s in saved] == [2, 2] if k == 1 else [1, 1]
+    assert saved[0]["ex"]["talk"]["steps"] == 10
+    if k == 1:
+        assert servers[0].stats()["updates"] == 2  # one outer step per sync, none twice
+    # the first checkpoints again, now that the shards applied every sync: their outer steps cannot be redone
+    for r in range(N):
+        (tmp_path / f"ls.ckpt{r}").write_bytes(first[r])
+    refused = run(run_ranks, tmp_path, url, 10, check=False, kill_at=kill_at, resume=True)
+    for res in refused:
+        assert res.code != 0 and "resume from the checkpoint of their last sync" in res.err, res.err[-2000:]
+
+
+@pytest.mark.multiproc
 def test_ps_async_applies_every_pseudo_gradient_once(run_ranks, tmp_path, procs):
     """mode=async: each worker pushes its pseudo-gradient when its own H steps are done and pulls the newest
     anchor; rank 1 is slow. 2 workers x 6 steps / H=2: exactly 6 outer updates on the shard, each push once;

@@ -202,6 +202,9 @@ def uneven_main(cfg: dict) -> None:
     ``ddp.join()``; ``divide`` is divide_by_initial_world_size. Prints every parameter, buffer and
     optimizer state tensor, and (commlab) how many exchanges and steps the rank took."""
     import commlab
+    import faulthandler
+    # an abort (std::terminate) shows each thread's Python stack: where in the loop or the exit it came
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     divide = cfg.get("divide", True)
     model, opt = build("bn")

@@ -932,7 +932,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             "shard": [s.index, k], "optim": {**desc, **self.options.outer_desc()},
             **({"min_workers": keep} if keep else {}), **pushes.hello(s.index)}), "hello")
         self._take_placement(replies[0])
-        self._base = self.steps.resume_step([r["next_step"] for r in replies])
+        self.hello_steps = [r["next_step"] for r in replies]  # each shard's next step at hello (a resume checks it)
+        self._base = self.steps.resume_step(self.hello_steps)
         if any("enter" in r for r in replies):  # a replacement for a lost rank: in at the next step boundary
             self._base = self.start_step = self._enter(max(r.get("enter", 0) for r in replies))
         pushes.connected()
@@ -944,7 +945,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self.steps.adopt(optimizer, fresh)  # before the start pull: no push can reach a shard before it
         # the start pull: each shard answers it once rank 0 initialised it and every rank asked, so no
         # worker pushes (async, ssp) before every worker holds the same start
-        self._on_all(lambda s: s.start(self._base - 1), "start pull (rank 0's parameters, once every rank is in setup)")
+        steps = self.steps
+        self._on_all(lambda s: s.start(steps.start_after(self._base, replies[s.index]["next_step"])),
+                     "start pull (rank 0's parameters, once every rank is in setup)")
         if buffers:
             first = self.shards[0]
             first.submit(self._pull_buffers, first, -1).result()

@@ -73,6 +73,11 @@ class StepPlacement:
         self.ex.start_step = min(steps)
         return self.ex.start_step
 
+    def start_after(self, base: int, next_step: int) -> int:
+        """The step after which the start pull reads a shard whose hello said ``next_step``: the step before the
+        wire step the loop goes on from (``base``), on every shard alike."""
+        return base - 1
+
     def adopt(self, optimizer: torch.optim.Optimizer, fresh: bool) -> None:
         """Setup, before the start pull: what becomes of the user's optimizer."""
 
@@ -331,6 +336,12 @@ class LocalOuter(Averages):
     def keeps_state(self) -> bool:
         return False  # the inner optimizer's state and the position within H are the user's checkpoint
 
+    def start_after(self, base: int, next_step: int) -> int:
+        """Each shard counts its own syncs (``fragments=``: not every sync reaches every shard), so after a restart
+        a shard may be behind the furthest one (``base``): the start pull reads each at the last step it applied,
+        never at one it has not (a sync that some rank pushed alone before the job died waits for the others)."""
+        return min(base, next_step) - 1
+
     def outer(self) -> localsteps.Outer:
         return ShardsOuter(self.ex, self.mode)
 
@@ -354,6 +365,9 @@ class ShardsOuter(localsteps.Outer):
         self._names: list[list[str]] = []  # each fragment's parameter names, in the order of its flat anchor
         self.syncs = 0  # fragment syncs this worker started
         self.sent: dict[int, int] = {}  # shard -> wire steps this worker sent it (after the warm-up's)
+        # syncs the exchanger's numbering (its _base: the furthest shard's next step at hello) already counts: those
+        # of the state a restarted worker loaded, which the servers applied before it died (counted once, not twice)
+        self.counted = 0
 
     def divide(self, parts):
         assert self.ex.model is not None
@@ -384,7 +398,7 @@ class ShardsOuter(localsteps.Outer):
             mine = [pc for pc in ex._pieces[s.index] if pc.param in at]
             if not mine:
                 continue  # this shard holds nothing of the fragment: it sees no step of it
-            step = ex._wire_step() + self.sent.get(s.index, 0)
+            step = ex._wire_step() + self.sent.get(s.index, 0) - self.counted
             self.sent[s.index] = self.sent.get(s.index, 0) + 1
             parts = []
             for pc in mine:
@@ -419,7 +433,7 @@ class ShardsOuter(localsteps.Outer):
         """The buffers' round (on shard 0) at the end of an H: the wire step of shard 0's latest sync, over the
         exchanger's. Every fragment syncs once per H and shard 0 holds a piece of one at least, so it moves on
         every H; that sync ran on shard 0's thread before the buffers do, so the shard has it."""
-        return max(0, self.sent.get(0, 0) - 1)
+        return max(0, self.sent.get(0, 0) - self.counted - 1)
 
     def state_dict(self):
         return {"anchors": [a.clone() for a in self._anchors], "syncs": self.syncs, "sent": dict(self.sent)}
@@ -431,6 +445,17 @@ class ShardsOuter(localsteps.Outer):
         self.sent = {int(k): int(v) for k, v in state.get("sent", {}).items()}
         if "sent" not in state:  # saved before fragments: every sync went to every shard
             self.sent = {s.index: self.syncs for s in self.ex.shards}
+        self.counted = max(self.sent.values(), default=0)
+        # the shards hold the anchor and the outer optimizer, which cannot be rewound: a state whose syncs are not
+        # the ones each shard applied (servers ahead of it, or fresh ones) would redo or skip outer steps silently
+        ex = self.ex
+        for s, applied in zip(ex.shards, getattr(ex, "hello_steps", [])):
+            mine = ex._step + self.sent.get(s.index, 0)  # the warm-up's exchanges, then this state's syncs
+            if applied != mine:
+                raise ModelMismatch(f"ps:// {ex.rank_info.who()}: the loaded state (ex.load_state_dict) has "
+                                    f"{mine} wire steps on {s.name}, which applied {applied}: with sync_every= the "
+                                    f"shards hold the anchor and the outer optimizer, so resume from the checkpoint "
+                                    f"of their last sync (or restart the shards from theirs)")
 
 
 class _Retrying(GroupHandle):
