@@ -7,6 +7,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# test workers (pytest-xdist): the suite mostly waits on the processes it starts, so two at once on two cores
+# take 3.6 minutes where one takes 6.2 (docs/perf.md); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
 BIN := $(VENV)/bin
@@ -23,11 +26,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # every point of the test matrices (each transport under every case), a few minutes more than test
 test-full: setup
-	$(BIN)/python -m pytest -q -m "" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "" $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/commlab bench $(BENCH_ARGS)
