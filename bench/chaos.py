@@ -51,6 +51,9 @@ rendezvous cost per rank measured here by :func:`rendezvous_per_rank`) both poli
 
 Writes ``chaos.md``, ``chaos.json``, ``chaos.png`` (goodput over time per entry, kills marked) and every
 process's log under ``<entry>/``; ``commlab bench chaos --reread DIR`` writes the report again from them.
+``commlab bench chaos --across DIR DIR DIR`` puts runs of one setting (seeds apart) side by side: each
+verdict per run, the median of the runs' ratios against the issue's goal (:func:`goodput_floor`), kills and
+steps applied twice, final losses beside the failure-free runs' spread.
 """
 
 from __future__ import annotations
@@ -756,6 +759,69 @@ def run(a, wanted: list[str], out: Path, progress=print) -> tuple[dict, dict, st
     return results, missing, caps.describe(), plan
 
 
+def goodput_floor(config: dict) -> float:
+    """Issue 38's goodput goal (over the failure-free reference) for a run's configuration: 0.90 with
+    server shards killed too (``--servers``), 0.88 for the collectives or a kill every 10 s or less, else 0.93
+    (``ps://``, a kill every 20 s)."""
+    url = config.get("exchanger") or [DEFAULT_URL]
+    if config.get("servers"):
+        return 0.90
+    if any(not u.startswith("ps:") for u in url) or config["mtbf"] <= 10:
+        return 0.88
+    return 0.93
+
+
+def across(folders: list[Path]) -> str:
+    """The criterion across launches: each run's verdicts side by side, the median of the runs' ratios
+    against the goal (:func:`goodput_floor` for goodput over the reference, above 1 for a share), the kills
+    and steps applied twice summed, and every entry's final loss beside the failure-free runs' spread."""
+    runs = [json.loads((f / "chaos.json").read_text()) for f in folders]
+    configs = {json.dumps({k: v for k, v in r["config"].items() if k not in ("seed", "out")}, sort_keys=True)
+               for r in runs}
+    if len(configs) > 1:
+        raise ValueError(f"--across: the runs differ in more than --seed/--out: {sorted(configs)}")
+    floor = goodput_floor(runs[0]["config"])
+    labels = list(dict.fromkeys(v["label"] for r in runs for v in r["verdicts"]))
+    lines = [f"# Chaos across {len(runs)} runs", "",
+             "- " + "; ".join(f"`commlab bench chaos {' '.join(r['argv'])}`" for r in runs), ""]
+    rows = []
+    for label in labels:
+        vs = [next((v for v in r["verdicts"] if v["label"] == label), None) for r in runs]
+        got = [v for v in vs if v]
+        med = statistics.median(v["ratio"] for v in got)
+        share = " over " in label and "share" in label
+        goal = 1.0 if share else (floor if label.split(" over ")[-1] in ("free", "torchft-free")
+                                  and label.split(",")[1].split(" over ")[0].strip() in ("commlab", "torchft")
+                                  else None)
+        if goal is None:
+            met = "(stated)"
+        elif share:
+            met = (f"median {'>' if med > goal else '<='} 1; intervals above 1 in "
+                   f"{sum(v['lo'] > 1 for v in got)} of {len(got)}")
+        else:
+            met = f"{'met' if med >= goal else 'NOT met'} (goal >= {goal:.2f})"
+        rows.append([label] + [f"{v['ratio']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]" if v else "—" for v in vs]
+                    + [f"{med:.3f}", met])
+    lines += table(["verdict"] + [f"run {i + 1} (seed {r['config']['seed']})" for i, r in enumerate(runs)]
+                   + ["median", "goal"], rows)
+    frees = {n: [r["entries"][n]["final_loss"] for r in runs if n in r["entries"]]
+             for n in ("free", "torchft-free")}
+    rows = []
+    for name in dict.fromkeys(n for r in runs for n in r["entries"]):
+        es = [r["entries"].get(name) for r in runs]
+        ref = frees.get(reference_of(name) or name) or []
+        losses = [e["final_loss"] for e in es if e]
+        where = ("—" if not ref or name in frees else
+                 f"{sum(x <= max(ref) for x in losses)} of {len(losses)} at or below the reference's worst")
+        twice = [len(e.get("applied_twice") or []) + sum(e.get("servers_applied_twice") or []) for e in es if e]
+        rows.append([name, " / ".join(str(len(e.get("kills") or [])) if e else "—" for e in es), str(sum(twice)),
+                     " / ".join(f"{x:.4f}" for x in losses),
+                     f"{min(ref):.4f} to {max(ref):.4f}" if ref else "—", where])
+    lines += ["", *table(["entry", "kills per run", "applied twice (logs + servers, all runs)", "final loss per run",
+                          "reference's final loss, spread", "final loss"], rows)]
+    return "\n".join(lines) + "\n"
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -764,6 +830,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--reread"] and len(argv) == 2:  # a run's report again, from its logs
         print(reread(Path(argv[1])).read_text())
+        return 0
+    if argv[:1] == ["--across"] and len(argv) > 2:  # the median of several runs' ratios, against the goals
+        try:
+            print(across([Path(f) for f in argv[1:]]))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"commlab bench chaos: --across: {exc}", file=sys.stderr)
+            return 2
         return 0
     a = parser().parse_args(argv)
     try:

@@ -104,6 +104,42 @@ def test_rate_ratios_are_ratios_of_sums_with_an_interval():
         verdict.rate_ratio("a", [1], [1.0], "b", [0], [1.0])
 
 
+def _run_json(folder: Path, seed: int, ratio: float, lo: float, hi: float, loss: float, twice: int = 0,
+              exchanger=None) -> Path:
+    folder.mkdir()
+    v = lambda label, a, b, r, l, h: {"label": label, "a": a, "b": b, "ratio": r, "lo": l, "hi": h}
+    (folder / "chaos.json").write_text(json.dumps({
+        "argv": ["--mtbf", "20", "--seed", str(seed)],
+        "config": {"mtbf": 20.0, "duration": 300.0, "exchanger": exchanger, "servers": False, "seed": seed,
+                   "out": str(folder)},
+        "verdicts": [v("goodput, commlab over free", "commlab", "free", ratio, lo, hi),
+                     v("goodput share, commlab over restart-all", "commlab", "restart-all", 1 + ratio, 1.5, 2.5)],
+        "entries": {"free": {"final_loss": 0.04 + seed / 100, "kills": []},
+                    "commlab": {"final_loss": loss, "kills": [{}] * 10, "applied_twice": [1] * twice,
+                                "servers_applied_twice": [0]}}}))
+    return folder
+
+
+def test_across_runs_takes_the_median_ratio_against_the_goal_and_sums_what_was_applied_twice(tmp_path, capsys):
+    runs = [_run_json(tmp_path / "a", 0, 0.95, 0.90, 1.0, 0.05),   # final losses of free: 0.04, 0.05, 0.06
+            _run_json(tmp_path / "b", 1, 0.91, 0.85, 0.97, 0.07, twice=1),
+            _run_json(tmp_path / "c", 2, 0.99, 0.93, 1.05, 0.03)]
+    assert chaos.main(["--across", *map(str, runs)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| goodput, commlab over free"))
+    assert "| 0.950 | met (goal >= 0.93) |" in row  # the median of 0.95, 0.91, 0.99
+    share = next(line for line in out.splitlines() if line.startswith("| goodput share"))
+    assert "| 1.950 | median > 1; intervals above 1 in 3 of 3 |" in share
+    commlab = next(line for line in out.splitlines() if line.startswith("| commlab "))
+    assert "| 10 / 10 / 10 | 1 |" in commlab and "0.0400 to 0.0600" in commlab and "2 of 3 at or below" in commlab
+    _run_json(tmp_path / "d", 3, 0.80, 0.7, 0.9, 0.05, exchanger=["ring://?min_workers=1"])
+    assert chaos.main(["--across", str(runs[0]), str(tmp_path / "d")]) == 2  # runs of other settings
+    assert "differ in more than --seed" in capsys.readouterr().err
+    assert chaos.goodput_floor({"mtbf": 20, "exchanger": ["ring://"]}) == 0.88
+    assert chaos.goodput_floor({"mtbf": 10, "exchanger": None}) == 0.88
+    assert chaos.goodput_floor({"mtbf": 30, "servers": True}) == 0.90
+
+
 # ----- the accounting, from a real run ------------------------------------------------------------
 def smoke(out: Path, entries: str, seed: int = 2) -> dict:
     """A tiny run: 2 workers, a 2 s window, one kill (seed 2: at 1.1 s, slot 1), no cap (the tests' cores)."""
