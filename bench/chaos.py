@@ -11,6 +11,9 @@ shard: ``python -m servers`` processes of the job). Every entry gets the same sc
 
 ``free``
     ``commlab run --workers N --exchanger URL``, nothing killed: the reference of the commlab entries.
+``free-kg``
+    the same with ``commlab``'s flags (``--replace`` or ``--spares S``), nothing killed: where a run has it, the
+    reference of ``commlab`` instead (the same job but for the kills; ``free`` stays restart-all's).
 ``commlab``
     the same with ``--replace`` (or ``--spares S`` with ``--spares``): the survivors keep going and a
     replacement heals live. Reported missing (with why) where this checkout's ``commlab run`` has no
@@ -80,8 +83,9 @@ from bench.text import names, table
 from commlab.launch import launcher
 
 CASE = "chaos"
-ENTRIES = ("free", "commlab", "restart-all", "torchft-free", "torchft")
+ENTRIES = ("free", "free-kg", "commlab", "restart-all", "torchft-free", "torchft")
 REFERENCE = {"commlab": "free", "restart-all": "free", "torchft": "torchft-free"}
+KEPT_REFERENCE = {"commlab": "free-kg"}  # the reference instead, where the run has it
 DEFAULT_URL = "ps://?mode=sync&update=server"
 BINS = 20
 TAIL_S = 60.0  # after the window, how long the job may run on for the last kills' next step and heal
@@ -317,9 +321,9 @@ def worker_args(a, log: Path) -> list[str]:
 
 def start_commlab(e: Entry, a, caps: Caps, kills: int) -> None:
     flags = []
-    if e.name == "restart-all":
+    if kind(e.name) == "restart-all":
         flags = ["--max-restarts", str(kills + 100)]
-    elif e.name == "commlab":
+    elif kind(e.name) in ("commlab", "free-kg"):
         flags = ["--spares", str(a.spares)] if a.spares else ["--replace"]
     argv = [sys.executable, "-m", "commlab.tools.cli", "run", "--workers", str(a.workers), "--exchanger", e.url,
             "--log-dir", str(e.folder / "job"), *flags, "-m", "bench.chaos_worker", "--", *worker_args(a, e.folder)]
@@ -572,11 +576,16 @@ def kind(label: str) -> str:
     return label.split(" ", 1)[0]
 
 
-def reference_of(label: str) -> str | None:
-    """The failure-free entry an entry's goodput is measured against (its URL's ``free``, or ``torchft-free``)."""
+def reference_of(label: str, results: dict | None = None) -> str | None:
+    """The failure-free entry an entry's goodput is measured against: its URL's ``free`` (``free-kg`` for
+    ``commlab`` where ``results`` has it: the same job, keep-going flags and all), or ``torchft-free``."""
     k = kind(label)
     ref = REFERENCE.get(k)
-    return None if ref is None else ref + ("" if k == "torchft" else label[len(k):])
+    if ref is None:
+        return None
+    kept = KEPT_REFERENCE.get(k, "") + label[len(k):]
+    return kept if results is not None and k in KEPT_REFERENCE and kept in results else \
+        ref + ("" if k == "torchft" else label[len(k):])
 
 
 def verdicts(results: dict) -> list[tuple[str, verdict.Verdict]]:
@@ -584,13 +593,13 @@ def verdicts(results: dict) -> list[tuple[str, verdict.Verdict]]:
     have = lambda n: n in results and results[n].get("bins") and results[n].get("goodput") is not None
     seconds = lambda n: [results[n]["bin_s"]] * len(results[n]["bins"])
     for n in results:
-        ref = reference_of(n)
+        ref = reference_of(n, results)
         if ref and have(n) and have(ref) and results[ref]["goodput"] > 0:
             out.append((f"goodput, {n} over {ref}", verdict.rate_ratio(
                 n, results[n]["bins"], seconds(n), ref, results[ref]["bins"], seconds(ref))))
     for n in [n for n in results if kind(n) == "commlab"]:
         for other in ("restart-all" + n[len("commlab"):], "torchft"):
-            refs = [reference_of(n), reference_of(other)]
+            refs = [reference_of(n, results), reference_of(other, results)]
             if have(n) and have(other) and all(have(r) and results[r]["goodput"] > 0 for r in refs):
                 # each over its own reference, then against each other
                 out.append((f"goodput share, {n} over {other}", verdict.rate_ratio(
@@ -600,7 +609,7 @@ def verdicts(results: dict) -> list[tuple[str, verdict.Verdict]]:
 
 def scaled(results: dict, n: str) -> list[float]:
     """An entry's samples per bin over its reference's goodput: its bins in units of the reference."""
-    return [c / results[reference_of(n)]["goodput"] for c in results[n]["bins"]]
+    return [c / results[reference_of(n, results)]["goodput"] for c in results[n]["bins"]]
 
 
 def steps_lost(r: dict) -> str:
@@ -632,7 +641,7 @@ def plot(results: dict, kills: list[Kill], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for r in have:
-        ref = results.get(reference_of(r["entry"]) or r["entry"], r)
+        ref = results.get(reference_of(r["entry"], results) or r["entry"], r)
         rate = ref.get("goodput") or r["goodput"]
         xs = [(i + 0.5) * r["bin_s"] for i in range(len(r["bins"]))]
         ax.plot(xs, [c / r["bin_s"] / rate if rate else 0 for c in r["bins"]], marker=".", label=r["entry"])
@@ -662,7 +671,7 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
         if "goodput" not in r:
             rows.append([name, r.get("url", ""), "—", "—", "—", "—", "—", "—", "—", "—", r.get("error", "no steps")])
             continue
-        ref = results.get(reference_of(name) or "", {})
+        ref = results.get(reference_of(name, results) or "", {})
         equal_steps = None
         if ref.get("loss_by_step") and r.get("loss_by_step"):
             mine = list(r["loss_by_step"])[-LAST_STEPS:]
@@ -789,9 +798,9 @@ def across(folders: list[Path]) -> str:
         vs = [next((v for v in r["verdicts"] if v["label"] == label), None) for r in runs]
         got = [v for v in vs if v]
         med = statistics.median(v["ratio"] for v in got)
-        share = " over " in label and "share" in label
-        goal = 1.0 if share else (floor if label.split(" over ")[-1] in ("free", "torchft-free")
-                                  and label.split(",")[1].split(" over ")[0].strip() in ("commlab", "torchft")
+        share = label.startswith("goodput share")
+        a, b = kind(got[0]["a"]), kind(got[0]["b"])
+        goal = 1.0 if share else (floor if a in ("commlab", "torchft") and b in ("free", "free-kg", "torchft-free")
                                   else None)
         if goal is None:
             met = "(stated)"
@@ -805,11 +814,12 @@ def across(folders: list[Path]) -> str:
     lines += table(["verdict"] + [f"run {i + 1} (seed {r['config']['seed']})" for i, r in enumerate(runs)]
                    + ["median", "goal"], rows)
     frees = {n: [r["entries"][n]["final_loss"] for r in runs if n in r["entries"]]
-             for n in ("free", "torchft-free")}
+             for n in dict.fromkeys(n for r in runs for n in r["entries"] if kind(n) in ("free", "free-kg",
+                                                                                         "torchft-free"))}
     rows = []
     for name in dict.fromkeys(n for r in runs for n in r["entries"]):
         es = [r["entries"].get(name) for r in runs]
-        ref = frees.get(reference_of(name) or name) or []
+        ref = frees.get(reference_of(name, runs[0]["entries"]) or name) or []
         losses = [e["final_loss"] for e in es if e]
         where = ("—" if not ref or name in frees else
                  f"{sum(x <= max(ref) for x in losses)} of {len(losses)} at or below the reference's worst")

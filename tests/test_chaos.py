@@ -194,6 +194,8 @@ def test_every_entry_of_a_tiny_chaos_run_reports_its_kills_and_applies_nothing_t
         assert len(e["kills"]) == (1 if name in chaos.REFERENCE else 0), name
         assert all(k["heal_s"] is not None for k in e["kills"]), name
     assert {v["a"] for v in doc["verdicts"]} >= {"restart-all", "torchft"}
+    # commlab against the same job with its flags and no kills; restart-all against the plain job
+    assert {v["label"] for v in doc["verdicts"]} >= {"goodput, commlab over free-kg", "goodput, restart-all over free"}
 
 
 def test_the_at_scale_table_from_given_components_or_a_chaos_run(tmp_path, capsys):
