@@ -962,7 +962,14 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if self.healed is not None:
             who = f"commlab ps:// rank {self.rank_info.global_rank()}"
             if not self.steps.spec.shards_step:  # update=worker: the state is a live peer's
-                who += f" (healed from rank {self._heal_from_peer()})"
+                try:
+                    who += f" (healed from rank {self._heal_from_peer()})"
+                except BaseException:
+                    # leave as a dead rank does (connections closed, no bye): the shards count this rank lost and
+                    # the others go on without it, where a bye would leave it owing its step
+                    for s in self.shards:
+                        s.submit(s.close, False).result(timeout=5)
+                    raise
             self.healed = rendezvous.announce_entry(who, self.healed["step"])
 
     # ----- keep-going under update=worker: a replacement takes a live peer's state through the shards ----------
@@ -994,6 +1001,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             raise ProtocolError(f"ps:// rank {self.rank_info.global_rank()} enters at step {entry}, but the shards "
                                 f"relayed the state of (donor, step, bytes) {sorted(said, key=str)}: not one peer's")
         donor, _, size = next(iter(said))
+        most = sum(psproto.relay_limit(s.max_reply) for s in self.shards)
+        if not isinstance(size, int) or not 0 <= size <= most:
+            raise ProtocolError(f"ps:// the shards relayed rank {donor}'s state as {size!r:.40} bytes (at most {most})")
         payload, at = torch.empty(size, dtype=torch.uint8), 0
         if not all(isinstance(m.get("range"), list) and len(m["range"]) == 2 for m in metas):
             raise ProtocolError(f"ps:// a shard relayed rank {donor}'s state without its range")
