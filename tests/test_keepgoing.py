@@ -174,9 +174,9 @@ KW, TW, MU = 3, 9, 0.9  # rank 1 dies at the top of step KW; the survivors wait 
 
 def _worker_replacement(procs, min_workers: int, flags: tuple[str, ...], donor: tuple[str, ...] = ()):
     """Two shards, update=worker, SGD with momentum; rank 1 killed at the top of step KW; once every shard has it
-    lost, a new process for rank 1 (a fresh hello: a replacement); the survivors wait at the top of step KW + 2
-    until it entered (so it enters at KW + 3). ``flags``: every rank's extra flags, ``donor``: rank 0's.
-    (rank 0, rank 2, the replacement)'s (code, out, err), their pids, the servers."""
+    lost and the survivors wait at the top of step KW + 2, a new process for rank 1 (a fresh hello: a
+    replacement), which the survivors wait for (so it enters at KW + 3). ``flags``: every rank's extra flags,
+    ``donor``: rank 0's. (rank 0, rank 2, the replacement)'s (code, out, err), their pids, the servers."""
     servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
     url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update=worker"
            f"&min_workers={min_workers}&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
@@ -186,7 +186,9 @@ def _worker_replacement(procs, min_workers: int, flags: tuple[str, ...], donor: 
     victim = popen(args(1, "--kill-step", str(KW)))
     survivors = [popen(args(0, *donor)), popen(args(2))]
     assert victim.wait(60) == -signal.SIGKILL, victim.communicate()[1][-3000:]
-    wait_until(lambda: all("1" in s.stats()["members"]["lost"] for s in servers), 60, "every shard has rank 1 lost")
+    # the survivors wait at the top of step KW + 2: every shard has rank 1 lost and gathers that step
+    wait_until(lambda: all("1" in st["members"]["lost"] and st["sync_step"] == KW + 2 for st in
+                           (s.stats() for s in servers)), 60, "every shard at step KW + 2 without rank 1")
     replacement = popen(args(1))
     procs_ = [*survivors, replacement]
     return finish(procs_, timeout=120), [p.pid for p in procs_], servers
