@@ -72,7 +72,7 @@ class Relays:
         """``rank``'s part of the state (or its refusal to send it); the reply's meta. Whatever does not fit a
         relay is dropped (said in the reply), never refused: the donor is a survivor."""
         m = h.meta
-        ranks = m.get("ranks") if isinstance(m.get("ranks"), list) else []
+        ranks: list = m["ranks"] if isinstance(m.get("ranks"), list) else []
         mine = [x for r, x in self.by_rank.items() if r in ranks and x.step == m.get("entry") and x.donor == rank
                 and not x.failed and not x.complete]
         if not mine:
