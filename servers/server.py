@@ -67,6 +67,7 @@ from servers.compressed import Units
 from servers.metrics import StatsProbe
 from servers.membership import Membership
 from servers.modes import MODES, Partial, Placement, Refused, hyper_from_wire
+from servers.relay import Relays
 from servers.replication import Replication
 
 
@@ -192,6 +193,7 @@ class ParameterServer:
         self.attempt = 0  # the job's restarts so far (TORCHELASTIC_RESTART_COUNT, from hello)
         self.blobs: dict[int, tuple[int, torch.Tensor]] = {}  # rank -> (step, bytes): ex.commit_state
         self.members = Membership(cfg.name)  # keep-going (min_workers=): who is in, the epoch, the quorum
+        self.relays = Relays(self)  # keep-going under update=worker: replacements' state from a live peer
 
     @property
     def last_step(self) -> dict[int, int]:
@@ -226,7 +228,7 @@ class ParameterServer:
                 "version": self.version, "updates": s.updates, "pushes": s.pushes, "duplicates": s.duplicates,
                 "pulls": s.pulls, "refused": s.refused, "dropped": s.dropped, "nonfinite": s.nonfinite,
                 "skipped": s.skipped, "replaced": s.replaced, "resized": s.resized, "world": self.world,
-                "lost_pushes": s.lost_pushes, "members": self.members.stats(),
+                "lost_pushes": s.lost_pushes, "members": self.members.stats(), "relays": self.relays.stats(),
                 "attempt": self.attempt, "boot": self.boot, "sync_step": self.mode.gathering,
                 "waiting_for": self._waiting_for(), "gate": self._gate(), "whole": self.mode.whole(),
                 "bytes_in": s.bytes_in, "bytes_out": s.bytes_out, "queue": len(self.waiting),
@@ -369,6 +371,7 @@ class ParameterServer:
         the new ranks, and the departed ranks' clocks, connections and links go."""
         self.attempt = attempt
         self.members.reset()
+        self.relays = Relays(self)
         if self.world is not None and world != self.world:
             self.stats.resized += 1
             for sender, rank in list(self.senders.items()):
@@ -419,6 +422,7 @@ class ParameterServer:
         ended = self.members.ended
         dropped = self.mode.lose(rank) if self.initialized else 0
         self.members.lose(rank, step, why, self.world_size())
+        self.relays.lose(rank, why)
         if dropped < 0 and not self.members.ended:
             self.members.ended = (f"rank {rank} left {self.cfg.name} ({why}) with a compressed step half-pushed, "
                                   f"which cannot be taken out of the sums: the job stops (keep-going under "
@@ -452,15 +456,17 @@ class ParameterServer:
         moving = rank not in self.members.pending
         if moving and not self.mode.entry_open(rank):
             raise Refused(f"enter from {h.sender}: rank {rank} is no replacement waiting to enter {self.cfg.name}")
-        if not self.placement.spec.shards_step:
-            raise Refused(f"enter from {h.sender}: under update={self.update} the shards hold no trained parameters "
-                          f"to heal a replacement from (taking them from a live peer is not built): use "
-                          f"update=server, or commlab run --max-restarts")
+        if not self.placement.spec.shards_step and self.units is not None:
+            raise Refused(f"enter from {h.sender}: a replacement under update={self.update} with compress= is not "
+                          f"built (it would need the compressor's shared state): use update=server, or commlab run "
+                          f"--max-restarts")
         soonest = self.mode.entry_step(rank)
         if h.step < soonest:
             self._reply(ident, "ok", h.meta.get("id"), {"entered": False, "enter": soonest})
             return
         self.mode.enter(rank, h.step)
+        if not self.placement.spec.shards_step:  # the shards hold sums only: a live peer's state is relayed
+            self.relays.enter(rank, h.step)
         if not moving:
             self.members.entered(rank)
         print(f"commlab server {self.cfg.name}: rank {rank} entered at step {h.step} (a replacement); membership "
@@ -741,7 +747,7 @@ class ParameterServer:
         return frames
 
     # ----- pulls -----------------------------------------------------------------------------
-    PULLS = ("params", "sum", "report", "buffers", "final", "csum")
+    PULLS = ("params", "sum", "report", "buffers", "final", "csum", "heal")
     STEP_PULLS = frozenset({"sum", "report", "csum"})  # the mode serves these (servers.modes.Mode.step_pulls)
 
     def _op_pull(self, ident, h, _data):
@@ -791,6 +797,8 @@ class ParameterServer:
         if h.meta.get("start") is True and not self.started:
             return False
         rank, after, what = self.senders[h.sender], h.meta["after_step"], h.meta.get("what", "params")
+        if what == "heal":  # a replacement (update=worker): a live peer's state, once all of it is here
+            return self.relays.ready(rank)
         if what == "final":  # a joined worker: every worker has joined, or the model moved on since it asked
             return len(self.joined) == self.world_size() or self.version != h.meta.get("version")
         if after < 0:
@@ -819,8 +827,15 @@ class ParameterServer:
             return
         if what in self.STEP_PULLS:  # _op_pull let through only what the mode serves
             op, meta, parts, linked = self.mode.answer(what, h)
+            if what == "sum":  # keep-going, update=worker: the donor of a replacement's state is asked here
+                meta.update(self.relays.ask(self.senders[h.sender], h.meta["after_step"]))
             self._reply(ident, op, rid, meta, parts, step=h.step, tracked=False,
                         payloads=payloads if linked else psshm.FRAMES)
+            return
+        if what == "heal":
+            op, meta, parts = self.relays.answer(self.senders[h.sender])
+            self.stats.refused += op == "error"
+            self._reply(ident, op, rid, meta, parts, step=h.step, tracked=False)
             return
         if what == "buffers":
             parts = [part for k, v in self.buffers.items() for part in wire.split(k, v)]
@@ -977,6 +992,12 @@ class ParameterServer:
     def closed(self) -> bool:
         """Every rank of the job said bye: the exchanger was closed everywhere, the space can go."""
         return self.world is not None and self.gone | set(self.members.lost) >= set(range(self.world))
+
+    def _op_donate(self, ident, h, data):
+        """Keep-going under update=worker: the donor's range of a replacement's state (:mod:`servers.relay`)."""
+        meta = self.relays.donate(self._rank_of(h), h, data)
+        self._reply(ident, "ok", h.meta.get("id"), meta, step=h.step)
+        self._serve_waiting()
 
     def _op_blob(self, ident, h, data):
         """ex.commit_state / ex.restored_state: ``put`` keeps the rank's one frame of opaque bytes (never

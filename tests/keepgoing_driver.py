@@ -13,6 +13,13 @@ ranks each step counted on each shard.
 before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
 (the second never leaves; shard 1 gets nothing). ``setup``: in setup, after hello, before the start pull. ``--stop-at K``: SIGSTOP at the top of step K. Prints one JSON line at the end: rank, pid, parameters, the
 servers' stats.
+
+A replacement (issue 38; the test starts it for the dead rank): ``--momentum M`` (SGD's state), ``--buffer`` (a
+buffer ``seen`` that each rank adds ``rank + 1`` to before each step: the exchanger then holds rank 0's),
+``--wait-entry W`` (at the top of step W, wait until every shard counts a replacement that entered: it enters
+at step W + 1), ``--record`` (the final line also holds the model's bits, parameters, buffer and momentum, at
+the top of each step this process ran, at its entry, and at the end), ``--die-donating`` (SIGKILL as it is about
+to send shard 1 its state for a replacement).
 """
 
 from __future__ import annotations
@@ -77,6 +84,22 @@ def arm(step: int, where: str, rank: int, async_mode: bool) -> None:
     ps._Shard.post = patched
 
 
+def bits(model: nn.Module, optimizer) -> dict:
+    """The model's parameters, buffers and SGD momentum, each as the hex of its bytes (equal: bitwise)."""
+    hexed = lambda t: None if t is None else t.detach().contiguous().numpy().tobytes().hex()
+    return {"params": [hexed(q) for q in model.parameters()], "buffers": [hexed(b) for b in model.buffers()],
+            "momentum": [hexed(optimizer.state.get(q, {}).get("momentum_buffer")) for q in model.parameters()]}
+
+
+def wait_entered(endpoints: list[str]) -> None:
+    """Until every shard counts a replacement that entered (bounded)."""
+    deadline = time.monotonic() + 60
+    while not all(server_stats(e)["members"]["replaced"] >= 1 for e in endpoints):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replacement entered: {[server_stats(e)['members'] for e in endpoints]}")
+        time.sleep(0.01)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("url")
@@ -88,17 +111,30 @@ def main() -> int:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--kill-at", choices=("before", "between", "partial", "setup"), default="before")
     p.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself at the top of this step (frozen)")
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--buffer", action="store_true")
+    p.add_argument("--wait-entry", type=int, default=-1)
+    p.add_argument("--record", action="store_true")
+    p.add_argument("--die-donating", action="store_true",
+                   help="SIGKILL itself as it is about to send shard 1 its state for a replacement")
     p.add_argument("--final-updates", type=int, default=0,
                    help="async: after the steps, wait until every shard applied this many updates, then pull")
     a = p.parse_args()
     torch.set_num_threads(1)
     model = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in SIZES])
+    if a.buffer:
+        model.register_buffer("seen", torch.zeros(3))
     info = RankInfo(a.rank, a.workers, a.rank, "127.0.0.1", 0, "flags")
     pid = os.getpid()
+    if a.die_donating:
+        post = ps._Shard.post
+        ps._Shard.post = lambda self, op, *args, **kw: die() if op == "donate" and self.index == 1 else \
+            post(self, op, *args, **kw)
     if a.kill_at == "setup" and a.kill_step >= 0:  # after hello, before the start pull: the others' start waits
         ps._Shard.start = lambda self, after: die()
     with commlab.connect(a.url, info) as ex:
-        ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr))
+        ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr, momentum=a.momentum))
+        record = {"start_step": ex.start_step, "entry": bits(model, ex.optimizer), "at": {}}
         for s in ex.shards:
             s.peers = [x.endpoint for x in ex.shards]
         if a.kill_step >= 0 and a.kill_at != "before":
@@ -108,6 +144,11 @@ def main() -> int:
                 die()
             if step == a.stop_at:
                 os.kill(os.getpid(), signal.SIGSTOP)  # until the test sends SIGCONT
+            if step == a.wait_entry:
+                wait_entered([s.endpoint for s in ex.shards])
+            record["at"][step] = bits(model, ex.optimizer)
+            if a.buffer:
+                model.seen.add_(a.rank + 1)
             ex.zero_grad()
             if a.sleep:
                 time.sleep(a.sleep)
@@ -122,8 +163,9 @@ def main() -> int:
         if a.final_updates:
             ex.pull_latest()
         stats = ex.server_stats()
+        record["end"] = bits(model, ex.optimizer)
         print(json.dumps({"rank": a.rank, "pid": pid, "params": [q.detach().tolist() for q in model],
-                          "servers": stats}), flush=True)
+                          "servers": stats, **(record if a.record else {})}), flush=True)
     return 0
 
 

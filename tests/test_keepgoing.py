@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import child_env, run_group
-from faultkit import DRIVER, finish
+from faultkit import DRIVER, finish, wait_until
 from test_restart import _leftovers
 
 pytestmark = pytest.mark.multiproc
@@ -165,6 +165,93 @@ def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the
     end = json.loads((out / f"rank{victim}.replacement.end.json").read_text())
     assert all(rec["params"] == end["params"] for rec in survivors)
     assert not _leftovers(tmp_path, shm_before)
+
+
+# ----- a replacement under update=worker: a live peer's state, relayed by the shards ------------------------
+
+KW, TW, MU = 3, 9, 0.9  # rank 1 dies at the top of step KW; the survivors wait at step KW + 2 for its replacement
+
+
+def _worker_replacement(procs, min_workers: int, flags: tuple[str, ...], donor: tuple[str, ...] = ()):
+    """Two shards, update=worker, SGD with momentum; rank 1 killed at the top of step KW; once every shard has it
+    lost and the survivors wait at the top of step KW + 2, a new process for rank 1 (a fresh hello: a
+    replacement), which the survivors wait for (so it enters at KW + 3). ``flags``: every rank's extra flags,
+    ``donor``: rank 0's. (rank 0, rank 2, the replacement)'s (code, out, err), their pids, the servers."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update=worker"
+           f"&min_workers={min_workers}&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp")
+    args = lambda r, *more: [sys.executable, KG_DRIVER, url, "--rank", str(r), "--workers", "3", "--steps", str(TW),
+                             "--momentum", str(MU), "--record", "--wait-entry", str(KW + 2), *flags, *more]
+    popen = lambda argv: procs.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = popen(args(1, "--kill-step", str(KW)))
+    survivors = [popen(args(0, *donor)), popen(args(2))]
+    assert victim.wait(60) == -signal.SIGKILL, victim.communicate()[1][-3000:]
+    # the survivors wait at the top of step KW + 2: every shard has rank 1 lost and gathers that step
+    wait_until(lambda: all("1" in st["members"]["lost"] and st["sync_step"] == KW + 2 for st in
+                           (s.stats() for s in servers)), 60, "every shard at step KW + 2 without rank 1")
+    replacement = popen(args(1))
+    procs_ = [*survivors, replacement]
+    return finish(procs_, timeout=120), [p.pid for p in procs_], servers
+
+
+def _floats(hexed: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray.fromhex(hexed), dtype=torch.float32).double()
+
+
+def test_a_replacement_under_update_worker_takes_a_live_peers_parameters_buffers_and_momentum(procs):
+    """update=worker: the shards hold sums only, so the replacement takes the state of rank 0 (the lowest live
+    rank), which sends it through the shards after its optimizer step KW + 2: before its first step the
+    replacement holds, bit for bit, the parameters, buffer and momentum every survivor holds at the top of step
+    KW + 3; every rank ends with the same bits; and those are SGD with momentum over the mean of the ranks each
+    step counted (rank 1 absent from step KW to its entry), the buffer rank 0's."""
+    shm_before = set(os.listdir("/dev/shm"))
+    results, pids, servers = _worker_replacement(procs, 2, ("--buffer",))
+    recs = []
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+        recs.append(json.loads(out.strip().splitlines()[-1]))
+    entry = KW + 3
+    rep = recs[2]
+    assert rep["rank"] == 1 and rep["start_step"] == entry, rep["start_step"]
+    assert f"a replacement, entered at step {entry}" in results[2][1] and "(healed from rank 0)" in results[2][1]
+    for rec, pid in zip(recs[:2], pids):
+        assert rec["pid"] == pid and rec["start_step"] == 0  # the survivor's own process throughout
+        assert rec["at"][str(entry)] == rep["entry"], rec["rank"]  # params, buffer, momentum: bitwise
+        assert rec["end"] == rep["end"], rec["rank"]
+    p = buf = 0.0  # the closed form: SGD(lr, momentum) on the mean gradient, element by element
+    for t in range(TW):
+        g = (1 + 100) / 2 if KW <= t < entry else (1 + 10 + 100) / 3
+        buf = g if t == 0 else MU * buf + g
+        p -= LR * buf
+    for hp, hm in zip(rep["end"]["params"], rep["end"]["momentum"]):
+        assert torch.allclose(_floats(hp), torch.full_like(_floats(hp), p), rtol=1e-5), (_floats(hp), p)
+        assert torch.allclose(_floats(hm), torch.full_like(_floats(hm), buf), rtol=1e-5), (_floats(hm), buf)
+    assert _floats(rep["end"]["buffers"][0]).tolist() == [TW] * 3  # rank 0's: one per step
+    for stats in rep["servers"]:
+        assert stats["updates"] == TW and stats["lost_pushes"] == 0, stats
+        assert stats["members"]["replaced"] == 1 and stats["members"]["lost"] == {} and stats["relays"] == {}, stats
+    for s in servers:
+        s.stop()
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("commlab")]
+
+
+def test_a_replacement_whose_donor_dies_sending_is_refused_by_name_and_the_others_train_on(procs):
+    """Rank 0 SIGKILLs itself as it is about to send shard 1 its state for the replacement: the replacement exits
+    with one line naming rank 0 and the step, never trains on a partial state; rank 2 (min_workers=1) trains on
+    alone to the end."""
+    # (no buffer: the others' buffer pulls would wait for rank 0's, under buffers=broadcast)
+    results, _, servers = _worker_replacement(procs, 1, (), ("--die-donating",))
+    (code0, _, err0), (code2, out2, err2), (code1, _, err1) = results
+    assert code0 == -signal.SIGKILL, err0[-3000:]
+    assert code1 == 1, err1[-3000:]
+    said = [line for line in err1.splitlines() if line.startswith("commlab.base.errors.RemoteError: ")]
+    assert len(said) == 1 and (f"the state of step {KW + 2} for rank 1 (a replacement entering at step {KW + 3}) did "
+                               f"not reach shard ") in said[0] and (": rank 0, the live peer sending it, left the job "
+                                                                    "(its connection closed)") in said[0], err1[-3000:]
+    assert code2 == 0, err2[-3000:]
+    assert all(st["updates"] == TW for st in json.loads(out2.strip().splitlines()[-1])["servers"])
+    for s in servers:
+        s.stop()
 
 
 # ----- the quorum, and a process that comes back ----------------------------------------------------------

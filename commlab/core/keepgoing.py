@@ -15,6 +15,8 @@ options ask to keep going. Then:
   all-reduce of raw bytes, viewed as int32, to which every other member adds zeros: x + 0 is exact for
   integers, so the replacement gets the bits), the model's parameters and buffers, the optimizer's state and
   hyperparameters, and the exchanger's step counters. Its ``start_step`` is the optimizer steps taken.
+  What it takes is described once (:func:`heal_manifest`, :func:`heal_take`): ``ps://`` under update=worker
+  relays the same, packed as bytes (:func:`pack_heal`), through its shards (:mod:`servers.relay`).
 
 A regime supplies :meth:`_reform_links` (tear its links or process group down and meet again as
 ``self.rank_info`` now says, under :meth:`_epoch_ns`) and calls :meth:`_start_quorum` when it meets.
@@ -23,12 +25,13 @@ A regime supplies :meth:`_reform_links` (tear its links or process group down an
 from __future__ import annotations
 
 import json
+import struct
 import time
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from commlab.base.errors import CommError, ConfigError, ModelMismatch
+from commlab.base.errors import CommError, ConfigError, ModelMismatch, ProtocolError
 from commlab.core.quorum import Quorum
 from commlab.transport import rendezvous
 
@@ -208,9 +211,8 @@ class KeepGoing(_Host):
         self._joined = None
 
     def _heal_tensors(self) -> list[torch.Tensor]:
-        """What a replacement takes besides the state tree: every parameter (frozen ones too), the buffers."""
-        assert self.model is not None
-        return [p.data for p in self.model.parameters()] + [b for _, b in self.module_buffers]
+        """What a replacement takes besides the state tree (:func:`heal_tensors`)."""
+        return heal_tensors(self)
 
     def _heal_tree(self) -> dict:
         """The rest of what a replacement takes: the optimizer's state and hyperparameters, the compressor's shared
@@ -222,15 +224,14 @@ class KeepGoing(_Host):
                 "counters": {"step": self._step, "steps": self.stats.steps, "exchanges": self.stats.exchanges}}
 
     def _transfer(self, donor: int, pending: dict) -> None:
-        """One heal: ``donor`` publishes the layout of what it sends (:func:`_flatten`: JSON, tensors by shape and
-        dtype) in the store, then every member all-reduces one byte buffer to which only the donor contributes;
-        the joiners unpack it. Collective over the membership."""
+        """One heal: ``donor`` publishes the layout of what it sends (:func:`heal_manifest`: JSON, tensors by shape
+        and dtype) in the store, then every member all-reduces one byte buffer to which only the donor
+        contributes; the joiners unpack it. Collective over the membership."""
         q, me = self.quorum, self.quorum.me
         key = f"e{q.epoch}/heal"
         mine = [_spec(t) for t in self._heal_tensors()]
         if me == donor:
-            tensors: list[torch.Tensor] = list(self._heal_tensors())
-            manifest = {"tensors": mine, "tree": _flatten(self._heal_tree(), tensors)}
+            manifest, tensors = heal_manifest(self._heal_tensors(), self._heal_tree())
             q.store.set(key, json.dumps(manifest))
             payload = _pack(tensors)
         else:
@@ -239,34 +240,109 @@ class KeepGoing(_Host):
             if me in pending and manifest["tensors"] != mine:
                 raise ModelMismatch(f"rank {me} joins a job whose model differs: rank {donor} sends "
                                     f"{manifest['tensors']}, this rank has {mine}")
-            specs = manifest["tensors"] + _specs(manifest["tree"])
-            payload = torch.zeros(-(-sum(_nbytes(*sp) for sp in specs) // 4), dtype=torch.int32)
+            payload = torch.zeros(-(-heal_nbytes(manifest) // 4), dtype=torch.int32)
         cast(Any, self).allreduce_async(payload, f"heal of rank(s) {sorted(pending)} from rank {donor}").wait(
             self.options.timeout)
         if me in pending:
             self._unpack(manifest, payload)
 
     def _unpack(self, manifest: dict, payload: torch.Tensor) -> None:
-        raw, off = payload.view(torch.uint8), 0
-
-        def take(shape, dtype):
-            nonlocal off
-            n = _nbytes(shape, dtype)
-            t = raw[off:off + n].clone().view(getattr(torch, dtype)).reshape(shape)
-            off += n
-            return t
-
+        tree = heal_take(manifest, payload.view(torch.uint8), self._heal_tensors())
+        assert self.optimizer is not None  # setup gave one
         with torch.no_grad():
-            for t in self._heal_tensors():
-                t.copy_(take(*_spec(t)).to(t.device))
-            tree = _unflatten(manifest["tree"], take)
-            assert self.optimizer is not None  # setup gave one
             self.optimizer.load_state_dict(tree["optim"])
             if self.compressor is not None and tree["compress"] is not None:
                 self.compressor.load_state_dict(tree["compress"])
         counters = tree["counters"]
         self._step, self.stats.steps, self.stats.exchanges = counters["step"], counters["steps"], counters["exchanges"]
         self.start_step = counters["steps"]
+
+
+# ----- what a replacement takes, one mechanism for every regime that heals one --------------------------
+#
+# ring:// and allreduce:// (above) send it over their own collective, the manifest through the store; ps://
+# under update=worker (commlab.regimes.ps) relays it through the shards as opaque bytes (pack_heal).
+
+def heal_tensors(ex) -> list[torch.Tensor]:
+    """What a replacement takes besides a state tree: every parameter of ``ex``'s model (frozen ones too), then
+    the module buffers."""
+    assert ex.model is not None
+    return [p.data for p in ex.model.parameters()] + [b for _, b in ex.module_buffers]
+
+
+def heal_manifest(tensors: list[torch.Tensor], tree) -> tuple[dict, list[torch.Tensor]]:
+    """The layout of what a replacement takes (JSON-able: ``tensors`` by shape and dtype, ``tree`` as
+    :func:`_flatten` writes it) and every tensor to send, in the order :func:`heal_take` reads them. ConfigError
+    for what cannot travel (``tree`` holds something other than tensors, numbers, strings, lists and dicts)."""
+    out = list(tensors)
+    return {"tensors": [_spec(t) for t in tensors], "tree": _flatten(tree, out)}, out
+
+
+def heal_nbytes(manifest: dict) -> int:
+    """The bytes of the tensors a :func:`heal_manifest` describes."""
+    return sum(_nbytes(*sp) for sp in manifest["tensors"] + _specs(manifest["tree"]))
+
+
+def heal_take(manifest: dict, raw: torch.Tensor, targets: list[torch.Tensor]):
+    """Copy each of ``targets`` (a replacement's own parameters and buffers, as :func:`heal_manifest` listed the
+    sender's) from ``raw`` (uint8: the tensors' bytes one after another); the tree, its tensors rebuilt."""
+    off = 0
+
+    def take(shape, dtype):
+        nonlocal off
+        n = _nbytes(shape, dtype)
+        t = raw[off:off + n].clone().view(getattr(torch, dtype)).reshape(shape)
+        off += n
+        return t
+
+    with torch.no_grad():
+        for t in targets:
+            t.copy_(take(*_spec(t)).to(t.device))
+        return _unflatten(manifest["tree"], take)
+
+
+HEAL_MAGIC = b"CLHEAL1\0"
+_HEAL_HEAD = len(HEAL_MAGIC) + 8
+
+
+def pack_heal(tensors: list[torch.Tensor], tree) -> torch.Tensor:
+    """What a replacement takes as one uint8 tensor, for a regime that relays it as opaque bytes: a magic, the
+    manifest's length (8 bytes), the manifest (:func:`heal_manifest`) as JSON, the tensors' bytes. ConfigError
+    for what cannot travel."""
+    manifest, out = heal_manifest(tensors, tree)
+    head = json.dumps(manifest).encode()
+    return _pack(out, HEAL_MAGIC + struct.pack("<Q", len(head)) + head).view(torch.uint8)
+
+
+def unpack_heal(raw: torch.Tensor, targets: list[torch.Tensor], sender: str):
+    """:func:`pack_heal`'s bytes (``raw``, uint8, from ``sender``, which the errors name) into ``targets``; the
+    tree. ModelMismatch when the sender's parameters and buffers are not shaped as ``targets``; ProtocolError
+    for bytes :func:`pack_heal` could not have made."""
+    head = bytes(raw[:_HEAL_HEAD].numpy())
+    if len(head) < _HEAL_HEAD or head[:len(HEAL_MAGIC)] != HEAL_MAGIC:
+        raise ProtocolError(f"the state from {sender} was not made by commlab.core.keepgoing.pack_heal")
+    (size,) = struct.unpack("<Q", head[len(HEAL_MAGIC):])
+    try:
+        if size > raw.numel() - _HEAL_HEAD:
+            raise ValueError(f"a manifest of {size} bytes in {raw.numel()}")
+        manifest = json.loads(bytes(raw[_HEAL_HEAD:_HEAL_HEAD + size].numpy()))
+        need = heal_nbytes(manifest)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise ProtocolError(f"the state from {sender} holds no readable manifest ({exc!r:.200})") from None
+    mine = [_spec(t) for t in targets]
+    if manifest["tensors"] != mine:
+        at = next((i for i, (a, b) in enumerate(zip(manifest["tensors"], mine)) if a != b),
+                  min(len(mine), len(manifest["tensors"])))
+        raise ModelMismatch(f"a replacement takes the state of a model that differs: {sender} sends "
+                            f"{len(manifest['tensors'])} parameters and buffers, this rank has {len(mine)}; the first "
+                            f"difference at #{at}: {manifest['tensors'][at:at + 1]} there, {mine[at:at + 1]} here")
+    body = raw[_HEAL_HEAD + size:]
+    if need > body.numel():
+        raise ProtocolError(f"the state from {sender} holds {body.numel()} bytes of tensors, its manifest says {need}")
+    try:
+        return heal_take(manifest, body, targets)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        raise ProtocolError(f"the state from {sender} does not match its manifest ({exc!r:.200})") from None
 
 
 def _spec(t: torch.Tensor) -> list:
@@ -320,12 +396,14 @@ def _nbytes(shape, dtype: str) -> int:
     return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' bytes, one after another, zero-padded to whole int32 elements, viewed as int32."""
+def _pack(tensors: list[torch.Tensor], head: bytes = b"") -> torch.Tensor:
+    """``head``, then the tensors' bytes, one after another, zero-padded to whole int32 elements, viewed as int32."""
     parts = [t.detach().reshape(-1).contiguous().cpu().view(torch.uint8) for t in tensors]
-    total = sum(p.numel() for p in parts)
+    total = len(head) + sum(p.numel() for p in parts)
     out = torch.zeros(-(-total // 4) * 4, dtype=torch.uint8)
-    off = 0
+    if head:
+        out[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    off = len(head)
     for p in parts:
         out[off:off + p.numel()] = p
         off += p.numel()

@@ -52,6 +52,7 @@ from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommError, CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
 from commlab.core.localsteps import LocalStepsOptions, Outer, async_outer_refusal, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
+from commlab.core.keepgoing import heal_tensors, pack_heal, unpack_heal
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
@@ -824,6 +825,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
         self.healed: dict | None = None  # a replacement: {step: where it entered, seconds: since the death}
         self._replay_to = 0  # wire steps below this one are replayed (see replaying)
+        # keep-going under update=worker: shard -> (entry step, ranks) it asked this rank's state for (_donate)
+        self._asks: dict[int, tuple[int, list]] = {}
+        self._donations: list[cf.Future] = []  # posting that state, on the shards' threads
 
     # ----- setup ---------------------------------------------------------------------------
     def _connect(self, model, optimizer):
@@ -956,8 +960,127 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             self.restored_state = self._restore_state()
             self._replay_from_state()
         if self.healed is not None:
-            self.healed = rendezvous.announce_entry(f"commlab ps:// rank {self.rank_info.global_rank()}",
-                                                    self.healed["step"])
+            who = f"commlab ps:// rank {self.rank_info.global_rank()}"
+            if not self.steps.spec.shards_step:  # update=worker: the state is a live peer's
+                try:
+                    who += f" (healed from rank {self._heal_from_peer()})"
+                except BaseException:
+                    # leave as a dead rank does (connections closed, no bye): the shards count this rank lost and
+                    # the others go on without it, where a bye would leave it owing its step
+                    for s in self.shards:
+                        s.submit(s.close, False).result(timeout=5)
+                    raise
+            self.healed = rendezvous.announce_entry(who, self.healed["step"])
+
+    # ----- keep-going under update=worker: a replacement takes a live peer's state through the shards ----------
+    def _heal_from_peer(self) -> int:
+        """A replacement under update=worker, where the shards hold sums only: each shard relays its range of the
+        state (parameters, buffers, optimizer state: :func:`commlab.core.keepgoing.pack_heal`) that the lowest
+        rank training held after its optimizer step before this rank's entry (:mod:`servers.relay`); loaded
+        before the first step. Returns that rank. A relay that failed (the donor left before all of it arrived)
+        raises RemoteError naming the donor and the step."""
+        entry = self._base
+        got: list = [None] * len(self.shards)
+
+        def fetch(s: _Shard) -> int:
+            def take(h: wire.Header, data) -> int:
+                got[s.index] = (h.meta, [(spec.offset, wire.frame_tensor(spec, frame).clone())
+                                         for spec, frame in zip(h.frames, data)])
+                return h.data_bytes
+
+            s.post("pull", entry - 1, meta={"after_step": entry - 1, "what": "heal"}, take=take,
+                   max_bytes=psproto.relay_limit(s.max_reply),
+                   what=f"the state after step {entry - 1} from the lowest live rank (this replacement enters at "
+                        f"step {entry}; update=worker)")
+            return s.collect()
+
+        self.stats.bytes_received += sum(self._on_all(fetch, "a live peer's state"))
+        metas = [m for m, _ in got]
+        said = {(m.get("donor"), m.get("step"), m.get("size")) for m in metas}
+        if len(said) != 1 or next(iter(said))[1] != entry:
+            raise ProtocolError(f"ps:// rank {self.rank_info.global_rank()} enters at step {entry}, but the shards "
+                                f"relayed the state of (donor, step, bytes) {sorted(said, key=str)}: not one peer's")
+        donor, _, size = next(iter(said))
+        most = sum(psproto.relay_limit(s.max_reply) for s in self.shards)
+        if not isinstance(size, int) or not 0 <= size <= most:
+            raise ProtocolError(f"ps:// the shards relayed rank {donor}'s state as {size!r:.40} bytes (at most {most})")
+        payload, at = torch.empty(size, dtype=torch.uint8), 0
+        if not all(isinstance(m.get("range"), list) and len(m["range"]) == 2 for m in metas):
+            raise ProtocolError(f"ps:// a shard relayed rank {donor}'s state without its range")
+        for meta, frames in sorted(got, key=lambda g: g[0]["range"]):
+            lo, hi = meta["range"]
+            for off, t in frames:
+                if off != at or off + t.numel() > hi or lo > off or t.dtype != torch.uint8:
+                    raise ProtocolError(f"ps:// the shards relayed bytes [{off}, {off + t.numel()}) of rank {donor}'s "
+                                        f"state where bytes from {at} of [{lo}, {hi}) were due")
+                payload[at:at + t.numel()] = t
+                at += t.numel()
+        if at != size:
+            raise ProtocolError(f"ps:// the shards relayed {at} bytes of rank {donor}'s state, which takes {size}")
+        tree = unpack_heal(payload, heal_tensors(self), f"rank {donor} (through the shards)")
+        assert self.optimizer is not None  # setup
+        self.optimizer.load_state_dict(tree["optim"])
+        return donor
+
+    def _asked(self, shard: int, ask) -> None:
+        """On a shard's thread: ``shard`` asked this rank (the lowest training there) for its state after the step
+        before ``ask["step"]``, the entry of the replacements ``ask["ranks"]``."""
+        if isinstance(ask, dict) and isinstance(ask.get("step"), int) and isinstance(ask.get("ranks"), list):
+            self._asks[shard] = (ask["step"], ask["ranks"])
+
+    def _after_step(self) -> None:
+        super()._after_step()
+        if self._asks:
+            self._donate()
+
+    def _exchange_begins(self) -> None:
+        super()._exchange_begins()
+        if self._asks:  # a step no optimizer step followed (a GradScaler skipped it): its boundary is now
+            self._donate()
+
+    def _donate(self) -> None:
+        """At the step boundary the shards asked for (after the optimizer step before a replacement's entry): this
+        rank's parameters, buffers and optimizer state, packed once (:func:`commlab.core.keepgoing.pack_heal`),
+        each asking shard its byte range (in proportion to its pieces), in messages no larger than its pieces.
+        Posted on the shards' threads and not waited for: the replies come with the next step's. What cannot
+        travel goes as a refusal, which the replacement says; this rank trains on."""
+        step = self._wire_step()
+        due = {i: ranks for i, (at, ranks) in self._asks.items() if at == step}
+        self._asks = {i: a for i, a in self._asks.items() if a[0] > step}
+        if not due:
+            return
+        assert self.optimizer is not None  # setup
+        try:
+            payload, refused = pack_heal(heal_tensors(self), {"optim": self.optimizer.state_dict()}), ""
+        except ConfigError as exc:
+            payload, refused = torch.empty(0, dtype=torch.uint8), str(exc)
+        weights = [s.max_reply for s in self.shards]
+        bounds = [payload.numel() * sum(weights[:i]) // sum(weights) for i in range(len(weights))] + [payload.numel()]
+        over = [i for i in due if bounds[i + 1] - bounds[i] > psproto.relay_limit(weights[i])]
+        if over and not refused:
+            refused = (f"its state takes {payload.numel()} bytes, more than shard {over[0]} relays "
+                       f"({psproto.relay_limit(weights[over[0]])}: 16 times its pieces and 1 MiB)")
+        for i, ranks in due.items():
+            s = self.shards[i]
+            self._donations.append(s.submit(self._send_state, s, step, ranks, payload, bounds[i], bounds[i + 1],
+                                            refused))
+
+    @staticmethod
+    def _send_state(s: _Shard, step: int, ranks: list, payload: torch.Tensor, lo: int, hi: int, refused: str) -> None:
+        """On ``s``'s thread: post bytes ``[lo, hi)`` of ``payload`` (or the refusal) for the replacements
+        ``ranks`` entering at ``step``."""
+        meta = {"entry": step, "ranks": ranks, "size": payload.numel(), "range": [lo, hi]}
+        what = f"this rank's state for rank(s) {ranks} entering at step {step}"
+        if refused:
+            s.post("donate", step, meta=dict(meta, refused=refused), what=what)
+            return
+        at, cap = lo, max(1, s.max_reply)
+        while True:
+            n = min(cap, hi - at)
+            s.post("donate", step, wire.split("heal", payload[at:at + n], at), meta, what)
+            at += n
+            if at >= hi:
+                return
 
     def _min_workers(self) -> int:
         """Keep-going's quorum (min_workers=; 1 under a launcher that replaces dead ranks, 0: off), checked
@@ -1174,6 +1297,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     def _finish(self) -> None:
         if self.replaying:
             return  # p.grad: this rank's own gradient, which the servers never see
+        while self._donations:  # (posted before this step's pushes, on the same threads: done by now)
+            self._donations.pop().result(timeout=self.options.timeout)
         step = self._wire_step()
         assert self.steps is not None  # setup
         assert self._pushes is not None  # setup

@@ -129,15 +129,18 @@ class Averages(StepPlacement):
 
     def after_push(self, shard, step, keys, shown):
         shard.post("pull", step, meta={"after_step": step, "keys": keys, "what": "sum"},
-                   what=f"average of {shown} at step {step}", take=self._take_sum)
+                   what=f"average of {shown} at step {step}", take=lambda h, data: self._take_sum(h, data, shard))
 
     @property
     def replies_in_backward(self) -> bool:
         return True
 
-    def _take_sum(self, h: wire.Header, data) -> int:
-        """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views)."""
+    def _take_sum(self, h: wire.Header, data, shard: "_Shard") -> int:
+        """On a shard's thread: an average into the bucket ranges of its keys (``p.grad`` views). Keep-going: a
+        shard that asks this rank for its state (a replacement enters) is noted (:meth:`PSExchanger._donate`)."""
         ex = self.ex
+        if "donate" in h.meta:
+            ex._asked(shard.index, h.meta["donate"])
         st = ex._staging
         for spec, frame in zip(h.frames, data):
             bi, _, start = ex._locate(spec.key, spec.offset, spec.count, "the average of ")

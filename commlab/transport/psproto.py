@@ -68,6 +68,12 @@ on the client as :class:`~commlab.base.errors.RemoteError`)::
             last traffic was data would never time out)  ->  its closing counts as the rank's
       and its start pull (after_step E-1) gets the parameters after step E-1. Fewer than M ranks left:
       every request is refused with the line naming the ranks lost.
+      update=worker (the shards hold sums only; servers.relay): a reply of step E-1's sums to the lowest
+      rank pushing that step carries {donate: {step: E, ranks}}; that rank, after its optimizer step, sends
+      each shard its range of the state (keepgoing.pack_heal: parameters, buffers, optimizer state):
+      donate step=E {entry, ranks, size, range: [lo, hi]} [uint8 frames "heal"]  ->  ok (or {dropped})
+      pull {after_step: E-1, what: heal}    <-  params [this shard's range] {step, donor, size, range}, once
+                                                the shard holds all of it; error if the donor left first
 
 Modes (the server's; a worker that names another one is refused):
 
@@ -166,11 +172,18 @@ def consistency(name: str) -> Consistency:
         raise ValueError(f"unknown mode {name!r}; known: {list(MODES)}") from None
 
 REQUESTS = frozenset({"hello", "init", "push", "pull", "commit", "buffers", "state", "load", "stats", "join",
-                      "bye", "blob", "enter", "live"})
+                      "bye", "blob", "enter", "live", "donate"})
 REPLIES = frozenset({"ok", "params", "error"})
 # a backup shard's link to its primary (servers.replication): it attaches, then acknowledges the stream
 REPLICATION = frozenset({"attach", "ack"})
 BLOB_MAX = 1 << 20  # bytes of one rank's committed state (ex.commit_state: a scheduler, a scaler, a data position)
+
+
+def relay_limit(shard_bytes: int) -> int:
+    """The most bytes of a replacement's state (update=worker: parameters, buffers, optimizer state) a shard
+    holding ``shard_bytes`` of pieces and buffers relays: 16 times those (Adam's state in float32 beside
+    bfloat16 parameters is 5 times) and 1 MiB (the layout, small parameters)."""
+    return 16 * shard_bytes + (1 << 20)
 
 
 def ssp_staleness_bound(workers: int, staleness: int) -> int:
