@@ -679,9 +679,9 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
     md += table(["entry", "url", "kills", "goodput samples/s", "over reference", "kill → next step s", "heal s",
                  "steps lost", "applied twice", "final loss / reference at equal steps / at equal time", "note"], rows)
     md += ["", "Verdicts (95% intervals from 20 bins of each window; the spread within this run, not between "
-               "launches):", ""]
-    md += [f"- {label}: {v.ratio:.3f} [{v.lo:.3f}, {v.hi:.3f}]" + (" (interval above 1)" if v.lo > 1 else
-                                                                    " (interval below 1)" if v.hi < 1 else "")
+               f"launches; {verdict.rule(named='an entry is named ahead')}):", ""]
+    md += [f"- {label}: {v.ratio:.3f} [{v.lo:.3f}, {v.hi:.3f}]" + (f" ({v.winner} ahead)" if v.winner else
+                                                                    f" ({v.said()})")
            for label, v in vs] + [""]
     png = plot(results, plan, out / "chaos.png")
     if png:
