@@ -330,8 +330,8 @@ def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, u
             if e.procs[0].poll() is not None:
                 raise RuntimeError(f"the job ended (exit {e.procs[0].returncode}) first: {chaos.last_line(e)}")
             if time.monotonic() > until:
-                raise RuntimeError(f"{'no rank signalled itself' if kill is None else 'the survivors or the replacement'}"
-                                   f" did not step within --deadline {deadline:g}s: {chaos.last_line(e)}")
+                who = "no rank signalled itself" if kill is None else "the survivors or the replacement did not step"
+                raise RuntimeError(f"{who} within --deadline {deadline:g}s: {chaos.last_line(e)}")
             time.sleep(0.05)
     except RuntimeError as exc:
         out["error"] = str(exc)
@@ -356,14 +356,15 @@ def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, u
     first = lambda rs: min(rs, key=lambda r: r["t"]) if rs else None
     nxt, healed = first(survivors), first(new)
     # the survivors' own step time before the signal: what a next step takes with nobody lost
-    gaps = [b["t"] - a["t"] for slot in range(KEEPGOING_WORKERS) if slot != KEEPGOING_VICTIM
-            for a, b in itertools.pairwise(sorted((r for r in recs if r.get("ev") == "step" and r["slot"] == slot
+    gaps = [y["t"] - x["t"] for slot in range(KEEPGOING_WORKERS) if slot != KEEPGOING_VICTIM
+            for x, y in itertools.pairwise(sorted((r for r in recs if r.get("ev") == "step" and r["slot"] == slot
                                                    and r["t"] < kill["t"]), key=lambda r: r["t"]))]
     out.update(signal_step=kill["step"], victim_pid=kill["pid"], next_step_s=row["next_step_s"],
                next_step=nxt and nxt["step"], next_step_slot=nxt and nxt["slot"],
                step_s_before=statistics.median(gaps) if gaps else None)
     if sig == "kill":
-        out.update(heal_s=row.get("heal_s"), entered_at=healed and healed["step"], replacement_pid=healed and healed["pid"])
+        out.update(heal_s=row.get("heal_s"), entered_at=healed and healed["step"],
+                   replacement_pid=healed and healed["pid"])
     return out
 
 
@@ -381,7 +382,8 @@ def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: st
            "kill_at": kill_at, "model": model, "model_is": MODELS[model][2], "heartbeat_s": heartbeat_s if sig == "stop"
            else None, "next_step_goal_s": goal, "heal_goal_s": HEAL_SPARES_GOAL_S if heal == "spares" else None,
            "command": f"commlab run --workers {KEEPGOING_WORKERS} {'--spares 1' if heal == 'spares' else '--replace'} "
-                      f"--exchanger '{url}' -m bench.chaos_worker -- --model {model} --signal-at {kill_at} "
+                      f"--exchanger '{url}' -m bench.chaos_worker -- --log DIR --model {model} --batch-size 32 "
+                      f"--lr 0.05 --signal-at {kill_at} "
                       f"--signal-slot {KEEPGOING_VICTIM} --signal {sig}", "runs": []}
     for i in range(runs):
         with scratch.folder("probe") as tmp:
@@ -406,7 +408,8 @@ def keepgoing_table(doc: dict) -> list[str]:
                      r.get("error", "")])
     heal_goal = f" (goal <= {doc['heal_goal_s']:g})" if doc["heal_goal_s"] else " (beside a plain start)"
     head = ["run", "signal at step", f"signal → survivors' next step, s (goal <= {doc['next_step_goal_s']:g})",
-            "that step", "survivors' step before, median s", *([f"kill → replacement's first step, s{heal_goal}", "entered at step"] if kill else []),
+            "that step", "survivors' step before, median s",
+            *([f"kill → replacement's first step, s{heal_goal}", "entered at step"] if kill else []),
             f"plain process start (`{START}`), s", "load 1/5/15 min", "error"]
     said = (f"{doc['workers']} workers, rank {doc['victim']} sends itself SIG{doc['signal'].upper()} at the top of step "
             f"{doc['kill_at']}; `{doc['command']}`; model {doc['model']} ({doc['model_is']}), batch 32")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -181,14 +182,20 @@ def test_the_keepgoing_probe_times_the_survivors_next_step_and_the_heal_from_the
     signal is step 3 itself (sync: it waited for rank 1's loss); after a kill the replacement, a new process of
     slot 1, enters at a later step and logs its first step after the survivors' step 3; the plain start is
     timed. Orders and counts only, never a time."""
+    from test_restart import _leftovers
+    shm_before = set(os.listdir("/dev/shm"))
+    (tmp_path / "tmp").mkdir()
     out = tmp_path / "kg.json"
     argv = [sys.executable, "-m", "bench.probes", "keepgoing", "--signal", sig, "--heal", heal, "--runs", "1",
             "--model", "tiny", "--kill-at", "3", "--deadline", "120", "--out", str(out)]
-    done = run_group(argv, timeout=180, grace=15, env=child_env(), capture_output=True, text=True)
+    done = run_group(argv, timeout=180, grace=15, env=child_env(TMPDIR=tmp_path / "tmp"), capture_output=True,
+                     text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not _leftovers(tmp_path, shm_before)  # its scratch folder, the job's segments
     doc = json.loads(out.read_text())
     assert (doc["signal"], doc["heal"], doc["kill_at"], doc["model"]) == (sig, heal, 3, "tiny")
-    assert doc["next_step_goal_s"] == (0.5 if sig == "kill" else 1.5) and ("heartbeat_s=1" in doc["url"]) == (sig == "stop")
+    assert doc["next_step_goal_s"] == (0.5 if sig == "kill" else 1.5)
+    assert ("heartbeat_s=1" in doc["url"]) == (sig == "stop")
     (run,) = doc["runs"]
     assert "error" not in run, run
     assert run["signal_step"] == 3 and run["next_step"] == 3 and run["next_step_slot"] in (0, 2), run
