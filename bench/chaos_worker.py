@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                                                  "itself --signal, once per job (module text)")
     p.add_argument("--signal-slot", type=int, default=1)
     p.add_argument("--signal", choices=tuple(SIGNALS), default="kill")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds slept in each step before its exchange (compute stood in for: a tiny model's steps "
+                        "outrun a replacement's entry)")
     return p
 
 
@@ -121,6 +124,8 @@ def commlab_loop(a, slot: int, log: Log) -> int:
         ex.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
         ex.step()
         log.write(ev="step", step=step, t=time.time(), samples=a.batch_size, loss=loss.item(), applied=True)
         step += 1

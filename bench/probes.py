@@ -283,6 +283,8 @@ def keepgoing_args(a) -> None:
         raise ValueError(f"--heartbeat-s must be in [0.1, 60] seconds, got {a.heartbeat_s:g}")
     if a.deadline <= 0:
         raise ValueError(f"--deadline must be > 0 seconds, got {a.deadline:g}")
+    if not 0 <= a.step_sleep <= 10:
+        raise ValueError(f"--step-sleep must be in [0, 10] seconds, got {a.step_sleep:g}")
 
 
 def process_start(timeout: float = 120.0) -> float | None:
@@ -302,12 +304,14 @@ def process_start(timeout: float = 120.0) -> float | None:
     return time.monotonic() - t if code == 0 else None
 
 
-def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, url: str, deadline: float) -> dict:
+def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, url: str, deadline: float,
+                  step_sleep: float = 0.0) -> dict:
     """One job: ``commlab run --workers 3 --replace`` (or ``--spares 1``) of :mod:`bench.chaos_worker` under
     ``url``; rank 1 sends itself SIGKILL or SIGSTOP at the top of step ``kill_at`` (before its forward, so the
     survivors' step ``kill_at`` cannot complete before its loss is seen). Stopped once the survivors logged
     that step (and, after a kill, the replacement its first); then a plain process start is timed. Figures
-    from the ranks' wall-clock step logs (:func:`bench.chaos.account`)."""
+    from the ranks' wall-clock step logs (:func:`bench.chaos.account`). ``step_sleep``: seconds each step
+    sleeps before its exchange (the smoke test's tiny model: its steps would outrun the replacement's entry)."""
     from bench import chaos
 
     a = argparse.Namespace(workers=KEEPGOING_WORKERS, model=model, batch_size=32, lr=0.05,
@@ -316,7 +320,7 @@ def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, u
     out: dict = {}
     kill: dict | None = None
     chaos.start_commlab(e, a, None, 0, ["--signal-at", str(kill_at), "--signal-slot", str(KEEPGOING_VICTIM),
-                                        "--signal", sig])
+                                        "--signal", sig, "--step-sleep", str(step_sleep)])
     try:
         until = time.monotonic() + deadline
         while True:
@@ -369,7 +373,7 @@ def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, u
 
 
 def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: str = "mlp", kill_at: int = 5,
-              heartbeat_s: float = 1.0, deadline: float = 300.0, progress=None) -> dict:
+              heartbeat_s: float = 1.0, deadline: float = 300.0, step_sleep: float = 0.0, progress=None) -> dict:
     """Issue 38's detection and heal goals, ``runs`` jobs one after the other (:func:`keepgoing_run`): per run
     the seconds from the signal to the survivors' next step (goal: 0.5 s after a kill, heartbeat_s + 0.5 s
     after a SIGSTOP), and after a kill the seconds to the replacement's first step (goal with spares: 3 s),
@@ -380,14 +384,14 @@ def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: st
     goal = NEXT_STEP_GOAL_S + (heartbeat_s if sig == "stop" else 0.0)
     doc = {"signal": sig, "heal": heal, "url": url, "workers": KEEPGOING_WORKERS, "victim": KEEPGOING_VICTIM,
            "kill_at": kill_at, "model": model, "model_is": MODELS[model][2], "heartbeat_s": heartbeat_s if sig == "stop"
-           else None, "next_step_goal_s": goal, "heal_goal_s": HEAL_SPARES_GOAL_S if heal == "spares" else None,
+           else None, "step_sleep_s": step_sleep, "next_step_goal_s": goal, "heal_goal_s": HEAL_SPARES_GOAL_S if heal == "spares" else None,
            "command": f"commlab run --workers {KEEPGOING_WORKERS} {'--spares 1' if heal == 'spares' else '--replace'} "
                       f"--exchanger '{url}' -m bench.chaos_worker -- --log DIR --model {model} --batch-size 32 "
-                      f"--lr 0.05 --signal-at {kill_at} "
+                      f"--lr 0.05 --signal-at {kill_at} --step-sleep {step_sleep:g} "
                       f"--signal-slot {KEEPGOING_VICTIM} --signal {sig}", "runs": []}
     for i in range(runs):
         with scratch.folder("probe") as tmp:
-            run = dict(run=i + 1, **keepgoing_run(Path(tmp), sig, heal, model, kill_at, url, deadline))
+            run = dict(run=i + 1, **keepgoing_run(Path(tmp), sig, heal, model, kill_at, url, deadline, step_sleep))
         doc["runs"].append(run)
         if progress:
             progress(f"keepgoing run {i + 1}/{runs}: " + ", ".join(f"{k} {v}" for k, v in run.items() if k != "run"))
@@ -475,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--model", default="mlp", help="workers/models.py's (mlp: 1.9M parameters; mlp-25m; tiny)")
     g.add_argument("--heartbeat-s", type=float, default=1.0, help="with --signal stop: the URL's heartbeat_s")
     g.add_argument("--deadline", type=float, default=300.0, help="seconds one run may take")
+    g.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a tiny model's stand-in "
+                                                                 "for compute)")
     a = p.parse_args(argv)
     if a.what == "peer-loss-rank":
         return _rank_peer_loss(a)
@@ -486,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"python -m bench.probes keepgoing: {exc}", file=sys.stderr)
             return 2
-        doc = keepgoing(a.signal, a.heal, a.runs, a.model, a.kill_at or 5, a.heartbeat_s, a.deadline,
+        doc = keepgoing(a.signal, a.heal, a.runs, a.model, a.kill_at or 5, a.heartbeat_s, a.deadline, a.step_sleep,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
         print("\n".join(keepgoing_table(doc)))
         if a.out:

@@ -187,7 +187,7 @@ def test_the_keepgoing_probe_times_the_survivors_next_step_and_the_heal_from_the
     (tmp_path / "tmp").mkdir()
     out = tmp_path / "kg.json"
     argv = [sys.executable, "-m", "bench.probes", "keepgoing", "--signal", sig, "--heal", heal, "--runs", "1",
-            "--model", "tiny", "--kill-at", "3", "--deadline", "120", "--out", str(out)]
+            "--model", "tiny", "--kill-at", "3", "--step-sleep", "0.02", "--deadline", "120", "--out", str(out)]
     done = run_group(argv, timeout=180, grace=15, env=child_env(TMPDIR=tmp_path / "tmp"), capture_output=True,
                      text=True)
     assert done.returncode == 0, done.stderr[-3000:]
