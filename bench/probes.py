@@ -372,7 +372,7 @@ def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, u
     return out
 
 
-def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: str = "mlp", kill_at: int = 5,
+def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: str = "mlp", kill_at: int = 20,
               heartbeat_s: float = 1.0, deadline: float = 300.0, step_sleep: float = 0.0, progress=None) -> dict:
     """Issue 38's detection and heal goals, ``runs`` jobs one after the other (:func:`keepgoing_run`): per run
     the seconds from the signal to the survivors' next step (goal: 0.5 s after a kill, heartbeat_s + 0.5 s
@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=20.0)
     p.add_argument("--out", help="keepgoing: write its JSON here")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-at", type=int, help="the step at which the victim is killed (restart: 25; keepgoing: 5)")
+    p.add_argument("--kill-at", type=int, help="the step at which the victim is killed (restart: 25; keepgoing: 20)")
     p.add_argument("--every", type=int, default=10)
     g = p.add_argument_group("keepgoing")
     g.add_argument("--signal", choices=("kill", "stop"), default="kill", help="SIGKILL, or SIGSTOP (heartbeat_s)")
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"python -m bench.probes keepgoing: {exc}", file=sys.stderr)
             return 2
-        doc = keepgoing(a.signal, a.heal, a.runs, a.model, a.kill_at or 5, a.heartbeat_s, a.deadline, a.step_sleep,
+        doc = keepgoing(a.signal, a.heal, a.runs, a.model, a.kill_at or 20, a.heartbeat_s, a.deadline, a.step_sleep,
                         progress=lambda line: print(line, file=sys.stderr, flush=True))
         print("\n".join(keepgoing_table(doc)))
         if a.out:
