@@ -213,11 +213,18 @@ def server_stats(job_logs: Path) -> list[dict]:
     return out
 
 
+def held_up(r: dict, k: dict) -> bool:
+    """Whether step record ``r`` is one kill ``k`` could hold up: later than the kill, of another process, and
+    (where the kill names the step its victim was at, ``k["step"]``: ``bench.probes keepgoing``) of that step
+    or a later one, so not a step whose every push was in before the kill."""
+    return r["t"] > k["t"] and r["pid"] != k.get("pid") and r["step"] >= k.get("step", r["step"])
+
+
 def settled(recs: list[dict], kills: list[dict]) -> bool:
-    """Whether every kill has, in ``recs``, a later step of another process and of a new process of its slot."""
+    """Whether every kill has, in ``recs``, a later step of another process (:func:`held_up`) and, where the
+    kill names its slot, of a new process of that slot."""
     for k in kills:
-        later = [r for r in recs if r.get("ev") == "step" and r["t"] > k["t"] and r["pid"] != k["pid"]
-                 and r.get("samples", 0) > 0]
+        later = [r for r in recs if r.get("ev") == "step" and held_up(r, k) and r.get("samples", 0) > 0]
         if not later or ("slot" in k and not any(r["slot"] == k["slot"] for r in later)):
             return False
     return True
@@ -226,7 +233,8 @@ def settled(recs: list[dict], kills: list[dict]) -> bool:
 def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bins: int = BINS, *,
             rollbacks: bool = True) -> dict:
     """What the window [t0, t0 + duration) got done (module text), from the ranks' records and the kills
-    delivered (``{"t", "slot" or "shard", "pid"}``). ``rollbacks``: a process's ``start`` says where it
+    delivered (``{"t", "slot" or "shard", "pid"}``, and ``"step"`` where the victim's step is known: the next
+    step is then the first :func:`held_up` counts). ``rollbacks``: a process's ``start`` says where it
     resumed its slot's state (False for torchft, whose new replica takes a live peer's step)."""
     end = t0 + duration
     steps = [r for r in recs if r.get("ev") == "step"]
@@ -256,7 +264,8 @@ def account(recs: list[dict], kills: list[dict], t0: float, duration: float, bin
         tk = k["t"]
         after = [r for r in seen.values() if r["t"] > tk and r["pid"] != k.get("pid")]
         row = dict(k, at=tk - t0)
-        row["next_step_s"] = min((r["t"] for r in after), default=tk) - tk if after else None
+        nxt = [r["t"] for r in after if held_up(r, k)]
+        row["next_step_s"] = min(nxt) - tk if nxt else None
         if "slot" in k:
             healed = [r["t"] for r in after if r["slot"] == k["slot"] and r.get("samples", 0) > 0]
             row["heal_s"] = min(healed) - tk if healed else None
@@ -319,14 +328,17 @@ def worker_args(a, log: Path) -> list[str]:
     return ["--log", str(log), "--model", a.model, "--batch-size", str(a.batch_size), "--lr", str(a.lr)]
 
 
-def start_commlab(e: Entry, a, caps: Caps, kills: int) -> None:
+def start_commlab(e: Entry, a, caps: Caps | None, kills: int, extra: list[str] | tuple = ()) -> None:
+    """``commlab run`` of :mod:`bench.chaos_worker` for entry ``e`` (``extra``: more worker arguments), a
+    process group of its own in ``e.procs``; its output in ``launcher.log``. Does not block."""
     flags = []
     if kind(e.name) == "restart-all":
         flags = ["--max-restarts", str(kills + 100)]
     elif kind(e.name) in ("commlab", "free-kg"):
         flags = ["--spares", str(a.spares)] if a.spares else ["--replace"]
     argv = [sys.executable, "-m", "commlab.tools.cli", "run", "--workers", str(a.workers), "--exchanger", e.url,
-            "--log-dir", str(e.folder / "job"), *flags, "-m", "bench.chaos_worker", "--", *worker_args(a, e.folder)]
+            "--log-dir", str(e.folder / "job"), *flags, "-m", "bench.chaos_worker", "--", *worker_args(a, e.folder),
+            *extra]
     out = (e.folder / "launcher.log").open("a")
     e.procs.append(launcher.start_group(argv, env_of(caps), stdout=out, stderr=subprocess.STDOUT))
     out.close()
@@ -691,9 +703,9 @@ def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing
     md += table(["entry", "url", "kills", "goodput samples/s", "over reference", "kill → next step s", "heal s",
                  "steps lost", "applied twice", "final loss / reference at equal steps / at equal time", "note"], rows)
     md += ["", "Verdicts (95% intervals from 20 bins of each window; the spread within this run, not between "
-               "launches):", ""]
-    md += [f"- {label}: {v.ratio:.3f} [{v.lo:.3f}, {v.hi:.3f}]" + (" (interval above 1)" if v.lo > 1 else
-                                                                    " (interval below 1)" if v.hi < 1 else "")
+               f"launches; {verdict.rule(named='an entry is named ahead')}):", ""]
+    md += [f"- {label}: {v.ratio:.3f} [{v.lo:.3f}, {v.hi:.3f}]" + (f" ({v.winner} ahead)" if v.winner else
+                                                                    f" ({v.said()})")
            for label, v in vs] + [""]
     png = plot(results, plan, out / "chaos.png")
     if png:

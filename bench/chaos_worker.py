@@ -16,7 +16,11 @@ appends JSON lines to ``DIR/steps/slot<r>.<pid>.jsonl``:
   gradient in it once ``ex.step()`` returned (sync ``ps://``: the pull answers after the update), so
   ``samples`` is the batch and ``applied`` true. Under torchft ``applied`` is what ``should_commit``
   said (the optimizer stepped), ``samples`` the batch if this replica took part in the quorum and
-  committed, else 0; ``step`` is torchft's ``current_step()`` before the commit.
+  committed, else 0; ``step`` is torchft's ``current_step()`` before the commit;
+- with ``--signal-at S`` (``python -m bench.probes keepgoing``; commlab only): the process of slot
+  ``--signal-slot`` reaching step S, at its top (before the forward: nothing of step S pushed), writes
+  ``{"ev": "signal", "t": ..., "step": S, "signal": "kill" | "stop"}`` and sends itself SIGKILL or SIGSTOP,
+  once per job (a marker file in DIR: a replacement runs with the same arguments).
 
 Data: the digits of :mod:`workers.data`, sample order fixed by the seed; rank r of N takes slice r of
 step s's global batch (a replacement takes the slot's rank, so the same samples).
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,6 +39,7 @@ from pathlib import Path
 from bench import cpucap
 
 KEEP_GOING = "COMMLAB_KEEP_GOING"  # what `commlab run --replace/--spares` sets (commlab.transport.rendezvous)
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,6 +56,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="where the job keeps no state (ring://, allreduce://) and does not keep going: rank 0 "
                         "writes model and optimizer every K steps, and a restarted job resumes there")
+    p.add_argument("--signal-at", type=int, help="at the top of this step the process of --signal-slot sends "
+                                                 "itself --signal, once per job (module text)")
+    p.add_argument("--signal-slot", type=int, default=1)
+    p.add_argument("--signal", choices=tuple(SIGNALS), default="kill")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds slept in each step before its exchange (compute stood in for: a tiny model's steps "
+                        "outrun a replacement's entry)")
     return p
 
 
@@ -63,6 +76,16 @@ class Log:
 
     def write(self, **rec) -> None:
         self.fh.write(json.dumps({"slot": self.slot, "pid": self.pid, **rec}) + "\n")
+
+
+def signal_self(a, log: Log, step: int) -> None:
+    """The planned fault: log it, then SIGKILL or SIGSTOP this process; once per job (``DIR/signalled``)."""
+    try:
+        Path(a.log, "signalled").open("x").close()
+    except FileExistsError:  # done already: this process replaces the victim, or the victim is back
+        return
+    log.write(ev="signal", t=time.time(), step=step, signal=a.signal)
+    os.kill(os.getpid(), SIGNALS[a.signal])
 
 
 def build(model_name: str, seed: int):
@@ -95,10 +118,14 @@ def commlab_loop(a, slot: int, log: Log) -> int:
         step = state["step"]
     log.write(ev="ready", t=time.time(), start=step, attempt=attempt)
     while True:
+        if step == a.signal_at and slot == a.signal_slot:
+            signal_self(a, log, step)
         x, y = data.batch(step, slot, world, a.batch_size)
         ex.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
         ex.step()
         log.write(ev="step", step=step, t=time.time(), samples=a.batch_size, loss=loss.item(), applied=True)
         step += 1

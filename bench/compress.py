@@ -280,7 +280,8 @@ def does_not_pay(rows: list[dict], base: str, vs: list[tuple[str, verdict.Verdic
     if not slower:
         return None
     return ("Compression does not pay here: " + ", ".join(slower)
-            + f" {'is' if len(slower) == 1 else 'are'} not faster than `{base}` (slower, or indistinguishable).")
+            + f" {'is' if len(slower) == 1 else 'are'} not faster than `{base}` (slower, equivalent within the "
+            f"verdicts' band, or indistinguishable).")
 
 
 def planner_lines(rows: list[dict], link: str, predictions: dict | None) -> list[str]:

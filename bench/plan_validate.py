@@ -189,7 +189,8 @@ def crossover_check(points: list[dict]) -> tuple[int, int, list[str]]:
 def rank_check(points: list[dict], launch_sigma: float = verdict.LAUNCH_SIGMA_FLOOR) -> tuple[int, int, list[str]]:
     """Pairs of regimes at one (rate, N) whose measured difference lies outside its interval: the 95%
     bootstrap interval of the ratio of their median steps (:mod:`bench.verdict`, unpaired, a step's mean
-    over the ranks as one sample) excludes 1. Each point is one launch of its own, so the interval
+    over the ranks as one sample) lies wholly outside the verdicts' equivalence band (:data:`bench.verdict.BAND`:
+    a difference within a few percent ranks nothing). Each point is one launch of its own, so the interval
     carries the launch-to-launch spread as ``commlab bench``'s training verdicts do (``launch_sigma``,
     by default this machine's pooled value; 0: the steps' own spread alone). Returns (checked,
     agreeing, misses)."""
@@ -267,7 +268,8 @@ def table(points: list[dict], stale: dict | None, cal: Calibration, command: str
     out.append(f"- Ranking: of {checked} pairs of regimes at one point whose measured difference lies outside its "
                f"interval (the 95% bootstrap interval of the ratio of median steps, one sample per step, with the "
                f"launch-to-launch spread of `commlab bench`'s verdicts, sd {verdict.LAUNCH_SIGMA_FLOOR:.2f} of log medians, "
-               f"since every point is a launch of its own; it excludes 1), "
+               f"since every point is a launch of its own; it lies wholly outside "
+               f"{verdict.band_text(verdict.BAND)} of 1), "
                f"the prediction orders **{agree}** the same way" + (f"; not: {', '.join(misses)}" if misses else "") +
                f" (criterion: all: {met(agree == checked)}). With the steps' own spread alone (no launch spread): "
                f"{one_agree} of {one_checked}" + (f" (not: {', '.join(one_misses)})" if one_misses else "") +

@@ -86,7 +86,7 @@ def bandwidth(records: list[dict], path: Path, workers: int, peer: str = "gloo")
     if peers:
         axes[2].axhline(1.0, color="black", linewidth=1)
         _against_size(axes[2], sizes, f"busbw / {peer}'s busbw, 95% interval",
-                      f"Against {peer} (an interval across 1: indistinguishable)")
+                      f"Against {peer} (an interval across an edge of ±{verdict.BAND:.0%}: indistinguishable)")
     return save(fig, path)
 
 

@@ -8,12 +8,22 @@ jobs (:func:`bench.jobs.run`); the peer-loss probe starts its ranks itself, each
 its own, killed with :func:`commlab.launch.launcher.kill_groups` at its end (a launcher job would stop the
 survivors the moment the victim dies, before they report).
 
-    python -m bench.probes            # all three, printed as JSON
+:func:`keepgoing` (issue 38's detection and heal goals; not in ``all``: runs of a minute or more each)
+runs ``commlab run --replace`` (or ``--spares 1``) of :mod:`bench.chaos_worker` over
+``ps://?shards=2&mode=sync&update=server&min_workers=2`` with 3 workers; rank 1 sends itself SIGKILL or
+SIGSTOP at the top of a step, and the figures come from the ranks' wall-clock step logs, read and
+accounted by :mod:`bench.chaos` (the chaos bench's own functions): seconds from the signal to the
+survivors' next step, and after a kill to the replacement's first step, beside a plain process start
+timed in the same run. A table on stdout, the JSON with ``--out``.
+
+    python -m bench.probes            # heap, peer-loss, restart, handshake, printed as JSON
+    python -m bench.probes keepgoing [--signal kill|stop] [--heal replace|spares] [--runs 3] [--model mlp-25m]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -248,6 +258,168 @@ def handshake(tries: int = 200) -> dict:
                                             ("handshake_work", work))}}
 
 
+# ----- keep-going: a worker killed or frozen in a ps:// job that goes on (issue 38's detection and heal goals) -----
+
+KEEPGOING_URL = "ps://?shards=2&mode=sync&update=server&min_workers=2"
+KEEPGOING_WORKERS, KEEPGOING_VICTIM = 3, 1
+# issue 38: the survivors' next step within 0.5 s of a kill -9 (its connections close at once), within
+# heartbeat_s + 0.5 s of a SIGSTOP; a replacement healed within 3 s of the kill with --spares 1 (without
+# spares: reported beside a plain process start)
+NEXT_STEP_GOAL_S, HEAL_SPARES_GOAL_S = 0.5, 3.0
+START = "import torch, commlab"  # what a plain process start pays before a replacement's own work
+
+
+def keepgoing_args(a) -> None:
+    """ValueError (one line naming the option) for options the keep-going probe cannot run with."""
+    from workers.models import MODELS
+
+    if a.runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {a.runs}")
+    if a.kill_at is not None and a.kill_at < 1:
+        raise ValueError(f"--kill-at must be >= 1 (every rank takes a step first), got {a.kill_at}")
+    if a.model not in MODELS:
+        raise ValueError(f"--model must be one of {', '.join(MODELS)}, got {a.model!r}")
+    if not 0.1 <= a.heartbeat_s <= 60:
+        raise ValueError(f"--heartbeat-s must be in [0.1, 60] seconds, got {a.heartbeat_s:g}")
+    if a.deadline <= 0:
+        raise ValueError(f"--deadline must be > 0 seconds, got {a.deadline:g}")
+    if not 0 <= a.step_sleep <= 10:
+        raise ValueError(f"--step-sleep must be in [0, 10] seconds, got {a.step_sleep:g}")
+
+
+def process_start(timeout: float = 120.0) -> float | None:
+    """Seconds a plain process takes to start and import torch and commlab (``python -c START``), started as
+    the job's processes are (:func:`commlab.launch.launcher.start_group`, its starter); None if it failed."""
+    from bench.chaos import env_of
+
+    t = time.monotonic()
+    p = launcher.start_group([sys.executable, "-c", START], env_of(None), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        code = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        launcher.kill_groups([p], grace=0)
+    return time.monotonic() - t if code == 0 else None
+
+
+def keepgoing_run(folder: Path, sig: str, heal: str, model: str, kill_at: int, url: str, deadline: float,
+                  step_sleep: float = 0.0) -> dict:
+    """One job: ``commlab run --workers 3 --replace`` (or ``--spares 1``) of :mod:`bench.chaos_worker` under
+    ``url``; rank 1 sends itself SIGKILL or SIGSTOP at the top of step ``kill_at`` (before its forward, so the
+    survivors' step ``kill_at`` cannot complete before its loss is seen). Stopped once the survivors logged
+    that step (and, after a kill, the replacement its first); then a plain process start is timed. Figures
+    from the ranks' wall-clock step logs (:func:`bench.chaos.account`). ``step_sleep``: seconds each step
+    sleeps before its exchange (the smoke test's tiny model: its steps would outrun the replacement's entry)."""
+    from bench import chaos
+
+    a = argparse.Namespace(workers=KEEPGOING_WORKERS, model=model, batch_size=32, lr=0.05,
+                           spares=1 if heal == "spares" else 0)
+    e = chaos.Entry("commlab", url, True, folder)
+    out: dict = {}
+    kill: dict | None = None
+    chaos.start_commlab(e, a, None, 0, ["--signal-at", str(kill_at), "--signal-slot", str(KEEPGOING_VICTIM),
+                                        "--signal", sig, "--step-sleep", str(step_sleep)])
+    try:
+        until = time.monotonic() + deadline
+        while True:
+            recs = chaos.read_steps(folder)
+            sent = next((r for r in recs if r.get("ev") == "signal"), None)
+            if sent is not None and kill is None:
+                kill = {"t": sent["t"], "pid": sent["pid"], "step": sent["step"],
+                        **({"slot": sent["slot"]} if sig == "kill" else {})}  # a frozen process is not replaced
+            if kill is not None and chaos.settled(recs, [kill]):
+                break
+            if e.procs[0].poll() is not None:
+                raise RuntimeError(f"the job ended (exit {e.procs[0].returncode}) first: {chaos.last_line(e)}")
+            if time.monotonic() > until:
+                who = "no rank signalled itself" if kill is None else "the survivors or the replacement did not step"
+                raise RuntimeError(f"{who} within --deadline {deadline:g}s: {chaos.last_line(e)}")
+            time.sleep(0.05)
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    finally:
+        if kill is not None and sig == "stop":  # frozen: it would hold its SIGTERM until the launcher's SIGKILL
+            try:
+                os.kill(kill["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        launcher.kill_groups(e.procs, grace=10)
+    out["process_start_s"] = process_start()
+    out["load"] = list(os.getloadavg())
+    recs = chaos.read_steps(folder)
+    t0 = chaos.training_start(recs, KEEPGOING_WORKERS)
+    if kill is None or t0 is None:
+        return out
+    last = max(r["t"] for r in recs)
+    (row,) = chaos.account(recs, [kill], t0, max(1.0, last - t0 + 1.0))["kills"]
+    steps = [r for r in recs if r.get("ev") == "step" and chaos.held_up(r, kill)]
+    survivors = [r for r in steps if r["slot"] != KEEPGOING_VICTIM]
+    new = [r for r in steps if r["slot"] == KEEPGOING_VICTIM and r.get("samples", 0) > 0]
+    first = lambda rs: min(rs, key=lambda r: r["t"]) if rs else None
+    nxt, healed = first(survivors), first(new)
+    # the survivors' own step time before the signal: what a next step takes with nobody lost
+    gaps = [y["t"] - x["t"] for slot in range(KEEPGOING_WORKERS) if slot != KEEPGOING_VICTIM
+            for x, y in itertools.pairwise(sorted((r for r in recs if r.get("ev") == "step" and r["slot"] == slot
+                                                   and r["t"] < kill["t"]), key=lambda r: r["t"]))]
+    out.update(signal_step=kill["step"], victim_pid=kill["pid"], next_step_s=row["next_step_s"],
+               next_step=nxt and nxt["step"], next_step_slot=nxt and nxt["slot"],
+               step_s_before=statistics.median(gaps) if gaps else None)
+    if sig == "kill":
+        out.update(heal_s=row.get("heal_s"), entered_at=healed and healed["step"],
+                   replacement_pid=healed and healed["pid"])
+    return out
+
+
+def keepgoing(sig: str = "kill", heal: str = "replace", runs: int = 3, model: str = "mlp", kill_at: int = 20,
+              heartbeat_s: float = 1.0, deadline: float = 300.0, step_sleep: float = 0.0, progress=None) -> dict:
+    """Issue 38's detection and heal goals, ``runs`` jobs one after the other (:func:`keepgoing_run`): per run
+    the seconds from the signal to the survivors' next step (goal: 0.5 s after a kill, heartbeat_s + 0.5 s
+    after a SIGSTOP), and after a kill the seconds to the replacement's first step (goal with spares: 3 s),
+    beside a plain process start (interpreter, torch, commlab) timed after the job."""
+    from workers.models import MODELS
+
+    url = KEEPGOING_URL + (f"&heartbeat_s={heartbeat_s:g}" if sig == "stop" else "")
+    goal = NEXT_STEP_GOAL_S + (heartbeat_s if sig == "stop" else 0.0)
+    doc = {"signal": sig, "heal": heal, "url": url, "workers": KEEPGOING_WORKERS, "victim": KEEPGOING_VICTIM,
+           "kill_at": kill_at, "model": model, "model_is": MODELS[model][2], "heartbeat_s": heartbeat_s if sig == "stop"
+           else None, "step_sleep_s": step_sleep, "next_step_goal_s": goal, "heal_goal_s": HEAL_SPARES_GOAL_S if heal == "spares" else None,
+           "command": f"commlab run --workers {KEEPGOING_WORKERS} {'--spares 1' if heal == 'spares' else '--replace'} "
+                      f"--exchanger '{url}' -m bench.chaos_worker -- --log DIR --model {model} --batch-size 32 "
+                      f"--lr 0.05 --signal-at {kill_at} --step-sleep {step_sleep:g} "
+                      f"--signal-slot {KEEPGOING_VICTIM} --signal {sig}", "runs": []}
+    for i in range(runs):
+        with scratch.folder("probe") as tmp:
+            run = dict(run=i + 1, **keepgoing_run(Path(tmp), sig, heal, model, kill_at, url, deadline, step_sleep))
+        doc["runs"].append(run)
+        if progress:
+            progress(f"keepgoing run {i + 1}/{runs}: " + ", ".join(f"{k} {v}" for k, v in run.items() if k != "run"))
+    return doc
+
+
+def keepgoing_table(doc: dict) -> list[str]:
+    """The probe's runs as a markdown table, with its goals."""
+    from bench.text import fmt, table
+
+    kill = doc["signal"] == "kill"
+    rows = []
+    for r in doc["runs"]:
+        rows.append([str(r["run"]), fmt(r.get("signal_step")), fmt(r.get("next_step_s"), 3), fmt(r.get("next_step")),
+                     fmt(r.get("step_s_before"), 3),
+                     *([fmt(r.get("heal_s"), 3), fmt(r.get("entered_at"))] if kill else []),
+                     fmt(r.get("process_start_s"), 3), " ".join(f"{x:.1f}" for x in r.get("load", [])),
+                     r.get("error", "")])
+    heal_goal = f" (goal <= {doc['heal_goal_s']:g})" if doc["heal_goal_s"] else " (beside a plain start)"
+    head = ["run", "signal at step", f"signal → survivors' next step, s (goal <= {doc['next_step_goal_s']:g})",
+            "that step", "survivors' step before, median s",
+            *([f"kill → replacement's first step, s{heal_goal}", "entered at step"] if kill else []),
+            f"plain process start (`{START}`), s", "load 1/5/15 min", "error"]
+    said = (f"{doc['workers']} workers, rank {doc['victim']} sends itself SIG{doc['signal'].upper()} at the top of step "
+            f"{doc['kill_at']}; `{doc['command']}`; model {doc['model']} ({doc['model_is']}), batch 32")
+    return [said, ""] + table(head, rows)
+
+
 def lines(probes: dict) -> list[str]:
     """The report's words for what the probes measured."""
     out = []
@@ -291,19 +463,42 @@ def lines(probes: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.probes")
     p.add_argument("what", nargs="?", default="all",
-                   choices=("all", "heap", "peer-loss", "peer-loss-rank", "restart", "restart-rank", "handshake"))
+                   choices=("all", "heap", "peer-loss", "peer-loss-rank", "restart", "restart-rank", "handshake",
+                            "keepgoing"))
     p.add_argument("--ready")
     p.add_argument("--victim", type=int, default=1)
     p.add_argument("--timeout", type=float, default=20.0)
-    p.add_argument("--out")
+    p.add_argument("--out", help="keepgoing: write its JSON here")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-at", type=int, default=25)
+    p.add_argument("--kill-at", type=int, help="the step at which the victim is killed (restart: 25; keepgoing: 20)")
     p.add_argument("--every", type=int, default=10)
+    g = p.add_argument_group("keepgoing")
+    g.add_argument("--signal", choices=("kill", "stop"), default="kill", help="SIGKILL, or SIGSTOP (heartbeat_s)")
+    g.add_argument("--heal", choices=("replace", "spares"), default="replace", help="commlab run --replace / --spares 1")
+    g.add_argument("--runs", type=int, default=3)
+    g.add_argument("--model", default="mlp", help="workers/models.py's (mlp: 1.9M parameters; mlp-25m; tiny)")
+    g.add_argument("--heartbeat-s", type=float, default=1.0, help="with --signal stop: the URL's heartbeat_s")
+    g.add_argument("--deadline", type=float, default=300.0, help="seconds one run may take")
+    g.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a tiny model's stand-in "
+                                                                 "for compute)")
     a = p.parse_args(argv)
     if a.what == "peer-loss-rank":
         return _rank_peer_loss(a)
     if a.what == "restart-rank":
         return _rank_restart(a)
+    if a.what == "keepgoing":
+        try:
+            keepgoing_args(a)
+        except ValueError as exc:
+            print(f"python -m bench.probes keepgoing: {exc}", file=sys.stderr)
+            return 2
+        doc = keepgoing(a.signal, a.heal, a.runs, a.model, a.kill_at or 20, a.heartbeat_s, a.deadline, a.step_sleep,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+        print("\n".join(keepgoing_table(doc)))
+        if a.out:
+            Path(a.out).write_text(json.dumps(doc, indent=1))
+            print(f"wrote {a.out}", file=sys.stderr)
+        return 1 if any("error" in r for r in doc["runs"]) else 0
     got = {}
     if a.what in ("all", "heap"):
         got["heap"] = heap_faults()

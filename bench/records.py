@@ -100,10 +100,10 @@ def failure(case: str, regime: str, error: str, url: str = "", status: str = "fa
 
 def ratio_line(label: str, v: Verdict) -> str:
     """``"LABEL: 0.78x [0.74, 0.83], ddp faster"``: ``v.ratio`` as computed (``stat(b) / stat(a)``, not
-    turned round), its 95% interval, and the verdict ("indistinguishable on this machine" when the
-    interval contains 1.0)."""
-    said = "indistinguishable on this machine" if v.winner is None else f"{v.winner} faster"
-    return f"{label}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}], {said}"
+    turned round), its 95% interval, and the verdict (:meth:`bench.verdict.Verdict.said`: a winner only
+    where the interval lies beyond the verdict's band; "equivalent within ±5%" where it lies inside;
+    else "indistinguishable on this machine")."""
+    return f"{label}: {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}], {v.said()}"
 
 
 def meets(v: Verdict, goal: float) -> str:

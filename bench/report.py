@@ -53,8 +53,7 @@ def bandwidth_section(records: list[dict], cfg: dict, png: Path | None) -> list[
                        "busbw GB/s median [min–max]", "wrong"], rows)
         out.append("")
     out += ["### Verdict: fastest exchange per size", "",
-            "A regime is named faster only where the 95% interval of the ratio of median times, from this run's "
-            "own iterations, excludes 1.0; otherwise the two are indistinguishable on this machine.", ""]
+            f"Ratios of median times, 95% intervals from this run's own iterations: {verdict.rule()}.", ""]
     out += bandwidth_verdict(records) + [""]
     out += against_peer(records)
     if png:
@@ -122,7 +121,8 @@ def bandwidth_verdict(records: list[dict]) -> list[str]:
 
 def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
     """Each regime's busbw against ``peer``'s at every size, with the interval (busbw ratio = inverse
-    time ratio: ``t_peer / t_regime``); "≈" where the interval contains 1."""
+    time ratio: ``t_peer / t_regime``); "=" where it lies inside the verdicts' band, "≈" where it is
+    indistinguishable (:mod:`bench.verdict`)."""
     peers = {r["size_bytes"]: r for r in records if r["regime"] == peer and not r["wrong"] and r.get("samples_us")}
     names = list(dict.fromkeys(r["regime"] for r in records if r["regime"] != peer and r["method"] != "noop"
                                and r.get("samples_us")))
@@ -140,11 +140,11 @@ def against_peer(records: list[dict], peer: str = "gloo") -> list[str]:
             v = verdict.compare(name, r["samples_us"], peer, peers[size]["samples_us"],
                                 paired=bandwidth.paired([r, peers[size]]),
                                 clusters=bandwidth.clusters([r, peers[size]]))
-            row.append(f"{'≈ ' if v.winner is None else ''}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
+            row.append(f"{'' if v.winner is not None else v.sign() + ' '}{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]")
         rows.append(row)
     return ([f"### Against {peer}: busbw / {peer}'s busbw (= {peer}'s time / the regime's), 95% interval", "",
-             f"Bootstrap over the timed iterations, paired where the two took turns in one job; ≈ marks an interval "
-             f"that contains 1.0 (indistinguishable on this machine). Ceilings are listed too: how far {peer} is "
+             f"Bootstrap over the timed iterations, paired where the two took turns in one job; {verdict.rule()} "
+             f"(= marks equivalent, ≈ indistinguishable). Ceilings are listed too: how far {peer} is "
              "from what plain sockets reach.", ""]
             + table(["regime"] + [human_bytes(s) for s in sizes], rows) + [""])
 
@@ -336,7 +336,7 @@ def scaling_section(points: list[dict], cfg: dict | None, png: Path | None, cpus
             v = verdict.compare(f"N={a['workers']}", a["step_s_samples"], f"N={b['workers']}", b["step_s_samples"],
                                 paired=False, launch_sigma=sigma)
             out.append(f"- {name}: step at N={b['workers']} / N={a['workers']}: {1 / v.ratio:.2f}x "
-                       f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]" + (" (indistinguishable)" if v.winner is None else ""))
+                       f"[{1 / v.hi:.2f}, {1 / v.lo:.2f}]" + (f" ({v.said()})" if v.winner is None else ""))
     out.append("")
     if png:
         out += [f"![step time and exposed communication against N]({png.name})", ""]
@@ -354,8 +354,7 @@ def probes_section(probes: dict) -> list[str]:
 
 def _short(v: verdict.Verdict) -> str:
     v = v.oriented()
-    sign = "≈" if v.winner is None else ">"
-    return f"{v.a} {sign} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
+    return f"{v.a} {v.sign()} {v.b} {v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
 
 
 def bandwidth_pairs(records: list[dict]) -> dict[int, list[verdict.Verdict]]:
@@ -365,7 +364,8 @@ def bandwidth_pairs(records: list[dict]) -> dict[int, list[verdict.Verdict]]:
 
 def glance(records: list[dict], summaries: list[dict], sigma: float = 0.0,
            pairs: dict[int, list[verdict.Verdict]] | None = None) -> list[str]:
-    """Every verdict of the run on one line each, ``A > B`` (A faster) or ``A ≈ B`` (indistinguishable),
+    """Every verdict of the run on one line each, ``A > B`` (A faster), ``A = B`` (equivalent within the
+    band) or ``A ≈ B`` (indistinguishable),
     with the ratio and its 95% interval: what to compare between runs. ``pairs``: :func:`bandwidth_pairs`
     of ``records`` where the caller has it already."""
     out = []
@@ -399,7 +399,7 @@ def launch_notes(records: list[dict], pairs: dict[int, list[verdict.Verdict]] | 
             continue
         samples = {r["regime"]: r["samples_us"] for r in real}
         for v in vs:
-            if v.winner is not None:
+            if v.winner is not None or v.equivalent:  # the run said something: nothing to explain
                 continue
             each = verdict.per_launch(v.a, samples[v.a], v.b, samples[v.b], clusters)
             if any(x.winner is not None for x in each):
@@ -462,8 +462,8 @@ def write(run_dir: Path, manifest: dict, records: list[dict], summaries: list[di
     pairs = bandwidth_pairs(records)  # the glance's bandwidth lines and the launch notes read the same verdicts
     at_a_glance = glance(records, summaries, sigma, pairs)
     if at_a_glance:
-        out += ["## Verdicts at a glance", "", "`A > B`: A faster, the 95% interval of the ratio above 1.0; `A ≈ B`: "
-                "indistinguishable on this machine. Bandwidth intervals resample the run's launches, then the "
+        out += ["## Verdicts at a glance", "", f"`A > B`: A faster, `A = B`: equivalent, `A ≈ B`: indistinguishable: "
+                f"{verdict.rule()}. Bandwidth intervals resample the run's launches, then the "
                 "iterations within each; training comparisons (one launch per regime) add the spread between "
                 f"launches (sd of log medians {sigma:.3f}, i.e. x{math.exp(sigma):.2f}: measured here {measured:.3f}, "
                 f"never less than this machine's pooled {verdict.LAUNCH_SIGMA_FLOOR:.2f}); times to the target of "

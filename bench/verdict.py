@@ -24,9 +24,22 @@ report written twice from the same records says the same thing.
   / ``steps_sigma_b`` add each side's spread of log steps to the target as a random effect
   (:data:`STEPS_SIGMA_ASYNC` for asynchronous regimes, 0 for the rest).
 
-The verdict names a winner only when the whole interval lies on one side of 1.0; otherwise the
-two are "indistinguishable on this machine". Equal samples give the interval [1, 1] (paired) or
-one around 1 (unpaired), so they never name a winner.
+**The rule (an equivalence band).** A verdict has a band ``b`` (:data:`BAND`, 5%, unless the caller
+passes the tolerance its goal states: tracing's "at most 1.03x" is ``b = 0.03``) and judges the span
+``[min(lo, ratio), max(hi, ratio)]`` (the interval, stretched to hold its own point estimate) against
+``[1/(1+b), 1+b]``, symmetric in log ratio, so a verdict says the same turned round:
+
+- wholly above ``1+b`` (or wholly below ``1/(1+b)``): A (or B) is **faster**, the only case that names
+  a winner;
+- wholly inside the band: A and B are **equivalent within ±b**;
+- otherwise they are **indistinguishable on this machine**.
+
+Why: an interval over one run's samples does not carry every launch-to-launch effect, so for a
+difference of a few percent, 1.0 alone as the line made run 1 of a set name A at 1.03x [1.00, 1.07]
+and run 3 name B at 0.96x [0.93, 0.99] (docs/trace.md). With the band, two runs name opposite winners
+only where their point estimates lie more than ``(1+b)**2`` apart (one above ``1+b``, the other
+below ``1/(1+b)``): runs whose estimates lie within the band never name a winner at all. Equal
+samples give the interval [1, 1] (paired) or one around 1 (unpaired): never a winner.
 
 Pure: numpy only, no I/O.
 """
@@ -50,12 +63,37 @@ LAUNCH_SIGMA_FLOOR = 0.10
 # 0.23, 0.23, 0.06): ps-async took 30 to 70 steps to the same target. Without it one run called local
 # 2.0x faster than ps-async to the target and the next called ps-async 1.4x faster than local.
 STEPS_SIGMA_ASYNC = 0.25
+# The equivalence band of a verdict whose goal states no tolerance of its own (module text): a winner is
+# named only beyond +-5%. The 3-4% effects this machine's runs disagree on (docs/trace.md) fall inside it.
+BAND = 0.05
+
+
+def band_limits(band: float) -> tuple[float, float]:
+    """``(1/(1+band), 1+band)``: the ratios a verdict with ``band`` calls equivalent (module text). Raises
+    ValueError for a band that is negative or not finite."""
+    if not (np.isfinite(band) and band >= 0):
+        raise ValueError(f"band must be a finite fraction >= 0 (0.05: +-5%), got {band!r}")
+    return 1.0 / (1.0 + band), 1.0 + band
+
+
+def band_text(band: float) -> str:
+    """``"±5%"`` for 0.05."""
+    return f"±{band * 100:g}%"
+
+
+def rule(band: float = BAND, named: str = "a regime is named faster") -> str:
+    """The rule in one sentence, for a report's readers (``named``: what a winner is called there)."""
+    low, high = band_limits(band)
+    return (f"{named} only where the 95% interval of the ratio lies wholly outside "
+            f"[{low:.3f}, {high:.3f}] ({band_text(band)} of 1); wholly inside it the two are equivalent within "
+            f"{band_text(band)}; otherwise they are indistinguishable on this machine")
 
 
 @dataclass(frozen=True)
 class Verdict:
     """``a`` against ``b``: ``ratio = stat(b) / stat(a)`` with its interval ``[lo, hi]`` (lower samples
-    are better, so ``ratio > 1`` means ``a`` is faster)."""
+    are better, so ``ratio > 1`` means ``a`` is faster), judged against the equivalence band ``band``
+    (module text: a winner only beyond it)."""
 
     a: str
     b: str
@@ -66,37 +104,72 @@ class Verdict:
     n_a: int
     n_b: int
     level: float = LEVEL
+    band: float = BAND
+
+    def __post_init__(self):
+        band_limits(self.band)  # refuses a bad band where the verdict is made
+
+    def _span(self) -> tuple[float, float] | None:
+        """The interval stretched to hold the point estimate; None where the samples cannot say."""
+        if not (np.isfinite(self.lo) and np.isfinite(self.hi) and np.isfinite(self.ratio)):
+            return None
+        return min(self.lo, self.ratio), max(self.hi, self.ratio)
 
     @property
     def winner(self) -> str | None:
-        """The faster one, or None when the interval contains 1.0 (or the samples cannot say)."""
-        if not (np.isfinite(self.lo) and np.isfinite(self.hi)):
+        """The faster one where the span lies wholly outside the band, else None."""
+        span = self._span()
+        if span is None:
             return None
-        if self.lo > 1.0:
+        low, high = band_limits(self.band)
+        if span[0] > high:
             return self.a
-        if self.hi < 1.0:
+        if span[1] < low:
             return self.b
         return None
+
+    @property
+    def equivalent(self) -> bool:
+        """Whether the span lies wholly inside the band: equal within ``±band``."""
+        span = self._span()
+        low, high = band_limits(self.band)
+        return span is not None and low <= span[0] and span[1] <= high
+
+    def said(self) -> str:
+        """The judgement alone: ``"A faster"``, ``"equivalent within ±5%"`` or ``"indistinguishable on this
+        machine"``."""
+        if self.winner is not None:
+            return f"{self.winner} faster"
+        if self.equivalent:
+            return f"equivalent within {band_text(self.band)}"
+        return "indistinguishable on this machine"
+
+    def sign(self) -> str:
+        """``>`` (``a`` faster), ``<`` (``b`` faster), ``=`` (equivalent) or ``≈`` (indistinguishable)."""
+        return ">" if self.winner == self.a else "<" if self.winner == self.b else "=" if self.equivalent else "≈"
 
     def oriented(self) -> "Verdict":
         """The same verdict with the winner (or, if none, the one with the better statistic) as ``a``."""
         if self.winner == self.b or (self.winner is None and self.ratio < 1.0):
             return Verdict(self.b, self.a, 1 / self.ratio, 1 / self.hi if self.hi else float("inf"),
-                           1 / self.lo if self.lo else float("inf"), self.paired, self.n_b, self.n_a, self.level)
+                           1 / self.lo if self.lo else float("inf"), self.paired, self.n_b, self.n_a, self.level,
+                           self.band)
         return self
 
     def text(self, what: str = "faster") -> str:
-        """``"A faster than B, 1.42x [1.21, 1.63]"`` or ``"A and B indistinguishable on this machine
-        (1.03x [0.91, 1.18])"``; the interval is the bootstrap's, at ``level``."""
+        """``"A faster than B, 1.42x [1.21, 1.63]"``, ``"A and B equivalent within ±5% (1.01x [0.98, 1.03])"``
+        or ``"A and B indistinguishable on this machine (1.03x [0.91, 1.18])"``; the interval is the
+        bootstrap's, at ``level``."""
         v = self.oriented()
         span = f"{v.ratio:.2f}x [{v.lo:.2f}, {v.hi:.2f}]"
         if v.winner is None:
-            return f"{v.a} and {v.b} indistinguishable on this machine ({span})"
+            return f"{v.a} and {v.b} {v.said()} ({span})"
         return f"{v.a} {what} than {v.b}, {span}"
 
     def as_dict(self) -> dict:
         return {"a": self.a, "b": self.b, "ratio": self.ratio, "lo": self.lo, "hi": self.hi, "paired": self.paired,
-                "n_a": self.n_a, "n_b": self.n_b, "level": self.level, "winner": self.winner}
+                "n_a": self.n_a, "n_b": self.n_b, "level": self.level, "band": self.band, "winner": self.winner,
+                "equivalent": self.equivalent}
 
 
 def quantile(values, q: float):
@@ -198,7 +271,7 @@ def interval(a, b, *, paired: bool, stat: str = "median", resamples: int = RESAM
 
 
 def per_launch(a_name: str, a, b_name: str, b, clusters, *, stat: str = "median", seed: int = SEED,
-               resamples: int = RESAMPLES) -> list[Verdict]:
+               resamples: int = RESAMPLES, band: float = BAND) -> list[Verdict]:
     """One paired verdict per launch of paired samples (``clusters``: the launches' sample counts, in
     order), each from that launch's iterations alone: whether the launches agree on the winner."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -208,7 +281,7 @@ def per_launch(a_name: str, a, b_name: str, b, clusters, *, stat: str = "median"
     out, at = [], 0
     for n in clusters:
         out.append(compare(a_name, a[at:at + n], b_name, b[at:at + n], paired=True, stat=stat, seed=seed,
-                           resamples=resamples))
+                           resamples=resamples, band=band))
         at += n
     return out
 
@@ -225,25 +298,28 @@ def median_interval(x, *, seed: int = SEED, resamples: int = RESAMPLES, level: f
     return float(np.median(x)), float(lo), float(hi)
 
 
-def compare(a_name: str, a, b_name: str, b, *, paired: bool, level: float = LEVEL, **options) -> Verdict:
+def compare(a_name: str, a, b_name: str, b, *, paired: bool, level: float = LEVEL, band: float = BAND,
+            **options) -> Verdict:
     """Which of two regimes is faster, from their samples (lower is better): :func:`interval`'s ratio and
-    interval (``options``: its other keywords) under the two names; see the module's text."""
+    interval (``options``: its other keywords) under the two names, judged with the equivalence band
+    ``band`` (the tolerance of the goal it checks, where that states one); see the module's text."""
+    band_limits(band)
     ratio, lo, hi = interval(a, b, paired=paired, level=level, **options)
-    return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level)
+    return Verdict(a_name, b_name, ratio, lo, hi, paired, len(a), len(b), level, band)
 
 
 def pairs(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,
-          clusters=None, launch_sigma: float = 0.0) -> list[Verdict]:
+          clusters=None, launch_sigma: float = 0.0, band: float = BAND) -> list[Verdict]:
     """Every pair of regimes, in the order ``samples`` lists them (``a`` the earlier one): the same
     pairs in every run, whichever is fastest, so that two runs' verdicts compare line by line."""
     names = list(samples)
     return [compare(a, samples[a], b, samples[b], paired=paired, stat=stat, seed=seed, clusters=clusters,
-                    launch_sigma=launch_sigma) for i, a in enumerate(names) for b in names[i + 1:]]
+                    launch_sigma=launch_sigma, band=band) for i, a in enumerate(names) for b in names[i + 1:]]
 
 
 def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "median", seed: int = SEED,
                  scales: dict[str, float] | None = None, clusters=None, launch_sigma: float = 0.0,
-                 steps_sigmas: dict[str, float] | None = None) -> list[Verdict]:
+                 steps_sigmas: dict[str, float] | None = None, band: float = BAND) -> list[Verdict]:
     """The regime with the best statistic against each of the others, best first in every verdict's
     ``a`` (before orientation). Empty for fewer than two regimes."""
     scales = scales or {}
@@ -255,12 +331,13 @@ def against_best(samples: dict[str, list[float]], *, paired: bool, stat: str = "
     best = order[0]
     return [compare(best, samples[best], other, samples[other], paired=paired, stat=stat, seed=seed,
                     scale_a=scales.get(best, 1.0), scale_b=scales.get(other, 1.0), clusters=clusters,
-                    launch_sigma=launch_sigma, steps_sigma_a=sig.get(best, 0.0), steps_sigma_b=sig.get(other, 0.0))
+                    launch_sigma=launch_sigma, steps_sigma_a=sig.get(best, 0.0), steps_sigma_b=sig.get(other, 0.0),
+                    band=band)
             for other in order[1:]]
 
 
 def rate_ratio(a_name: str, a_counts, a_seconds, b_name: str, b_counts, b_seconds, *, seed: int = SEED,
-               resamples: int = RESAMPLES, level: float = LEVEL) -> Verdict:
+               resamples: int = RESAMPLES, level: float = LEVEL, band: float = BAND) -> Verdict:
     """``a``'s rate over ``b``'s, ``(sum a_counts / sum a_seconds) / (sum b_counts / sum b_seconds)`` (> 1: ``a``
     got more done per second), from per-bin counts and bin lengths (``commlab bench chaos``: samples that
     entered applied updates per bin of its window), with a percentile bootstrap interval resampling each
@@ -282,4 +359,4 @@ def rate_ratio(a_name: str, a_counts, a_seconds, b_name: str, b_counts, b_second
     tail = (1 - level) / 2
     lo, hi = np.quantile(boot, [tail, 1 - tail]) if boot.size else (float("nan"), float("nan"))
     ratio = float((ac.sum() / as_.sum()) / (bc.sum() / bs.sum()))
-    return Verdict(a_name, b_name, ratio, float(lo), float(hi), False, int(ac.size), int(bc.size), level)
+    return Verdict(a_name, b_name, ratio, float(lo), float(hi), False, int(ac.size), int(bc.size), level, band)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -209,3 +210,53 @@ def test_the_at_scale_table_from_given_components_or_a_chaos_run(tmp_path, capsy
     (tmp_path / "chaos.json").write_text(json.dumps({"at_scale": {"components": F.as_dict(c)}}))
     assert F.main(["--chaos", str(tmp_path / "chaos.json"), "--mtbf-hours", "50"]) == 0
     assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 1")] == rows
+
+
+# ----- the keep-going probe (python -m bench.probes keepgoing): issue 38's figures from a real job ---------------
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sig, heal, at", [("kill", "replace", 3),
+                                           pytest.param("stop", "spares", 25, marks=pytest.mark.full)])
+def test_the_keepgoing_probe_times_the_survivors_next_step_and_the_heal_from_the_logs(tmp_path, sig, heal, at):
+    """One run, the tiny model, rank 1 signalled at the top of step ``at``: the survivors' first step after the
+    signal is that step itself (sync: it waited for rank 1's loss); after a kill the replacement, a new process of
+    slot 1, enters at a later step and logs its first step after the survivors' step; the plain start is
+    timed. Orders and counts only, never a time. SIGSTOP comes at step 25 (0.5 s of steps in): a worker frozen
+    before its heartbeat connection's first zmq PING (heartbeat_s / 4 after it connects) is never dropped,
+    since the shard learns the TTL from that PING (a limit of the product, found by this probe)."""
+    from test_restart import _leftovers
+    shm_before = set(os.listdir("/dev/shm"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "kg.json"
+    argv = [sys.executable, "-m", "bench.probes", "keepgoing", "--signal", sig, "--heal", heal, "--runs", "1",
+            "--model", "tiny", "--kill-at", str(at), "--step-sleep", "0.02", "--deadline", "120", "--out", str(out)]
+    done = run_group(argv, timeout=180, grace=15, env=child_env(TMPDIR=tmp_path / "tmp"), capture_output=True,
+                     text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not _leftovers(tmp_path, shm_before)  # its scratch folder, the job's segments
+    doc = json.loads(out.read_text())
+    assert (doc["signal"], doc["heal"], doc["kill_at"], doc["model"]) == (sig, heal, at, "tiny")
+    assert doc["next_step_goal_s"] == (0.5 if sig == "kill" else 1.5)
+    assert ("heartbeat_s=1" in doc["url"]) == (sig == "stop")
+    (run,) = doc["runs"]
+    assert "error" not in run, run
+    assert run["signal_step"] == at and run["next_step"] == at and run["next_step_slot"] in (0, 2), run
+    assert run["next_step_s"] > 0 and run["step_s_before"] > 0 and run["process_start_s"] > 0, run
+    if sig == "kill":
+        assert run["entered_at"] > at and run["replacement_pid"] != run["victim_pid"], run
+        assert run["heal_s"] > run["next_step_s"], run  # its first step follows the survivors' step 3
+    else:
+        assert "heal_s" not in run
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 1 |"))
+    assert row.startswith(f"| 1 | {at} | {run['next_step_s']:.3g} | {at} |"), row
+    assert chaos.held_up({"t": 2.0, "pid": 7, "step": 4}, {"t": 1.0, "pid": 8, "step": 4})
+    assert not chaos.held_up({"t": 2.0, "pid": 7, "step": 3}, {"t": 1.0, "pid": 8, "step": 4})  # its pushes were in
+    assert chaos.held_up({"t": 2.0, "pid": 7, "step": 3}, {"t": 1.0, "pid": 8})  # the chaos bench's kills name no step
+
+
+def test_the_keepgoing_probe_refuses_bad_options_in_one_line(capsys):
+    from bench import probes
+    for argv, option in [(["--runs", "0"], "--runs"), (["--kill-at", "0"], "--kill-at"), (["--model", "big"], "--model"),
+                         (["--signal", "stop", "--heartbeat-s", "0.01"], "--heartbeat-s")]:
+        assert probes.main(["keepgoing", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and option in err[0] and err[0].startswith("python -m bench.probes keepgoing:"), err

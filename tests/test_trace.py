@@ -283,6 +283,10 @@ def test_bench_train_step_words_what_tracing_costs_beside_the_same_regime_untrac
     assert got == pytest.approx({"ring:// +trace / ring:// step time": 1.02, "ps:// +trace / ps:// step time": 1.0,
                                  "ring:// / ddp step time": 0.5, "ps:// / ddp step time": 1.5,
                                  "ps:// / ring:// step time": 3.0})
+    # tracing's lines are judged by its goal's 3% (bench/verdict.py's band), the others by the default 5%
+    said = {label: (v.band, v.said()) for label, v in train_step.verdicts(steps, ["ring://", "ps://"])}
+    assert said["ring:// +trace / ring:// step time"] == (train_step.TRACE_COST_BAND, "equivalent within ±3%")
+    assert said["ps:// / ring:// step time"] == (0.05, "ring:// faster")
     assert train_step.url_of("ps://?shards=2 +trace") == "ps://?shards=2"
 
 
