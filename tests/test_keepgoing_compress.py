@@ -14,16 +14,13 @@ each step counted on each shard.
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
 
 from commlab import compress
 from commlab.compress.seam import summed
-from faultkit import finish
-from test_keepgoing import K, LR, ON_SHARD0, SIZES, T, TIMEOUT, _check, _sync_reference, _workers
+from test_keepgoing import K, LR, ON_SHARD0, SIZES, T, TIMEOUT, _check, _sync_job, _sync_reference
 
 pytestmark = pytest.mark.multiproc
 
@@ -72,15 +69,9 @@ def _compressed_reference(spec: str, kept_on: set[int]) -> list[torch.Tensor]:
 ])
 def test_compressed_sync_survivors_go_on_without_the_dead_rank(procs, spec, update, kill_at, kept_on, lost_pushes):
     shm_before = set(os.listdir("/dev/shm"))
-    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
-    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update={update}&min_workers=2"
-           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp&compress={spec}")
-    workers = _workers(procs, url, kill_at)
-    results = finish([workers[0], workers[2]], timeout=120)
-    workers[1].wait(30)
-    assert workers[1].returncode == -signal.SIGKILL, workers[1].communicate()[1][-3000:]
+    results, pids, servers = _sync_job(procs, update, kill_at, f"transport=tcp&compress={spec}")
     want = _sync_reference(kept_on) if spec.startswith("powersgd") else _compressed_reference(spec, kept_on)
-    recs = _check(results, want, [w.pid for w in workers])
+    recs = _check(results, want, pids)
     for shard, stats in enumerate(recs[-1]["servers"]):
         assert stats["updates"] == T, stats  # every step applied once: none twice, none lost
         assert stats["lost_pushes"] == lost_pushes[shard], stats
@@ -92,27 +83,3 @@ def test_compressed_sync_survivors_go_on_without_the_dead_rank(procs, spec, upda
         s.stop()
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("commlab")]
 
-
-@pytest.mark.full
-@pytest.mark.parametrize("mode,kill_at", [("async", "partial"), ("ssp", "before")])
-def test_compressed_async_and_ssp_survivors_go_on_and_the_dead_ranks_partial_step_is_never_applied(procs, mode,
-                                                                                                   kill_at):
-    """async and ssp, compress=fp16: each push decoded alone (unscaled 1, 10 and 100 are exact in fp16, the
-    residuals stay 0): the end is -lr (T (1 + 100) + K 10), 2T + K updates per shard, rank 1's half-push never
-    applied; ssp's survivors are not held back by the dead rank's clock."""
-    servers = [procs.server("--mode", mode, "--staleness", "1", "--shard", f"{i}/2") for i in range(2)]
-    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode={mode}&min_workers=2"
-           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp&compress=fp16")
-    workers = _workers(procs, url, kill_at, "--final-updates", str(2 * T + K))
-    results = finish([workers[0], workers[2]], timeout=120)
-    want = [torch.full((n,), -LR * (T * 101 + K * 10), dtype=torch.float64) for n in SIZES]
-    _check(results, want, [w.pid for w in workers])
-    workers[1].wait(30)  # (the survivors may finish before rank 1 reached step K)
-    deadline = time.monotonic() + 30
-    while not all("1" in s.stats()["members"]["lost"] for s in servers):
-        assert time.monotonic() < deadline, [s.stats()["members"] for s in servers]
-        time.sleep(0.02)
-    for shard, st in enumerate(s.stats() for s in servers):
-        assert st["updates"] == 2 * T + K, st
-        assert st["lost_pushes"] == (1 if kill_at == "partial" and shard == 0 else 0), st
-        assert st["last_step"]["1"] == K - 1, st
