@@ -16,6 +16,11 @@ What the shard does with it follows from the compressor's declaration, never its
   writes its aggregate (:meth:`~commlab.compress.base.Compressor.aggregate`, the workers' own code: P
   orthonormalised, P Q^T) into the step's averaged gradient, and the step goes on as an uncompressed one
   (report, commit, one optimizer step).
+* keep-going (``min_workers=``, docs/faults.md): a sum is the mean over the ranks that count (x N / them once
+  a rank left). A rank lost before its step was whole here: its payloads not summed yet go; where the workers
+  pull the sums (update=worker, PowerSGD) one already summed keeps its part (it may have gone out); under
+  update=server with payloads that decode alone the shard keeps each such rank's payloads until its step is
+  whole, and subtracts them from the sums again.
 * async, ssp (``decodes_alone`` compressors only; PowerSGD is refused by the worker): each push is decoded
   alone into a dense float32 gradient and applied as an uncompressed push is.
 
@@ -134,8 +139,8 @@ class Units:
             raise Refused(f"unit {unit.key}: {exc}") from None
         return out
 
-    def add(self, rank: int, unit: Unit, r: int, payload, meta: dict, needed: int) -> Acc:
-        """Sync: hold ``rank``'s payload of (unit, round); with the ``needed``-th, add them all in rank order."""
+    def add(self, rank: int, unit: Unit, r: int, payload, meta: dict) -> Acc:
+        """Sync: hold ``rank``'s payload of (unit, round) until every worker's is in (then :meth:`total`)."""
         acc = self.acc.setdefault((unit.key, r), Acc())
         first = next(iter(acc.payloads.values()), None)
         if first is None:
@@ -145,8 +150,14 @@ class Units:
                           f"compressed with {meta}, another rank {[t.numel() for t in first]} with {acc.meta} "
                           f"(every rank must be at the same compressor step)")
         acc.payloads[rank] = payload
-        if len(acc.payloads) < needed:
-            return acc
+        return acc
+
+    def total(self, unit: Unit, r: int, factor: float = 1.0, keep=()) -> Acc:
+        """Sync: every worker's payload of (unit, round) is in: add them in rank order, then x ``factor``
+        (keep-going: N / the ranks that count, so that the sum is their mean). The payloads of the ranks in
+        ``keep`` stay (keep-going: a rank lost before its step was in is taken out again, :meth:`take_out`);
+        of the others only who was in is kept."""
+        acc = self.acc[(unit.key, r)]
         ordered = [acc.payloads[k] for k in sorted(acc.payloads)]
         if not self.comp.summable:
             acc.total = [torch.zeros(unit.n)]
@@ -157,8 +168,38 @@ class Units:
                     raise Refused(f"unit {unit.key} from rank {k}: {exc}") from None
         else:
             acc.total = summed(ordered) if ordered[0] else []
-        acc.payloads = {k: None for k in acc.payloads}  # only who was in is kept
+        if factor != 1.0:
+            for t in acc.total:
+                t.mul_(factor)
+        acc.payloads = {k: (p if k in keep else None) for k, p in acc.payloads.items()}
         return acc
+
+    def release(self, rank: int) -> None:
+        """``rank``'s step is whole here: the payloads kept to take it out again go."""
+        for acc in self.acc.values():
+            if acc.payloads.get(rank) is not None and acc.total is not None:
+                acc.payloads[rank] = None
+
+    def take_out(self, unit: Unit, r: int, rank: int) -> bool:
+        """Keep-going: ``rank`` left before its step was whole here. Its payload of (unit, round) goes from the
+        payloads held (no sum yet), or is subtracted from the sum (unscaled) where :meth:`total` kept it for
+        this. False where it is not taken out: it sent none, or the sum holds it for good (it may have gone out)."""
+        acc = self.acc.get((unit.key, r))
+        payload = acc.payloads.get(rank) if acc is not None else None
+        if payload is None:
+            return False
+        del acc.payloads[rank]
+        if acc.total is None:
+            return True
+        if self.comp.summable:
+            for s, t in zip(acc.total, payload):
+                s.sub_(t)
+        else:
+            own = torch.zeros(unit.n)
+            self.comp.decode_add(unit.key, payload, unit.n, acc.meta or {}, own)  # decoded once already: it fits
+            acc.total[0].sub_(own)
+        acc.reply = None
+        return True
 
     def aggregate(self, unit: Unit) -> torch.Tensor:
         """The unit's aggregate (the average gradient, as every worker rebuilds it) once its last round is in."""

@@ -502,6 +502,7 @@ class Sync(Mode):
         # keep-going (servers.membership): rank -> what it folded of the step in flight, (key, offset, values)
         # views of the received frames, held until its step is in, so that a rank lost before can be taken out
         self.held: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+        self.retake: set[int] = set()  # compress=, keep-going: units whose aggregate a lost rank was taken out of
 
     def start_step(self):
         return self.step
@@ -572,26 +573,77 @@ class Sync(Mode):
         self._complete_if_in(needed)
 
     def fold_unit(self, rank, t, part, units, unit, r, payload, absent, meta):
-        """Held until every worker's is in, then summed (:meth:`servers.compressed.Units.add`); round 0 counts the unit's pieces present (or absent).
-        Once every worker's last round of a unit is in, update=server takes its aggregate as the pieces'
-        averaged gradient; a worker's step is in once its last round of every unit is."""
-        srv = self.srv
+        """Held until every worker's is in, then summed (:meth:`servers.compressed.Units.total`); round 0 counts the
+        unit's pieces present (or absent). Once every worker's last round of a unit is in, update=server takes its
+        aggregate as the pieces' averaged gradient; a worker's step is in once its last round of every unit is."""
         last, needed = units.comp.rounds - 1, self._needed()
-        acc = units.add(rank, unit, r, payload, meta["cmeta"], needed)
+        acc = units.add(rank, unit, r, payload, meta["cmeta"])
         part.rounds[unit.key] = r
         if r == 0:
+            part.absent.update(absent)
             for key in unit.keys:
                 self.contributed[key] += 1
                 self.present[key] += key not in absent
-        if r == last and acc.total is not None and srv.placement.spec.shards_step:  # the shard steps on the average
-            dense = units.aggregate(unit)
-            for key, (o, c) in unit.slices.items():
-                if self.present[key]:
-                    self.sums[key] = dense[o:o + c]
+        if len(acc.payloads) >= needed:
+            self._total(units, unit, r, needed)
         if all(part.rounds.get(u) == last for u in units.units):
             del self.partial[rank]
             self.complete.add(rank)
+            if self.srv.members.on and not self._published():
+                units.release(rank)
         self._complete_if_in(needed)
+
+    def _published(self) -> bool:
+        """compress=: whether a (unit, round)'s sum may go out once made: the workers pull it (update=worker, or
+        a compressor whose payloads do not decode alone: PowerSGD's next round needs the summed P). Then a rank
+        lost after its payload went into the sum keeps its part there, as an uncompressed key's average that
+        went out does; else the shard alone reads the sum, and a lost rank's part is taken out again."""
+        return not self.srv.placement.spec.shards_step or not self.srv.units.comp.decodes_alone
+
+    def _factor(self, needed: int) -> float:
+        """What a sum of the ranks' 1/N-scaled payloads is multiplied by to be their mean: N / the ranks that
+        count (1 while every rank does; compress= has no joined ranks, so the divisor is ``needed``)."""
+        return 1.0 if needed == self.srv.world else self.srv.world / self._divisor()
+
+    def _total(self, units, unit, r: int, needed: int) -> None:
+        """Every worker still training sent (unit, round): its sum. Published sums are the mean over the ranks
+        that count at once (keep-going: x N / them); a sum the shard alone reads stays unscaled, keeping the
+        payloads of ranks whose step is not whole (keep-going), until its aggregate is taken (:meth:`_aggregate`)."""
+        if self._published():
+            units.total(unit, r, self._factor(needed))
+        else:
+            units.total(unit, r, keep=set(self.partial) if self.srv.members.on else ())
+        if r == units.comp.rounds - 1 and self.srv.placement.spec.shards_step:  # the shard steps on the average
+            self._aggregate(units, unit, needed)
+
+    def _aggregate(self, units, unit, needed: int) -> None:
+        """update=server: a unit's last round is summed: its aggregate is its pieces' averaged gradient."""
+        dense = units.aggregate(unit)
+        factor = 1.0 if self._published() else self._factor(needed)
+        if factor != 1.0:
+            dense.mul_(factor)
+        for key, (o, c) in unit.slices.items():
+            if self.present[key]:
+                self.sums[key] = dense[o:o + c]
+            else:
+                self.sums.pop(key, None)
+
+    def _lose_units(self, rank: int, part: Partial) -> None:
+        """compress=: ``rank`` left with its step half-pushed here. Each payload of it that is not in a sum yet
+        goes; one in a sum the shard alone reads (update=server, payloads that decode alone) is subtracted
+        again, and that unit's aggregate is taken anew once the membership dropped the rank (:meth:`settle`);
+        one in a published sum keeps its part (some survivor may hold that sum). Round 0's counts follow."""
+        units = self.srv.units
+        for unit in units.units.values():
+            for r in range(units.comp.rounds):
+                if not units.take_out(unit, r, rank):
+                    continue
+                if r == 0:
+                    for key in unit.keys:
+                        self.contributed[key] -= 1
+                        self.present[key] -= key not in part.absent
+                if units.ready(unit.key, r) and r == units.comp.rounds - 1:
+                    self.retake.add(unit.key)
 
     def join(self, rank, t):
         pushed = rank in self.complete or rank in self.partial
@@ -600,9 +652,18 @@ class Sync(Mode):
                           f"{self.step}" + (" with pushes of that rank" if pushed else ""))
 
     def settle(self):
-        needed = self._needed()
-        for key in list(self.contributed):
-            self._sum_if_in(key, needed)
+        needed, units = self._needed(), self.srv.units
+        if units is None:
+            for key in list(self.contributed):
+                self._sum_if_in(key, needed)
+        else:  # compress=: the (unit, round)s that waited only for ranks that left, and the sums they were taken out of
+            for (u, r), acc in sorted(units.acc.items()):
+                if acc.total is None and acc.payloads and len(acc.payloads) >= needed:
+                    self._total(units, units.units[u], r, needed)
+            if self.srv.placement.spec.shards_step:
+                for u in sorted(self.retake):
+                    self._aggregate(units, units.units[u], needed)
+            self.retake.clear()
         self._complete_if_in(needed)
         if self.gathered and self.commits:  # the commit that was missing was a lost rank's
             self._apply_if_committed()
@@ -628,15 +689,17 @@ class Sync(Mode):
         """A rank whose step is whole on this shard stays in it (its average may be out already). Otherwise
         what it folded in is subtracted again (its held frames), its keys counted out, and the keys whose
         mean was fixed re-divided once the others are in; under update=worker a key whose average was out
-        already (some survivor may hold it) keeps its part."""
+        already (some survivor may hold it) keeps its part. compress=: the same per (unit, round)
+        (:meth:`_lose_units`)."""
         part = self.partial.pop(rank, None)
         held = self.held.pop(rank, [])
         if rank in self.complete or part is None:
             return 0
+        if part.rounds:  # compress=
+            self._lose_units(rank, part)
+            return 1
         srv, scale = self.srv, 1.0 / self.srv.world_size()
         published = not srv.placement.spec.shards_step  # update=worker: a summed key went out
-        if part.rounds:  # compress=: the units hold no per-rank part to take out
-            return -1
         divisor = self._divisor()  # the lost rank still counted (the membership drops it after this returns)
         for key in part.seen | part.absent:
             if key in self.summed:
@@ -744,6 +807,7 @@ class Sync(Mode):
         self.complete.clear()
         self.commits.clear()
         self.held.clear()
+        self.retake.clear()
         self.gathered = False
         if self.srv.units is not None:
             self.srv.units.drop_step()  # compress=: the step's held payloads and sums

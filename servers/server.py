@@ -423,11 +423,7 @@ class ParameterServer:
         dropped = self.mode.lose(rank) if self.initialized else 0
         self.members.lose(rank, step, why, self.world_size())
         self.relays.lose(rank, why)
-        if dropped < 0 and not self.members.ended:
-            self.members.ended = (f"rank {rank} left {self.cfg.name} ({why}) with a compressed step half-pushed, "
-                                  f"which cannot be taken out of the sums: the job stops (keep-going under "
-                                  f"compress= is not built)")
-        self.stats.lost_pushes += max(dropped, 0)
+        self.stats.lost_pushes += dropped
         print(f"commlab server {self.cfg.name}: rank {rank} left the job at step {step} ({why}); membership epoch "
               f"{self.members.epoch}, {self.world_size() - len(self.members.lost)} of {self.world_size()} ranks left"
               + (f", its partial step dropped" if dropped > 0 else ""), file=sys.stderr, flush=True)
