@@ -22,6 +22,14 @@ Keep-going (``commlab run --replace``): ``REPLACE_KILL_STEP=K``: rank 1's (``REP
 dies at the top of step K; its replacement (``$COMMLAB_REPLACEMENT``) writes ``OUT/rank<r>.replacement.json`` with what it holds when it
 enters (parameters, momentum, ``ex.healed``); every rank records its parameters and momentum after each step
 from K on (``after``), the pid it ran as, and the end.
+
+A second death, forced (keep-going): each replacement of the victim numbers itself as it starts (``OUT/rank<r>.replacement<n>.started``,
+made exclusively, before it says hello; the second one's files are ``rank<r>.replacement2.json``).
+``REPLACE_HOLD=N``: replacement N waits there (before its hello) until it is stopped. ``REPLACE_DIE=N``: replacement N
+SIGKILLs itself at the top of the step it entered at (after its replay), before it pushes. ``WAIT_AT=S:N[,S:N]``: every original rank but the
+victim waits at the top of step S until every shard let N replacements enter (their stats' ``replaced``).
+``DIE_AT=S:N``: rank 0's original process waits at the top of step S until the victim's replacement N started, then
+SIGKILLs itself (every rank is then a replacement that has not entered).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +112,40 @@ def die_between_commits(step: int) -> None:
     ps._Shard.post = patched
 
 
+def numbered(r: int) -> int:
+    """This replacement's number among rank ``r``'s (1 for the first), taken by creating its file exclusively."""
+    n = 1
+    while True:
+        try:
+            os.close(os.open(out / f"rank{r}.replacement{n}.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return n
+        except FileExistsError:
+            n += 1
+
+
+def wait_for(what: str, cond, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: {what} within {timeout:g}s")
+        time.sleep(0.01)
+
+
+def forced_at(ex, step: int, victim: int) -> None:
+    """``WAIT_AT`` and ``DIE_AT`` (see the module's docstring), at the top of ``step``."""
+    for item in filter(None, os.environ.get("WAIT_AT", "").split(",")):
+        s, n = (int(x) for x in item.split(":"))
+        if s == step and rank != victim:
+            wait_for(f"{n} replacement(s) entered every shard",
+                     lambda: all(server_stats(e)["members"]["replaced"] >= n for e in ex.facts()["servers"]))
+    if rank == 0 and os.environ.get("DIE_AT"):
+        s, n = (int(x) for x in os.environ["DIE_AT"].split(":"))
+        if s == step:
+            wait_for(f"rank {victim}'s replacement {n} started",
+                     lambda: (out / f"rank{victim}.replacement{n}.started").exists())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def momentum_of(opt) -> dict:
     return {str(i): st["momentum_buffer"].tolist() for i, st in opt.state_dict()["state"].items()
             if st.get("momentum_buffer") is not None}
@@ -110,6 +153,12 @@ def momentum_of(opt) -> dict:
 
 def main() -> None:
     model, opt, sched = build(kind)
+    replacement = "COMMLAB_REPLACEMENT" in os.environ
+    # (the victim's replacements only: REPLACE_HOLD and REPLACE_DIE name one of them)
+    number = numbered(rank) if replacement and rank == int(os.environ.get("REPLACE_KILL_RANK", "1")) else 0
+    if number and number == int(os.environ.get("REPLACE_HOLD", "0")):
+        threading.Event().wait(120)  # until the launcher stops it (it never says hello)
+        raise TimeoutError(f"rank {rank}'s replacement {number} was held 120 s and never stopped")
     ex = commlab.connect()
     ex.setup(model, opt)
     if attempt == 0 and rank == 1 and "KILL_BETWEEN_COMMITS_OF" in os.environ:
@@ -121,9 +170,9 @@ def main() -> None:
         sched.load_state_dict(restored["sched"])
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):
             group["lr"] = lr  # a scheduler's state does not set the groups' lr: the loop does, as after a load
-    replacement = "COMMLAB_REPLACEMENT" in os.environ
+    suffix = "" if number <= 1 else str(number)  # (the first keeps the name the other tests read)
     if replacement:
-        (out / f"rank{rank}.replacement.json").write_text(json.dumps({
+        (out / f"rank{rank}.replacement{suffix}.json").write_text(json.dumps({
             "pid": os.getpid(), "healed": ex.healed, "start_step": ex.start_step, "restored_step": ex.restored_step,
             "params": {k: v.tolist() for k, v in model.state_dict().items()}, "momentum": momentum_of(opt)}))
     after = {}
@@ -135,6 +184,10 @@ def main() -> None:
         victim = int(os.environ.get("REPLACE_KILL_RANK", "1"))
         if rank == victim and not replacement and step == int(os.environ.get("REPLACE_KILL_STEP", "-1")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if number and number == int(os.environ.get("REPLACE_DIE", "0")) and step == ex.healed["step"]:
+            os.kill(os.getpid(), signal.SIGKILL)  # after it entered (and replayed): the shards count it from here on
+        if not replacement:
+            forced_at(ex, step, victim)
         if attempt == 0 and rank == int(os.environ.get("KILL_RANK", "-1")) and step == int(os.environ["KILL_STEP"]):
             if "KILL_AFTER_PUSH_OF" in os.environ:
                 wait_in_flight(ex, step, int(os.environ["KILL_AFTER_PUSH_OF"]))
@@ -161,7 +214,8 @@ def main() -> None:
         ex.pull_latest()
     record.update(ran=ran, params={k: v.tolist() for k, v in model.state_dict().items()}, momentum=momentum_of(opt),
                   lr=[g["lr"] for g in opt.param_groups],
-                  servers=[{k: s[k] for k in ("updates", "replaced", "duplicates", "attempt")} for s in ex.server_stats()])
+                  servers=[{**{k: s[k] for k in ("updates", "replaced", "duplicates", "attempt")},
+                            "entered": s["members"]["replaced"]} for s in ex.server_stats()])
     ex.close()
     name = f"rank{rank}.replacement.end.json" if replacement else f"rank{rank}.attempt{attempt}.json"
     (out / name).write_text(json.dumps(record))

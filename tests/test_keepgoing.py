@@ -67,15 +67,6 @@ def _check(results, want: list[torch.Tensor], pids: list[int]) -> list[dict]:
     return recs
 
 
-@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes,transport", [
-    ("server", "partial", set(), [1, 0], "tcp"),  # shard 0 had half of rank 1's step: taken out again
-    ("worker", "between", {0}, [0, 0], "tcp"),  # shard 0 had all of it: kept there
-    pytest.param("server", "partial", set(), [1, 0], "shm", marks=pytest.mark.full),  # (read from its link)
-    pytest.param("server", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
-    pytest.param("server", "between", {0}, [0, 0], "tcp", marks=pytest.mark.full),
-    pytest.param("worker", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
-    pytest.param("server", "setup", set(), [0, 0], "tcp", marks=pytest.mark.full),  # the start gate counts it out
-])
 def _sync_job(procs, update: str, kill_at: str, query: str) -> tuple[list, list[int], list]:
     """Two sync shards, three workers, rank 1 killed at ``kill_at`` (``query``: more of the URL): the survivors'
     (returncode, stdout, stderr), every worker's pid, the servers."""
@@ -89,6 +80,15 @@ def _sync_job(procs, update: str, kill_at: str, query: str) -> tuple[list, list[
     return results, [w.pid for w in workers], servers
 
 
+@pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes,transport", [
+    ("server", "partial", set(), [1, 0], "tcp"),  # shard 0 had half of rank 1's step: taken out again
+    ("worker", "between", {0}, [0, 0], "tcp"),  # shard 0 had all of it: kept there
+    pytest.param("server", "partial", set(), [1, 0], "shm", marks=pytest.mark.full),  # (read from its link)
+    pytest.param("server", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "between", {0}, [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("worker", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "setup", set(), [0, 0], "tcp", marks=pytest.mark.full),  # the start gate counts it out
+])
 def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes, transport):
     shm_before = set(os.listdir("/dev/shm"))
     results, pids, servers = _sync_job(procs, update, kill_at, f"transport={transport}")
@@ -140,15 +140,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "tests" / "restart_script.py")
 
 
-def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4, victim: int = 1):
+def _run_replace(tmp_path: Path, *flags: str, steps: int = 20, kill: int = 4, victim: int = 1, workers: int = 3,
+                 min_workers: int = 2, step_sleep: float = 0.25, **env):
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "tmp").mkdir()
-    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", "3", *flags, "--deadline", "150",
-                      "--exchanger", "ps://?shards=2&mode=sync&update=server&min_workers=2&timeout=30",
+    return run_group([sys.executable, "-m", "commlab.tools.cli", "run", "--workers", str(workers), *flags, "--deadline",
+                      "150", "--exchanger",
+                      f"ps://?shards=2&mode=sync&update=server&min_workers={min_workers}&timeout=30",
                       "--log-dir", str(tmp_path / "logs"), SCRIPT, str(out), str(steps), "mlp"], 180, cwd=ROOT,
                      env=child_env(TMPDIR=tmp_path / "tmp", REPLACE_KILL_STEP=kill, REPLACE_KILL_RANK=victim,
-                                   STEP_SLEEP=0.25), capture_output=True, text=True)
+                                   STEP_SLEEP=step_sleep, **env), capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("flags,victim", [(("--replace",), 1), pytest.param(("--spares", "1"), 1, marks=pytest.mark.full),
@@ -265,6 +267,58 @@ def test_a_replacement_whose_donor_dies_sending_is_refused_by_name_and_the_other
     assert all(st["updates"] == TW for st in json.loads(out2.strip().splitlines()[-1])["servers"])
     for s in servers:
         s.stop()
+
+def test_a_job_whose_every_rank_died_before_its_replacement_entered_fails_naming_the_rank(tmp_path):
+    """The double kill (the launcher's fix of f4b0c9a): 2 ranks, min_workers=1. Rank 1 dies at the top of step 3;
+    its replacement is held before its hello; once it started, rank 0 dies at the top of step 4 (forced: it waits
+    for the replacement's file). Every rank is then a replacement that has not entered: the launcher used to take
+    that for 'every other rank finished', stop both and end rc 0 with no rank having finished. Now it watches on:
+    the shards lost their quorum (0 of 2 left), rank 0's replacement is refused by name when it asks to enter, and
+    the job fails naming it. (Reverting the fix: rc 0 and '... never entered' in the summary.)"""
+    shm_before = set(os.listdir("/dev/shm"))
+    r = _run_replace(tmp_path, "--replace", workers=2, min_workers=1, steps=10, kill=3, step_sleep=0,
+                     REPLACE_HOLD=1, DIE_AT="4:1")
+    assert r.returncode == 1, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    for victim in (1, 0):
+        assert f"rank {victim} died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
+    assert "commlab run: rank 0 failed first (exit code 1); stopped the others" in r.stderr, r.stderr[-3000:]
+    assert "the job lost its quorum on shard " in r.stderr and "0 of 2 left, min_workers=1" in r.stderr, r.stderr[-3000:]
+    assert "replaced (" not in r.stdout and "the replacement was stopped before it entered" not in r.stderr
+    assert (tmp_path / "out" / "rank1.replacement1.started").exists()  # (held: it never said hello)
+    assert not (tmp_path / "out" / "rank0.attempt0.json").exists()  # no rank finished
+    assert not _leftovers(tmp_path, shm_before)
+
+
+def test_a_replacement_killed_after_it_entered_is_replaced_again_and_the_job_ends_right(tmp_path):
+    """2 ranks, min_workers=1. Rank 1 dies at the top of step 3; its replacement enters at E1, replays up to it and
+    dies at the top of step E1 (the shards count it from E1 on: the step completes without it); a second enters at
+    E2. Forced, not timed: rank 0 waits at the top of step 6 until every shard let the first replacement enter,
+    and at step 10 for the second (so E1 <= 7 and E2 <= 11). The job ends rc 0, the summary names both entries,
+    the second replacement holds rank 0's parameters and momentum after E2 - 1 bit for bit when it enters and
+    ends equal to it; every shard applied each of the 14 steps once and let 2 replacements in."""
+    shm_before = set(os.listdir("/dev/shm"))
+    steps = 14
+    r = _run_replace(tmp_path, "--replace", workers=2, min_workers=1, steps=steps, kill=3, step_sleep=0,
+                     REPLACE_DIE=1, WAIT_AT="6:1,10:2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count("rank 1 died (signal SIGKILL); replaced by a ") == 2, r.stderr[-3000:]
+    out = tmp_path / "out"
+    first, second = (json.loads((out / f"rank1.replacement{n}.json").read_text()) for n in ("", "2"))
+    e1, e2 = first["healed"]["step"], second["healed"]["step"]
+    assert 3 < e1 <= 7 and e1 < e2 <= 11, (e1, e2)
+    summary = r.stdout.strip().splitlines()[-1]
+    assert (f"2 replaced (rank 1 (signal SIGKILL; entered at step {e1}, healed " in summary
+            and f"; rank 1 (signal SIGKILL; entered at step {e2}, healed " in summary), summary
+    rec = json.loads((out / "rank0.attempt0.json").read_text())
+    assert rec["start_step"] == 0 and rec["ran"] == steps, rec
+    held = rec["after"][str(e2 - 1)]
+    assert held["params"] == second["params"] and held["momentum"] == second["momentum"]
+    end = json.loads((out / "rank1.replacement.end.json").read_text())
+    assert end["pid"] == second["pid"], end
+    assert end["params"] == rec["params"] and end["momentum"] == rec["momentum"] and end["lr"] == rec["lr"]
+    for shard in rec["servers"]:
+        assert shard["updates"] == steps and shard["entered"] == 2 and shard["duplicates"] == 0, rec["servers"]
+    assert not _leftovers(tmp_path, shm_before)
 
 
 # ----- the quorum, and a process that comes back ----------------------------------------------------------
