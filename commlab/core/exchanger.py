@@ -698,9 +698,11 @@ class BucketedExchanger(Exchanger):
         return self._open_step
 
     def state_dict(self) -> dict:
-        extra = {"compress": self.compressor.state_dict()} if self.compressor is not None else {}
+        extra: dict = {}
         if not self.talk.every_step:  # local steps: the position within H, the anchor, the outer optimizer
-            extra["talk"] = self.talk.state_dict()
+            extra["talk"] = self.talk.state_dict()  # first: it lands the syncs in flight, closing their error feedback
+        if self.compressor is not None:
+            extra["compress"] = self.compressor.state_dict()
         return dict(super().state_dict(), step=self._step, **extra)
 
     def load_state_dict(self, state: dict) -> None:
