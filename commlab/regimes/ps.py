@@ -1263,12 +1263,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         steps = {s.index: step for s in self.shards}
         outer = getattr(self.talk, "outer", None)
         if isinstance(outer, ShardsOuter):
-            talk = cast(LocalSteps, self.talk)
-            talk.land()  # this worker's syncs in flight are applied and merged first: it leaves after them
-            if talk.steps < talk.W:
-                raise ConfigError(f"join() with sync_every=: {self.rank_info.who()} ran out of inputs during "
-                                  f"warmup={talk.W} (after {talk.steps} steps): give every rank at least the "
-                                  f"warm-up's steps")
+            cast(LocalSteps, self.talk).leave(self.rank_info.who())  # its syncs in flight land first
             steps = {s.index: outer.next_step(s.index) for s in self.shards}
             meta["divide"] = False  # the outer step takes the mean of the pseudo-gradients pushed
         replies = self._on_all(lambda s: s.request("join", steps[s.index], join_parts(s.index), meta,
