@@ -20,6 +20,12 @@ nonzero values and their indices while that is smaller: top-k), which the rank t
 after closing its own step (its share is its own decoding, the same either way). update=server pulls sums only for a compressor that does not decode alone (PowerSGD: the next
 round's Q needs the summed P, its warm start and error feedback the summed Q).
 
+Local steps (``sync_every=H``, the outer placement; one fragment, no warm-up): the units are one per shard, the
+shard's pieces in model order, and what a sync pushes through them is the pseudo-gradient
+(:meth:`CompressedPushes.outer_push`, from :class:`~commlab.regimes.ps_steps.ShardsOuter`); the shard decodes and
+sums the payloads as it does a step's, and that mean is the outer optimizer's gradient; :meth:`CompressedPushes.close`
+keeps error feedback's residual once the shards answered.
+
 Bytes: ``bytes_sent`` counts the payloads pushed, ``bytes_uncompressed`` the pieces an uncompressed push
 would have sent (the present ones).
 """
