@@ -33,13 +33,17 @@ N = 2
 
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
               combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
-              lengths: list[int] | None = None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              lengths: list[int] | None = None, quant=None,
+              ef: dict | None = None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
     alpha x local + (1 - alpha) x anchor; the first W steps synchronous (every copy steps on the mean gradient),
     the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD). ``lengths``: copy r
     stops after lengths[r] steps (uneven inputs, join()): a sync averages the changes of the copies still going,
-    and at the end every copy takes the model of the highest copy among those that went longest."""
+    and at the end every copy takes the model of the highest copy among those that went longest. ``quant``
+    (compress=, one fragment): copy r's change x = (anchor - theta_r) / N, flat in model order, goes through
+    ``quant`` with error feedback (c = e_r + x, e_r := c - quant(c)) and the outer gradient is the sum of the
+    decodings in copy order; ``ef`` receives each copy's final residual and the sums of its inputs and decodings."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -85,7 +89,24 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         due = {p for p in range(parts) if t % H == (H * (p + 1) // parts) % H}
         land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
         with torch.no_grad():
-            if due:
+            if due and quant is not None:
+                whole = torch.cat([a.reshape(-1) for a in anchor])
+                total = torch.zeros_like(whole)
+                for r in live:
+                    x = (whole - torch.cat([q.detach().reshape(-1) for q in models[r].parameters()])) * (1.0 / N)
+                    mine = ef.setdefault(r, {"e": None, "inputs": torch.zeros_like(x), "sent": torch.zeros_like(x)})
+                    c = x if mine["e"] is None else mine["e"] + x
+                    d = quant(c)
+                    mine["e"] = c - d
+                    mine["inputs"] += x
+                    mine["sent"] += d
+                    total += d
+                offset = 0
+                for a in anchor:
+                    a.grad = total[offset:offset + a.numel()].view_as(a).clone()
+                    offset += a.numel()
+                outer_opt.step()
+            elif due:
                 for i, a in enumerate(anchor):
                     a.grad = None
                     if frag[i] in due:
@@ -460,6 +481,94 @@ def test_ps_async_delayed_nesterov_matches_reference(run_ranks, tmp_path, procs)
     assert max_diff(saved[1]["params"], plain[1][0]) > 1e-4
 
 
+@pytest.mark.multiproc
+def test_ps_join_uneven_inputs_averages_over_the_workers_still_training(run_ranks, tmp_path, procs):
+    """join() on ps:// local steps, the collectives' rule: rank 1 runs out after 5 steps (between the syncs at steps
+    4 and 8) and joins before the shard's second sync; that sync is rank 0's change alone (the shard's mean over the
+    workers still training), one outer step; at the end rank 0, the last to join, sent its parameters with its
+    join and every rank takes them. Every rank equals the collectives' reference to 1e-5 (rank 1's inner AdamW
+    state is its own, of 5 steps)."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 0, lengths=[10, 5])
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), lengths=[10, 5]), 1e-5)
+    assert server.stats()["updates"] == 2  # one outer step per sync, the second over rank 0 alone
+    numel = sum(p.numel() for p in make_model(False).parameters())
+    assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0] and saved[1]["sent"] == [0, 0, 0, 4 * numel, 0]
+
+
+def block_quant(top: float, block: int, cast=None):
+    """The block quantizers of docs/lowcomm.md, written out: s = max|x_b| / top per block of ``block`` elements
+    (0 for an all-zero block), x / s clamped to +-top, then rounded to the nearest integer (int8, int4) or cast to
+    e4m3 (``cast``: fp8), times s."""
+    def quant(x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        nb = -(-n // block)
+        padded = torch.zeros(nb * block)
+        padded[:n] = x
+        s = (padded.view(nb, block).abs().amax(1) / top).repeat_interleave(block)[:n]
+        v = torch.where(s > 0, x / s.masked_fill(s == 0, 1), torch.zeros(())).clamp(-top, top)
+        return (torch.round(v) if cast is None else v.to(cast).float()) * s
+
+    return quant
+
+
+# spec -> (reference quantizer, bytes of one push of n elements: codes + one float32 scale per block)
+QUANT = {"int8,block=32": (block_quant(127.0, 32), lambda n: n + 4 * -(-n // 32)),
+         "int4,block=16": (block_quant(7.0, 16), lambda n: -(-n // 2) + 4 * -(-n // 16)),
+         "fp8,block=64": (block_quant(448.0, 64, torch.float8_e4m3fn), lambda n: n + 4 * -(-n // 64))}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("spec", ["int8,block=32", pytest.param("int4,block=16", marks=pytest.mark.full),
+                                  pytest.param("fp8,block=64", marks=pytest.mark.full)])
+def test_ps_compressed_pseudo_gradient_with_error_feedback_matches_reference(run_ranks, tmp_path, procs, spec):
+    """compress= on ps:// local steps: at each sync every worker pushes its pseudo-gradient / N through the block
+    quantizer with error feedback (the residual kept on the worker, in ex.state_dict()), the shard decodes each
+    push and sums them in rank order (servers.compressed, as for gradients), the outer Nesterov step runs on that
+    mean. Every rank's parameters and inner AdamW state equal the reference (the quantizer and error feedback
+    written out above) to 1e-5; each rank's residual equals the reference's, and error feedback conserves the sum
+    (inputs = decodings + residual); bytes per sync: the closed form of one push of the model's n elements."""
+    quant, nbytes = QUANT[spec]
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + f"&sync_every=4&compress={spec}", 10)
+    ef: dict = {}
+    ref = reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), quant=quant, ef=ef)
+    check_ranks(saved, ref, 1e-5)
+    exact = reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True))  # without the quantizer: not this run
+    assert max_diff(saved[0]["params"], exact[0][0]) > 1e-5
+    numel = sum(p.numel() for p in ref[0][0].parameters())
+    assert saved[0]["sent"] == [0, 0, 0, nbytes(numel)] * 2 + [0, 0]
+    assert server.stats()["updates"] == 2
+    for r, s in enumerate(saved):
+        residual = s["ex"]["compress"]["residuals"][0]
+        assert float((residual - ef[r]["e"]).abs().max()) < 1e-6, f"rank {r}: error feedback's residual differs"
+        assert float(residual.abs().max()) > 0  # something was lost to rounding, and kept
+        assert torch.allclose(ef[r]["inputs"], ef[r]["sent"] + ef[r]["e"], atol=1e-6)
+        pushed = sum(s["pushed"]) / N  # what the rank's syncs put in: its changes from the anchor, / N
+        assert float((pushed - ef[r]["inputs"]).abs().max()) < 1e-6
+
+
+@pytest.mark.multiproc
+@pytest.mark.full
+def test_ps_async_compressed_pseudo_gradients_add_up_with_error_feedback(run_ranks, tmp_path, procs):
+    """mode=async with compress=int8: each push is decoded alone and applied as it lands (x -= (lr / N) g, momentum
+    0), so the rank that pushed last pulled x0 - (lr / N) x (the sum of every decoding), which error feedback makes
+    the sum of the six pseudo-gradients minus the two ranks' residuals. Bytes per sync: int8's closed form."""
+    server = procs.server("--mode", "async")
+    url = ps_url(server, "async") + "&sync_every=2&outer=sgd:lr=0.7&compress=int8,block=32"
+    saved = run(run_ranks, tmp_path, url, 6, slow=0.05)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 6 and stats["duplicates"] == 0
+    numel = sum(p.numel() for p in make_model(False).parameters())
+    assert all(s["sent"] == [0, QUANT["int8,block=32"][1](numel)] * 3 for s in saved)
+    x0 = torch.cat([p.detach().reshape(-1) for p in make_model(False).parameters()])
+    pushed = sum(d for s in saved for d in s["pushed"])
+    want = x0 - 0.7 / N * (pushed - sum(s["ex"]["compress"]["residuals"][0] for s in saved))
+    got = [torch.cat([s["params"][n].reshape(-1) for n in s["params"]]) for s in saved]
+    assert min(float((g - want).abs().max()) for g in got) < 1e-5
+    assert min(float((g - (x0 - 0.7 / N * pushed)).abs().max()) for g in got) > 1e-6  # rounding was kept back
+
+
 def test_ps_options_refused_in_one_line():
     from commlab.regimes.ps import PSOptions
 
@@ -468,7 +577,10 @@ def test_ps_options_refused_in_one_line():
 
     assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
     for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
-                    ("sync_every=4&warmup=2&mode=async", "warmup"), ("sync_every=4&compress=fp16", "compress"),
+                    ("sync_every=4&warmup=2&mode=async", "warmup"), ("sync_every=4&compress=powersgd:2", "compress"),
+                    ("sync_every=4&fragments=2&compress=int8", "fragments"), ("sync_every=4&warmup=2&compress=int8",
+                                                                              "warmup"),
+                    ("sync_every=4&clip_norm=1", "clip_norm"),
                     ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
                     ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
                     ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening")]:

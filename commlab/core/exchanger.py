@@ -698,9 +698,11 @@ class BucketedExchanger(Exchanger):
         return self._open_step
 
     def state_dict(self) -> dict:
-        extra = {"compress": self.compressor.state_dict()} if self.compressor is not None else {}
+        extra: dict = {}
         if not self.talk.every_step:  # local steps: the position within H, the anchor, the outer optimizer
-            extra["talk"] = self.talk.state_dict()
+            extra["talk"] = self.talk.state_dict()  # first: it lands the syncs in flight, closing their error feedback
+        if self.compressor is not None:
+            extra["compress"] = self.compressor.state_dict()
         return dict(super().state_dict(), step=self._step, **extra)
 
     def load_state_dict(self, state: dict) -> None:
@@ -1253,11 +1255,7 @@ class LocalVoteJoin(VoteJoin):
         return talk
 
     def _leaving(self) -> None:
-        talk = self.talk
-        talk.land()  # every fragment exchange in flight lands and is merged now
-        if talk.steps < talk.W:
-            raise ConfigError(f"join() with sync_every=: {self.ex.rank_info.who()} ran out of inputs during warmup="
-                              f"{talk.W} (after {talk.steps} steps): give every rank at least the warm-up's steps")
+        self.talk.leave(self.ex.rank_info.who())  # every fragment exchange in flight lands and is merged now
 
     def _shadow_exchange(self) -> None:
         """The others' sync at their step count (the vote's): the same exchanges on zeros and the same outer steps."""

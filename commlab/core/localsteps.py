@@ -385,6 +385,14 @@ class LocalSteps(Talk):
         for f in list(self.inflight):
             self._merge(f)
 
+    def leave(self, who: str) -> None:
+        """A rank whose loop ended inside ``join()``: every fragment exchange in flight lands and is merged now; one
+        that ran out during the warm-up is refused (the anchor is taken after it, with every rank)."""
+        self.land()
+        if self.steps < self.W:
+            raise ConfigError(f"join() with sync_every=: {who} ran out of inputs during warmup={self.W} (after "
+                              f"{self.steps} steps): give every rank at least the warm-up's steps")
+
     def shadow(self, steps: int, share: float) -> None:
         """A joined rank's part in the others' sync at their step ``steps``: the due fragments' exchanges on zeros
         and the same outer steps (its anchor and outer state stay theirs; its parameters are not touched), then

@@ -39,7 +39,7 @@ import time
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import zmq
@@ -50,13 +50,13 @@ from commlab.base import trace
 from commlab.transport import auth, psproto, psshm, rendezvous, shm, sockets as transport, wire
 from commlab.base.config import MAX_MB, ExchangerURL, option, parse_options
 from commlab.base.errors import CommError, CommTimeout, ConfigError, ModelMismatch, PeerLost, ProtocolError, RemoteError
-from commlab.core.localsteps import LocalStepsOptions, Outer, async_outer_refusal, parse_outer
+from commlab.core.localsteps import LocalSteps, LocalStepsOptions, Outer, async_outer_refusal, parse_outer
 from commlab.core.exchanger import AveragesSteps, BucketedExchanger, Join, JoinOptions, PlansServers
 from commlab.core.keepgoing import heal_tensors, pack_heal, unpack_heal
 from commlab.core.manifest import describe_optimizer, model_manifest
 from commlab.base.handles import DoneHandle, FutureHandle, GroupHandle, Handle
 from commlab.regimes.ps_compress import CompressedPushes
-from commlab.regimes.ps_steps import StepPlacement, for_servers
+from commlab.regimes.ps_steps import ShardsOuter, StepPlacement, for_servers
 from commlab.transport.rendezvous import RankInfo, group_key
 from commlab.core.staging import HostStaging
 
@@ -124,9 +124,17 @@ class PSOptions(LocalStepsOptions):
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
-            for name, off in (("compress", "none"), ("clip_norm", 0.0)):
-                if getattr(self, name) != off:
-                    raise ConfigError(f"ps:// sync_every= does not take {name}= (docs/localsteps.md)")
+            if self.clip_norm:
+                raise ConfigError("ps:// sync_every= does not take clip_norm= (docs/localsteps.md)")
+            comp = compress.build(self.compress, self.ef)
+            if comp is not None:  # the pseudo-gradient through the shards' compressed units (one push per shard)
+                for name, bad in (("fragments", self.fragments > 1), ("warmup", self.warmup > 0)):
+                    if bad:
+                        raise ConfigError(f"ps:// sync_every= with compress= takes no {name}= (not built: "
+                                          f"docs/localsteps.md)")
+                if not comp.decodes_alone:
+                    raise ConfigError(f"option 'compress': ps:// sync_every= takes a compressor whose payloads decode "
+                                      f"alone (casts, top-k, random-k, sign, int8, int4, fp4, fp8), not {self.compress}")
             if self.warmup and self.consistency is not None and not self.consistency.gathers:
                 raise ConfigError("ps:// sync_every= with warmup= needs mode=sync (the warm-up steps are synchronous)")
             if self.consistency is not None and not self.consistency.gathers:
@@ -923,7 +931,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
                 bi, slot = where[id(params[pc.param])]
                 self._plan[bi].setdefault(shard.index, []).append((pc, slot))
         # compress=: through the compressor (the seam's state), else raw frames; the step path asks either alike
-        pushes = self._pushes = (CompressedPushes(self, self._plan, self.compress_state)
+        pushes = self._pushes = (CompressedPushes(self, self._plan, self.compress_state, bool(self.options.sync_every))
                                  if self.compress_state is not None else FramePushes(self))
         manifest_wire = [[n, list(s), d] for n, s, d in manifest]
         buffers_wire = [[n, wire.dtype_name(b.dtype), b.numel()] for n, b in buffers]
@@ -1350,7 +1358,16 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         if enable and self._pushes is not None and not self._pushes.joins:
             raise ConfigError("ps:// compress=: ex.join() (uneven inputs) is not supported with compression; "
                               "drop compress= or give every rank the same number of steps")
+        if enable and self.options.sync_every:  # local steps: what join() is not built for, refused in one line
+            if self.options.fragments > 1:
+                raise ConfigError("ps:// sync_every= with fragments=: ex.join() (uneven inputs) is not built; use "
+                                  "fragments=1 or give every rank the same number of steps")
+            if self.consistency is not None and not self.consistency.gathers:
+                raise ConfigError(f"ps:// sync_every= under mode={self.consistency.name}: ex.join() (uneven inputs) "
+                                  f"is not built; use mode=sync or give every rank the same number of steps")
         return super().join(divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    joins_local_steps = True  # sync_every=: the shards count a joined worker out of each sync (_wait_out_join)
 
     def _join_hook(self, options: JoinOptions) -> Join:
         return _ServerJoin(self, options)
@@ -1358,13 +1375,24 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
     def _wait_out_join(self, options: JoinOptions) -> None:
         """ex.join() on a parameter server: tell every shard this worker pushes no more (sync counts it as
         zeros; async and ssp stop waiting for its clock; update=worker: its parameters go along, kept when
-        it is the last to join), then wait until every worker has, and take the final parameters and buffers."""
+        it is the last to join), then wait until every worker has, and take the final parameters and buffers.
+        Local steps (``sync_every=``, mode=sync, one fragment; docs/localsteps.md): the syncs in flight land
+        first, the join names each shard's next sync, and the shards average each later sync over the workers
+        still training (``divide_by_initial_world_size`` does not apply, as on the collectives); this worker's
+        parameters go along, and the last joiner's (the highest rank among those that synced most) are every
+        worker's at the end."""
         step = self._wire_step()
         meta = {"divide": options.divide_by_initial_world_size, "throw": options.throw_on_early_termination}
         assert self.steps is not None  # setup
         join_parts = self.steps.join_parts
-        replies = self._on_all(lambda s: s.request("join", step, join_parts(s.index), meta,
-                                                   what=f"join before step {step}")[0].meta, "join")
+        steps = {s.index: step for s in self.shards}
+        outer = getattr(self.talk, "outer", None)
+        if isinstance(outer, ShardsOuter):
+            cast(LocalSteps, self.talk).leave(self.rank_info.who())  # its syncs in flight land first
+            steps = {s.index: outer.next_step(s.index) for s in self.shards}
+            meta["divide"] = False  # the outer step takes the mean of the pseudo-gradients pushed
+        replies = self._on_all(lambda s: s.request("join", steps[s.index], join_parts(s.index), meta,
+                                                   what=f"join before step {steps[s.index]}")[0].meta, "join")
         if options.throw_on_early_termination and any(r.get("training") for r in replies):
             raise RuntimeError(f"Rank {self.rank_info.global_rank()} exhausted all inputs.")
 

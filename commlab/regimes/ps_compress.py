@@ -20,6 +20,12 @@ nonzero values and their indices while that is smaller: top-k), which the rank t
 after closing its own step (its share is its own decoding, the same either way). update=server pulls sums only for a compressor that does not decode alone (PowerSGD: the next
 round's Q needs the summed P, its warm start and error feedback the summed Q).
 
+Local steps (``sync_every=H``, the outer placement; one fragment, no warm-up): the units are one per shard, the
+shard's pieces in model order, and what a sync pushes through them is the pseudo-gradient
+(:meth:`CompressedPushes.outer_push`, from :class:`~commlab.regimes.ps_steps.ShardsOuter`); the shard decodes and
+sums the payloads as it does a step's, and that mean is the outer optimizer's gradient; :meth:`CompressedPushes.close`
+keeps error feedback's residual once the shards answered.
+
 Bytes: ``bytes_sent`` counts the payloads pushed, ``bytes_uncompressed`` the pieces an uncompressed push
 would have sent (the present ones).
 """
@@ -73,11 +79,14 @@ class CompressedPushes:
     joins = False  # the shards have no way yet to count a joined worker's compressed rounds
     raw = False
 
-    def __init__(self, ex, plan: list[dict[int, list]], state: CompressState):
+    def __init__(self, ex, plan: list[dict[int, list]], state: CompressState, outer: bool = False):
         self.ex, self.comp = ex, state.comp
         k = len(ex.shards)
-        self.units: list[list[Unit]] = []  # per bucket
-        for b, by_shard in zip(ex.buckets, plan):
+        self.units: list[list[Unit]] = []  # per bucket (outer: one group, a unit per shard)
+        self.outer = outer
+        if outer:
+            self.units = [self._outer_units()]
+        for b, by_shard in zip(ex.buckets, plan if not outer else []):
             units = []
             for s, items in sorted(by_shard.items()):
                 units.append(Unit(b.index * k + s, s, b.index, [pc.key for pc, _ in items], [slot for _, slot in items],
@@ -86,6 +95,28 @@ class CompressedPushes:
             self.units.append(units)
         self._flight: dict[int, dict] = {}  # unit key -> this step's x, payloads per round
         self._got: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, round) -> the shard's sum
+
+    def _outer_units(self) -> list[Unit]:
+        """Local steps (``sync_every=H``, one fragment): what a sync compresses is the pseudo-gradient, not a bucket.
+        A unit per shard: the shard's pieces in model order, ``ranges`` their places in the model's flat float32
+        layout (the trained parameters in model order, as :class:`commlab.core.localsteps.LocalSteps` lays out
+        its anchor). With one shard the unit is the whole pseudo-gradient, as the collectives compress it."""
+        ex = self.ex
+        at: dict[str, int] = {}
+        offset = 0
+        for name, p in ex.model.named_parameters():
+            if p.requires_grad:
+                at[name] = offset
+                offset += p.numel()
+        params = dict(ex.model.named_parameters())
+        units = []
+        for s, pieces in enumerate(ex._pieces):
+            mine = sorted((pc for pc in pieces if pc.param in at), key=lambda pc: at[pc.param] + pc.start)
+            if mine:
+                units.append(Unit(s, s, -1, [pc.key for pc in mine], [],
+                                  [(at[pc.param] + pc.start, pc.count) for pc in mine],
+                                  [piece_shape(params[pc.param].shape, pc.start, pc.count) for pc in mine]))
+        return units
 
     def hello(self, shard: int) -> dict:
         """What ``shard``'s hello says of the pushes: the compressor and this shard's units."""
@@ -108,7 +139,6 @@ class CompressedPushes:
     # ----- the step ------------------------------------------------------------------------------
     def start_bucket(self, bucket, step: int, extra: dict) -> Handle:
         """In the backward hook: compress each of the bucket's units and send round 0 to its shard."""
-        ex = self.ex
         handles = []
         for u in self.units[bucket.index]:
             if self.in_place and u.contiguous:
@@ -117,27 +147,49 @@ class CompressedPushes:
                 x = torch.cat([bucket.grads[a:a + c] for a, c in u.ranges])
                 if self.scale != 1.0 and not self.in_place:
                     x.mul_(self.scale)
-            t0 = ex._trace.now() if ex._trace is not None else 0
-            payload = self.comp.start(u.key, x, u.shapes)
-            if ex._trace is not None:
-                ex._trace.span("encode", "bucket", t0, args={"bucket": bucket.index, "compressor": self.comp.name})
             absent = [key for key, slot in zip(u.keys, u.slots) if not bucket.present[slot]]
-            self._flight[u.key] = {"x": x, "payloads": [payload]}
-            ex.stats.bytes_uncompressed += bucket.grads.element_size() * sum(
-                c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
-            meta = {"absent": absent, "cmeta": self.comp.wire_meta(u.key), **extra}  # extra: the placement's
-            handles.append(self._send(u, step, 0, payload, meta))
+            payload, meta = self._encode(u, x, absent, bucket.grads.element_size())
+            handles.append(self._send(u, step, 0, payload, dict(meta, **extra)))  # extra: the placement's
         if not handles:
             return DoneHandle(what=f"bucket {bucket.index}")
         return handles[0] if len(handles) == 1 else GroupHandle(handles, f"push of bucket {bucket.index}")
+
+    def _encode(self, u: Unit, x: torch.Tensor, absent: list[str], itemsize: int) -> tuple[list, dict]:
+        """Round 0 of unit ``u`` from ``x`` (error feedback's residual added in): the payload and its push's meta."""
+        ex = self.ex
+        t0 = ex._trace.now() if ex._trace is not None else 0
+        payload = self.comp.start(u.key, x, u.shapes)
+        if ex._trace is not None:
+            ex._trace.span("encode", "bucket", t0, args={"bucket": u.bucket, "compressor": self.comp.name})
+        self._flight[u.key] = {"x": x, "payloads": [payload]}
+        ex.stats.bytes_uncompressed += itemsize * sum(c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
+        return payload, {"absent": absent, "cmeta": self.comp.wire_meta(u.key)}
+
+    def outer_push(self, delta: torch.Tensor) -> dict[int, tuple[list, dict]]:
+        """Local steps (``sync_every=H``): one sync's compressed push per shard, from this worker's pseudo-gradient
+        ``delta`` (flat float32, model order; scratch): each shard's unit of it, scaled as a gradient is (sync:
+        1/N, so the shard's sum of the decodings is the mean; async: as it is), through the compressor (error
+        feedback's residual is the unit's). Returns shard -> (frames, push meta); the bytes are counted here.
+        :meth:`close` closes the step once the shards have answered (the residual: input minus own decoding)."""
+        out: dict[int, tuple[list, dict]] = {}
+        for u in self.units[0]:
+            x = torch.cat([delta[a:a + c] for a, c in u.ranges])
+            if self.scale != 1.0:
+                x.mul_(self.scale)
+            payload, meta = self._encode(u, x, [], x.element_size())
+            out[u.shard] = (self._frames(u, payload), dict(meta, unit=u.key, round=0))
+        return out
+
+    def _frames(self, u: Unit, payload) -> list:
+        self.ex.stats.bytes_sent += nbytes(payload)
+        return [part for i, t in enumerate(payload)
+                for part in wire.split(f"{u.key}/{i}", t.detach().reshape(-1).contiguous().cpu())]
 
     def _send(self, u: Unit, step: int, r: int, payload, meta: dict) -> Handle:
         """Push round ``r`` of unit ``u`` on its shard's thread (and ask for the round's sum where needed)."""
         ex = self.ex
         shard = ex.shards[u.shard]
-        parts = [part for i, t in enumerate(payload)
-                 for part in wire.split(f"{u.key}/{i}", t.detach().reshape(-1).contiguous().cpu())]
-        ex.stats.bytes_sent += nbytes(payload)
+        parts = self._frames(u, payload)
         what = f"unit {u.key} (bucket {u.bucket}) round {r} at step {step}"
 
         def post(s):
@@ -196,6 +248,13 @@ class CompressedPushes:
             for h in handles:
                 h.wait(ex.options.timeout)
         received += self._collect(step)
+        self.close(units)
+        return received
+
+    def close(self, units: list[Unit]) -> None:
+        """Every unit's step closed, once its last round's replies are in: error feedback's residual, and the
+        aggregate into ``x`` (update=worker: into the bucket)."""
+        ex, comp = self.ex, self.comp
         last = comp.rounds - 1
         t0 = ex._trace.now() if ex._trace is not None else 0
         for u in units:
@@ -214,4 +273,3 @@ class CompressedPushes:
         if ex._trace is not None:
             ex._trace.span("decode", "bucket", t0, args={"units": len(units), "compressor": comp.name})
         self._flight.clear()
-        return received

@@ -34,6 +34,7 @@ from commlab.base.errors import ConfigError, ModelMismatch
 from commlab.base.handles import FutureHandle, GroupHandle
 from commlab.core import localsteps
 from commlab.core.manifest import _plain
+from commlab.regimes.ps_compress import CompressedPushes
 
 if TYPE_CHECKING:
     from commlab.regimes.ps import PSExchanger, _Shard
@@ -387,6 +388,10 @@ class ShardsOuter(localsteps.Outer):
     def anchors(self):
         return self._anchors
 
+    def next_step(self, shard: int) -> int:
+        """The wire step of this worker's next sync on ``shard`` (each shard counts its own)."""
+        return self.ex._wire_step() + self.sent.get(shard, 0) - self.counted
+
     def begin(self, p, delta, shapes, share=1.0):
         ex = self.ex
         at, offset = {}, 0  # parameter name -> its first element in the fragment's flat anchor
@@ -397,14 +402,21 @@ class ShardsOuter(localsteps.Outer):
         commit = {"factor": 1.0, "hyper": None} if self.mode.gathers else None
         self.syncs += 1
         handles = []
+        pushes = ex._pushes
+        # compress= (one fragment): each shard's unit of the pseudo-gradient through the compressor, pushed as the
+        # gradient path pushes a compressed unit (regimes.ps_compress); the shard decodes and sums it (servers.compressed)
+        packed = pushes.outer_push(delta) if isinstance(pushes, CompressedPushes) else None
         for s in ex.shards:
             mine = [pc for pc in ex._pieces[s.index] if pc.param in at]
             if not mine:
                 continue  # this shard holds nothing of the fragment: it sees no step of it
-            step = ex._wire_step() + self.sent.get(s.index, 0) - self.counted
+            step = self.next_step(s.index)
             self.sent[s.index] = self.sent.get(s.index, 0) + 1
-            parts = []
-            for pc in mine:
+            parts: list = []
+            extra: dict = {}
+            if packed is not None:
+                parts, extra = packed[s.index]
+            for pc in mine if packed is None else []:
                 start = at[pc.param] + pc.start
                 parts += wire.split(pc.key, delta[start:start + pc.count].to(wire.DTYPES[pc.dtype]))
                 ex.stats.bytes_sent += pc.nbytes
@@ -418,8 +430,8 @@ class ShardsOuter(localsteps.Outer):
                 return h.data_bytes
 
             def exchange(s: "_Shard", step=step, parts=parts, absent=absent, keys=[pc.key for pc in mine],
-                         take=take) -> int:
-                return s.push_then_pull(step, parts, {"base": s.version, "absent": absent},
+                         take=take, extra=extra) -> int:
+                return s.push_then_pull(step, parts, {"base": s.version, "absent": absent, **extra},
                                         f"pseudo-gradient of fragment {p} at step {step}", commit, keys, take)
 
             handles.append(FutureHandle(s.submit(exchange, s), f"ps:// outer step of fragment {p} on {s.name}"))
@@ -427,6 +439,8 @@ class ShardsOuter(localsteps.Outer):
 
         def landed(received: list) -> torch.Tensor:
             ex.stats.bytes_received += sum(received)
+            if isinstance(pushes, CompressedPushes):  # every shard has the push: error feedback keeps what this
+                pushes.close(pushes.units[0])  # rank's own decoding lost
             return anchor
 
         return _Retrying(handles, what, then=landed, retries=ex.options.retries)
