@@ -186,7 +186,7 @@ class Units:
         this. False where it is not taken out: it sent none, or the sum holds it for good (it may have gone out)."""
         acc = self.acc.get((unit.key, r))
         payload = acc.payloads.get(rank) if acc is not None else None
-        if payload is None:
+        if acc is None or payload is None:
             return False
         del acc.payloads[rank]
         if acc.total is None:

@@ -158,7 +158,7 @@ class CompressedPushes:
         """Round 0 of unit ``u`` from ``x`` (error feedback's residual added in): the payload and its push's meta."""
         ex = self.ex
         t0 = ex._trace.now() if ex._trace is not None else 0
-        payload = self.comp.start(u.key, x, u.shapes)
+        payload = self.comp.start(u.key, x, tuple(torch.Size(s) for s in u.shapes))
         if ex._trace is not None:
             ex._trace.span("encode", "bucket", t0, args={"bucket": u.bucket, "compressor": self.comp.name})
         self._flight[u.key] = {"x": x, "payloads": [payload]}
