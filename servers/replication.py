@@ -39,6 +39,11 @@ must, and says ``attach``). From then on:
   received). Requests it had applied come back as duplicates, which the shard recognises as it did for a
   restarted shard ((worker, step) pushes, commits of an applied step, ...), so nothing is lost or applied
   twice. While its primary lives it refuses workers with ``not_primary``.
+* **Keep-going's losses** (``min_workers=``): a worker's connection closes on the primary's socket only, so the
+  primary streams the loss (``LOST``: key space, rank, why) at the point it happens, before applying it, and holds
+  what the loss answered until the backup's ack (:meth:`Replication.losing`); the backup takes the rank out at
+  the same point (:meth:`servers.server.ParameterServer.lose`), so its membership, and the steps completed over
+  the ranks left, are the primary's.
 * **The primary without a backup** (its connection closed: killed) goes on alone and releases what it held;
   a new backup can attach at any time (``commlab server --replica-of`` the live one).
 
@@ -62,7 +67,7 @@ from commlab.transport import psproto, sockets as transport, wire
 
 CTRL = struct.Struct("<4sBQH")  # magic, kind, seq, length of the worker identity that follows
 MAGIC = b"CLRP"
-SNAPSHOT, REQUEST, FREE = 1, 2, 3
+SNAPSHOT, REQUEST, FREE, LOST = 1, 2, 3, 4
 SHM_KEYS = ("shm", "shm_host", "shm_reply")  # what a request through shared memory carries; the backup has none
 HEARTBEAT_MS = (1000, 10000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
 ATTACH_TIMEOUT = 120.0  # a new backup waits this long for the primary's state
@@ -78,7 +83,7 @@ def parse_ctrl(frame: bytes) -> tuple[int, int, bytes]:
     if len(frame) < CTRL.size:
         raise ProtocolError(f"replication frame of {len(frame)} bytes")
     magic, kind, seq, n = CTRL.unpack_from(frame)
-    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE) or len(frame) != CTRL.size + n:
+    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE, LOST) or len(frame) != CTRL.size + n:
         raise ProtocolError("not a replication frame")
     return kind, seq, frame[CTRL.size:]
 
@@ -398,6 +403,23 @@ class Replication:
         except CommError as exc:
             self._lose(f"the stream to it failed ({exc})")
 
+    def losing(self, space: str, rank: int, why: str) -> None:
+        """Keep-going: ``rank`` leaves key space ``space`` here (its connection closed on this primary's socket,
+        which the backup cannot see). The loss goes in the stream at this point, before it is applied, and the
+        replies it makes (the step in flight completed over the ranks left) wait for the backup's ack, as a
+        request's do: the backup takes the same rank out at the same point, so it completes the same steps over
+        the same ranks, and a replacement's hello finds the rank lost there too. :meth:`done` ends it."""
+        if self.backup is None or self.muted:
+            return
+        self.seq += 1
+        try:
+            transport.send(self.srv.sock, [self.backup, ctrl(LOST, self.seq), space.encode(), str(rank).encode(),
+                                           why.encode()], timeout=5.0, who="the backup")
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+            return
+        self.current = self.seq
+
     def done(self) -> None:
         if self.dying in ("unsent", "unacked"):
             _die()
@@ -586,6 +608,11 @@ class Replication:
                 space = self.srv.spaces.get(msg[1].bytes.decode())
                 if space is not None:
                     self.srv._free(space)
+            elif kind == LOST:  # the primary's keep-going loss, at its point in the stream (:meth:`losing`)
+                space = self.srv.spaces.get(msg[1].bytes.decode())
+                rank = int(msg[2].bytes)
+                if space is not None and rank not in space.members.lost:
+                    space.lose(rank, msg[3].bytes.decode())
         finally:
             self.muted = False
 

@@ -411,10 +411,15 @@ class ParameterServer:
         self.members.check(self.senders.get(h.sender), ident, h.op, h.sender)
 
     def connection_closed(self, ident: bytes) -> None:
-        """A connection closed: under keep-going, its rank (if it had not said bye) leaves the membership."""
+        """A connection closed: under keep-going, its rank (if it had not said bye) leaves the membership (and, where
+        a backup is attached, the loss goes in its stream: :meth:`servers.replication.Replication.losing`)."""
         rank = self.members.closed(ident)
         if rank is not None and rank not in self.gone:
-            self.lose(rank, "its connection closed")
+            self.host.repl.losing(self.space, rank, "its connection closed")  # replicated: the backup loses it too
+            try:
+                self.lose(rank, "its connection closed")
+            finally:
+                self.host.repl.done()  # what the loss answered waits for the backup's ack
 
     def lose(self, rank: int, why: str) -> None:
         """``rank`` leaves: its partial step is taken out (counted in ``lost_pushes``), the step in flight
