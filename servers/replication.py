@@ -158,10 +158,11 @@ class _Held:
 
 
 def quiescent(space) -> bool:
-    """No step half in: nothing a state transfer would have to carry beside the applied state."""
+    """No step half in, no replacement's state half relayed (servers/relay.py): nothing a state transfer would
+    have to carry beside the applied state."""
     mode = space.mode
     if mode.partial or space.buf_acc or getattr(mode, "complete", None) or getattr(mode, "contributed", None) \
-            or getattr(mode, "gathered", False):
+            or getattr(mode, "gathered", False) or space.relays.by_rank:
         return False
     return True
 
@@ -292,6 +293,7 @@ class Replication:
             if ident == self.backup:
                 self.acked = max(self.acked, h.step)
                 self._release()
+                self._refresh()
             return
         rid = h.meta.get("id")
         m = h.meta
@@ -349,8 +351,9 @@ class Replication:
 
     def _refresh(self) -> None:
         """The attached backup logs the stream: a fresh copy once ``ratio`` x the state's bytes went since the
-        last, at a step boundary (the same moment a new backup's state goes)."""
-        if self.backup is None or not self.ratio or self.since < self.ratio * self.basis \
+        last, at a step boundary (the same moment a new backup's state goes) once no reply waits for the backup's
+        ack (the copy is not made while workers wait for those)."""
+        if self.backup is None or not self.ratio or self.since < self.ratio * self.basis or self.held \
                 or any(sp.units is not None for sp in self.srv.spaces.values()) \
                 or not all(quiescent(sp) for sp in self.srv.spaces.values()):
             return
