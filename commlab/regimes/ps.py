@@ -458,6 +458,9 @@ class _Shard:
         h = wire.decode(transport.recv(self.live, self.timeout, self.name, self.peer), ops=psproto.REPLIES, max_bytes=0)
         if h.op == "error":
             raise RemoteError(f"{self.name} refused the heartbeat connection: {h.meta.get('reason')}", peer=self.peer)
+        # the shard times this connection out only once a ping told it the TTL: let the first one go before this
+        # process goes on (frozen before it, the shard's own heartbeat would take peer_timeout / 2 to notice)
+        time.sleep(1.5 * transport.ping_interval(self.heartbeat_s))
 
     def _learn(self, endpoints) -> None:
         """Servers of this shard a reply named (a backup attached later, ``commlab server --replica-of``)."""
