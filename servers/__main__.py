@@ -36,6 +36,11 @@ def parser() -> argparse.ArgumentParser:
                    help="run as the backup of the shard server at ENDPOINT (same --mode, --shard, --staleness): "
                         "take its state, then every request it serves; serve its workers once it is gone "
                         "(ps://?replicas=2, docs/ps.md). With --keys, the link uses DIR/replica.key_secret")
+    p.add_argument("--replica-log", type=float, default=4.0, metavar="R",
+                   help="as a primary: its backup logs the requests it streams instead of applying each, and gets a "
+                        "fresh copy of the shard's state once the log holds R times the state's bytes; a failover "
+                        "applies the log (at most about R x the state) first. 0: the backup applies every request "
+                        "as it arrives (its CPU cost is the primary's). Default 4")
     p.add_argument("--peer-timeout", type=float, default=60.0,
                    help="seconds after which a key space whose connections all closed without bye is freed "
                         "(zmq heartbeats close a dead host's connection within half of it)")
@@ -86,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         secret = auth.load({auth.SECRET_FILE_ENV: a.secret_file} if a.secret_file else None)
         cfg = ServerConfig(a.bind, a.mode, a.staleness, shard, shards, a.checkpoint_dir, a.checkpoint_every,
                            a.resume, a.log_every, a.io_threads, a.insecure, a.curve_secret, a.authorized, secret,
-                           a.peer_timeout, a.replica_of, replica_curve)
+                           a.peer_timeout, a.replica_of, replica_curve, a.replica_log)
         server = ShardServer(cfg)
     except (ValueError, ConfigError, CommError, FileNotFoundError) as exc:
         print(f"commlab server: {exc}", file=sys.stderr)

@@ -45,6 +45,7 @@ class Membership:
         self.conn: dict[int, bytes] = {}  # rank -> the connection its current process said hello on
         self.live: dict[int, bytes] = {}  # rank -> its heartbeat connection (heartbeat_s=: PINGs only)
         self.since: dict[int, int] = {}  # rank -> the epoch its current process entered at
+        self.hello_epoch: dict[int, int] = {}  # rank -> the epoch its current process's fresh hello was answered at
         self.pending: set[int] = set()  # replacements that said hello and have not entered yet
         self.ended = ""  # why the job lost its quorum ("": it did not)
         self.replaced = 0  # replacements that entered
@@ -59,6 +60,7 @@ class Membership:
         self.conn.clear()
         self.live.clear()
         self.since.clear()
+        self.hello_epoch.clear()
         self.pending.clear()
         self.ended = ""
         self.epoch += 1
@@ -87,11 +89,21 @@ class Membership:
             self.pending.add(rank)
             self.conn[rank] = ident
             self.epoch += 1
+            self.hello_epoch[rank] = self.epoch
             return True
         old = self.conn.get(rank)
         if fresh and old is not None and old != ident and rank not in self.pending:
             raise Refused(f"a new process says hello as rank {rank}, which is live on another connection to "
                           f"{self.name} (membership epoch {self.epoch}): two processes for one rank?")
+        said, took = meta.get("epoch"), self.hello_epoch.get(rank)
+        if not fresh and isinstance(said, int) and took is not None and said < took:
+            # (a process of the rank's lost predecessor, back after a replacement took the rank over: its old
+            # connection is refused by check(); this is its hello on a new one, after a failover or a reconnect)
+            raise Refused(f"hello from rank {rank} of membership epoch {said}: the rank left the job and a new "
+                          f"process took it over at epoch {took} on {self.name} (the job is at epoch {self.epoch}): "
+                          f"a process that comes back is refused, not merged")
+        if fresh:
+            self.hello_epoch[rank] = self.epoch
         self.conn[rank] = ident
         self.since.setdefault(rank, self.epoch)
         return rank in self.pending
@@ -155,7 +167,7 @@ class Membership:
         every live rank says hello again)."""
         return {"min_workers": self.min_workers, "fixed": self.fixed, "epoch": self.epoch, "replaced": self.replaced,
                 "ended": self.ended, "lost": {r: [x.epoch, x.step, x.why] for r, x in self.lost.items()},
-                "pending": sorted(self.pending)}
+                "pending": sorted(self.pending), "hello_epoch": dict(self.hello_epoch)}
 
     def load(self, state: dict) -> None:
         self.min_workers, self.fixed = int(state.get("min_workers", 0)), bool(state.get("fixed", False))
@@ -163,6 +175,7 @@ class Membership:
             str(state.get("ended", ""))
         self.lost = {int(r): Loss(int(r), int(e), int(t), str(w)) for r, (e, t, w) in state.get("lost", {}).items()}
         self.pending = {int(r) for r in state.get("pending", [])}
+        self.hello_epoch = {int(r): int(e) for r, e in state.get("hello_epoch", {}).items()}
 
     def out(self) -> set[int]:
         """Ranks that push nothing now: lost, or replacements not entered yet."""

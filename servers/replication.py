@@ -15,7 +15,19 @@ must, and says ``attach``). From then on:
   and their order (one torch thread; a sync step's sum is folded in the order the primary received the
   pushes, which is the stream's). The backup receives the workers' gradients (every push), not parameters.
   It acknowledges what it received (``ack`` with the highest ``seq``) before applying it: it holds it, since a
-  backup applies everything it received before it serves anyone, and its update runs beside the primary's.
+  backup applies everything it received before it serves anyone.
+* **A log and fresh copies, not the arithmetic** (``--replica-log R``, ``ps://?replica_log=R``, default 4):
+  applying every request costs the backup the primary's CPU, which on a machine the workers share is the
+  replication's whole price. So the backup keeps what it received (the frames as they came) without applying
+  it, and the primary sends a fresh copy of its state in the stream (``SNAPSHOT`` at the ``seq`` it has served
+  through, at the first step boundary) once it streamed ``R`` times the state's bytes since the last one; the
+  backup then drops the log up to there. It applies (*catches up*: the newest copy, then the log after it, in
+  order, through the same code as above) before it serves anyone, when a key space is freed (the job's last
+  ``bye``, or its connections gone for the peer timeout), when the log outgrows
+  :data:`LOG_LIMIT` copies' worth (a key space with ``compress=``, which a copy cannot carry, gets none), and
+  before it writes checkpoints or answers a digest. A copy is the state a new backup takes, so what the backup
+  holds after catching up is what it would hold having applied each request: the same state, bit for bit.
+  ``R = 0``: it applies every request as it arrives.
 * **Output commit.** Every reply the primary makes while serving request ``seq`` (its ack, and the pulls that
   request made answerable) is held until the backup acknowledged ``seq``. So whatever a worker has seen, the
   backup holds. A held reply that reads the shard's tensors zero-copy counts as a send in flight: the
@@ -27,6 +39,11 @@ must, and says ``attach``). From then on:
   received). Requests it had applied come back as duplicates, which the shard recognises as it did for a
   restarted shard ((worker, step) pushes, commits of an applied step, ...), so nothing is lost or applied
   twice. While its primary lives it refuses workers with ``not_primary``.
+* **Keep-going's losses** (``min_workers=``): a worker's connection closes on the primary's socket only, so the
+  primary streams the loss (``LOST``: key space, rank, why) at the point it happens, before applying it, and holds
+  what the loss answered until the backup's ack (:meth:`Replication.losing`); the backup takes the rank out at
+  the same point (:meth:`servers.server.ParameterServer.lose`), so its membership, and the steps completed over
+  the ranks left, are the primary's.
 * **The primary without a backup** (its connection closed: killed) goes on alone and releases what it held;
   a new backup can attach at any time (``commlab server --replica-of`` the live one).
 
@@ -50,10 +67,12 @@ from commlab.transport import psproto, sockets as transport, wire
 
 CTRL = struct.Struct("<4sBQH")  # magic, kind, seq, length of the worker identity that follows
 MAGIC = b"CLRP"
-SNAPSHOT, REQUEST, FREE = 1, 2, 3
+SNAPSHOT, REQUEST, FREE, LOST = 1, 2, 3, 4
 SHM_KEYS = ("shm", "shm_host", "shm_reply")  # what a request through shared memory carries; the backup has none
 HEARTBEAT_MS = (1000, 10000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
 ATTACH_TIMEOUT = 120.0  # a new backup waits this long for the primary's state
+LOG_BASIS = 1 << 20  # a shard's state counts as at least this many bytes (before rank 0's init it is tiny)
+LOG_LIMIT = 4  # a backup catches up once its log holds this many times R x the state's bytes
 
 
 def ctrl(kind: int, seq: int, ident: bytes = b"") -> bytes:
@@ -64,7 +83,7 @@ def parse_ctrl(frame: bytes) -> tuple[int, int, bytes]:
     if len(frame) < CTRL.size:
         raise ProtocolError(f"replication frame of {len(frame)} bytes")
     magic, kind, seq, n = CTRL.unpack_from(frame)
-    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE) or len(frame) != CTRL.size + n:
+    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE, LOST) or len(frame) != CTRL.size + n:
         raise ProtocolError("not a replication frame")
     return kind, seq, frame[CTRL.size:]
 
@@ -139,10 +158,11 @@ class _Held:
 
 
 def quiescent(space) -> bool:
-    """No step half in: nothing a state transfer would have to carry beside the applied state."""
+    """No step half in, no replacement's state half relayed (servers/relay.py): nothing a state transfer would
+    have to carry beside the applied state."""
     mode = space.mode
     if mode.partial or space.buf_acc or getattr(mode, "complete", None) or getattr(mode, "contributed", None) \
-            or getattr(mode, "gathered", False):
+            or getattr(mode, "gathered", False) or space.relays.by_rank:
         return False
     return True
 
@@ -152,7 +172,7 @@ def space_state(space) -> dict:
     if space.units is not None:
         raise ConfigError(f"{space.cfg.name}: a new backup cannot take over a key space with compress= "
                           f"(its held payloads are not transferred); start the backup before the job")
-    state = space.state_dict() if space.manifest is not None else {}
+    state = space.state_dict(clone=False) if space.manifest is not None else {}  # (pack_state copies)
     state.update(space=space.space, has_model=space.manifest is not None, initialized=space.initialized,
                  starters=sorted(space.starters), started=space.started, gone=sorted(space.gone),
                  detached=sorted(space.detached), compress_fixed=space.compress_fixed,
@@ -195,6 +215,9 @@ class Replication:
         self.seq = 0  # requests streamed
         self.acked = 0  # the highest the backup acknowledged
         self.current: int | None = None  # the request being served was streamed as this seq
+        self.ratio = self.cfg.replica_log  # a fresh copy to the backup every ratio x basis bytes streamed
+        self.basis = LOG_BASIS  # the last copy's bytes (at least LOG_BASIS)
+        self.since = 0  # bytes streamed since the last copy
         self.held: deque = deque()  # (seq, frames, keys, space, track, [_Held per key])
         # backup
         self.link: zmq.Socket | None = None
@@ -203,6 +226,11 @@ class Replication:
         self.applied = 0  # the last seq applied
         self.received = 0  # the last seq received (and acknowledged)
         self.stale = False  # the stream had a gap: this backup stopped following its primary
+        self.lazy = 0.0  # the primary's --replica-log: log the stream, apply it only when catching up (0: apply it)
+        self.copy_bytes = LOG_BASIS  # the newest copy's size (at least LOG_BASIS)
+        self.log: list[tuple[int, int, bytes, list]] = []  # (kind, seq, identity, frames) received, not applied
+        self.log_bytes = 0
+        self.copy: tuple[int, list] | None = None  # the newest state copy not yet loaded: (seq, frames)
         self._polled = False  # its link is in the serve loop's poller (self._poller)
         self._poller: zmq.Poller | None = None
         self.primary = self.cfg.replica_of or ""
@@ -220,7 +248,8 @@ class Replication:
             out.update(backup=self.backup_endpoint if self.backup is not None else None, seq=self.seq,
                        acked=self.acked, held=len(self.held))
         else:
-            out.update(primary=self.primary, applied=self.applied, link=self.link_alive)
+            out.update(primary=self.primary, applied=self.applied, received=self.received, logged=len(self.log),
+                       link=self.link_alive)
         return out
 
     def reply_fields(self) -> dict:
@@ -264,6 +293,7 @@ class Replication:
             if ident == self.backup:
                 self.acked = max(self.acked, h.step)
                 self._release()
+                self._refresh()
             return
         rid = h.meta.get("id")
         m = h.meta
@@ -296,21 +326,47 @@ class Replication:
         ident, endpoint, rid = self.attaching
         self.attaching = None
         try:
-            state = {"seq": self.seq, "spaces": [space_state(sp) for sp in self.srv.spaces.values()]}
-            raw = memoryview(wire.pack_state(state))
+            size = self._send_state(ident)
         except (ConfigError, ValueError) as exc:
             self.srv._answer(ident, rid, "error", {"reason": str(exc)})
             return
-        step = wire.MAX_FRAME
-        chunks = [raw[i:i + step] for i in range(0, len(raw), step)]
-        try:
-            transport.send(self.srv.sock, [ident, ctrl(SNAPSHOT, self.seq), *chunks], timeout=30.0, who="the backup")
         except CommError as exc:
             self._say(f"state transfer to the backup {endpoint} failed: {exc}")
             return
         self.backup, self.backup_endpoint, self.acked = ident, endpoint, self.seq
         self.counts["attached"] += 1
-        self._say(f"backup {endpoint} attached ({len(raw)} bytes of state at seq {self.seq})")
+        self._say(f"backup {endpoint} attached ({size} bytes of state at seq {self.seq})")
+
+    def _send_state(self, ident: bytes) -> int:
+        """The whole state as of ``seq`` (every request served so far applied), in the stream to ``ident``;
+        its size. Raises ConfigError (a key space a copy cannot carry), ValueError, CommError."""
+        state = {"seq": self.seq, "log": self.ratio, "spaces": [space_state(sp) for sp in self.srv.spaces.values()]}
+        step = wire.MAX_FRAME
+        chunks = [m[i:i + step] for part in wire.pack_state_parts(state) for m in [memoryview(part)]
+                  for i in range(0, len(m), step)]
+        transport.send(self.srv.sock, [ident, ctrl(SNAPSHOT, self.seq), *chunks], timeout=30.0, who="the backup")
+        size = sum(len(c) for c in chunks)
+        self.basis, self.since = max(size, LOG_BASIS), 0
+        return size
+
+    def _refresh(self) -> None:
+        """The attached backup logs the stream: a fresh copy once ``ratio`` x the state's bytes went since the
+        last, at a step boundary (the same moment a new backup's state goes) once no reply waits for the backup's
+        ack (the copy is not made while workers wait for those)."""
+        if self.backup is None or not self.ratio or self.since < self.ratio * self.basis or self.held \
+                or any(sp.units is not None for sp in self.srv.spaces.values()) \
+                or not all(quiescent(sp) for sp in self.srv.spaces.values()):
+            return
+        try:
+            self._send_state(self.backup)
+        except (ConfigError, ValueError) as exc:  # (not expected: the checks above)
+            self._say(f"no fresh state copy for the backup: {exc}")
+            self.since = 0
+            return
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+            return
+        self.counts["copies"] += 1
 
     def arrived(self, h: wire.Header) -> None:
         """A request is about to be served: the injected fault (:class:`Fault`), if it is this one."""
@@ -336,6 +392,7 @@ class Replication:
             self._lose(f"the stream to it failed ({exc})")
             return
         self.current = self.seq
+        self.since += h.data_bytes
 
     def freed(self, space: str) -> None:
         """A key space was freed (its peers' connections gone for the peer timeout, or every bye): so on the
@@ -349,6 +406,23 @@ class Replication:
         except CommError as exc:
             self._lose(f"the stream to it failed ({exc})")
 
+    def losing(self, space: str, rank: int, why: str) -> None:
+        """Keep-going: ``rank`` leaves key space ``space`` here (its connection closed on this primary's socket,
+        which the backup cannot see). The loss goes in the stream at this point, before it is applied, and the
+        replies it makes (the step in flight completed over the ranks left) wait for the backup's ack, as a
+        request's do: the backup takes the same rank out at the same point, so it completes the same steps over
+        the same ranks, and a replacement's hello finds the rank lost there too. :meth:`done` ends it."""
+        if self.backup is None or self.muted:
+            return
+        self.seq += 1
+        try:
+            transport.send(self.srv.sock, [self.backup, ctrl(LOST, self.seq), space.encode(), str(rank).encode(),
+                                           why.encode()], timeout=5.0, who="the backup")
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+            return
+        self.current = self.seq
+
     def done(self) -> None:
         if self.dying in ("unsent", "unacked"):
             _die()
@@ -358,6 +432,7 @@ class Replication:
         self.current = None
         if self.attaching is not None:
             self.try_attach()
+        self._refresh()
 
     def hold(self, frames: list, keys, space, track: bool) -> bool:
         """Keep a reply made while serving a streamed request until the backup acked it (True), or say it may go
@@ -436,14 +511,26 @@ class Replication:
             raise _Refused(f"{name} refused this backup: {h.meta.get('reason')}") from None
         if kind != SNAPSHOT:
             raise ProtocolError(f"{name} sent no state first")
-        state = wire.unpack_state(b"".join(f.bytes for f in msg[1:]))
+        state = self._load(msg[1:])
+        self.applied = self.received = seq
+        self.copy_bytes = max(sum(len(f) for f in msg[1:]), LOG_BASIS)
+        self.lazy = float(state.get("log") or 0)
+        self.link_alive = True
+        self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s)"
+                  f"{'; logs the stream, with a fresh copy every %g x its size' % state['log'] if self.lazy else ''})")
+
+    def _load(self, frames: list) -> dict:
+        """Make the key spaces the primary's state copy holds, and only those."""
+        from servers.server import ParameterServer  # (the server module imports this one)
+
+        state = wire.unpack_state(b"".join(f.bytes for f in frames))
+        for space in self.srv.spaces.values():
+            space._close_links()
+        self.srv.spaces.clear()
         for s in state["spaces"]:
-            from servers.server import ParameterServer  # (the server module imports this one)
             space = self.srv.spaces[s["space"]] = ParameterServer(self.cfg, self.srv, s["space"])
             load_space(space, s)
-        self.applied = self.received = seq
-        self.link_alive = True
-        self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s))")
+        return state
 
     def pump(self, poller: zmq.Poller | None) -> None:
         """A backup: take what the primary streamed so far, acknowledge it, then apply it; notice the link's end.
@@ -464,7 +551,10 @@ class Replication:
             while self.link.poll(0) and len(batch) < 64:
                 msg = self.link.recv_multipart(copy=False)
                 kind, seq, ident = parse_ctrl(msg[0].bytes)
-                if seq != received + 1:
+                if kind == SNAPSHOT and seq == received:  # a fresh copy of the state as of the last request
+                    batch.append((kind, seq, ident, msg))
+                    continue
+                if seq != received + 1 or kind == SNAPSHOT:
                     self._say(f"the stream from {self.primary} skipped from seq {received} to {seq}: this backup "
                               f"no longer holds the primary's state and stops following it")
                     self.counts["gaps"] += 1
@@ -480,6 +570,34 @@ class Replication:
                 except CommError:
                     self.link_alive = False
             for kind, seq, ident, msg in batch:
+                if kind == SNAPSHOT:
+                    self.copy, self.log, self.log_bytes = (seq, msg[1:]), [], 0
+                    self.copy_bytes = max(sum(len(f) for f in msg[1:]), LOG_BASIS)
+                    self.counts["copies"] += 1
+                elif self.lazy and kind == REQUEST:
+                    self.log.append((kind, seq, ident, msg))
+                    self.log_bytes += sum(len(f) for f in msg)
+                else:  # applied as it comes; a freed key space: catch up (the job's last bye is in the log)
+                    self.catch_up()
+                    self._apply(kind, ident, msg)
+                    self.applied = seq
+            if self.log_bytes > LOG_LIMIT * self.lazy * self.copy_bytes:
+                self.catch_up()
+
+    def catch_up(self) -> None:
+        """A backup: load the newest state copy, then apply the log after it, in order (see the module's
+        docstring); what it holds is then its primary's state as of the last request received."""
+        if self.role != "backup":
+            return
+        if self.copy is not None:
+            seq, frames = self.copy
+            self.copy = None
+            if seq > self.applied:
+                self._load(frames)
+                self.applied = seq
+        log, self.log, self.log_bytes = self.log, [], 0
+        for kind, seq, ident, msg in log:
+            if seq > self.applied:
                 self._apply(kind, ident, msg)
                 self.applied = seq
 
@@ -493,6 +611,11 @@ class Replication:
                 space = self.srv.spaces.get(msg[1].bytes.decode())
                 if space is not None:
                     self.srv._free(space)
+            elif kind == LOST:  # the primary's keep-going loss, at its point in the stream (:meth:`losing`)
+                space = self.srv.spaces.get(msg[1].bytes.decode())
+                rank = int(msg[2].bytes)
+                if space is not None and rank not in space.members.lost:
+                    space.lose(rank, msg[3].bytes.decode())
         finally:
             self.muted = False
 
@@ -506,6 +629,7 @@ class Replication:
     def _promote(self) -> None:
         """The primary is gone and a worker asks: this server is the primary now."""
         self.pump(None)  # whatever of the stream arrived before the link closed
+        self.catch_up()
         self._drop_link()
         self.role = "primary"
         self.counts["promoted"] += 1

@@ -103,6 +103,7 @@ class ServerConfig:
     peer_timeout: float = 60.0  # a key space whose connections are all gone this long is freed
     replica_of: str | None = None  # a backup: the primary's endpoint (servers.replication)
     replica_curve: transport.CurveKeys | None = None  # with CURVE: the backup's client key pair for that link
+    replica_log: float = 4.0  # a primary's backup logs the stream; a fresh state every this many times its size
 
     def __post_init__(self):
         if self.mode not in psproto.MODES:
@@ -111,6 +112,7 @@ class ServerConfig:
         check_number("log_every", self.log_every, ge=0)
         check_number("checkpoint_every", self.checkpoint_every, ge=0)
         check_number("io_threads", self.io_threads, ge=1, le=64)
+        check_number("--replica-log", self.replica_log, ge=0, le=1024)
         if not 0 <= self.shard < self.shards:
             raise ValueError(f"shard {self.shard}/{self.shards}: the index must be in [0, {self.shards})")
         if not 0 < self.peer_timeout < 2**31 / 1000:  # (NaN fails too)
@@ -409,10 +411,15 @@ class ParameterServer:
         self.members.check(self.senders.get(h.sender), ident, h.op, h.sender)
 
     def connection_closed(self, ident: bytes) -> None:
-        """A connection closed: under keep-going, its rank (if it had not said bye) leaves the membership."""
+        """A connection closed: under keep-going, its rank (if it had not said bye) leaves the membership (and, where
+        a backup is attached, the loss goes in its stream: :meth:`servers.replication.Replication.losing`)."""
         rank = self.members.closed(ident)
         if rank is not None and rank not in self.gone:
-            self.lose(rank, "its connection closed")
+            self.host.repl.losing(self.space, rank, "its connection closed")  # replicated: the backup loses it too
+            try:
+                self.lose(rank, "its connection closed")
+            finally:
+                self.host.repl.done()  # what the loss answered waits for the backup's ack
 
     def lose(self, rank: int, why: str) -> None:
         """``rank`` leaves: its partial step is taken out (counted in ``lost_pushes``), the step in flight
@@ -1037,15 +1044,17 @@ class ParameterServer:
         import hashlib
         return hashlib.sha256(wire.pack_state(self.state_dict())).hexdigest() if self.manifest is not None else ""
 
-    def state_dict(self) -> dict:
-        """What a checkpoint holds (and a new backup receives first, :mod:`servers.replication`)."""
+    def state_dict(self, clone: bool = True) -> dict:
+        """What a checkpoint holds (and a new backup receives first, :mod:`servers.replication`). ``clone=False``:
+        the parameters and buffers as they are, for a caller that copies them before anything changes them."""
+        own = (lambda t: t.detach().clone()) if clone else (lambda t: t.detach())
         return {"format": 2, "space": self.space, "mode": self.cfg.mode, "shard": [self.cfg.shard, self.cfg.shards],
                  "version": self.version, "last_step": dict(self.last_step), "mode_state": self.mode.state(),
                  "world": self.world, "senders": dict(self.senders), "manifest": self.manifest,
                  "pieces": self.pieces, "piece_param": self.piece_param, "buffer_keys": self.buffer_keys,
                  "optim": self.optim_desc, "update": self.update,
-                 "params": {k: v.detach().clone() for k, v in self.params.items()},
-                 "buffers": {k: v.clone() for k, v in self.buffers.items()}, "buf_round": self.buf_round,
+                 "params": {k: own(v) for k, v in self.params.items()},
+                 "buffers": {k: own(v) for k, v in self.buffers.items()}, "buf_round": self.buf_round,
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
                  "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
@@ -1188,6 +1197,7 @@ class ShardServer:
             if time.monotonic() >= next_log:
                 self.log()
                 next_log = time.monotonic() + self.cfg.log_every
+        self.repl.catch_up()  # a backup: what it logged, before its checkpoints and last stats
         if self.cfg.checkpoint_dir or self.cfg.resume:
             for space in self.spaces.values():
                 space.checkpoint()
@@ -1294,6 +1304,7 @@ class ShardServer:
             if h.op == "stats":
                 meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
                 if h.meta.get("digest") is True:  # tests: is a backup's state the primary's, bit for bit?
+                    self.repl.catch_up()
                     meta["stats"]["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
                 if self._trace is not None:  # a worker measuring this shard's trace clock
                     meta["clock_ns"] = self._trace.now()

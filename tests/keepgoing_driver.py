@@ -11,7 +11,8 @@ ranks each step counted on each shard.
 ``--kill-at`` (at step K, this rank SIGKILLs itself; the point is forced, not timed):
 ``before``: before pushing anything of step K. ``between`` (two shards): once shard 0 holds its whole step K,
 before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
-(the second never leaves; shard 1 gets nothing). ``setup``: in setup, after hello, before the start pull. ``--stop-at K``: SIGSTOP at the top of step K. Prints one JSON line at the end: rank, pid, parameters, the
+(the second never leaves; shard 1 gets nothing). ``setup``: in setup, after hello, before the start pull. ``--stop-at K``: SIGSTOP at the top of step K.
+``--hold-at S --hold-file PATH``: wait at the top of step S until PATH exists (the test releases it). Prints one JSON line at the end: rank, pid, parameters, the
 servers' stats.
 
 A replacement (issue 38; the test starts it for the dead rank): ``--momentum M`` (SGD's state), ``--buffer`` (a
@@ -117,6 +118,8 @@ def main() -> int:
     p.add_argument("--record", action="store_true")
     p.add_argument("--die-donating", action="store_true",
                    help="SIGKILL itself as it is about to send shard 1 its state for a replacement")
+    p.add_argument("--hold-at", type=int, default=-1)
+    p.add_argument("--hold-file", default="")
     p.add_argument("--final-updates", type=int, default=0,
                    help="async: after the steps, wait until every shard applied this many updates, then pull")
     a = p.parse_args()
@@ -149,6 +152,12 @@ def main() -> int:
             record["at"][step] = bits(model, ex.optimizer)
             if a.buffer:
                 model.seen.add_(a.rank + 1)
+            if step == a.hold_at:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(a.hold_file):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {a.rank}: {a.hold_file} never appeared (held at step {step})")
+                    time.sleep(0.01)
             ex.zero_grad()
             if a.sleep:
                 time.sleep(a.sleep)
@@ -164,7 +173,7 @@ def main() -> int:
             ex.pull_latest()
         stats = ex.server_stats()
         record["end"] = bits(model, ex.optimizer)
-        print(json.dumps({"rank": a.rank, "pid": pid, "params": [q.detach().tolist() for q in model],
+        print(json.dumps({"rank": a.rank, "pid": pid, "start_step": ex.start_step, "params": [q.detach().tolist() for q in model],
                           "servers": stats, **(record if a.record else {})}), flush=True)
     return 0
 

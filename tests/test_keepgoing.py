@@ -23,6 +23,7 @@ import torch
 
 from conftest import child_env, run_group
 from faultkit import DRIVER, finish, wait_until
+from test_replicas import replicated
 from test_restart import _leftovers
 
 pytestmark = pytest.mark.multiproc
@@ -377,3 +378,78 @@ def test_keep_going_options_are_refused_at_parse_time_in_one_line(capsys):
     assert launcher.run_job(launcher.Job((SCRIPT,), spares=-1)) == 2  # before anything starts
     assert capsys.readouterr().err.strip().splitlines() == [
         "commlab run: --spares must be >= 0 and <= 256 (idle ranks this host starts), got -1"]
+
+
+# ----- keep-going on replicated shards (ps://?replicas=2&min_workers=M) ------------------------------------
+
+def _momentum_reference(counted: list[tuple[int, ...]], lr: float, mu: float) -> float:
+    """Every element after len(counted) SGD steps with momentum ``mu`` (torch's: the first step's buffer is the
+    gradient), step t's gradient the mean of 10 ** r over ``counted[t]``, in float64."""
+    x, buf = 0.0, None
+    for ranks in counted:
+        g = sum(10.0 ** r for r in ranks) / len(ranks)
+        buf = g if buf is None else mu * buf + g
+        x -= lr * buf
+    return x
+
+
+@pytest.mark.parametrize("how", ["stop", pytest.param("kill", marks=pytest.mark.full)])
+def test_keep_going_on_a_replicated_shard_the_backup_keeps_the_membership(procs, tmp_path, how):
+    """3 workers, one shard on a primary and a backup, sync update=server, SGD with momentum (its state on the
+    shard). Rank 1 leaves at the top of step 3 (``stop``: it SIGSTOPs itself and leaves once heartbeat_s=1 ran
+    out; ``kill``: kill -9): the loss happens on the primary's socket, which the backup never sees, so it must come
+    to the backup in the stream (it used not to: the promoted backup's step 3 waited for rank 1 forever). The
+    primary kills itself once it served rank 0's push of step 5 and the backup acked it; ranks 0 and 2 fail over
+    and train on to step 8, where they wait. A replacement for rank 1 enters through the backup-turned-primary.
+    ``stop``: rank 1's old process is then thawed: its hello (epoch 0) on the new primary is refused by name
+    (a rank taken over by a new process used to let its old process's hello in, which then took the connection
+    from the replacement). The end: every rank's parameters equal bit for bit and equal the closed form in which
+    rank 1 counts in steps 0-2 and from its replacement's entry on; the new primary applied each of the 12 steps
+    once and holds every rank at step 11."""
+    steps, k, p, s = 12, 3, 5, 8
+    pairs, servers = replicated(procs, "sync", shards=1, fault=f"acked:push:0:{p}")
+    primary, backup = pairs[0]
+    beat = "&heartbeat_s=1" if how == "stop" else ""
+    url = (f"ps://{servers}?mode=sync&update=server&replicas=2&min_workers=2{beat}&timeout={TIMEOUT}"
+           f"&transport=tcp")
+    release = tmp_path / "release"
+    common = ["--workers", "3", "--steps", str(steps), "--momentum", "0.9"]
+    run = lambda r, *extra, env=None: procs.popen([sys.executable, KG_DRIVER, url, "--rank", str(r), *common, *extra],
+                                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = run(1, *(["--stop-at", str(k)] if how == "stop" else ["--kill-step", str(k), "--kill-at", "before"]))
+    survivors = [run(r, "--hold-at", str(s), "--hold-file", str(release)) for r in (0, 2)]
+    wait_until(lambda: "1" in primary.stats()["members"]["lost"], 60, f"the primary never lost rank 1")
+    wait_until(lambda: "1" in backup.stats()["members"]["lost"], 60, "the backup never lost rank 1")
+    assert primary.proc.wait(60) == -signal.SIGKILL  # its fault, at rank 0's push of step 5
+    wait_until(lambda: backup.stats()["replica"]["role"] == "primary", 60, "the backup never took over")
+    replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
+    wait_until(lambda: backup.stats()["members"]["replaced"] == 1, 60, "the replacement never entered")
+    if how == "stop":
+        os.kill(victim.pid, signal.SIGCONT)
+        code, _, err = finish([victim], timeout=60)[0]
+        assert code == 1, err[-3000:]
+        assert "hello from rank 1 of membership epoch 0: the rank left the job and a new process took it over" in err \
+            and "refused, not merged" in err, err[-3000:]
+    else:
+        assert victim.wait(30) == -signal.SIGKILL
+    release.touch()
+    recs = []
+    for code, out, err in finish([*survivors, replacement], timeout=120):
+        assert code == 0, err[-3000:]
+        recs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["pid"] for r in recs[:2]] == [w.pid for w in survivors]  # the survivors' own processes throughout
+    entered = recs[2]["start_step"]
+    assert p < entered <= s + 1, entered
+    counted = [(0, 1, 2) if t < k or t >= entered else (0, 2) for t in range(steps)]
+    want = _momentum_reference(counted, LR, 0.9)
+    for rec in recs:
+        assert rec["params"] == recs[0]["params"], rec["rank"]  # bit for bit
+        for got in rec["params"]:
+            assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.full((len(got),), want,
+                                                                                      dtype=torch.float64),
+                                  rtol=1e-6, atol=1e-7), (got, want)
+    stats = backup.stats()
+    assert stats["updates"] == steps and stats["lost_pushes"] == 0, stats
+    assert stats["last_step"] == {str(r): steps - 1 for r in range(3)}, stats["last_step"]
+    assert stats["members"]["replaced"] == 1 and not stats["members"]["lost"], stats["members"]
+    assert stats["replica"]["promoted"] == 1, stats["replica"]

@@ -31,14 +31,17 @@ LR, GRAD = 0.5, 0.25
 
 
 
-def replicated(procs, mode: str, shards: int = 1, fault: str = "", fault_shard: int = 0) -> tuple[list, str]:
+def replicated(procs, mode: str, shards: int = 1, fault: str = "", fault_shard: int = 0,
+               log: str = "4") -> tuple[list, str]:
     """``shards`` shards of two servers each (the primary first, its backup attached); the primary of
-    ``fault_shard`` runs with ``$COMMLAB_SERVER_FAULT=fault``. Returns [(primary, backup)] and the URL's servers."""
+    ``fault_shard`` runs with ``$COMMLAB_SERVER_FAULT=fault``. ``log``: their --replica-log. Returns
+    [(primary, backup)] and the URL's servers."""
     pairs = []
     for i in range(shards):
         env = {"COMMLAB_SERVER_FAULT": fault} if fault and i == fault_shard else None
-        primary = procs.server("--mode", mode, "--shard", f"{i}/{shards}", env=env)
-        backup = procs.server("--mode", mode, "--shard", f"{i}/{shards}", "--replica-of", primary.endpoint)
+        primary = procs.server("--mode", mode, "--shard", f"{i}/{shards}", "--replica-log", log, env=env)
+        backup = procs.server("--mode", mode, "--shard", f"{i}/{shards}", "--replica-log", log,
+                              "--replica-of", primary.endpoint)
         pairs.append((primary, backup))
     return pairs, ",".join(f"{p.address},{b.address}" for p, b in pairs)
 
@@ -59,9 +62,9 @@ class Scenario:
     """One job against replicated shards whose primary dies at one point; checked against its closed form."""
 
     def __init__(self, procs, mode: str, fault: str, shards: int = 1, fault_shard: int = 0, steps: int = 30,
-                 update: str = "server", workers: int = 2, query: str = ""):
+                 update: str = "server", workers: int = 2, query: str = "", log: str = "4"):
         self.mode, self.steps, self.workers, self.fault = mode, steps, workers, fault
-        self.pairs, servers = replicated(procs, mode, shards, fault, fault_shard)
+        self.pairs, servers = replicated(procs, mode, shards, fault, fault_shard, log)
         self.victim = self.pairs[fault_shard][0]
         url = f"ps://{servers}?mode={mode}&replicas=2&update={update}&timeout={TIMEOUT}{query}"
         extra = ["--final-version", str(workers * steps)] if mode == "async" else []
@@ -86,13 +89,21 @@ class Scenario:
 
 
 def test_a_replicated_primary_killed_mid_step_loses_nothing_and_applies_nothing_twice(procs):
-    """Two jobs at once: sync (update=server, two shards, payloads in shared memory) whose shard 1 primary dies
+    """Three jobs at once: sync (update=server, two shards, payloads in shared memory) whose shard 1 primary dies
     on rank 1's push of step 7 after serving it, before the backup's ack (shard 0 holds the push: between two
-    shards' pushes); async (payloads in tcp frames) whose primary dies on the arrival of rank 0's push of step 9."""
-    jobs = [Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1),
-            Scenario(procs, "async", "recv:push:0:9", query="&transport=tcp")]
+    shards' pushes); async (payloads in tcp frames) whose primary dies on the arrival of rank 0's push of step 9;
+    the sync job again with backups that apply each request as it arrives (--replica-log 0). The first two
+    backups log the stream and catch up when promoted (the default), the first with a fresh state copy from its
+    primary after about every step (--replica-log 0.00002: 21 bytes), so that it loads one and applies the
+    log after it."""
+    jobs = [Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1, log="0.00002"),
+            Scenario(procs, "async", "recv:push:0:9", query="&transport=tcp"),
+            Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1, log="0")]
     for job in jobs:
         job.check()
+    promoted = [b.stats()["replica"] for job in jobs for p, b in job.pairs if p is job.victim]
+    assert promoted[0]["copies"] >= 3 and promoted[1].get("copies", 0) == 0 and promoted[2].get("copies", 0) == 0, \
+        promoted
 
 
 @pytest.mark.full
@@ -118,8 +129,10 @@ def test_a_backup_started_mid_run_catches_up_bit_for_bit(procs, tmp_path):
     """A primary alone under a sync Adam job; a backup attaches at a step boundary, takes the state (parameters,
     Adam's moments and step, every rank's last step), follows the stream, and ends bit for bit equal to the
     primary: the key space's checkpoint each writes when the job's last rank closes it (the backup applies
-    that bye too) holds the same tensors and values. Then the primary dies and the backup serves a new job."""
-    primary = procs.server("--mode", "sync", "--checkpoint-dir", str(tmp_path / "p"))
+    that bye too) holds the same tensors and values. It logs the stream, with a fresh copy of the state from the
+    primary every 100 bytes or so (--replica-log 0.0001), and catches up once the space is freed. Then the primary
+    dies and the backup serves a new job."""
+    primary = procs.server("--mode", "sync", "--checkpoint-dir", str(tmp_path / "p"), "--replica-log", "0.0001")
     steps = 120
     url = f"ps://{primary.address}?mode=sync&update=server&timeout={TIMEOUT}"
     ranks = [procs.worker(url, r, 2, steps, "--optimizer", "adam", "--lr", "0.01", "--sleep", "0.02")
@@ -133,7 +146,8 @@ def test_a_backup_started_mid_run_catches_up_bit_for_bit(procs, tmp_path):
     got, ref = (torch.load(tmp_path / d / "shard-0-of-1.pt", weights_only=True) for d in ("b", "p"))
     assert ref["version"] == steps and ref["optimizer"]["state"], ref["version"]
     _same(got, ref)
-    assert backup.stats()["replica"]["applied"] == primary.stats()["replica"]["acked"]
+    held = backup.stats()["replica"]
+    assert held["applied"] == primary.stats()["replica"]["acked"] and held["copies"] >= 10 and held["logged"] == 0, held
     kill9(primary.proc)
     code, out, err = finish([procs.worker(f"ps://{primary.address},{backup.address}?mode=sync&update=server"
                                           f"&replicas=2&timeout={TIMEOUT}", 0, 1, 2, "--optimizer", "adam",

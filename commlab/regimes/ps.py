@@ -105,6 +105,11 @@ class PSOptions(LocalStepsOptions):
                               "dies. commlab run/train start the backups; a URL that lists servers names each "
                               "shard's replicas one after the other (docs/ps.md)", ge=1, le=2,
                            why="one backup per shard (a backup of a backup is not built)")
+    replica_log: float = option(4.0, "replicas=2: a backup logs the requests its primary streams instead of "
+                                     "applying each, and takes a fresh copy of the shard's state once the log "
+                                     "holds this many times the state's bytes; a failover applies the log first "
+                                     "(0: the backup applies every request as it arrives, doubling the shard's "
+                                     "CPU)", ge=0, le=1024)
     space: str = option("", "this exchanger's key space on the servers (1-64 of A-Za-z0-9_.-). Empty: the job's "
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
@@ -453,6 +458,9 @@ class _Shard:
         h = wire.decode(transport.recv(self.live, self.timeout, self.name, self.peer), ops=psproto.REPLIES, max_bytes=0)
         if h.op == "error":
             raise RemoteError(f"{self.name} refused the heartbeat connection: {h.meta.get('reason')}", peer=self.peer)
+        # the shard times this connection out only once a ping told it the TTL: let the first one go before this
+        # process goes on (frozen before it, the shard's own heartbeat would take peer_timeout / 2 to notice)
+        time.sleep(1.5 * transport.ping_interval(self.heartbeat_s))
 
     def _learn(self, endpoints) -> None:
         """Servers of this shard a reply named (a backup attached later, ``commlab server --replica-of``)."""
@@ -804,6 +812,8 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
                 argv += ["--staleness", str(opts.staleness)]
             if opts.keys:  # the workers will speak CURVE with these keys: so must the servers
                 argv += ["--keys", opts.keys]
+            if opts.replicas > 1:  # every server: a backup becomes the primary of the next backup
+                argv += ["--replica-log", f"{opts.replica_log:g}"]
             if r:
                 argv += ["--replica-of", f"{{server:{j - r}}}"]
             argvs.append(argv)

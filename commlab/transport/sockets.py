@@ -80,6 +80,13 @@ def tcp_endpoint(address: str) -> str:
     return address if "://" in address else f"tcp://{address}"
 
 
+def ping_interval(heartbeat_s: float) -> float:
+    """Seconds between a heartbeat connection's pings: a tenth of ``heartbeat_s``, at most 0.1 s. The peer learns
+    the TTL from the first ping only (until then it cannot time the connection out), so the first must go soon:
+    a client that waits 1.5 intervals after connecting (``ps://``'s heartbeat does) has sent it."""
+    return min(heartbeat_s / 10, 0.1)
+
+
 class Transport:
     """A zmq context plus the rules every socket follows. One per process side (client or server).
 
@@ -130,13 +137,14 @@ class Transport:
                 before: Callable[[zmq.Socket], None] | None = None) -> zmq.Socket:
         """A client socket. ``io_thread``: see :meth:`pin`; ``curve``: as in :meth:`bind`; ``plain``
         (without CURVE): the (user name, password) a PLAIN server's :meth:`admit_plain` expects.
-        ``heartbeat_s`` > 0: zmq pings the peer four times per period and asks it (ZMTP's TTL) to close the
-        connection when nothing came from this side for that long: a frozen or partitioned process (whose
-        I/O threads stop too) loses its connection within ``heartbeat_s``. ``before`` is called with the socket
-        before it connects (a monitor attached there sees the connection made)."""
+        ``heartbeat_s`` > 0: zmq pings the peer every :func:`ping_interval` and asks it (ZMTP's TTL, which
+        travels in the pings) to close the connection when nothing came from this side for that long: a frozen
+        or partitioned process (whose I/O threads stop too) loses its connection within ``heartbeat_s`` once
+        its first ping went. ``before`` is called with the socket before it connects (a monitor attached there
+        sees the connection made)."""
         sock = self.pin(self.socket(kind), io_thread)
         if heartbeat_s > 0:
-            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat_s * 250)))
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(ping_interval(heartbeat_s) * 1000)))
             sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(heartbeat_s * 1000)))  # (whole deciseconds)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_s * 1000)))
         if identity is not None:

@@ -274,12 +274,19 @@ _SCALARS = (bool, int, float, str)
 
 
 def pack_state(state: Any) -> bytes:
+    """:func:`pack_state_parts`, joined."""
+    return b"".join(pack_state_parts(state))
+
+
+def pack_state_parts(state: Any) -> list[bytes]:
     """``state`` (dicts with str or int keys, lists, tuples, numbers, strings, bools, None and CPU or GPU
     tensors, nested at most :data:`MAX_STATE_DEPTH` containers deep) as bytes with nothing pickled:
     :data:`STATE_MAGIC`, a 4-byte length, a msgpack tree in which each tensor is a reference
     ``[dtype, shape, offset, nbytes]`` (a msgpack extension) into the tensors' raw bytes, which follow in the
     order the tree names them, each right after the one before. Anything else (what :func:`unpack_state`
-    would refuse) raises ValueError naming where it sits (``state['a'][0]``)."""
+    would refuse) raises ValueError naming where it sits (``state['a'][0]``). As a list of parts (the head, then
+    each tensor's bytes) whose concatenation is :func:`pack_state`'s: each tensor is copied once, and a sender
+    can pass the parts on as frames without joining them."""
     blobs: list[bytes] = []
     offset = 0
 
@@ -322,7 +329,7 @@ def pack_state(state: Any) -> bytes:
     header = msgpack.packb(tree(state, "state", 0), strict_types=True)
     if len(header) >= 2**32:
         raise ValueError(f"state: its header takes {len(header)} bytes, more than a 4-byte length says")
-    return STATE_MAGIC + struct.pack("<I", len(header)) + header + b"".join(blobs)
+    return [STATE_MAGIC + struct.pack("<I", len(header)) + header, *blobs]
 
 
 def _refuse(where: str, what: str) -> ProtocolError:
