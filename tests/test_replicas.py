@@ -199,12 +199,16 @@ def test_replica_options_are_checked_when_parsed(procs):
     for bad in ("replicas=3", "replicas=0", "replicas=x"):
         with pytest.raises(ConfigError, match="replicas"):
             _options(ExchangerURL.parse(f"ps://127.0.0.1:1,127.0.0.1:2?{bad}"))
+    for bad in ("replica_log=-1", "replica_log=x", "replica_log=2000"):
+        with pytest.raises(ConfigError, match="replica_log"):
+            _options(ExchangerURL.parse(f"ps://127.0.0.1:1,127.0.0.1:2?replicas=2&{bad}"))
     cli = [sys.executable, "-m", "commlab.tools.cli", "train", "--exchanger", "ps://?shards=1&replicas=3"]
     server = [sys.executable, "-m", "servers", "--log-every", "0"]
     runs = [procs.popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
             procs.popen(server, env={"COMMLAB_SERVER_FAULT": "later:push:1:2"}, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE, text=True)]
-    for (code, _, err), what in zip(finish(runs, 120), ("replicas", "COMMLAB_SERVER_FAULT")):
+                        stderr=subprocess.PIPE, text=True),
+            procs.popen([*server, "--replica-log", "-2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    for (code, _, err), what in zip(finish(runs, 120), ("replicas", "COMMLAB_SERVER_FAULT", "--replica-log")):
         assert code == 2 and what in err and len(err.strip().splitlines()) == 1, err
 
 
