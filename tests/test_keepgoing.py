@@ -453,3 +453,49 @@ def test_keep_going_on_a_replicated_shard_the_backup_keeps_the_membership(procs,
     assert stats["last_step"] == {str(r): steps - 1 for r in range(3)}, stats["last_step"]
     assert stats["members"]["replaced"] == 1 and not stats["members"]["lost"], stats["members"]
     assert stats["replica"]["promoted"] == 1, stats["replica"]
+
+
+def test_a_primary_killed_while_a_replacement_waits_to_enter_hands_the_entry_to_the_backup(procs, tmp_path):
+    """The chaos run's case (servers killed too): a rank dies, its replacement says hello and waits to enter, and
+    then the primary dies. 3 workers, one shard on a primary and a backup, sync update=server, momentum on the
+    shard; rank 1 killed -9 at the top of step 3; ranks 0 and 2 held at the top of step 5 (forced: a file); the
+    replacement's hello is served by the primary (it waits to enter: ``entering`` there and, through the stream,
+    on the backup); then the test kills the primary -9 and releases the survivors. Everyone fails over; the
+    replacement enters through the backup-turned-primary; every rank ends at the closed form in which rank 1 is
+    absent from step 3 to its entry, bit for bit equal, and the new primary applied each step once."""
+    from faultkit import kill9
+
+    steps, k, s = 10, 3, 5
+    pairs, servers = replicated(procs, "sync", shards=1)
+    primary, backup = pairs[0]
+    url = f"ps://{servers}?mode=sync&update=server&replicas=2&min_workers=2&timeout={TIMEOUT}&transport=tcp"
+    release = tmp_path / "release"
+    common = ["--workers", "3", "--steps", str(steps), "--momentum", "0.9"]
+    run = lambda r, *extra, env=None: procs.popen([sys.executable, KG_DRIVER, url, "--rank", str(r), *common, *extra],
+                                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = run(1, "--kill-step", str(k), "--kill-at", "before")
+    survivors = [run(r, "--hold-at", str(s), "--hold-file", str(release)) for r in (0, 2)]
+    assert victim.wait(60) == -signal.SIGKILL
+    wait_until(lambda: "1" in backup.stats()["members"]["lost"], 60, "the backup never lost rank 1")
+    replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
+    wait_until(lambda: backup.stats()["members"]["entering"] == [1], 60, "the replacement never said hello")
+    kill9(primary.proc)
+    release.touch()
+    recs = []
+    for code, out, err in finish([*survivors, replacement], timeout=120):
+        assert code == 0, err[-3000:]
+        recs.append(json.loads(out.strip().splitlines()[-1]))
+    assert [r["pid"] for r in recs[:2]] == [w.pid for w in survivors]
+    entered = recs[2]["start_step"]
+    assert k < entered <= steps, entered
+    counted = [(0, 1, 2) if t < k or t >= entered else (0, 2) for t in range(steps)]
+    want = _momentum_reference(counted, LR, 0.9)
+    for rec in recs:
+        assert rec["params"] == recs[0]["params"], rec["rank"]
+        for got in rec["params"]:
+            assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.full((len(got),), want,
+                                                                                      dtype=torch.float64),
+                                  rtol=1e-6, atol=1e-7), (got, want)
+    stats = backup.stats()
+    assert stats["replica"]["role"] == "primary" and stats["updates"] == steps and stats["lost_pushes"] == 0, stats
+    assert stats["members"]["replaced"] == 1 and not stats["members"]["lost"], stats["members"]
