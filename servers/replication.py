@@ -215,9 +215,9 @@ class Replication:
         self.seq = 0  # requests streamed
         self.acked = 0  # the highest the backup acknowledged
         self.current: int | None = None  # the request being served was streamed as this seq
-        self.ratio = self.cfg.replica_log  # a fresh copy to the backup every ratio x basis bytes streamed
-        self.basis = LOG_BASIS  # the last copy's bytes (at least LOG_BASIS)
+        self.ratio = self.cfg.replica_log  # a fresh copy to the backup every ratio x copy_bytes streamed
         self.since = 0  # bytes streamed since the last copy
+        self.copy_bytes = LOG_BASIS  # the last state copy's size, sent or received (at least LOG_BASIS)
         self.held: deque = deque()  # (seq, frames, keys, space, track, [_Held per key])
         # backup
         self.link: zmq.Socket | None = None
@@ -227,7 +227,6 @@ class Replication:
         self.received = 0  # the last seq received (and acknowledged)
         self.stale = False  # the stream had a gap: this backup stopped following its primary
         self.lazy = 0.0  # the primary's --replica-log: log the stream, apply it only when catching up (0: apply it)
-        self.copy_bytes = LOG_BASIS  # the newest copy's size (at least LOG_BASIS)
         self.log: list[tuple[int, int, bytes, list]] = []  # (kind, seq, identity, frames) received, not applied
         self.log_bytes = 0
         self.copy: tuple[int, list] | None = None  # the newest state copy not yet loaded: (seq, frames)
@@ -345,21 +344,26 @@ class Replication:
         chunks = [m[i:i + step] for part in wire.pack_state_parts(state) for m in [memoryview(part)]
                   for i in range(0, len(m), step)]
         transport.send(self.srv.sock, [ident, ctrl(SNAPSHOT, self.seq), *chunks], timeout=30.0, who="the backup")
-        size = sum(len(c) for c in chunks)
-        self.basis, self.since = max(size, LOG_BASIS), 0
+        self.since = 0
+        return self._copied(chunks)
+
+    def _copied(self, frames: list) -> int:
+        """A state copy of these frames went or came: its size, kept as the measure of the next one."""
+        size = sum(len(f) for f in frames)
+        self.copy_bytes = max(size, LOG_BASIS)
         return size
 
     def _refresh(self) -> None:
         """The attached backup logs the stream: a fresh copy once ``ratio`` x the state's bytes went since the
         last, at a step boundary (the same moment a new backup's state goes) once no reply waits for the backup's
         ack (the copy is not made while workers wait for those)."""
-        if self.backup is None or not self.ratio or self.since < self.ratio * self.basis or self.held \
+        if self.backup is None or not self.ratio or self.since < self.ratio * self.copy_bytes or self.held \
                 or any(sp.units is not None for sp in self.srv.spaces.values()) \
                 or not all(quiescent(sp) for sp in self.srv.spaces.values()):
             return
         try:
             self._send_state(self.backup)
-        except (ConfigError, ValueError) as exc:  # (not expected: the checks above)
+        except ValueError as exc:  # a state pack_state cannot carry (compress= spaces are left out above)
             self._say(f"no fresh state copy for the backup: {exc}")
             self.since = 0
             return
@@ -513,7 +517,7 @@ class Replication:
             raise ProtocolError(f"{name} sent no state first")
         state = self._load(msg[1:])
         self.applied = self.received = seq
-        self.copy_bytes = max(sum(len(f) for f in msg[1:]), LOG_BASIS)
+        self._copied(msg[1:])
         self.lazy = float(state.get("log") or 0)
         self.link_alive = True
         self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s)"
@@ -572,7 +576,7 @@ class Replication:
             for kind, seq, ident, msg in batch:
                 if kind == SNAPSHOT:
                     self.copy, self.log, self.log_bytes = (seq, msg[1:]), [], 0
-                    self.copy_bytes = max(sum(len(f) for f in msg[1:]), LOG_BASIS)
+                    self._copied(msg[1:])
                     self.counts["copies"] += 1
                 elif self.lazy and kind == REQUEST:
                     self.log.append((kind, seq, ident, msg))
