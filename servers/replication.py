@@ -639,6 +639,8 @@ class Replication:
         self.counts["promoted"] += 1
         for space in self.srv.spaces.values():
             space.waiting = []  # the old primary's workers' pulls: they ask again, here
+            space.members.conn.clear()  # (the old primary's socket's identities: each rank's hello here sets its own)
+            space.members.live.clear()
         self._say(f"took over from {self.primary} (its link is gone) at seq {self.applied}")
         if self.stale:
             self._say("warning: this backup had stopped following its primary (a gap in the stream): workers "

@@ -1211,7 +1211,9 @@ class ShardServer:
         for ident in self.admission.gone():
             self.repl.gone(ident)  # the backup's link: the primary goes on alone
             for sp in self.spaces.values():
-                sp.connection_closed(ident)  # keep-going: its rank leaves (its partial step read from its link)
+                if self.repl.role == "primary":  # (a backup's members are its primary's connections, whose
+                    # identities its own socket may reuse for a stranger: their losses come in the stream)
+                    sp.connection_closed(ident)  # keep-going: its rank leaves (its partial step read from its link)
                 sp._drop_link(ident)  # its segments are of no use to a connection that is gone
         for space in self.admission.orphans(self.spaces):
             print(f"commlab server {self.cfg.name}: every connection of key space {space.space or '(the first)'!r} "
