@@ -167,11 +167,13 @@ def test_a_rank_killed_inside_a_step_is_left_out_of_it_and_its_replacement_is_he
     assert _leftovers(tmp_path, before_shm) == []
 
 
-@pytest.mark.full
-def test_a_member_killed_while_a_replacement_is_healed_is_left_out_and_the_heal_is_redone(tmp_path):
-    """Rank 1 dies inside step 4; its replacement is admitted at step 7; rank 2 dies as the heal begins. Ranks 0
-    and the replacement re-form, the heal is redone from rank 0, and they train on over {0, 1}: the reference
-    holds with ranks {0, 2} for steps 4-7 and {0, 1} from step 8."""
+@pytest.mark.parametrize("when", [pytest.param("heal", marks=pytest.mark.full), "reform"])
+def test_a_member_killed_while_a_replacement_meets_or_is_healed_is_left_out_and_the_heal_is_redone(tmp_path, when):
+    """Rank 1 dies inside step 4; its replacement is admitted at step 7; rank 2 dies as the heal begins (heal), or
+    as the ring of the admitting epoch forms, while the replacement, in its setup, waits for rank 2's link (reform:
+    the replacement re-forms with rank 0 instead of failing). Ranks 0 and the replacement re-form, the heal is
+    (re)done from rank 0, and they train on over {0, 1}: the reference holds with ranks {0, 2} for steps 4-7 and
+    {0, 1} from step 8."""
     url = "ring://?transport=tcp&min_workers=2&bucket_mb=0.00001&timeout=60"
     world, steps, kill, admit = 3, 12, 4, 7
     (tmp_path / "out").mkdir(exist_ok=True)
@@ -181,7 +183,7 @@ def test_a_member_killed_while_a_replacement_is_healed_is_left_out_and_the_heal_
     env = {"KG_AWAIT_JOIN": f"1:{admit}"}
     ranks = [_rank(procs, tmp_path, url, port, 0, world, steps, **env),
              _rank(procs, tmp_path, url, port, 1, world, steps, KG_KILL=f"1:{kill}:exchange", **env),
-             _rank(procs, tmp_path, url, port, 2, world, steps, KG_KILL=f"2:{admit}:heal", **env)]
+             _rank(procs, tmp_path, url, port, 2, world, steps, KG_KILL=f"2:{admit}:{when}", **env)]
     try:
         pids = [p.pid for p in ranks]
         assert ranks[1].wait(120) == -signal.SIGKILL

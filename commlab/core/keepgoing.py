@@ -71,6 +71,18 @@ class KeepGoing(_Host):
         q.start(job_store)
         return ns
 
+    def _meet_first(self, meet) -> None:
+        """``meet()``: the links of the epoch this process starts in. A replacement is a member of that epoch as it
+        meets (admitted), so if another member dies meanwhile the others wait for it in the next epoch: it re-forms
+        with them, as a member would, instead of failing its setup."""
+        try:
+            meet()
+        except CommError as exc:
+            if self.quorum is None or self._joined is None:
+                raise
+            peer = getattr(exc, "peer", None)
+            self._regroup(lambda: self.quorum.reform((peer,) if isinstance(peer, int) else ()))
+
     def _epoch_ns(self, base: str) -> str:
         """The store namespace of the links of this membership epoch (``base`` itself for the first)."""
         epoch = self.quorum.epoch if self.quorum is not None else 0

@@ -132,7 +132,7 @@ class AllReduceExchanger(CollectiveExchanger):
         job = rendezvous.connect_store(self.rank_info, self.options.timeout)
         self.store = self._start_quorum(job, job)
         self._old_groups: list = []
-        self._new_group()
+        self._meet_first(self._new_group)  # a replacement re-forms if a member dies while its group forms
         self._started()
 
     def _new_group(self) -> None:

@@ -265,19 +265,27 @@ class RingExchanger(CollectiveExchanger):
         self._orient()
         ns = self._ns = self._epoch_ns("ring/")
         self._secret = auth.load()
-        if self.world_size > 1:
-            if self._secret is None and self._kind.proves_secret:
-                auth.warn_unauthenticated(f"ring:// {self.rank_info.who()}")
-            self._meet_links(ns)
+        if self.world_size > 1 and self._secret is None and self._kind.proves_secret:
+            auth.warn_unauthenticated(f"ring:// {self.rank_info.who()}")
         self._thread = threading.Thread(target=self._serve, name=f"ring-comm-rank{self.rank}", daemon=True)
-        self._thread.start()
+        self._thread.start()  # it waits for collectives; the first comes once the links are met
         self._met = True
-        if self.world_size > 1 and self._kind.proves_ring:
-            # A first tiny all-reduce proves the whole ring is connected before anyone relies on it.
-            self.allreduce(torch.zeros(self.world_size), what="ring hello")
-            if self._meeting is not None:
-                self._meeting.close_door()  # every link is met: no one else may connect from now on
+        self._meet_first(lambda: self._links_and_hello(ns))  # a replacement re-forms if a member dies meanwhile
         self._started()
+
+    def _links_and_hello(self, ns: str) -> None:
+        """The two links under ``ns``, then a first tiny all-reduce that proves the whole ring is connected
+        before anyone relies on it; the door closes behind it (no one else may connect to this ring)."""
+        if self.world_size == 1:
+            return
+        self._meet_links(ns)
+        if self._kind.proves_ring:
+            self._hello()
+
+    def _hello(self) -> None:
+        self.allreduce(torch.zeros(self.world_size), what="ring hello")
+        if self._meeting is not None:
+            self._meeting.close_door()
 
     def _orient(self) -> None:
         """Neighbours and schedules from ``rank_info`` (which follows the membership when keeping going)."""
@@ -302,9 +310,7 @@ class RingExchanger(CollectiveExchanger):
             if self.world_size > 1:
                 self._meet_links(ns)
         if self.world_size > 1 and self._kind.proves_ring:
-            self.allreduce(torch.zeros(self.world_size), what="ring hello")
-            if self._meeting is not None:
-                self._meeting.close_door()
+            self._hello()
 
     def _wait_key(self, key: str, what: str) -> bytes:
         """The value a rank signed under ``key`` (``.../RANK``), waiting for it (bounded): CommTimeout naming
