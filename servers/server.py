@@ -169,7 +169,7 @@ class ParameterServer:
         self.params: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         self.buf_round = -1  # the last step whose buffers are complete
-        self.buf_acc: dict[int, tuple[set, dict]] = {}  # round -> (ranks in, key -> sum)
+        self.buf_acc: dict[int, tuple[str, bool, dict]] = {}  # round -> (how, joining, rank -> key -> its buffer)
         self.optimizer: torch.optim.Optimizer | None = None
         self.initialized = False
         # the start gate: a worker's first pull ("start") is answered once rank 0 initialised the shard and
@@ -443,6 +443,8 @@ class ParameterServer:
             self.waiting = []
             return
         self.mode.settle()
+        for t in sorted(self.buf_acc):  # a buffers round may have waited for this rank alone
+            self._finish_buffers(t)
         self._serve_waiting()
         self._open_gate()
 
@@ -853,8 +855,10 @@ class ParameterServer:
 
     # ----- buffers, optimizer state ----------------------------------------------------------
     def _op_buffers(self, ident, h, data):
-        """Module buffers of step ``h.step``: ``broadcast`` takes rank 0's, ``average`` the mean of every
-        rank's floating buffers (integer ones, such as BatchNorm's counter, are rank 0's)."""
+        """Module buffers of step ``h.step``: ``broadcast`` takes one rank's (rank 0's; keeping going, the lowest rank
+        in the step, so every rank sends them then), ``average`` the mean of the floating buffers of every rank in
+        the step, added in rank order (integer ones, such as BatchNorm's counter, the lowest rank's). Inside
+        ex.join() the ranks still training count and the highest one's is taken (DDP's)."""
         rank = self._rank_of(h)
         how = h.meta.get("how")
         if how not in ("broadcast", "average"):
@@ -863,31 +867,36 @@ class ParameterServer:
         t = h.step
         self._reply(ident, "ok", h.meta.get("id"), step=t)
         if t <= self.buf_round:
-            return  # sent again after a reconnect
-        # inside ex.join() every worker still training sends its buffers, and those of the highest one count
-        # (DDP's); the mean is over those workers
-        joining = bool(h.meta.get("joining"))
-        active = self.active_at(t) if joining else list(range(self.world_size()))
-        source = max(active) if joining else 0
-        if how == "broadcast":
-            if rank == source:
-                self.buffers = {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()}
-                self.buf_round = t
-        else:
-            ranks, acc = self.buf_acc.setdefault(t, (set(), {}))
-            if rank not in ranks:
-                ranks.add(rank)
-                for k, parts in frames.items():
-                    v = self._gather(k, parts, self.buffer_keys)
-                    if v.is_floating_point():
-                        acc[k] = acc[k].add_(v, alpha=1.0 / len(active)) if k in acc else v.mul_(1.0 / len(active))
-                    elif rank == source:
-                        acc[k] = v
-            if ranks.issuperset(active):
-                self.buffers = acc
-                self.buf_round = t
-                del self.buf_acc[t]
+            return  # sent again after a reconnect, or a rank the round did not wait for
+        _, _, got = self.buf_acc.setdefault(t, (how, bool(h.meta.get("joining")), {}))
+        got.setdefault(rank, {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()})
+        self._finish_buffers(t)
         self._serve_waiting()
+
+    def _finish_buffers(self, t: int) -> None:
+        """Round ``t`` of the buffers, if every rank it needs sent them: the ranks in step ``t`` (keeping going: those
+        left; a loss re-checks the rounds open, :meth:`lose`)."""
+        how, joining, got = self.buf_acc[t]
+        ranks = self.pushers(t) if joining or self.members.on else list(range(self.world_size()))
+        if not ranks:
+            return
+        source = max(ranks) if joining else min(ranks)
+        if any(r not in got for r in (ranks if how == "average" else [source])):
+            return
+        if how == "broadcast":
+            self.buffers = got[source]
+        else:
+            mean = {}
+            for k, v in got[source].items():
+                if v.is_floating_point():
+                    mean[k] = got[ranks[0]][k].mul(1.0 / len(ranks))
+                    for r in ranks[1:]:
+                        mean[k].add_(got[r][k], alpha=1.0 / len(ranks))
+                else:
+                    mean[k] = v
+            self.buffers = mean
+        self.buf_round = t
+        del self.buf_acc[t]
 
     def _op_state(self, ident, h, _data):
         """update=server: the optimizer's state, one frame per (piece, state tensor): ``key/name``."""

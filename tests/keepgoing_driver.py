@@ -174,6 +174,7 @@ def main() -> int:
         stats = ex.server_stats()
         record["end"] = bits(model, ex.optimizer)
         print(json.dumps({"rank": a.rank, "pid": pid, "start_step": ex.start_step, "params": [q.detach().tolist() for q in model],
+                          "buffers": [b.tolist() for b in model.buffers()],
                           "servers": stats, **(record if a.record else {})}), flush=True)
     return 0
 

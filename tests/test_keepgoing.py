@@ -34,11 +34,11 @@ ON_SHARD0 = (0, 3)  # the parameters (6 and 3 elements) assign_shards puts on sh
 T, K, LR, TIMEOUT = 10, 4, 0.01, 30
 
 
-def _workers(procs, url: str, kill_at: str, *extra: str, victim_steps: int = T) -> list[subprocess.Popen]:
+def _workers(procs, url: str, kill_at: str, *extra: str, victim: int = 1) -> list[subprocess.Popen]:
     out = []
     for r in range(3):
         args = [sys.executable, KG_DRIVER, url, "--rank", str(r), "--workers", "3", "--steps", str(T), *extra]
-        if r == 1:
+        if r == victim:
             args += ["--kill-step", str(K), "--kill-at", kill_at]
         out.append(procs.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return out
@@ -105,6 +105,30 @@ def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept
     for s in servers:
         s.stop()
     assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("commlab")]
+
+
+@pytest.mark.parametrize("how", ["broadcast", pytest.param("average", marks=pytest.mark.full)])
+def test_when_rank_0_dies_the_buffers_come_from_the_ranks_left(procs, how):
+    """Module buffers under keep-going: each rank adds rank + 1 to its buffer before each step; rank 0 dies before
+    step K. broadcast: rank 0's, then the lowest rank left's (rank 1: + 2 a step); average: the mean over the
+    step's ranks (+ 2 a step, then + 2.5). Before, the shard waited for rank 0's buffers (or every rank's) for ever."""
+    servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
+    url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update=server&min_workers=2"
+           f"&timeout={TIMEOUT}&bucket_mb=0.000001&transport=tcp&buffers={how}")
+    workers = _workers(procs, url, "before", "--buffer", victim=0)
+    results = finish([workers[1], workers[2]], timeout=120)
+    assert workers[0].wait(30) == -signal.SIGKILL
+    per_step = (1, 2) if how == "broadcast" else (2, 2.5)
+    seen = K * per_step[0] + (T - K) * per_step[1]
+    want = [torch.full((n,), -LR * (K * 111 / 3 + (T - K) * 55), dtype=torch.float64) for n in SIZES]
+    for (code, out, err), r in zip(results, (1, 2)):
+        assert code == 0, err[-3000:]
+        rec = json.loads(out.strip().splitlines()[-1])
+        assert rec["rank"] == r and rec["pid"] == workers[r].pid, rec
+        assert rec["buffers"] == [[seen] * 3], (r, rec["buffers"], seen)
+        for got, ref in zip(rec["params"], want):
+            assert torch.allclose(torch.tensor(got, dtype=torch.float64), ref, rtol=1e-6, atol=1e-6), (r, got, ref)
+        assert all(stats["updates"] == T for stats in rec["servers"]), rec["servers"]
 
 
 @pytest.mark.parametrize("mode,kill_at,query", [

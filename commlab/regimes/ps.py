@@ -838,6 +838,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self._absent: set[str] = set()  # update=worker: keys no worker had a gradient for, this step
         self._buffer_targets: dict[str, torch.Tensor] = {}
         self._buffers_fresh = False  # setup pulled the servers' buffers: its own broadcast is not needed
+        self._keeping = 0  # keep-going's min_workers (0: off), known at setup
         self._staging: HostStaging = HostStaging([])  # setup: the buckets' (CUDA ones: pinned) host mirrors
         self._pushes: FramePushes | CompressedPushes | None = None  # how a bucket goes to the shards (setup)
         self._secret: auth.JobSecret | None = None  # the job's (setup reads it): proved on every connection
@@ -912,7 +913,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         for shard in self.shards:
             shard.secret, shard.trace = self._secret, self._trace
             shard.heartbeat_s = self.options.heartbeat_s
-        keep = self._min_workers()
+        keep = self._keeping = self._min_workers()
         # what the servers count attempts by (under torchrun TORCHELASTIC_RESTART_COUNT does not move on a
         # membership change); bounded as the start gate is: the ranks start when they do
         self.attempt_id = rendezvous.job_attempt(self.rank_info, self._setup_bound)
@@ -1325,8 +1326,9 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         self.steps.finish(step)
 
     def _sync_buffers(self, mode: str) -> None:
-        """Buffers travel as non-trainable keys on shard 0: ``broadcast``, rank 0 pushes its own; ``average``,
-        every rank does; then every rank pulls them (sync: once the step's are complete)."""
+        """Buffers travel as non-trainable keys on shard 0: ``broadcast``, rank 0 pushes its own (keeping going,
+        every rank does: the shard takes the lowest rank left's); ``average``, every rank does; then every rank
+        pulls them (sync: once the step's are complete)."""
         if self._buffers_fresh:  # setup: every rank pulled the servers' buffers with the parameters
             self._buffers_fresh = False
             return
@@ -1340,7 +1342,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             if self._join.joining:  # every worker still training: the servers take the highest one's
                 s.post("buffers", step, self._buffer_parts(), {"how": mode, "joining": True},
                        what=f"buffers of step {step}")
-            elif mode == "average" or self.rank == 0:
+            elif mode == "average" or self.rank == 0 or self._keeping:
                 s.post("buffers", step, self._buffer_parts(), {"how": mode}, what=f"buffers of step {step}")
             return self._pull_buffers(s, step)
 
