@@ -321,8 +321,8 @@ def run(a, cells, out: Path, progress=print) -> tuple[list[dict], list[dict]]:
             continue
         links = None
         try:
-            if link != "loopback":
-                links = Links(a.workers, link).__enter__()
+            if link != "loopback":  # a host for each rank, and one for the async entry's server (bench.jobs)
+                links = Links(a.workers + ("async" in names(a.entries, ENTRY_NAMES, "--entries")), link).__enter__()
             for model in models:
                 if r.deadline - time.monotonic() < K.MIN_CELL_S:
                     r.failures.append(rec.failure(CASE, f"{model}@{link}", "the time budget (--budget-s) ran out",
