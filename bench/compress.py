@@ -130,7 +130,8 @@ def run_job_of_cell(es: list[Entry], model: str, link: str, steps: int, a, out: 
             for e, r in runnable]
     args = ["--entries", json.dumps(spec), "--rounds", str(a.rounds), "--model", (TINY if a.tiny else MODELS)[model],
             "--steps", str(steps), "--batch-size", str(BATCH[model]), "--seed", str(a.seed), "--metrics", str(base),
-            "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter)]
+            "--rank-r", str(a.rank_r), "--start-iter", str(a.start_iter),
+            *(["--eval-every", str(a.eval_every)] if getattr(a, "eval_every", 0) else [])]
     job = launcher.worker_job(job_url, a.workers, args, module="bench.compress_worker", name=f"{CASE} {tag}")
     res = jobs.run(job, out / "logs" / f"{tag}.log", timeout, links)
     log = str(res.log.relative_to(out))

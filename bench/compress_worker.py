@@ -19,7 +19,8 @@ Models (:class:`Task`): ``mlp-25m`` (the ``commlab train`` model and data, SGD) 
 (examples/charlm.py's model, AdamW in its parameter groups, warm-up and cosine, bf16 autocast, clipping);
 ``tiny`` and ``charlm-tiny`` are the same at test size. Every rank writes one line per step through
 :func:`commlab.report` (entry i, round r: ``BASE.<i>.<r>``): ``loss, step_s, comm_s, time_s, bytes_sent,
-bytes_uncompressed``, and on rank 0 at the end ``test_loss``. Under DDP ``comm_s`` is None (its wait is
+bytes_uncompressed``, and on rank 0 at the end (and every ``--eval-every`` steps) ``test_loss`` (the held-out
+loss of rank 0's model; its time is left out of ``time_s``). Under DDP ``comm_s`` is None (its wait is
 inside backward) and the bytes are a closed form (:func:`ddp_bytes`).
 """
 
@@ -166,6 +167,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-r", type=int, default=4, help="ddp+powersgd: matrix_approximation_rank")
     p.add_argument("--start-iter", type=int, default=2, help="ddp+powersgd: start_powerSGD_iter")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=0, help="rank 0's held-out loss every this many steps (0: at "
+                   "the end only), its time left out of time_s")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, help="default: 0.05 (SGD, MLPs), 3e-3 (AdamW, charlm)")
     p.add_argument("--seed", type=int, default=0)
@@ -219,9 +222,11 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
             if slow:  # the slow worker: twice its own step time
                 time.sleep(now - t0)
                 now = time.perf_counter()
-            if step == a.steps - 1 and rank == 0:
+            line["time_s"] = now - t_start
+            if rank == 0 and (step == a.steps - 1 or (a.eval_every and (step + 1) % a.eval_every == 0)):
                 line["test_loss"] = task.test_loss()
-            commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, time_s=now - t_start, **line)
+                t_start += time.perf_counter() - now  # the wall clock leaves the evaluation out
+            commlab.report(step, path=path, rank=rank, loss=loss.item(), step_s=now - t0, **line)
     finally:
         if local is not None:
             local.close()

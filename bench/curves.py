@@ -59,7 +59,7 @@ def curve(ranks: list[list[dict]]) -> list[dict]:
         sent = (sent + (b or 0.0)) if contiguous else mean_sent * (s + 1)
         points.append({"step": s, "loss": statistics.fmean(losses), "ranks": len(losses), "time_s": t,
                        "bytes": sent, "step_s": number(rec.get("step_s")), "comm_s": number(rec.get("comm_s")),
-                       "bytes_sent": b})
+                       "bytes_sent": b, **({"test_loss": number(rec["test_loss"])} if "test_loss" in rec else {})})
     return points
 
 

@@ -10,10 +10,10 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
 :class:`bench.netns.Links`). A cell is run by :mod:`bench.compress`'s machinery (one job of
 :mod:`bench.compress_worker`, the entries taking turns, each from a fresh model), in this order:
 
-1. ``alone``: no exchange (H = infinity): its median inner step time ``t`` (steps from 1 on) is the
-   denominator of every utilization and sets the overlap ``T``: the smallest that fits a fragment,
-   ``ceil(fragment bytes / link rate / t)``, clamped to [1, H/P - 1] (fragment bytes: int8's closed form of
-   1/P of the parameters).
+1. ``alone``: no exchange (H = infinity): its inner step time ``t`` (its wall clock per step, steps from 1 on)
+   is the denominator of every utilization; its median step sets the overlap ``T``: the smallest that fits a
+   fragment, ``ceil(fragment bytes / link rate / median)``, clamped to [1, H/P - 1] (fragment bytes: int8's
+   closed form of 1/P of the parameters).
 2. The entries (``H`` = 10 and 48, ``P`` = 4): synchronous ``ring://`` and ``ring://?compress=powersgd:4``;
    ``sync_every=H`` with ``outer=sgd:lr=1`` (plain averaging) with and without ``compress=int8``; H = 48
    int8 with the default outer optimizer (Nesterov 0.7/0.9); streaming ``fragments=4&overlap=T`` with int8,
@@ -32,7 +32,7 @@ rows "projected".
 Per entry: loss at equal inner steps (the last smoothed loss) and at equal wall time (the smoothed loss each
 entry had when the fastest entry finished), time and bytes to the target loss (the synchronous ring's
 smoothed loss ``--target-at`` of the way through its steps), **utilization** = inner steps x ``t`` / wall
-time, and the peak link rate (the largest bytes one step sent over that step's time: an upper estimate for
+time (both from step 1 on; ``alone``'s is 1), and the peak link rate (the largest bytes one step sent over that step's time: an upper estimate for
 an overlapped fragment, whose bytes are counted at the step that starts it). Verdicts (bench/verdict.py,
 95% intervals): time to target against the synchronous ring; torchft's DiLoCo against commlab's fp32
 streaming and torch's post-local SGD against ``outer=sgd:lr=1`` (mean step time: a step's share of the
@@ -142,6 +142,14 @@ def median_step(o: Outcome | None) -> float | None:
     return statistics.median(times) if times else None
 
 
+def inner_step(o: Outcome | None) -> float | None:
+    """Rank 0's wall time per step from step 1 on (step 0: first-touch allocations): utilization's ``t`` for the
+    run with no exchange (a run's step time as its wall clock sees it, so that run's own utilization is 1; the
+    median step would leave out what a step costs beyond its median, about 4% of the char LM's)."""
+    pts = [x for x in o.ranks[0] if x.get("time_s") is not None] if o and o.status == "ok" else []
+    return (pts[-1]["time_s"] - pts[0]["time_s"]) / (len(pts) - 1) if len(pts) > 1 else None
+
+
 def projected(loopback: Outcome, timing: Outcome) -> Outcome:
     """``loopback``'s lines (loss per step) with every step's time set to the median step time ``timing``
     measured at the link (steps from 1 on), and the wall clock to steps x that."""
@@ -159,8 +167,8 @@ def per_row(rows: list[dict], t_alone: float | None) -> None:
     equal_wall = min((r["curve"][-1]["time_s"] for r in have if r["regime"] != "alone"), default=None)
     for r in have:
         pts, sm = r["curve"], smoothed(r["curve"])
-        wall = pts[-1]["time_s"]
-        r["utilization"] = len(pts) * t_alone / wall if t_alone and wall else None
+        wall = pts[-1]["time_s"] - pts[0]["time_s"]  # steps 1 on, as t_alone
+        r["utilization"] = (len(pts) - 1) * t_alone / wall if t_alone and wall > 0 else None
         if equal_wall is not None:
             at = [i for i, p in enumerate(pts) if p["time_s"] <= equal_wall]
             r["loss_at_equal_wall"] = sm[at[-1]] if at else None
@@ -169,6 +177,26 @@ def per_row(rows: list[dict], t_alone: float | None) -> None:
         r["bytes_to_target"] = pts[hit - 1]["bytes"] if hit else None
         rates = [p["bytes_sent"] / p["step_s"] for p in pts if p.get("bytes_sent") and p.get("step_s")]
         r["peak_bytes_per_s"] = max(rates) if rates else 0.0
+
+
+def held_out(rows: list[dict], target_at: float) -> float | None:
+    """The held-out target: the synchronous ring's held-out loss (rank 0's model, evaluated every ``--eval-every``
+    steps) at the first evaluation ``target_at`` of the way through its steps or later; into each row, the first
+    evaluation at or below it (``held_steps``: steps to it, ``held_s``, ``held_bytes``) and the last one
+    (``held_final``). A local-steps run is evaluated at its syncs (every H steps): the global model, what
+    DiLoCo's papers compare; its train loss is its replicas' own, between averages."""
+    plain = next((r for r in rows if r["regime"] == SYNC and r.get("curve")), None)
+    evals = [p for p in plain["curve"] if p.get("test_loss") is not None] if plain else []
+    at = [p for p in evals if p["step"] + 1 >= target_at * len(plain["curve"])] if plain else []
+    target = at[0]["test_loss"] if at else None
+    for r in rows:
+        pts = [p for p in r.get("curve") or [] if p.get("test_loss") is not None]
+        r["held_final"] = pts[-1]["test_loss"] if pts else None
+        hit = next((p for p in pts if target is not None and p["test_loss"] <= target), None)
+        r["held_steps"] = hit["step"] + 1 if hit else None
+        r["held_s"] = hit["time_s"] if hit else None
+        r["held_bytes"] = hit["bytes"] if hit else None
+    return target
 
 
 def mean_verdict(a: dict, b: dict) -> verdict.Verdict:
@@ -215,6 +243,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-at", type=float, default=0.75, help="the target loss: the synchronous ring's smoothed "
                                                                  "loss this far through its steps")
+    p.add_argument("--eval-every", type=int, default=H_LONG, help="rank 0's held-out loss every this many steps "
+                   "(at the syncs of H = 48: the global model), the held-out target's curve; 0: at the end only")
     p.add_argument("--sync-cap-s", type=float, default=600.0, help="a synchronous entry expected to run longer at "
                                                                    "a link is projected (module text)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no cell after this many seconds")
@@ -234,6 +264,8 @@ def check(a) -> list[tuple[str, str]]:
     names(a.entries, ENTRY_NAMES, "--entries")
     if not 0 < a.target_at <= 1:
         raise ValueError("--target-at must be in (0, 1]")
+    if a.eval_every < 0:
+        raise ValueError("--eval-every must be >= 0")
     return K.cells_of(a, DEFAULT_CELLS)
 
 
@@ -265,9 +297,9 @@ class Run:
         if rate is not None:  # T depends on the step time alone: measured first, in a job of its own
             outcomes = self.job([alone_entry], model, link, steps, links, "-alone")
         alone = outcomes.get("alone", [None])[0]
-        t_alone = median_step(alone)
+        t_alone, t_median = inner_step(alone), median_step(alone)
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [], a.workers)
-        t = overlap(numel or 0, rate, t_alone or 0.0)  # on loopback: 1, known before anything runs
+        t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
         chosen = entries(t, a.start_iter)
         es = [chosen[name] for name in wanted if name != "async"]
         slow_links = [e for e in es if is_sync(e) and rate and numel
@@ -276,7 +308,8 @@ class Run:
         outcomes.update(self.job(([alone_entry] if rate is None else []) + whole, model, link, steps, links, "-main"))
         if rate is None:
             alone = outcomes["alone"][0]
-            t_alone, numel = median_step(alone), numel_of(alone.ranks[0] if alone.ranks else [], a.workers)
+            t_alone, t_median = inner_step(alone), median_step(alone)
+            numel = numel_of(alone.ranks[0] if alone.ranks else [], a.workers)
         if slow_links:
             if model not in self.loopback:
                 self.loopback[model] = self.job(slow_links, model, "loopback", steps, None, "-curves")
@@ -297,11 +330,14 @@ class Run:
                 if row.get("curve"):
                     row.update(time_to_target(row["curve"], smoothed(row["curve"]), target))
         per_row(rows, t_alone)
+        held = held_out(rows, a.target_at)
         png = plot(rows, self.out / f"lowcomm-{model}-{slug(link)}.png", f"{model} at {link}")
         return {"model": model, "model_name": (K.TINY if a.tiny else K.MODELS)[model], "link": link,
-                "rate_bytes_per_s": rate, "steps": steps, "t_alone_s": t_alone, "numel": numel, "overlap": t,
+                "rate_bytes_per_s": rate, "steps": steps, "t_alone_s": t_alone, "t_alone_median_s": t_median,
+                "numel": numel, "overlap": t,
                 "exposed_bound_s": exposed_bound(numel or 0, rate, t_alone or 0.0, t),
-                "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target, "rows": rows,
+                "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target,
+                "held_out_target": held, "rows": rows,
                 "projected": [e.label for e in slow_links], "verdicts": cell_verdicts(rows, t),
                 "png": png.name if png else None}
 
@@ -379,21 +415,27 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
           f"- `commlab bench lowcomm {' '.join(config['argv'])}`: {config['workers']} ranks; this case ran "
           f"{seconds:.0f} s ({seconds / 60:.1f} min). The machine may be shared: quote ratios from one run, "
           "medians of several.",
-          "- Utilization = inner steps x the median inner step time with no exchange (`alone`) / wall time. "
+          "- Utilization = inner steps x the inner step time with no exchange (`alone`'s wall clock per step) / "
+          "wall time, both from step 1 on. "
           "Peak link rate: the largest bytes one step sent over that step's time.",
           "- Rows marked `projected`: the synchronous entry's loss per step from a loopback run (the same "
           f"arithmetic) and its wall time steps x its median step time over {TIMING_STEPS} steps at the link.", ""]
     for c in cells:
         md += [f"## {c['model']} ({c['model_name']}) at {c['link']}", "",
-               f"{c['steps']} inner steps an entry; step alone {fmt(c['t_alone_s'] and c['t_alone_s'] * 1e3, '.1f')} ms; "
+               f"{c['steps']} inner steps an entry; step alone {fmt(c['t_alone_s'] and c['t_alone_s'] * 1e3, '.1f')} ms "
+               f"(median {fmt(c.get('t_alone_median_s') and c['t_alone_median_s'] * 1e3, '.1f')}); "
                f"{c['numel'] or 0:,} parameters; overlap T = {c['overlap']} (streaming bound: "
                f"{c['exposed_bound_s']:.3f} s exposed per fragment, utilization <= {c['util_bound']:.3f}); target "
-               f"loss {fmt(c['target'])}" + (f"; projected: {', '.join(c['projected'])}" if c["projected"] else ""), ""]
+               f"loss {fmt(c['target'])} (train), held-out {fmt(c.get('held_out_target'))}"
+               + (f"; projected: {', '.join(c['projected'])}" if c["projected"] else ""), ""]
         md += table(c["rows"], [
             ("utilization", lambda r: fmt(r.get("utilization"), ".3f")),
             ("loss at equal wall", lambda r: fmt(r.get("loss_at_equal_wall"))),
             ("bytes to target", lambda r: "—" if r.get("bytes_to_target") is None else f"{r['bytes_to_target'] / 2**20:.3g} MiB"),
-            ("peak Mbit/s", lambda r: "—" if r.get("peak_bytes_per_s") is None else f"{r['peak_bytes_per_s'] * 8 / 1e6:.3g}")]) + [""]
+            ("peak Mbit/s", lambda r: "—" if r.get("peak_bytes_per_s") is None else f"{r['peak_bytes_per_s'] * 8 / 1e6:.3g}"),
+            ("held-out loss (last)", lambda r: fmt(r.get("held_final"))),
+            ("held-out: steps / s / bytes to target", lambda r: "—" if r.get("held_steps") is None else
+             f"{r['held_steps']} / {r['held_s']:.1f} / {r['held_bytes'] / 2**20:.3g} MiB")]) + [""]
         md += ["Verdicts (ratio > 1: the entry after the slash is faster; 95% intervals):", ""]
         md += [f"- {rec.ratio_line(label, v)}" for label, v in c["verdicts"]] + [""]
         if c.get("png"):

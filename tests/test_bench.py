@@ -776,11 +776,13 @@ def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(t
     """`commlab bench lowcomm` at test size on loopback: `alone` (no exchange), the synchronous ring and torch's
     post-local SGD at H = 48 in one job, and a local-steps ps:// entry (reported as it resolves: unavailable
     without the localsteps options). Post-local SGD averages at step 0 only in 12 steps: 4n bytes (a ring's
-    count at N = 2), then none; utilization is steps x alone's median step / wall. No time is asserted."""
+    count at N = 2), then none; utilization is steps x alone's wall clock per step / wall (steps 1 on: alone's is 1).
+    The held-out loss every 4 steps (rank 0's model): the target is the ring's at step 12 (3/4 of the way is step
+    9; its first evaluation from there on), which the ring reaches by then. No time is asserted."""
     out = tmp_path / "lowcomm"
     forked = zygote_children()
     doc = _run_tiny_case("lowcomm", ["--models", "lm", "--link", "loopback", "--steps", "12",
-                                     "--entries", "sync,postlocal,async"], out, 240)
+                                     "--entries", "sync,postlocal,async", "--eval-every", "4"], out, 240)
     (cell,) = doc["cells"]
     rows = {r["regime"]: r for r in cell["rows"]}
     post = "torch PostLocalSGD H=48"
@@ -793,8 +795,14 @@ def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(t
     for label in ("alone", "ring://", post):
         r = rows[label]
         assert r["status"] == "ok" and len(r["curve"]) == 12
-        assert r["utilization"] == pytest.approx(12 * cell["t_alone_s"] / r["curve"][-1]["time_s"])
+        pts = r["curve"]
+        assert r["utilization"] == pytest.approx(11 * cell["t_alone_s"] / (pts[-1]["time_s"] - pts[0]["time_s"]))
         assert r["loss_at_equal_wall"] is not None and r["peak_bytes_per_s"] >= 0
+        assert [p["step"] for p in pts if p.get("test_loss") is not None] == [3, 7, 11], label
+        assert r["held_final"] == pts[-1]["test_loss"]
+    assert rows["alone"]["utilization"] == pytest.approx(1.0)
+    assert cell["held_out_target"] == rows["ring://"]["curve"][-1]["test_loss"]
+    assert rows["ring://"]["held_steps"] is not None and rows["ring://"]["held_steps"] <= 12
     if rows[ASYNC_LABEL]["status"] != "ok":  # before the localsteps options: said, by name, in the report
         assert "sync_every" in rows[ASYNC_LABEL]["error"]
         assert any(f["regime"].startswith(ASYNC_LABEL) for f in doc["failures"])
