@@ -223,6 +223,8 @@ def train_entry(entry: dict, a, rank: int, world: int, path: str) -> None:
                 time.sleep(now - t0)
                 now = time.perf_counter()
             line["time_s"] = now - t_start
+            if step == 0:
+                line["numel"] = sum(q.numel() for q in task.model.parameters())
             if rank == 0 and (step == a.steps - 1 or (a.eval_every and (step + 1) % a.eval_every == 0)):
                 line["test_loss"] = task.test_loss()
                 t_start += time.perf_counter() - now  # the wall clock leaves the evaluation out

@@ -10,7 +10,8 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
 :class:`bench.netns.Links`). A cell is run by :mod:`bench.compress`'s machinery (one job of
 :mod:`bench.compress_worker`, the entries taking turns, each from a fresh model), in this order:
 
-1. ``alone``: no exchange (H = infinity): its inner step time ``t`` (its wall clock per step, steps from 1 on)
+1. ``alone``: no exchange (H = infinity: ``ring://?sync_every=`` beyond the run, so its inner step is the one every
+   commlab entry takes): its inner step time ``t`` (its wall clock per step, steps from 1 on)
    is the denominator of every utilization; its median step sets the overlap ``T``: the smallest that fits a
    fragment, ``ceil(fragment bytes / link rate / median)``, clamped to [1, H/P - 1] (fragment bytes: int8's
    closed form of 1/P of the parameters).
@@ -131,8 +132,11 @@ def is_sync(e: K.Entry) -> bool:
 
 
 def numel_of(rows: list[dict], world: int) -> int | None:
-    """The model's parameter count from the ``alone`` row: its uncompressed ring bytes, 2(N-1)/N x 4n."""
+    """The model's parameter count from the ``alone`` row: its first line says it (else, from a worker before it
+    did, its uncompressed ring bytes, 2(N-1)/N x 4n)."""
     lines = [x for x in rows if x]
+    if lines and lines[0].get("numel"):
+        return int(lines[0]["numel"])
     return int(lines[0]["bytes_uncompressed"] * world / (2 * (world - 1)) / 4) if lines else None
 
 
@@ -301,7 +305,9 @@ class Run:
         steps = a.steps or STEPS[model]
         rate = None if link == "loopback" else parse_rate(link)
         wanted = names(a.entries, ENTRY_NAMES, "--entries")
-        alone_entry = K.Entry("alone", "local://", peer="alone")
+        # H = infinity: commlab's own local steps with H beyond the run (its bucketed gradients and optimizer step,
+        # as every entry's inner step: a plain loop's fresh gradient tensors each step cost the 25M MLP ~40 ms more)
+        alone_entry = K.Entry("alone", f"ring://?sync_every={steps + 1}&{PLAIN}")
         outcomes: dict[str, list[Outcome]] = {}
         if rate is not None:  # T depends on the step time alone: measured first, in a job of its own
             outcomes = self.job([alone_entry], model, link, steps, links, "-alone")
