@@ -131,13 +131,10 @@ def is_sync(e: K.Entry) -> bool:
     return not e.peer and "sync_every" not in e.url
 
 
-def numel_of(rows: list[dict], world: int) -> int | None:
-    """The model's parameter count from the ``alone`` row: its first line says it (else, from a worker before it
-    did, its uncompressed ring bytes, 2(N-1)/N x 4n)."""
+def numel_of(rows: list[dict]) -> int | None:
+    """The model's parameter count: the ``alone`` row's first line says it (bench.compress_worker)."""
     lines = [x for x in rows if x]
-    if lines and lines[0].get("numel"):
-        return int(lines[0]["numel"])
-    return int(lines[0]["bytes_uncompressed"] * world / (2 * (world - 1)) / 4) if lines else None
+    return int(lines[0]["numel"]) if lines and lines[0].get("numel") else None
 
 
 def median_step(o: Outcome | None) -> float | None:
@@ -313,7 +310,7 @@ class Run:
             outcomes = self.job([alone_entry], model, link, steps, links, "-alone")
         alone = outcomes.get("alone", [None])[0]
         t_alone, t_median = inner_step(alone), median_step(alone)
-        numel = numel_of(alone.ranks[0] if alone and alone.ranks else [], a.workers)
+        numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
         t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
         chosen = entries(t, a.start_iter)
         es = [chosen[name] for name in wanted if name != "async"]
@@ -324,7 +321,7 @@ class Run:
         if rate is None:
             alone = outcomes["alone"][0]
             t_alone, t_median = inner_step(alone), median_step(alone)
-            numel = numel_of(alone.ranks[0] if alone.ranks else [], a.workers)
+            numel = numel_of(alone.ranks[0] if alone.ranks else [])
         if slow_links:
             if model not in self.loopback:
                 self.loopback[model] = self.job(slow_links, model, "loopback", steps, None, "-curves")

@@ -869,7 +869,8 @@ class ParameterServer:
         if t <= self.buf_round:
             return  # sent again after a reconnect, or a rank the round did not wait for
         _, _, got = self.buf_acc.setdefault(t, (how, bool(h.meta.get("joining")), {}))
-        got.setdefault(rank, {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()})
+        if rank not in got:  # (a resend after a reconnect: the first stands)
+            got[rank] = {k: self._gather(k, parts, self.buffer_keys) for k, parts in frames.items()}
         self._finish_buffers(t)
         self._serve_waiting()
 
