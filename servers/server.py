@@ -182,6 +182,10 @@ class ParameterServer:
         self.gone: set[int] = set()  # ranks that said bye (closed their exchanger)
         self.joined: dict[int, tuple[int, bool]] = {}  # rank -> (first step it did not push, divide by N): ex.join()
         self.terminated: int | None = None  # the rank that joined with throw_on_early_termination: pushes refused
+        # the parameters of the last joiner so far (the largest (step, rank)), which become the shard's when every
+        # worker has joined: not before, since under local steps the shard's parameters are the anchor the workers
+        # still training sync against
+        self.kept: dict[str, torch.Tensor] = {}
         self.waiting: list[tuple[bytes, wire.Header]] = []  # deferred pulls
         self.trackers: dict[str, list] = {}  # key -> zmq trackers of sends reading it
         self._since_checkpoint = 0
@@ -392,6 +396,7 @@ class ParameterServer:
         self.starters.clear()
         self.started = False
         self.joined.clear()
+        self.kept = {}
         self.terminated = None
         self.detached.clear()
         self.gone.clear()
@@ -986,9 +991,12 @@ class ParameterServer:
         if h.meta.get("throw") and training and self.terminated is None:
             self.terminated = rank
         if frames and (t, rank) == max((s, r) for r, (s, _) in self.joined.items()):
-            for key, parts in frames.items():
+            self.kept = {key: self._gather(key, parts, self.pieces).clone() for key, parts in frames.items()}
+        if self.kept and not training:  # the last join: the last joiner's parameters are every worker's final ones
+            for key, value in self.kept.items():
                 self._writable(key)
-                self.params[key].copy_(self._gather(key, parts, self.pieces))
+                self.params[key].copy_(value)
+            self.kept = {}
         self._reply(ident, "ok", h.meta.get("id"), {"training": training}, step=t)
         self.mode.settle()
         self._serve_waiting()
@@ -1068,7 +1076,7 @@ class ParameterServer:
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "updates": self.stats.updates, "staleness": dict(self.stats.staleness),
                  "attempt": self.attempt, "started": self.started, "joined": dict(self.joined),
-                 "terminated": self.terminated, "blobs": dict(self.blobs),
+                 "terminated": self.terminated, "blobs": dict(self.blobs), "kept": {k: own(v) for k, v in self.kept.items()},
                  "members": self.members.state(), "enters": dict(self.mode.enters)}
 
     def _load(self, path: Path) -> None:
@@ -1110,6 +1118,7 @@ class ParameterServer:
         self.joined = {int(r): (int(t), bool(d)) for r, (t, d) in state.get("joined", {}).items()}
         self.detached |= set(self.joined)
         self.terminated = state.get("terminated")
+        self.kept = dict(state.get("kept", {}))
         self.blobs = {int(r): (int(t), b) for r, (t, b) in state.get("blobs", {}).items()}
         self.members.load(state.get("members", {}))
         self.mode.enters = {int(r): int(t) for r, t in state.get("enters", {}).items()}

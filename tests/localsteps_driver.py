@@ -7,7 +7,8 @@ gradients (through the rendezvous store): rank 0 can get there only if its own s
 wait for rank 1. ``kill_at``: the rank saves a checkpoint at every sync (``ckpt``) and, at that inner step, dies by SIGKILL
 (rank 0 only) after its optimizer step; ``resume``: it starts from the checkpoint, redoes the lost steps and
 counts them (``redone``). ``lengths``: rank r runs lengths[r] steps inside ``ex.join()``. ``order`` (with ``every`` = H): the ranks' syncs reach the shards in this order
-(a list of ranks; each rank runs H x its syncs steps), forced through files. ``slow``: rank 1 sleeps that many seconds before each optimizer step. ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
+(a list of ranks; each rank runs H x its syncs steps), forced through files. ``slow``: rank 1 sleeps that many seconds before each optimizer step.
+``pause`` = [rank, step, seconds]: that rank sleeps after that step (which of two requests reaches a shard first). ``kill_server_at``: rank 0 kills the PS shard ``server_pid`` by SIGKILL after that step, once rank 1 took
 it too (so no reply of the last sync is still on its way).
 """
 
@@ -119,6 +120,8 @@ def main() -> None:
                             "step": step + 1}, ckpt)
             if cfg.get("kill_at") == step and not cfg.get("resume") and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if cfg.get("pause") and cfg["pause"][:2] == [rank, step]:
+                time.sleep(cfg["pause"][2])
             if cfg.get("kill_server_at") == step:  # a PS shard dies between two syncs, once both ranks got there
                 flag = f"{out}.past_sync"  # ps:// has no store: a file says rank 1 got there
                 if rank == 1:

@@ -482,18 +482,18 @@ def test_ps_async_delayed_nesterov_matches_reference(run_ranks, tmp_path, procs)
 
 
 @pytest.mark.multiproc
-def test_ps_join_uneven_inputs_averages_over_the_workers_still_training(run_ranks, tmp_path, procs):
+@pytest.mark.parametrize("first", ["join", "push"])
+def test_ps_join_uneven_inputs_averages_over_the_workers_still_training(run_ranks, tmp_path, procs, first):
     """join() on ps:// local steps, the collectives' rule: rank 1 runs out after 5 steps (between the syncs at steps
     4 and 8) and joins before the shard's second sync; that sync is rank 0's change alone (the shard's mean over the
     workers still training), one outer step; at the end rank 0, the last to join, sent its parameters with its
     join and every rank takes them. Every rank equals the collectives' reference to 1e-5 (rank 1's inner AdamW
-    state is its own, of 5 steps)."""
+    state is its own, of 5 steps). Which reaches the shard first is forced by a pause: rank 1's join (rank 0 pauses
+    before its sync) or rank 0's push of that sync (rank 1 pauses before joining). Before the fix the first joiner's
+    parameters replaced the shard's anchor at its join, and the sync rank 0 made after it stepped from them (1e-2 off)."""
     server = procs.server("--mode", "sync")
-    refused = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 0, check=False, lengths=[10, 5])
-    said = " ".join(r.err for r in refused)
-    if "ex.join() (uneven inputs) is not built yet" in said:  # refused for now: the shards' side misses the reference
-        pytest.xfail("ps:// join under local steps is refused (one line) until this reference holds")
-    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 0, lengths=[10, 5])
+    pause = [0, 6, 1.0] if first == "join" else [1, 4, 1.0]
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4", 0, lengths=[10, 5], pause=pause)
     check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), lengths=[10, 5]), 1e-5)
     assert server.stats()["updates"] == 2  # one outer step per sync, the second over rank 0 alone
     numel = sum(p.numel() for p in make_model(False).parameters())
