@@ -678,6 +678,7 @@ class Sync(Mode):
         divisor = self._divisor()
         if divisor != self.srv.world and key in self.sums and divisor:
             self.sums[key].mul_(self.srv.world / divisor)
+        self.srv.summed(key)
 
     def _complete_if_in(self, needed: int) -> None:
         """Every worker still training completed the step: the placement says what that means."""

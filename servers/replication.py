@@ -13,9 +13,18 @@ must, and says ``attach``). From then on:
 * **The backup applies the same requests in the same order** through the same code (:meth:`ShardServer.handle`,
   its replies dropped), so it holds the same state bit for bit: every update is deterministic given its inputs
   and their order (one torch thread; a sync step's sum is folded in the order the primary received the
-  pushes, which is the stream's). The backup receives the workers' gradients (every push), not parameters.
-  It acknowledges what it received (``ack`` with the highest ``seq``) before applying it: it holds it, since a
-  backup applies everything it received before it serves anyone.
+  pushes, which is the stream's). It acknowledges what it received (``ack`` with the highest ``seq``) before
+  applying it: it holds it, since a backup applies everything it received before it serves anyone.
+* **A synchronous step's average once, not every push** (:func:`elided_step`: ``mode=sync`` where the shard
+  applies the step, update=server or an outer step, uncompressed, without keep-going). Such a push goes as its
+  header alone (``ELIDED``); each key's average goes (``SUMS``, op ``sum``) the moment it is final, while the
+  rest of the step arrives, and the step's end (op ``gathered``) once every push is in. The backup folds zeros
+  in place of the elided data (:class:`Zeros`: the books, who pushed and the step gathered, kept by the same
+  code) and takes each average and the report from the stream. The replies made while serving such a push, and
+  those of the request that gathered the step, wait for the ack of the step's end, so a backup promoted
+  without it drops the half step (:meth:`Replication._drop_elided_step`) knowing no push of it was answered:
+  every worker sends its push again. Everything else goes whole: there the backup receives the workers'
+  gradients.
 * **A log and fresh copies, not the arithmetic** (``--replica-log R``, ``ps://?replica_log=R``, default 4):
   applying every request costs the backup the primary's CPU, which on a machine the workers share is the
   replication's whole price. So the backup keeps what it received (the frames as they came) without applying
@@ -29,7 +38,7 @@ must, and says ``attach``). From then on:
   holds after catching up is what it would hold having applied each request: the same state, bit for bit.
   ``R = 0``: it applies every request as it arrives.
 * **Output commit.** Every reply the primary makes while serving request ``seq`` (its ack, and the pulls that
-  request made answerable) is held until the backup acknowledged ``seq``. So whatever a worker has seen, the
+  request made answerable) is held until the backup acknowledged ``seq`` (an elided push's: its step's end). So whatever a worker has seen, the
   backup holds. A held reply that reads the shard's tensors zero-copy counts as a send in flight: the
   optimizer writes such a tensor only after giving it fresh storage (copy on write, as for a slow socket).
 * **Failover.** A worker whose primary's connection closes (or times out) connects to the next server of the
@@ -64,10 +73,12 @@ import zmq
 
 from commlab.base.errors import CommError, ConfigError, ProtocolError
 from commlab.transport import psproto, sockets as transport, wire
+from servers.modes import Sync
 
 CTRL = struct.Struct("<4sBQH")  # magic, kind, seq, length of the worker identity that follows
 MAGIC = b"CLRP"
-SNAPSHOT, REQUEST, FREE, LOST = 1, 2, 3, 4
+SNAPSHOT, REQUEST, FREE, LOST, ELIDED, SUMS = 1, 2, 3, 4, 5, 6
+KINDS = (SNAPSHOT, REQUEST, FREE, LOST, ELIDED, SUMS)
 SHM_KEYS = ("shm", "shm_host", "shm_reply")  # what a request through shared memory carries; the backup has none
 HEARTBEAT_MS = (1000, 10000)  # the link's zmq heartbeat: interval, and silence after which it is taken as gone
 ATTACH_TIMEOUT = 120.0  # a new backup waits this long for the primary's state
@@ -83,7 +94,7 @@ def parse_ctrl(frame: bytes) -> tuple[int, int, bytes]:
     if len(frame) < CTRL.size:
         raise ProtocolError(f"replication frame of {len(frame)} bytes")
     magic, kind, seq, n = CTRL.unpack_from(frame)
-    if magic != MAGIC or kind not in (SNAPSHOT, REQUEST, FREE, LOST) or len(frame) != CTRL.size + n:
+    if magic != MAGIC or kind not in KINDS or len(frame) != CTRL.size + n:
         raise ProtocolError("not a replication frame")
     return kind, seq, frame[CTRL.size:]
 
@@ -100,6 +111,35 @@ def relayed(body: list, h: wire.Header, data: list) -> list:
     return wire.encode(h.op, h.sender, h.step, parts, meta)
 
 
+def elided_step(space, h: wire.Header) -> tuple[str, int] | None:
+    """(key space, step) when the backup need not receive this push's data: a synchronous step the shard applies
+    itself (update=server, or an outer step of update=outer after its warm-up), uncompressed, without keep-going.
+    The step's average goes to the backup once, when the step is gathered (``SUMS``), instead of every worker's
+    gradient; the push's header still goes, so the backup keeps the same books. None: the push goes whole."""
+    if h.op != "push" or space is None or space.placement is None or space.units is not None \
+            or space.members.on or not isinstance(space.mode, Sync) or not space.placement.spec.shards_step:
+        return None
+    if space.placement.spec.name == "outer" and h.step < int((space.optim_desc or {}).get("outer", {}).get("warmup", 0)):
+        return None  # a warm-up step's average is published, not committed
+    return space.space, h.step
+
+
+class Zeros:
+    """Stand-ins for an elided push's data frames on the backup: views of one zeroed buffer, grown as needed. The
+    fold adds them in (zeros) and the step's ``SUMS`` then sets the average the primary gathered."""
+
+    def __init__(self):
+        self.buf = bytearray(0)
+
+    def frames(self, header: bytes) -> list[memoryview]:
+        specs = wire.decode([header], header_only=True).frames
+        need = max((sp.nbytes for sp in specs), default=0)
+        if len(self.buf) < need:
+            self.buf = bytearray(need)
+        view = memoryview(self.buf)
+        return [view[:sp.nbytes] for sp in specs]
+
+
 FAULT_ENV = "COMMLAB_SERVER_FAULT"
 FAULT_POINTS = ("recv", "unsent", "unacked", "acked")
 
@@ -113,7 +153,8 @@ class Fault:
     * ``recv``: on its arrival, before anything is done with it;
     * ``unsent``: after serving it, never streamed to the backup (as if lost on the way);
     * ``unacked``: after serving it, streamed, before the backup's ack is read (the backup may hold it);
-    * ``acked``: once the backup acknowledged it and its replies went out."""
+    * ``acked``: once the backup acknowledged it and its replies went out (an elided push's replies wait for its
+      step's average: it dies once the backup acknowledged the push's header, holding the push without it)."""
 
     at: str
     op: str
@@ -219,6 +260,10 @@ class Replication:
         self.since = 0  # bytes streamed since the last copy
         self.copy_bytes = LOG_BASIS  # the last state copy's size, sent or received (at least LOG_BASIS)
         self.held: deque = deque()  # (seq, frames, keys, space, track, [_Held per key])
+        # an elided push's replies (and those of what it made answerable) wait for its step's SUMS, whose seq is not
+        # known until the step is gathered: (key space, step) -> [(frames, space, track, marks)]
+        self.pending: dict[tuple[str, int], list] = {}
+        self.elided: tuple[str, int] | None = None  # the request being served is an elided push of this step
         # backup
         self.link: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
@@ -230,6 +275,8 @@ class Replication:
         self.log: list[tuple[int, int, bytes, list]] = []  # (kind, seq, identity, frames) received, not applied
         self.log_bytes = 0
         self.copy: tuple[int, list] | None = None  # the newest state copy not yet loaded: (seq, frames)
+        self.zeros = Zeros()  # an elided push's stand-in data
+        self.ended: dict[str, int] = {}  # key space -> the last elided step whose end (``gathered``) came
         self._polled = False  # its link is in the serve loop's poller (self._poller)
         self._poller: zmq.Poller | None = None
         self.primary = self.cfg.replica_of or ""
@@ -245,7 +292,7 @@ class Replication:
         out = {"role": self.role, **self.counts}
         if self.role == "primary":
             out.update(backup=self.backup_endpoint if self.backup is not None else None, seq=self.seq,
-                       acked=self.acked, held=len(self.held))
+                       acked=self.acked, held=len(self.held) + sum(map(len, self.pending.values())))
         else:
             out.update(primary=self.primary, applied=self.applied, received=self.received, logged=len(self.log),
                        link=self.link_alive)
@@ -387,16 +434,22 @@ class Replication:
             return
         self.seq += 1
         if self.dying == "unsent":  # lost on the way: its replies are held all the same, and this process dies
-            self.current = self.seq
+            self.current, self.elided = self.seq, None
             return
+        self.elided = elided_step(self.srv.spaces.get(h.meta.get("space", "")), h)
+        frames = relayed(body, h, data)
+        if self.elided is not None:
+            frames = frames[:1]  # the header: the step's average follows once (SUMS)
         try:
-            transport.send(self.srv.sock, [self.backup, ctrl(REQUEST, self.seq, ident), *relayed(body, h, data)],
-                           timeout=5.0, who="the backup")
+            transport.send(self.srv.sock, [self.backup, ctrl(ELIDED if self.elided else REQUEST, self.seq, ident),
+                                           *frames], timeout=5.0, who="the backup")
         except CommError as exc:
             self._lose(f"the stream to it failed ({exc})")
             return
         self.current = self.seq
-        self.since += h.data_bytes
+        if not self.elided:
+            self.since += h.data_bytes
+            self.counts["streamed"] += h.data_bytes
 
     def freed(self, space: str) -> None:
         """A key space was freed (its peers' connections gone for the peer timeout, or every bye): so on the
@@ -428,12 +481,14 @@ class Replication:
         self.current = self.seq
 
     def done(self) -> None:
+        if self.pending:
+            self._settle_pending()
         if self.dying in ("unsent", "unacked"):
             _die()
         if self.dying == "acked":
             self.die_at, self.dying = self.current if self.current is not None else self.seq, None
             self._release()
-        self.current = None
+        self.current, self.elided = None, None
         if self.attaching is not None:
             self.try_attach()
         self._refresh()
@@ -448,8 +503,62 @@ class Replication:
         marks = [_Held() for _ in keys]
         for key, mark in zip(keys, marks):
             space.trackers.setdefault(key, []).append(mark)
-        self.held.append((self.current, frames, space, track, marks))
+        if self.elided is not None:
+            self.pending.setdefault(self.elided, []).append((frames, space, track, marks))
+        else:
+            self.held.append((self.current, frames, space, track, marks))
         return True
+
+    def refused(self) -> None:
+        """The request being served was refused: nothing of it went into a step, so its answer waits for its own
+        header's ack only (the backup refuses it alike)."""
+        self.elided = None
+
+    def _settle_pending(self) -> None:
+        """After serving a request: an elided step that is gathered now (its keys' averages went as each was made)
+        says so to the backup (``gathered``), and its replies, and those this request made, wait for that; one that
+        can no longer be gathered (its key space freed) lets its replies wait for this request only."""
+        for key in list(self.pending):
+            name, t = key
+            space = self.srv.spaces.get(name)
+            if space is not None and space.mode.step == t and not space.mode.gathered:
+                continue  # still gathering
+            seq = self.current if self.current is not None else self.seq
+            if space is not None and space.mode.step == t and self.backup is not None:
+                was, seq = seq, self._send_sums(space, "gathered", t, [])
+                self.counts["sums"] += 1
+                tail = []  # what this request answered (a join that completed the step: its report) waits too
+                while self.held and self.held[-1][0] == was:
+                    tail.append(self.held.pop())
+                self.held.extend((seq, *entry[1:]) for entry in reversed(tail))
+                self.current = seq
+            for frames, sp, track, marks in self.pending.pop(key):
+                self.held.append((seq, frames, sp, track, marks))
+        self._release()
+
+    def summed(self, space, key: str) -> None:
+        """``key``'s average for the step in flight is final: to the backup now (its pushes came elided), while the
+        rest of the step arrives. A backup replaying sends nothing."""
+        mode = space.mode
+        if self.role != "primary" or self.backup is None or self.muted \
+                or elided_step(space, wire.Header("push", "", mode.step)) is None:
+            return
+        parts = wire.split(key, mode.sums[key]) if mode.present[key] else []
+        size = sum(spec.nbytes for spec, _ in parts)
+        self._send_sums(space, "sum", mode.step, parts)
+        self.since += size
+        self.counts["streamed"] += size
+
+    def _send_sums(self, space, op: str, t: int, parts: list) -> int:
+        """A key's average (``sum``), or the end of a gathered step (``gathered``), in the stream; its seq. Zero-copy:
+        an average changes only at the commits, which follow the report the step's end releases."""
+        msg = wire.encode(op, f"server{self.cfg.shard}", t, parts, {"space": space.space})
+        self.seq += 1
+        try:
+            transport.send(self.srv.sock, [self.backup, ctrl(SUMS, self.seq), *msg], timeout=5.0, who="the backup")
+        except CommError as exc:
+            self._lose(f"the stream to it failed ({exc})")
+        return self.seq
 
     def _release(self, everything: bool = False) -> None:
         while self.held and (everything or self.held[0][0] <= self.acked):
@@ -474,6 +583,9 @@ class Replication:
                   f"--replica-of {self.srv.endpoint})")
         self.counts["backups_lost"] += 1
         self.backup, self.backup_endpoint, self.current = None, "", None
+        for entries in self.pending.values():
+            self.held.extend((self.seq, *entry) for entry in entries)
+        self.pending.clear()
         self._release(everything=True)
 
     # ----- backup -------------------------------------------------------------------------------
@@ -578,7 +690,7 @@ class Replication:
                     self.copy, self.log, self.log_bytes = (seq, msg[1:]), [], 0
                     self._copied(msg[1:])
                     self.counts["copies"] += 1
-                elif self.lazy and kind == REQUEST:
+                elif self.lazy and kind in (REQUEST, ELIDED, SUMS):
                     self.log.append((kind, seq, ident, msg))
                     self.log_bytes += sum(len(f) for f in msg)
                 else:  # applied as it comes; a freed key space: catch up (the job's last bye is in the log)
@@ -611,6 +723,10 @@ class Replication:
         try:
             if kind == REQUEST:
                 self.srv.handle([zmq.Frame(ident), *msg[1:]])
+            elif kind == ELIDED:  # a push without its data: the books as the primary kept them, zeros folded in
+                self.srv.handle([zmq.Frame(ident), msg[1], *self.zeros.frames(msg[1].bytes)])
+            elif kind == SUMS:
+                self._take_sums(msg[1:])
             elif kind == FREE:
                 space = self.srv.spaces.get(msg[1].bytes.decode())
                 if space is not None:
@@ -623,6 +739,28 @@ class Replication:
         finally:
             self.muted = False
 
+    def _take_sums(self, msg: list) -> None:
+        """A key's average of the step in flight (``sum``: its elided pushes were folded in as zeros), or the end of
+        a gathered step (``gathered``: its report, from the averages): the primary's from here on."""
+        h = wire.decode(msg, ops=("sum", "gathered"))
+        space = self.srv.spaces.get(h.meta.get("space", ""))
+        mode = space.mode if space is not None else None
+        key = h.frames[0].key if h.frames else None
+        fits = mode is not None and mode.step == h.step and (
+            mode.gathered if h.op == "gathered" else key is None or key in mode.summed)
+        if not fits:
+            self._say(f"the primary's {h.op} of step {h.step} ({h.meta.get('space')!r}) does not fit this backup "
+                      f"(step {getattr(mode, 'step', None)}): it no longer holds the primary's state and stops "
+                      f"following it")
+            self.counts["gaps"] += 1
+            self._drop_link(stale=True)
+            return
+        for spec, frame in zip(h.frames, msg[1:]):
+            mode.sums[spec.key][spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+        if h.op == "gathered":
+            mode.report = mode._report()
+            self.ended[space.space] = h.step
+
     def _drop_link(self, stale: bool = False) -> None:
         self.link_alive = False
         if stale:
@@ -630,11 +768,29 @@ class Replication:
             self.stale = True
         self.close()
 
+    def _drop_elided_step(self, space) -> None:
+        """A step whose pushes came elided and whose end (``gathered``) never came: none of those pushes was
+        answered, nor its report (they waited for the end), so every worker sends its push again, here; the zeros
+        folded in, and any average that came, go. (Gathered here from the headers alone is not enough: some
+        key's average may not have come.)"""
+        mode = space.mode
+        if elided_step(space, wire.Header("push", "", getattr(mode, "step", 0))) is None \
+                or not (mode.partial or mode.complete or mode.gathered) \
+                or (mode.gathered and self.ended.get(space.space) == mode.step):
+            return
+        mode.partial.clear()
+        mode._clear()
+        self.counts["elided_dropped"] += 1
+        self._say(f"dropped step {mode.step} of {space.space!r}: its pushes came without their average (each worker "
+                  f"sends its push again)")
+
     def _promote(self) -> None:
         """The primary is gone and a worker asks: this server is the primary now."""
         self.pump(None)  # whatever of the stream arrived before the link closed
         self.catch_up()
         self._drop_link()
+        for space in self.srv.spaces.values():
+            self._drop_elided_step(space)
         self.role = "primary"
         self.counts["promoted"] += 1
         for space in self.srv.spaces.values():

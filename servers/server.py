@@ -714,6 +714,11 @@ class ParameterServer:
             self.stats.copies_on_write += 1
         self.trackers.pop(key, None)
 
+    def summed(self, key: str) -> None:
+        """Sync: ``key``'s average for the step in flight is final (every worker's push of it is in): a replicated
+        shard sends it to its backup now, while the rest of the step arrives (:mod:`servers.replication`)."""
+        self.host.repl.summed(self, key)
+
     def count_update(self, staleness: list[int]) -> None:
         self.version += 1
         self.stats.updates += 1
@@ -1353,10 +1358,12 @@ class ShardServer:
                 self._free(space)
         except (ProtocolError, Refused) as exc:
             (space.stats if space is not None else self.stats).refused += 1
+            self.repl.refused()
             self._answer(ident, req_id, "error", {"reason": str(exc)})
         except Exception as exc:  # a bug here must not take every worker's shard down with it
             traceback.print_exc()
             (space.stats if space is not None else self.stats).refused += 1
+            self.repl.refused()
             self._answer(ident, req_id, "error", {"reason": f"internal error on {self.cfg.name}: {exc!r}"})
         finally:
             self.repl.done()  # the request's replies wait for the backup's ack from here on

@@ -62,14 +62,15 @@ class Scenario:
     """One job against replicated shards whose primary dies at one point; checked against its closed form."""
 
     def __init__(self, procs, mode: str, fault: str, shards: int = 1, fault_shard: int = 0, steps: int = 30,
-                 update: str = "server", workers: int = 2, query: str = "", log: str = "4"):
+                 update: str = "server", workers: int = 2, query: str = "", log: str = "4",
+                 sleeps: tuple[float, ...] = ()):
         self.mode, self.steps, self.workers, self.fault = mode, steps, workers, fault
         self.pairs, servers = replicated(procs, mode, shards, fault, fault_shard, log)
         self.victim = self.pairs[fault_shard][0]
         url = f"ps://{servers}?mode={mode}&replicas=2&update={update}&timeout={TIMEOUT}{query}"
         extra = ["--final-version", str(workers * steps)] if mode == "async" else []
-        self.ranks = [procs.worker(url, r, workers, steps, "--grad", str(GRAD), "--lr", str(LR), "--sleep", "0.01",
-                                   *extra) for r in range(workers)]
+        self.ranks = [procs.worker(url, r, workers, steps, "--grad", str(GRAD), "--lr", str(LR), "--sleep",
+                                   str(sleeps[r] if sleeps else 0.01), *extra) for r in range(workers)]
 
     def check(self) -> None:
         for code, out, err in finish(self.ranks, timeout=180):
@@ -90,20 +91,30 @@ class Scenario:
 
 def test_a_replicated_primary_killed_mid_step_loses_nothing_and_applies_nothing_twice(procs):
     """Three jobs at once: sync (update=server, two shards, payloads in shared memory) whose shard 1 primary dies
-    on rank 1's push of step 7 after serving it, before the backup's ack (shard 0 holds the push: between two
+    on rank 1's push of step 13 after serving it, before the backup's ack (shard 0 holds the push: between two
     shards' pushes); async (payloads in tcp frames) whose primary dies on the arrival of rank 0's push of step 9;
-    the sync job again with backups that apply each request as it arrives (--replica-log 0). The first two
-    backups log the stream and catch up when promoted (the default), the first with a fresh state copy from its
-    primary after about every step (--replica-log 0.00002: 21 bytes), so that it loads one and applies the
-    log after it."""
-    jobs = [Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1, log="0.00002"),
+    the sync job again, 10 steps, with backups that apply each record as it arrives (--replica-log 0), rank 1
+    sleeping 0.3 s a step so that rank 0's push of step 5 is the first of its step when shard 1's primary dies
+    once the backup acknowledged it: the backup holds that push's header without the step's average, drops the half
+    step when promoted, and both ranks push it again there. The first two backups log the stream and catch up when promoted
+    (the default), the first with a fresh state copy from its primary every few steps (--replica-log 0.00002: 21
+    bytes), so that it loads one and applies the log after it. A sync step's pushes reach the backup as headers,
+    their average once (SUMS): shard 0 of the last job streamed its initial parameters and 10 averages, not the 20
+    pushes."""
+    jobs = [Scenario(procs, "sync", "unacked:push:1:13:1", shards=2, fault_shard=1, log="0.00002"),
             Scenario(procs, "async", "recv:push:0:9", query="&transport=tcp"),
-            Scenario(procs, "sync", "unacked:push:1:7:1", shards=2, fault_shard=1, log="0")]
+            Scenario(procs, "sync", "acked:push:0:5:1", shards=2, fault_shard=1, log="0", steps=10,
+                     sleeps=(0.01, 0.3))]
     for job in jobs:
         job.check()
     promoted = [b.stats()["replica"] for job in jobs for p, b in job.pairs if p is job.victim]
     assert promoted[0]["copies"] >= 3 and promoted[1].get("copies", 0) == 0 and promoted[2].get("copies", 0) == 0, \
         promoted
+    assert promoted[2].get("elided_dropped") == 1, promoted[2]
+    shard0 = jobs[2].pairs[0][0].stats()
+    piece = shard0["bytes_in"] // 21  # rank 0's initial parameters, then 10 steps of 2 pushes
+    assert shard0["pushes"] == 20 and shard0["bytes_in"] == 21 * piece > 0, shard0
+    assert shard0["replica"]["sums"] == 10 and shard0["replica"]["streamed"] == 11 * piece, shard0  # not 21
 
 
 @pytest.mark.full

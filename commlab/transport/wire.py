@@ -118,7 +118,7 @@ def _expect(cond: bool, what: str) -> None:
 
 
 def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = MAX_FRAME,
-           max_bytes: int | None = None, region: int | None = None) -> Header:
+           max_bytes: int | None = None, region: int | None = None, header_only: bool = False) -> Header:
     """Validate a received message's header against its frames; raise :class:`ProtocolError` on any lie.
 
     ``frames`` are bytes or zmq Frames, header first. ``ops`` restricts the op;
@@ -126,7 +126,8 @@ def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = 
     the shared region this connection may name instead of data frames (None: it has none). A
     message with ``meta["shm"]`` is its header alone and names one byte offset per frame spec;
     each run ``[offset, offset + nbytes)`` must lie inside the region, aligned to its dtype's size
-    (then :func:`region_frames` views it).
+    (then :func:`region_frames` views it). ``header_only``: the message is its header alone, its data left out
+    on purpose (a replicated shard's elided push, :mod:`servers.replication`): the specs are checked, no frames.
     """
     _expect(len(frames) >= 1, "empty message")
     raw = _bytes(frames[0])
@@ -148,7 +149,9 @@ def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = 
     _expect(isinstance(specs, list), "header 'frames' is not a list")
     _expect(isinstance(meta, dict), "header 'meta' is not a map")
     at = meta.get("shm")
-    if at is None:
+    if header_only:
+        _expect(len(frames) == 1 and at is None, "a header-only message carries no data and names no shared memory")
+    elif at is None:
         _expect(len(frames) == len(specs) + 1,
                 f"header declares {len(specs)} data frame(s) but {len(frames) - 1} arrived")
     else:
@@ -166,7 +169,9 @@ def decode(frames: Sequence, ops: Iterable[str] | None = None, max_frame: int = 
                 f"frame {i} ({key}): offset/count must be non-negative integers")
         spec = FrameSpec(key, dt, off, cnt)
         _expect(spec.nbytes <= max_frame, f"frame {i} ({key}) declares {spec.nbytes} bytes, limit {max_frame}")
-        if at is None:
+        if header_only:
+            got = spec.nbytes
+        elif at is None:
             got = _nbytes(frames[i + 1])
             _expect(got == spec.nbytes, f"frame {i} ({key}) has {got} bytes, header declares {spec.nbytes}")
         else:
