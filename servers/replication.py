@@ -748,7 +748,7 @@ class Replication:
         key = h.frames[0].key if h.frames else None
         fits = mode is not None and mode.step == h.step and (
             mode.gathered if h.op == "gathered" else key is None or key in mode.summed)
-        if not fits:
+        if not fits or mode is None or space is None:
             self._say(f"the primary's {h.op} of step {h.step} ({h.meta.get('space')!r}) does not fit this backup "
                       f"(step {getattr(mode, 'step', None)}): it no longer holds the primary's state and stops "
                       f"following it")
