@@ -114,8 +114,8 @@ def relayed(body: list, h: wire.Header, data: list) -> list:
 def elided_step(space, h: wire.Header) -> tuple[str, int] | None:
     """(key space, step) when the backup need not receive this push's data: a synchronous step the shard applies
     itself (update=server, or an outer step of update=outer after its warm-up), uncompressed, without keep-going.
-    The step's average goes to the backup once, when the step is gathered (``SUMS``), instead of every worker's
-    gradient; the push's header still goes, so the backup keeps the same books. None: the push goes whole."""
+    Each key's average goes to the backup once, when it is final (``SUMS``), instead of every worker's gradient;
+    the push's header still goes, so the backup keeps the same books. None: the push goes whole."""
     if h.op != "push" or space is None or space.placement is None or space.units is not None \
             or space.members.on or not isinstance(space.mode, Sync) or not space.placement.spec.shards_step:
         return None
@@ -126,7 +126,7 @@ def elided_step(space, h: wire.Header) -> tuple[str, int] | None:
 
 class Zeros:
     """Stand-ins for an elided push's data frames on the backup: views of one zeroed buffer, grown as needed. The
-    fold adds them in (zeros) and the step's ``SUMS`` then sets the average the primary gathered."""
+    fold adds them in (zeros), and each key's ``SUMS`` then sets the average the primary made."""
 
     def __init__(self):
         self.buf = bytearray(0)
