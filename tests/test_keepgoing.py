@@ -185,11 +185,13 @@ def test_a_replacement_enters_with_a_survivors_parameters_and_momentum_while_the
     """Rank 1 dies at the top of step 4; the launcher starts a process in its place (or hands the rank to a
     spare) and touches nothing else; it enters at a step boundary E holding, bit for bit, the parameters and
     momentum a survivor held after step E - 1; every rank ends with the same parameters; the summary says
-    when it entered."""
+    when it entered. With --spares 1 a new spare starts in the place of the one handed out."""
     shm_before = set(os.listdir("/dev/shm"))
     r = _run_replace(tmp_path, *flags, victim=victim)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"rank {victim} died (signal SIGKILL); replaced by a " in r.stderr, r.stderr[-3000:]
+    if "--spares" in flags:  # the spare handed out is replaced by a new idle one, stopped with the job (leftovers)
+        assert "; spare 1 starts in its place)" in r.stderr, r.stderr[-3000:]
     assert "restarting" not in r.stderr
     summary = r.stdout.strip().splitlines()[-1]
     assert f"1 replaced (rank {victim} (signal SIGKILL; entered at step " in summary and " s after the death))" in summary, summary

@@ -762,7 +762,8 @@ class Replacer:
     """Keep-going's side of the launcher: a rank that died of a signal gets a new process of its own while the
     others train on (:meth:`replace`); no other process is touched. With ``job.spares`` S, S idle processes
     (``python -m commlab.launch.spare``: the interpreter, torch and commlab loaded, waiting for a rank) start
-    with the ranks and are handed the dead ranks first; a fresh start takes over once none is left.
+    with the ranks and are handed the dead ranks first, each replaced by a new idle one as it is handed out (so S
+    stay ready; one that exits while idle is not replaced); a fresh start takes over when none is left.
 
     The process gets the rank's environment plus ``$COMMLAB_REPLACEMENT`` (when the death was noticed,
     :func:`commlab.transport.rendezvous.replacement_since`): the regime then enters it at the next step
@@ -775,16 +776,23 @@ class Replacer:
         self.count = 0
         self.spares: list[tuple[Proc, Path]] = []
         self.done: list[tuple[str, str, Proc]] = []  # (rank name, how it died, its replacement)
-        for i in range(job.spares):
-            assign = logs / f"spare{i}.assign"
-            assign.unlink(missing_ok=True)
-            argv = [sys.executable, "-m", "commlab.launch.spare", str(assign), *rank_argv(job, url, None)[1:]]
-            if job.rank_prefix:
-                argv = [*job.rank_prefix(0), *argv]
-            p = spawn(f"spare {i}", argv, {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK")},
-                      logs / f"spare{i}.log", console=job.console, starter=job.starter)
-            attempt.append(p)
-            self.spares.append((p, assign))
+        self.started = 0  # spares started so far (their logs' and assignment files' numbers)
+        for _ in range(job.spares):
+            self._start_spare()
+
+    def _start_spare(self) -> Proc:
+        job, i = self.job, self.started
+        self.started += 1
+        assign = self.logs / f"spare{i}.assign"
+        assign.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "commlab.launch.spare", str(assign), *rank_argv(job, self.url, None)[1:]]
+        if job.rank_prefix:
+            argv = [*job.rank_prefix(0), *argv]
+        p = spawn(f"spare {i}", argv, {k: v for k, v in self.env.items() if k not in ("RANK", "LOCAL_RANK")},
+                  self.logs / f"spare{i}.log", console=job.console, starter=job.starter)
+        self.attempt.append(p)
+        self.spares.append((p, assign))
+        return p
 
     def replace(self, dead: Proc) -> Proc:
         """A process in ``dead``'s place, started or handed over now; the line the launcher says."""
@@ -801,7 +809,7 @@ class Replacer:
             tmp.write_text(json.dumps({"rank": r, "since": since, "args": extra}))
             os.replace(tmp, assign)
             p.name = dead.name
-            how = f"spare (pid {p.popen.pid})"
+            how = f"spare (pid {p.popen.pid}; {self._start_spare().name} starts in its place)"
             break
         else:
             p = spawn(dead.name, rank_argv(self.job, self.url, r), env,
