@@ -15,7 +15,7 @@ must, and says ``attach``). From then on:
   and their order (one torch thread; a sync step's sum is folded in the order the primary received the
   pushes, which is the stream's). It acknowledges what it received (``ack`` with the highest ``seq``) before
   applying it: it holds it, since a backup applies everything it received before it serves anyone.
-* **A synchronous step's average once, not every push** (:func:`elided_step`: ``mode=sync`` where the shard
+* **A synchronous step's average once, not every push** (:func:`elides`: ``mode=sync`` where the shard
   applies the step, update=server or an outer step, uncompressed, without keep-going). Such a push goes as its
   header alone (``ELIDED``); each key's average goes (``SUMS``, op ``sum``) the moment it is final, while the
   rest of the step arrives, and the step's end (op ``gathered``) once every push is in. The backup folds zeros
@@ -111,17 +111,16 @@ def relayed(body: list, h: wire.Header, data: list) -> list:
     return wire.encode(h.op, h.sender, h.step, parts, meta)
 
 
-def elided_step(space, h: wire.Header) -> tuple[str, int] | None:
-    """(key space, step) when the backup need not receive this push's data: a synchronous step the shard applies
-    itself (update=server, or an outer step of update=outer after its warm-up), uncompressed, without keep-going.
-    Each key's average goes to the backup once, when it is final (``SUMS``), instead of every worker's gradient;
-    the push's header still goes, so the backup keeps the same books. None: the push goes whole."""
-    if h.op != "push" or space is None or space.placement is None or space.units is not None \
-            or space.members.on or not isinstance(space.mode, Sync) or not space.placement.spec.shards_step:
-        return None
-    if space.placement.spec.name == "outer" and h.step < int((space.optim_desc or {}).get("outer", {}).get("warmup", 0)):
-        return None  # a warm-up step's average is published, not committed
-    return space.space, h.step
+def elides(space, step: int) -> bool:
+    """Whether the backup need not receive the data of step ``step``'s pushes to ``space``: a synchronous step the
+    shard applies itself (update=server, or an outer step of update=outer after its warm-up), uncompressed, without
+    keep-going. Each key's average goes to the backup once, when it is final (``SUMS``), instead of every worker's
+    gradient; the pushes' headers still go, so the backup keeps the same books."""
+    if space is None or space.placement is None or space.units is not None or space.members.on \
+            or not isinstance(space.mode, Sync) or not space.placement.spec.shards_step:
+        return False
+    # a warm-up step's average is published, not committed
+    return space.placement.spec.name != "outer" or step >= int((space.optim_desc or {}).get("outer", {}).get("warmup", 0))
 
 
 class Zeros:
@@ -436,7 +435,8 @@ class Replication:
         if self.dying == "unsent":  # lost on the way: its replies are held all the same, and this process dies
             self.current, self.elided = self.seq, None
             return
-        self.elided = elided_step(self.srv.spaces.get(h.meta.get("space", "")), h)
+        space = self.srv.spaces.get(h.meta.get("space", ""))
+        self.elided = (space.space, h.step) if h.op == "push" and elides(space, h.step) else None
         frames = relayed(body, h, data)
         if self.elided is not None:
             frames = frames[:1]  # the header: the step's average follows once (SUMS)
@@ -541,7 +541,7 @@ class Replication:
         rest of the step arrives. A backup replaying sends nothing."""
         mode = space.mode
         if self.role != "primary" or self.backup is None or self.muted \
-                or elided_step(space, wire.Header("push", "", mode.step)) is None:
+                or not elides(space, mode.step):
             return
         parts = wire.split(key, mode.sums[key]) if mode.present[key] else []
         size = sum(spec.nbytes for spec, _ in parts)
@@ -774,7 +774,7 @@ class Replication:
         folded in, and any average that came, go. (Gathered here from the headers alone is not enough: some
         key's average may not have come.)"""
         mode = space.mode
-        if elided_step(space, wire.Header("push", "", getattr(mode, "step", 0))) is None \
+        if not elides(space, getattr(mode, "step", 0)) \
                 or not (mode.partial or mode.complete or mode.gathered) \
                 or (mode.gathered and self.ended.get(space.space) == mode.step):
             return

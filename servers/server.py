@@ -996,7 +996,7 @@ class ParameterServer:
         if h.meta.get("throw") and training and self.terminated is None:
             self.terminated = rank
         if frames and (t, rank) == max((s, r) for r, (s, _) in self.joined.items()):
-            self.kept = {key: self._gather(key, parts, self.pieces).clone() for key, parts in frames.items()}
+            self.kept = {key: self._gather(key, parts, self.pieces) for key, parts in frames.items()}  # fresh tensors
         if self.kept and not training:  # the last join: the last joiner's parameters are every worker's final ones
             for key, value in self.kept.items():
                 self._writable(key)
