@@ -11,6 +11,7 @@ every rank after every step.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,24 @@ def test_every_mode_and_placement_pair_has_one_object_on_each_side():
         assert client.clips == (placement.shards_step and mode.gathers and not local)  # clip_norm=: one commit over the average
         assert shard.step_pull == ("report" if placement.shards_step else "sum")
         assert modes.MODES[mode.name].spec is mode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_reports_sum_of_squares_equals_float64_and_keeps_its_finite_verdict(dtype):
+    """The step report's squared norm (clip_norm=, the skip of a non-finite step), computed row-wise: equal to the
+    float64 sum of squares to 1e-6 at every size (a tail past whole rows included), and non-finite exactly when an
+    element is: a row whose float32 norm overflows (elements near float32's largest) falls back to float64."""
+    from servers.modes import ROW, sum_of_squares
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, ROW - 1, ROW, ROW + 3, 3 * ROW + 17, 1_000_003):
+        buf = (torch.randn(n, generator=gen) * 3).to(dtype)
+        want = float(buf.to(torch.float64).square().sum())
+        assert sum_of_squares(buf) == pytest.approx(want, rel=1e-6, abs=1e-300), n
+    if dtype != torch.bfloat16:
+        huge = torch.full((2 * ROW,), 3e38, dtype=dtype)
+        assert sum_of_squares(huge) == pytest.approx(2 * ROW * 9e76, rel=1e-6)  # finite: the step is not skipped
+    for bad in (math.inf, math.nan):
+        buf = torch.randn(2 * ROW + 5, generator=gen).to(dtype)
+        buf[ROW + 1] = bad
+        assert not math.isfinite(sum_of_squares(buf))
