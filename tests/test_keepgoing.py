@@ -406,6 +406,17 @@ def test_keep_going_options_are_refused_at_parse_time_in_one_line(capsys):
         "commlab run: --spares must be >= 0 and <= 256 (idle ranks this host starts), got -1"]
 
 
+def test_a_spare_pays_the_first_optimizers_imports_while_idle_and_draws_no_random_numbers():
+    """A spare's warm-up (commlab.launch.spare.warm): torch._dynamo, which every torch.optim constructor imports the
+    first time (most of a spare's heal under the chaos case's CPU cap), is loaded before a rank is handed over, and
+    the user's random stream is where it was. In a fresh interpreter (this one may have imported it already)."""
+    code = ("import sys, torch; assert 'torch._dynamo' not in sys.modules; s = torch.get_rng_state(); "
+            "from commlab.launch.spare import warm; warm(); "
+            "assert 'torch._dynamo' in sys.modules, 'not warmed'; assert torch.equal(s, torch.get_rng_state())")
+    r = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 # ----- keep-going on replicated shards (ps://?replicas=2&min_workers=M) ------------------------------------
 
 def _momentum_reference(counted: list[tuple[int, ...]], lr: float, mu: float) -> float:
