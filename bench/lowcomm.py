@@ -22,7 +22,10 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    torch's ``PostLocalSGDOptimizer`` at H = 48 beside commlab's ``outer=sgd:lr=1``
    (:mod:`bench.lowcomm_peers`); and a ``ring://`` H = 48 run whose rank 1 sleeps its own step time
    after each step (2x slower).
-3. ``ps://?mode=async&sync_every=48`` with the same slow rank 1: a job of its own (its servers).
+3. ``ps://?mode=async&sync_every=48`` with the same slow rank 1: a job of its own (its servers); and two
+   variants, each a job of its own: ``async-int8`` (``compress=int8``: the push a quarter of the bytes, the
+   pull of the anchor still float32) and ``async-stream`` (``fragments=4&overlap=T``: each fragment's push
+   and pull run during the next T inner steps).
 
 **Slow synchronous baselines.** A synchronous entry whose run would take longer than ``--sync-cap-s``
 at the link (its closed-form bytes over the rate, times the steps) is not run whole there: its loss per
@@ -75,6 +78,14 @@ H_SHORT, H_LONG, FRAGMENTS = 10, 48, 4
 PLAIN = "outer=sgd:lr=1"
 ASYNC = f"ps://?mode=async&sync_every={H_LONG}&{PLAIN}"
 ASYNC_LABEL = f"{ASYNC} (rank 1 2x slower)"
+
+
+def async_urls(t: int) -> dict[str, str]:
+    """The async entries' job URLs, by short name (``t``: the overlap)."""
+    return {"async": ASYNC, "async-int8": f"{ASYNC}&compress=int8",
+            "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}"}
+
+
 SLOW_SYNC_LABEL = f"ring://?sync_every={H_LONG}&{PLAIN} (rank 1 2x slower)"
 TIMING_STEPS = 20  # a projected synchronous entry's steps at the link
 DEFAULT_BUDGET_S = 4 * 3600.0
@@ -119,7 +130,8 @@ def entries(t: int, start_iter: int) -> dict[str, K.Entry]:
                          settings=(("H", H_LONG), ("P", FRAGMENTS), ("T", t), ("alpha", 0.0))),
             "postlocal": E(f"torch PostLocalSGD H={H_LONG}", "local://", peer="postlocal", settings=(("H", H_LONG),)),
             "slow": E(SLOW_SYNC_LABEL, f"ring://?sync_every={H_LONG}&{PLAIN}", settings=(("slow_rank", 1),)),
-            "async": E(ASYNC_LABEL, "job", settings=(("slow_rank", 1),))}
+            **{name: E(f"{url} (rank 1 2x slower)", "job", settings=(("slow_rank", 1),))
+               for name, url in async_urls(t).items()}}
 
 
 ENTRY_NAMES = tuple(entries(1, 2))
@@ -231,10 +243,10 @@ def cell_verdicts(rows: list[dict], t: int) -> list[tuple[str, verdict.Verdict]]
     for peer, ours in pairs:
         if peer in by and ours in by:
             out.append((f"mean step, {peer} / {ours}", mean_verdict(by[ours], by[peer])))
-    if ASYNC_LABEL in by and SLOW_SYNC_LABEL in by:
-        v = K.target_verdict(by[ASYNC_LABEL], by[SLOW_SYNC_LABEL])
+    for label in [r["regime"] for r in rows if r["regime"].startswith("ps://?mode=async")]:
+        v = K.target_verdict(by[label], by[SLOW_SYNC_LABEL]) if SLOW_SYNC_LABEL in by and label in by else None
         if v is not None:
-            out.append((f"time to target, {SLOW_SYNC_LABEL} / {ASYNC_LABEL}", v))
+            out.append((f"time to target, {SLOW_SYNC_LABEL} / {label}", v))
     return out
 
 
@@ -313,7 +325,8 @@ class Run:
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
         t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
         chosen = entries(t, a.start_iter)
-        es = [chosen[name] for name in wanted if name != "async"]
+        jobs = async_urls(t)
+        es = [chosen[name] for name in wanted if name not in jobs]
         slow_links = [e for e in es if is_sync(e) and rate and numel
                       and steps * ring_bytes(4 * numel, a.workers) / rate > a.sync_cap_s]
         whole = [e for e in es if e not in slow_links]
@@ -328,9 +341,9 @@ class Run:
             timing = self.job(slow_links, model, link, TIMING_STEPS, links, "-timing")
             for e in slow_links:
                 outcomes[e.label] = [projected(lo, ti) for lo, ti in zip(self.loopback[model][e.label], timing[e.label])]
-        if "async" in wanted:
+        for name in [n for n in wanted if n in jobs]:  # each a job of its own, with its servers
             # (across namespaces the servers bind the hosts' addresses with --insecure: bench.jobs.place_servers)
-            outcomes.update(self.job([chosen["async"]], model, link, steps, links, "-async", ASYNC))
+            outcomes.update(self.job([chosen[name]], model, link, steps, links, f"-{name}", jobs[name]))
         for label, outs in outcomes.items():
             self.failures += [rec.failure(CASE, f"{label} ({model}@{link})", o.error, o.regime.url, o.status)
                               for o in outs if o.status != "ok"]
@@ -370,7 +383,8 @@ def run(a, cells, out: Path, progress=print) -> tuple[list[dict], list[dict]]:
         links = None
         try:
             if link != "loopback":  # a host for each rank, and one for the async entry's server (bench.jobs)
-                links = Links(a.workers + ("async" in names(a.entries, ENTRY_NAMES, "--entries")), link).__enter__()
+                links = Links(a.workers + any(n.startswith("async") for n in names(a.entries, ENTRY_NAMES, "--entries")),
+                              link).__enter__()
             for model in models:
                 if r.deadline - time.monotonic() < K.MIN_CELL_S:
                     r.failures.append(rec.failure(CASE, f"{model}@{link}", "the time budget (--budget-s) ran out",
