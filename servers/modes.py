@@ -73,8 +73,9 @@ def sum_of_squares(buf: torch.Tensor) -> float:
                   .to(torch.float64).square().sum()) if whole else 0.0
     if whole < flat.numel():
         total += float(flat[whole:].to(torch.float64).square().sum())
-    if not math.isfinite(total) and flat.dtype != torch.float64:  # a row past float32's range, or a non-finite
-        total = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2  # element: the float64 verdict
+    if not math.isfinite(total) and flat.dtype != torch.float64:
+        # a non-finite element, or a row whose float32 norm overflowed: float64 says which (skipped only if the former)
+        total = float(torch.linalg.vector_norm(flat, dtype=torch.float64)) ** 2
     return total
 
 

@@ -4,8 +4,9 @@ It pays what a rank's start costs before any rank dies (the interpreter, torch, 
 optimizer's lazy imports: :func:`warm`), then waits for the launcher to write ``ASSIGN`` (JSON: ``rank``,
 ``since`` the death was noticed, ``args`` the rank's own arguments; written to a temporary name and
 renamed, so it is read whole). Then it takes the rank's environment (``RANK``, ``LOCAL_RANK``,
-``$COMMLAB_REPLACEMENT``) and runs ``CMD`` in this process: a script path, or ``-m MODULE``, with the arguments, as ``python CMD...`` would. The launcher stops an idle
-spare with its process group at the end of the job (and it dies with the launcher: childexec).
+``$COMMLAB_REPLACEMENT``) and runs ``CMD`` in this process: a script path, or ``-m MODULE``, with the
+arguments, as ``python CMD...`` would. The launcher stops an idle spare with its process group at the end of
+the job (and it dies with the launcher: childexec).
 """
 
 from __future__ import annotations
