@@ -493,13 +493,15 @@ def test_keep_going_on_a_replicated_shard_the_backup_keeps_the_membership(procs,
     assert stats["replica"]["promoted"] == 1, stats["replica"]
 
 
-def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_to_the_backup(procs, tmp_path):
+@pytest.mark.parametrize("order", ["hello-then-kill", "kill-then-hello"])
+def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_to_the_backup(procs, tmp_path, order):
     """The chaos run's case (servers killed too): a rank dies, its replacement says hello and waits to enter, and
     then the primary dies. 3 workers, one shard on a primary and a backup, sync update=server, momentum on the
     shard; rank 1 killed -9 at the top of step 3; ranks 0 and 2 held at the top of step 5 (forced: a file); the
     replacement's hello is served by the primary (between two steps: it enters at step 5 there, and through the
     stream on the backup) and it waits for step 5's gate; then the test kills the primary -9 and releases the
-    survivors. Everyone fails over; the
+    survivors. [kill-then-hello]: the primary is killed before the replacement starts, so its first hello goes
+    to a dead server and the backup (not promoted yet: the survivors are held) takes it. Everyone fails over; the
     replacement enters through the backup-turned-primary; every rank ends at the closed form in which rank 1 is
     absent from step 3 to its entry, bit for bit equal, and the new primary applied each step once."""
     from faultkit import kill9
@@ -516,11 +518,16 @@ def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_
     survivors = [run(r, "--hold-at", str(s), "--hold-file", str(release)) for r in (0, 2)]
     assert victim.wait(60) == -signal.SIGKILL
     wait_until(lambda: "1" in backup.stats()["members"]["lost"], 60, "the backup never lost rank 1")
-    replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
-    # its hello answered (and so held by the backup): the survivors wait between two steps, so it entered at once
     said = lambda st: st["members"]["replaced"] == 1 and not st["members"]["lost"] and st["replica"]["held"] == 0
-    wait_until(lambda: said(primary.stats()), 60, "the replacement never said hello")
-    kill9(primary.proc)
+    if order == "kill-then-hello":
+        kill9(primary.proc)
+        replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
+        wait_until(lambda: said(backup.stats()), 60, "the replacement never said hello to the backup")
+    else:
+        replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
+        # its hello answered (and so held by the backup): the survivors wait between two steps, so it entered at once
+        wait_until(lambda: said(primary.stats()), 60, "the replacement never said hello")
+        kill9(primary.proc)
     release.touch()
     recs = []
     for code, out, err in finish([*survivors, replacement], timeout=120):
