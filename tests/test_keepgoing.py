@@ -493,7 +493,7 @@ def test_keep_going_on_a_replicated_shard_the_backup_keeps_the_membership(procs,
     assert stats["replica"]["promoted"] == 1, stats["replica"]
 
 
-@pytest.mark.parametrize("order", ["hello-then-kill", "kill-then-hello"])
+@pytest.mark.parametrize("order", ["hello-then-kill", "kill-then-hello", "kill-new-backup-then-hello"])
 def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_to_the_backup(procs, tmp_path, order):
     """The chaos run's case (servers killed too): a rank dies, its replacement says hello and waits to enter, and
     then the primary dies. 3 workers, one shard on a primary and a backup, sync update=server, momentum on the
@@ -501,7 +501,9 @@ def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_
     replacement's hello is served by the primary (between two steps: it enters at step 5 there, and through the
     stream on the backup) and it waits for step 5's gate; then the test kills the primary -9 and releases the
     survivors. [kill-then-hello]: the primary is killed before the replacement starts, so its first hello goes
-    to a dead server and the backup (not promoted yet: the survivors are held) takes it. Everyone fails over; the
+    to a dead server and the backup (not promoted yet: the survivors are held) takes it; [kill-new-backup-then-hello]
+    also starts a new backup of that backup at once, as ``commlab run`` does (it attaches once the hello promoted
+    it). Everyone fails over; the
     replacement enters through the backup-turned-primary; every rank ends at the closed form in which rank 1 is
     absent from step 3 to its entry, bit for bit equal, and the new primary applied each step once."""
     from faultkit import kill9
@@ -519,8 +521,10 @@ def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_
     assert victim.wait(60) == -signal.SIGKILL
     wait_until(lambda: "1" in backup.stats()["members"]["lost"], 60, "the backup never lost rank 1")
     said = lambda st: st["members"]["replaced"] == 1 and not st["members"]["lost"] and st["replica"]["held"] == 0
-    if order == "kill-then-hello":
+    if order != "hello-then-kill":
         kill9(primary.proc)
+        if order == "kill-new-backup-then-hello":  # as commlab run does: a new backup for the shard, at once
+            procs.server("--mode", "sync", "--shard", "0/1", "--replica-log", "4", "--replica-of", backup.endpoint)
         replacement = run(1, env={"COMMLAB_REPLACEMENT": f"{time.time():.6f}"})
         wait_until(lambda: said(backup.stats()), 60, "the replacement never said hello to the backup")
     else:
@@ -547,3 +551,5 @@ def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_
     stats = backup.stats()
     assert stats["replica"]["role"] == "primary" and stats["updates"] == steps and stats["lost_pushes"] == 0, stats
     assert stats["members"]["replaced"] == 1 and not stats["members"]["lost"], stats["members"]
+    if order == "kill-new-backup-then-hello":  # the new backup attached to the backup-turned-primary
+        assert stats["replica"]["backup"] is not None, stats["replica"]
