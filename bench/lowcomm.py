@@ -78,19 +78,17 @@ H_SHORT, H_LONG, FRAGMENTS = 10, 48, 4
 PLAIN = "outer=sgd:lr=1"
 ASYNC = f"ps://?mode=async&sync_every={H_LONG}&{PLAIN}"
 ASYNC_LABEL = f"{ASYNC} (rank 1 2x slower)"
+SLOW_SYNC_LABEL = f"ring://?sync_every={H_LONG}&{PLAIN} (rank 1 2x slower)"
+TIMING_STEPS = 20  # a projected synchronous entry's steps at the link
+DEFAULT_BUDGET_S = 4 * 3600.0
+SYNC = "ring://"
+INT8_SCALE_BLOCK = 256  # int8's default block: a float32 scale per 256 elements
 
 
 def async_urls(t: int) -> dict[str, str]:
     """The async entries' job URLs, by short name (``t``: the overlap)."""
     return {"async": ASYNC, "async-int8": f"{ASYNC}&compress=int8",
             "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}"}
-
-
-SLOW_SYNC_LABEL = f"ring://?sync_every={H_LONG}&{PLAIN} (rank 1 2x slower)"
-TIMING_STEPS = 20  # a projected synchronous entry's steps at the link
-DEFAULT_BUDGET_S = 4 * 3600.0
-SYNC = "ring://"
-INT8_SCALE_BLOCK = 256  # int8's default block: a float32 scale per 256 elements
 
 
 def int8_bytes(numel: int) -> int:

@@ -825,3 +825,17 @@ def test_lowcomm_overlap_is_the_smallest_that_hides_a_fragment_and_its_bound():
     assert exposed_bound(2**20, 125_000, 0.05, 11) == pytest.approx(266240 / 125_000 - 0.55)
     assert util_bound(2**20, 125_000, 0.05, 11) == pytest.approx(48 * 0.05 / (48 * 0.05 + 4 * (2.12992 - 0.55)))
     assert util_bound(2**20, None, 0.05, 1) == 1.0
+
+
+def test_lowcomm_async_entries_are_jobs_of_their_own_with_the_slow_rank():
+    """async, async-int8 and async-stream: each a job of its own (its servers) on its URL, the slow rank 1 set, and
+    a time-to-target verdict against the slow-rank ring each (made only where both reach the target)."""
+    from bench.lowcomm import ASYNC_LABEL, async_urls, entries
+
+    urls = async_urls(3)
+    assert urls["async-int8"].endswith("&compress=int8") and "fragments=4&overlap=3" in urls["async-stream"]
+    chosen = entries(3, 2)
+    for name, url in urls.items():
+        e = chosen[name]
+        assert e.url == "job" and e.label == f"{url} (rank 1 2x slower)" and dict(e.settings)["slow_rank"] == 1
+    assert chosen["async"].label == ASYNC_LABEL
