@@ -308,9 +308,7 @@ class Replication:
         if self._polled and self.link is not None and self._poller is not None:
             self._poller.unregister(self.link)
             self._polled = False
-        for s in (self.link, self.monitor):
-            if s is not None:
-                s.close(linger=0)
+        transport.close_monitored(self.link, self.monitor)
         self.link = self.monitor = None
 
     def _say(self, line: str) -> None:

@@ -267,3 +267,30 @@ def test_the_replication_link_is_a_client_link_curve_and_the_job_secret(procs, t
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code, _, err = finish([lone], 120)[0]
     assert code == 2 and "replica.key_secret" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_shard_whose_servers_are_all_gone_fails_by_name_after_its_timeout():
+    """Both servers of a replicated shard dead from the start: the worker's hello fails over between them at a bounded
+    rate (a pause once every server failed lately) and ends after the timeout with the shard and server named; it
+    used to spin, opening a watched connection at a time as fast as it could, and end in zmq's "Address already in
+    use" or "Too many open files" (a chaos run's replacement did)."""
+    import socket
+    import time
+
+    import commlab
+    from commlab.base.errors import CommError
+    from commlab.transport.rendezvous import RankInfo
+
+    ports = []
+    for _ in range(2):  # ports nobody listens on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    url = f"ps://127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}?mode=sync&replicas=2&timeout=1&retries=0&transport=tcp"
+    ex = commlab.connect(url, RankInfo.single())
+    model = torch.nn.Linear(2, 2)
+    started = time.monotonic()
+    with pytest.raises(CommError, match=r"shard 0/1 at tcp://127\.0\.0\.1:\d+"):
+        ex.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert time.monotonic() - started < 30
+    ex.close()

@@ -62,6 +62,7 @@ from commlab.core.staging import HostStaging
 
 
 MAX_SHARDS = 64  # servers commlab train starts on one host (ps://?shards=K): each is a process with its own heap
+FAILOVER_PAUSE_S = 0.1  # a replicated shard whose servers all failed lately: the pause before asking the next again
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,7 @@ class _Shard:
         self.in_flight = 0  # traced: bytes sent whose request is not answered yet
         self.heartbeat_s = 0.0  # keep-going: the shard closes this connection when it stays silent this long
         self.live: zmq.Socket | None = None  # heartbeat_s=: the connection that carries only zmq's PINGs
+        self.live_monitor: zmq.Socket | None = None  # replicated: its monitor (closed with it)
         self.hellos = 0  # said on this shard by this process: the first is ``fresh`` (a replacement's is)
         self.epoch = 0  # the shard's membership epoch at the last hello (keep-going)
 
@@ -286,19 +288,20 @@ class _Shard:
             try:
                 self._connected(self.monitor)
             except BaseException:
-                self.monitor.close(linger=0)
+                transport.close_monitored(sock, self.monitor)
                 self.monitor = None
-                sock.close(linger=0)
                 raise
         if self.secret is not None:
             try:
                 transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
             except CommTimeout:  # the first part of every hello (and of a stats probe)
-                sock.close(linger=0)
+                transport.close_monitored(sock, self.monitor)
+                self.monitor = None
                 raise CommTimeout(f"{self.name} did not answer hello within {self.timeout:g}s (its handshake, "
                                   f"which proves the job's secret)", peer=self.peer, op="receive") from None
             except BaseException:
-                sock.close(linger=0)
+                transport.close_monitored(sock, self.monitor)
+                self.monitor = None
                 raise
         return sock
 
@@ -449,9 +452,12 @@ class _Shard:
         """heartbeat_s=: a second connection that says ``live`` once and then carries only zmq's PINGs, whose
         TTL the shard counts from the last one: this connection's data never resets it, so a frozen process
         is noticed within ``heartbeat_s`` whatever it sent last."""
-        if self.live is not None:
-            self.live.close(linger=0)
-        self.live = self._open()
+        transport.close_monitored(self.live, self.live_monitor)
+        main, self.monitor = self.monitor, None  # _open watches a replicated shard's connection in self.monitor
+        try:
+            self.live = self._open()
+        finally:
+            self.live_monitor, self.monitor = self.monitor, main
         meta = {"id": -1, **({"space": self.space} if self.space else {}), **({"attempt": self.attempt} if self.attempt else {})}
         transport.send(self.live, wire.encode("live", self.sender, -1, (), meta), timeout=self.timeout, who=self.name,
                        peer=self.peer)
@@ -472,7 +478,8 @@ class _Shard:
 
     def _fail_over(self, exc: BaseException) -> bool:
         """Replicated: leave this server for the shard's next one (not one whose connection was lost lately;
-        a backup that says its primary lives is asked again shortly: it may not have noticed yet). False when
+        a backup that says its primary lives is asked again shortly: it may not have noticed yet; when every
+        server failed lately, the next is tried after :data:`FAILOVER_PAUSE_S`). False when
         the shard has one server, or the failover has taken longer than ``timeout`` x (1 + retries)."""
         if not self.replicated:
             return False
@@ -488,6 +495,8 @@ class _Shard:
         at = self.endpoints.index(self.endpoint)
         order = self.endpoints[at + 1:] + self.endpoints[:at + 1]
         fresh = [e for e in order if now - self._failed.get(e, -math.inf) > self.timeout]
+        if not fresh:  # every server of the shard failed lately: ask again at a bounded rate, not in a spin
+            time.sleep(FAILOVER_PAUSE_S)
         self.endpoint = (fresh or order)[0]
         self.name = f"shard {self.index}/{self.count} at {self.endpoint}"
         self.failovers += 1
@@ -496,9 +505,7 @@ class _Shard:
         return True
 
     def _close_sock(self) -> None:
-        for s in (self.sock, self.monitor):
-            if s is not None:
-                s.close(linger=0)
+        transport.close_monitored(self.sock, self.monitor)
         self.sock = self.monitor = None
 
     def _take_link(self, offer) -> None:
@@ -674,9 +681,8 @@ class _Shard:
                 except Exception:  # best effort: the server may be gone already
                     pass
             self._close_sock()
-        if self.live is not None:
-            self.live.close(linger=0)
-            self.live = None
+        transport.close_monitored(self.live, self.live_monitor)
+        self.live = self.live_monitor = None
         self._drop_link()
 
 

@@ -206,6 +206,22 @@ class Transport:
         self.ctx.destroy(linger=0)
 
 
+def close_monitored(sock: zmq.Socket | None, monitor: zmq.Socket | None, linger_ms: int = 0) -> None:
+    """Close a socket that ``get_monitor_socket`` watches, and its monitor. The monitor is disabled first:
+    closing the socket alone leaves libzmq's side of the monitor open, a file descriptor and its inproc
+    address (``inproc://monitor.s-FD``) held, so a later socket given the same descriptor fails to monitor
+    with "Address already in use" (a worker failing over between a shard's servers did, in a chaos run)."""
+    if sock is not None and monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+    if monitor is not None:
+        monitor.close(linger=0)
+    if sock is not None:
+        sock.close(linger=linger_ms)
+
+
 def _open(sock: zmq.Socket, attach, verb: str, endpoint: str, sndbuf: int | None) -> zmq.Socket:
     """``attach(endpoint)`` (the socket's bind or connect), with ``sndbuf`` for connections within
     this host; on failure close the socket and say why."""
@@ -445,9 +461,4 @@ class Link:
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close; ``linger_s`` > 0 lets queued messages leave first (bounded)."""
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
-        self.sock.close(linger=int(linger_s * 1000))
+        close_monitored(self.sock, self.monitor, int(linger_s * 1000))
