@@ -553,3 +553,32 @@ def test_a_primary_killed_while_a_replacement_waits_for_its_first_step_hands_it_
     assert stats["members"]["replaced"] == 1 and not stats["members"]["lost"], stats["members"]
     if order == "kill-new-backup-then-hello":  # the new backup attached to the backup-turned-primary
         assert stats["replica"]["backup"] is not None, stats["replica"]
+
+
+def test_a_replacement_is_given_the_servers_alive_now_after_both_named_in_the_url_died(tmp_path):
+    """commlab run's replicated servers (ReplicaSets): the primary dies and a backup of the backup starts; then the
+    old backup dies and a backup of that one starts. The URL the job began with names two dead servers: a replacement
+    or a spare handed a rank now must get the URL of the two alive (a chaos run's replacements, given the old URL,
+    failed over between two dead servers until their timeout and ended the job)."""
+    from commlab.launch import launcher
+    from commlab.transport import auth
+
+    env = child_env()
+    env[auth.SECRET_FILE_ENV] = auth.create_file(str(tmp_path))
+    procs: list = []
+    with launcher.server_plan("ps://?mode=sync&update=server&replicas=2", 2) as (template, argvs):
+        sets = launcher.ReplicaSets(env, tmp_path, procs, lambda line: None)
+        try:
+            url = launcher.start_servers(template, argvs, env, tmp_path, 60, procs, replica_sets=sets)
+            first = [p.endpoint for p in procs]
+            assert all(e in url for e in first) and sets.current(url) == url
+            for victim in list(procs[:2]):  # the primary, then (once its successor is up) the old backup
+                victim.popen.kill()
+                victim.popen.wait(30)
+                sets.check()
+                launcher.await_endpoints([procs[-1]], 60)
+            alive = [p.endpoint for p in procs if p.popen.poll() is None]
+            now = sets.current(url)
+            assert len(alive) == 2 and all(e in now for e in alive) and not any(e in now for e in first), (now, first)
+        finally:
+            launcher.stop_all(procs)

@@ -422,10 +422,26 @@ class ReplicaSets:
         self.shards: dict[str, list[tuple[Proc, list[str], list[str]]]] = {}  # --shard I/K -> (proc, argv, prefix)
         self.made = 0
         self.replaced: set[int] = set()
+        self.first: list[Proc] = []  # the servers start_servers started (the URL names their endpoints)
+        self.successor: dict[int, Proc] = {}  # id(a server that exited) -> the backup started in its place
 
     def add(self, proc: Proc, argv: list[str], prefix: list[str]) -> None:
         shard = argv[argv.index("--shard") + 1] if "--shard" in argv else "0/1"
         self.shards.setdefault(shard, []).append((proc, argv, prefix))
+        self.first.append(proc)
+
+    def current(self, url: str) -> str:
+        """``url`` with each server that exited replaced by the live one started in its place: a worker started
+        now (a replacement, a spare handed a rank) must find its shard's servers from its URL alone, and after
+        two deaths neither server the job's URL names may be alive. A successor that has not reported its
+        endpoint yet leaves the old one (the worker fails over to the shard's other server)."""
+        for p in self.first:
+            q = p
+            while id(q) in self.successor:
+                q = self.successor[id(q)]
+            if q is not p and p.endpoint and q.endpoint:
+                url = url.replace(p.endpoint, q.endpoint)
+        return url
 
     def watched(self) -> set[int]:
         """ids of the Procs this supervises or replaced (the job's watch leaves them to :meth:`check`)."""
@@ -463,6 +479,7 @@ class ReplicaSets:
                             report_endpoint=True, console=self.console, starter=self.starter)
                 self.procs.append(new)
                 members.append((new, argv, prefix))
+                self.successor[id(proc)] = new
 
 
 def start_store(addr: str, prefix: Sequence[str], env: Mapping[str, str], log: Path | None, timeout: float,
@@ -732,7 +749,7 @@ def _attempt(job: Job, env: dict, url: str, logs: Path, procs: list[Proc], start
                                logs / f"rank{r}.log", forward="both" if r == 0 else None, console=job.console,
                                starter=job.starter))
             attempt.append(ranks[-1])
-        replacer = Replacer(job, env, url, logs, attempt, healed if healed is not None else []) \
+        replacer = Replacer(job, env, url, logs, attempt, healed if healed is not None else [], replicas) \
             if job.replace or job.spares else None
         _watch(job, [*procs, *attempt], ranks, started, restartable=restarts_left > 0, replacer=replacer,
                replicas=replicas)
@@ -771,8 +788,10 @@ class Replacer:
     (:func:`commlab.transport.rendezvous.announce_entry`), which :meth:`report` reads.
     A rank that exits with an error is no failure of its process: the job fails as without replacement."""
 
-    def __init__(self, job: Job, env: dict, url: str, logs: Path, attempt: list[Proc], healed: list[str]):
+    def __init__(self, job: Job, env: dict, url: str, logs: Path, attempt: list[Proc], healed: list[str],
+                 replicas: "ReplicaSets | None" = None):
         self.job, self.env, self.url, self.logs, self.attempt, self.healed = job, env, url, logs, attempt, healed
+        self.replicas = replicas  # replicated servers: a replacement gets the URL of the servers alive now
         self.count = 0
         self.spares: list[tuple[Proc, Path]] = []
         self.done: list[tuple[str, str, Proc]] = []  # (rank name, how it died, its replacement)
@@ -799,20 +818,21 @@ class Replacer:
         r = int(dead.name.split()[-1])
         since = time.time()
         self.count += 1
-        env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), **{REPLACEMENT: f"{since:.6f}"})
+        url = self.replicas.current(self.url) if self.replicas is not None else self.url
+        env = dict(self.env, RANK=str(r), LOCAL_RANK=str(r), **{REPLACEMENT: f"{since:.6f}", ENV_URL: url})
         extra = list(self.job.rank_args(r)) if self.job.rank_args else []
         while self.spares:
             p, assign = self.spares.pop(0)
             if p.popen.poll() is not None:
                 continue
             tmp = assign.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"rank": r, "since": since, "args": extra}))
+            tmp.write_text(json.dumps({"rank": r, "since": since, "args": extra, "url": url}))
             os.replace(tmp, assign)
             p.name = dead.name
             how = f"spare (pid {p.popen.pid}; {self._start_spare().name} starts in its place)"
             break
         else:
-            p = spawn(dead.name, rank_argv(self.job, self.url, r), env,
+            p = spawn(dead.name, rank_argv(self.job, url, r), env,
                       self.logs / f"rank{r}.replacement{self.count}.log", forward="both" if r == 0 else None,
                       console=self.job.console, starter=self.job.starter)
             self.attempt.append(p)

@@ -2,8 +2,8 @@
 
 It pays what a rank's start costs before any rank dies (the interpreter, torch, commlab, the first
 optimizer's lazy imports: :func:`warm`), then waits for the launcher to write ``ASSIGN`` (JSON: ``rank``,
-``since`` the death was noticed, ``args`` the rank's own arguments; written to a temporary name and
-renamed, so it is read whole). Then it takes the rank's environment (``RANK``, ``LOCAL_RANK``,
+``since`` the death was noticed, ``args`` the rank's own arguments, ``url`` the workers' URL as of now;
+written to a temporary name and renamed, so it is read whole). Then it takes the rank's environment (``RANK``, ``LOCAL_RANK``,
 ``$COMMLAB_REPLACEMENT``) and runs ``CMD`` in this process: a script path, or ``-m MODULE``, with the
 arguments, as ``python CMD...`` would. The launcher stops an idle spare with its process group at the end of
 the job (and it dies with the launcher: childexec).
@@ -52,6 +52,9 @@ def main(argv: list[str]) -> None:
     with open(assign) as fh:
         job = json.load(fh)
     os.environ.update(RANK=str(job["rank"]), LOCAL_RANK=str(job["rank"]), **{REPLACEMENT: f"{job['since']:.6f}"})
+    if job.get("url") and url:  # the servers alive now (replicated ones may have moved): in the env and the flag
+        cmd = [job["url"] if a == url else a for a in cmd]
+        os.environ[ENV_URL] = job["url"]
     rest = [str(a) for a in job.get("args", [])]
     if cmd[0] == "-m":
         sys.argv = [cmd[1], *cmd[2:], *rest]
