@@ -115,17 +115,18 @@ def test_send_buffer_is_fixed_only_within_this_host():
 def test_a_monitored_socket_closed_thousands_of_times_leaks_nothing():
     """close_monitored disables the monitor before closing: closing a watched socket alone keeps libzmq's side of the
     monitor open (a descriptor, and the inproc address a later socket with the same descriptor needs: "Address
-    already in use", or "Too many open files" first). 3,000 watched connections opened and closed in one context."""
+    already in use", or "Too many open files" first). 400 watched connections opened and closed in one context:
+    without the monitor disabled each leaves a descriptor open."""
     from commlab.transport.sockets import close_monitored
 
     ctx = zmq.Context()
     try:
         before = len(os.listdir("/proc/self/fd"))
-        for _ in range(3000):
+        for _ in range(400):
             sock = ctx.socket(zmq.DEALER)
             sock.connect("tcp://127.0.0.1:1")
             monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
             close_monitored(sock, monitor)
-        assert len(os.listdir("/proc/self/fd")) - before < 500  # (libzmq's reaper closes the last few late)
+        assert len(os.listdir("/proc/self/fd")) - before < 200  # (libzmq's reaper closes the last few late)
     finally:
         ctx.destroy(linger=0)
