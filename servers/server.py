@@ -1576,11 +1576,7 @@ class Admission:
         return [spaces[name] for name in due if name in spaces]
 
     def close(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
+        transport.stop_monitor(self.sock, self.monitor)  # (the socket is the server's, closed with it)
 
 
 def _request_id(body: list):

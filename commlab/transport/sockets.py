@@ -211,6 +211,13 @@ def close_monitored(sock: zmq.Socket | None, monitor: zmq.Socket | None, linger_
     closing the socket alone leaves libzmq's side of the monitor open, a file descriptor and its inproc
     address (``inproc://monitor.s-FD``) held, so a later socket given the same descriptor fails to monitor
     with "Address already in use" (a worker failing over between a shard's servers did, in a chaos run)."""
+    stop_monitor(sock, monitor)
+    if sock is not None:
+        sock.close(linger=linger_ms)
+
+
+def stop_monitor(sock: zmq.Socket | None, monitor: zmq.Socket | None) -> None:
+    """Disable ``sock``'s monitor and close the monitor's socket; ``sock`` stays open (see :func:`close_monitored`)."""
     if sock is not None and monitor is not None:
         try:
             sock.disable_monitor()
@@ -218,8 +225,6 @@ def close_monitored(sock: zmq.Socket | None, monitor: zmq.Socket | None, linger_
             pass
     if monitor is not None:
         monitor.close(linger=0)
-    if sock is not None:
-        sock.close(linger=linger_ms)
 
 
 def _open(sock: zmq.Socket, attach, verb: str, endpoint: str, sndbuf: int | None) -> zmq.Socket:
