@@ -2,12 +2,14 @@
 
     commlab bench chaos --mtbf 20 --duration 300                       # the issue's run: 25M MLP, 4 workers
     commlab bench chaos --mtbf 20 --duration 300 --servers --exchanger 'ps://?update=server&replicas=2'
+    commlab bench chaos --mtbf 30 --duration 300 --kill servers --exchanger 'ps://?update=server&replicas=2'
     commlab bench chaos --mtbf 3 --duration 8 --workers 2 --model tiny --entries free,restart-all   # a smoke run
 
 Outside the default ``commlab bench``. One seeded kill schedule (``--seed``): kill i comes at
 ``sum of i+1 draws of Exp(mean --mtbf)`` seconds after training started, to a slot drawn uniformly
-from the ``--workers`` (with ``--servers``, a second schedule of the same law kills a random server
-shard: ``python -m servers`` processes of the job). Every entry gets the same schedule, in turn:
+from the ``--workers`` (with ``--kill both``, or ``--servers``, a second schedule of the same law kills a random
+server shard: ``python -m servers`` processes of the job; ``--kill servers`` kills the server shards alone,
+on that second schedule). Every entry gets the same schedule, in turn:
 
 ``free``
     ``commlab run --workers N --exchanger URL``, nothing killed: the reference of the commlab entries.
@@ -83,6 +85,7 @@ from bench.text import names, table
 from commlab.launch import launcher
 
 CASE = "chaos"
+KILL_TARGETS = ("workers", "servers", "both")
 ENTRIES = ("free", "free-kg", "commlab", "restart-all", "torchft-free", "torchft")
 REFERENCE = {"commlab": "free", "restart-all": "free", "torchft": "torchft-free"}
 KEPT_REFERENCE = {"commlab": "free-kg"}  # the reference instead, where the run has it
@@ -109,7 +112,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--exchanger", action="append", help="commlab URL(s) for free/commlab/restart-all "
                                                         f"(repeatable; default {DEFAULT_URL})")
-    p.add_argument("--servers", action="store_true", help="also kill a random server shard on a schedule of its own")
+    p.add_argument("--kill", choices=KILL_TARGETS, default="workers",
+                   help="what the schedules kill: workers (default), servers (a random server shard: `python -m "
+                        "servers` processes of the job), or both (a schedule of its own each)")
+    p.add_argument("--servers", action="store_const", dest="kill", const="both", help="the same as --kill both")
     p.add_argument("--spares", type=int, default=0, help="commlab's entry: --spares S instead of --replace")
     p.add_argument("--entries", default=",".join(ENTRIES), help="comma-separated, of: " + ", ".join(ENTRIES))
     p.add_argument("--model", default="mlp-25m", help="workers/models.py's name (tiny: the tests')")
@@ -157,7 +163,8 @@ class Kill:
 
 def schedule(mtbf: float, duration: float, workers: int, seed: int, shards: int = 0) -> list[Kill]:
     """The kills of one run, in time order: exponential intervals of mean ``mtbf`` within ``duration``, a
-    uniform victim each; with ``shards``, a second stream of the same law for the servers."""
+    uniform victim each; with ``shards``, a second stream of the same law for the servers (``workers=0``: the
+    servers' stream alone, the same kills as beside the workers')."""
     out = []
     for target, count, stream in (("worker", workers, 0), ("server", shards, 1)):
         if not count:
@@ -666,16 +673,23 @@ def plot(results: dict, kills: list[Kill], path: Path) -> Path | None:
     return save(fig, path)
 
 
+def killed(plan: list[Kill]) -> str:
+    """What a plan kills, counted: ``9 of workers, 9 of server shards``."""
+    n = {t: sum(k.target == t for k in plan) for t in ("worker", "server")}
+    return ", ".join(f"{c} of {'workers' if t == 'worker' else 'server shards'}" for t, c in n.items() if c) or "none"
+
+
 def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing: dict, scale: dict | None,
           rdv: dict | None, seconds: float, argv: list[str]) -> Path:
     vs = verdicts(results)
     md = ["# Chaos: workers killed at random, and the training still done", "",
           f"- `commlab bench chaos {' '.join(argv)}`: {a.workers} workers, model {a.model}, batch {a.batch_size} per "
-          f"worker; {len(plan)} kills planned (mean {a.mtbf:g} s apart, seed {a.seed}) in {a.duration:g} s windows; "
+          f"worker; {len(plan)} kills planned ({killed(plan)}; mean {a.mtbf:g} s apart per schedule, seed {a.seed}) in "
+          f"{a.duration:g} s windows; "
           f"{caps_said}. This case ran {seconds:.0f} s; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}. The machine may be shared.",
           "- Goodput: samples that entered an applied update per second of the window, over the reference's "
-          "(commlab entries: `free`; torchft: `torchft-free`). Per kill: seconds to the next step of any other "
+          "(commlab: `free-kg` where the run has it, else `free`; restart-all: `free`; torchft: `torchft-free`). Per kill: seconds to the next step of any other "
           "process, seconds to heal (the slot's first step from a new process; a killed server shard's heal, its new "
           "backup, is in the launcher's log, not timed here); median (max).", ""]
     rows = []
@@ -751,8 +765,9 @@ def reread(folder: Path) -> Path:
 def run(a, wanted: list[str], out: Path, progress=print) -> tuple[dict, dict, str, list[Kill]]:
     urls = a.exchanger or [DEFAULT_URL]
     from commlab.base.config import ExchangerURL
-    shards = max(int(dict(ExchangerURL.parse(u).query).get("shards", 1)) for u in urls) if a.servers else 0
-    plan = schedule(a.mtbf, a.duration, a.workers, a.seed, shards)
+    shards = max(int(dict(ExchangerURL.parse(u).query).get("shards", 1)) for u in urls) \
+        if a.kill in ("servers", "both") else 0
+    plan = schedule(a.mtbf, a.duration, a.workers if a.kill in ("workers", "both") else 0, a.seed, shards)
     missing: dict[str, str] = {}
     why = keep_going_flag()
     if "commlab" in wanted and why:
@@ -782,10 +797,10 @@ def run(a, wanted: list[str], out: Path, progress=print) -> tuple[dict, dict, st
 
 def goodput_floor(config: dict) -> float:
     """Issue 38's goodput goal (over the failure-free reference) for a run's configuration: 0.90 with
-    server shards killed too (``--servers``), 0.88 for the collectives or a kill every 10 s or less, else 0.93
-    (``ps://``, a kill every 20 s)."""
+    server shards killed (``--kill servers`` or ``both``), 0.88 for the collectives or a kill every 10 s or less,
+    else 0.93 (``ps://``, a kill every 20 s)."""
     url = config.get("exchanger") or [DEFAULT_URL]
-    if config.get("servers"):
+    if config.get("servers") or config.get("kill", "workers") != "workers":
         return 0.90
     if any(not u.startswith("ps:") for u in url) or config["mtbf"] <= 10:
         return 0.88

@@ -63,6 +63,21 @@ def test_the_schedule_is_seeded_exponential_and_every_entry_gets_the_same():
     assert all(0 < k.at < 20_000.0 for k in a) and [k.at for k in a] == sorted(k.at for k in a)
 
 
+
+def test_kill_servers_plans_the_server_shards_schedule_alone_and_servers_means_both():
+    both = chaos.schedule(30.0, 3_000.0, 4, seed=1, shards=2)
+    alone = chaos.schedule(30.0, 3_000.0, 0, seed=1, shards=2)
+    assert alone and alone == [k for k in both if k.target == "server"]  # the same shard kills, the workers' gone
+    assert chaos.killed(alone) == f"{len(alone)} of server shards"
+    p = chaos.parser()
+    assert p.parse_args(["--mtbf", "1", "--duration", "1"]).kill == "workers"
+    assert p.parse_args(["--mtbf", "1", "--duration", "1", "--servers"]).kill == "both"
+    assert p.parse_args(["--mtbf", "1", "--duration", "1", "--kill", "servers"]).kill == "servers"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--mtbf", "1", "--duration", "1", "--kill", "shards"])
+    assert chaos.goodput_floor({"exchanger": None, "kill": "servers", "mtbf": 30.0}) == 0.90
+    assert chaos.goodput_floor({"exchanger": None, "kill": "workers", "mtbf": 20.0}) == 0.93
+
 # ----- the at-scale model -------------------------------------------------------------------------
 @pytest.mark.parametrize("n, rate, restart_s, lost_s", [(20, 1 / 400, 8.0, 0.5), (50, 1 / 2000, 30.0, 2.0)])
 def test_restart_all_goodput_is_its_closed_form(n, rate, restart_s, lost_s):
