@@ -430,7 +430,10 @@ class ParameterServer:
         """``rank`` leaves: its partial step is taken out (counted in ``lost_pushes``), the step in flight
         completes over the ranks left, and the waiting pulls it held are answered; below the quorum every
         waiting pull gets the line that names the ranks lost."""
+        # the first step gathered without it: the one in flight, or the next where its whole push is in (kept)
         step = self.mode.gathering if self.mode.gathering is not None else self.mode.expected_step(rank)
+        if self.mode.gathering is not None and self.mode.step_in(rank):
+            step += 1
         ended = self.members.ended
         dropped = self.mode.lose(rank) if self.initialized else 0
         self.members.lose(rank, step, why, self.world_size())

@@ -10,7 +10,8 @@ ranks each step counted on each shard.
 
 ``--kill-at`` (at step K, this rank SIGKILLs itself; the point is forced, not timed):
 ``before``: before pushing anything of step K. ``between`` (two shards): once shard 0 holds its whole step K,
-before anything reaches shard 1. ``partial``: once shard 0 acknowledged its first push message of step K
+before anything reaches shard 1 (the others' pushes of step K may or may not be in there yet); ``between-done``:
+the same once shard 0 has completed step K (the others' pushes are in). ``partial``: once shard 0 acknowledged its first push message of step K
 (the second never leaves; shard 1 gets nothing). ``setup``: in setup, after hello, before the start pull. ``--stop-at K``: SIGSTOP at the top of step K.
 ``--hold-at S --hold-file PATH``: wait at the top of step S until PATH exists (the test releases it). Prints one JSON line at the end: rank, pid, parameters, the
 servers' stats.
@@ -57,12 +58,14 @@ def arm(step: int, where: str, rank: int, async_mode: bool) -> None:
         st = server_stats(endpoint)
         if async_mode:
             return st["last_step"].get(str(rank), -1) >= step
+        if where == "between-done":  # (update=server: gathered, every rank's push in, its commits still to come)
+            return st["sync_step"] > step or st["sync_step"] == step and len(st["whole"]) == st["world"]
         return st["sync_step"] > step or st["sync_step"] == step and rank in st["whole"]  # (update=worker: done)
 
     def patched(self, op, t, *args, **kw):
         if op != "push" or t != step:
             return post(self, op, t, *args, **kw)
-        if where == "between":
+        if where in ("between", "between-done"):
             if self.index == 0:
                 return post(self, op, t, *args, **kw)
             deadline = time.monotonic() + 60
@@ -110,7 +113,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--sleep", type=float, default=0.0)
     p.add_argument("--kill-step", type=int, default=-1)
-    p.add_argument("--kill-at", choices=("before", "between", "partial", "setup"), default="before")
+    p.add_argument("--kill-at", choices=("before", "between", "between-done", "partial", "setup"), default="before")
     p.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself at the top of this step (frozen)")
     p.add_argument("--momentum", type=float, default=0.0)
     p.add_argument("--buffer", action="store_true")

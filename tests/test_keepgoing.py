@@ -34,12 +34,15 @@ ON_SHARD0 = (0, 3)  # the parameters (6 and 3 elements) assign_shards puts on sh
 T, K, LR, TIMEOUT = 10, 4, 0.01, 30
 
 
-def _workers(procs, url: str, kill_at: str, *extra: str, victim: int = 1) -> list[subprocess.Popen]:
+def _workers(procs, url: str, kill_at: str, *extra: str, victim: int = 1, survivors: tuple = ()) -> list[subprocess.Popen]:
+    """Three keep-going drivers, ``victim`` killed at ``kill_at`` of step K; ``survivors``: the others' flags too."""
     out = []
     for r in range(3):
         args = [sys.executable, KG_DRIVER, url, "--rank", str(r), "--workers", "3", "--steps", str(T), *extra]
         if r == victim:
             args += ["--kill-step", str(K), "--kill-at", kill_at]
+        else:
+            args += list(survivors)
         out.append(procs.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return out
 
@@ -68,13 +71,17 @@ def _check(results, want: list[torch.Tensor], pids: list[int]) -> list[dict]:
     return recs
 
 
-def _sync_job(procs, update: str, kill_at: str, query: str) -> tuple[list, list[int], list]:
+def _sync_job(procs, update: str, kill_at: str, query: str, hold: Path | None = None) -> tuple[list, list[int], list]:
     """Two sync shards, three workers, rank 1 killed at ``kill_at`` (``query``: more of the URL): the survivors'
-    (returncode, stdout, stderr), every worker's pid, the servers."""
+    (returncode, stdout, stderr), every worker's pid, the servers. ``hold`` (a path): the survivors wait at the
+    top of step K until both shards lost rank 1 (forced: its death comes before their pushes of step K)."""
     servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
     url = (f"ps://?endpoints={','.join(s.endpoint for s in servers)}&mode=sync&update={update}&min_workers=2"
            f"&timeout={TIMEOUT}&bucket_mb=0.000001&{query}")
-    workers = _workers(procs, url, kill_at)
+    workers = _workers(procs, url, kill_at, survivors=("--hold-at", str(K), "--hold-file", str(hold)) if hold else ())
+    if hold:
+        wait_until(lambda: all("1" in s.stats()["members"]["lost"] for s in servers), 60, "rank 1 never lost")
+        hold.touch()
     results = finish([workers[0], workers[2]], timeout=120)
     workers[1].wait(30)
     assert workers[1].returncode == -signal.SIGKILL, workers[1].communicate()[1][-3000:]
@@ -83,23 +90,30 @@ def _sync_job(procs, update: str, kill_at: str, query: str) -> tuple[list, list[
 
 @pytest.mark.parametrize("update,kill_at,kept_on,lost_pushes,transport", [
     ("server", "partial", set(), [1, 0], "tcp"),  # shard 0 had half of rank 1's step: taken out again
-    ("worker", "between", {0}, [0, 0], "tcp"),  # shard 0 had all of it: kept there
+    # shard 0 had all of it: kept there; its death forced before the survivors' pushes of step K (held), or after
+    # shard 0 completed step K with them (between-done)
+    ("worker", "between-held", {0}, [0, 0], "tcp"),
+    ("worker", "between-done", {0}, [0, 0], "tcp"),
     pytest.param("server", "partial", set(), [1, 0], "shm", marks=pytest.mark.full),  # (read from its link)
     pytest.param("server", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
-    pytest.param("server", "between", {0}, [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "between-held", {0}, [0, 0], "tcp", marks=pytest.mark.full),
+    pytest.param("server", "between-done", {0}, [0, 0], "tcp", marks=pytest.mark.full),
     pytest.param("worker", "before", set(), [0, 0], "tcp", marks=pytest.mark.full),
     pytest.param("server", "setup", set(), [0, 0], "tcp", marks=pytest.mark.full),  # the start gate counts it out
 ])
-def test_sync_survivors_go_on_without_the_dead_rank(procs, update, kill_at, kept_on, lost_pushes, transport):
+def test_sync_survivors_go_on_without_the_dead_rank(procs, tmp_path, update, kill_at, kept_on, lost_pushes, transport):
     shm_before = set(os.listdir("/dev/shm"))
-    results, pids, servers = _sync_job(procs, update, kill_at, f"transport={transport}")
+    held = kill_at.endswith("-held")
+    results, pids, servers = _sync_job(procs, update, kill_at.removesuffix("-held"), f"transport={transport}",
+                                       hold=tmp_path / "go" if held else None)
     k = 0 if kill_at == "setup" else K
     recs = _check(results, _sync_reference(kept_on, k), pids)
     for shard, stats in enumerate(recs[-1]["servers"]):
         assert stats["updates"] == T, stats  # every step applied once: none twice, none lost
         assert stats["lost_pushes"] == lost_pushes[shard], stats
-        # (update=worker: shard 0 finished step K with rank 1's whole push before the rank died)
-        left_at = k + 1 if shard in kept_on and update == "worker" else k
+        # the first step the shard gathered without rank 1: K + 1 where its whole step K was in (kept), whether or
+        # not the survivors' pushes of step K had come before its connection closed
+        left_at = k + 1 if shard in kept_on else k
         assert stats["members"]["lost"]["1"]["step"] == left_at, stats["members"]
         assert stats["members"]["lost"]["1"]["why"] == "its connection closed"
     for s in servers:
