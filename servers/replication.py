@@ -72,6 +72,7 @@ from dataclasses import dataclass
 import zmq
 
 from commlab.base.errors import CommError, ConfigError, ProtocolError
+from commlab.core.optim import warm_up
 from commlab.transport import psproto, sockets as transport, wire
 from servers.modes import Sync
 
@@ -284,6 +285,9 @@ class Replication:
         self.dying: str | None = None  # the fault matched the request being served: what happens at its end
         self.die_at: int | None = None  # acked: the seq whose ack kills this process
         if self.role == "backup":
+            # the first optimizer's imports, paid before the state comes: the primary holds its replies until this
+            # backup acknowledges what follows the state, and loading the state builds the shard's optimizer
+            warm_up(autograd=False)
             self._attach()
 
     # ----- both ---------------------------------------------------------------------------------

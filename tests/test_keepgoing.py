@@ -421,14 +421,32 @@ def test_keep_going_options_are_refused_at_parse_time_in_one_line(capsys):
 
 
 def test_a_spare_pays_the_first_optimizers_imports_while_idle_and_draws_no_random_numbers():
-    """A spare's warm-up (commlab.launch.spare.warm): torch._dynamo, which every torch.optim constructor imports the
+    """A spare's warm-up (commlab.core.optim.warm_up): torch._dynamo, which every torch.optim constructor imports the
     first time (most of a spare's heal under the chaos case's CPU cap), is loaded before a rank is handed over, and
     the user's random stream is where it was. In a fresh interpreter (this one may have imported it already)."""
     code = ("import sys, torch; assert 'torch._dynamo' not in sys.modules; s = torch.get_rng_state(); "
-            "from commlab.launch.spare import warm; warm(); "
+            "from commlab.core.optim import warm_up; warm_up(); "
             "assert 'torch._dynamo' in sys.modules, 'not warmed'; assert torch.equal(s, torch.get_rng_state())")
     r = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_new_backup_pays_the_first_optimizers_imports_before_it_attaches():
+    """A backup (``commlab server --replica-of``) warms up before it asks for its primary's state: the primary holds
+    its replies until the backup acknowledges what follows the state, and loading the state builds the shard's
+    optimizer, whose first construction imported torch._dynamo (about 2 s of held replies per new backup under the
+    chaos case's CPU cap). The real server's main, its attach replaced by the check (no primary needed)."""
+    code = ("import os, sys\n"
+            "from servers import replication as R\n"
+            "def attach(self):\n"
+            "    os._exit(0 if 'torch._dynamo' in sys.modules else 3)\n"
+            "R.Replication._attach = attach\n"
+            "from servers.__main__ import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "--bind", "tcp://127.0.0.1:0", "--mode", "sync", "--shard", "0/1",
+                        "--replica-of", "tcp://127.0.0.1:9"], env=child_env(), capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 0, ("not warmed before the attach" if r.returncode == 3 else r.stderr[-2000:])
 
 
 # ----- keep-going on replicated shards (ps://?replicas=2&min_workers=M) ------------------------------------

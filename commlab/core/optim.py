@@ -19,6 +19,21 @@ from commlab.base.errors import ConfigError
 OPTIMIZERS = ("sgd", "adam")
 
 
+def warm_up(autograd: bool = True) -> None:
+    """Pay now what a process's first optimizer (and first backward) pays once: every ``torch.optim`` constructor
+    imports ``torch._dynamo`` the first time (0.9 s here uncapped, about 2 s under the chaos case's 0.45 CPU cap),
+    and autograd starts its engine at the first backward. A spare calls it while idle (commlab.launch.spare), a
+    new backup shard before it takes its primary's state, which the primary's replies wait for
+    (servers.replication). On a throwaway parameter: no random numbers drawn, nothing of the user's touched."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    if autograd:
+        torch.nn.functional.linear(p.view(1, 2), p.view(1, 2)).sum().backward()
+    else:
+        p.grad = torch.ones(2)
+    opt.step()
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str = "sgd"

@@ -1,7 +1,7 @@
 """``python -m commlab.launch.spare ASSIGN CMD...``: an idle rank of ``commlab run --spares S``.
 
 It pays what a rank's start costs before any rank dies (the interpreter, torch, commlab, the first
-optimizer's lazy imports: :func:`warm`), then waits for the launcher to write ``ASSIGN`` (JSON: ``rank``,
+optimizer's lazy imports: :func:`commlab.core.optim.warm_up`), then waits for the launcher to write ``ASSIGN`` (JSON: ``rank``,
 ``since`` the death was noticed, ``args`` the rank's own arguments, ``url`` the workers' URL as of now;
 written to a temporary name and renamed, so it is read whole). Then it takes the rank's environment (``RANK``, ``LOCAL_RANK``,
 ``$COMMLAB_REPLACEMENT``) and runs ``CMD`` in this process: a script path, or ``-m MODULE``, with the
@@ -20,33 +20,20 @@ import time
 from commlab.transport.rendezvous import REPLACEMENT
 
 
-def warm() -> None:
-    """Pay now what a rank's first steps pay once per process: torch imports ``torch._dynamo`` when the first
-    optimizer is built (every ``torch.optim`` class's constructor goes through it: 0.84 s here uncapped, about
-    2 s under the chaos case's 0.45 CPU cap, the larger part of a spare's heal), and autograd starts its
-    engine at the first backward. On a throwaway parameter: no random numbers drawn, nothing of the user's
-    touched."""
-    import torch
-
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([p], lr=0.1)
-    torch.nn.functional.linear(p.view(1, 2), p.view(1, 2)).sum().backward()
-    opt.step()
-
-
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: python -m commlab.launch.spare ASSIGN SCRIPT|-m MODULE [ARGS...]")
     assign, cmd = argv[0], argv[1:]
     import torch  # noqa: F401  (what a start costs: paid while idle)
     import commlab  # noqa: F401
+    from commlab.core.optim import warm_up
     from commlab.core.registry import ENV_URL, regime_class
     from commlab.base.config import ExchangerURL
 
     url = os.environ.get(ENV_URL, "")
     if url:
         regime_class(ExchangerURL.parse(url).scheme)  # its module imported too
-    warm()
+    warm_up()
     while not os.path.exists(assign):
         time.sleep(0.005)
     with open(assign) as fh:
