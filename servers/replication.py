@@ -35,8 +35,10 @@ must, and says ``attach``). From then on:
   ``bye``, or its connections gone for the peer timeout), when the log outgrows
   :data:`LOG_LIMIT` copies' worth (a key space with ``compress=``, which a copy cannot carry, gets none), and
   before it writes checkpoints or answers a digest. A copy is the state a new backup takes, so what the backup
-  holds after catching up is what it would hold having applied each request: the same state, bit for bit.
-  ``R = 0``: it applies every request as it arrives.
+  holds after catching up is what it would hold having applied each request: the same state, bit for bit. The
+  state a new backup takes when it attaches is such a copy too: kept as it came, loaded at the first catch-up (the
+  primary's replies, which wait for the backup's acks of what follows it, do not wait for the load).
+  ``R = 0``: it applies every request as it arrives (and loads the state it attaches with at once).
 * **Output commit.** Every reply the primary makes while serving request ``seq`` (its ack, and the pulls that
   request made answerable) is held until the backup acknowledged ``seq`` (an elided push's: its step's end). So whatever a worker has seen, the
   backup holds. A held reply that reads the shard's tensors zero-copy counts as a send in flight: the
@@ -268,7 +270,7 @@ class Replication:
         self.link: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
         self.link_alive = False
-        self.applied = 0  # the last seq applied
+        self.applied = 0  # the last seq applied (-1: the state taken at the attach is not loaded yet)
         self.received = 0  # the last seq received (and acknowledged)
         self.stale = False  # the stream had a gap: this backup stopped following its primary
         self.lazy = 0.0  # the primary's --replica-log: log the stream, apply it only when catching up (0: apply it)
@@ -629,13 +631,18 @@ class Replication:
             raise _Refused(f"{name} refused this backup: {h.meta.get('reason')}") from None
         if kind != SNAPSHOT:
             raise ProtocolError(f"{name} sent no state first")
-        state = self._load(msg[1:])
-        self.applied = self.received = seq
+        top = wire.state_top(msg[1].buffer)
+        self.lazy = float(top.get("log") or 0)
+        self.received = seq
         self._copied(msg[1:])
-        self.lazy = float(state.get("log") or 0)
+        if self.lazy:  # kept as it came, loaded at the first catch-up (the primary's replies do not wait for it)
+            self.copy, self.applied = (seq, msg[1:]), -1
+        else:
+            self._load(msg[1:])
+            self.applied = seq
         self.link_alive = True
-        self._say(f"backup of {self.primary}: took its state at seq {seq} ({len(state['spaces'])} key space(s)"
-                  f"{'; logs the stream, with a fresh copy every %g x its size' % state['log'] if self.lazy else ''})")
+        self._say(f"backup of {self.primary}: took its state at seq {seq} ({top.get('spaces', 0)} key space(s)"
+                  f"{'; logs the stream, with a fresh copy every %g x its size' % self.lazy if self.lazy else ''})")
 
     def _load(self, frames: list) -> dict:
         """Make the key spaces the primary's state copy holds, and only those."""
@@ -713,6 +720,7 @@ class Replication:
             if seq > self.applied:
                 self._load(frames)
                 self.applied = seq
+                self.counts["loaded"] += 1
         log, self.log, self.log_bytes = self.log, [], 0
         for kind, seq, ident, msg in log:
             if seq > self.applied:

@@ -1331,9 +1331,10 @@ class ShardServer:
             if h.data_bytes > limit and h.op != "blob":  # only a committed state may be larger than the shard
                 raise ProtocolError(f"message carries {h.data_bytes} bytes, limit {limit}")
             if h.op == "stats":
-                meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
                 if h.meta.get("digest") is True:  # tests: is a backup's state the primary's, bit for bit?
-                    self.repl.catch_up()
+                    self.repl.catch_up()  # (first: the counts beside the digests are of the same state)
+                meta: dict[str, Any] = {"stats": self.stats_dict(self._space_name(h))}
+                if h.meta.get("digest") is True:
                     meta["stats"]["digests"] = {name: sp.digest() for name, sp in self.spaces.items()}
                 if self._trace is not None:  # a worker measuring this shard's trace clock
                     meta["clock_ns"] = self._trace.now()

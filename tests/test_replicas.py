@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -183,6 +184,31 @@ def test_a_backup_attached_before_rank_0_initialised_the_shard_follows_its_init(
     assert ref["version"] == 20
     _same(got, ref)
     assert backup.stats()["replica"]["role"] == "backup"
+
+
+def test_a_new_backup_keeps_the_state_it_attached_with_and_loads_it_at_its_first_catch_up(procs):
+    """The state a backup takes at its attach is a copy like the primary's fresh ones (--replica-log, default 4):
+    kept as it came, not loaded while the primary's replies wait for the backup's acks of what follows it. One
+    rank under way (Adam: moments to carry); the backup attaches mid-run; it has loaded nothing (applied -1) while
+    it logs the stream. The rank frozen and every reply released, a digest makes it catch up once: its state is
+    the primary's, bit for bit."""
+    primary = procs.server("--mode", "sync")
+    url = f"ps://{primary.address}?mode=sync&update=server&timeout={TIMEOUT}"
+    rank = procs.worker(url, 0, 1, 100_000, "--optimizer", "adam", "--lr", "0.01", "--sleep", "0.01")
+    try:
+        wait_until(lambda: primary.stats()["updates"] >= 5, 120, "the job never reached step 5")
+        backup = procs.server("--mode", "sync", "--replica-of", primary.endpoint)
+        wait_until(lambda: backup.stats()["replica"]["logged"] >= 20, 60, "the backup never followed the stream")
+        held = backup.stats()["replica"]
+        assert held["applied"] == -1 and held.get("loaded", 0) == 0 and held["logged"] > 0, held
+        os.kill(rank.pid, signal.SIGSTOP)
+        wait_until(lambda: (lambda r: r["held"] == 0 and r["acked"] == r["seq"])(primary.stats()["replica"]), 60,
+                   "the primary still held replies")
+        mine, theirs = digest(backup), digest(primary)
+        assert mine["digests"] == theirs["digests"] and mine["digests"], (mine["digests"], theirs["digests"])
+        assert backup.stats()["replica"]["loaded"] == 1 and mine["updates"] == theirs["updates"] >= 5
+    finally:
+        rank.kill()
 
 
 def _same(a, b, where: str = "state") -> None:

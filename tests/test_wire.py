@@ -164,3 +164,19 @@ def test_a_committed_state_not_packed_by_commlab_is_refused():
     torch.save({"a": 1}, buf)
     with pytest.raises(ProtocolError, match="not made by commlab.transport.wire.pack_state"):
         wire.unpack_state(buf.getvalue())
+
+
+def test_a_states_top_level_scalars_are_read_from_its_head_alone():
+    """wire.state_top: what a new backup reads of its primary's state at the attach (servers/replication.py) without
+    loading it: the top-level scalars and each container's length, from the first part alone (the tensors' bytes
+    not given); a head cut short or not commlab's is refused."""
+    state = {"seq": 12, "log": 4.0, "spaces": [{"w": torch.ones(3)}, {"w": torch.zeros(2)}], "name": "s", "none": None}
+    parts = wire.pack_state_parts(state)
+    assert len(parts) == 3  # the head, then each tensor's bytes
+    assert wire.state_top(parts[0]) == {"seq": 12, "log": 4.0, "spaces": 2, "name": "s", "none": None}
+    with pytest.raises(ProtocolError, match="runs past"):
+        wire.state_top(parts[0][:-1])
+    with pytest.raises(ProtocolError, match="not made by commlab"):
+        wire.state_top(b"not a state at all")
+    with pytest.raises(ProtocolError, match="is not a dict"):
+        wire.state_top(wire.pack_state_parts([1, 2])[0])

@@ -421,6 +421,25 @@ def _state_tensor(raw: bytes, body: memoryview, at: int, where: str) -> tuple[to
     return flat.view(getattr(torch, name)).reshape(shape), offset + nbytes
 
 
+def state_top(head: bytes) -> dict:
+    """The top-level scalar entries of a :func:`pack_state` blob whose tree is a dict (``{"seq": 3, "log": 4.0,
+    ...}``; a container's entry as its length), read from the blob's first bytes without touching its tensors:
+    ``head`` must hold the magic, the length and the whole msgpack tree (the first part
+    :func:`pack_state_parts` makes). Raises ProtocolError as :func:`unpack_state` does."""
+    head = bytes(head)
+    n = len(STATE_MAGIC) + 4
+    if not (head[:len(STATE_MAGIC)] == STATE_MAGIC and len(head) >= n):
+        raise ProtocolError("a state not made by commlab.transport.wire.pack_state", where="magic")
+    (size,) = struct.unpack("<I", head[len(STATE_MAGIC):n])
+    if n + size > len(head):
+        raise _refuse("header", f"of {size} bytes runs past the {len(head) - n} given")
+    tree = _unpack_level(head[n:n + size], "state")
+    if not isinstance(tree, _Pairs):
+        raise _refuse("state", "is not a dict")
+    return {k: (len(v) if isinstance(v, (list, dict)) else v) for k, v in tree
+            if isinstance(k, str) and (v is None or type(v) in _SCALARS or isinstance(v, (list, dict)))}
+
+
 def unpack_state(data: bytes) -> Any:
     """The state :func:`pack_state` made (tensors on the CPU, tuples as tuples). Raises ProtocolError (its
     ``where``: the place in the state or the part of the blob) for bytes it could not have made: an older
