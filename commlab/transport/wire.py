@@ -421,7 +421,7 @@ def _state_tensor(raw: bytes, body: memoryview, at: int, where: str) -> tuple[to
     return flat.view(getattr(torch, name)).reshape(shape), offset + nbytes
 
 
-def state_top(head: bytes) -> dict:
+def state_top(head: bytes | memoryview) -> dict:
     """The top-level scalar entries of a :func:`pack_state` blob whose tree is a dict (``{"seq": 3, "log": 4.0,
     ...}``; a container's entry as its length), read from the blob's first bytes without touching its tensors:
     ``head`` must hold the magic, the length and the whole msgpack tree (the first part
