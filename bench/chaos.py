@@ -682,15 +682,17 @@ def killed(plan: list[Kill]) -> str:
 def write(out: Path, results: dict, a, plan: list[Kill], caps_said: str, missing: dict, scale: dict | None,
           rdv: dict | None, seconds: float, argv: list[str]) -> Path:
     vs = verdicts(results)
-    md = ["# Chaos: workers killed at random, and the training still done", "",
+    targets = {k.target for k in plan}
+    what = "workers and server shards" if len(targets) == 2 else "server shards" if targets == {"server"} else "workers"
+    md = [f"# Chaos: {what} killed at random, and the training still done", "",
           f"- `commlab bench chaos {' '.join(argv)}`: {a.workers} workers, model {a.model}, batch {a.batch_size} per "
           f"worker; {len(plan)} kills planned ({killed(plan)}; mean {a.mtbf:g} s apart per schedule, seed {a.seed}) in "
           f"{a.duration:g} s windows; "
           f"{caps_said}. This case ran {seconds:.0f} s; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}. The machine may be shared.",
           "- Goodput: samples that entered an applied update per second of the window, over the reference's "
-          "(commlab: `free-kg` where the run has it, else `free`; restart-all: `free`; torchft: `torchft-free`). Per kill: seconds to the next step of any other "
-          "process, seconds to heal (the slot's first step from a new process; a killed server shard's heal, its new "
+          "(commlab: `free-kg` where the run has it, else `free`; restart-all: `free`; torchft: `torchft-free`). "
+          "Per kill: seconds to the next step of any other process, seconds to heal (the slot's first step from a new process; a killed server shard's heal, its new "
           "backup, is in the launcher's log, not timed here); median (max).", ""]
     rows = []
     for name, r in results.items():
@@ -866,7 +868,11 @@ def _interrupt(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--reread"] and len(argv) == 2:  # a run's report again, from its logs
-        print(reread(Path(argv[1])).read_text())
+        try:
+            print(reread(Path(argv[1])).read_text())
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"commlab bench chaos: --reread: {exc}", file=sys.stderr)
+            return 2
         return 0
     if argv[:1] == ["--across"] and len(argv) > 2:  # the median of several runs' ratios, against the goals
         try:

@@ -75,6 +75,7 @@ def test_kill_servers_plans_the_server_shards_schedule_alone_and_servers_means_b
     assert p.parse_args(["--mtbf", "1", "--duration", "1", "--kill", "servers"]).kill == "servers"
     with pytest.raises(SystemExit):
         p.parse_args(["--mtbf", "1", "--duration", "1", "--kill", "shards"])
+    assert chaos.main(["--reread", "/nonexistent/chaos-run"]) == 2  # one line naming the option, no traceback
     assert chaos.goodput_floor({"exchanger": None, "kill": "servers", "mtbf": 30.0}) == 0.90
     assert chaos.goodput_floor({"exchanger": None, "kill": "workers", "mtbf": 20.0}) == 0.93
 
