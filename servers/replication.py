@@ -631,17 +631,20 @@ class Replication:
             raise _Refused(f"{name} refused this backup: {h.meta.get('reason')}") from None
         if kind != SNAPSHOT:
             raise ProtocolError(f"{name} sent no state first")
-        top = wire.state_top(msg[1].buffer)
-        self.lazy = float(top.get("log") or 0)
+        try:
+            top = wire.state_top(msg[1].buffer)
+        except ProtocolError:  # a head longer than a frame (or not a state): loaded whole now, which reads it all
+            top = None
         self.received = seq
         self._copied(msg[1:])
-        if self.lazy:  # kept as it came, loaded at the first catch-up (the primary's replies do not wait for it)
-            self.copy, self.applied = (seq, msg[1:]), -1
+        if top is not None and top.get("log"):  # kept as it came, loaded at the first catch-up (the primary's
+            self.lazy = float(top["log"])       # replies, waiting for the acks of what follows it, do not wait)
+            self.copy, self.applied, spaces = (seq, msg[1:]), -1, top.get("spaces", 0)
         else:
-            self._load(msg[1:])
-            self.applied = seq
+            state = self._load(msg[1:])
+            self.lazy, self.applied, spaces = float(state.get("log") or 0), seq, len(state["spaces"])
         self.link_alive = True
-        self._say(f"backup of {self.primary}: took its state at seq {seq} ({top.get('spaces', 0)} key space(s)"
+        self._say(f"backup of {self.primary}: took its state at seq {seq} ({spaces} key space(s)"
                   f"{'; logs the stream, with a fresh copy every %g x its size' % self.lazy if self.lazy else ''})")
 
     def _load(self, frames: list) -> dict:

@@ -1,8 +1,8 @@
 """``python -m commlab.launch.spare ASSIGN CMD...``: an idle rank of ``commlab run --spares S``.
 
 It pays what a rank's start costs before any rank dies (the interpreter, torch, commlab, the first
-optimizer's lazy imports: :func:`commlab.core.optim.warm_up`), then waits for the launcher to write ``ASSIGN`` (JSON: ``rank``,
-``since`` the death was noticed, ``args`` the rank's own arguments, ``url`` the workers' URL as of now;
+optimizer's lazy imports: :func:`commlab.core.optim.warm_up`), then waits for the launcher to write ``ASSIGN``
+(JSON: ``rank``, ``since`` the death was noticed, ``args`` the rank's own arguments, ``url`` the workers' URL as of now;
 written to a temporary name and renamed, so it is read whole). Then it takes the rank's environment (``RANK``, ``LOCAL_RANK``,
 ``$COMMLAB_REPLACEMENT``) and runs ``CMD`` in this process: a script path, or ``-m MODULE``, with the
 arguments, as ``python CMD...`` would. The launcher stops an idle spare with its process group at the end of
