@@ -149,6 +149,15 @@ def check(a) -> list[str]:
     wanted = names(a.entries, ENTRIES, "--entries")
     if len(set(wanted)) != len(wanted):
         raise ValueError(f"--entries names an entry twice: {a.entries}")
+    if a.kill != "workers":  # a server killed ends an unreplicated job, and torchft has none to kill
+        from commlab.base.config import ExchangerURL
+        for u in a.exchanger or [DEFAULT_URL]:
+            parsed = ExchangerURL.parse(u)
+            if parsed.scheme != "ps" or dict(parsed.query).get("replicas") != "2":
+                raise ValueError(f"--kill {a.kill} needs every --exchanger on ps:// with replicas=2 (a killed server "
+                                 f"of an unreplicated shard ends the job), got {u}")
+        if any(n.startswith("torchft") for n in wanted):
+            raise ValueError(f"--kill {a.kill}: the torchft entries have no servers to kill; leave them out of --entries")
     return wanted
 
 

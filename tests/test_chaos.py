@@ -76,6 +76,13 @@ def test_kill_servers_plans_the_server_shards_schedule_alone_and_servers_means_b
     with pytest.raises(SystemExit):
         p.parse_args(["--mtbf", "1", "--duration", "1", "--kill", "shards"])
     assert chaos.main(["--reread", "/nonexistent/chaos-run"]) == 2  # one line naming the option, no traceback
+    base = ["--mtbf", "1", "--duration", "1", "--kill", "servers"]
+    with pytest.raises(ValueError, match="--kill servers needs every --exchanger on ps:// with replicas=2"):
+        chaos.check(p.parse_args(base))  # the default URL: one server per shard
+    with pytest.raises(ValueError, match="torchft entries have no servers"):
+        chaos.check(p.parse_args([*base, "--exchanger", "ps://?replicas=2", "--entries", "free,torchft"]))
+    assert chaos.check(p.parse_args([*base, "--exchanger", "ps://?mode=sync&replicas=2", "--entries", "free-kg,commlab"])) \
+        == ["free-kg", "commlab"]
     assert chaos.goodput_floor({"exchanger": None, "kill": "servers", "mtbf": 30.0}) == 0.90
     assert chaos.goodput_floor({"exchanger": None, "kill": "workers", "mtbf": 20.0}) == 0.93
 
