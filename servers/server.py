@@ -864,6 +864,9 @@ class ParameterServer:
             return
         keys = h.meta.get("keys") or self.params
         parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
+        if h.meta.get("with_buffers") is True and self.buffers:  # a start pull: the buffers of the same moment
+            parts += [part for k, v in self.buffers.items() for part in wire.split(k, v)]
+            payloads = psshm.FRAMES
         self._reply(ident, "params", rid, {"version": self.version}, parts, step=h.step, payloads=payloads)
 
     # ----- buffers, optimizer state ----------------------------------------------------------

@@ -80,10 +80,24 @@ START_CASES = [("sync", "worker", 1), ("async", "server", 3)] + [
 
 
 @pytest.mark.parametrize("mode,update,k", START_CASES)
-def test_every_rank_starts_from_rank0_even_when_rank0_arrives_last(servers, mode, update, k):
+def test_every_rank_starts_from_rank0_even_when_rank0_arrives_last(servers, monkeypatch, mode, update, k):
+    """Also forced: rank 1 lingers after its start pull while rank 0 trains on (its step posts its buffers). The
+    buffers come with the start pull's reply, as of the same moment; a pull of its own after it (as before) got
+    rank 0's buffers after its first step under async (CI saw it once)."""
+    from commlab.regimes import ps
+
     url = f"{servers(k, mode)}?mode={mode}&update={update}&timeout=30&transport=tcp" + ("&piece_mb=0.00002" if k > 1 else "")
     models = [seeded_model(r) for r in range(N)]  # here: torch's global RNG is not the threads' to share
     rank0 = snapshot(models[0])
+    start = ps._Shard.start
+
+    def lingering(self, *args, **kw):
+        out = start(self, *args, **kw)
+        if self.rank == 1:
+            time.sleep(LATE_S)
+        return out
+
+    monkeypatch.setattr(ps._Shard, "start", lingering)
 
     def rank_main(rank: int) -> dict:
         model = models[rank]

@@ -621,9 +621,9 @@ class _Shard:
             self._transmit(pending[rid])
             self.outstanding.append(pending[rid])
 
-    def _take(self, h: wire.Header, data) -> int:
-        """Put a pull reply's values into the parameters."""
-        for spec, frame in zip(h.frames, data):
+    def _take(self, h: wire.Header, data, pairs: list | None = None) -> int:
+        """Put a pull reply's values into the parameters (``pairs``: only these (spec, frame) of it)."""
+        for spec, frame in (zip(h.frames, data) if pairs is None else pairs):
             param, start, count = self.targets.get(spec.key, (None, 0, 0))
             if param is None or spec.offset + spec.count > count:
                 raise ModelMismatch(f"{self.name} sent {spec.key}[{spec.offset}:{spec.offset + spec.count}], "
@@ -648,10 +648,26 @@ class _Shard:
                   what=f"pull after step {after_step} (keys {', '.join(list(self.targets)[:3])}...)")
         return self.collect()
 
-    def start(self, after_step: int) -> int:
-        """The first pull of setup: answered once the shard is initialised and every rank made this call."""
-        self.post("pull", after_step, meta={"after_step": after_step, "start": True},
-                  what=f"start pull (rank 0's initial parameters; every rank must reach setup)")
+    def start(self, after_step: int, buffers: dict[str, torch.Tensor] | None = None) -> int:
+        """The first pull of setup: answered once the shard is initialised and every rank made this call.
+        ``buffers`` (the shard that holds the module's buffers): they come in the same reply, as of the same
+        moment (a separate pull after it could see a buffers round of a rank already training, under async)."""
+        take = None
+        if buffers:
+            def take(h, data):
+                pairs = list(zip(h.frames, data))
+                for spec, frame in pairs:
+                    b = buffers.get(spec.key)
+                    if b is not None:
+                        if spec.offset + spec.count > b.numel():
+                            raise ModelMismatch(f"{self.name} sent buffer {spec.key}[{spec.offset}:"
+                                                f"{spec.offset + spec.count}], which this worker does not hold")
+                        with torch.no_grad():
+                            b.view(-1)[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+                return self._take(h, data, [(sp, fr) for sp, fr in pairs if sp.key not in buffers])
+        self.post("pull", after_step, meta={"after_step": after_step, "start": True,
+                                            **({"with_buffers": True} if buffers else {})},
+                  what=f"start pull (rank 0's initial parameters; every rank must reach setup)", take=take)
         return self.collect()
 
     def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None,
@@ -975,12 +991,11 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
         # the start pull: each shard answers it once rank 0 initialised it and every rank asked, so no
         # worker pushes (async, ssp) before every worker holds the same start
         steps = self.steps
-        self._on_all(lambda s: s.start(steps.start_after(self._base, replies[s.index]["next_step"])),
-                     "start pull (rank 0's parameters, once every rank is in setup)")
+        self._on_all(lambda s: s.start(steps.start_after(self._base, replies[s.index]["next_step"]),
+                                       self._buffer_targets if buffers and s.index == 0 else None),
+                     "start pull (rank 0's parameters and buffers, once every rank is in setup)")
         if buffers:
-            first = self.shards[0]
-            first.submit(self._pull_buffers, first, -1).result()
-            self._buffers_fresh = True  # every rank holds the servers' buffers now, as the parameters
+            self._buffers_fresh = True  # every rank holds the servers' buffers now, as of its parameters
         if not fresh or self.rank_info.attempt:
             self.restored_state = self._restore_state()
             self._replay_from_state()
