@@ -137,7 +137,7 @@ def main() -> int:
         ps._Shard.post = lambda self, op, *args, **kw: die() if op == "donate" and self.index == 1 else \
             post(self, op, *args, **kw)
     if a.kill_at == "setup" and a.kill_step >= 0:  # after hello, before the start pull: the others' start waits
-        ps._Shard.start = lambda self, after: die()
+        ps._Shard.start = lambda self, *args, **kw: die()
     with commlab.connect(a.url, info) as ex:
         ex.setup(model, commlab.OptimizerSpec("sgd", lr=a.lr, momentum=a.momentum))
         record = {"start_step": ex.start_step, "entry": bits(model, ex.optimizer), "at": {}}
