@@ -275,39 +275,35 @@ class _Shard:
             self.unsettled.append(req)
         return req
 
-    def _open(self) -> zmq.Socket:
-        """A fresh connection to the shard; with the job's secret, each side has proved it to the other
-        before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
+    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """A fresh connection to the shard and (replicated) its monitor; with the job's secret, each side has proved
+        it to the other before this returns (:func:`commlab.transport.sockets.handshake`, bounded by ``timeout``)."""
+        watched: list[zmq.Socket] = []
+
         def watch(sock: zmq.Socket) -> None:  # a server that is gone (refused, closed): the shard's next one at once
-            self.monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
-                                                   | zmq.EVENT_DISCONNECTED)
+            watched.append(sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+                                                   | zmq.EVENT_DISCONNECTED))
 
         sock = self.tp.connect(zmq.DEALER, self.endpoint, heartbeat_s=self.heartbeat_s,
                                before=watch if self.replicated else None)
-        if self.monitor is not None:
-            try:
-                self._connected(self.monitor)
-            except BaseException:
-                transport.close_monitored(sock, self.monitor)
-                self.monitor = None
-                raise
-        if self.secret is not None:
-            try:
-                transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
-            except CommTimeout:  # the first part of every hello (and of a stats probe)
-                transport.close_monitored(sock, self.monitor)
-                self.monitor = None
-                raise CommTimeout(f"{self.name} did not answer hello within {self.timeout:g}s (its handshake, "
-                                  f"which proves the job's secret)", peer=self.peer, op="receive") from None
-            except BaseException:
-                transport.close_monitored(sock, self.monitor)
-                self.monitor = None
-                raise
-        return sock
+        monitor = watched[0] if watched else None
+        try:
+            if monitor is not None:
+                self._connected(monitor)
+            if self.secret is not None:
+                try:
+                    transport.handshake(sock, self.secret, self.sender, self.name, self.timeout, peer=self.peer)
+                except CommTimeout:  # the first part of every hello (and of a stats probe)
+                    raise CommTimeout(f"{self.name} did not answer hello within {self.timeout:g}s (its handshake, "
+                                      f"which proves the job's secret)", peer=self.peer, op="receive") from None
+        except BaseException:
+            transport.close_monitored(sock, monitor)
+            raise
+        return sock, monitor
 
     def _transmit(self, req: _Request) -> None:
         if self.sock is None:
-            self.sock = self._open()
+            self.sock, self.monitor = self._open()
         t0 = self.trace.now() if self.trace is not None else 0
         meta, at = dict(req.meta, id=req.rid), None
         if self.trace is not None:
@@ -453,11 +449,8 @@ class _Shard:
         TTL the shard counts from the last one: this connection's data never resets it, so a frozen process
         is noticed within ``heartbeat_s`` whatever it sent last."""
         transport.close_monitored(self.live, self.live_monitor)
-        main, self.monitor = self.monitor, None  # _open watches a replicated shard's connection in self.monitor
-        try:
-            self.live = self._open()
-        finally:
-            self.live_monitor, self.monitor = self.monitor, main
+        self.live = self.live_monitor = None
+        self.live, self.live_monitor = self._open()
         meta = {"id": -1, **({"space": self.space} if self.space else {}), **({"attempt": self.attempt} if self.attempt else {})}
         transport.send(self.live, wire.encode("live", self.sender, -1, (), meta), timeout=self.timeout, who=self.name,
                        peer=self.peer)
