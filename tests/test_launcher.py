@@ -244,6 +244,19 @@ def test_reported_endpoints_replace_the_planned_ones_in_server_order():
         with_endpoints("ps://?endpoints=ipc:///a", ["tcp://127.0.0.1:0"], ["tcp://127.0.0.1:1"])
 
 
+def test_a_dead_servers_endpoint_is_swapped_only_where_it_stands_whole():
+    """commlab run's URL for a replacement (ReplicaSets.current): the exited server's endpoint, not a longer one it
+    begins (a port that begins another, a socket path that begins another)."""
+    from commlab.launch.launcher import swap_endpoint
+
+    assert swap_endpoint("ps://127.0.0.1:5555,127.0.0.1:55556?mode=sync", "127.0.0.1:5555", "127.0.0.1:7") == \
+        "ps://127.0.0.1:7,127.0.0.1:55556?mode=sync"
+    assert swap_endpoint("ps://?endpoints=tcp://h:55556,tcp://h:5555&x=1", "tcp://h:5555", "tcp://g:1") == \
+        "ps://?endpoints=tcp://h:55556,tcp://g:1&x=1"
+    assert swap_endpoint("ps://?endpoints=ipc:///t/s01,ipc:///t/s0/x,ipc:///t/s0", "ipc:///t/s0", "ipc:///t/n") == \
+        "ps://?endpoints=ipc:///t/s01,ipc:///t/s0/x,ipc:///t/n"
+
+
 def test_a_plan_binds_port_0_and_start_servers_hands_the_workers_what_each_server_bound(tmp_path):
     from commlab.launch.launcher import bind_of, server_plan, start_servers, stop_all
 

@@ -135,6 +135,12 @@ def with_endpoints(url: str, binds: Sequence[str], endpoints: Sequence[str]) -> 
     return out
 
 
+def swap_endpoint(url: str, old: str, new: str) -> str:
+    """``url`` with the server endpoint ``old`` replaced by ``new`` where it stands whole (in the host list or
+    ``endpoints=``, between separators): ``127.0.0.1:5555`` is not the start of ``127.0.0.1:55556``."""
+    return re.sub(r"(?<![\w.:-])" + re.escape(old) + r"(?![\w.:/-])", lambda _m: new, url)
+
+
 # ----- processes ----------------------------------------------------------------------------------
 
 @dataclass
@@ -440,7 +446,7 @@ class ReplicaSets:
             while id(q) in self.successor:
                 q = self.successor[id(q)]
             if q is not p and p.endpoint and q.endpoint:
-                url = url.replace(p.endpoint, q.endpoint)
+                url = swap_endpoint(url, p.endpoint, q.endpoint)
         return url
 
     def watched(self) -> set[int]:
