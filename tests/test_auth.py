@@ -116,8 +116,10 @@ def _reference(steps: int = 3) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _commlab_shm() -> set[str]:
-    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("commlab-")}
+def _commlab_shm(pid: int) -> set[str]:
+    """The server process ``pid``'s /dev/shm entries (``commlab-RUN-PID.START-...``; another xdist worker's jobs
+    make and remove their own meanwhile)."""
+    return {f for f in os.listdir(shm.SHM_DIR) if f.startswith("commlab-") and f"-{pid}." in f}
 
 
 @pytest.mark.multiproc
@@ -125,7 +127,7 @@ def test_a_stranger_at_a_ps_server_is_refused_holds_nothing_and_the_job_trains(t
     procs = Procs(tmp_path)
     try:
         server = procs.server("--mode", "sync")
-        shm_before = _commlab_shm()
+        shm_before = _commlab_shm(server.proc.pid)
         # a well-formed hello that asks for a shared-memory link of 2 x 256 MiB, on 70 new key spaces
         hello = {"rank": 0, "world": 2, "mode": "sync", "shard": [0, 1], "shm_host": shm.host_identity(),
                  "optim": {"class": "torch.optim.sgd.SGD", "groups": [{"params": ["w"], "hyper": {"lr": 0.1}}]},
@@ -162,7 +164,7 @@ def test_a_stranger_at_a_ps_server_is_refused_holds_nothing_and_the_job_trains(t
         # refused: 70 hellos, the junk, the replayed connection's hello; failed: a proof first, the replay (the
         # client of another job gave up itself: the server did not prove its secret)
         assert a["required"] and a["refused_messages"] == sent + 2 and a["failed_handshakes"] == 2, a
-        assert stats["spaces"] == {} and stats["shm_links"] == 0 and _commlab_shm() == shm_before
+        assert stats["spaces"] == {} and stats["shm_links"] == 0 and _commlab_shm(server.proc.pid) == shm_before
         stranger.close()
         # the server's own job trains as a quiet run does
         ranks = _job(server.address)
