@@ -652,6 +652,7 @@ class Replication:
         from servers.server import ParameterServer  # (the server module imports this one)
 
         state = wire.unpack_state(b"".join(f.bytes for f in frames))
+        self.counts["loaded"] += 1
         for space in self.srv.spaces.values():
             space._close_links()
         self.srv.spaces.clear()
@@ -723,7 +724,6 @@ class Replication:
             if seq > self.applied:
                 self._load(frames)
                 self.applied = seq
-                self.counts["loaded"] += 1
         log, self.log, self.log_bytes = self.log, [], 0
         for kind, seq, ident, msg in log:
             if seq > self.applied:

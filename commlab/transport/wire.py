@@ -421,18 +421,26 @@ def _state_tensor(raw: bytes, body: memoryview, at: int, where: str) -> tuple[to
     return flat.view(getattr(torch, name)).reshape(shape), offset + nbytes
 
 
+def _state_header(data: bytes) -> tuple[int, int]:
+    """Where a :func:`pack_state` blob's msgpack tree starts and its length, checked against ``data`` (the whole
+    blob, or its first part). ProtocolError for bytes it did not make, or a tree that runs past them."""
+    n = len(STATE_MAGIC) + 4
+    if not (data[:len(STATE_MAGIC)] == STATE_MAGIC and len(data) >= n):
+        raise ProtocolError("a committed state not made by commlab.transport.wire.pack_state (an older commlab's "
+                            "torch.save bytes are not read)", where="magic")
+    (size,) = struct.unpack("<I", data[len(STATE_MAGIC):n])
+    if n + size > len(data):
+        raise _refuse("header", f"of {size} bytes runs past the blob's {len(data) - n}")
+    return n, size
+
+
 def state_top(head: bytes | memoryview) -> dict:
     """The top-level scalar entries of a :func:`pack_state` blob whose tree is a dict (``{"seq": 3, "log": 4.0,
     ...}``; a container's entry as its length), read from the blob's first bytes without touching its tensors:
     ``head`` must hold the magic, the length and the whole msgpack tree (the first part
     :func:`pack_state_parts` makes). Raises ProtocolError as :func:`unpack_state` does."""
     head = bytes(head)
-    n = len(STATE_MAGIC) + 4
-    if not (head[:len(STATE_MAGIC)] == STATE_MAGIC and len(head) >= n):
-        raise ProtocolError("a state not made by commlab.transport.wire.pack_state", where="magic")
-    (size,) = struct.unpack("<I", head[len(STATE_MAGIC):n])
-    if n + size > len(head):
-        raise _refuse("header", f"of {size} bytes runs past the {len(head) - n} given")
+    n, size = _state_header(head)
     tree = _unpack_level(head[n:n + size], "state")
     if not isinstance(tree, _Pairs):
         raise _refuse("state", "is not a dict")
@@ -446,13 +454,7 @@ def unpack_state(data: bytes) -> Any:
     commlab's ``torch.save`` blob, nesting deeper than :data:`MAX_STATE_DEPTH`, a tensor whose dtype, shape,
     offset or size lies, bytes left over. Reads untrusted bytes safely: bounded memory, no recursion."""
     data = bytes(data)
-    n = len(STATE_MAGIC) + 4
-    if not (data[:len(STATE_MAGIC)] == STATE_MAGIC and len(data) >= n):
-        raise ProtocolError("a committed state not made by commlab.transport.wire.pack_state (an older commlab's "
-                            "torch.save bytes are not read)", where="magic")
-    (size,) = struct.unpack("<I", data[len(STATE_MAGIC):n])
-    if n + size > len(data):
-        raise _refuse("header", f"of {size} bytes runs past the blob's {len(data) - n}")
+    n, size = _state_header(data)
     body = memoryview(data)[n + size:]
     at = 0  # where the next tensor's bytes start
     # depth first, in order, as pack_state wrote it (so tensors come in the order of their bytes); the stack
