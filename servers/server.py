@@ -1306,7 +1306,19 @@ class ShardServer:
         base["replica"] = self.repl.stats()
         base["spaces"] = {name: {"live": name in self.spaces, "updates": st["updates"], "version": st["version"],
                                  "workers": st["workers"], "update": st["update"]} for name, st in every.items()}
+        base["elsewhere"] = self._elsewhere(space)
         return base
+
+    def _elsewhere(self, space: str) -> dict[str, str]:
+        """The ranks this space's start gate waits for that wait at another space's gate here: rank -> that
+        space. Two ranks at the start of different spaces of the same servers wait for each other until
+        their timeouts; the worker's error says which space each is in (a ``space=`` misnamed, or processes
+        that set up different numbers of exchangers on these servers)."""
+        sp = self.spaces.get(space)
+        if sp is None or not sp._gate():
+            return {}
+        return {str(r): name for r in sp._waiting_for() for name, other in self.spaces.items()
+                if name != space and not other.started and r in other.starters}
 
     # ----- dispatch --------------------------------------------------------------------------
     def _payloads(self, ident: bytes) -> psshm.Payloads:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 import zygote
-from commlab.transport import auth, store
+from commlab.transport import auth, rendezvous, store
 from commlab.launch import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # launcher's processes prove theirs (commlab.transport.auth). A test that wants a stranger or an unauthenticated run
 # removes it from that process's environment.
 os.environ.setdefault(auth.SECRET_ENV, os.urandom(24).hex())
+
+
+@pytest.fixture(autouse=True)
+def _each_test_a_fresh_process():
+    """What a process keeps across exchangers (:data:`commlab.transport.rendezvous.PROCESS`: the key spaces it
+    counted on each set of servers, the round agreed through each store) is forgotten after every test, as
+    if each test were a process of its own. The kernel hands the same port to a later test's servers or
+    store, and the counts, keyed by address, carried over: CI failed once so, rank 0 (a thread) counting its
+    exchanger the second on servers at a recycled port while rank 1 counted its first."""
+    yield
+    rendezvous.PROCESS.forget()
 
 
 @dataclass

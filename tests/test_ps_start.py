@@ -45,11 +45,31 @@ def servers(tmp_path):
     procs.close()
 
 
-def on_ranks(fn, n: int = N, timeout: float = 90.0) -> list:
-    """``fn(rank)`` on n threads at once; their results in rank order (a rank's error is raised)."""
+def on_ranks(fn, n: int = N, timeout: float = 90.0, errors: bool = False) -> list:
+    """``fn(rank)`` on n threads at once; their results in rank order. A rank's error is raised, the first
+    to happen (the others' are often its consequences), with every rank's said; ``errors``: each rank's
+    exception (or None) is returned instead."""
+    failed_at: dict[int, float] = {}
+
+    def timed(rank: int):
+        try:
+            return fn(rank)
+        except BaseException:
+            failed_at[rank] = time.monotonic()
+            raise
+
     with cf.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(fn, r) for r in range(n)]
-        return [f.result(timeout) for f in futures]
+        futures = [pool.submit(timed, r) for r in range(n)]
+        done, late = cf.wait(futures, timeout)
+        assert not late, f"rank(s) {[futures.index(f) for f in late]} still running after {timeout:g}s"
+        failed = [f.exception() for f in futures]
+        if errors:
+            return failed
+        order = sorted((failed_at.get(r, 0.0), r) for r, e in enumerate(failed) if e is not None)
+        if order:
+            said = "; ".join(f"rank {r}: {type(failed[r]).__name__}: {failed[r]}" for _, r in order)
+            raise AssertionError(f"the ranks failed, first to last: {said}") from failed[order[0][1]]
+        return [f.result() for f in futures]
 
 
 def connect(url: str, rank: int, n: int = N):
@@ -297,3 +317,20 @@ def test_models_one_after_another_and_two_at_once_each_get_a_key_space(servers, 
         assert not any(sp["live"] for sp in spaces.values()), "a closed exchanger's key space was not freed"
         assert [spaces[s]["updates"] for s in ("", "model2", "model3")] == [3, 4, 4], spaces
         assert stats["updates"] == 11  # the counters add up every space the shard served
+
+
+def test_ranks_at_the_start_of_different_key_spaces_are_told_where_the_other_is(servers):
+    """Rank 1 names another key space (``space=``) than rank 0's: each start gate waits for the other rank
+    until the timeout, and each error names the space the other rank is at, not "dead or stalled"."""
+    url = f"{servers(1)}?timeout=2&retries=0&transport=tcp"
+    models = [seeded_model(r, bn=False) for r in range(N)]
+
+    def rank_main(rank: int) -> None:
+        with connect(url + ("&space=model2" if rank == 1 else ""), rank) as ex:
+            ex.setup(models[rank], torch.optim.SGD(models[rank].parameters(), lr=0.1))
+
+    errors = on_ranks(rank_main, errors=True)
+    for rank, other, space, theirs in [(0, 1, "", "model2"), (1, 0, "model2", "")]:
+        said = str(errors[rank])
+        assert f"its start (key space {space!r}) waits for rank(s) [{other}], which are at the start of key " \
+               f"space(s) {theirs!r} (rank {other})" in said, f"rank {rank}: {said}"

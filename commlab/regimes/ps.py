@@ -563,6 +563,15 @@ class _Shard:
                         waits = (f"its start waits for {state['gate']}, from rank(s) {stalled} (not yet at "
                                  f"ex.setup, dead or stalled?)" if state.get("gate") else
                                  f"its step {state.get('sync_step')} waits for rank(s) {stalled} (dead or stalled?)")
+                        elsewhere = state.get("elsewhere") or {}
+                        if elsewhere:  # the waited rank is at the start of another key space on this shard
+                            waits = (f"its start (key space {self.space!r}) waits for rank(s) {stalled}, which are "
+                                     f"at the start of key space(s) " + ", ".join(
+                                         f"{space!r} (rank {self.members[int(r)] if self.members else r})"
+                                         for r, space in sorted(elsewhere.items())) +
+                                     ": the ranks must set up the same spaces in the same order (ps://?space= "
+                                     "names one; unnamed, each process counts the exchangers it set up on "
+                                     "these servers)")
                         raise CommTimeout(f"{exc}: the shard is up and {waits}",
                                           peer=stalled[0] if len(stalled) == 1 else None, op="receive") from None
                 if attempts >= self.retries:
