@@ -24,8 +24,11 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    after each step (2x slower).
 3. ``ps://?mode=async&sync_every=48`` with the same slow rank 1: a job of its own (its servers); and two
    variants, each a job of its own: ``async-int8`` (``compress=int8``: the push a quarter of the bytes, the
-   pull of the anchor still float32) and ``async-stream`` (``fragments=4&overlap=T``: each fragment's push
-   and pull run during the next T inner steps).
+   pull of the anchor still float32), ``async-stream`` (``fragments=4&overlap=T``: each fragment's push
+   and pull run during the next T inner steps) and ``async-int8-overlap`` (``compress=int8&overlap=T1&merge=delta``:
+   the whole model's exchange runs during the next T1 inner steps, T1 the smallest that hides its int8 push
+   and float32 pull at the fast rank's step, at most H - 1, and the anchor lands with the overlap's inner steps
+   kept).
 
 **Slow synchronous baselines.** A synchronous entry whose run would take longer than ``--sync-cap-s``
 at the link (its closed-form bytes over the rate, times the steps) is not run whole there: its loss per
@@ -85,10 +88,20 @@ SYNC = "ring://"
 INT8_SCALE_BLOCK = 256  # int8's default block: a float32 scale per 256 elements
 
 
-def async_urls(t: int) -> dict[str, str]:
-    """The async entries' job URLs, by short name (``t``: the overlap)."""
+def async_urls(t: int, whole: int = 1) -> dict[str, str]:
+    """The async entries' job URLs, by short name (``t``: the overlap of a fragment; ``whole``: of the whole
+    model's int8 push and float32 pull, :func:`overlap_whole`)."""
     return {"async": ASYNC, "async-int8": f"{ASYNC}&compress=int8",
-            "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}"}
+            "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}",
+            "async-int8-overlap": f"{ASYNC}&compress=int8&overlap={whole}&merge=delta"}
+
+
+def overlap_whole(numel: int, rate: float | None, step_s: float, h: int = H_LONG) -> int:
+    """The smallest overlap T that hides one async sync of the whole model on ps:// (its int8 push and its
+    float32 anchor pull, one after the other on the worker's link), clamped to [1, H - 1]."""
+    if not rate or step_s <= 0:
+        return 1
+    return max(1, min(h - 1, math.ceil((int8_bytes(numel) + 4 * numel) / rate / step_s)))
 
 
 def int8_bytes(numel: int) -> int:
@@ -111,9 +124,9 @@ def util_bound(numel: int, rate: float | None, step_s: float, t: int, h: int = H
     return h * step_s / (h * step_s + p * exposed_bound(numel, rate, step_s, t, p)) if step_s > 0 else 1.0
 
 
-def entries(t: int, start_iter: int) -> dict[str, K.Entry]:
-    """Every entry but ``alone``, by its short name (``--entries``), in the order they run (``t``: the overlap).
-    ``async`` runs in a job of its own (its ps:// servers)."""
+def entries(t: int, start_iter: int, whole: int = 1) -> dict[str, K.Entry]:
+    """Every entry but ``alone``, by its short name (``--entries``), in the order they run (``t``: the overlap,
+    ``whole``: async-int8-overlap's). The async entries run each in a job of its own (its ps:// servers)."""
     E = K.Entry
     stream = f"ring://?sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}"
     psgd = f"ring://?compress=powersgd:4,start_iter={start_iter}"
@@ -129,7 +142,7 @@ def entries(t: int, start_iter: int) -> dict[str, K.Entry]:
             "postlocal": E(f"torch PostLocalSGD H={H_LONG}", "local://", peer="postlocal", settings=(("H", H_LONG),)),
             "slow": E(SLOW_SYNC_LABEL, f"ring://?sync_every={H_LONG}&{PLAIN}", settings=(("slow_rank", 1),)),
             **{name: E(f"{url} (rank 1 2x slower)", "job", settings=(("slow_rank", 1),))
-               for name, url in async_urls(t).items()}}
+               for name, url in async_urls(t, whole).items()}}
 
 
 ENTRY_NAMES = tuple(entries(1, 2))
@@ -322,8 +335,9 @@ class Run:
         t_alone, t_median = inner_step(alone), median_step(alone)
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
         t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
-        chosen = entries(t, a.start_iter)
-        jobs = async_urls(t)
+        whole = overlap_whole(numel or 0, rate, t_median or 0.0)
+        chosen = entries(t, a.start_iter, whole)
+        jobs = async_urls(t, whole)
         es = [chosen[name] for name in wanted if name not in jobs]
         slow_links = [e for e in es if is_sync(e) and rate and numel
                       and steps * ring_bytes(4 * numel, a.workers) / rate > a.sync_cap_s]
@@ -357,7 +371,7 @@ class Run:
         png = plot(rows, self.out / f"lowcomm-{model}-{slug(link)}.png", f"{model} at {link}")
         return {"model": model, "model_name": (K.TINY if a.tiny else K.MODELS)[model], "link": link,
                 "rate_bytes_per_s": rate, "steps": steps, "t_alone_s": t_alone, "t_alone_median_s": t_median,
-                "numel": numel, "overlap": t,
+                "numel": numel, "overlap": t, "overlap_whole": whole,
                 "exposed_bound_s": exposed_bound(numel or 0, rate, t_alone or 0.0, t),
                 "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target,
                 "held_out_target": held, "rows": rows,

@@ -34,10 +34,10 @@ N = 2
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
               combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
               lengths: list[int] | None = None, quant=None,
-              ef: dict | None = None) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              ef: dict | None = None, merge: str = "lerp") -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
-    alpha x local + (1 - alpha) x anchor; the first W steps synchronous (every copy steps on the mean gradient),
+    alpha x local + (1 - alpha) x anchor (``merge="delta"``: anchor + local - local at the push); the first W steps synchronous (every copy steps on the mean gradient),
     the anchor taken after them; ``combined``: one model on all N batches (synchronous SGD). ``lengths``: copy r
     stops after lengths[r] steps (uneven inputs, join()): a sync averages the changes of the copies still going,
     and at the end every copy takes the model of the highest copy among those that went longest. ``quant``
@@ -65,6 +65,7 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         load[p] += a.numel() * 4
         last = p
     joined, lengths = lengths is not None, lengths or [steps] * N
+    at_push: dict[tuple[int, int], torch.Tensor] = {}  # (copy, tensor) -> its value at its fragment's push
     for step in range(max(lengths)):
         live = [r for r in range(N) if step < lengths[r]]
         for r in live:
@@ -111,12 +112,13 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                     a.grad = None
                     if frag[i] in due:
                         a.grad = sum(a - list(models[r].parameters())[i] for r in live) / len(live)
+                        at_push.update({(r, i): list(models[r].parameters())[i].detach().clone() for r in live})
                 outer_opt.step()
             for i, a in enumerate(anchor):
                 if frag[i] in land:
-                    for m in [models[r] for r in live]:
-                        q = list(m.parameters())[i]
-                        q.copy_(alpha * q + (1 - alpha) * a)
+                    for r in live:
+                        q = list(models[r].parameters())[i]
+                        q.copy_(a + (q - at_push[r, i]) if merge == "delta" else alpha * q + (1 - alpha) * a)
             if t % H == 0:
                 for bufs in zip(*(models[r].buffers() for r in live)):
                     if bufs[0].is_floating_point():
@@ -217,14 +219,17 @@ def test_fragments_and_batchnorm(run_ranks, tmp_path):
 
 
 @pytest.mark.multiproc
-def test_overlap_merges_t_steps_later(run_ranks, tmp_path):
+@pytest.mark.parametrize("merge", ["alpha=0.25", "merge=delta"])
+def test_overlap_merges_t_steps_later(run_ranks, tmp_path, merge):
     """fragments=2, overlap=1: fragment p's exchange starts at its step and lands one inner step later, mixed
-    with the local parameters by alpha (the ring: its all-reduce runs on the ring's own thread). The training
-    thread does not wait on the link: rank 1 joins the exchange of step 5 (0-based) only after rank 0 has
-    computed step 6 (forced through the store; with overlap=0 rank 0 would wait at step 5 and the run hang)."""
-    url = REGIMES[1] + "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1"
+    with the local parameters by alpha, or (merge=delta) the new anchor plus the local change since the push
+    (the ring: its all-reduce runs on the ring's own thread). The training thread does not wait on the link:
+    rank 1 joins the exchange of step 5 (0-based) only after rank 0 has computed step 6 (forced through the
+    store; with overlap=0 rank 0 would wait at step 5 and the run hang)."""
+    url = REGIMES[1] + f"&sync_every=4&fragments=2&overlap=1&{merge}&outer=sgd:lr=0.5,momentum=0.8,nesterov=1"
     saved = run(run_ranks, tmp_path, url, 10, ahead=5)
-    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
+    mix = dict(merge="delta") if merge == "merge=delta" else dict(alpha=0.25)
+    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, **mix), 1e-5)
 
 
 @pytest.mark.multiproc
@@ -255,6 +260,18 @@ def test_restart_in_the_middle_of_h(run_ranks, tmp_path):
     assert saved[0]["ex"]["talk"]["steps"] == 11
 
 
+@pytest.mark.multiproc
+def test_restart_with_an_exchange_in_flight_keeps_its_merge(run_ranks, tmp_path):
+    """overlap=2&merge=delta: the sync of step 3 (0-based) lands at step 5. Rank 0 is killed after step 6: both
+    resume from the state committed at step 3, whose exchange was in flight (the state carries its outer step
+    and each rank's parameters at the push, for the merge at step 5), and end where an uninterrupted run ends."""
+    url = "allreduce://?timeout=15&bucket_mb=0.0005&sync_every=4&overlap=2&merge=delta"
+    assert run(run_ranks, tmp_path, url, 10, check=False, kill_at=6)[0].code != 0
+    saved = run(run_ranks, tmp_path, url, 10, kill_at=6, resume=True)
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), T=2, merge="delta"), 1e-5)
+    assert [s["redone"] for s in saved] == [3, 3]  # steps 4 to 6, once
+
+
 def test_options_refused_in_one_line():
     def parse(q):
         return parse_options(AllReduceOptions, ExchangerURL.parse("allreduce://?" + q))
@@ -264,7 +281,10 @@ def test_options_refused_in_one_line():
                     ("sync_every=4&outer=nope", "outer"), ("sync_every=4&outer=sgd:lr=1,bogus=2", "outer"),
                     ("sync_every=4&outer=sgd:lr=-1", "outer"), ("sync_every=4&outer=sgd:lr", "outer"),
                     ("sync_every=4&warmup=-2", "warmup"), ("sync_every=4&fragments=5", "fragments"),
-                    ("sync_every=4&fragments=2&overlap=2", "overlap"), ("sync_every=4&overlap=1&alpha=2", "alpha")]:
+                    ("sync_every=4&fragments=2&overlap=2", "overlap"), ("sync_every=4&overlap=1&alpha=2", "alpha"),
+                    ("sync_every=4&merge=delta", "merge=delta needs overlap"), ("sync_every=4&overlap=1&merge=x", "merge"),
+                    ("sync_every=4&overlap=1&merge=delta&alpha=0.5", "merge=delta takes no alpha"),
+                    ("merge=delta", "merge needs sync_every")]:
         with pytest.raises(ConfigError, match=name):
             parse(q)
     cls, kwargs = parse_outer("sgd:lr=0.7,momentum=0.9,nesterov=1")
@@ -306,17 +326,19 @@ def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
 
 @pytest.mark.multiproc
 @pytest.mark.full
-def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs):
+@pytest.mark.parametrize("merge", ["alpha=0.25", "merge=delta"])
+def test_ps_fragments_and_overlap_match_reference(run_ranks, tmp_path, procs, merge):
     """Streaming on two shards: fragments=2 (each sync pushes one fragment's pieces to the shards holding any,
-    the shard's other keys absent, and pulls that fragment's anchor back), overlap=1 and alpha=0.25: the same
+    the shard's other keys absent, and pulls that fragment's anchor back), overlap=1, alpha=0.25 or merge=delta: the same
     reference as the collectives' overlap test, to 1e-5. Rank 1 joins the exchange of step 5 only after rank 0
     has computed step 6 (forced): rank 0's training thread did not wait on the shards. Bytes: each sync pushes
     exactly its fragment's float32 pseudo-gradient."""
     servers = [procs.server("--mode", "sync", "--shard", f"{i}/2") for i in range(2)]
     url = (f"ps://{servers[0].address},{servers[1].address}?timeout=30&transport=tcp&update=server&mode=sync"
-           "&sync_every=4&fragments=2&overlap=1&alpha=0.25&outer=sgd:lr=0.5,momentum=0.8,nesterov=1")
+           f"&sync_every=4&fragments=2&overlap=1&{merge}&outer=sgd:lr=0.5,momentum=0.8,nesterov=1")
     saved = run(run_ranks, tmp_path, url, 10, ahead=5)
-    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, alpha=0.25), 1e-5)
+    mix = dict(merge="delta") if merge == "merge=delta" else dict(alpha=0.25)
+    check_ranks(saved, reference(10, 4, dict(lr=0.5, momentum=0.8, nesterov=True), parts=2, T=1, **mix), 1e-5)
     sizes = [p.numel() for p in make_model(False).parameters()]
     per = [sum(sizes[i] for i in idx) * 4 for idx in fragments([s * 4 for s in sizes], 2)]
     assert saved[0]["sent"] == [0, per[0], 0, per[1], 0, per[0], 0, per[1], 0, per[0]]

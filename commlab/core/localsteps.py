@@ -14,12 +14,16 @@ Local steps (``sync_every=H``, docs/localsteps.md)::
       delta_p = x_p - theta_p, averaged over the ranks (compress= with error feedback applies to it)
       x_p := outer optimizer step on x_p with x_p.grad = mean delta_p
       theta_p := alpha theta_p + (1 - alpha) x_p            at t + T (overlap=T; T = 0: at once)
+      theta_p := x_p + (theta_p - theta_p at t)             at t + T, instead, with merge=delta
     every t = 0 (mod H): the module buffers are averaged over the ranks (unless buffers=none)
 
 With ``overlap=T`` the fragment's exchange (the regime's non-blocking all-reduce, or the servers' push and
 pull) runs while the next T inner steps compute; the training thread waits for it only at step t + T, and
 only if the link took longer than those T steps. ``alpha`` weights the *local* side (torchft's
-``lerp(local, global, 1 - alpha)``); the default 0 takes the global value.
+``lerp(local, global, 1 - alpha)``); the default 0 takes the global value, so the T inner steps taken while
+the fragment was on the link are dropped from it. ``merge=delta`` keeps them: the fragment becomes the new
+global value plus the local change since its push (one copy of the fragment is held while it is in flight).
+That is what makes a long overlap (one fragment, T near H) worth having.
 
 The parameters of the model are split into ``fragments=P`` groups of whole tensors (:func:`fragments`);
 each group's anchor is one flat float32 tensor, which the outer optimizer (a real ``torch.optim``
@@ -134,6 +138,9 @@ class LocalStepsOptions(CompressOptions):
                              "(T < H/fragments)", ge=0, le=MAX_STEPS)
     alpha: float = option(0.0, "with overlap: merged = alpha x local + (1 - alpha) x global (0: the global value)",
                           ge=0, le=1)
+    merge: str = option("lerp", "with overlap: how a landed anchor meets the parameters: lerp (by alpha) or delta "
+                                "(the new global value plus the local change since the push: the overlap's inner "
+                                "steps kept)", choices=("lerp", "delta"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -141,7 +148,7 @@ class LocalStepsOptions(CompressOptions):
             raise ConfigError(f"sync_every must be >= 1 (or 0: every step), got {self.sync_every}")
         if self.sync_every == 0:
             given = [k for k, d in (("outer", DEFAULT_OUTER), ("warmup", 0), ("fragments", 1), ("overlap", 0),
-                                    ("alpha", 0.0)) if getattr(self, k) != d]
+                                    ("alpha", 0.0), ("merge", "lerp")) if getattr(self, k) != d]
             if given:
                 raise ConfigError(f"{given[0]} needs sync_every=H (local steps)")
             return
@@ -155,6 +162,12 @@ class LocalStepsOptions(CompressOptions):
                               f"{self.sync_every}/{self.fragments}, got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.merge not in ("lerp", "delta"):
+            raise ConfigError(f"merge must be lerp or delta, got {self.merge!r}")
+        if self.merge == "delta" and not self.overlap:
+            raise ConfigError("merge=delta needs overlap=T (without an overlap there is no local change to keep)")
+        if self.merge == "delta" and self.alpha:
+            raise ConfigError("merge=delta takes no alpha (the local change since the push is kept whole)")
 
 
 def fragments(sizes: Sequence[int], parts: int) -> list[list[int]]:
@@ -294,6 +307,7 @@ class _InFlight:
     p: int
     merge_at: int  # local step t at which it is merged
     handle: Handle
+    local: torch.Tensor | None = None  # merge=delta: the fragment's parameters (flat, float32) at the push
 
 
 class LocalSteps(Talk):
@@ -305,6 +319,7 @@ class LocalSteps(Talk):
     def __init__(self, options: LocalStepsOptions):
         self.options = options
         self.H, self.W, self.T, self.alpha = options.sync_every, options.warmup, options.overlap, options.alpha
+        self.delta = options.merge == "delta"
         self.due = offsets(self.H, options.fragments)
         self.steps = 0  # real optimizer steps since the start of training
         self.ex: "BucketedExchanger | None" = None
@@ -357,9 +372,10 @@ class LocalSteps(Talk):
         share = ex._join.sync_point(self.steps)  # inside join(): the ranks still training (a vote)
         waited += time.perf_counter() - started
         for p in due:
-            delta = self.outer.anchors()[p] - self._flat(p)
+            flat = self._flat(p)
+            delta = self.outer.anchors()[p] - flat
             shapes = tuple(q.shape for q in self.parts[p])
-            f = _InFlight(p, t + self.T, self.outer.begin(p, delta, shapes, share))
+            f = _InFlight(p, t + self.T, self.outer.begin(p, delta, shapes, share), flat if self.delta else None)
             self.inflight.append(f)
             if self.T == 0:
                 waited += self._merge(f)
@@ -431,7 +447,9 @@ class LocalSteps(Talk):
         with torch.no_grad():
             for q in self.parts[f.p]:
                 new = anchor[offset:offset + q.numel()].view_as(q)
-                if self.alpha:
+                if f.local is not None:  # merge=delta: the new global value plus the change since the push
+                    q.copy_((q.float() - f.local[offset:offset + q.numel()].view_as(q) + new).to(q.dtype))
+                elif self.alpha:
                     q.mul_(self.alpha).add_(new.to(q.dtype), alpha=1.0 - self.alpha)
                 else:
                     q.copy_(new)
@@ -447,7 +465,7 @@ class LocalSteps(Talk):
         pending = []
         for f in self.inflight:
             f.handle.wait(self.ex.options.timeout)  # the outer step lands in the anchor saved below
-            pending.append({"p": f.p, "merge_at": f.merge_at})
+            pending.append({"p": f.p, "merge_at": f.merge_at, **({"local": f.local} if f.local is not None else {})})
         return {"steps": self.steps, "syncs": self.syncs, "outer": self.outer.state_dict(), "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
@@ -459,9 +477,14 @@ class LocalSteps(Talk):
         if self.steps >= self.W and not self.outer.anchors():
             raise ConfigError(f"local steps: the state is at step {self.steps}, past warmup={self.W}, "
                               f"but carries no anchor")
+        pending = state.get("pending", [])
+        if self.delta and any("local" not in d for d in pending):
+            raise ConfigError("local steps: merge=delta, but the state's fragment exchanges in flight carry no "
+                              "parameters at their push (saved without merge=delta?)")
         self.inflight = [_InFlight(int(d["p"]), int(d["merge_at"]),
-                                   DoneHandle(self.outer.anchors()[int(d["p"])], "restored fragment exchange"))
-                         for d in state.get("pending", [])]
+                                   DoneHandle(self.outer.anchors()[int(d["p"])], "restored fragment exchange"),
+                                   d.get("local") if self.delta else None)
+                         for d in pending]
 
     def close(self) -> None:
         assert self.ex is not None or not self.inflight
