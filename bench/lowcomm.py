@@ -28,7 +28,9 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    and pull run during the next T inner steps) and ``async-int8-overlap`` (``compress=int8&overlap=T1&merge=delta``:
    the whole model's exchange runs during the next T1 inner steps, T1 the smallest that hides its int8 push
    and float32 pull at the fast rank's step, at most H - 1, and the anchor lands with the overlap's inner steps
-   kept).
+   kept) and ``async-int8-f16`` (the same with the anchor pulled in float16, ``anchor_dtype=float16``, and the
+   longest overlap the schedule allows, T = H - 1: the server's link carries both workers' exchanges, so one
+   can take longer than its own bytes over the rate).
 
 **Slow synchronous baselines.** A synchronous entry whose run would take longer than ``--sync-cap-s``
 at the link (its closed-form bytes over the rate, times the steps) is not run whole there: its loss per
@@ -93,7 +95,8 @@ def async_urls(t: int, whole: int = 1) -> dict[str, str]:
     model's int8 push and float32 pull, :func:`overlap_whole`)."""
     return {"async": ASYNC, "async-int8": f"{ASYNC}&compress=int8",
             "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}",
-            "async-int8-overlap": f"{ASYNC}&compress=int8&overlap={whole}&merge=delta"}
+            "async-int8-overlap": f"{ASYNC}&compress=int8&overlap={whole}&merge=delta",
+            "async-int8-f16": f"{ASYNC}&compress=int8&anchor_dtype=float16&overlap={H_LONG - 1}&merge=delta"}
 
 
 def overlap_whole(numel: int, rate: float | None, step_s: float, h: int = H_LONG) -> int:

@@ -84,6 +84,16 @@ def _finite(spec: wire.FrameSpec, frame) -> bool:
     return bool(torch.isfinite(total))
 
 
+def _travel(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A pulled floating tensor as it goes on the wire: cast to ``dtype`` (a local-steps worker's anchor_dtype=)
+    unless it is None, the tensor is not floating, or a finite value would not survive the cast (float16 holds
+    at most 65504): then as it is, and the worker reads the dtype from the frame."""
+    if dtype is None or not value.is_floating_point() or value.dtype == dtype:
+        return value
+    cast = value.to(dtype)
+    return cast if bool(torch.isfinite(cast).all()) or not bool(torch.isfinite(value).all()) else value
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     bind: str
@@ -778,6 +788,10 @@ class ParameterServer:
         if keys is not None and (not isinstance(keys, list) or not keys or
                                  any(not isinstance(k, str) or k not in self.pieces for k in keys)):
             raise Refused(f"pull from {h.sender}: 'keys' must list keys {self.cfg.name} holds")
+        if "as" in h.meta and (not isinstance(h.meta["as"], str) or h.meta["as"] not in self.PULL_DTYPES
+                               or what != "params"):
+            raise Refused(f"pull from {h.sender}: 'as' must be one of {sorted(self.PULL_DTYPES)}, on a pull of "
+                          f"params (got {h.meta['as']!r} on {what})")
         if what in self.STEP_PULLS and what not in self.mode.step_pulls():
             raise Refused(f"pull of {what} from {h.sender}: {self.cfg.name} runs {self.mode.name} with "
                           f"update={self.update} {'with' if self.units is not None else 'without'} compress=")
@@ -834,6 +848,8 @@ class ParameterServer:
                 still.append((ident, h))
         self.waiting = still
 
+    PULL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # a pull's 'as' (local steps' anchor)
+
     def _send(self, ident, h) -> None:
         what, rid = h.meta.get("what", "params"), h.meta.get("id")
         self.stats.pulls += 1
@@ -863,7 +879,8 @@ class ParameterServer:
             self._reply(ident, "ok", rid, {"version": self.version, "final": False}, step=h.step)
             return
         keys = h.meta.get("keys") or self.params
-        parts = [part for key in keys for part in wire.split(key, self.params[key].detach())]
+        cast = self.PULL_DTYPES.get(h.meta.get("as", ""))
+        parts = [part for key in keys for part in wire.split(key, _travel(self.params[key].detach(), cast))]
         if h.meta.get("with_buffers") is True and self.buffers:  # a start pull: the buffers of the same moment
             parts += [part for k, v in self.buffers.items() for part in wire.split(k, v)]
             payloads = psshm.FRAMES

@@ -83,7 +83,7 @@ def main() -> None:
         ex.load_state_dict(saved["ex"])
         start = saved["step"]
         redone = cfg["kill_at"] + 1 - start  # the steps the killed run took past its last checkpoint
-    sent, pushed = [], []
+    sent, received, pushed = [], [], []
     ahead = cfg.get("ahead")  # a fragment's step: rank 1 syncs it only once rank 0 is one step past it
     order, every = cfg.get("order"), cfg.get("every", 1)  # async: the order in which the syncs reach the shards
     mine = [i for i, r in enumerate(order or []) if r == rank]  # this rank's syncs' places in that order
@@ -113,6 +113,7 @@ def main() -> None:
             if event is not None:
                 open(f"{out}.event{event}", "w").close()
             sent.append(ex.last_report.bytes_sent if ex.last_report is not None else 0)
+            received.append(ex.last_report.bytes_received if ex.last_report is not None else 0)
             if sent[-1] and anchor is not None:  # a sync: the pseudo-gradient this rank sent
                 pushed.append(anchor - stepped[0])
             if "kill_at" in cfg and sent[-1]:  # a sync happened: commit the state of this step
@@ -131,7 +132,7 @@ def main() -> None:
                     os.kill(cfg["server_pid"], signal.SIGKILL)
     torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()},
-                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "redone": redone,
+                "opt": opt.state_dict(), "ex": ex.state_dict(), "sent": sent, "received": received, "redone": redone,
                 "pushed": pushed}, f"{out}.{rank}")
     ex.close()
     print(json.dumps({"rank": rank, "redone": redone}))

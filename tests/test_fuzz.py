@@ -243,7 +243,9 @@ def crafted(rng: random.Random, link: psshm.Link | None = None):
             yield kind, [_pack(h), *data], "'meta' is not a map"
         elif kind == "pull_bad":
             meta = rng.choice([{"after_step": "0"}, {"after_step": None}, {"after_step": -1, "keys": []},
-                               {"after_step": -1, "keys": ["nope"]}, {"after_step": -1, "keys": "weight"}])
+                               {"after_step": -1, "keys": ["nope"]}, {"after_step": -1, "keys": "weight"},
+                               {"after_step": -1, "as": "int8"}, {"after_step": -1, "as": ["float16"]},
+                               {"after_step": -1, "what": "buffers", "as": "float16"}])
             yield kind, [_pack({"v": 1, "op": "pull", "from": "rank1", "step": 0, "frames": [],
                                 "meta": dict(meta, id=7)})], "pull from rank1"
         elif kind == "pull_future":  # would wait forever: refused

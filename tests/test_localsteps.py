@@ -34,7 +34,8 @@ N = 2
 def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: bool = False, parts: int = 1,
               combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
               lengths: list[int] | None = None, quant=None,
-              ef: dict | None = None, merge: str = "lerp") -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              ef: dict | None = None, merge: str = "lerp",
+              pull: torch.dtype = torch.float32) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
     alpha x local + (1 - alpha) x anchor (``merge="delta"``: anchor + local - local at the push); the first W steps synchronous (every copy steps on the mean gradient),
@@ -43,7 +44,9 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
     and at the end every copy takes the model of the highest copy among those that went longest. ``quant``
     (compress=, one fragment): copy r's change x = (anchor - theta_r) / N, flat in model order, goes through
     ``quant`` with error feedback (c = e_r + x, e_r := c - quant(c)) and the outer gradient is the sum of the
-    decodings in copy order; ``ef`` receives each copy's final residual and the sums of its inputs and decodings."""
+    decodings in copy order; ``ef`` receives each copy's final residual and the sums of its inputs and decodings.
+    ``pull`` (ps:// anchor_dtype=): the copies receive the new anchor rounded to it, and their next changes are
+    taken against what they received, while the outer optimizer's anchor stays exact."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -57,6 +60,7 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
     opts = [make_inner(m, inner) for m in models]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     outer_opt = torch.optim.SGD(anchor, **(outer or {}))
+    base = [a.clone() for a in anchor]  # the anchor as the copies hold it (pull=: rounded on its way to them)
     # the fragment rule: each tensor to the fragment with the fewest bytes, ties to the one after the last used
     load, frag, last = [0] * parts, [], parts - 1
     for a in anchor:
@@ -82,8 +86,9 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
             opts[r].step()
         if step + 1 == W:
             with torch.no_grad():
-                for a, q in zip(anchor, models[0].parameters()):
+                for a, b, q in zip(anchor, base, models[0].parameters()):
                     a.copy_(q)
+                    b.copy_(q)
         if step < W:
             continue
         t = step + 1 - W
@@ -91,7 +96,7 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
         with torch.no_grad():
             if due and quant is not None:
-                whole = torch.cat([a.reshape(-1) for a in anchor])
+                whole = torch.cat([b.reshape(-1) for b in base])
                 total = torch.zeros_like(whole)
                 for r in live:
                     x = (whole - torch.cat([q.detach().reshape(-1) for q in models[r].parameters()])) * (1.0 / N)
@@ -111,10 +116,13 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                 for i, a in enumerate(anchor):
                     a.grad = None
                     if frag[i] in due:
-                        a.grad = sum(a - list(models[r].parameters())[i] for r in live) / len(live)
+                        a.grad = sum(base[i] - list(models[r].parameters())[i] for r in live) / len(live)
                         at_push.update({(r, i): list(models[r].parameters())[i].detach().clone() for r in live})
                 outer_opt.step()
             for i, a in enumerate(anchor):
+                if frag[i] in due:
+                    base[i] = a.to(pull).float()
+            for i, a in enumerate(base):
                 if frag[i] in land:
                     for r in live:
                         q = list(models[r].parameters())[i]
@@ -322,6 +330,21 @@ def test_ps_h4_nesterov_matches_reference(run_ranks, tmp_path, procs):
     numel = sum(p.numel() for p in ref[0][0].parameters())
     assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
     assert server.stats()["updates"] == 2  # one outer step per sync, on the shard
+
+
+@pytest.mark.multiproc
+def test_ps_anchor_pulled_in_float16(run_ranks, tmp_path, procs):
+    """anchor_dtype=float16: the new anchor comes back in float16 (2 x numel bytes a sync, the push still float32),
+    each rank's next change is taken against what it received, and the shard's anchor stays exact: the reference
+    that rounds what the copies receive, to 1e-5, and not the float32 one."""
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4&anchor_dtype=float16", 10)
+    outer = dict(lr=0.7, momentum=0.9, nesterov=True)
+    check_ranks(saved, reference(10, 4, outer, pull=torch.float16), 1e-5)
+    assert max_diff(saved[0]["params"], reference(10, 4, outer)[0][0]) > 1e-4  # (the rounding shows)
+    numel = sum(p.numel() for p in make_model(False).parameters())
+    assert saved[0]["sent"] == [0, 0, 0, 4 * numel] * 2 + [0, 0]
+    assert saved[0]["received"] == [0, 0, 0, 2 * numel] * 2 + [0, 0]
 
 
 @pytest.mark.multiproc
@@ -609,7 +632,9 @@ def test_ps_options_refused_in_one_line():
                     ("sync_every=4&clip_norm=1", "clip_norm"),
                     ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
                     ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
-                    ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening")]:
+                    ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening"),
+                    ("anchor_dtype=float16", "anchor_dtype= needs sync_every"),
+                    ("sync_every=4&anchor_dtype=int8", "anchor_dtype")]:
         with pytest.raises(ConfigError, match=name) as exc:
             parse(q)
         assert "\n" not in str(exc.value)

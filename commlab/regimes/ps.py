@@ -115,6 +115,10 @@ class PSOptions(LocalStepsOptions):
                             "first exchanger on these servers gets the first space, each later one in the same "
                             "process (a second model, a new head) the next (model2, model3, ...), in the order "
                             "every rank sets them up")
+    anchor_dtype: str = option("float32", "with sync_every: the dtype the new anchor is pulled back in at each sync "
+                                          "(float16, bfloat16: half the pull's bytes; the worker's copy stays "
+                                          "float32, the shards' anchor exact; a piece float16 cannot hold travels "
+                                          "in float32)", choices=("float32", "float16", "bfloat16"))
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,6 +133,8 @@ class PSOptions(LocalStepsOptions):
             raise ConfigError(f"space must be 1-64 of A-Za-z0-9_.-, got {self.space!r}")
         if self.consistency is not None and not self.consistency.gathers:  # powersgd: refused before anything starts
             compress.check_fits(compress.build(self.compress, self.ef), "ps", False)
+        if self.anchor_dtype != "float32" and not self.sync_every:
+            raise ConfigError("anchor_dtype= needs sync_every=H (local steps: the anchor pulled at each sync)")
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
             if self.clip_norm:
                 raise ConfigError("ps:// sync_every= does not take clip_norm= (docs/localsteps.md)")
@@ -673,11 +679,12 @@ class _Shard:
         return self.collect()
 
     def push_then_pull(self, step: int, parts: list, meta: dict, what: str, commit: dict | None = None,
-                       keys: list[str] | None = None, take: Callable | None = None) -> int:
+                       keys: list[str] | None = None, take: Callable | None = None, as_dtype: str = "") -> int:
         """Push and pull back to back (the pull goes out before the push is acknowledged). With
         ``commit`` (update=server, sync), the step is committed in between, as ``optimizer.step()`` does:
         the shard's report is read once every worker's push is in, then the commit goes out. ``keys``: pull
-        only those; ``take``: what to do with the pulled values (default: into the parameters)."""
+        only those; ``take``: what to do with the pulled values (default: into the parameters); ``as_dtype``:
+        the floating dtype the pulled values travel in (the shard's own when empty)."""
         self.post("push", step, parts, meta, what)
         if commit is not None:
             self.post("pull", step, meta={"after_step": step, "what": "report"}, what=f"report of step {step}",
@@ -686,7 +693,8 @@ class _Shard:
             self.post("commit", step, meta=commit, what=f"commit of step {step}")
         if keys is None and take is None:
             return self.pull(step)
-        self.post("pull", step, meta={"after_step": step, **({"keys": keys} if keys else {})},
+        self.post("pull", step, meta={"after_step": step, **({"keys": keys} if keys else {}),
+                                      **({"as": as_dtype} if as_dtype else {})},
                   what=f"pull after step {step} ({what})", take=take)
         return self.collect()
 
