@@ -226,6 +226,31 @@ def held_out(rows: list[dict], target_at: float) -> float | None:
     return target
 
 
+def held_against_slow(rows: list[dict]) -> list[dict]:
+    """Each async entry against the slow-rank ring at H = 48 at equal held-out loss, for runs where neither reaches
+    the synchronous ring's target: the async entry's last held-out loss, the first time each side's held-out
+    loss is at or below it, and their ratio (async / ring: below 1, the async job got there sooner). One run's
+    figure, without an interval (one evaluation curve a side); the medians of several runs say more."""
+    slow = next((r for r in rows if r["regime"] == SLOW_SYNC_LABEL and r.get("curve")), None)
+    if slow is None:
+        return []
+    out = []
+
+    def first(row: dict, loss: float) -> float | None:
+        return next((p["time_s"] for p in row["curve"] if p.get("test_loss") is not None and p["test_loss"] <= loss),
+                    None)
+
+    for r in rows:
+        pts = [p for p in r.get("curve") or [] if p.get("test_loss") is not None]
+        if not r["regime"].startswith("ps://?mode=async") or not pts:
+            continue
+        loss = pts[-1]["test_loss"]
+        mine, theirs = first(r, loss), first(slow, loss)
+        out.append({"regime": r["regime"], "loss": loss, "async_s": mine, "slow_s": theirs,
+                    "ratio": mine / theirs if mine is not None and theirs else None})
+    return out
+
+
 def windows(samples: list[float], h: int = H_LONG) -> list[float]:
     """The step times summed over consecutive windows of ``h`` steps (each holds one sync of every fragment)."""
     return [sum(samples[i:i + h]) for i in range(0, len(samples) - h + 1, h)]
@@ -379,6 +404,7 @@ class Run:
                 "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target,
                 "held_out_target": held, "rows": rows,
                 "projected": [e.label for e in slow_links], "verdicts": cell_verdicts(rows, t),
+                "held_vs_slow": held_against_slow(rows),
                 "png": png.name if png else None}
 
 
@@ -479,6 +505,11 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
              f"{r['held_steps']} / {r['held_s']:.1f} / {r['held_bytes'] / 2**20:.3g} MiB")]) + [""]
         md += ["Verdicts (ratio > 1: the entry after the slash is faster; 95% intervals):", ""]
         md += [f"- {rec.ratio_line(label, v)}" for label, v in c["verdicts"]] + [""]
+        if c.get("held_vs_slow"):
+            md += [f"At equal held-out loss (the async entry's last; time to it over {SLOW_SYNC_LABEL}'s, one run, "
+                   "no interval):", ""]
+            md += [f"- {h['regime']}: {fmt(h['loss'])} at {fmt(h['async_s'], '.1f')} s, the ring at "
+                   f"{fmt(h['slow_s'], '.1f')} s: **{fmt(h['ratio'], '.3f')}**" for h in c["held_vs_slow"]] + [""]
         if c.get("png"):
             md += [f"![loss against step, time and bytes]({c['png']})", ""]
     for name in util_plot(cells, out) if cells else []:
