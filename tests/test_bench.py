@@ -839,3 +839,27 @@ def test_lowcomm_async_entries_are_jobs_of_their_own_with_the_slow_rank():
         e = chosen[name]
         assert e.url == "job" and e.label == f"{url} (rank 1 2x slower)" and dict(e.settings)["slow_rank"] == 1
     assert chosen["async"].label == ASYNC_LABEL
+
+
+def test_lowcomm_whole_model_overlap_and_async_at_equal_held_out_loss():
+    """async-int8-overlap's T hides the whole model's int8 push and float32 pull (closed form, clamped to H - 1);
+    each async entry's time to its last held-out loss over the slow-rank ring's time to the same loss."""
+    from bench.lowcomm import SLOW_SYNC_LABEL, async_urls, held_against_slow, int8_bytes, overlap_whole
+
+    # 10^6 parameters: 1,015,628 int8 bytes (a float32 scale per 256) + 4,000,000 float32 back; at 100 Mbit/s
+    # 0.40 s = 11.1 steps of 36 ms
+    assert int8_bytes(10**6) == 1_015_628
+    assert overlap_whole(10**6, 12_500_000, 0.036) == 12 and overlap_whole(10**6, 1_250_000, 0.036) == 47
+    assert overlap_whole(10**6, None, 0.036) == 1
+    urls = async_urls(3, 12)
+    assert urls["async-int8-overlap"].endswith("&compress=int8&overlap=12&merge=delta")
+    assert "anchor_dtype=float16&overlap=47&merge=delta" in urls["async-int8-f16"]
+
+    def row(regime, evals):
+        return {"regime": regime, "curve": [{"time_s": t, "test_loss": loss} for t, loss in evals]}
+
+    slow = row(SLOW_SYNC_LABEL, [(10, 1.5), (20, 1.4), (30, 1.3), (40, 1.2)])
+    fast = row("ps://?mode=async&x (rank 1 2x slower)", [(5, 1.45), (12, 1.35), (15, 1.36)])
+    (h,) = held_against_slow([slow, fast, row("ring://", [(1, 1.0)])])
+    assert (h["loss"], h["async_s"], h["slow_s"]) == (1.36, 12, 30) and h["ratio"] == pytest.approx(0.4)
+    assert held_against_slow([fast]) == []  # no slow ring in the run: nothing to compare with
