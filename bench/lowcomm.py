@@ -310,6 +310,8 @@ def parser() -> argparse.ArgumentParser:
                                                                    "a link is projected (module text)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no cell after this many seconds")
     p.add_argument("--cell-timeout", type=float, default=7200.0, help="seconds one job may take")
+    p.add_argument("--whole-overlap", type=int, default=0, help="async-int8-overlap's T (1 to 47; default 0: the "
+                   "smallest that hides its exchange by the closed form), e.g. 47 to set it beside async-int8-f16's")
     p.add_argument("--out", help="folder (default runs/lowcomm-<UTC time>)")
     p.add_argument("--tiny", action="store_true", help="test-size models: a smoke run of the plumbing")
     p.set_defaults(rank_r=4)  # bench.compress's job passes it on (torch's PowerSGD hook: no entry here)
@@ -327,6 +329,8 @@ def check(a) -> list[tuple[str, str]]:
         raise ValueError("--target-at must be in (0, 1]")
     if a.eval_every < 0:
         raise ValueError("--eval-every must be >= 0")
+    if not 0 <= a.whole_overlap < H_LONG:
+        raise ValueError(f"--whole-overlap must be between 1 and {H_LONG - 1} (0: the closed form)")
     return K.cells_of(a, DEFAULT_CELLS)
 
 
@@ -363,7 +367,7 @@ class Run:
         t_alone, t_median = inner_step(alone), median_step(alone)
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
         t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
-        whole = overlap_whole(numel or 0, rate, t_median or 0.0)
+        whole = a.whole_overlap or overlap_whole(numel or 0, rate, t_median or 0.0)
         chosen = entries(t, a.start_iter, whole)
         jobs = async_urls(t, whole)
         es = [chosen[name] for name in wanted if name not in jobs]
