@@ -30,7 +30,7 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    and float32 pull at the fast rank's step, at most H - 1, and the anchor lands with the overlap's inner steps
    kept) and ``async-int8-f16`` (the same with the anchor pulled in float16, ``anchor_dtype=float16``, and the
    longest overlap the schedule allows, T = H - 1: the server's link carries both workers' exchanges, so one
-   can take longer than its own bytes over the rate).
+   can take longer than its own bytes over the rate). ``--whole-overlap T`` gives both the same T.
 
 **Slow synchronous baselines.** A synchronous entry whose run would take longer than ``--sync-cap-s``
 at the link (its closed-form bytes over the rate, times the steps) is not run whole there: its loss per
@@ -90,13 +90,13 @@ SYNC = "ring://"
 INT8_SCALE_BLOCK = 256  # int8's default block: a float32 scale per 256 elements
 
 
-def async_urls(t: int, whole: int = 1) -> dict[str, str]:
+def async_urls(t: int, whole: int = 1, f16: int = H_LONG - 1) -> dict[str, str]:
     """The async entries' job URLs, by short name (``t``: the overlap of a fragment; ``whole``: of the whole
-    model's int8 push and float32 pull, :func:`overlap_whole`)."""
+    model's int8 push and float32 pull, :func:`overlap_whole`; ``f16``: async-int8-f16's)."""
     return {"async": ASYNC, "async-int8": f"{ASYNC}&compress=int8",
             "async-stream": f"ps://?mode=async&sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}&{PLAIN}",
             "async-int8-overlap": f"{ASYNC}&compress=int8&overlap={whole}&merge=delta",
-            "async-int8-f16": f"{ASYNC}&compress=int8&anchor_dtype=float16&overlap={H_LONG - 1}&merge=delta"}
+            "async-int8-f16": f"{ASYNC}&compress=int8&anchor_dtype=float16&overlap={f16}&merge=delta"}
 
 
 def overlap_whole(numel: int, rate: float | None, step_s: float, h: int = H_LONG) -> int:
@@ -127,9 +127,9 @@ def util_bound(numel: int, rate: float | None, step_s: float, t: int, h: int = H
     return h * step_s / (h * step_s + p * exposed_bound(numel, rate, step_s, t, p)) if step_s > 0 else 1.0
 
 
-def entries(t: int, start_iter: int, whole: int = 1) -> dict[str, K.Entry]:
+def entries(t: int, start_iter: int, whole: int = 1, f16: int = H_LONG - 1) -> dict[str, K.Entry]:
     """Every entry but ``alone``, by its short name (``--entries``), in the order they run (``t``: the overlap,
-    ``whole``: async-int8-overlap's). The async entries run each in a job of its own (its ps:// servers)."""
+    ``whole``, ``f16``: async-int8-overlap's and async-int8-f16's). The async entries run each in a job of its own (its ps:// servers)."""
     E = K.Entry
     stream = f"ring://?sync_every={H_LONG}&fragments={FRAGMENTS}&overlap={t}"
     psgd = f"ring://?compress=powersgd:4,start_iter={start_iter}"
@@ -145,7 +145,7 @@ def entries(t: int, start_iter: int, whole: int = 1) -> dict[str, K.Entry]:
             "postlocal": E(f"torch PostLocalSGD H={H_LONG}", "local://", peer="postlocal", settings=(("H", H_LONG),)),
             "slow": E(SLOW_SYNC_LABEL, f"ring://?sync_every={H_LONG}&{PLAIN}", settings=(("slow_rank", 1),)),
             **{name: E(f"{url} (rank 1 2x slower)", "job", settings=(("slow_rank", 1),))
-               for name, url in async_urls(t, whole).items()}}
+               for name, url in async_urls(t, whole, f16).items()}}
 
 
 ENTRY_NAMES = tuple(entries(1, 2))
@@ -310,8 +310,9 @@ def parser() -> argparse.ArgumentParser:
                                                                    "a link is projected (module text)")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="start no cell after this many seconds")
     p.add_argument("--cell-timeout", type=float, default=7200.0, help="seconds one job may take")
-    p.add_argument("--whole-overlap", type=int, default=0, help="async-int8-overlap's T (1 to 47; default 0: the "
-                   "smallest that hides its exchange by the closed form), e.g. 47 to set it beside async-int8-f16's")
+    p.add_argument("--whole-overlap", type=int, default=0, help="the T of both whole-model async entries (1 to 47; "
+                   "default 0: async-int8-overlap's the smallest that hides its exchange by the closed form, "
+                   "async-int8-f16's 47), to compare them at one T")
     p.add_argument("--out", help="folder (default runs/lowcomm-<UTC time>)")
     p.add_argument("--tiny", action="store_true", help="test-size models: a smoke run of the plumbing")
     p.set_defaults(rank_r=4)  # bench.compress's job passes it on (torch's PowerSGD hook: no entry here)
@@ -367,9 +368,10 @@ class Run:
         t_alone, t_median = inner_step(alone), median_step(alone)
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
         t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
-        whole = a.whole_overlap or overlap_whole(numel or 0, rate, t_median or 0.0)
-        chosen = entries(t, a.start_iter, whole)
-        jobs = async_urls(t, whole)
+        t_whole = a.whole_overlap or overlap_whole(numel or 0, rate, t_median or 0.0)
+        t_f16 = a.whole_overlap or H_LONG - 1
+        chosen = entries(t, a.start_iter, t_whole, t_f16)
+        jobs = async_urls(t, t_whole, t_f16)
         es = [chosen[name] for name in wanted if name not in jobs]
         slow_links = [e for e in es if is_sync(e) and rate and numel
                       and steps * ring_bytes(4 * numel, a.workers) / rate > a.sync_cap_s]
@@ -403,7 +405,7 @@ class Run:
         png = plot(rows, self.out / f"lowcomm-{model}-{slug(link)}.png", f"{model} at {link}")
         return {"model": model, "model_name": (K.TINY if a.tiny else K.MODELS)[model], "link": link,
                 "rate_bytes_per_s": rate, "steps": steps, "t_alone_s": t_alone, "t_alone_median_s": t_median,
-                "numel": numel, "overlap": t, "overlap_whole": whole,
+                "numel": numel, "overlap": t, "overlap_whole": t_whole, "overlap_f16": t_f16,
                 "exposed_bound_s": exposed_bound(numel or 0, rate, t_alone or 0.0, t),
                 "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target,
                 "held_out_target": held, "rows": rows,

@@ -788,6 +788,7 @@ def test_lowcomm_case_writes_its_report_with_utilization_and_closed_form_bytes(t
     post = "torch PostLocalSGD H=48"
     from bench.lowcomm import ASYNC_LABEL
     assert list(rows) == ["alone", "ring://", post, ASYNC_LABEL] and cell["overlap"] == 1 and cell["projected"] == []
+    assert (cell["overlap_whole"], cell["overlap_f16"]) == (1, 47)  # on loopback the closed form's T is 1
     n = cell["numel"]  # what alone's worker said; the ring's own step adds its presence flags
     assert rows["ring://"]["bytes_per_step"] > 4 * n > 0
     assert [p["bytes_sent"] for p in rows[post]["curve"]] == [4 * n] + [0] * 11
