@@ -219,11 +219,16 @@ def held_out(rows: list[dict], target_at: float) -> float | None:
     for r in rows:
         pts = [p for p in r.get("curve") or [] if p.get("test_loss") is not None]
         r["held_final"] = pts[-1]["test_loss"] if pts else None
-        hit = next((p for p in pts if target is not None and p["test_loss"] <= target), None)
+        hit = first_at_or_below(r, target) if target is not None else None
         r["held_steps"] = hit["step"] + 1 if hit else None
         r["held_s"] = hit["time_s"] if hit else None
         r["held_bytes"] = hit["bytes"] if hit else None
     return target
+
+
+def first_at_or_below(row: dict, loss: float) -> dict | None:
+    """A row's first held-out evaluation at or below ``loss`` (None: never)."""
+    return next((p for p in row.get("curve") or [] if p.get("test_loss") is not None and p["test_loss"] <= loss), None)
 
 
 def held_against_slow(rows: list[dict]) -> list[dict]:
@@ -237,8 +242,8 @@ def held_against_slow(rows: list[dict]) -> list[dict]:
     out = []
 
     def first(row: dict, loss: float) -> float | None:
-        return next((p["time_s"] for p in row["curve"] if p.get("test_loss") is not None and p["test_loss"] <= loss),
-                    None)
+        hit = first_at_or_below(row, loss)
+        return hit["time_s"] if hit else None
 
     for r in rows:
         pts = [p for p in r.get("curve") or [] if p.get("test_loss") is not None]

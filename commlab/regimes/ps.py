@@ -664,14 +664,7 @@ class _Shard:
         if buffers:
             def take(h, data):
                 pairs = list(zip(h.frames, data))
-                for spec, frame in pairs:
-                    b = buffers.get(spec.key)
-                    if b is not None:
-                        if spec.offset + spec.count > b.numel():
-                            raise ModelMismatch(f"{self.name} sent buffer {spec.key}[{spec.offset}:"
-                                                f"{spec.offset + spec.count}], which this worker does not hold")
-                        with torch.no_grad():
-                            b.view(-1)[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+                take_buffers(self.name, buffers, [(sp, fr) for sp, fr in pairs if sp.key in buffers])
                 return self._take(h, data, [(sp, fr) for sp, fr in pairs if sp.key not in buffers])
         self.post("pull", after_step, meta={"after_step": after_step, "start": True,
                                             **({"with_buffers": True} if buffers else {})},
@@ -1382,12 +1375,7 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
 
     def _pull_buffers(self, s: _Shard, step: int) -> int:
         def take(h, data):
-            for spec, frame in zip(h.frames, data):
-                b = self._buffer_targets.get(spec.key)
-                if b is None or spec.offset + spec.count > b.numel():
-                    raise ModelMismatch(f"{s.name} sent buffer {spec.key}, which this worker does not hold")
-                with torch.no_grad():
-                    b.view(-1)[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
+            take_buffers(s.name, self._buffer_targets, zip(h.frames, data))
             return h.data_bytes
 
         s.post("pull", step, meta={"after_step": step, "what": "buffers"}, what=f"buffers after step {step}",
@@ -1675,6 +1663,18 @@ class PSExchanger(BucketedExchanger, PlansServers, AveragesSteps):
             self.transport.close()
             self.transport = None
         self._store = None
+
+
+def take_buffers(who: str, buffers: dict[str, torch.Tensor], pairs) -> None:
+    """Copy a reply's (spec, frame) pairs into the module buffers they name; ModelMismatch for a buffer this worker
+    does not hold, or a range past its end."""
+    for spec, frame in pairs:
+        b = buffers.get(spec.key)
+        if b is None or spec.offset + spec.count > b.numel():
+            raise ModelMismatch(f"{who} sent buffer {spec.key}[{spec.offset}:{spec.offset + spec.count}], which this "
+                                f"worker does not hold")
+        with torch.no_grad():
+            b.view(-1)[spec.offset:spec.offset + spec.count].copy_(wire.frame_tensor(spec, frame))
 
 
 def _next_space(info: RankInfo, endpoints: list[str]) -> str:

@@ -406,7 +406,8 @@ class ShardsOuter(localsteps.Outer):
         # compress= (one fragment): each shard's unit of the pseudo-gradient through the compressor, pushed as the
         # gradient path pushes a compressed unit (regimes.ps_compress); the shard decodes and sums it (servers.compressed)
         packed = pushes.outer_push(delta) if isinstance(pushes, CompressedPushes) else None
-        as_dtype = ex.options.anchor_dtype  # the new anchor's dtype on the wire (the copy here stays float32)
+        # the new anchor's dtype on the wire ("": the shard's own, float32); the copy here stays float32
+        as_dtype = "" if ex.options.anchor_dtype == "float32" else ex.options.anchor_dtype
         for s in ex.shards:
             mine = [pc for pc in ex._pieces[s.index] if pc.param in at]
             if not mine:
@@ -434,7 +435,7 @@ class ShardsOuter(localsteps.Outer):
                          take=take, extra=extra) -> int:
                 return s.push_then_pull(step, parts, {"base": s.version, "absent": absent, **extra},
                                         f"pseudo-gradient of fragment {p} at step {step}", commit, keys, take,
-                                        "" if as_dtype == "float32" else as_dtype)
+                                        as_dtype)
 
             handles.append(FutureHandle(s.submit(exchange, s), f"ps:// outer step of fragment {p} on {s.name}"))
         what = f"ps:// outer step {self.syncs - 1} (fragment {p}) of {ex.rank_info.who()}"
