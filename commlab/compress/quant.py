@@ -84,17 +84,40 @@ class BlockQuantizer(OwnDecoding):
         raise NotImplementedError
 
     def scales(self, x: torch.Tensor) -> torch.Tensor:
-        nb = blocks(x.numel(), self.block)
-        padded = x.new_zeros(nb * self.block)
-        padded[:x.numel()] = x
-        return padded.view(nb, self.block).abs().amax(1) / self.top
+        head, tail = self._blocked(x)
+        parts = [head.abs().amax(1)] if head.numel() else []
+        if tail.numel():
+            parts.append(tail.abs().amax().reshape(1))
+        scale = torch.cat(parts) if len(parts) > 1 else parts[0] if parts else x.new_zeros(0)
+        return scale / self.top
+
+    def _blocked(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` (flat) as its whole blocks, a (blocks, B) view, and the shorter last block (maybe empty)."""
+        whole = x.numel() // self.block * self.block
+        return x[:whole].view(-1, self.block), x[whole:]
+
+    def _per_block(self, x: torch.Tensor, scale: torch.Tensor, op: str) -> torch.Tensor:
+        """``x`` divided (``op="div"``, into a new tensor) or multiplied in place (``"mul"``) by its block's
+        scale: broadcast over the (blocks, B) view, with no per-element copy of the scales."""
+        out = torch.empty_like(x) if op == "div" else x
+        head, tail = self._blocked(x)
+        ohead, otail = self._blocked(out)
+        k = head.shape[0]
+        f = torch.div if op == "div" else torch.mul
+        if k:
+            f(head, scale[:k, None], out=ohead)
+        if tail.numel():
+            f(tail, scale[k:], out=otail)
+        return out
 
     def start(self, key, x, shapes):
         n = x.numel()
         scale = self.scales(x) if n else x.new_zeros(0)
-        per_element = scale.repeat_interleave(self.block)[:n]
         # an all-zero block (scale 0) codes zeros; clamp: x / (max|x| / top) may round a hair past top
-        v = torch.where(per_element > 0, x / per_element.masked_fill(per_element == 0, 1), x.new_zeros(()))
+        v = self._per_block(x, scale.masked_fill(scale == 0, 1), "div")
+        dead = ~(scale > 0)  # zero, or a scale that underflowed or is NaN: the block codes zeros
+        if bool(dead.any()):
+            v[dead.repeat_interleave(self.block)[:n]] = 0
         codes = self.encode(v.float().clamp_(-self.top, self.top))
         self._own[key] = (codes, scale, n)
         return [codes, scale]
@@ -112,7 +135,7 @@ class BlockQuantizer(OwnDecoding):
     def _decode_own(self, key, codes, scale, n):
         if codes.dtype != torch.uint8:
             raise ValueError(f"{self.name}: codes of dtype {codes.dtype}, expected torch.uint8")
-        return self.decode(codes, n).to(scale.dtype).mul_(scale.repeat_interleave(self.block)[:n])
+        return self._per_block(self.decode(codes, n).to(scale.dtype), scale, "mul")
 
     def payload_nbytes(self, shapes, itemsize=4):
         n = numel(shapes)
@@ -126,7 +149,7 @@ class Int8(BlockQuantizer):
     top = 127.0
 
     def encode(self, v):
-        return torch.round(v).to(torch.int8).view(torch.uint8)
+        return v.round_().to(torch.int8).view(torch.uint8)  # v: the caller's scratch
 
     def decode(self, codes, n):
         return codes.view(torch.int8).float()
@@ -139,7 +162,7 @@ class Int4(BlockQuantizer):
     top = 7.0
 
     def encode(self, v):
-        return pack_nibbles(torch.round(v).to(torch.int8).view(torch.uint8) & 15)
+        return pack_nibbles(v.round_().to(torch.int8).view(torch.uint8) & 15)
 
     def decode(self, codes, n):
         nib = unpack_nibbles(codes, n).to(torch.int16)
