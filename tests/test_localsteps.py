@@ -35,7 +35,7 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
               combined: bool = False, T: int = 0, alpha: float = 0.0, W: int = 0,
               lengths: list[int] | None = None, quant=None,
               ef: dict | None = None, merge: str = "lerp",
-              pull: torch.dtype = torch.float32) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+              pull: torch.dtype = torch.float32, by: str = "tensors") -> list[tuple[nn.Module, torch.optim.Optimizer]]:
     """K = N copies trained apart, synced every H steps (fragment p at t = floor(H(p+1)/P) mod H) by
     ``SGD(**outer)`` on the mean change; with overlap T the new anchor is mixed in T steps later as
     alpha x local + (1 - alpha) x anchor (``merge="delta"``: anchor + local - local at the push); the first W steps synchronous (every copy steps on the mean gradient),
@@ -46,7 +46,9 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
     ``quant`` with error feedback (c = e_r + x, e_r := c - quant(c)) and the outer gradient is the sum of the
     decodings in copy order; ``ef`` receives each copy's final residual and the sums of its inputs and decodings.
     ``pull`` (ps:// anchor_dtype=): the copies receive the new anchor rounded to it, and their next changes are
-    taken against what they received, while the outer optimizer's anchor stays exact."""
+    taken against what they received, while the outer optimizer's anchor stays exact. ``by="slices"``: every
+    tensor's elements cut into ``parts`` contiguous runs (the first ``n % parts`` one longer), run p in fragment p;
+    the anchor is kept per run (a unit), each stepped only when its fragment is due."""
     if combined:
         model = make_model(bn)
         opt = make_inner(model, inner)
@@ -58,18 +60,34 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         return [(model, opt)]
     models = [make_model(bn) for _ in range(N)]
     opts = [make_inner(m, inner) for m in models]
-    anchor = [p.detach().clone() for p in models[0].parameters()]
+    # the units of the anchor: (tensor, first element, end, fragment); whole tensors, or each cut in runs
+    units: list[tuple[int, int, int, int]] = []
+    load, last = [0] * parts, parts - 1
+    for i, q in enumerate(models[0].parameters()):
+        n = q.numel()
+        if by == "slices":
+            first = 0
+            for p in range(parts):
+                size = n // parts + (1 if p < n % parts else 0)
+                if size:
+                    units.append((i, first, first + size, p))
+                first += size
+            continue
+        # each tensor to the fragment with the fewest bytes, ties to the one after the last used
+        p = min([(last + 1 + k) % parts for k in range(parts)], key=lambda f: load[f])
+        units.append((i, 0, n, p))
+        load[p] += n * 4
+        last = p
+
+    def view(m: nn.Module, u: tuple[int, int, int, int]) -> torch.Tensor:
+        i, a, b, _ = u
+        return list(m.parameters())[i].detach().view(-1)[a:b]
+
+    anchor = [view(models[0], u).clone() for u in units]
     outer_opt = torch.optim.SGD(anchor, **(outer or {}))
     base = [a.clone() for a in anchor]  # the anchor as the copies hold it (pull=: rounded on its way to them)
-    # the fragment rule: each tensor to the fragment with the fewest bytes, ties to the one after the last used
-    load, frag, last = [0] * parts, [], parts - 1
-    for a in anchor:
-        p = min([(last + 1 + k) % parts for k in range(parts)], key=lambda q: load[q])
-        frag.append(p)
-        load[p] += a.numel() * 4
-        last = p
     joined, lengths = lengths is not None, lengths or [steps] * N
-    at_push: dict[tuple[int, int], torch.Tensor] = {}  # (copy, tensor) -> its value at its fragment's push
+    at_push: dict[tuple[int, int], torch.Tensor] = {}  # (copy, unit) -> its value at its fragment's push
     for step in range(max(lengths)):
         live = [r for r in range(N) if step < lengths[r]]
         for r in live:
@@ -86,9 +104,9 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
             opts[r].step()
         if step + 1 == W:
             with torch.no_grad():
-                for a, b, q in zip(anchor, base, models[0].parameters()):
-                    a.copy_(q)
-                    b.copy_(q)
+                for a, b, u in zip(anchor, base, units):
+                    a.copy_(view(models[0], u))
+                    b.copy_(view(models[0], u))
         if step < W:
             continue
         t = step + 1 - W
@@ -96,10 +114,10 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
         with torch.no_grad():
             if due and quant is not None:
-                whole = torch.cat([b.reshape(-1) for b in base])
+                whole = torch.cat(base)
                 total = torch.zeros_like(whole)
                 for r in live:
-                    x = (whole - torch.cat([q.detach().reshape(-1) for q in models[r].parameters()])) * (1.0 / N)
+                    x = (whole - torch.cat([view(models[r], u) for u in units])) * (1.0 / N)
                     mine = ef.setdefault(r, {"e": None, "inputs": torch.zeros_like(x), "sent": torch.zeros_like(x)})
                     c = x if mine["e"] is None else mine["e"] + x
                     d = quant(c)
@@ -113,20 +131,20 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
                     offset += a.numel()
                 outer_opt.step()
             elif due:
-                for i, a in enumerate(anchor):
+                for k, (a, u) in enumerate(zip(anchor, units)):
                     a.grad = None
-                    if frag[i] in due:
-                        a.grad = sum(base[i] - list(models[r].parameters())[i] for r in live) / len(live)
-                        at_push.update({(r, i): list(models[r].parameters())[i].detach().clone() for r in live})
+                    if u[3] in due:
+                        a.grad = sum(base[k] - view(models[r], u) for r in live) / len(live)
+                        at_push.update({(r, k): view(models[r], u).clone() for r in live})
                 outer_opt.step()
-            for i, a in enumerate(anchor):
-                if frag[i] in due:
-                    base[i] = a.to(pull).float()
-            for i, a in enumerate(base):
-                if frag[i] in land:
+            for k, (a, u) in enumerate(zip(anchor, units)):
+                if u[3] in due:
+                    base[k] = a.to(pull).float()
+            for k, (a, u) in enumerate(zip(base, units)):
+                if u[3] in land:
                     for r in live:
-                        q = list(models[r].parameters())[i]
-                        q.copy_(a + (q - at_push[r, i]) if merge == "delta" else alpha * q + (1 - alpha) * a)
+                        q = view(models[r], u)
+                        q.copy_(a + (q - at_push[r, k]) if merge == "delta" else alpha * q + (1 - alpha) * a)
             if t % H == 0:
                 for bufs in zip(*(models[r].buffers() for r in live)):
                     if bufs[0].is_floating_point():
@@ -227,6 +245,27 @@ def test_fragments_and_batchnorm(run_ranks, tmp_path):
 
 
 @pytest.mark.multiproc
+def test_fragments_of_slices_balance_and_match_reference(run_ranks, tmp_path):
+    """fragment_by=slices on the ring with an overlap: each tensor cut into 3 runs (torch.tensor_split), run p in
+    fragment p. Every rank equals the reference (which keeps its anchor per run) to 1e-5, and each sync moves
+    its fragment's bytes: the closed form sum over tensors of ceil/floor(numel / 3), at most one element per
+    tensor apart between fragments, where whole tensors cannot balance this model (one tensor is 2/3 of it)."""
+    url = REGIMES[1] + "&sync_every=6&fragments=3&fragment_by=slices&overlap=1&merge=delta"
+    saved = run(run_ranks, tmp_path, url, 13)
+    check_ranks(saved, reference(13, 6, dict(lr=0.7, momentum=0.9, nesterov=True), parts=3, T=1, merge="delta",
+                                 by="slices"), 1e-5)
+    sizes = [q.numel() for q in make_model(False).parameters()]
+    per = [sum(n // 3 + (p < n % 3) for n in sizes) * 4 for p in range(3)]
+    assert max(per) - min(per) <= 4 * len(sizes)
+    whole = [sum(sizes[i] for i in idx) * 4 for idx in fragments([n * 4 for n in sizes], 3)]
+    assert max(whole) > 1.3 * max(per)  # whole tensors: a fragment over 1.3x the balanced one
+    assert offsets(6, 3) == [2, 4, 0]
+    ring = 2 * (N - 1) / N  # a float32 ring all-reduce of B bytes sends 2 (N - 1) / N x B per rank
+    want = [0, per[0], 0, per[1], 0, per[2], 0, per[0], 0, per[1], 0, per[2], 0]  # 0-based step s: t = s + 1
+    assert saved[0]["sent"] == pytest.approx([w * ring for w in want], abs=4 * N), saved[0]["sent"]
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("merge", ["alpha=0.25", "merge=delta"])
 def test_overlap_merges_t_steps_later(run_ranks, tmp_path, merge):
     """fragments=2, overlap=1: fragment p's exchange starts at its step and lands one inner step later, mixed
@@ -292,7 +331,8 @@ def test_options_refused_in_one_line():
                     ("sync_every=4&fragments=2&overlap=2", "overlap"), ("sync_every=4&overlap=1&alpha=2", "alpha"),
                     ("sync_every=4&merge=delta", "merge=delta needs overlap"), ("sync_every=4&overlap=1&merge=x", "merge"),
                     ("sync_every=4&overlap=1&merge=delta&alpha=0.5", "merge=delta takes no alpha"),
-                    ("merge=delta", "merge needs sync_every")]:
+                    ("merge=delta", "merge needs sync_every"), ("sync_every=4&fragment_by=slices", "fragment_by=slices needs"),
+                    ("sync_every=4&fragments=2&fragment_by=rows", "fragment_by"), ("fragment_by=slices", "needs sync_every")]:
         with pytest.raises(ConfigError, match=name):
             parse(q)
     cls, kwargs = parse_outer("sgd:lr=0.7,momentum=0.9,nesterov=1")
@@ -634,7 +674,8 @@ def test_ps_options_refused_in_one_line():
                     ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),
                     ("sync_every=4&mode=async&outer=sgd:lr=0.7,momentum=0.9,dampening=0.5", "dampening"),
                     ("anchor_dtype=float16", "anchor_dtype= needs sync_every"),
-                    ("sync_every=4&anchor_dtype=int8", "anchor_dtype")]:
+                    ("sync_every=4&anchor_dtype=int8", "anchor_dtype"),
+                    ("sync_every=4&fragments=2&fragment_by=slices", "fragment_by=tensors only")]:
         with pytest.raises(ConfigError, match=name) as exc:
             parse(q)
         assert "\n" not in str(exc.value)

@@ -39,6 +39,7 @@ def test_mean_step_and_utilization_equal_the_closed_form(rate):
     topo = Topology(1, rate, rate)
     inner = (FWD + BWD) * BATCH + 4 * sum(SIZES) * OPT
     assert L.fragment_elements(cal, 2) == [3000, 2000]
+    assert L.fragment_elements(cal, 3, "slices") == [sum(n // 3 + (p < n % 3) for n in SIZES) for p in range(3)]
     exposed = [max(0.0, ring(4 * e, n, rate) - T * inner) + 4 * e * OPT for e in (3000, 2000)]
     got = L.predict(cal, L.LocalSteps(H, 2, T), regime, topo, n, BATCH)
     want = inner + sum(exposed) / H
@@ -72,8 +73,9 @@ def test_the_crossover_is_the_root_of_equal_steps():
 
 
 def test_local_steps_options_are_the_urls_and_refused_by_name():
-    assert local_settings(["sync_every=48&fragments=4&overlap=2", "sync_every=10&compress=int8"]) == \
-        [(48, 4, 2, ""), (10, 1, 0, "int8")]
+    assert local_settings(["sync_every=48&fragments=4&overlap=2", "sync_every=10&compress=int8",
+                           "sync_every=48&fragments=4&fragment_by=slices"]) == \
+        [(48, 4, 2, "", "tensors"), (10, 1, 0, "int8", "tensors"), (48, 4, 0, "", "slices")]
     for bad in ["fragments=2", "sync_every=4&bogus=1", "sync_every=4&fragments=2&overlap=2"]:
         with pytest.raises(ConfigError, match="--local-steps"):
             local_settings([bad])

@@ -25,8 +25,10 @@ the fragment was on the link are dropped from it. ``merge=delta`` keeps them: th
 global value plus the local change since its push (one copy of the fragment is held while it is in flight).
 That is what makes a long overlap (one fragment, T near H) worth having.
 
-The parameters of the model are split into ``fragments=P`` groups of whole tensors (:func:`fragments`);
-each group's anchor is one flat float32 tensor, which the outer optimizer (a real ``torch.optim``
+The parameters of the model are split into ``fragments=P`` groups of whole tensors (:func:`fragments`), or,
+with ``fragment_by=slices``, every tensor into P contiguous slices of its elements (``torch.tensor_split``),
+slice p of each in fragment p (:func:`slices`): balanced to a few elements whatever the tensors' sizes (a
+model that is mostly one matrix has no balanced fragments of whole tensors). Each group's anchor is one flat float32 tensor, which the outer optimizer (a real ``torch.optim``
 optimizer, :func:`parse_outer`) steps as one parameter: elementwise optimizers (SGD, Nesterov, Adam)
 give the same numbers as over the separate tensors.
 """
@@ -138,6 +140,9 @@ class LocalStepsOptions(CompressOptions):
                              "(T < H/fragments)", ge=0, le=MAX_STEPS)
     alpha: float = option(0.0, "with overlap: merged = alpha x local + (1 - alpha) x global (0: the global value)",
                           ge=0, le=1)
+    fragment_by: str = option("tensors", "with fragments: tensors (whole tensors, strided and balanced by bytes) "
+                                         "or slices (every tensor cut in P slices, slice p in fragment p: "
+                                         "balanced whatever the tensors' sizes)", choices=("tensors", "slices"))
     merge: str = option("lerp", "with overlap: how a landed anchor meets the parameters: lerp (by alpha) or delta "
                                 "(the new global value plus the local change since the push: the overlap's inner "
                                 "steps kept)", choices=("lerp", "delta"))
@@ -148,7 +153,7 @@ class LocalStepsOptions(CompressOptions):
             raise ConfigError(f"sync_every must be >= 1 (or 0: every step), got {self.sync_every}")
         if self.sync_every == 0:
             given = [k for k, d in (("outer", DEFAULT_OUTER), ("warmup", 0), ("fragments", 1), ("overlap", 0),
-                                    ("alpha", 0.0), ("merge", "lerp")) if getattr(self, k) != d]
+                                    ("alpha", 0.0), ("merge", "lerp"), ("fragment_by", "tensors")) if getattr(self, k) != d]
             if given:
                 raise ConfigError(f"{given[0]} needs sync_every=H (local steps)")
             return
@@ -162,6 +167,10 @@ class LocalStepsOptions(CompressOptions):
                               f"{self.sync_every}/{self.fragments}, got {self.overlap}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"alpha must be in [0, 1], got {self.alpha}")
+        if self.fragment_by not in ("tensors", "slices"):
+            raise ConfigError(f"fragment_by must be tensors or slices, got {self.fragment_by!r}")
+        if self.fragment_by == "slices" and self.fragments == 1:
+            raise ConfigError("fragment_by=slices needs fragments=P > 1 (one fragment is the whole model)")
         if self.merge not in ("lerp", "delta"):
             raise ConfigError(f"merge must be lerp or delta, got {self.merge!r}")
         if self.merge == "delta" and not self.overlap:
@@ -184,6 +193,21 @@ def fragments(sizes: Sequence[int], parts: int) -> list[list[int]]:
         out[p].append(i)
         load[p] += size
         last = p
+    return out
+
+
+def slices(params: Sequence[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """``fragment_by=slices``: fragment p holds slice p of every tensor (``torch.tensor_split`` of its elements
+    into ``parts``), in model order. The slices are views: a merge writes through to the parameter. An empty
+    slice (a tensor of fewer elements than fragments) is left out."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(parts)]
+    for i, q in enumerate(params):
+        if not q.is_contiguous():
+            raise ConfigError(f"fragment_by=slices: parameter {i} (shape {tuple(q.shape)}) is not contiguous, so "
+                              f"its slices cannot be views of it; use fragment_by=tensors")
+        for p, piece in enumerate(torch.tensor_split(q.detach().view(-1), parts)):
+            if piece.numel():
+                out[p].append(piece)
     return out
 
 
@@ -337,7 +361,10 @@ class LocalSteps(Talk):
         self.outer = ex._make_outer(self.options)
         params = [local(p) for p in ex.model.parameters() if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in params]
-        self.parts = [[params[i] for i in idx] for idx in fragments(sizes, self.options.fragments)]
+        if self.options.fragment_by == "slices":
+            self.parts = slices(params, self.options.fragments)
+        else:
+            self.parts = [[params[i] for i in idx] for idx in fragments(sizes, self.options.fragments)]
         self.outer.divide(self.parts)
         if self.steps == self.W:
             self._take_anchor()

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         local = local_settings(a.local_steps)
         creg = next((r for r in regimes if r.transport == "ring"), next((r for r in regimes if r.kind == "allreduce"), None))
         cal, kept, measured = load_calibration(a)
-        weigh = list(dict.fromkeys(specs + [spec for *_, spec in local if spec]))
+        weigh = list(dict.fromkeys(specs + [spec for _, _, _, spec, _ in local if spec]))
         if weigh and creg is not None:
             from commlab.plan import compression as K
             had = set(cal.compressors)
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     local_data: dict = {}
     if local and creg is not None:
         from commlab.plan import localsteps as L
-        settings = [L.LocalSteps(h, p_, t, cal.compressors[spec] if spec else None) for h, p_, t, spec in local]
+        settings = [L.LocalSteps(h, p_, t, cal.compressors[spec] if spec else None, by)
+                    for h, p_, t, spec, by in local]
         lines, local_data = L.section(cal, settings, creg, topo, workers, specs, a.batch_size)
         text += lines
     doc = {
@@ -248,23 +249,24 @@ def write_kept_answer(a, argv, kept: KeptAnswer, body: list[str], doc: dict, png
     return write(out, text, doc, png)
 
 
-def local_settings(given: list[str]) -> list[tuple[int, int, int, str]]:
-    """``--local-steps``: each as the URL's options (sync_every, fragments, overlap, compress), checked by the
-    exchangers' own option rules; (H, P, T, compress spec or "")."""
+def local_settings(given: list[str]) -> list[tuple[int, int, int, str, str]]:
+    """``--local-steps``: each as the URL's options (sync_every, fragments, fragment_by, overlap, compress), checked
+    by the exchangers' own option rules; (H, P, T, compress spec or "", fragment_by)."""
     from urllib.parse import parse_qsl
     from commlab.base.config import ExchangerURL, parse_options
     from commlab.regimes.allreduce import AllReduceOptions
     out = []
     for text in given:
         keys = {k for k, _ in parse_qsl(text)}
-        if not keys <= {"sync_every", "fragments", "overlap", "compress"} or "sync_every" not in keys:
-            raise ConfigError(f"--local-steps {text!r}: give sync_every=H and optionally fragments=, overlap=, "
-                              f"compress=")
+        if not keys <= {"sync_every", "fragments", "fragment_by", "overlap", "compress"} or "sync_every" not in keys:
+            raise ConfigError(f"--local-steps {text!r}: give sync_every=H and optionally fragments=, fragment_by=, "
+                              f"overlap=, compress=")
         try:
             o = parse_options(AllReduceOptions, ExchangerURL.parse("allreduce://?" + text))
         except ConfigError as exc:
             raise ConfigError(f"--local-steps {text!r}: {exc}") from None
-        out.append((o.sync_every, o.fragments, o.overlap, "" if o.compress in ("", "none") else o.compress))
+        out.append((o.sync_every, o.fragments, o.overlap, "" if o.compress in ("", "none") else o.compress,
+                    o.fragment_by))
     return out
 
 

@@ -33,17 +33,19 @@ from commlab.plan.simulate import allreduce_bucket_time
 
 @dataclass(frozen=True)
 class LocalSteps:
-    """The local-steps settings the planner models: ``sync_every=H``, ``fragments=P``, ``overlap=T`` and the
-    pseudo-gradient's compressor (None: float32)."""
+    """The local-steps settings the planner models: ``sync_every=H``, ``fragments=P``, ``overlap=T``, the
+    pseudo-gradient's compressor (None: float32) and ``fragment_by``."""
 
     H: int
     P: int = 1
     T: int = 0
     cost: CompressorCost | None = None
+    by: str = "tensors"
 
     @property
     def label(self) -> str:
-        extra = (f", P={self.P}" if self.P > 1 else "") + (f", T={self.T}" if self.T else "")
+        extra = (f", P={self.P}" if self.P > 1 else "") + (" (slices)" if self.by == "slices" else "") \
+            + (f", T={self.T}" if self.T else "")
         return f"H={self.H}{extra}" + (f", {self.cost.label}" if self.cost is not None else "")
 
 
@@ -54,11 +56,14 @@ def inner_s(cal: Calibration, topo: Topology, batch: int | None = None) -> float
         + c.param_bytes * cal.opt_s_per_byte
 
 
-def fragment_elements(cal: Calibration, parts: int) -> list[int]:
-    """Elements of each fragment, by the exchanger's own rule (:func:`commlab.core.localsteps.fragments`)."""
+def fragment_elements(cal: Calibration, parts: int, by: str = "tensors") -> list[int]:
+    """Elements of each fragment, by the exchanger's own rule (:func:`commlab.core.localsteps.fragments`, or with
+    ``by="slices"`` :func:`~commlab.core.localsteps.slices`: torch.tensor_split's sizes of every tensor)."""
     numels = [math.prod(shape) for _, shape, _ in cal.compute.manifest]
     if not numels:  # a calibration without a manifest: its buckets, as whole tensors
         numels = [b.nbytes // 4 for b in cal.compute.buckets]
+    if by == "slices":
+        return [sum(n // parts + (p < n % parts) for n in numels) for p in range(parts)]
     return [sum(numels[i] for i in idx) for idx in fragments([n * 4 for n in numels], parts)]
 
 
@@ -67,7 +72,7 @@ def predict(cal: Calibration, ls: LocalSteps, regime: Regime, topo: Topology, n:
     """Local steps' mean step (seconds), utilization, the exposed time and bound per fragment, and the bytes a
     rank sends per step (the mean over H), for ``n`` identical workers at ``topo.nic_bps``."""
     inner = inner_s(cal, topo, batch)
-    elements = fragment_elements(cal, ls.P)
+    elements = fragment_elements(cal, ls.P, ls.by)
     total = sum(elements) or 1
     exposed, bounds, sent = [], [], 0.0
     for numel in elements:

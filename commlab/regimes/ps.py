@@ -138,6 +138,9 @@ class PSOptions(LocalStepsOptions):
         if self.sync_every:  # local steps on the shards (the outer placement): what it does not build, refused
             if self.clip_norm:
                 raise ConfigError("ps:// sync_every= does not take clip_norm= (docs/localsteps.md)")
+            if self.fragment_by != "tensors":
+                raise ConfigError("ps:// sync_every= takes fragment_by=tensors only (the shards keep whole tensors "
+                                  "by name; slices: allreduce:// or ring://)")
             comp = compress.build(self.compress, self.ef)
             if comp is not None:  # the pseudo-gradient through the shards' compressed units (one push per shard)
                 for name, bad in (("fragments", self.fragments > 1), ("warmup", self.warmup > 0)):
