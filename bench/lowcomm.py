@@ -17,8 +17,9 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    closed form of 1/P of the parameters).
 2. The entries (``H`` = 10 and 48, ``P`` = 4): synchronous ``ring://`` and ``ring://?compress=powersgd:4``;
    ``sync_every=H`` with ``outer=sgd:lr=1`` (plain averaging) with and without ``compress=int8``; H = 48
-   int8 with the default outer optimizer (Nesterov 0.7/0.9); streaming ``fragments=4&overlap=T`` with int8,
-   and in fp32 with ``alpha=0`` beside torchft's DiLoCo at equal H, P, sync delay T and alpha 0;
+   int8 with the default outer optimizer (Nesterov 0.7/0.9); streaming ``fragments=4&overlap=T`` with int8
+   (``stream-int8``; ``stream-int8-slices``: the same with ``fragment_by=slices``, fragments of 1/P of every
+   tensor, balanced whatever the tensors' sizes, which the rule for T above assumes), and in fp32 with ``alpha=0`` beside torchft's DiLoCo at equal H, P, sync delay T and alpha 0;
    torch's ``PostLocalSGDOptimizer`` at H = 48 beside commlab's ``outer=sgd:lr=1``
    (:mod:`bench.lowcomm_peers`); and a ``ring://`` H = 48 run whose rank 1 sleeps its own step time
    after each step (2x slower).
@@ -139,6 +140,8 @@ def entries(t: int, start_iter: int, whole: int = 1, f16: int = H_LONG - 1) -> d
             "h48": url(f"sync_every={H_LONG}&{PLAIN}"), "h48-int8": url(f"sync_every={H_LONG}&compress=int8&{PLAIN}"),
             "h48-int8-nesterov": url(f"sync_every={H_LONG}&compress=int8"),
             "stream-int8": E(f"{stream}&compress=int8&{PLAIN}", f"{stream}&compress=int8&{PLAIN}", compressor="int8"),
+            "stream-int8-slices": E(f"{stream}&fragment_by=slices&compress=int8&{PLAIN}",
+                                    f"{stream}&fragment_by=slices&compress=int8&{PLAIN}", compressor="int8"),
             "stream-fp32": E(f"{stream}&alpha=0&{PLAIN}", f"{stream}&alpha=0&{PLAIN}"),
             "torchft": E(f"torchft DiLoCo H={H_LONG} P={FRAGMENTS} T={t} alpha=0", "local://", peer="torchft",
                          settings=(("H", H_LONG), ("P", FRAGMENTS), ("T", t), ("alpha", 0.0))),
