@@ -28,9 +28,9 @@ That is what makes a long overlap (one fragment, T near H) worth having.
 The parameters of the model are split into ``fragments=P`` groups of whole tensors (:func:`fragments`), or,
 with ``fragment_by=slices``, every tensor into P contiguous slices of its elements (``torch.tensor_split``),
 slice p of each in fragment p (:func:`slices`): balanced to a few elements whatever the tensors' sizes (a
-model that is mostly one matrix has no balanced fragments of whole tensors). Each group's anchor is one flat float32 tensor, which the outer optimizer (a real ``torch.optim``
-optimizer, :func:`parse_outer`) steps as one parameter: elementwise optimizers (SGD, Nesterov, Adam)
-give the same numbers as over the separate tensors.
+model that is mostly one matrix has no balanced fragments of whole tensors). Each group's anchor is one flat
+float32 tensor, which the outer optimizer (a real ``torch.optim`` optimizer, :func:`parse_outer`) steps as one
+parameter: elementwise optimizers (SGD, Nesterov, Adam) give the same numbers as over the separate tensors.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ class LocalStepsOptions(CompressOptions):
             raise ConfigError(f"sync_every must be >= 1 (or 0: every step), got {self.sync_every}")
         if self.sync_every == 0:
             given = [k for k, d in (("outer", DEFAULT_OUTER), ("warmup", 0), ("fragments", 1), ("overlap", 0),
-                                    ("alpha", 0.0), ("merge", "lerp"), ("fragment_by", "tensors")) if getattr(self, k) != d]
+                                    ("alpha", 0.0), ("merge", "lerp"), ("fragment_by", "tensors"))
+                     if getattr(self, k) != d]
             if given:
                 raise ConfigError(f"{given[0]} needs sync_every=H (local steps)")
             return
