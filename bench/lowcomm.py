@@ -321,6 +321,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--whole-overlap", type=int, default=0, help="the T of both whole-model async entries (1 to 47; "
                    "default 0: async-int8-overlap's the smallest that hides its exchange by the closed form, "
                    "async-int8-f16's 47), to compare them at one T")
+    p.add_argument("--overlap", type=int, default=0, help=f"the T of the streaming entries and torchft's (1 to "
+                   f"{H_LONG // FRAGMENTS - 1}; default 0: the smallest that hides an int8 fragment by the closed form)")
     p.add_argument("--out", help="folder (default runs/lowcomm-<UTC time>)")
     p.add_argument("--tiny", action="store_true", help="test-size models: a smoke run of the plumbing")
     p.set_defaults(rank_r=4)  # bench.compress's job passes it on (torch's PowerSGD hook: no entry here)
@@ -340,6 +342,8 @@ def check(a) -> list[tuple[str, str]]:
         raise ValueError("--eval-every must be >= 0")
     if not 0 <= a.whole_overlap < H_LONG:
         raise ValueError(f"--whole-overlap must be between 1 and {H_LONG - 1} (0: the closed form)")
+    if not 0 <= a.overlap < H_LONG // FRAGMENTS:
+        raise ValueError(f"--overlap must be between 1 and {H_LONG // FRAGMENTS - 1} (0: the closed form)")
     return K.cells_of(a, DEFAULT_CELLS)
 
 
@@ -375,7 +379,7 @@ class Run:
         alone = outcomes.get("alone", [None])[0]
         t_alone, t_median = inner_step(alone), median_step(alone)
         numel = numel_of(alone.ranks[0] if alone and alone.ranks else [])
-        t = overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
+        t = a.overlap or overlap(numel or 0, rate, t_median or 0.0)  # on loopback: 1, known before anything runs
         t_whole = a.whole_overlap or overlap_whole(numel or 0, rate, t_median or 0.0)
         t_f16 = a.whole_overlap or H_LONG - 1
         chosen = entries(t, a.start_iter, t_whole, t_f16)

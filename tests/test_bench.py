@@ -826,6 +826,10 @@ def test_lowcomm_overlap_is_the_smallest_that_hides_a_fragment_and_its_bound():
     assert exposed_bound(2**20, 125_000, 0.05, 11) == pytest.approx(266240 / 125_000 - 0.55)
     assert util_bound(2**20, 125_000, 0.05, 11) == pytest.approx(48 * 0.05 / (48 * 0.05 + 4 * (2.12992 - 0.55)))
     assert util_bound(2**20, None, 0.05, 1) == 1.0
+    from bench.lowcomm import check, parser
+    for flag, bad in (("--overlap", "12"), ("--whole-overlap", "48")):  # beyond H/P - 1 and H - 1
+        with pytest.raises(ValueError, match=flag):
+            check(parser().parse_args(["--models", "lm", "--link", "10mbit", flag, bad]))
 
 
 def test_lowcomm_async_entries_are_jobs_of_their_own_with_the_slow_rank():
