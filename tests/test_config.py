@@ -29,7 +29,7 @@ def test_missing_scheme():
 
 
 def test_unknown_option_lists_known():
-    with pytest.raises(ConfigError, match=r"allreduce:// does not know option 'backnd'; known options: alpha, backend, bucket_mb, buffers, compress, ef, fragments, heap, heartbeat_s, merge, min_workers, outer, overlap, sync_every, timeout, warmup"):
+    with pytest.raises(ConfigError, match=r"allreduce:// does not know option 'backnd'; known options: alpha, backend, bucket_mb, buffers, compress, ef, fragment_by, fragments, heap, heartbeat_s, merge, min_workers, outer, overlap, sync_every, timeout, warmup"):
         commlab.connect("allreduce://?backnd=gloo", RankInfo.single())
 
 
