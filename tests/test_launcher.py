@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -342,46 +341,3 @@ def test_how_a_process_starts_is_the_callers_and_the_environment_names_only_a_mo
     assert launcher.starter_from_env({launcher.STARTER_ENV: "zygote"}) is zygote.start
     with pytest.raises(ConfigError, match=r"\$COMMLAB_STARTER='no_such_starter' names no importable module"):
         launcher.starter_from_env({launcher.STARTER_ENV: "no_such_starter"})
-
-
-# a rank that touches a fresh 64 MiB allocation twice and says how many page faults the second touch took
-TOUCHER = """
-import ctypes, resource
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-n = 64 << 20
-for i in range(2):
-    ptr = libc.malloc(n)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    ctypes.memset(ptr, 1, n)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    libc.free(ptr)
-print(f"faults {faults}", flush=True)
-"""
-
-
-@pytest.mark.parametrize("how", ["reuse", "system", "user's own"])
-def test_the_ranks_reuse_freed_heap_unless_told_not_to(how, tmp_path, real_starts):
-    """glibc hands an allocation over 32 MiB fresh pages and returns them on free: touching a second 64 MiB
-    tensor costs 16,384 page faults of 4 KiB. The launcher's default keeps freed memory up to 1 GiB in the heap
-    (the second touch faults on nothing), and says so; --malloc system, or either variable set by the user, leaves
-    glibc's behaviour and the user's setting alone. Real starts: a forked rank keeps its parent's heap settings."""
-    script = tmp_path / "touch.py"
-    script.write_text(TOUCHER)
-    env = child_env(**({"MALLOC_MMAP_THRESHOLD_": "65536"} if how == "user's own" else {}))
-    env.pop("MALLOC_TRIM_THRESHOLD_", None)
-    if how != "user's own":
-        env.pop("MALLOC_MMAP_THRESHOLD_", None)
-    flags = ["--malloc", "system"] if how == "system" else []
-    r = run_group(_cli(["run", "--workers", "1", *flags, str(script)]), 60, capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    faults = int(r.stdout.split("faults ")[1].split()[0])
-    said = "large tensors reuse freed heap memory (MALLOC_MMAP_THRESHOLD_=1073741824, MALLOC_TRIM_THRESHOLD_=1073741824"
-    pages = (64 << 20) // resource.getpagesize()
-    if how == "reuse":
-        assert faults < pages // 16, (faults, r.stdout)
-        assert said in r.stdout + r.stderr, r.stdout + r.stderr
-    else:
-        assert faults >= pages * 9 // 10, (faults, r.stdout)
-        assert said not in r.stdout + r.stderr, r.stdout + r.stderr

@@ -512,26 +512,6 @@ def _tail_text(p: Proc) -> str:
     return f"; the last lines of its log:\n{text}" if text.strip() else ""
 
 
-# ----- the heap --------------------------------------------------------------------------------------
-
-# glibc serves an allocation above its mmap threshold (at most 32 MiB by default) with fresh pages and returns
-# them on free: each new tensor that size pays a page fault per 4 KiB on first touch (22 ms for 64 MiB here,
-# against 2-3 ms for the pass over it). An exchange of a big fragment makes several such tensors (the flat
-# copy, the pseudo-gradient, the codes, each rank's decoding): with these two, freed memory up to 1 GiB is
-# kept and reused (a 16.8M-element int8 fragment's encode and decode: 260 -> 50 ms). The cost: a process keeps
-# its peak heap. torchrun sets OMP_NUM_THREADS for its ranks the same way: said, and the user's own setting wins.
-HEAP = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
-def reuse_heap(env: dict[str, str]) -> bool:
-    """Put :data:`HEAP` in ``env`` unless either is set there already (the user's choice, left whole).
-    Returns whether it did."""
-    if any(k in env for k in HEAP):
-        return False
-    env.update(HEAP)
-    return True
-
-
 # ----- the job ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -576,7 +556,6 @@ class Job:
     metrics_insecure: bool = False  # an address off loopback serves unauthenticated HTTP: only when told
     trace: str | None = None  # $COMMLAB_TRACE: every rank and server writes its timeline here, merged at the end
     trace_torch: str | None = None  # $COMMLAB_TRACE_TORCH: the steps whose torch.profiler trace goes in too
-    malloc: str = "reuse"  # "reuse": freed tensors up to 1 GiB stay in the heap (reuse_heap); "system": glibc's own
 
     def describe(self) -> str:
         return " ".join(self.command).removeprefix("-m ")
@@ -665,9 +644,6 @@ def _run(job: Job) -> int:
         base.update(WORLD_SIZE=str(job.workers), LOCAL_WORLD_SIZE=str(job.workers), MASTER_ADDR=job.master_addr,
                     PYTHONUNBUFFERED="1")
         base[metrics.ENV] = metrics_base
-        if job.malloc == "reuse" and reuse_heap(base):
-            job.say(f"large tensors reuse freed heap memory ({', '.join(f'{k}={v}' for k, v in HEAP.items())}; "
-                    f"--malloc system keeps glibc's defaults)")
         if job.trace:  # every rank and server writes DIR/<process>.json; merged into DIR/trace.json at the end
             base[trace.ENV] = os.path.abspath(job.trace)
             for old in Path(job.trace).glob("*.json"):  # this run's files only

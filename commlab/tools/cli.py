@@ -80,10 +80,6 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
     p.add_argument("--replace", action="store_true",
                    help="keep going: a rank killed by a signal gets a new process of its own while the others train "
                         "on (ps://: it enters at the next step boundary with the servers' state; docs/faults.md)")
-    p.add_argument("--malloc", choices=("reuse", "system"), default="reuse",
-                   help="reuse (default): the ranks and servers keep freed memory up to 1 GiB for reuse "
-                        "(MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, unless either is set): big tensors "
-                        "then cost no page faults; system: glibc's defaults")
     p.add_argument("--spares", type=int, default=0,
                    help="keep going, as --replace, with this many idle ranks started up front (torch loaded) that "
                         "take over dead ranks first")
@@ -91,7 +87,7 @@ def add_job_args(p: argparse.ArgumentParser, default_workers: int) -> None:
 
 def job_fields(a: argparse.Namespace) -> dict:
     """The Job fields of :func:`add_job_args`'s keep-going, timeline and metrics flags."""
-    return {"replace": a.replace, "spares": a.spares, "malloc": a.malloc, "trace": a.trace, "trace_torch": a.trace_torch,
+    return {"replace": a.replace, "spares": a.spares, "trace": a.trace, "trace_torch": a.trace_torch,
             "metrics_port": a.metrics_port, "metrics_addr": a.metrics_addr, "metrics_insecure": a.metrics_insecure}
 
 
