@@ -868,3 +868,10 @@ def test_lowcomm_whole_model_overlap_and_async_at_equal_held_out_loss():
     (h,) = held_against_slow([slow, fast, row("ring://", [(1, 1.0)])])
     assert (h["loss"], h["async_s"], h["slow_s"]) == (1.36, 12, 30) and h["ratio"] == pytest.approx(0.4)
     assert held_against_slow([fast]) == []  # no slow ring in the run: nothing to compare with
+    # run longer (--async-steps), the async job goes below the ring's last loss: compared there, the ring's whole run
+    longer = row("ps://?mode=async&y (rank 1 2x slower)", [(5, 1.45), (12, 1.35), (25, 1.19), (50, 1.1)])
+    (h,) = held_against_slow([slow, longer])
+    assert (h["loss"], h["async_s"], h["slow_s"]) == (1.2, 25, 40) and h["ratio"] == pytest.approx(0.625)
+    from bench.lowcomm import check, parser
+    with pytest.raises(ValueError, match="--async-steps"):
+        check(parser().parse_args(["--models", "lm", "--link", "10mbit", "--async-steps", "1"]))
