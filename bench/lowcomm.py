@@ -19,7 +19,8 @@ LM (examples/charlm.py's model) at 100, 10 and 1 Mbit/s (``tc tbf`` caps between
    ``sync_every=H`` with ``outer=sgd:lr=1`` (plain averaging) with and without ``compress=int8``; H = 48
    int8 with the default outer optimizer (Nesterov 0.7/0.9); streaming ``fragments=4&overlap=T`` with int8
    (``stream-int8``; ``stream-int8-slices``: the same with ``fragment_by=slices``, fragments of 1/P of every
-   tensor, balanced whatever the tensors' sizes, which the rule for T above assumes), and in fp32 with ``alpha=0`` beside torchft's DiLoCo at equal H, P, sync delay T and alpha 0;
+   tensor, balanced whatever the tensors' sizes, which the rule for T above assumes), and in fp32 with
+   ``alpha=0`` beside torchft's DiLoCo at equal H, P, sync delay T and alpha 0;
    torch's ``PostLocalSGDOptimizer`` at H = 48 beside commlab's ``outer=sgd:lr=1``
    (:mod:`bench.lowcomm_peers`); and a ``ring://`` H = 48 run whose rank 1 sleeps its own step time
    after each step (2x slower).
