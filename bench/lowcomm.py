@@ -157,6 +157,11 @@ ENTRY_NAMES = tuple(entries(1, 2))
 
 
 
+def is_local(e: K.Entry) -> bool:
+    """A local-steps entry of the main job (H = 10 or 48, streaming): not a peer, not the slow-rank ring."""
+    return not e.peer and "sync_every" in e.url and e.label != SLOW_SYNC_LABEL
+
+
 def is_sync(e: K.Entry) -> bool:
     return not e.peer and "sync_every" not in e.url
 
@@ -330,6 +335,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--async-steps", type=int, default=0, help="inner steps of each rank in the async entries (their "
                    "learning-rate schedule spans them; default 0: --steps): an async job does not wait for its slow "
                    "rank, so in the slow-rank ring's time its fast rank can take more steps")
+    p.add_argument("--local-steps-run", type=int, default=0, help="inner steps of the local-steps entries (H = 10, "
+                   "48, streaming), run in a job of their own with their schedule spanning them (default 0: --steps, "
+                   "in the main job); the synchronous entries keep --steps and set the target: bytes to the target "
+                   "for a local-steps run that needs more steps than the synchronous one to get there")
     p.add_argument("--out", help="folder (default runs/lowcomm-<UTC time>)")
     p.add_argument("--tiny", action="store_true", help="test-size models: a smoke run of the plumbing")
     p.set_defaults(rank_r=4)  # bench.compress's job passes it on (torch's PowerSGD hook: no entry here)
@@ -349,6 +358,8 @@ def check(a) -> list[tuple[str, str]]:
         raise ValueError("--eval-every must be >= 0")
     if not 0 <= a.whole_overlap < H_LONG:
         raise ValueError(f"--whole-overlap must be between 1 and {H_LONG - 1} (0: the closed form)")
+    if a.local_steps_run < 0 or 0 < a.local_steps_run < 2:
+        raise ValueError("--local-steps-run must be >= 2 (0: --steps)")
     if a.async_steps < 0 or 0 < a.async_steps < 2:
         raise ValueError("--async-steps must be >= 2 (0: --steps)")
     if not 0 <= a.overlap < H_LONG // FRAGMENTS:
@@ -397,7 +408,13 @@ class Run:
         slow_links = [e for e in es if is_sync(e) and rate and numel
                       and steps * ring_bytes(4 * numel, a.workers) / rate > a.sync_cap_s]
         whole = [e for e in es if e not in slow_links]
-        outcomes.update(self.job(([alone_entry] if rate is None else []) + whole, model, link, steps, links, "-main"))
+        longer = [e for e in whole if a.local_steps_run and is_local(e)]  # run apart, --local-steps-run steps
+        whole = [e for e in whole if e not in longer]
+        if whole or rate is None:
+            outcomes.update(self.job(([alone_entry] if rate is None else []) + whole, model, link, steps, links,
+                                     "-main"))
+        if longer:
+            outcomes.update(self.job(longer, model, link, a.local_steps_run, links, "-longer"))
         if rate is None:
             alone = outcomes["alone"][0]
             t_alone, t_median = inner_step(alone), median_step(alone)
@@ -426,7 +443,8 @@ class Run:
         held = held_out(rows, a.target_at)
         png = plot(rows, self.out / f"lowcomm-{model}-{slug(link)}.png", f"{model} at {link}")
         return {"model": model, "model_name": (K.TINY if a.tiny else K.MODELS)[model], "link": link,
-                "rate_bytes_per_s": rate, "steps": steps, "t_alone_s": t_alone, "t_alone_median_s": t_median,
+                "rate_bytes_per_s": rate, "steps": steps, "local_steps_run": a.local_steps_run or None,
+                "async_steps": a.async_steps or None, "t_alone_s": t_alone, "t_alone_median_s": t_median,
                 "numel": numel, "overlap": t, "overlap_whole": t_whole, "overlap_f16": t_f16,
                 "exposed_bound_s": exposed_bound(numel or 0, rate, t_alone or 0.0, t),
                 "util_bound": util_bound(numel or 0, rate, t_alone or 0.0, t), "target": target,
@@ -517,7 +535,10 @@ def write(out: Path, cells: list[dict], failures: list[dict], config: dict, seco
           f"arithmetic) and its wall time steps x its median step time over {TIMING_STEPS} steps at the link.", ""]
     for c in cells:
         md += [f"## {c['model']} ({c['model_name']}) at {c['link']}", "",
-               f"{c['steps']} inner steps an entry; step alone {fmt(c['t_alone_s'] and c['t_alone_s'] * 1e3, '.1f')} ms "
+               f"{c['steps']} inner steps an entry"
+               + "".join(f" ({what}: {c.get(k)})" for k, what in (("local_steps_run", "the local-steps entries"),
+                                                                 ("async_steps", "the async entries")) if c.get(k))
+               + f"; step alone {fmt(c['t_alone_s'] and c['t_alone_s'] * 1e3, '.1f')} ms "
                f"(median {fmt(c.get('t_alone_median_s') and c['t_alone_median_s'] * 1e3, '.1f')}); "
                f"{c['numel'] or 0:,} parameters; overlap T = {c['overlap']} (streaming bound: "
                f"{c['exposed_bound_s']:.3f} s exposed per fragment, utilization <= {c['util_bound']:.3f}); target "

@@ -872,6 +872,10 @@ def test_lowcomm_whole_model_overlap_and_async_at_equal_held_out_loss():
     longer = row("ps://?mode=async&y (rank 1 2x slower)", [(5, 1.45), (12, 1.35), (25, 1.19), (50, 1.1)])
     (h,) = held_against_slow([slow, longer])
     assert (h["loss"], h["async_s"], h["slow_s"]) == (1.2, 25, 40) and h["ratio"] == pytest.approx(0.625)
-    from bench.lowcomm import check, parser
-    with pytest.raises(ValueError, match="--async-steps"):
-        check(parser().parse_args(["--models", "lm", "--link", "10mbit", "--async-steps", "1"]))
+    from bench.lowcomm import check, entries, is_local, parser
+    for flag in ("--async-steps", "--local-steps-run"):
+        with pytest.raises(ValueError, match=flag):
+            check(parser().parse_args(["--models", "lm", "--link", "10mbit", flag, "1"]))
+    # --local-steps-run moves these to a job of their own; the synchronous entries, the peers and the slow ring stay
+    assert sorted(n for n, e in entries(3, 2).items() if is_local(e)) == [
+        "h10", "h10-int8", "h48", "h48-int8", "h48-int8-nesterov", "stream-fp32", "stream-int8", "stream-int8-slices"]
