@@ -21,6 +21,8 @@ What the shard does with it follows from the compressor's declaration, never its
   pull the sums (update=worker, PowerSGD) one already summed keeps its part (it may have gone out); under
   update=server with payloads that decode alone the shard keeps each such rank's payloads until its step is
   whole, and subtracts them from the sums again.
+* a push may name other units wholly absent (:meth:`Units.skipped`; local steps with ``fragments=``, one
+  fragment a sync): the step is whole without their rounds, and their pieces are absent from it.
 * async, ssp (``decodes_alone`` compressors only; PowerSGD is refused by the worker): each push is decoded
   alone into a dense float32 gradient and applied as an uncompressed push is.
 
@@ -100,6 +102,18 @@ class Units:
     def max_bytes(self) -> int:
         """Most payload bytes one push may carry: top-k at F=1 sends 8 bytes an element (values, indices)."""
         return max([0, *(8 * u.n + 64 for u in self.units.values())])
+
+    def skipped(self, unit: Unit, absent: list) -> list[Unit] | None:
+        """The other units a round-0 push of ``unit`` names wholly absent (local steps with ``fragments=``: a sync
+        of one fragment carries its unit, the shard's other fragments' pieces absent), or None when ``absent``
+        names a piece that is neither the unit's nor one of a whole other unit."""
+        outside = {k for k in absent if k not in unit.slices}
+        if not outside:
+            return []
+        out = [u for u in self.units.values() if u.key != unit.key and outside & set(u.keys)]
+        if any(not set(u.keys) <= outside for u in out) or outside != {k for u in out for k in u.keys}:
+            return None
+        return out
 
     def unit(self, h: wire.Header) -> tuple[Unit, int]:
         u, r = h.meta.get("unit"), h.meta.get("round")

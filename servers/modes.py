@@ -262,6 +262,7 @@ class Partial:
     absent: set = field(default_factory=set)
     base: int | None = None  # oldest version its gradients were computed on
     rounds: dict = field(default_factory=dict)  # compress=: unit -> the last round it pushed
+    skipped: set = field(default_factory=set)  # compress=: units a push named wholly absent from this step
 
 
 class Mode:
@@ -606,6 +607,12 @@ class Sync(Mode):
             for key in unit.keys:
                 self.contributed[key] += 1
                 self.present[key] += key not in absent
+            for other in units.skipped(unit, absent) or []:  # wholly absent: counted once, its rounds all done
+                if other.key not in part.skipped and other.key not in part.rounds:
+                    part.skipped.add(other.key)
+                    part.rounds[other.key] = last
+                    for key in other.keys:
+                        self.contributed[key] += 1
         if len(acc.payloads) >= needed:
             self._total(units, unit, r, needed)
         if all(part.rounds.get(u) == last for u in units.units):
@@ -656,6 +663,9 @@ class Sync(Mode):
         again, and that unit's aggregate is taken anew once the membership dropped the rank (:meth:`settle`);
         one in a published sum keeps its part (some survivor may hold that sum). Round 0's counts follow."""
         units = self.srv.units
+        for u in part.skipped:  # named absent, nothing of it held: its count goes
+            for key in units.units[u].keys:
+                self.contributed[key] -= 1
         for unit in units.units.values():
             for r in range(units.comp.rounds):
                 if not units.take_out(unit, r, rank):

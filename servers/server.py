@@ -682,8 +682,9 @@ class ParameterServer:
         payload = self.units.payload(h, data, unit)
         absent, cmeta, base = h.meta.get("absent", []), h.meta.get("cmeta", {}), h.meta.get("base")
         if not isinstance(cmeta, dict) or not isinstance(absent, list) or (absent and r) \
-                or any(k not in unit.slices for k in absent):
-            raise Refused(f"push from {h.sender}: 'cmeta' must be a map, 'absent' keys of unit {unit.key} (round 0)")
+                or self.units.skipped(unit, absent) is None:
+            raise Refused(f"push from {h.sender}: 'cmeta' must be a map, 'absent' keys of unit {unit.key} or of "
+                          f"whole other units (round 0)")
         if not isinstance(base, int) or base > self.version:
             raise Refused(f"push from {h.sender}: bad base version {base!r} (server is at {self.version})")
         done = part.rounds.get(unit.key, -1)

@@ -113,22 +113,27 @@ def reference(steps: int, H: int, outer: dict | None, inner: str = "adamw", bn: 
         due = {p for p in range(parts) if t % H == (H * (p + 1) // parts) % H}
         land = {p for p in range(parts) if t > T and (t - T) % H == (H * (p + 1) // parts) % H}
         with torch.no_grad():
-            if due and quant is not None:
-                whole = torch.cat(base)
-                total = torch.zeros_like(whole)
-                for r in live:
-                    x = (whole - torch.cat([view(models[r], u) for u in units])) * (1.0 / N)
-                    mine = ef.setdefault(r, {"e": None, "inputs": torch.zeros_like(x), "sent": torch.zeros_like(x)})
-                    c = x if mine["e"] is None else mine["e"] + x
-                    d = quant(c)
-                    mine["e"] = c - d
-                    mine["inputs"] += x
-                    mine["sent"] += d
-                    total += d
-                offset = 0
+            if due and quant is not None:  # per due fragment, its units in model order (one shard: one push)
                 for a in anchor:
-                    a.grad = total[offset:offset + a.numel()].view_as(a).clone()
-                    offset += a.numel()
+                    a.grad = None
+                for p in sorted(due):
+                    ks = [k for k, u in enumerate(units) if u[3] == p]
+                    whole = torch.cat([base[k] for k in ks])
+                    total = torch.zeros_like(whole)
+                    for r in live:
+                        x = (whole - torch.cat([view(models[r], units[k]) for k in ks])) * (1.0 / N)
+                        mine = ef.setdefault(r if parts == 1 else (r, p),
+                                             {"e": None, "inputs": torch.zeros_like(x), "sent": torch.zeros_like(x)})
+                        c = x if mine["e"] is None else mine["e"] + x
+                        d = quant(c)
+                        mine["e"] = c - d
+                        mine["inputs"] += x
+                        mine["sent"] += d
+                        total += d
+                    offset = 0
+                    for k in ks:
+                        anchor[k].grad = total[offset:offset + anchor[k].numel()].view_as(anchor[k]).clone()
+                        offset += anchor[k].numel()
                 outer_opt.step()
             elif due:
                 for k, (a, u) in enumerate(zip(anchor, units)):
@@ -638,6 +643,27 @@ def test_ps_compressed_pseudo_gradient_with_error_feedback_matches_reference(run
 
 
 @pytest.mark.multiproc
+def test_ps_compressed_fragments_match_reference(run_ranks, tmp_path, procs):
+    """compress=int8 with fragments=2 on ps://: each sync pushes one fragment's pseudo-gradient / N through the
+    quantizer, a unit of its own on the shard (error feedback per fragment), the shard's other unit named wholly
+    absent, so its outer step moves that fragment alone. Every rank equals the reference (quantized per fragment,
+    the blocks starting at each fragment's first element) to 1e-5; each sync moves its fragment's closed-form
+    bytes; 5 updates; error feedback conserves each fragment's sum."""
+    quant, nbytes = QUANT["int8,block=32"]
+    server = procs.server("--mode", "sync")
+    saved = run(run_ranks, tmp_path, ps_url(server) + "&sync_every=4&fragments=2&compress=int8,block=32", 10)
+    ef: dict = {}
+    check_ranks(saved, reference(10, 4, dict(lr=0.7, momentum=0.9, nesterov=True), parts=2, quant=quant, ef=ef), 1e-5)
+    sizes = [q.numel() for q in make_model(False).parameters()]
+    per = [sum(sizes[i] for i in idx) for idx in fragments([n * 4 for n in sizes], 2)]
+    assert saved[0]["sent"] == [0, nbytes(per[0]), 0, nbytes(per[1])] * 2 + [0, nbytes(per[0])]  # t = 2, 4, ..., 10
+    assert server.stats()["updates"] == 5
+    for r in range(N):
+        for p in range(2):
+            assert torch.allclose(ef[r, p]["inputs"], ef[r, p]["sent"] + ef[r, p]["e"], atol=1e-6)
+
+
+@pytest.mark.multiproc
 @pytest.mark.full
 def test_ps_async_compressed_pseudo_gradients_add_up_with_error_feedback(run_ranks, tmp_path, procs):
     """mode=async with compress=int8: each push is decoded alone and applied as it lands (x -= (lr / N) g, momentum
@@ -658,6 +684,23 @@ def test_ps_async_compressed_pseudo_gradients_add_up_with_error_feedback(run_ran
     assert min(float((g - (x0 - 0.7 / N * pushed)).abs().max()) for g in got) > 1e-6  # rounding was kept back
 
 
+@pytest.mark.multiproc
+def test_ps_async_compressed_fragments_apply_every_push_once(run_ranks, tmp_path, procs):
+    """mode=async, compress=int8, fragments=2 (H = 2: fragment 0 at t = 1, fragment 1 at t = 2), rank 1 slower:
+    each rank's 6 syncs push one fragment each, a unit with the other named absent, and the shard applies every
+    push once as it lands: 12 updates, 12 pushes, no duplicates; each sync moves its fragment's int8 bytes."""
+    server = procs.server("--mode", "async")
+    url = ps_url(server, "async") + "&sync_every=2&fragments=2&outer=sgd:lr=0.7&compress=int8,block=32"
+    saved = run(run_ranks, tmp_path, url, 6, slow=0.05)
+    stats = server.stats()
+    assert stats["updates"] == stats["pushes"] == 12 and stats["duplicates"] == 0
+    sizes = [q.numel() for q in make_model(False).parameters()]
+    per = [sum(sizes[i] for i in idx) for idx in fragments([n * 4 for n in sizes], 2)]
+    nbytes = QUANT["int8,block=32"][1]
+    assert all(s["sent"] == [nbytes(per[0]), nbytes(per[1])] * 3 for s in saved)
+    assert all(torch.isfinite(v).all() for s in saved for v in s["params"].values())
+
+
 def test_ps_options_refused_in_one_line():
     from commlab.regimes.ps import PSOptions
 
@@ -667,8 +710,7 @@ def test_ps_options_refused_in_one_line():
     assert parse("sync_every=4&update=server&mode=async").placement.name == "outer"
     for q, name in [("sync_every=4&update=worker", "update=worker"), ("sync_every=4&mode=ssp", "mode=ssp"),
                     ("sync_every=4&warmup=2&mode=async", "warmup"), ("sync_every=4&compress=powersgd:2", "compress"),
-                    ("sync_every=4&fragments=2&compress=int8", "fragments"), ("sync_every=4&warmup=2&compress=int8",
-                                                                              "warmup"),
+                    ("sync_every=4&warmup=2&compress=int8", "warmup"),
                     ("sync_every=4&clip_norm=1", "clip_norm"),
                     ("sync_every=4&outer=sgd:lr=-1", "outer"), ("outer=sgd:lr=1", "outer"),
                     ("sync_every=4&mode=async&outer=adam:lr=0.1", "Delayed Nesterov"),

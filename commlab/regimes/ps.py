@@ -143,10 +143,9 @@ class PSOptions(LocalStepsOptions):
                                   "by name; slices: allreduce:// or ring://)")
             comp = compress.build(self.compress, self.ef)
             if comp is not None:  # the pseudo-gradient through the shards' compressed units (one push per shard)
-                for name, bad in (("fragments", self.fragments > 1), ("warmup", self.warmup > 0)):
-                    if bad:
-                        raise ConfigError(f"ps:// sync_every= with compress= takes no {name}= (not built: "
-                                          f"docs/localsteps.md)")
+                if self.warmup > 0:
+                    raise ConfigError("ps:// sync_every= with compress= takes no warmup= (not built: "
+                                      "docs/localsteps.md)")
                 if not comp.decodes_alone:
                     raise ConfigError(f"option 'compress': ps:// sync_every= takes a compressor whose payloads decode "
                                       f"alone (casts, top-k, random-k, sign, int8, int4, fp4, fp8), not {self.compress}")

@@ -82,10 +82,10 @@ class CompressedPushes:
     def __init__(self, ex, plan: list[dict[int, list]], state: CompressState, outer: bool = False):
         self.ex, self.comp = ex, state.comp
         k = len(ex.shards)
-        self.units: list[list[Unit]] = []  # per bucket (outer: one group, a unit per shard)
+        self.units: list[list[Unit]] = []  # per bucket (outer: per fragment, a unit per shard holding any of it)
         self.outer = outer
         if outer:
-            self.units = [self._outer_units()]
+            self.units = self._outer_units()  # per fragment
         for b, by_shard in zip(ex.buckets, plan if not outer else []):
             units = []
             for s, items in sorted(by_shard.items()):
@@ -96,27 +96,37 @@ class CompressedPushes:
         self._flight: dict[int, dict] = {}  # unit key -> this step's x, payloads per round
         self._got: dict[tuple[int, int], list[torch.Tensor]] = {}  # (unit, round) -> the shard's sum
 
-    def _outer_units(self) -> list[Unit]:
-        """Local steps (``sync_every=H``, one fragment): what a sync compresses is the pseudo-gradient, not a bucket.
-        A unit per shard: the shard's pieces in model order, ``ranges`` their places in the model's flat float32
-        layout (the trained parameters in model order, as :class:`commlab.core.localsteps.LocalSteps` lays out
-        its anchor). With one shard the unit is the whole pseudo-gradient, as the collectives compress it."""
+    def _outer_units(self) -> list[list[Unit]]:
+        """Local steps (``sync_every=H``): what a sync compresses is a fragment's pseudo-gradient, not a bucket. Per
+        fragment (``fragments=P``, whole tensors by :func:`commlab.core.localsteps.fragments`, the rule the schedule
+        uses), a unit per shard holding any of it: the shard's pieces of the fragment in model order, ``ranges``
+        their places in the fragment's flat float32 anchor (its parameters in model order, as
+        :class:`commlab.core.localsteps.LocalSteps` lays it out). Unit keys: fragment x shards + shard. A sync of
+        one fragment names the shard's other units' pieces absent, so the shard's step is whole without them
+        (servers.modes). With one fragment and one shard the unit is the whole pseudo-gradient, as the
+        collectives compress it."""
+        from commlab.core.localsteps import fragments
+
         ex = self.ex
-        at: dict[str, int] = {}
-        offset = 0
-        for name, p in ex.model.named_parameters():
-            if p.requires_grad:
-                at[name] = offset
-                offset += p.numel()
-        params = dict(ex.model.named_parameters())
-        units = []
-        for s, pieces in enumerate(ex._pieces):
-            mine = sorted((pc for pc in pieces if pc.param in at), key=lambda pc: at[pc.param] + pc.start)
-            if mine:
-                units.append(Unit(s, s, -1, [pc.key for pc in mine], [],
-                                  [(at[pc.param] + pc.start, pc.count) for pc in mine],
-                                  [piece_shape(params[pc.param].shape, pc.start, pc.count) for pc in mine]))
-        return units
+        named = [(name, p) for name, p in ex.model.named_parameters() if p.requires_grad]
+        params, k = dict(named), len(ex.shards)
+        groups = []
+        for f, idx in enumerate(fragments([p.numel() * p.element_size() for _, p in named],
+                                          max(1, ex.options.fragments))):
+            at: dict[str, int] = {}
+            offset = 0
+            for i in idx:
+                at[named[i][0]] = offset
+                offset += named[i][1].numel()
+            units = []
+            for s, pieces in enumerate(ex._pieces):
+                mine = sorted((pc for pc in pieces if pc.param in at), key=lambda pc: at[pc.param] + pc.start)
+                if mine:
+                    units.append(Unit(f * k + s, s, -1, [pc.key for pc in mine], [],
+                                      [(at[pc.param] + pc.start, pc.count) for pc in mine],
+                                      [piece_shape(params[pc.param].shape, pc.start, pc.count) for pc in mine]))
+            groups.append(units)
+        return groups
 
     def hello(self, shard: int) -> dict:
         """What ``shard``'s hello says of the pushes: the compressor and this shard's units."""
@@ -165,14 +175,14 @@ class CompressedPushes:
         ex.stats.bytes_uncompressed += itemsize * sum(c for (_, c), key in zip(u.ranges, u.keys) if key not in absent)
         return payload, {"absent": absent, "cmeta": self.comp.wire_meta(u.key)}
 
-    def outer_push(self, delta: torch.Tensor) -> dict[int, tuple[list, dict]]:
+    def outer_push(self, fragment: int, delta: torch.Tensor) -> dict[int, tuple[list, dict]]:
         """Local steps (``sync_every=H``): one sync's compressed push per shard, from this worker's pseudo-gradient
-        ``delta`` (flat float32, model order; scratch): each shard's unit of it, scaled as a gradient is (sync:
+        ``delta`` of ``fragment`` (flat float32, the fragment's order; scratch): each shard's unit of it, scaled as a gradient is (sync:
         1/N, so the shard's sum of the decodings is the mean; async: as it is), through the compressor (error
         feedback's residual is the unit's). Returns shard -> (frames, push meta); the bytes are counted here.
         :meth:`close` closes the step once the shards have answered (the residual: input minus own decoding)."""
         out: dict[int, tuple[list, dict]] = {}
-        for u in self.units[0]:
+        for u in self.units[fragment]:
             x = torch.cat([delta[a:a + c] for a, c in u.ranges])
             if self.scale != 1.0:
                 x.mul_(self.scale)

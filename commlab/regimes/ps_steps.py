@@ -403,9 +403,9 @@ class ShardsOuter(localsteps.Outer):
         self.syncs += 1
         handles = []
         pushes = ex._pushes
-        # compress= (one fragment): each shard's unit of the pseudo-gradient through the compressor, pushed as the
+        # compress=: each shard's unit of the fragment's pseudo-gradient through the compressor, pushed as the
         # gradient path pushes a compressed unit (regimes.ps_compress); the shard decodes and sums it (servers.compressed)
-        packed = pushes.outer_push(delta) if isinstance(pushes, CompressedPushes) else None
+        packed = pushes.outer_push(p, delta) if isinstance(pushes, CompressedPushes) else None
         # the new anchor's dtype on the wire ("": the shard's own, float32); the copy here stays float32
         as_dtype = "" if ex.options.anchor_dtype == "float32" else ex.options.anchor_dtype
         for s in ex.shards:
@@ -433,7 +433,7 @@ class ShardsOuter(localsteps.Outer):
 
             def exchange(s: "_Shard", step=step, parts=parts, absent=absent, keys=[pc.key for pc in mine],
                          take=take, extra=extra) -> int:
-                return s.push_then_pull(step, parts, {"base": s.version, "absent": absent, **extra},
+                return s.push_then_pull(step, parts, {"base": s.version, **extra, "absent": absent},
                                         f"pseudo-gradient of fragment {p} at step {step}", commit, keys, take,
                                         as_dtype)
 
@@ -443,7 +443,7 @@ class ShardsOuter(localsteps.Outer):
         def landed(received: list) -> torch.Tensor:
             ex.stats.bytes_received += sum(received)
             if isinstance(pushes, CompressedPushes):  # every shard has the push: error feedback keeps what this
-                pushes.close(pushes.units[0])  # rank's own decoding lost
+                pushes.close(pushes.units[p])  # rank's own decoding lost
             return anchor
 
         return _Retrying(handles, what, then=landed, retries=ex.options.retries)
