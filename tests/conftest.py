@@ -85,7 +85,10 @@ def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = N
     """Start ``program`` as ``n`` ranks, each a process group of its own; every rank, rank 0 too, is a
     client of a store hosted here (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun)."""
     path = tmp_path / f"rank_program_{time.monotonic_ns()}.py"
-    path.write_text(textwrap.dedent(program))
+    text = textwrap.dedent(program)
+    lines = text.splitlines(keepends=True)
+    first = 1 if lines and lines[0].startswith("from __future__") else 0  # it must stay the first statement
+    path.write_text("".join(lines[:first]) + STACKS_ON_SIGNAL + "".join(lines[first:]))
     hosted = store.host("127.0.0.1", timeout)
     procs = []
     for r in range(n):
@@ -96,14 +99,28 @@ def start_ranks(program: str, n: int, tmp_path: Path, extra_env: dict | None = N
     return Ranks(procs, hosted)
 
 
+# a rank still running at collect()'s deadline prints every thread's stack (SIGUSR1) before it is killed, so a
+# hang says where it hung
+STACKS_ON_SIGNAL = "import faulthandler as _fh, signal as _sig; _fh.register(_sig.SIGUSR1, all_threads=True)\n"
+
+
 def collect(ranks: Ranks, timeout: float, check: bool = True) -> list[RankResult]:
-    """Wait for every rank (deadline shared); on the first failure or the deadline, kill the rest."""
+    """Wait for every rank (deadline shared); on the first failure or the deadline, kill the rest (at the
+    deadline, a rank still running first prints its threads' stacks to its stderr)."""
     procs = ranks.procs
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if check and any(p.poll() not in (None, 0) for p in procs):
             break
         time.sleep(0.02)
+    hung = [p for p in procs if p.poll() is None] if time.monotonic() >= deadline else []
+    for p in hung:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if hung:
+        time.sleep(1.0)  # the dump is written from a C signal handler at once; a second is plenty
     launcher.kill_groups(procs, grace=0)  # what an exited rank started goes too
     results = []
     for r, p in enumerate(procs):
@@ -112,7 +129,7 @@ def collect(ranks: Ranks, timeout: float, check: bool = True) -> list[RankResult
     if check:
         bad = [x for x in results if x.code != 0]
         if bad:
-            msg = "\n".join(f"--- rank {x.rank} exit {x.code}\n{x.err[-3000:]}" for x in bad)
+            msg = "\n".join(f"--- rank {x.rank} exit {x.code}\n{x.err[-8000:]}" for x in bad)
             pytest.fail(f"rank(s) failed:\n{msg}")
     return results
 
