@@ -251,6 +251,7 @@ def held_against_slow(rows: list[dict]) -> list[dict]:
     if slow is None:
         return []
     out = []
+    ring_last = [p["test_loss"] for p in slow["curve"] if p.get("test_loss") is not None][-1]
 
     def first(row: dict, loss: float) -> float | None:
         hit = first_at_or_below(row, loss)
@@ -260,7 +261,6 @@ def held_against_slow(rows: list[dict]) -> list[dict]:
         pts = [p for p in r.get("curve") or [] if p.get("test_loss") is not None]
         if not r["regime"].startswith("ps://?mode=async") or not pts:
             continue
-        ring_last = [p["test_loss"] for p in slow["curve"] if p.get("test_loss") is not None][-1]
         loss = max(pts[-1]["test_loss"], ring_last)
         mine, theirs = first(r, loss), first(slow, loss)
         out.append({"regime": r["regime"], "loss": loss, "async_s": mine, "slow_s": theirs,

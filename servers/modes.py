@@ -607,8 +607,8 @@ class Sync(Mode):
             for key in unit.keys:
                 self.contributed[key] += 1
                 self.present[key] += key not in absent
-            for other in units.skipped(unit, absent) or []:  # wholly absent: counted once, its rounds all done
-                if other.key not in part.skipped and other.key not in part.rounds:
+            for other in meta["skipped"]:  # units named wholly absent: counted once, their rounds all done
+                if other.key not in part.rounds:
                     part.skipped.add(other.key)
                     part.rounds[other.key] = last
                     for key in other.keys:

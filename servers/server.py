@@ -681,8 +681,8 @@ class ParameterServer:
         unit, r = self.units.unit(h)
         payload = self.units.payload(h, data, unit)
         absent, cmeta, base = h.meta.get("absent", []), h.meta.get("cmeta", {}), h.meta.get("base")
-        if not isinstance(cmeta, dict) or not isinstance(absent, list) or (absent and r) \
-                or self.units.skipped(unit, absent) is None:
+        skipped = self.units.skipped(unit, absent) if isinstance(absent, list) else None
+        if not isinstance(cmeta, dict) or skipped is None or (absent and r):
             raise Refused(f"push from {h.sender}: 'cmeta' must be a map, 'absent' keys of unit {unit.key} or of "
                           f"whole other units (round 0)")
         if not isinstance(base, int) or base > self.version:
@@ -695,7 +695,7 @@ class ParameterServer:
         if r != done + 1:
             raise Refused(f"push of unit {unit.key} round {r} from {h.sender}, which has not pushed round {done + 1}")
         self.mode.fold_unit(rank, t, part, self.units, unit, r, payload, absent,
-                            {"base": base, "hyper": h.meta.get("hyper"), "cmeta": cmeta})
+                            {"base": base, "hyper": h.meta.get("hyper"), "cmeta": cmeta, "skipped": skipped})
         self._reply(ident, "ok", h.meta.get("id"), step=t)
         self._serve_waiting()
 

@@ -197,6 +197,12 @@ def fragments(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return out
 
 
+def fragment_indices(params: Sequence[torch.Tensor], parts: int) -> list[list[int]]:
+    """:func:`fragments` of these tensors by their bytes: the whole-tensor layout every user of it shares (the
+    schedule, and ps://'s compressed units, which are laid out before the schedule binds)."""
+    return fragments([p.numel() * p.element_size() for p in params], parts)
+
+
 def slices(params: Sequence[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
     """``fragment_by=slices``: fragment p holds slice p of every tensor (``torch.tensor_split`` of its elements
     into ``parts``), in model order. The slices are views: a merge writes through to the parameter. An empty
@@ -361,11 +367,10 @@ class LocalSteps(Talk):
         self.ex = ex
         self.outer = ex._make_outer(self.options)
         params = [local(p) for p in ex.model.parameters() if p.requires_grad]
-        sizes = [p.numel() * p.element_size() for p in params]
         if self.options.fragment_by == "slices":
             self.parts = slices(params, self.options.fragments)
         else:
-            self.parts = [[params[i] for i in idx] for idx in fragments(sizes, self.options.fragments)]
+            self.parts = [[params[i] for i in idx] for idx in fragment_indices(params, self.options.fragments)]
         self.outer.divide(self.parts)
         if self.steps == self.W:
             self._take_anchor()

@@ -98,21 +98,20 @@ class CompressedPushes:
 
     def _outer_units(self) -> list[list[Unit]]:
         """Local steps (``sync_every=H``): what a sync compresses is a fragment's pseudo-gradient, not a bucket. Per
-        fragment (``fragments=P``, whole tensors by :func:`commlab.core.localsteps.fragments`, the rule the schedule
+        fragment (``fragments=P``, whole tensors by :func:`commlab.core.localsteps.fragment_indices`, the rule the schedule
         uses), a unit per shard holding any of it: the shard's pieces of the fragment in model order, ``ranges``
         their places in the fragment's flat float32 anchor (its parameters in model order, as
         :class:`commlab.core.localsteps.LocalSteps` lays it out). Unit keys: fragment x shards + shard. A sync of
         one fragment names the shard's other units' pieces absent, so the shard's step is whole without them
         (servers.modes). With one fragment and one shard the unit is the whole pseudo-gradient, as the
         collectives compress it."""
-        from commlab.core.localsteps import fragments
+        from commlab.core.localsteps import fragment_indices
 
         ex = self.ex
         named = [(name, p) for name, p in ex.model.named_parameters() if p.requires_grad]
         params, k = dict(named), len(ex.shards)
         groups = []
-        for f, idx in enumerate(fragments([p.numel() * p.element_size() for _, p in named],
-                                          max(1, ex.options.fragments))):
+        for f, idx in enumerate(fragment_indices([p for _, p in named], max(1, ex.options.fragments))):
             at: dict[str, int] = {}
             offset = 0
             for i in idx:
